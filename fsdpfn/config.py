@@ -1,0 +1,328 @@
+"""Frozen, validated configuration values.
+
+Every class is an attrs frozen class; every validator raises ConfigError naming the field, the rule
+and the value (``lr: must be > 0, got -1.0``). Serialisation lives in serde.py, not here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from fsdpfn.errors import ConfigError
+
+__all__ = [
+    "ParallelStrategy", "OptimizerConfig", "FSDPConfig", "MicroBatchSpec", "LoRAConfig",
+    "EngineConfig", "PPOConfig", "CriticConfig", "AdvantageConfig", "SFTConfig", "RWConfig",
+    "DPOConfig", "DTYPES",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+# ---------------------------------------------------------------- validators
+
+
+def _fail(attribute, rule: str, value: Any):
+    raise ConfigError(f"{attribute.name}: {rule}, got {value!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(lo: int | None = None, *, allow: tuple = ()):
+    def check(_, attribute, value):
+        if value in allow and (value is None or isinstance(value, int)):
+            return
+        if not isinstance(value, int) or isinstance(value, bool):
+            _fail(attribute, "must be an integer", value)
+        if lo is not None and value < lo:
+            _fail(attribute, f"must be >= {lo}", value)
+    return check
+
+
+def _float(*, gt=None, ge=None, lt=None, le=None, optional=False):
+    def check(_, attribute, value):
+        if value is None and optional:
+            return
+        if not _is_number(value):
+            _fail(attribute, "must be a finite number", value)
+        if gt is not None and not value > gt:
+            _fail(attribute, f"must be > {gt}", value)
+        if ge is not None and not value >= ge:
+            _fail(attribute, f"must be >= {ge}", value)
+        if lt is not None and not value < lt:
+            _fail(attribute, f"must be < {lt}", value)
+        if le is not None and not value <= le:
+            _fail(attribute, f"must be <= {le}", value)
+    return check
+
+
+def _one_of(*choices):
+    def check(_, attribute, value):
+        if value not in choices:
+            _fail(attribute, f"must be one of {list(choices)}", value)
+    return check
+
+
+def _bool(_, attribute, value):
+    if not isinstance(value, bool):
+        _fail(attribute, "must be a bool", value)
+
+
+def _str_tuple(_, attribute, value):
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+        _fail(attribute, "must be a list of non-empty strings", value)
+
+
+def _to_tuple(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _float_conv(value):
+    # YAML reads 1e-6 as a string; ints are accepted where floats are meant
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _opt_float_conv(value):
+    return None if value is None else _float_conv(value)
+
+
+# ---------------------------------------------------------------- parallelism and engine
+
+
+@attrs.frozen
+class ParallelStrategy:
+    """Mesh shape: dp x cp x tp == world size. dp=-1 takes whatever is left."""
+
+    dp: int = attrs.field(default=-1, validator=_int(1, allow=(-1,)))
+    tp: int = attrs.field(default=1, validator=_int(1))
+    cp: int = attrs.field(default=1, validator=_int(1))
+
+
+@attrs.frozen
+class OptimizerConfig:
+    """AdamW with a warm-up plus constant / linear / cosine schedule and global-norm clipping.
+
+    Weight decay applies to matrices only (norm weights and biases are skipped).
+    ``total_steps`` is needed by the linear and cosine schedules.
+    """
+
+    lr: float = attrs.field(default=1e-5, converter=_float_conv, validator=_float(gt=0))
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=_to_tuple)
+    eps: float = attrs.field(default=1e-8, converter=_float_conv, validator=_float(gt=0))
+    weight_decay: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
+    schedule: str = attrs.field(default="constant", validator=_one_of("constant", "linear", "cosine"))
+    warmup_steps: int = attrs.field(default=0, validator=_int(0))
+    total_steps: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+    min_lr_ratio: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0, le=1))
+    max_grad_norm: float | None = attrs.field(default=1.0, converter=_opt_float_conv,
+                                              validator=_float(gt=0, optional=True))
+
+    @betas.validator
+    def _check_betas(self, attribute, value):
+        if (not isinstance(value, tuple) or len(value) != 2
+                or not all(_is_number(b) and 0 <= b < 1 for b in value)):
+            _fail(attribute, "must be two numbers in [0, 1)", value)
+
+    def __attrs_post_init__(self):
+        if self.schedule != "constant" and self.total_steps is None:
+            raise ConfigError(f"total_steps: must be set for schedule {self.schedule!r}, got None")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ConfigError(f"warmup_steps: must be <= total_steps ({self.total_steps}), "
+                              f"got {self.warmup_steps}")
+
+
+@attrs.frozen
+class FSDPConfig:
+    """FSDP2 options. wrap_policy: decoder layer class names (None: the model's _no_split_modules)."""
+
+    wrap_policy: tuple[str, ...] | None = attrs.field(default=None, converter=_to_tuple,
+                                                      validator=_str_tuple)
+    reshard_after_forward: bool = attrs.field(default=True, validator=_bool)
+    offload_params: bool = attrs.field(default=False, validator=_bool)
+    memory_efficient_load: bool = attrs.field(default=True, validator=_bool)
+    per_layer_optim_step: bool = attrs.field(default=False, validator=_bool)
+    optim_step_prefetch_layers: int = attrs.field(default=1, validator=_int(0))
+
+
+@attrs.frozen
+class MicroBatchSpec:
+    """Micro-batches by token budget (max_tokens_per_mb) and/or count (n_mbs, a minimum)."""
+
+    max_tokens_per_mb: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+    n_mbs: int = attrs.field(default=1, validator=_int(1))
+    algo: str = attrs.field(default="ffd", validator=_one_of("ffd", "kk"))
+
+
+@attrs.frozen
+class LoRAConfig:
+    """Low-rank adapters (through peft)."""
+
+    rank: int = attrs.field(default=8, validator=_int(1))
+    alpha: float = attrs.field(default=16.0, converter=_float_conv, validator=_float(gt=0))
+    dropout: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0, lt=1))
+    target_modules: tuple[str, ...] = attrs.field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj"), converter=_to_tuple, validator=_str_tuple)
+
+
+def _model_config_conv(value):
+    if value is None or isinstance(value, dict):
+        return value
+    to_dict = getattr(value, "to_dict", None)  # a transformers PretrainedConfig
+    return to_dict() if callable(to_dict) else value
+
+
+@attrs.frozen
+class EngineConfig:
+    """One model's engine: where the weights come from, precision, micro-batching, optimizer.
+
+    Exactly one of ``model_path`` (a local HF directory) and ``model_config`` (a transformers
+    config, as a dict with ``model_type`` or a PretrainedConfig, built with random init) is given.
+    ``optimizer=None`` gives an inference-only state.
+    """
+
+    model_path: str | None = attrs.field(default=None)
+    model_config: dict | None = attrs.field(default=None, converter=_model_config_conv)
+    is_critic: bool = attrs.field(default=False, validator=_bool)
+    dtype: str = attrs.field(default="bfloat16", validator=_one_of("bfloat16", "float32"))
+    grad_reduce_dtype: str = attrs.field(default="float32", validator=_one_of(*DTYPES))
+    optimizer_dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    gradient_checkpointing: bool = attrs.field(default=False, validator=_bool)
+    disable_dropout: bool = attrs.field(default=True, validator=_bool)
+    logprobs_chunk_size: int = attrs.field(default=1024, validator=_int(1))
+    mb_spec: MicroBatchSpec = attrs.field(factory=MicroBatchSpec)
+    optimizer: OptimizerConfig | None = attrs.field(factory=OptimizerConfig)
+    fsdp: FSDPConfig = attrs.field(factory=FSDPConfig)
+    lora: LoRAConfig | None = attrs.field(default=None)
+    seed: int = attrs.field(default=1, validator=_int(0))
+    attn_impl: str = attrs.field(default="auto", validator=_one_of("auto", "varlen", "sdpa"))
+
+    @model_path.validator
+    def _check_path(self, attribute, value):
+        if value is not None and (not isinstance(value, str) or not value):
+            _fail(attribute, "must be a non-empty path string or None", value)
+
+    @model_config.validator
+    def _check_model_config(self, attribute, value):
+        if value is not None and (not isinstance(value, dict) or "model_type" not in value):
+            _fail(attribute, "must be a transformers config (a dict with 'model_type')", value)
+
+    def __attrs_post_init__(self):
+        if (self.model_path is None) == (self.model_config is None):
+            raise ConfigError("model_path: exactly one of model_path and model_config must be set, "
+                              f"got model_path={self.model_path!r} and "
+                              f"model_config={'set' if self.model_config else None}")
+        for name, cls in (("mb_spec", MicroBatchSpec), ("fsdp", FSDPConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}: must be a {cls.__name__}, got {getattr(self, name)!r}")
+        for name, cls in (("optimizer", OptimizerConfig), ("lora", LoRAConfig)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise ConfigError(f"{name}: must be a {cls.__name__} or None, got {value!r}")
+
+
+# ---------------------------------------------------------------- algorithms
+
+
+@attrs.frozen
+class PPOConfig:
+    """PPO / GRPO actor update.
+
+    ``clip_high=None`` means symmetric clipping. ``kl_coef>0`` adds coef·KL(π‖π_ref) to the loss
+    (needs ``ref_logp``). ``use_behav_logp``: decoupled PPO weights from ``behav_logp`` when present.
+    """
+
+    clip_low: float = attrs.field(default=0.2, converter=_float_conv, validator=_float(gt=0, lt=1))
+    clip_high: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                          validator=_float(gt=0, optional=True))
+    dual_clip: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                          validator=_float(gt=1, optional=True))
+    agg: str = attrs.field(default="token-mean", validator=_one_of(*AGG_MODES))
+    ratio_level: str = attrs.field(default="token", validator=_one_of("token", "sequence"))
+    n_minibatches: int = attrs.field(default=1, validator=_int(1))
+    shuffle: bool = attrs.field(default=False, validator=_bool)
+    entropy_coef: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
+    kl_coef: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
+    kl_kind: str = attrs.field(default="k3", validator=_one_of(*KL_KINDS))
+    use_behav_logp: bool = attrs.field(default=True, validator=_bool)
+    behav_cap: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                          validator=_float(gt=0, optional=True))
+    temperature: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0))
+    seed: int = attrs.field(default=0, validator=_int(0))
+
+
+@attrs.frozen
+class CriticConfig:
+    """Critic (value model) update with value clipping."""
+
+    value_clip: float | None = attrs.field(default=0.5, converter=_opt_float_conv,
+                                           validator=_float(gt=0, optional=True))
+    agg: str = attrs.field(default="token-mean", validator=_one_of(*AGG_MODES))
+    n_minibatches: int = attrs.field(default=1, validator=_int(1))
+    shuffle: bool = attrs.field(default=False, validator=_bool)
+    seed: int = attrs.field(default=0, validator=_int(0))
+
+
+@attrs.frozen
+class AdvantageConfig:
+    """Advantage estimation.
+
+    estimator: ``grpo`` (group mean and std), ``drgrpo`` (group mean, no std), ``rloo``
+    (leave-one-out mean), ``reinforce++`` (reward minus KL per token, whitened over the batch),
+    ``gae`` (needs ``values``). ``kl_coef>0`` puts coef·KL(logp‖ref_logp) into the token rewards.
+    """
+
+    estimator: str = attrs.field(default="grpo",
+                                 validator=_one_of("grpo", "drgrpo", "rloo", "reinforce++", "gae"))
+    group_size: int = attrs.field(default=1, validator=_int(1))
+    gamma: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(ge=0, le=1))
+    lam: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(ge=0, le=1))
+    kl_coef: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
+    kl_kind: str = attrs.field(default="k1", validator=_one_of(*KL_KINDS))
+    reward_scale: float = attrs.field(default=1.0, converter=_float_conv, validator=_float())
+    reward_bias: float = attrs.field(default=0.0, converter=_float_conv, validator=_float())
+    reward_clip: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                            validator=_float(gt=0, optional=True))
+    whiten: bool = attrs.field(default=False, validator=_bool)
+    eps: float = attrs.field(default=1e-6, converter=_float_conv, validator=_float(gt=0))
+
+    def __attrs_post_init__(self):
+        if self.estimator == "rloo" and self.group_size < 2:
+            raise ConfigError(f"group_size: must be >= 2 for estimator 'rloo', got {self.group_size}")
+
+
+@attrs.frozen
+class SFTConfig:
+    """Supervised fine-tuning: -mean log-likelihood of loss_mask tokens."""
+
+    agg: str = attrs.field(default="token-mean", validator=_one_of(*AGG_MODES))
+
+
+@attrs.frozen
+class RWConfig:
+    """Reward model: Bradley-Terry on last-token scores of pairs (row 2i chosen, 2i+1 rejected)."""
+
+    margin: float = attrs.field(default=0.0, converter=_float_conv, validator=_float())
+
+
+@attrs.frozen
+class DPOConfig:
+    """DPO on sequence log-prob sums; needs ``ref_logp``. kind: ``sigmoid`` or ``ipo``."""
+
+    beta: float = attrs.field(default=0.1, converter=_float_conv, validator=_float(gt=0))
+    kind: str = attrs.field(default="sigmoid", validator=_one_of("sigmoid", "ipo"))

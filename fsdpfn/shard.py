@@ -1,0 +1,320 @@
+"""shard_model: build the HF model, then apply TP -> activation checkpointing -> FSDP2, then weights.
+
+Every rank builds the model on the meta device; parallelism is applied to that skeleton in a
+visible order (apply_tp, apply_ac, apply_fsdp, in place); the shards are then materialised and
+filled from a full state dict. With ``memory_efficient_load`` only rank 0 reads the checkpoint (or
+draws the random init) and the full state is broadcast into the shards; otherwise every rank reads
+it. Master weights live in ``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and
+backward and reduces gradients in ``grad_reduce_dtype``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpfn import attention
+from fsdpfn.config import EngineConfig, OptimizerConfig
+from fsdpfn.errors import ConfigError
+from fsdpfn.mesh import Mesh
+from fsdpfn.state import EngineState, agree
+
+__all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
+           "build_optimizer", "build_scheduler", "lm_head_weight", "base_model", "value_head",
+           "torch_dtype", "full_state_dict_from_disk"]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+# ---------------------------------------------------------------- model parts
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack (embeddings, layers, final norm) of an HF causal or token-class model."""
+    return model.base_model if hasattr(model, "base_model") else model.model
+
+
+def lm_head_weight(model: nn.Module) -> torch.Tensor:
+    """lm_head weight [V, H] (a DTensor sharded over the vocabulary under tp)."""
+    return model.get_output_embeddings().weight
+
+
+def value_head(model: nn.Module) -> nn.Module:
+    """The scalar head of a critic ([H] -> [1])."""
+    return model.score
+
+
+# ---------------------------------------------------------------- config and skeleton
+
+
+def load_hf_config(config: EngineConfig):
+    from transformers import AutoConfig
+
+    if config.model_path is not None:
+        path = Path(config.model_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model_path: must be a local HF model directory with config.json, "
+                              f"got {config.model_path!r}")
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        spec = dict(config.model_config)
+        model_type = spec.pop("model_type")
+        for key in ("architectures", "transformers_version", "_name_or_path"):
+            spec.pop(key, None)
+        try:
+            hf_config = AutoConfig.for_model(model_type, **spec)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"model_config.model_type: not a transformers model type, "
+                              f"got {model_type!r} ({exc})") from None
+    if config.is_critic:
+        hf_config.num_labels = 1
+    if config.disable_dropout:
+        for key in ("attention_dropout", "hidden_dropout", "classifier_dropout", "dropout"):
+            if getattr(hf_config, key, None):
+                setattr(hf_config, key, 0.0)
+    return hf_config
+
+
+def _check_divisibility(hf_config, mesh: Mesh) -> None:
+    if mesh.cp > 1:
+        raise ConfigError(f"ParallelStrategy.cp: context parallelism is not supported yet, must "
+                          f"be 1, got {mesh.cp}")
+    tp = mesh.tp
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    for name, value in (("num_attention_heads", hf_config.num_attention_heads),
+                        ("num_key_value_heads", n_kv),
+                        ("intermediate_size", hf_config.intermediate_size),
+                        ("vocab_size", hf_config.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"ParallelStrategy.tp: must divide the model's {name}, got "
+                              f"tp={tp} and {name}={value}")
+
+
+def _build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -> nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
+    with torch.device(device):
+        model = auto.from_config(hf_config, dtype=dtype)
+    return model
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+# ---------------------------------------------------------------- parallelism, in order
+
+
+def apply_tp(model: nn.Module, mesh: Mesh) -> None:
+    """Tensor parallel plan: embeddings row-parallel (over the vocabulary), q/k/v and gate/up
+    column-parallel, o/down row-parallel, lm_head column-parallel (logits stay split over V)."""
+    if mesh.tp == 1:
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    tp_mesh = mesh.device_mesh["tp"]
+    base = base_model(model)
+    tied = getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head")
+    parallelize_module(base.embed_tokens, tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    for layer in base.layers:
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        parallelize_module(layer, tp_mesh, plan)
+    if hasattr(model, "lm_head"):
+        parallelize_module(model.lm_head, tp_mesh,
+                           ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        if tied:  # one parameter, sharded over V in both roles
+            model.lm_head.weight = base.embed_tokens.weight
+
+
+def apply_ac(model: nn.Module, config: EngineConfig) -> None:
+    """Activation checkpointing of every decoder layer (non-reentrant)."""
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _wrap_classes(model: nn.Module, config: EngineConfig) -> tuple[str, ...]:
+    names = config.fsdp.wrap_policy or tuple(getattr(model, "_no_split_modules", None) or ())
+    present = {type(m).__name__ for m in model.modules()}
+    if config.fsdp.wrap_policy is not None:
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise ConfigError(f"fsdp.wrap_policy: must name module classes of the model, got "
+                              f"{missing} (the model has e.g. "
+                              f"{sorted(n for n in present if 'Layer' in n)})")
+    return tuple(n for n in names if n in present)
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, config: EngineConfig) -> None:
+    """FSDP2 per decoder layer (wrap_policy classes) then the root, over the dp×cp mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(config.dtype),
+                              reduce_dtype=torch_dtype(config.grad_reduce_dtype))
+    kwargs = dict(mesh=mesh.fsdp_mesh, mp_policy=mp,
+                  reshard_after_forward=config.fsdp.reshard_after_forward)
+    if config.fsdp.offload_params:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    classes = _wrap_classes(model, config)
+    for module in model.modules():
+        if type(module).__name__ in classes:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+# ---------------------------------------------------------------- weights
+
+
+def full_state_dict_from_disk(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in an HF directory, cast to ``dtype`` on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model_path: must hold *.safetensors weights, got none in {str(path)!r}")
+    state = {}
+    for file in files:
+        for key, value in load_file(str(file), device="cpu").items():
+            state[key] = value.to(dtype) if value.is_floating_point() else value
+    return state
+
+
+def _random_init_state(hf_config, config: EngineConfig, dtype) -> dict[str, torch.Tensor]:
+    torch.manual_seed(config.seed)
+    model = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="cpu")
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _complete_state(model: nn.Module, state: dict, config: EngineConfig) -> dict:
+    """Fill what a causal-LM checkpoint lacks for this model: a tied lm_head, a critic's head."""
+    expected = model.state_dict().keys()
+    if "lm_head.weight" in expected and "lm_head.weight" not in state:
+        embed_key = next((k for k in state if k.endswith("embed_tokens.weight")), None)
+        if embed_key is not None and getattr(model.config, "tie_word_embeddings", False):
+            state["lm_head.weight"] = state[embed_key]
+    if config.is_critic:
+        for key in [k for k in expected if k.startswith("score.") and k not in state]:
+            shape = model.state_dict()[key].shape
+            gen = torch.Generator().manual_seed(config.seed)
+            # a fresh value head: small weights, so initial values are near zero
+            state[key] = torch.randn(shape, generator=gen) * 0.02
+        state.pop("lm_head.weight", None)
+    missing = sorted(k for k in expected if k not in state)
+    if missing:
+        raise ConfigError(f"model_path: the checkpoint lacks weights the model needs, got none "
+                          f"for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return {k: state[k] for k in expected}
+
+
+def _restore_buffers(model: nn.Module, device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are not in checkpoints: rebuild them."""
+    for module in model.modules():
+        if "inv_freq" in dict(module.named_buffers(recurse=False)):
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+            if hasattr(fresh, "attention_scaling"):
+                module.attention_scaling = fresh.attention_scaling
+
+
+def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    dtype = torch_dtype(config.optimizer_dtype)
+    rank0_only = config.fsdp.memory_efficient_load and dist.get_world_size() > 1
+    state: dict = {}
+    if not rank0_only or dist.get_rank() == 0:
+        state = (full_state_dict_from_disk(config.model_path, dtype) if config.model_path
+                 else _random_init_state(hf_config, config, dtype))
+        state = _complete_state(model, state, config)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only,
+                               cpu_offload=config.fsdp.offload_params)
+    set_model_state_dict(model, state, options=options)
+
+
+# ---------------------------------------------------------------- optimizer
+
+
+def build_optimizer(model: nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (norm weights and biases are skipped)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": opt.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=opt.lr, betas=opt.betas,
+                             eps=opt.eps)
+
+
+def lr_factor(opt: OptimizerConfig, step: int) -> float:
+    """Multiplier of ``opt.lr`` at optimizer step ``step`` (0-based): warm-up then schedule."""
+    if step < opt.warmup_steps:
+        return (step + 1) / opt.warmup_steps
+    if opt.schedule == "constant":
+        return 1.0
+    span = max(opt.total_steps - opt.warmup_steps, 1)
+    progress = min((step - opt.warmup_steps) / span, 1.0)
+    shape = (1.0 - progress if opt.schedule == "linear"
+             else 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, opt: OptimizerConfig):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(opt, step))
+
+
+# ---------------------------------------------------------------- the public function
+
+
+def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
+    """Build (or load) the HF model of ``config`` and shard it over ``mesh``; see module doc."""
+    if not isinstance(config, EngineConfig):
+        raise ConfigError(f"config: must be an EngineConfig, got {type(config).__name__}")
+    error = None
+    try:  # every rank validates before the first collective; all agree on the verdict
+        hf_config = load_hf_config(config)
+        _check_divisibility(hf_config, mesh)
+    except ConfigError as exc:
+        error = exc
+    agree(mesh, error)
+    attention.register()
+    hf_config._attn_implementation = attention.ATTN_NAME
+    dtype = torch_dtype(config.optimizer_dtype)
+    model = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
+    if config.disable_dropout:
+        _disable_dropout(model)
+    apply_tp(model, mesh)
+    apply_ac(model, config)
+    apply_fsdp(model, mesh, config)
+    model.to_empty(device="cpu" if config.fsdp.offload_params else mesh.device)
+    _restore_buffers(model, mesh.device)
+    error = None
+    try:
+        _load_weights(model, hf_config, config, mesh)
+    except ConfigError as exc:
+        error = exc
+    agree(mesh, error)
+    optimizer = scheduler = None
+    if config.optimizer is not None:
+        optimizer = build_optimizer(model, config.optimizer)
+        scheduler = build_scheduler(optimizer, config.optimizer)
+    else:
+        for param in model.parameters():
+            param.requires_grad_(False)
+    return EngineState(config=config, mesh=mesh, model=model, optimizer=optimizer,
+                       scheduler=scheduler, step=0, version=0, hf_config=hf_config)

@@ -1,0 +1,134 @@
+"""EngineState: a frozen handle with donation semantics.
+
+A function that returns a new state *donates* the one it was given: the tensors inside advance in
+place (FSDP2 owns them), so the old handle no longer describes them. Each state carries a lease; the
+successor gets a new one and the old lease is revoked. Using a revoked state raises StaleStateError
+naming the function and the likely bug. The lease also records every local parameter shard's
+in-place version counter, so a parameter changed outside fsdpfn (``p.data.add_(...)``,
+``torch.nn.init``...) is detected the next time the state is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdpfn.config import EngineConfig
+from fsdpfn.errors import StaleStateError
+from fsdpfn.mesh import Mesh
+
+__all__ = ["EngineState", "Lease", "advance", "check_live", "agree", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores (the local shard of a DTensor)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # noqa: SLF001
+
+
+def _param_versions(model: nn.Module) -> int:
+    # the sum of in-place version counters of every local shard: any in-place write bumps it
+    return sum(local_tensor(p)._version for p in model.parameters())  # noqa: SLF001
+
+
+@attrs.define(eq=False)
+class Lease:
+    """Mutable validity record shared by nobody but its one state."""
+
+    param_versions: int
+    revoked_by: str | None = None
+    revoked_at_step: int | None = None
+
+
+@attrs.frozen(eq=False)
+class EngineState:
+    """config, mesh, sharded model, optimizer and LR scheduler (None when inference-only),
+    ``step`` (optimizer steps taken) and ``version`` (weights version).
+
+    Frozen: functions that change weights return a successor and revoke this one.
+    """
+
+    config: EngineConfig
+    mesh: Mesh
+    model: nn.Module = attrs.field(repr=False)
+    optimizer: torch.optim.Optimizer | None = attrs.field(repr=False)
+    scheduler: Any = attrs.field(repr=False)
+    step: int = 0
+    version: int = 0
+    hf_config: Any = attrs.field(default=None, repr=False)
+    lease: Lease = attrs.field(default=None, repr=False)
+
+    def __attrs_post_init__(self):
+        if self.lease is None:
+            object.__setattr__(self, "lease", Lease(_param_versions(self.model)))
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def is_live(self) -> bool:
+        return self.lease.revoked_by is None
+
+
+def stale_reason(state: EngineState, fn_name: str) -> str | None:
+    """Why ``state`` may not be used by ``fn_name`` (None when it may)."""
+    if not isinstance(state, EngineState):
+        return f"{fn_name}: state must be an EngineState, got {type(state).__name__}"
+    lease = state.lease
+    if lease.revoked_by is not None:
+        return (f"{fn_name}: this EngineState (step {state.step}, version {state.version}) was "
+                f"superseded by {lease.revoked_by}(), which returned its successor. Likely bug: "
+                f"`new_state, stats = {lease.revoked_by}(state, ...)` followed by another call "
+                f"with the old `state`; always rebind: `state, stats = {lease.revoked_by}(state, "
+                f"...)`.")
+    now = _param_versions(state.model)
+    if now != lease.param_versions:
+        return (f"{fn_name}: the parameters of this EngineState (step {state.step}, version "
+                f"{state.version}) were changed in place outside fsdpfn (version counters "
+                f"{lease.param_versions} -> {now}); weights must only change through fsdpfn "
+                f"functions (grad_step, load_checkpoint, ...), so the version and the optimizer "
+                f"state stay consistent.")
+    return None
+
+
+def agree(mesh: Mesh | None, exc: BaseException | None) -> None:
+    """Collective verdict: if any rank has an error, every rank raises (no rank is left waiting).
+
+    Ranks with their own error raise it; the others raise the same type naming the failing rank.
+    """
+    if mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        if exc is not None:
+            raise exc
+        return
+    flag = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag)  # on the default group: every rank of the job takes part
+    if int(flag.item()) == 0:
+        return
+    payload = None if exc is None else (type(exc), str(exc))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, payload)
+    if exc is not None:
+        raise exc
+    rank, (etype, message) = next((r, p) for r, p in enumerate(gathered) if p is not None)
+    raise etype(f"(raised on rank {rank}) {message}")
+
+
+def check_live(state: EngineState, fn_name: str, *, local_error: BaseException | None = None,
+               collective: bool = True) -> None:
+    """Raise StaleStateError (or ``local_error``) on every rank if any rank finds a problem."""
+    reason = stale_reason(state, fn_name)
+    exc = StaleStateError(reason) if reason is not None else local_error
+    agree(state.mesh if collective and isinstance(state, EngineState) else None, exc)
+
+
+def advance(state: EngineState, fn_name: str, *, steps: int = 0, **changes) -> EngineState:
+    """Return the successor of ``state`` (version + 1, step + ``steps``) and revoke ``state``."""
+    successor = attrs.evolve(state, step=state.step + steps, version=state.version + 1,
+                             lease=Lease(_param_versions(state.model)), **changes)
+    state.lease.revoked_by = fn_name
+    state.lease.revoked_at_step = state.step
+    return successor

@@ -1,0 +1,171 @@
+"""run_spmd: run one function on N CPU ranks over gloo, with a timeout instead of a hang.
+
+    def check(scale):                       # module level, so it can be pickled
+        mesh = ff.build_mesh(ff.ParallelStrategy(dp=2))
+        return mesh.rank("dp") * scale
+
+    assert run_spmd(check, 2, args=(10,)) == [0, 10]
+
+Every rank runs ``fn(*args)`` with the default process group initialised (gloo, world_size ranks).
+The return values (picklable) come back in rank order. If any rank raises, SpmdError carries every
+failing rank's traceback. If the ranks do not finish within ``timeout`` seconds, they are killed and
+SpmdTimeout names the ranks still running.
+
+``SpmdPool`` keeps the ranks alive across calls (a test session saves the start-up of torch in every
+process); a call that fails or times out tears the pool down, and the next call starts fresh ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_spmd", "SpmdPool", "SpmdError", "SpmdTimeout"]
+
+
+class SpmdError(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+class SpmdTimeout(SpmdError):
+    """The ranks did not finish in time (a hang, or a too-short timeout)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, pg_timeout: float, conn) -> None:
+    # environment of this child process only: threads per rank, no tokenizer parallelism
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+            conn.send(("err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class SpmdPool:
+    """world_size long-lived CPU ranks over gloo. Use as a context manager or call close()."""
+
+    def __init__(self, world_size: int, *, pg_timeout: float = 120.0, start_timeout: float = 120.0):
+        if world_size < 1:
+            raise ValueError(f"world_size: must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.pg_timeout = pg_timeout
+        self.start_timeout = start_timeout
+        self._procs: list = []
+        self._conns: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, self.world_size, port,
+                                                     self.pg_timeout, child), daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect(self.start_timeout, "starting the ranks")
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, tuple[str, Any]] = {}
+        grace = None
+        while len(results) < self.world_size:
+            for rank, conn in enumerate(self._conns):
+                if rank in results:
+                    continue
+                if conn.poll(0.02):
+                    try:
+                        results[rank] = conn.recv()
+                    except EOFError:
+                        results[rank] = ("err", f"rank {rank} died (exit code "
+                                                f"{self._procs[rank].exitcode})")
+                elif not self._procs[rank].is_alive() and not conn.poll(0):
+                    results[rank] = ("err", f"rank {rank} died (exit code "
+                                            f"{self._procs[rank].exitcode})")
+            failed = {r: v for r, (k, v) in results.items() if k == "err"}
+            if failed and grace is None:
+                # the other ranks may wait in a collective forever: give them a short grace
+                # period to report their own errors, then tear down
+                grace = time.monotonic() + 5.0
+                deadline = min(deadline, grace)
+            if time.monotonic() > deadline and len(results) < self.world_size:
+                self.close()
+                missing = sorted(set(range(self.world_size)) - set(results))
+                detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+                cls = SpmdError if failed else SpmdTimeout
+                raise cls(f"{what}: ranks {missing} did not finish within {timeout:.0f} s"
+                          f"{detail}")
+        failed = {r: v for r, (k, v) in results.items() if k == "err"}
+        if failed:
+            self.close()
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+            raise SpmdError(f"{what}: {len(failed)} of {self.world_size} ranks failed{detail}")
+        return [results[r][1] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *, args: tuple = (), kwargs: dict | None = None,
+            timeout: float = 120.0) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs or {}))
+        return self._collect(timeout, getattr(fn, "__name__", repr(fn)))
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                if proc.is_alive():
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2.0)
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "SpmdPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_spmd(fn: Callable, world_size: int, *, args: tuple = (), kwargs: dict | None = None,
+             timeout: float = 120.0, pool: SpmdPool | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks (gloo); results in rank order.
+
+    With ``pool`` (an SpmdPool of the same world size) the ranks are reused; otherwise fresh ranks
+    are started and stopped around the call. ``timeout`` bounds the call, start-up excluded.
+    """
+    if pool is not None:
+        if pool.world_size != world_size:
+            raise ValueError(f"pool: has world_size {pool.world_size}, got {world_size}")
+        return pool.run(fn, args=args, kwargs=kwargs, timeout=timeout)
+    with SpmdPool(world_size, pg_timeout=max(timeout, 30.0)) as fresh:
+        return fresh.run(fn, args=args, kwargs=kwargs, timeout=timeout)
