@@ -21,11 +21,12 @@ from fsdpfn import attention
 from fsdpfn.config import EngineConfig, OptimizerConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.mesh import Mesh
+from fsdpfn.packed import PackedModel
 from fsdpfn.state import EngineState, agree
 
 __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
-           "build_optimizer", "build_scheduler", "lm_head_weight", "base_model", "value_head",
-           "torch_dtype", "full_state_dict_from_disk"]
+           "build_optimizer", "build_scheduler", "base_model", "torch_dtype",
+           "full_state_dict_from_disk"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,17 +38,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack (embeddings, layers, final norm) of an HF causal or token-class model."""
-    return model.base_model if hasattr(model, "base_model") else model.model
-
-
-def lm_head_weight(model: nn.Module) -> torch.Tensor:
-    """lm_head weight [V, H] (a DTensor sharded over the vocabulary under tp)."""
-    return model.get_output_embeddings().weight
-
-
-def value_head(model: nn.Module) -> nn.Module:
-    """The scalar head of a critic ([H] -> [1])."""
-    return model.score
+    return model.model
 
 
 # ---------------------------------------------------------------- config and skeleton
@@ -149,6 +140,7 @@ def apply_ac(model: nn.Module, config: EngineConfig) -> None:
 
 def _wrap_classes(model: nn.Module, config: EngineConfig) -> tuple[str, ...]:
     names = config.fsdp.wrap_policy or tuple(getattr(model, "_no_split_modules", None) or ())
+    # the critic's head and the lm_head stay with the root
     present = {type(m).__name__ for m in model.modules()}
     if config.fsdp.wrap_policy is not None:
         missing = [n for n in names if n not in present]
@@ -169,11 +161,16 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, config: EngineConfig) -> None:
                   reshard_after_forward=config.fsdp.reshard_after_forward)
     if config.fsdp.offload_params:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
-    classes = _wrap_classes(model, config)
+    classes = _wrap_classes(model.lm, config)
     for module in model.modules():
         if type(module).__name__ in classes:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    for module in model.modules():
+        # losses are sums over a global normaliser: gradients must be summed, not averaged
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 # ---------------------------------------------------------------- weights
@@ -200,7 +197,7 @@ def _random_init_state(hf_config, config: EngineConfig, dtype) -> dict[str, torc
 
 
 def _complete_state(model: nn.Module, state: dict, config: EngineConfig) -> dict:
-    """Fill what a causal-LM checkpoint lacks for this model: a tied lm_head, a critic's head."""
+    """Fill what a causal-LM checkpoint lacks for this HF model: a tied lm_head, a critic's head."""
     expected = model.state_dict().keys()
     if "lm_head.weight" in expected and "lm_head.weight" not in state:
         embed_key = next((k for k in state if k.endswith("embed_tokens.weight")), None)
@@ -240,7 +237,7 @@ def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh)
     if not rank0_only or dist.get_rank() == 0:
         state = (full_state_dict_from_disk(config.model_path, dtype) if config.model_path
                  else _random_init_state(hf_config, config, dtype))
-        state = _complete_state(model, state, config)
+        state = {f"lm.{k}": v for k, v in _complete_state(model.lm, state, config).items()}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only,
                                cpu_offload=config.fsdp.offload_params)
     set_model_state_dict(model, state, options=options)
@@ -295,11 +292,14 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     attention.register()
     hf_config._attn_implementation = attention.ATTN_NAME
     dtype = torch_dtype(config.optimizer_dtype)
-    model = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
+    lm = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
     if config.disable_dropout:
-        _disable_dropout(model)
-    apply_tp(model, mesh)
-    apply_ac(model, config)
+        _disable_dropout(lm)
+    apply_tp(lm, mesh)
+    apply_ac(lm, config)
+    model = PackedModel(lm, is_critic=config.is_critic)
+    if mesh.tp > 1:
+        model.tp_group = mesh.group("tp")
     apply_fsdp(model, mesh, config)
     model.to_empty(device="cpu" if config.fsdp.offload_params else mesh.device)
     _restore_buffers(model, mesh.device)

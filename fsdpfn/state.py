@@ -125,9 +125,14 @@ def check_live(state: EngineState, fn_name: str, *, local_error: BaseException |
     agree(state.mesh if collective and isinstance(state, EngineState) else None, exc)
 
 
-def advance(state: EngineState, fn_name: str, *, steps: int = 0, **changes) -> EngineState:
-    """Return the successor of ``state`` (version + 1, step + ``steps``) and revoke ``state``."""
-    successor = attrs.evolve(state, step=state.step + steps, version=state.version + 1,
+def advance(state: EngineState, fn_name: str, *, steps: int = 0, weights_changed: bool = True,
+            **changes) -> EngineState:
+    """Return the successor of ``state`` and revoke ``state``.
+
+    step advances by ``steps``; version by one when ``weights_changed``.
+    """
+    successor = attrs.evolve(state, step=state.step + steps,
+                             version=state.version + int(weights_changed),
                              lease=Lease(_param_versions(state.model)), **changes)
     state.lease.revoked_by = fn_name
     state.lease.revoked_at_step = state.step

@@ -1,0 +1,27 @@
+"""Helpers shared by the algorithms' loss functions."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdpfn.step import StepContext
+
+AGG_NORMALIZER = {"token-mean": "tokens", "seq-mean-token-sum": "sequences",
+                  "seq-mean-token-mean": "sequences"}
+
+
+def token_mean_stat(x: torch.Tensor, mask: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """A per-token statistic's contribution such that, after the engine divides by the step's
+    normaliser and sums over micro-batches and ranks, it is the global token mean of ``x``."""
+    total = torch.where(mask, x.float(), torch.zeros((), device=x.device)).sum().detach()
+    return total * (ctx.denominator / max(ctx.n_tokens, 1))
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if not bool(mask.any()):
+        return torch.zeros((), device=x.device)
+    return x.detach().float()[mask].max()
+
+
+def present(batch, key: str) -> bool:
+    return key in batch.keys()

@@ -1,0 +1,52 @@
+"""Critic (value model) update with value clipping."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdpfn import keys as K
+from fsdpfn.algos.common import AGG_NORMALIZER, present, token_mean_stat
+from fsdpfn.config import CriticConfig
+from fsdpfn.errors import ConfigError
+from fsdpfn.ops import aggregate_sum, value_loss_terms
+from fsdpfn.step import StepContext, grad_step
+
+__all__ = ["critic_loss", "critic_step"]
+
+
+def critic_loss(config: CriticConfig):
+    """½·max((v−R)², (clip(v, v_old±clip)−R)²); old values from ``old_values`` or ``values``."""
+
+    def loss_fn(outputs, mb, ctx: StepContext):
+        mask = mb[K.LOSS_MASK]
+        values = outputs[K.VALUES]
+        old = mb[K.OLD_VALUES] if present(mb, K.OLD_VALUES) else mb[K.VALUES]
+        clip = config.value_clip if config.value_clip is not None else float("inf")
+        terms = value_loss_terms(values, old, mb[K.RETURNS], mask, clip=clip)
+        loss_sum, _ = aggregate_sum(terms.loss, mask, config.agg)
+        return loss_sum, {"vf_clip_frac": token_mean_stat(terms.clipped, mask, ctx),
+                          "value_mean": token_mean_stat(values, mask, ctx),
+                          "returns_mean": token_mean_stat(mb[K.RETURNS], mask, ctx)}
+
+    return loss_fn
+
+
+def _order(state, batch, config):
+    if not config.shuffle:
+        return None
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + state.step)
+    return torch.randperm(batch.batch_size[0], generator=gen).tolist()
+
+
+def critic_step(state, batch, config: CriticConfig):
+    """Critic update (critic states): needs returns and the values before the update
+    (``old_values``, or ``values`` from compute_values)."""
+    if not isinstance(config, CriticConfig):
+        raise ConfigError(f"config: must be a CriticConfig, got {type(config).__name__}")
+    old_key = K.OLD_VALUES if present(batch, K.OLD_VALUES) else K.VALUES
+    why = {K.RETURNS: "the value target; compute it with compute_advantages",
+           old_key: "value clipping; compute it with compute_values"}
+    return grad_step(state, batch, critic_loss(config), optimizer_steps=config.n_minibatches,
+                     normalizer=AGG_NORMALIZER[config.agg],
+                     require=(K.LOSS_MASK, K.RETURNS, old_key), why=why,
+                     order=_order(state, batch, config), fn_name="critic_step")

@@ -1,0 +1,44 @@
+"""Reward model: Bradley-Terry on the score at each row's last token (rows 2i chosen, 2i+1
+rejected). Runs on critic states (a scalar head)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fsdpfn import keys as K
+from fsdpfn.config import RWConfig
+from fsdpfn.errors import ConfigError
+from fsdpfn.step import grad_step
+
+__all__ = ["rw_loss", "rw_step", "last_token_scores"]
+
+
+def last_token_scores(scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """scores[B, T] -> [B]: each row's score at its last real token."""
+    last = attention_mask.long().sum(-1) - 1
+    return scores.gather(-1, last.clamp(min=0)[:, None]).squeeze(-1)
+
+
+def rw_loss(config: RWConfig):
+    def loss_fn(outputs, mb, ctx):
+        s = last_token_scores(outputs["scores"], mb[K.ATTENTION_MASK]).view(-1, 2)
+        diff = s[:, 0] - s[:, 1]
+        loss_sum = -F.logsigmoid(diff - config.margin).sum()
+        return loss_sum, {"accuracy": (diff > 0).float().sum(),
+                          "margin": diff.detach().sum(),
+                          "chosen_score": s[:, 0].detach().sum(),
+                          "rejected_score": s[:, 1].detach().sum()}
+
+    return loss_fn
+
+
+def rw_step(state, batch, config: RWConfig = RWConfig()):
+    """One optimizer step of the pairwise loss, normalised by the global number of pairs."""
+    if not isinstance(config, RWConfig):
+        raise ConfigError(f"config: must be an RWConfig, got {type(config).__name__}")
+    if not state.config.is_critic:
+        raise ConfigError("rw_step: needs a critic state (EngineConfig(is_critic=True)), got "
+                          "is_critic=False")
+    return grad_step(state, batch, rw_loss(config), normalizer="pairs", require=(),
+                     group_size=2, pairs=True, fn_name="rw_step")

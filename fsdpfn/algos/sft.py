@@ -1,0 +1,28 @@
+"""Supervised fine-tuning: −log-likelihood of the loss_mask tokens."""
+
+from __future__ import annotations
+
+from fsdpfn import keys as K
+from fsdpfn.algos.common import AGG_NORMALIZER
+from fsdpfn.config import SFTConfig
+from fsdpfn.errors import ConfigError
+from fsdpfn.ops import aggregate_sum
+from fsdpfn.step import grad_step
+
+__all__ = ["sft_loss_fn", "sft_step"]
+
+
+def sft_loss_fn(config: SFTConfig):
+    def loss_fn(outputs, mb, ctx):
+        nll_sum, _ = aggregate_sum(-outputs[K.LOGP], mb[K.LOSS_MASK], config.agg)
+        return nll_sum, {}
+
+    return loss_fn
+
+
+def sft_step(state, batch, config: SFTConfig = SFTConfig()):
+    """One optimizer step on −mean log π(loss_mask tokens)."""
+    if not isinstance(config, SFTConfig):
+        raise ConfigError(f"config: must be an SFTConfig, got {type(config).__name__}")
+    return grad_step(state, batch, sft_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg],
+                     fn_name="sft_step")

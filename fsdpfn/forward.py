@@ -1,0 +1,190 @@
+"""forward_logp and compute_values: read-only, micro-batched forwards over packed sequences.
+
+Data path: validate the public batch (every rank agrees on the verdict) -> plan micro-batches by
+token budget (count agreed over all ranks) -> pack each micro-batch without padding -> PackedModel
+-> token-aligned results scattered back into [B, T].
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from fsdpfn import keys as K
+from fsdpfn.batch import (Packed, apply_scatter, next_token_targets, pack, plan_microbatches,
+                          row_lengths, shift_to_token_aligned, validate_batch)
+from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.state import EngineState, check_live
+
+__all__ = ["forward_logp", "compute_values", "prepare", "plan", "model_outputs", "empty_packed"]
+
+
+def _batch_fingerprint(batch) -> torch.Tensor:
+    ids = batch.get(K.INPUT_IDS).long()
+    attn = batch.get(K.ATTENTION_MASK).long()
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64).view_as(ids) % 1000003
+    return torch.stack([(ids * weights).sum(), (attn * weights).sum(),
+                        torch.tensor(ids.shape[0]), torch.tensor(ids.shape[1])])
+
+
+def _check_replicas(state: EngineState, batch) -> BatchError | None:
+    """Ranks that differ only in their tp coordinate must pass identical rows."""
+    mesh = state.mesh
+    if mesh.tp == 1:
+        return None
+    fp = _batch_fingerprint(batch)
+    gathered = [torch.zeros_like(fp) for _ in range(mesh.tp)]
+    dist.all_gather(gathered, fp, group=mesh.group("tp"))
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        return BatchError("batch: ranks of one tensor-parallel group must pass identical rows, "
+                          f"got different batches on tp ranks (fingerprints "
+                          f"{[g.tolist() for g in gathered]})")
+    return None
+
+
+def prepare(state: EngineState, batch, fn_name: str, *, require: Sequence[str] = (),
+            why: dict | None = None, group_size: int | None = None, pairs: bool = False,
+            critic: bool | None = None) -> None:
+    """Check the state's lease and the batch on every rank; all ranks raise if any rank fails."""
+    error = None
+    try:
+        if critic is not None and isinstance(state, EngineState) and \
+                state.config.is_critic != critic:
+            kind = "a critic (is_critic=True)" if critic else "an actor (is_critic=False)"
+            raise ConfigError(f"{fn_name}: needs {kind} state, got is_critic="
+                              f"{state.config.is_critic}")
+        if not isinstance(batch, TensorDict):
+            raise BatchError(f"batch: must be a tensordict.TensorDict, got {type(batch).__name__}")
+        vocab = state.hf_config.vocab_size if isinstance(state, EngineState) else None
+        validate_batch(batch, require=require, vocab_size=vocab, group_size=group_size,
+                       pairs=pairs, why=why)
+    except (BatchError, ConfigError) as exc:
+        error = exc
+    check_live(state, fn_name, local_error=error)
+    check_live(state, fn_name, local_error=_check_replicas(state, batch))
+
+
+def plan(state: EngineState, batch, *, group_size: int = 1) -> list[list[int]]:
+    """Micro-batches (row lists) of this rank; the count is the max over all ranks."""
+    spec = state.config.mb_spec
+    lens = row_lengths(batch)
+    error, rows = None, []
+    try:
+        rows = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb,
+                                 n_mbs=spec.n_mbs, group_size=group_size, algo=spec.algo)
+    except BatchError as exc:
+        error = exc
+    check_live(state, "plan", local_error=error)
+    count = torch.tensor([len(rows)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if int(count.item()) > len(rows):
+        rows = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb,
+                                 n_mbs=spec.n_mbs, group_size=group_size, algo=spec.algo,
+                                 min_n_mbs=int(count.item()))
+    return rows
+
+
+def empty_packed(batch) -> Packed:
+    """A one-token stand-in for an empty micro-batch: every rank must run the same collectives."""
+    T = batch.get(K.INPUT_IDS).shape[1]
+    zero = torch.zeros(1, dtype=torch.int64)
+    return Packed(input_ids=zero, position_ids=zero, cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+                  seq_lens=(1,), rows=torch.zeros(0, dtype=torch.int64), seq_ids=zero,
+                  token_index=zero, max_seqlen=1, T=T, B=batch.batch_size[0])
+
+
+def model_outputs(state: EngineState, packed: Packed, *, temperature: float = 1.0,
+                  with_entropy: bool = False):
+    """Run PackedModel on one micro-batch; token-aligned [N] results.
+
+    Actor: (logp[N], entropy[N] or None), 0 at each sequence's first token. Critic: (values[N],
+    scores[N]): scores[i] is the head's output at token i (what a reward model reads at a row's
+    last token); values are token aligned like logp, values[t] = scores[t-1] (the value of the
+    prefix before token t), 0 at each sequence's first token.
+    """
+    device = state.mesh.device
+    ids = packed.input_ids.to(device)
+    pos = packed.position_ids.to(device)
+    if state.config.is_critic:
+        scores = state.model(ids, pos, packed.cu_seqlens, packed.max_seqlen).float()
+        return shift_to_token_aligned(packed, scores), scores
+    targets, _ = next_token_targets(packed)
+    logp, entropy = state.model(ids, pos, packed.cu_seqlens, packed.max_seqlen, targets.to(device),
+                                temperature=temperature, with_entropy=with_entropy,
+                                chunk_size=state.config.logprobs_chunk_size)
+    logp = shift_to_token_aligned(packed, logp.float())
+    if entropy is not None:
+        entropy = shift_to_token_aligned(packed, entropy.float())
+    return logp, entropy
+
+
+def _check_temperature(temperature) -> float:
+    if temperature is None:
+        return 1.0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not temperature > 0:
+        raise ConfigError(f"temperature: must be a number > 0 or None, got {temperature!r}")
+    return float(temperature)
+
+
+def _mb_packs(state, batch) -> list[Packed]:
+    return [pack(batch, rows=rows) if rows else empty_packed(batch)
+            for rows in plan(state, batch)]
+
+
+@torch.no_grad()
+def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entropy: bool = False,
+                 temperature: float | None = None):
+    """Log-probs of input_ids under ``state``'s model: ``out_key`` [B, T] float32, 0 at t=0 and on
+    padding (and ``"entropy"`` [B, T] when asked). Read-only: returns a new TensorDict."""
+    error = None
+    try:
+        temperature = _check_temperature(temperature)
+        if not isinstance(out_key, str) or not out_key:
+            raise ConfigError(f"out_key: must be a non-empty string, got {out_key!r}")
+    except ConfigError as exc:
+        error = exc
+    prepare(state, batch, "forward_logp", critic=False)
+    check_live(state, "forward_logp", local_error=error)
+    B, T = batch.get(K.INPUT_IDS).shape
+    logp = torch.zeros(B, T, dtype=torch.float32)
+    entropy = torch.zeros(B, T, dtype=torch.float32) if with_entropy else None
+    was_training = state.model.training
+    state.model.eval()
+    try:
+        for packed in _mb_packs(state, batch):
+            lp, ent = model_outputs(state, packed, temperature=temperature,
+                                    with_entropy=with_entropy)
+            if packed.rows.numel():
+                apply_scatter(logp, packed, lp.cpu())
+                if with_entropy:
+                    apply_scatter(entropy, packed, ent.cpu())
+    finally:
+        state.model.train(was_training)
+    out = batch.copy()
+    out.set(out_key, logp.to(batch.device or "cpu"))
+    if with_entropy:
+        out.set(K.ENTROPY, entropy.to(batch.device or "cpu"))
+    return out
+
+
+@torch.no_grad()
+def compute_values(state: EngineState, batch, *, out_key: str = K.VALUES):
+    """Values of a critic state: ``out_key`` [B, T] float32 (0 on padding)."""
+    prepare(state, batch, "compute_values", critic=True)
+    B, T = batch.get(K.INPUT_IDS).shape
+    values = torch.zeros(B, T, dtype=torch.float32)
+    was_training = state.model.training
+    state.model.eval()
+    try:
+        for packed in _mb_packs(state, batch):
+            v, _ = model_outputs(state, packed)
+            if packed.rows.numel():
+                apply_scatter(values, packed, v.cpu())
+    finally:
+        state.model.train(was_training)
+    return batch.copy().set(out_key, values.to(batch.device or "cpu"))

@@ -1,0 +1,67 @@
+"""PackedModel: the root module fsdpfn shards. One packed row in, log-probs or values out.
+
+It wraps an HF causal-LM (or token-classification critic) and runs the decoder stack on a packed
+token stream [N] (sequences concatenated, position_ids restarting per sequence, attention never
+crossing a boundary), then computes next-token log-probs straight from the last hidden states and the
+lm_head weight in chunks (vocab-parallel under tp), so the [N, V] logits never exist. Doing the head
+inside this module's forward keeps FSDP2's root hooks in charge of the lm_head and embedding shards
+(all-gather before, reduce-scatter of their gradients after).
+
+State-dict keys carry the prefix ``lm.`` (the HF model); export strips it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdpfn.attention import packed_attention_mask, varlen_available
+from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
+
+__all__ = ["PackedModel"]
+
+
+class PackedModel(nn.Module):
+    def __init__(self, lm: nn.Module, *, is_critic: bool):
+        super().__init__()
+        self.lm = lm
+        self.is_critic = is_critic
+        self.tp_group = None  # set by shard_model when the lm_head is split over the vocabulary
+
+    @property
+    def base(self) -> nn.Module:
+        return self.lm.model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen: int, targets: torch.Tensor | None = None,
+                *, temperature: float = 1.0, with_entropy: bool = False,
+                chunk_size: int = 1024):
+        """input_ids, position_ids, targets [N]; cu_seqlens int32 [S+1].
+
+        Actor: returns (logp[N], entropy[N] or None), the prediction made at token i for
+        targets[i] (token i+1). Critic: returns values[N] float32.
+        """
+        n = input_ids.shape[0]
+        use_varlen = varlen_available(input_ids.device)
+        cu = cu_seqlens.to(input_ids.device, torch.int32)
+        out = self.base(
+            input_ids=input_ids[None], position_ids=position_ids[None],
+            attention_mask=packed_attention_mask(cu, n, input_ids.device, use_varlen=use_varlen),
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
+            use_cache=False)
+        hidden = out.last_hidden_state[0]  # (N, H)
+        if self.is_critic:
+            # a fresh tensor, not a view: FSDP2 hooks the module's outputs for backward
+            return self.lm.score(hidden).float().flatten().clone()
+        weight = self.lm.get_output_embeddings().weight  # (V, H), DTensor Shard(0) under tp
+        if self.tp_group is not None:
+            local = weight.to_local()
+            rank = torch.distributed.get_rank(self.tp_group)
+            logp, entropy = vocab_parallel_logprobs(
+                hidden, local, targets, group=self.tp_group, vocab_start=rank * local.shape[0],
+                chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
+        else:
+            logp, entropy = chunked_logprobs(hidden, weight, targets, chunk_size=chunk_size,
+                                             temperature=temperature, with_entropy=with_entropy)
+        # fresh tensors, not views: FSDP2 hooks the module's outputs for backward
+        return logp.clone(), (None if entropy is None else entropy.clone())
