@@ -6,6 +6,7 @@ and the value (``lr: must be > 0, got -1.0``). Serialisation lives in serde.py, 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -181,10 +182,15 @@ class LoRAConfig:
 
 
 def _model_config_conv(value):
-    if value is None or isinstance(value, dict):
-        return value
     to_dict = getattr(value, "to_dict", None)  # a transformers PretrainedConfig
-    return to_dict() if callable(to_dict) else value
+    if callable(to_dict):
+        value = to_dict()
+    if isinstance(value, dict):
+        try:  # plain JSON data (string keys), so that YAML/JSON round trips are exact
+            return json.loads(json.dumps(value))
+        except (TypeError, ValueError):
+            return value
+    return value
 
 
 @attrs.frozen

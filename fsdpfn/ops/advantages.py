@@ -1,0 +1,139 @@
+"""Advantage estimators and reward shaping: GAE, group-relative (GRPO / RLOO), whitening,
+reward scaling, KL-in-reward and outcome-to-token rewards.
+
+Token-level tensors are [..., T] with a bool mask[..., T]; outputs are float32 and 0 under a False
+mask. Values under a False mask never reach an output or a gradient (torch.where, not multiply).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.ops.aggregate import masked_values
+from fsdpfn.ops.kl import kl
+
+__all__ = ["gae", "group_advantages", "whiten", "scale_rewards", "kl_in_reward",
+           "outcome_to_token_rewards"]
+
+
+def gae(token_rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0):
+    """Generalised advantage estimation over the masked positions of each row.
+
+    token_rewards, values, mask: [..., T] -> (advantages, returns) [..., T] float32. The recursion
+    runs backwards over positions where mask is True only: for such a t, delta_t = r_t + gamma
+    V_next - V_t and A_t = delta_t + gamma lam A_next, where V_next and A_next belong to the next
+    masked position of the row (0 after the last one); masked-out positions are skipped. returns =
+    advantages + values on masked positions; both are 0 elsewhere.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ConfigError(f"gamma must be in [0, 1], got {gamma!r}")
+    if not 0.0 <= lam <= 1.0:
+        raise ConfigError(f"lam must be in [0, 1], got {lam!r}")
+    if token_rewards.shape != mask.shape or values.shape != mask.shape:
+        raise BatchError(f"token_rewards and values must have the shape of mask {tuple(mask.shape)}, "
+                         f"got {tuple(token_rewards.shape)} and {tuple(values.shape)}")
+    mask = mask.bool()
+    r, v = masked_values(token_rewards, mask), masked_values(values, mask)
+    next_v = r.new_zeros(r.shape[:-1])
+    next_a = r.new_zeros(r.shape[:-1])
+    adv = [None] * r.shape[-1]
+    for t in reversed(range(r.shape[-1])):
+        m = mask[..., t]
+        a = r[..., t] + gamma * next_v - v[..., t] + gamma * lam * next_a
+        adv[t] = torch.where(m, a, torch.zeros_like(a))
+        next_v = torch.where(m, v[..., t], next_v)
+        next_a = torch.where(m, a, next_a)
+    advantages = torch.stack(adv, dim=-1) if adv else r.clone()
+    returns = torch.where(mask, advantages + v, torch.zeros_like(advantages))
+    return advantages, returns
+
+
+def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_one_out: bool = False,
+                     eps: float = 1e-6):
+    """rewards[B] -> advantages[B] float32; rows [k G, (k+1) G) form group k (GRPO / RLOO).
+
+    advantage = r - mean(group), or with leave_one_out r - mean of the other rows of the group
+    (RLOO); divided by (std(group) + eps) when norm_std, std the unbiased torch.std of the group's
+    rewards. With group_size 1 (no leave_one_out) the advantage is 0: r - mean = 0 and the undefined
+    std is taken as 0.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError(f"group_size must be an int >= 1, got {group_size!r}")
+    if leave_one_out and group_size < 2:
+        raise ConfigError(f"group_size must be >= 2 with leave_one_out=True (no other rows to average), "
+                          f"got {group_size}")
+    if rewards.dim() != 1 or rewards.shape[0] % group_size != 0:
+        raise BatchError(f"rewards must be 1-D [B] with B divisible by group_size; got shape "
+                         f"{tuple(rewards.shape)} (B = {rewards.shape[0] if rewards.dim() else None}) "
+                         f"and group_size = {group_size}")
+    r = rewards.float().reshape(-1, group_size)  # (n_groups, G)
+    total = r.sum(-1, keepdim=True)
+    if leave_one_out:
+        adv = r - (total - r) / (group_size - 1)
+    else:
+        adv = r - total / group_size
+    if norm_std:
+        std = r.std(-1, keepdim=True) if group_size > 1 and r.numel() else torch.zeros_like(total)
+        adv = adv / (std + eps)
+    return adv.reshape(-1)
+
+
+def whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8):
+    """Whiten x[..., T] over all its masked tokens (REINFORCE++ batch normalisation).
+
+    (x - mean) / sqrt(var + eps), var the unbiased variance over masked tokens (0 with fewer than 2);
+    with shift_mean=False the mean is added back. 0 under the mask.
+    """
+    mask = mask.bool()
+    xm = masked_values(x, mask)
+    n = mask.sum().float()
+    mean = xm.sum() / n.clamp(min=1.0)
+    centred = torch.where(mask, xm - mean, torch.zeros_like(xm))
+    var = centred.square().sum() / (n - 1.0).clamp(min=1.0)
+    out = centred * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def scale_rewards(rewards, *, scale: float = 1.0, bias: float = 0.0, clip: Optional[float] = None):
+    """rewards * scale + bias, then clamped to [-clip, clip] when clip is given; float32."""
+    if clip is not None and not clip > 0.0:
+        raise ConfigError(f"clip must be > 0 or None, got {clip!r}")
+    out = rewards.float() * scale + bias
+    return out if clip is None else out.clamp(-clip, clip)
+
+
+def outcome_to_token_rewards(rewards, mask):
+    """rewards[...] (one per row), mask[..., T] -> [..., T] float32 with the reward at the row's last
+    True position and 0 elsewhere (rows with no True get nothing)."""
+    if rewards.shape != mask.shape[:-1]:
+        raise BatchError(f"rewards must have shape mask.shape[:-1] = {tuple(mask.shape[:-1])}, "
+                         f"got {tuple(rewards.shape)}")
+    mask = mask.bool()
+    pos = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask, pos, -1).amax(-1, keepdim=True) if mask.shape[-1] else None
+    if last is None:
+        return rewards.float().unsqueeze(-1)[..., :0]
+    at_last = (pos == last) & mask
+    r = rewards.float().unsqueeze(-1).expand(mask.shape)
+    return torch.where(at_last, r, torch.zeros_like(r))
+
+
+def kl_in_reward(token_rewards, rewards, logp, ref_logp, mask, *, coef: float, kind: str = "k1"):
+    """Dense rewards with a KL penalty: [..., T] float32, 0 under the mask.
+
+    token_rewards (or None) [..., T] + each row's scalar reward rewards[...] (or None) placed at its
+    last masked token, minus coef * kl(logp, ref_logp, kind) at every masked token.
+    """
+    mask = mask.bool()
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if token_rewards is not None:
+        out = out + masked_values(token_rewards, mask)
+    if rewards is not None:
+        out = out + outcome_to_token_rewards(rewards, mask)
+    penalty = kl(masked_values(logp, mask), masked_values(ref_logp, mask), kind)
+    return torch.where(mask, out - coef * penalty, torch.zeros_like(out))

@@ -1,0 +1,230 @@
+"""Token log-probabilities and entropies, from logits or straight from hidden states.
+
+`token_logprobs` / `token_entropy` take materialised logits[..., V]. `chunked_logprobs` takes the
+last hidden states and the lm_head weight and never holds more than chunk_size x V logits: the
+backward recomputes each chunk's logits instead of saving them. `vocab_parallel_logprobs` is the same
+computation when the lm_head rows are split over a process group (tensor-parallel vocab): it reduces
+the max, the sum of exponentials, the target logit and the entropy term, never an [N, V] tensor.
+
+All math is float32, whatever the input dtype; gradients come back in the input dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fsdpfn.errors import BatchError, ConfigError
+
+__all__ = ["token_logprobs", "token_entropy", "chunked_logprobs", "vocab_parallel_logprobs"]
+
+
+def _check_temperature(temperature: float) -> float:
+    if not float(temperature) > 0.0:
+        raise ConfigError(f"temperature must be > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) gathered at targets.
+
+    logits[..., V] (any float dtype), targets[...] int64 -> logp[...] float32.
+    """
+    temperature = _check_temperature(temperature)
+    if logits.shape[:-1] != targets.shape:
+        raise BatchError(f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+                         f"got {tuple(targets.shape)}")
+    z = _scaled_logits(logits, temperature)  # (..., V) fp32
+    picked = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(z, dim=-1)
+
+
+def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature): logits[..., V] -> entropy[...] float32."""
+    temperature = _check_temperature(temperature)
+    z = _scaled_logits(logits, temperature)
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    # p * logp is 0 * -inf = nan for -inf logits; such entries contribute 0 to the entropy
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# chunked core, shared by the single-device and the vocab-parallel paths
+# --------------------------------------------------------------------------------------------
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _local_targets(targets: torch.Tensor, vocab_start: int, v_local: int):
+    """Index into the local vocab rows (clamped to a safe value) and whether it is really local."""
+    local = targets - vocab_start
+    in_range = (local >= 0) & (local < v_local)
+    return local.clamp(0, max(v_local - 1, 0)), in_range
+
+
+def _chunk_logits(h: torch.Tensor, w32: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = h.float() @ w32.t()  # (c, V_local) fp32, a fresh buffer we may overwrite
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _chunk_forward(z, targets, vocab_start, group, with_entropy):
+    """From local logits z[c, V_local] to (lse, logp, entropy) of the full (all-rank) vocab."""
+    c, v_local = z.shape
+    m = z.amax(dim=-1) if v_local > 0 else z.new_full((c,), float("-inf"))
+    _all_reduce(m, dist.ReduceOp.MAX, group)  # the max only stabilises exp; no grad through it
+    shifted = z.sub_(m.unsqueeze(-1))  # (c, V_local), <= 0
+    idx, in_range = _local_targets(targets, vocab_start, v_local)
+    picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) if v_local > 0 else z.new_zeros(c)
+    e = shifted.exp()
+    sums = [e.sum(-1), torch.where(in_range, picked, 0.0)]
+    if with_entropy:
+        sums.append(e.mul_(shifted).sum(-1))  # sum exp(z-m)(z-m), for the entropy
+    sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group)
+    log_se = sums[0].log()
+    lse = m + log_se
+    logp = sums[1] - log_se
+    # H = -sum p log p with log p = (z - m) - log_se
+    entropy = log_se - sums[2] / sums[0] if with_entropy else None
+    return lse, logp, entropy
+
+
+def _chunk_grad_logits(z, lse, entropy, g, ge, targets, vocab_start, temperature):
+    """d loss / d (h @ w.T) for one chunk, overwriting z.
+
+    dlogp/dz = onehot(t) - p ; dH/dz = -p (log p + H) ; then divide by the temperature.
+    """
+    v_local = z.shape[1]
+    s = z.sub_(lse.unsqueeze(-1))  # log p, (c, V_local)
+    p = s.exp()
+    if ge is not None:
+        coef = s.add_(entropy.unsqueeze(-1)).mul_(ge.unsqueeze(-1))
+        if g is not None:
+            coef.add_(g.unsqueeze(-1))
+        grad = p.mul_(coef).neg_()
+    else:
+        grad = p.mul_(-g.unsqueeze(-1))
+    if g is not None and v_local > 0:
+        idx, in_range = _local_targets(targets, vocab_start, v_local)
+        grad.scatter_add_(1, idx.unsqueeze(-1), torch.where(in_range, g, 0.0).unsqueeze(-1))
+    return grad if temperature == 1.0 else grad.div_(temperature)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """hidden[N, H], weight[V_local, H], targets[N] -> (logp[N], entropy[N] or empty)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, temperature, with_entropy, group, vocab_start):
+        n = hidden.shape[0]
+        w32 = weight.float()
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            z = _chunk_logits(hidden[s:e], w32, temperature)
+            lse[s:e], logp[s:e], ent = _chunk_forward(z, targets[s:e], vocab_start, group, with_entropy)
+            if with_entropy:
+                entropy[s:e] = ent
+            del z
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.cfg = (chunk_size, temperature, with_entropy, group, vocab_start)
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        chunk_size, temperature, with_entropy, group, vocab_start = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not with_entropy:
+            grad_entropy = None
+        n = hidden.shape[0]
+        w32 = weight.float()
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        if grad_logp is not None or grad_entropy is not None:
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                h = hidden[s:e].float()
+                z = _chunk_logits(h, w32, temperature)
+                gz = _chunk_grad_logits(
+                    z, lse[s:e], entropy[s:e] if grad_entropy is not None else None,
+                    None if grad_logp is None else grad_logp[s:e].float(),
+                    None if grad_entropy is None else grad_entropy[s:e].float(),
+                    targets[s:e], vocab_start, temperature)
+                if need_h:
+                    grad_h[s:e] = gz @ w32
+                if need_w:
+                    grad_w.addmm_(gz.t(), h)
+                del z, gz
+        if need_h and n > 0:
+            # each rank only saw its vocab rows: the hidden grad is the sum over the group
+            _all_reduce(grad_h, dist.ReduceOp.SUM, group)
+        return (None if grad_h is None else grad_h.to(hidden.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None, None, None, None, None, None)
+
+
+def _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, group, vocab_start):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    temperature = _check_temperature(temperature)
+    if weight.dim() != 2:
+        raise BatchError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise BatchError(f"hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, "
+                         f"got shape {tuple(hidden.shape)}")
+    if targets.shape != hidden.shape[:-1]:
+        raise BatchError(f"targets must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise BatchError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    lead = targets.shape
+    logp, entropy = _ChunkedLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(),
+        chunk_size, temperature, bool(with_entropy), group, int(vocab_start))
+    return logp.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                     chunk_size: int = 1024, temperature: float = 1.0, with_entropy: bool = False):
+    """Log-probabilities of targets under softmax((hidden @ weight.T) / temperature), chunked.
+
+    hidden[N, H] (or [..., H]), weight[V, H] (lm_head), targets[N] int -> (logp[N] float32,
+    entropy[N] float32 or None). At most chunk_size x V float32 logits exist at a time (a small
+    constant number of such buffers), in the forward and in the backward, which recomputes each
+    chunk's logits from the saved hidden and weight. Grads flow to hidden and weight, in their dtypes.
+    """
+    return _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, None, 0)
+
+
+def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *,
+                            group, vocab_start: int, chunk_size: int = 1024, temperature: float = 1.0,
+                            with_entropy: bool = False):
+    """`chunked_logprobs` with the lm_head rows split over the ranks of `group`.
+
+    weight_shard[V_local, H] holds rows vocab_start .. vocab_start + V_local of the full [V, H]
+    weight; hidden[N, H] and targets[N] (global vocab ids) must be identical on every rank of
+    group. Every rank gets the same (logp[N], entropy[N] or None). Per chunk the forward all-reduces
+    the max (MAX) and one stacked SUM of (sum of exp, target logit, sum of exp * logit); no [N, V]
+    tensor is ever gathered. In the backward, the grad of hidden is all-reduced (SUM) over group and
+    the grad of weight_shard stays local. Every rank must call it with the same N and chunk_size.
+    """
+    if group is None:
+        raise ConfigError("group must be a torch.distributed process group, got None "
+                          "(use chunked_logprobs for an unsharded lm_head)")
+    if int(vocab_start) < 0:
+        raise ConfigError(f"vocab_start must be >= 0, got {vocab_start!r}")
+    return _chunked(hidden, weight_shard, targets, chunk_size, temperature, with_entropy, group, vocab_start)

@@ -1,0 +1,279 @@
+"""Losses: PPO policy (clip, dual clip, decoupled behaviour weights, GSPO ratio), clipped value,
+SFT, Bradley-Terry, DPO/IPO.
+
+Token-level inputs are [..., T] with a bool mask[..., T]; the last dim is tokens. Values under a
+False mask change neither a loss nor its gradient (they are replaced with torch.where before any
+arithmetic). All math is float32. Stats are dicts of 0-dim detached float32 tensors, token-means
+over the mask whatever the loss aggregation.
+
+Returns: `policy_loss` and `value_loss` give (loss, stats); `sft_loss`, `bradley_terry_loss` and
+`dpo_loss` give the loss tensor alone, their `*_with_stats` twins give (loss, stats). The `*_terms`
+functions give per-token losses (0 under the mask) and indicators, for callers that normalise over
+a global batch with `aggregate_sum`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.ops.aggregate import aggregate, masked_values
+
+__all__ = [
+    "PolicyTerms", "policy_loss_terms", "policy_loss",
+    "ValueTerms", "value_loss_terms", "value_loss",
+    "sft_loss", "sft_loss_with_stats",
+    "bradley_terry_loss", "bradley_terry_loss_with_stats",
+    "dpo_loss", "dpo_loss_with_stats", "DPO_KINDS", "RATIO_LEVELS",
+]
+
+RATIO_LEVELS = ("token", "sequence")
+DPO_KINDS = ("sigmoid", "ipo")
+
+
+def _stat(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float()
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_values(x, mask).sum() / mask.sum().clamp(min=1).float()
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max over masked entries; 0 when there are none."""
+    if not bool(mask.any()):
+        return x.new_zeros((), dtype=torch.float32)
+    return torch.where(mask, x.float(), float("-inf")).max()
+
+
+def _check_same_shape(mask: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.shape != mask.shape:
+            raise BatchError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(t.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
+# policy
+# --------------------------------------------------------------------------------------------
+
+class PolicyTerms(NamedTuple):
+    """Per-token pieces of the policy loss, all [..., T] float32 and 0 under a False mask."""
+    loss: torch.Tensor          # pg per token (behaviour-weighted), to be aggregated
+    clipped: torch.Tensor       # 1.0 where the PPO clip was active
+    dual_clipped: torch.Tensor  # 1.0 where the dual clip capped the loss
+    ratio: torch.Tensor         # r (detached)
+    neg_log_ratio: torch.Tensor  # old_logp - logp (detached), for approx_kl
+    behav_weight: Optional[torch.Tensor]  # truncated exp(old_logp - behav_logp), or None
+
+
+def _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level):
+    if not clip_low >= 0.0:
+        raise ConfigError(f"clip_low must be >= 0, got {clip_low!r}")
+    if clip_high is not None and not clip_high >= 0.0:
+        raise ConfigError(f"clip_high must be >= 0 or None, got {clip_high!r}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ConfigError(f"dual_clip must be > 1 or None, got {dual_clip!r}")
+    if behav_cap is not None and not behav_cap > 0.0:
+        raise ConfigError(f"behav_cap must be > 0 or None, got {behav_cap!r}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ConfigError(f"ratio_level must be one of {list(RATIO_LEVELS)}, got {ratio_level!r}")
+
+
+def _log_ratio(logp, old_logp, mask, ratio_level):
+    """log r per token (0 under the mask); 'sequence' is the masked mean over each row (GSPO)."""
+    log_r = masked_values(logp, mask) - masked_values(old_logp, mask)
+    if ratio_level == "sequence":
+        seq = log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1).float()
+        log_r = torch.where(mask, seq.expand_as(log_r), torch.zeros_like(log_r))
+    return log_r
+
+
+def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None,
+                      dual_clip=None, behav_logp=None, behav_cap=None, ratio_level="token") -> PolicyTerms:
+    """Per-token PPO loss: max(-A r, -A clamp(r, 1 - clip_low, 1 + (clip_high or clip_low))).
+
+    logp, old_logp, advantages, mask (bool), behav_logp: [..., T]. With dual_clip c > 1 the loss of
+    tokens with A < 0 is capped at -c A. With behav_logp, each token is multiplied by the detached
+    weight exp(old_logp - behav_logp), truncated at behav_cap when given. ratio_level 'sequence'
+    replaces r with exp(masked mean over the row of log r), broadcast to the row's tokens.
+    """
+    _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level)
+    _check_same_shape(mask, logp=logp, old_logp=old_logp, advantages=advantages, behav_logp=behav_logp)
+    mask = mask.bool()
+    hi = clip_low if clip_high is None else clip_high
+    adv = masked_values(advantages, mask)
+    log_r = _log_ratio(logp, old_logp, mask, ratio_level)
+    ratio = log_r.exp()  # 1 under the mask
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + hi)
+    clipped = pg_clipped > pg_unclipped
+    pg = torch.where(clipped, pg_clipped, pg_unclipped)  # where, not max: the whole grad to one side
+    dual = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual = (adv < 0) & (pg > cap)
+        pg = torch.where(dual, cap, pg)
+    weight = None
+    if behav_logp is not None:
+        log_w = masked_values(old_logp, mask) - masked_values(behav_logp, mask)
+        weight = log_w.detach().exp()
+        if behav_cap is not None:
+            weight = weight.clamp(max=behav_cap)
+        weight = torch.where(mask, weight, torch.zeros_like(weight))
+        pg = pg * weight
+    zero = torch.zeros_like(pg)
+    return PolicyTerms(
+        loss=torch.where(mask, pg, zero),
+        clipped=(clipped & mask).float(),
+        dual_clipped=(dual & mask).float(),
+        ratio=torch.where(mask, ratio, zero).detach(),
+        neg_log_ratio=(-log_r).detach(),
+        behav_weight=weight,
+    )
+
+
+def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None,
+                agg="token-mean", behav_logp=None, behav_cap=None, ratio_level="token"):
+    """(loss, stats): `policy_loss_terms` aggregated with `agg` (see `aggregate`).
+
+    stats (token-means over the mask): clip_frac, dual_clip_frac, approx_kl (mean old_logp - logp),
+    ratio_mean, ratio_max, and with behav_logp behav_weight_mean, behav_weight_max.
+    """
+    terms = policy_loss_terms(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                              dual_clip=dual_clip, behav_logp=behav_logp, behav_cap=behav_cap,
+                              ratio_level=ratio_level)
+    mask = mask.bool()
+    loss = aggregate(terms.loss, mask, agg)
+    stats = {
+        "clip_frac": _masked_mean(terms.clipped, mask),
+        "dual_clip_frac": _masked_mean(terms.dual_clipped, mask),
+        "approx_kl": _masked_mean(terms.neg_log_ratio, mask),
+        "ratio_mean": _masked_mean(terms.ratio, mask),
+        "ratio_max": _masked_max(terms.ratio, mask),
+    }
+    if terms.behav_weight is not None:
+        stats["behav_weight_mean"] = _masked_mean(terms.behav_weight, mask)
+        stats["behav_weight_max"] = _masked_max(terms.behav_weight, mask)
+    return loss, {k: _stat(v) for k, v in stats.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# value
+# --------------------------------------------------------------------------------------------
+
+class ValueTerms(NamedTuple):
+    """Per-token pieces of the value loss, [..., T] float32, 0 under a False mask."""
+    loss: torch.Tensor     # 1/2 max((v - R)^2, (clip(v, v_old +- clip) - R)^2)
+    clipped: torch.Tensor  # 1.0 where the clipped branch was the larger one
+
+
+def value_loss_terms(values, old_values, returns, mask, *, clip=0.5) -> ValueTerms:
+    """Per-token clipped value loss; clip=None gives the plain 1/2 (v - R)^2."""
+    if clip is not None and not clip >= 0.0:
+        raise ConfigError(f"clip must be >= 0 or None, got {clip!r}")
+    _check_same_shape(mask, values=values, old_values=old_values, returns=returns)
+    mask = mask.bool()
+    v, ret = masked_values(values, mask), masked_values(returns, mask)
+    loss = 0.5 * (v - ret).square()
+    clipped = torch.zeros_like(mask)
+    if clip is not None:
+        v_old = masked_values(old_values, mask)
+        v_clip = v_old + (v - v_old).clamp(-clip, clip)
+        loss_clip = 0.5 * (v_clip - ret).square()
+        clipped = (loss_clip > loss) & mask
+        loss = torch.where(clipped, loss_clip, loss)
+    return ValueTerms(loss=torch.where(mask, loss, torch.zeros_like(loss)), clipped=clipped.float())
+
+
+def value_loss(values, old_values, returns, mask, *, clip=0.5, agg="token-mean"):
+    """(loss, stats): `value_loss_terms` aggregated with `agg`; stats vf_clip_frac, value_mean, returns_mean."""
+    terms = value_loss_terms(values, old_values, returns, mask, clip=clip)
+    mask = mask.bool()
+    loss = aggregate(terms.loss, mask, agg)
+    stats = {
+        "vf_clip_frac": _masked_mean(terms.clipped, mask),
+        "value_mean": _masked_mean(values, mask),
+        "returns_mean": _masked_mean(returns, mask),
+    }
+    return loss, {k: _stat(v) for k, v in stats.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# SFT, reward model, DPO
+# --------------------------------------------------------------------------------------------
+
+def sft_loss_with_stats(logp, mask):
+    """(loss, stats): loss = -token-mean of logp[..., T] over mask (0 if the mask is empty).
+
+    stats: nll (= loss), n_tokens.
+    """
+    _check_same_shape(mask, logp=logp)
+    loss = -aggregate(logp, mask, "token-mean")
+    return loss, {"nll": _stat(loss), "n_tokens": _stat(mask.bool().sum().float())}
+
+
+def sft_loss(logp, mask) -> torch.Tensor:
+    """-token-mean of logp[..., T] over mask (0 if the mask is empty)."""
+    return sft_loss_with_stats(logp, mask)[0]
+
+
+def _mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean that is 0, not nan, for an empty tensor."""
+    return x.sum() / max(x.numel(), 1)
+
+
+def bradley_terry_loss_with_stats(chosen, rejected):
+    """(loss, stats): loss = mean of -log sigmoid(chosen - rejected); chosen[...], rejected[...] scores.
+
+    stats: accuracy = mean(chosen > rejected), margin = mean(chosen - rejected).
+    """
+    if chosen.shape != rejected.shape:
+        raise BatchError(f"rejected must have the shape of chosen {tuple(chosen.shape)}, "
+                         f"got {tuple(rejected.shape)}")
+    diff = chosen.float() - rejected.float()
+    loss = _mean(-F.logsigmoid(diff))
+    return loss, {"accuracy": _stat(_mean((diff > 0).float())), "margin": _stat(_mean(diff))}
+
+
+def bradley_terry_loss(chosen, rejected) -> torch.Tensor:
+    """Mean of -log sigmoid(chosen - rejected)."""
+    return bradley_terry_loss_with_stats(chosen, rejected)[0]
+
+
+def dpo_loss_with_stats(pi_chosen, pi_rejected, ref_chosen, ref_rejected, *, beta=0.1, kind="sigmoid"):
+    """(loss, stats) from sequence log-probs [P] (one per pair) of the policy and the reference.
+
+    logits = (pi_c - pi_r) - (ref_c - ref_r); sigmoid: mean -log sigmoid(beta logits);
+    ipo: mean (logits - 1/(2 beta))^2. stats: reward_accuracy, chosen_reward (mean beta (pi_c -
+    ref_c)), rejected_reward, margin (mean chosen - rejected reward).
+    """
+    if kind not in DPO_KINDS:
+        raise ConfigError(f"kind must be one of {list(DPO_KINDS)}, got {kind!r}")
+    if not beta > 0.0:
+        raise ConfigError(f"beta must be > 0, got {beta!r}")
+    shape = pi_chosen.shape
+    for name, t in (("pi_rejected", pi_rejected), ("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
+        if t.shape != shape:
+            raise BatchError(f"{name} must have the shape of pi_chosen {tuple(shape)}, got {tuple(t.shape)}")
+    pi_c, pi_r, ref_c, ref_r = (t.float() for t in (pi_chosen, pi_rejected, ref_chosen, ref_rejected))
+    logits = (pi_c - pi_r) - (ref_c - ref_r)
+    if kind == "sigmoid":
+        loss = _mean(-F.logsigmoid(beta * logits))
+    else:
+        loss = _mean((logits - 1.0 / (2.0 * beta)).square())
+    r_c, r_r = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
+    stats = {
+        "reward_accuracy": _mean((r_c > r_r).float()),
+        "chosen_reward": _mean(r_c),
+        "rejected_reward": _mean(r_r),
+        "margin": _mean(r_c - r_r),
+    }
+    return loss, {k: _stat(v) for k, v in stats.items()}
+
+
+def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, *, beta=0.1, kind="sigmoid") -> torch.Tensor:
+    """DPO (kind 'sigmoid') or IPO (kind 'ipo') loss; see `dpo_loss_with_stats`."""
+    return dpo_loss_with_stats(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta=beta, kind=kind)[0]

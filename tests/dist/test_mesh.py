@@ -1,0 +1,81 @@
+"""build_mesh: every factorisation of world sizes 1..4 builds; bad ones print the arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+import fsdpfn as ff
+from fsdpfn.mesh import resolve_strategy
+from fsdpfn.testing import SpmdPool
+
+
+def _factorisations(world: int):
+    for dp, cp, tp in itertools.product(range(1, world + 1), repeat=3):
+        if dp * cp * tp == world:
+            yield dp, cp, tp
+
+
+def build_all(world: int):
+    out = []
+    for dp, cp, tp in _factorisations(world):
+        for strategy in (ff.ParallelStrategy(dp=dp, cp=cp, tp=tp),
+                         ff.ParallelStrategy(dp=-1, cp=cp, tp=tp)):
+            mesh = ff.build_mesh(strategy, device_type="cpu")
+            out.append(((mesh.dp, mesh.cp, mesh.tp), tuple(mesh.device_mesh.shape),
+                        (mesh.rank("dp"), mesh.rank("cp"), mesh.rank("tp")),
+                        mesh.fsdp_mesh.size(), dist.get_world_size(mesh.group("tp"))))
+    return out
+
+
+def bad_mesh(world: int):
+    messages = []
+    for strategy in (ff.ParallelStrategy(dp=world + 1), ff.ParallelStrategy(dp=-1, tp=world + 1)):
+        try:
+            ff.build_mesh(strategy, device_type="cpu")
+            messages.append(None)
+        except ff.ConfigError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_factorisation_builds(world, spmd1, spmd2, spmd4):
+    pools = {1: spmd1, 2: spmd2, 4: spmd4}
+    if world in pools:
+        results = pools[world].run(build_all, args=(world,), timeout=120)
+    else:
+        with SpmdPool(world) as pool:
+            results = pool.run(build_all, args=(world,), timeout=120)
+    expected = list(_factorisations(world))
+    for rank, res in enumerate(results):
+        assert [r[0] for r in res[::2]] == expected
+        assert [r[0] for r in res[1::2]] == expected  # dp=-1 resolves to the same shape
+        for (dp, cp, tp), shape, coords, fsdp_size, tp_size in res:
+            assert shape == (dp, cp, tp) and fsdp_size == dp * cp and tp_size == tp
+            # row-major coordinates: rank = (d * cp + c) * tp + t
+            d, c, t = coords
+            assert (d * cp + c) * tp + t == rank
+
+
+@pytest.mark.timeout(120)
+def test_invalid_strategies_print_the_arithmetic(spmd2):
+    for messages in spmd2.run(bad_mesh, args=(2,), timeout=60):
+        assert messages[0] == ("ParallelStrategy: dp x cp x tp = 3 x 1 x 1 = 3, but the world "
+                               "size is 2; set dp=-1 to use whatever is left")
+        assert "dp=-1 takes world_size / (cp x tp) = 2 / (1 x 3)" in messages[1]
+
+
+def test_resolve_strategy_arithmetic():
+    assert resolve_strategy(ff.ParallelStrategy(dp=-1, tp=2), 8).dp == 4
+    assert resolve_strategy(ff.ParallelStrategy(dp=2, cp=2, tp=2), 8).dp == 2
+    with pytest.raises(ff.ConfigError, match=r"dp x cp x tp = 2 x 1 x 2 = 4, but the world size "
+                                             r"is 8"):
+        resolve_strategy(ff.ParallelStrategy(dp=2, tp=2), 8)
+    with pytest.raises(ff.ConfigError, match=r"= 6 / \(1 x 4\), which is not a whole number"):
+        resolve_strategy(ff.ParallelStrategy(tp=4), 6)
+    with pytest.raises(ff.ConfigError, match="tp: must be >= 1, got 0"):
+        ff.ParallelStrategy(tp=0)
