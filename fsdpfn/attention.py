@@ -6,7 +6,7 @@ must never cross a sequence boundary:
 - elsewhere (and as the reference): SDPA with a block-diagonal causal mask [1, 1, N, N].
 The function is registered under the name ``fsdpfn_packed`` in transformers' AttentionInterface; the
 model's ``config._attn_implementation`` is set to it by shard_model. The mask construction of HF is
-bypassed by handing the model a ready mask mapping (see ``packed_attention_mask``).
+bypassed by handing the model a ready 4D mask (see ``packed_attention_mask``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def block_causal_mask(cu_seqlens: torch.Tensor, n: int, device) -> torch.Tensor:
     return mask[None, None]
 
 
-def packed_attention_mask(cu_seqlens: torch.Tensor, n: int, device, *, use_varlen: bool) -> dict:
-    """The mask mapping handed to an HF model in place of ``attention_mask``."""
-    mask = None if use_varlen else block_causal_mask(cu_seqlens, n, device)
-    return {"full_attention": mask, "sliding_attention": mask}
+def packed_attention_mask(cu_seqlens: torch.Tensor, n: int, device, *,
+                          use_varlen: bool) -> torch.Tensor | None:
+    """What is handed to an HF model as ``attention_mask``: a ready 4D mask (HF passes 4D masks
+    through unchanged), or None on the varlen path (the registered mask function returns None
+    and the attention reads cu_seqlens)."""
+    return None if use_varlen else block_causal_mask(cu_seqlens, n, device)
 
 
 def varlen_available(device: torch.device) -> bool:

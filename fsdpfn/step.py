@@ -74,8 +74,10 @@ def global_grad_norm(model: torch.nn.Module, mesh: Mesh) -> torch.Tensor:
         if grad is None:
             continue
         if _is_dtensor(grad):
+            # _StridedShard (FSDP over a tp-sharded dim) does not answer is_shard(): count every
+            # placement that is neither replicated nor partial as a split of the tensor
             shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements)
-                               if p.is_shard())
+                               if not (p.is_replicate() or p.is_partial()))
             local = grad._local_tensor  # noqa: SLF001
         else:
             shards, local = 1, grad

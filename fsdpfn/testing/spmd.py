@@ -116,9 +116,12 @@ class SpmdPool:
                 self.close()
                 missing = sorted(set(range(self.world_size)) - set(results))
                 detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
-                cls = SpmdError if failed else SpmdTimeout
-                raise cls(f"{what}: ranks {missing} did not finish within {timeout:.0f} s"
-                          f"{detail}")
+                if failed:
+                    raise SpmdError(f"{what}: ranks {sorted(failed)} failed; ranks {missing} were "
+                                    f"still running (likely waiting in a collective) and were "
+                                    f"killed{detail}")
+                raise SpmdTimeout(f"{what}: ranks {missing} did not finish within "
+                                  f"{timeout:.0f} s{detail}")
         failed = {r: v for r, (k, v) in results.items() if k == "err"}
         if failed:
             self.close()

@@ -1,0 +1,98 @@
+"""shard_model parity: sharded logits equal the unsharded model's, gathered weights equal the
+originals exactly, memory_efficient_load equals a plain load, tp divisibility is checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import fsdpfn as ff
+from fsdpfn.state import local_tensor
+from fsdpfn.testing import (save_tiny_model, sharded_logits, tiny_llama_config,
+                            tiny_qwen2_config)
+
+# float32 throughout. Sharding changes only the order of float32 sums (a tp=2 row-parallel
+# matmul adds two partial sums of 32 products each instead of one of 64); each reordering moves
+# a result by a few ulps (~1e-7 relative), and two layers of 64-wide sums stay below 1e-5.
+RTOL = ATOL = 1e-5
+
+
+def _configs(tmp):
+    out = {}
+    for name, cfg in (("qwen2", tiny_qwen2_config()), ("llama", tiny_llama_config()),
+                      ("qwen2_tied", tiny_qwen2_config(tie_word_embeddings=True))):
+        out[name] = str(save_tiny_model(tmp / name, cfg, seed=3))
+    return out
+
+
+def parity(paths: dict, tp: int):
+    from transformers import AutoModelForCausalLM
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=tp), device_type="cpu")
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, path in paths.items():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        ref_logits = ref(input_ids=ids).logits
+        state = ff.shard_model(ff.EngineConfig(model_path=path, dtype="float32"), mesh)
+        logits = sharded_logits(state, ids)
+        full = get_model_state_dict(state.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        # cpu_offload gathers the full state dict onto rank 0 only
+        exact = (torch.distributed.get_rank() != 0
+                 or all(torch.equal(full[f"lm.{k}"], v) for k, v in ref.state_dict().items()))
+        ref_logits = ref_logits.detach()
+        results[name] = (float((logits - ref_logits).abs().max()),
+                         torch.allclose(logits, ref_logits, rtol=RTOL, atol=ATOL), exact)
+    return results
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return _configs(tmp_path_factory.mktemp("models"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,tp", [(2, 1), (2, 2), (4, 2)], ids=["dp2", "tp2", "dp2xtp2"])
+def test_sharded_logits_and_weights_match(model_dirs, world, tp, spmd2, spmd4):
+    pool = spmd2 if world == 2 else spmd4
+    for rank_result in pool.run(parity, args=(model_dirs, tp), timeout=240):
+        for name, (max_diff, close, exact) in rank_result.items():
+            assert close, f"{name}: max |logit diff| {max_diff}"
+            assert exact, f"{name}: gathered state dict differs from the checkpoint"
+
+
+def local_shards(path: str, efficient: bool):
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=2), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(
+        model_path=path, dtype="float32", fsdp=ff.FSDPConfig(memory_efficient_load=efficient)),
+        mesh)
+    return {n: local_tensor(p).detach().clone() for n, p in state.model.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_memory_efficient_load_equals_plain_load(model_dirs, spmd4):
+    path = model_dirs["qwen2_tied"]
+    fast = spmd4.run(local_shards, args=(path, True), timeout=200)
+    plain = spmd4.run(local_shards, args=(path, False), timeout=200)
+    for a, b in zip(fast, plain):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+def bad_tp(path: str):
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1, tp=4), device_type="cpu")
+    try:
+        ff.shard_model(ff.EngineConfig(model_path=path), mesh)
+    except ff.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_tp_must_divide_heads(model_dirs, spmd4):
+    for message in spmd4.run(bad_tp, args=(model_dirs["qwen2"],), timeout=100):
+        assert message == ("ParallelStrategy.tp: must divide the model's num_key_value_heads, "
+                           "got tp=4 and num_key_value_heads=2")
