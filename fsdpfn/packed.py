@@ -35,11 +35,13 @@ class PackedModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int, targets: torch.Tensor | None = None,
                 *, temperature: float = 1.0, with_entropy: bool = False,
-                chunk_size: int = 1024):
+                chunk_size: int = 1024, full_logits: bool = False):
         """input_ids, position_ids, targets [N]; cu_seqlens int32 [S+1].
 
         Actor: returns (logp[N], entropy[N] or None), the prediction made at token i for
-        targets[i] (token i+1). Critic: returns values[N] float32.
+        targets[i] (token i+1). Critic: returns values[N] float32. ``full_logits=True`` returns
+        the whole [N, V] logits instead (for tests and debugging only: it is what the chunked
+        head exists to avoid).
         """
         n = input_ids.shape[0]
         use_varlen = varlen_available(input_ids.device)
@@ -53,6 +55,9 @@ class PackedModel(nn.Module):
         if self.is_critic:
             # a fresh tensor, not a view: FSDP2 hooks the module's outputs for backward
             return self.lm.score(hidden).float().flatten().clone()
+        if full_logits:
+            logits = self.lm.get_output_embeddings()(hidden)
+            return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         weight = self.lm.get_output_embeddings().weight  # (V, H), DTensor Shard(0) under tp
         if self.tp_group is not None:
             local = weight.to_local()

@@ -58,26 +58,14 @@ def save_tiny_model(path: str | Path, config, *, seed: int = 0, critic: bool = F
 def sharded_logits(state, input_ids: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits [B, T, V] of a sharded actor state, for tests (every rank calls it).
 
-    Runs the HF model inside the FSDP root (unshard, forward, reshard) with HF's own attention
-    mask handling, and gathers vocabulary-split logits; the [B, T, V] tensor is what fsdpfn's own
-    paths avoid, so keep the inputs small.
+    Runs each row through the FSDP root as one packed sequence and gathers vocabulary-split
+    logits; the [B, T, V] tensor is what fsdpfn's own paths avoid, so keep the inputs small.
     """
-    from fsdpfn.attention import packed_attention_mask, varlen_available
-
-    model = state.model
     device = state.mesh.device
     rows = []
-    model.unshard()
-    try:
-        for ids in input_ids.to(device):  # one causal sequence at a time
-            T = ids.shape[0]
-            cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-            mask = packed_attention_mask(cu, T, device, use_varlen=varlen_available(device))
-            logits = model.lm(input_ids=ids[None], attention_mask=mask, cu_seq_lens_q=cu,
-                              cu_seq_lens_k=cu, max_length_q=T, max_length_k=T).logits
-            if hasattr(logits, "full_tensor"):
-                logits = logits.full_tensor()
-            rows.append(logits[0].float().cpu())
-    finally:
-        model.reshard()
+    for ids in input_ids.to(device):
+        T = ids.shape[0]
+        cu = torch.tensor([0, T], dtype=torch.int32)
+        logits = state.model(ids, torch.arange(T, device=device), cu, T, full_logits=True)
+        rows.append(logits.float().cpu())
     return torch.stack(rows)
