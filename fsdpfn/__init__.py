@@ -12,6 +12,7 @@ from fsdpfn import keys, ops
 from fsdpfn.algos import (compute_advantages, critic_step, dpo_step, ppo_step, rw_step,
                           sft_step)
 from fsdpfn.batch import gather_batch, shard_batch
+from fsdpfn.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, EngineConfig, FSDPConfig,
                            LoRAConfig, MicroBatchSpec, OptimizerConfig, ParallelStrategy,
                            PPOConfig, RWConfig, SFTConfig)
@@ -35,6 +36,7 @@ __all__ = [
     # engine
     "Mesh", "build_mesh", "EngineState", "shard_model", "forward_logp", "compute_values",
     "grad_step", "evaluate", "StepContext", "shard_batch", "gather_batch",
+    "save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint",
     # algorithms
     "compute_advantages", "ppo_step", "critic_step", "sft_step", "rw_step", "dpo_step",
     # modules

@@ -190,9 +190,13 @@ def full_state_dict_from_disk(path: str | Path, dtype: torch.dtype) -> dict[str,
     return state
 
 
-def _random_init_state(hf_config, config: EngineConfig, dtype) -> dict[str, torch.Tensor]:
+def _random_init_state(hf_config, config: EngineConfig, dtype, device) -> dict[str, torch.Tensor]:
+    """HF's own random init under ``config.seed``, drawn on ``device`` (the GPU draws a 7B model
+    in seconds; the values depend on the device type, not on the mesh shape)."""
     torch.manual_seed(config.seed)
-    model = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="cpu")
+    if device.type == "cuda":
+        torch.cuda.manual_seed(config.seed)
+    model = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device=device)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -236,7 +240,7 @@ def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh)
     state: dict = {}
     if not rank0_only or dist.get_rank() == 0:
         state = (full_state_dict_from_disk(config.model_path, dtype) if config.model_path
-                 else _random_init_state(hf_config, config, dtype))
+                 else _random_init_state(hf_config, config, dtype, mesh.device))
         state = {f"lm.{k}": v for k, v in _complete_state(model.lm, state, config).items()}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only,
                                cpu_offload=config.fsdp.offload_params)

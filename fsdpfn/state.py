@@ -126,13 +126,16 @@ def check_live(state: EngineState, fn_name: str, *, local_error: BaseException |
 
 
 def advance(state: EngineState, fn_name: str, *, steps: int = 0, weights_changed: bool = True,
-            **changes) -> EngineState:
+            version: int | None = None, **changes) -> EngineState:
     """Return the successor of ``state`` and revoke ``state``.
 
-    step advances by ``steps``; version by one when ``weights_changed``.
+    step advances by ``steps``; version by one when ``weights_changed`` (or is set to
+    ``version``, which must not go backwards).
     """
-    successor = attrs.evolve(state, step=state.step + steps,
-                             version=state.version + int(weights_changed),
+    if version is None:
+        version = state.version + int(weights_changed)
+    assert version >= state.version, (version, state.version)
+    successor = attrs.evolve(state, step=state.step + steps, version=version,
                              lease=Lease(_param_versions(state.model)), **changes)
     state.lease.revoked_by = fn_name
     state.lease.revoked_at_step = state.step

@@ -1,0 +1,195 @@
+"""The file-system rules of fsdpfn.checkpoint, in one process (no process group needed).
+
+Publication by rename, the crash windows of a replace, rotation, clean-up of dead saves, and the
+argument checks. The multi-rank behaviour is in tests/dist/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from fsdpfn import checkpoint as C
+from fsdpfn.errors import CheckpointError
+
+
+def _fake_checkpoint(path, *, saved_at, complete=True, payload="x"):
+    """A directory shaped like a published checkpoint (manifest, data, marker)."""
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_text(payload)
+    (path / ".metadata").write_text("m")
+    manifest = {"format": C.FORMAT, "format_version": C.FORMAT_VERSION, "saved_at": saved_at,
+                "step": 0, "version": 0}
+    (path / C.MANIFEST).write_text(json.dumps(manifest))
+    if complete:
+        (path / C.MARKER).write_text("done")
+    return path
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_publish_replaces_an_existing_checkpoint(tmp_path):
+    target = _fake_checkpoint(tmp_path / "step_1", saved_at=1.0, payload="old")
+    token = uuid.uuid4().hex
+    tmp = _fake_checkpoint(C._side_path(target, "tmp", token), saved_at=2.0, payload="new")
+    C._publish(tmp, target, token)
+    assert (target / "__0_0.distcp").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+def test_publish_into_an_empty_directory(tmp_path):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    token = uuid.uuid4().hex
+    tmp = _fake_checkpoint(C._side_path(target, "tmp", token), saved_at=2.0)
+    C._publish(tmp, target, token)
+    assert C._is_complete(target)
+
+
+def test_resolve_reads_the_complete_sibling_of_an_interrupted_replace(tmp_path):
+    target = tmp_path / "step_2"
+    # the crash window of a replace: old set aside, new complete but not yet renamed in
+    old = _fake_checkpoint(C._side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
+    new = _fake_checkpoint(C._side_path(target, "tmp", uuid.uuid4().hex), saved_at=2.0)
+    assert C._resolve(target) == new
+    C._discard(new)
+    assert C._resolve(target) == old
+    C._discard(old)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        C._resolve(target)
+
+
+def test_resolve_never_reads_an_incomplete_directory(tmp_path):
+    partial = _fake_checkpoint(tmp_path / "step_3", saved_at=1.0, complete=False)
+    with pytest.raises(CheckpointError, match="without COMPLETE"):
+        C._resolve(partial)
+    # an incomplete sibling is no fallback either
+    _fake_checkpoint(C._side_path(tmp_path / "step_4", "tmp", uuid.uuid4().hex), saved_at=1.0,
+                     complete=False)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        C._resolve(tmp_path / "step_4")
+
+
+def test_check_files_catches_truncation_and_missing_files(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "c", saved_at=1.0)
+    manifest = {"files": C._file_sizes(ckpt)}
+    assert set(manifest["files"]) == {"__0_0.distcp", ".metadata"}
+    C._check_files(ckpt, manifest)
+    (ckpt / "__0_0.distcp").write_text("")
+    with pytest.raises(CheckpointError, match="must have the 1 bytes.*got 0 bytes"):
+        C._check_files(ckpt, manifest)
+    (ckpt / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"\.metadata'.*no such file"):
+        C._check_files(ckpt, manifest)
+
+
+def test_rotate_keeps_the_most_recently_saved_and_ignores_other_directories(tmp_path):
+    for step, saved_at in ((1, 10.0), (2, 20.0), (3, 30.0), (10, 5.0)):
+        _fake_checkpoint(tmp_path / f"step_{step}", saved_at=saved_at)
+    (tmp_path / "user_data").mkdir()
+    _fake_checkpoint(tmp_path / "half_deleted", saved_at=1.0, complete=False)
+    current = _fake_checkpoint(tmp_path / "step_4", saved_at=40.0)
+    deleted = C._rotate(tmp_path, 2, current)
+    assert sorted(p.name for p in deleted) == ["step_1", "step_10", "step_2"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["half_deleted", "step_3", "step_4", "user_data"]
+    assert C.latest_checkpoint(tmp_path).name == "step_4"
+
+
+def test_cleanup_removes_leftovers_of_dead_saves_only(tmp_path):
+    target = tmp_path / "step_5"
+    dead = C._side_path(target, "tmp", uuid.uuid4().hex)
+    dead.mkdir()
+    (dead / C.OWNER).write_text(json.dumps({"host": C.socket.gethostname(),
+                                            "pid": _dead_pid()}))
+    alive = C._side_path(target, "tmp", uuid.uuid4().hex)
+    alive.mkdir()
+    (alive / C.OWNER).write_text(json.dumps({"host": C.socket.gethostname(),
+                                             "pid": os.getpid()}))
+    elsewhere = C._side_path(target, "tmp", uuid.uuid4().hex)
+    elsewhere.mkdir()
+    (elsewhere / C.OWNER).write_text(json.dumps({"host": "another-host", "pid": 1}))
+    ownerless_old = C._side_path(target, "tmp", uuid.uuid4().hex)
+    ownerless_old.mkdir()
+    os.utime(ownerless_old, (time.time() - 7200, time.time() - 7200))
+    aside = _fake_checkpoint(C._side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
+    C._cleanup(tmp_path)
+    remaining = set(tmp_path.iterdir())
+    assert remaining == {alive, elsewhere}
+    assert not aside.exists()
+
+
+def test_discard_drops_the_marker_before_the_data(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "step_1", saved_at=1.0)
+    C._discard(ckpt)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"pos": (1, 2)}, "lists rather than tuples"),
+    ({1: "a"}, "lists rather than tuples"),
+    ({"x": float("nan")}, "JSON-able"),
+    ({"x": object()}, "JSON-able"),
+    ([1, 2], "dict or None"),
+])
+def test_extra_must_round_trip_through_json(extra, needle):
+    with pytest.raises(CheckpointError, match=needle):
+        C._check_extra(extra, "save_checkpoint")
+
+
+def test_extra_round_trips():
+    extra = {"pos": [1, 2], "name": "run", "nested": {"a": None, "b": 1.5, "c": True}}
+    assert C._check_extra(extra, "save_checkpoint") == extra
+    assert C._check_extra(None, "save_checkpoint") == {}
+
+
+@pytest.mark.parametrize("size, expected", [(1000, 1000), ("5GB", 5 * 10**9), ("2MiB", 2**21),
+                                            ("1.5KB", 1500)])
+def test_shard_sizes(size, expected):
+    assert C._shard_bytes(size) == expected
+
+
+@pytest.mark.parametrize("size", [0, -1, "big", True, "0GB"])
+def test_bad_shard_sizes(size):
+    with pytest.raises(CheckpointError, match="max_shard_size"):
+        C._shard_bytes(size)
+
+
+def test_save_refuses_to_replace_what_it_did_not_write(tmp_path):
+    user = tmp_path / "results"
+    user.mkdir()
+    (user / "metrics.csv").write_text("1,2")
+    with pytest.raises(CheckpointError, match="refusing to delete"):
+        C._check_save_args(user, None, None, False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="got a file"):
+        C._check_save_args(tmp_path / "file", None, None, False)
+    ckpt = _fake_checkpoint(tmp_path / "old_ckpt", saved_at=1.0)
+    assert C._check_save_args(ckpt, {"a": 1}, 3, True) == (ckpt, {"a": 1})
+    with pytest.raises(CheckpointError, match="keep_last"):
+        C._check_save_args(tmp_path / "new", None, 0, False)
+    with pytest.raises(CheckpointError, match="path: must be a non-empty"):
+        C._check_save_args("", None, None, False)
+
+
+def test_export_target_rules(tmp_path):
+    C._check_export_target(tmp_path / "new")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    C._check_export_target(hf)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.bin").write_text("x")
+    with pytest.raises(CheckpointError, match="without config.json"):
+        C._check_export_target(other)
