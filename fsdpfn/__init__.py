@@ -23,6 +23,7 @@ from fsdpfn.mesh import Mesh, build_mesh
 from fsdpfn.shard import shard_model
 from fsdpfn.state import EngineState
 from fsdpfn.step import StepContext, evaluate, grad_step
+from fsdpfn.weights import DiskTarget, PushReceipt, RolloutTarget, push_weights
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "Mesh", "build_mesh", "EngineState", "shard_model", "forward_logp", "compute_values",
     "grad_step", "evaluate", "StepContext", "shard_batch", "gather_batch",
     "save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint",
+    "push_weights", "PushReceipt", "DiskTarget", "RolloutTarget",
     # algorithms
     "compute_advantages", "ppo_step", "critic_step", "sft_step", "rw_step", "dpo_step",
     # modules

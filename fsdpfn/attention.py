@@ -45,8 +45,10 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, n: int, device, *,
     return None if use_varlen else block_causal_mask(cu_seqlens, n, device)
 
 
-def varlen_available(device: torch.device) -> bool:
-    return _varlen_attn is not None and device.type == "cuda"
+def varlen_available(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Flash varlen attention: CUDA and a half dtype (float32 takes the masked SDPA path)."""
+    return (_varlen_attn is not None and device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16))
 
 
 def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
@@ -74,7 +76,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                      **kwargs):
     """HF attention-interface function; query [1, Hq, N, D] -> ([1, N, Hq, D], None)."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if attention_mask is None and cu_seqlens is not None and varlen_available(query.device):
+    if attention_mask is None and cu_seqlens is not None and varlen_available(query.device,
+                                                                                query.dtype):
         return _varlen(query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling), None
     if attention_mask is None:
         if cu_seqlens is None:

@@ -233,6 +233,13 @@ class Packed:
     B: int                       # rows of the original batch (not S)
     values: dict = attrs.field(factory=dict)  # key -> [N, ...] (token keys) or [S, ...] (row keys)
 
+    def to(self, device) -> "Packed":
+        """The same pack with every tensor on ``device``."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in attrs.fields(Packed)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved["values"] = {k: v.to(device) for k, v in self.values.items()}
+        return attrs.evolve(self, **moved)
+
     @property
     def n_tokens(self) -> int:
         return int(self.input_ids.shape[0])

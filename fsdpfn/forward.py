@@ -107,13 +107,13 @@ def model_outputs(state: EngineState, packed: Packed, *, temperature: float = 1.
     prefix before token t), 0 at each sequence's first token.
     """
     device = state.mesh.device
-    ids = packed.input_ids.to(device)
-    pos = packed.position_ids.to(device)
+    packed = packed.to(device)
+    ids, pos = packed.input_ids, packed.position_ids
     if state.config.is_critic:
         scores = state.model(ids, pos, packed.cu_seqlens, packed.max_seqlen).float()
         return shift_to_token_aligned(packed, scores), scores
     targets, _ = next_token_targets(packed)
-    logp, entropy = state.model(ids, pos, packed.cu_seqlens, packed.max_seqlen, targets.to(device),
+    logp, entropy = state.model(ids, pos, packed.cu_seqlens, packed.max_seqlen, targets,
                                 temperature=temperature, with_entropy=with_entropy,
                                 chunk_size=state.config.logprobs_chunk_size)
     logp = shift_to_token_aligned(packed, logp.float())

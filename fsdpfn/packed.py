@@ -27,6 +27,7 @@ class PackedModel(nn.Module):
         self.lm = lm
         self.is_critic = is_critic
         self.tp_group = None  # set by shard_model when the lm_head is split over the vocabulary
+        self.compute_dtype = torch.bfloat16  # set by shard_model: picks the attention path
 
     @property
     def base(self) -> nn.Module:
@@ -44,7 +45,7 @@ class PackedModel(nn.Module):
         head exists to avoid).
         """
         n = input_ids.shape[0]
-        use_varlen = varlen_available(input_ids.device)
+        use_varlen = varlen_available(input_ids.device, self.compute_dtype)
         cu = cu_seqlens.to(input_ids.device, torch.int32)
         out = self.base(
             input_ids=input_ids[None], position_ids=position_ids[None],

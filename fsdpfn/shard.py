@@ -302,6 +302,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     apply_tp(lm, mesh)
     apply_ac(lm, config)
     model = PackedModel(lm, is_critic=config.is_critic)
+    model.compute_dtype = torch_dtype(config.dtype)
     if mesh.tp > 1:
         model.tp_group = mesh.group("tp")
     apply_fsdp(model, mesh, config)

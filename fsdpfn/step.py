@@ -125,6 +125,7 @@ def _denominator(normalizer: str, n_tokens: int, n_seqs: int, n_rows: int) -> fl
 def _outputs(state: EngineState, packed, *, with_entropy: bool, temperature: float) -> TensorDict:
     """Model outputs of one packed micro-batch, as the padded [S, T] view of its rows."""
     S, T = packed.n_seqs, packed.T
+    packed = packed.to(state.mesh.device)
     if state.config.is_critic:
         values, scores = model_outputs(state, packed)
         data = {K.VALUES: unpack(packed, values, compact=True),

@@ -71,8 +71,36 @@ def _local_targets(targets: torch.Tensor, vocab_start: int, v_local: int):
     return local.clamp(0, max(v_local - 1, 0)), in_range
 
 
-def _chunk_logits(h: torch.Tensor, w32: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = h.float() @ w32.t()  # (c, V_local) fp32, a fresh buffer we may overwrite
+def _fast_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b in a's half dtype with float32 output (tensor cores, fp32 accumulate and result),
+    when the device supports it; None otherwise."""
+    if a.device.type != "cuda" or a.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor, half: torch.dtype | None) -> torch.Tensor:
+    """float32 a @ b: through a half-precision tensor-core GEMM when ``half`` is given (the
+    weight's dtype on CUDA), else in float32."""
+    if half is not None:
+        out = _fast_mm(a.to(half), b.to(half))
+        if out is not None:
+            return out
+    return a.float() @ b.float()
+
+
+def _half_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    if weight.device.type == "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
+        return weight.dtype
+    return None
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, temperature: float,
+                  half: torch.dtype | None) -> torch.Tensor:
+    z = _mm32(h, w.t(), half)  # (c, V_local) fp32, a fresh buffer we may overwrite
     return z if temperature == 1.0 else z.div_(temperature)
 
 
@@ -84,10 +112,12 @@ def _chunk_forward(z, targets, vocab_start, group, with_entropy):
     shifted = z.sub_(m.unsqueeze(-1))  # (c, V_local), <= 0
     idx, in_range = _local_targets(targets, vocab_start, v_local)
     picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) if v_local > 0 else z.new_zeros(c)
-    e = shifted.exp()
-    sums = [e.sum(-1), torch.where(in_range, picked, 0.0)]
     if with_entropy:
-        sums.append(e.mul_(shifted).sum(-1))  # sum exp(z-m)(z-m), for the entropy
+        e = shifted.exp()
+        sums = [e.sum(-1), torch.where(in_range, picked, 0.0),
+                e.mul_(shifted).sum(-1)]  # sum exp(z-m)(z-m), for the entropy
+    else:  # one [c, V] buffer only: exponentiate in place
+        sums = [shifted.exp_().sum(-1), torch.where(in_range, picked, 0.0)]
     sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group)
     log_se = sums[0].log()
     lse = m + log_se
@@ -124,13 +154,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size, temperature, with_entropy, group, vocab_start):
         n = hidden.shape[0]
-        w32 = weight.float()
+        half = _half_dtype(weight)
+        w_mm = weight if half is not None else weight.float()
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z = _chunk_logits(hidden[s:e], w32, temperature)
+            z = _chunk_logits(hidden[s:e], w_mm, temperature, half)
             lse[s:e], logp[s:e], ent = _chunk_forward(z, targets[s:e], vocab_start, group, with_entropy)
             if with_entropy:
                 entropy[s:e] = ent
@@ -151,22 +182,25 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if not with_entropy:
             grad_entropy = None
         n = hidden.shape[0]
-        w32 = weight.float()
+        half = _half_dtype(weight)
+        w_mm = weight if half is not None else weight.float()
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         if grad_logp is not None or grad_entropy is not None:
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
-                h = hidden[s:e].float()
-                z = _chunk_logits(h, w32, temperature)
+                h = hidden[s:e] if half is not None else hidden[s:e].float()
+                z = _chunk_logits(h, w_mm, temperature, half)
                 gz = _chunk_grad_logits(
                     z, lse[s:e], entropy[s:e] if grad_entropy is not None else None,
                     None if grad_logp is None else grad_logp[s:e].float(),
                     None if grad_entropy is None else grad_entropy[s:e].float(),
                     targets[s:e], vocab_start, temperature)
                 if need_h:
-                    grad_h[s:e] = gz @ w32
-                if need_w:
+                    grad_h[s:e] = _mm32(gz, w_mm, half)
+                if need_w and half is not None:
+                    grad_w.add_(_mm32(gz.t(), h, half))
+                elif need_w:
                     grad_w.addmm_(gz.t(), h)
                 del z, gz
         if need_h and n > 0:

@@ -1,0 +1,48 @@
+"""Start a rollout server: ``python -m fsdpfn.rollout --model DIR --port N``.
+
+Serves the HF model in DIR for generation (token ids in, token ids and log-probs out) and accepts
+weight pushes from ``fsdpfn.push_weights(state, RolloutTarget("http://host:N"))``. Listens on
+127.0.0.1 unless --host says otherwise. See fsdpfn/rollout/server.py for the endpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fsdpfn.rollout", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory (safetensors)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if any)")
+    p.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
+    p.add_argument("--max-pause-s", type=float, default=600.0,
+                   help="a /pause_generation expires by itself after this many seconds")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+    import uvicorn
+
+    from fsdpfn.rollout.engine import RolloutEngine
+    from fsdpfn.rollout.server import build_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = RolloutEngine(args.model, dtype=args.dtype, device=device,
+                           weight_version=args.weight_version, max_pause_s=args.max_pause_s)
+    print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}) on "
+          f"http://{args.host}:{args.port} pid {os.getpid()}", flush=True)
+    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

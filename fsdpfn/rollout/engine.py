@@ -1,0 +1,559 @@
+"""RolloutEngine: the model a rollout server serves, its generation, and its atomic weight updates.
+
+Everything here is plain Python (no HTTP), so it can be tested and embedded directly.
+
+Concurrency. ``_model_lock`` is held by every generation or forward while it runs, and by the swap
+of an update; so a request sees one weights version from start to end (its response names it).
+``pause()`` makes new generation requests wait and returns once none is running;
+``resume()`` lets them go. A pause expires by itself after ``max_pause_s`` (a trainer that died
+between pause and continue cannot stall the server), and a failed update resumes generation.
+
+Updates are staged: received tensors go into a staging dict (a second copy of the weights), are
+validated against the served model (name known, shape, dtype, not given twice; at commit: every
+parameter present, all finite), and only then copied into the served parameters under the model
+lock. Any failure discards the staging; the served weights and version are untouched.
+
+behav_logp convention: the log-prob of each sampled token is log_softmax(logits / temperature)
+at that token: temperature applied, top-p / top-k truncation not (it is what the trainer's
+``forward_logp(..., temperature=T)`` computes for the same weights and tokens). Greedy decoding
+(temperature 0) reports log_softmax(logits).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from fsdpfn.weights.protocol import (MANIFEST, bucket_layout, combine_checksums, dtype_from_name,
+                                     dtype_name, make_group, broadcast, sha256_of, wait_work,
+                                     tensor_checksums)
+
+__all__ = ["RolloutEngine", "UpdateError", "SamplingParams"]
+
+
+class UpdateError(Exception):
+    """A request the engine refuses; ``status`` is the HTTP status the server answers with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class SamplingParams:
+    """temperature (0: greedy), top_p, top_k (0: off), max_new_tokens, stop_token_ids, n, seed."""
+
+    FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 16,
+              "stop_token_ids": (), "n": 1, "seed": None}
+
+    def __init__(self, **kwargs):
+        unknown = sorted(set(kwargs) - set(self.FIELDS))
+        if unknown:
+            raise UpdateError(f"sampling_params: unknown keys {unknown}; allowed "
+                              f"{sorted(self.FIELDS)}")
+        for key, default in self.FIELDS.items():
+            setattr(self, key, kwargs.get(key, default) if kwargs.get(key) is not None
+                    else default)
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or ())]
+        rules = [("temperature", self.temperature >= 0, ">= 0"),
+                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                 ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
+                 ("max_new_tokens", isinstance(self.max_new_tokens, int)
+                  and self.max_new_tokens >= 1, "an int >= 1"),
+                 ("n", isinstance(self.n, int) and self.n >= 1, "an int >= 1")]
+        for key, ok, rule in rules:
+            if not ok:
+                raise UpdateError(f"sampling_params.{key}: must be {rule}, got "
+                                  f"{getattr(self, key)!r}")
+
+
+class _Staging:
+    def __init__(self, update_id: str | None):
+        self.update_id = update_id
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.next_bucket = 0
+        self.order_error: str | None = None
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
+                 weight_version: int = 0, max_pause_s: float = 600.0):
+        from transformers import AutoModelForCausalLM
+
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+        kwargs["dtype"] = "auto" if dtype == "auto" else dtype_from_name(dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+        # state-dict names that alias a served parameter (a tied lm_head.weight)
+        by_id = {id(p): n for n, p in self.params.items()}
+        self.aliases = {n: by_id[id(t)] for n, t in self.model.state_dict(keep_vars=True).items()
+                        if n not in self.params and id(t) in by_id}
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.pad_token_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        self.version = int(weight_version)
+        self.max_pause_s = float(max_pause_s)
+        self._model_lock = threading.Lock()
+        self._update_lock = threading.Lock()
+        self._gen_cond = threading.Condition()
+        self._paused = False
+        self._pause_timer: threading.Timer | None = None
+        self._active = 0
+        self._groups: dict[str, tuple] = {}  # name -> (store, pg, backend, timeout_s)
+        self._retired: list = []  # groups left mid-operation: kept alive, never destroyed here
+        self._staging: _Staging | None = None
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------ info
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.params.values())).dtype
+
+    def info(self) -> dict:
+        return {"model_path": self.model_path, "dtype": dtype_name(self.dtype),
+                "device": str(self.device), "weight_version": self.version,
+                "is_generation": True, "vocab_size": self.vocab_size, "paused": self._paused,
+                "groups": sorted(self._groups), "last_error": self.last_error,
+                "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}
+                           for n, p in self.params.items()}}
+
+    def weights_checksum(self) -> int:
+        names = list(self.params)
+        sums = tensor_checksums([self.params[n] for n in names])
+        return combine_checksums(dict(zip(names, sums)))
+
+    # ------------------------------------------------------------ pause / resume
+
+    def pause(self) -> None:
+        """New generation requests wait; returns when none is running."""
+        with self._gen_cond:
+            self._paused = True
+            if self._pause_timer is not None:
+                self._pause_timer.cancel()
+            self._pause_timer = threading.Timer(self.max_pause_s, self.resume)
+            self._pause_timer.daemon = True
+            self._pause_timer.start()
+            while self._active:
+                self._gen_cond.wait()
+
+    def resume(self) -> None:
+        with self._gen_cond:
+            self._paused = False
+            if self._pause_timer is not None:
+                self._pause_timer.cancel()
+                self._pause_timer = None
+            self._gen_cond.notify_all()
+
+    def _enter_generation(self) -> None:
+        with self._gen_cond:
+            while self._paused:
+                self._gen_cond.wait()
+            self._active += 1
+
+    def _leave_generation(self) -> None:
+        with self._gen_cond:
+            self._active -= 1
+            self._gen_cond.notify_all()
+
+    # ------------------------------------------------------------ generation and forward
+
+    def _check_ids(self, rows: Sequence[Sequence[int]], what: str) -> list[list[int]]:
+        if not isinstance(rows, list) or not rows:
+            raise UpdateError(f"{what}: must be a non-empty list of token-id lists, got "
+                              f"{type(rows).__name__}")
+        if all(isinstance(t, int) for t in rows):
+            rows = [rows]
+        out = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, list) or not row or \
+                    not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in row):
+                raise UpdateError(f"{what}[{i}]: must be a non-empty list of ints in "
+                                  f"[0, {self.vocab_size}), got {str(row)[:80]}")
+            out.append(row)
+        return out
+
+    def generate(self, input_ids: list, sampling: SamplingParams) -> dict:
+        """Returns {"weight_version", "outputs": [{"prompt_index", "output_ids",
+        "output_logprobs", "finish_reason"}]}, n outputs per prompt, prompt-major."""
+        prompts = self._check_ids(input_ids, "input_ids")
+        self._enter_generation()
+        try:
+            with self._model_lock:
+                version = self.version
+                outputs = self._generate(prompts, sampling)
+        finally:
+            self._leave_generation()
+        return {"weight_version": version, "outputs": outputs}
+
+    def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[dict]:
+        from transformers import GenerationConfig
+
+        rows = [p for p in prompts for _ in range(sp.n)]  # n samples per prompt, prompt-major
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):  # left padding: every prompt ends at the same column
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        sample = sp.temperature > 0
+        temperature = sp.temperature if sample else 1.0
+        config = GenerationConfig(
+            do_sample=sample, max_new_tokens=sp.max_new_tokens,
+            eos_token_id=sp.stop_token_ids or None, pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True, use_cache=True,
+            **({"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
+               if sample else {}))
+        recorder = _LogprobRecorder(temperature)
+        handle = self.model.register_forward_hook(recorder, with_kwargs=True)
+        try:
+            if sp.seed is not None:
+                torch.manual_seed(int(sp.seed))
+            with torch.no_grad():
+                out = self.model.generate(input_ids=ids.to(self.device),
+                                          attention_mask=mask.to(self.device),
+                                          generation_config=config)
+        finally:
+            handle.remove()
+        new = out.sequences[:, width:].cpu()  # (B*n, L)
+        logps = recorder.finish(new)  # (B*n, L)
+        stops = set(sp.stop_token_ids)
+        results = []
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            end, reason = len(tokens), "length"
+            for j, t in enumerate(tokens):
+                if t in stops:
+                    end, reason = j + 1, "stop"
+                    break
+            results.append({"prompt_index": row // sp.n, "output_ids": tokens[:end],
+                            "output_logprobs": logps[row, :end].tolist(),
+                            "finish_reason": reason})
+        return results
+
+    def forward(self, input_ids: list, *, temperature: float = 1.0,
+                return_logits: bool = False) -> dict:
+        """Teacher-forced scoring: token_logprobs[b][t] = log softmax(logits/T) of ids[t] given
+        ids[:t] (0 at t=0); logits [b][t][V] when asked (ragged rows, no padding)."""
+        rows = self._check_ids(input_ids, "input_ids")
+        if not temperature > 0:
+            raise UpdateError(f"temperature: must be > 0, got {temperature!r}")
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # right padding: causal attention never sees it
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        with self._model_lock, torch.no_grad():
+            version = self.version
+            logits = self.model(input_ids=ids.to(self.device),
+                                attention_mask=mask.to(self.device)).logits.float().cpu()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        token = torch.zeros_like(ids, dtype=torch.float32)
+        token[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        out = {"weight_version": version,
+               "token_logprobs": [token[i, :len(r)].tolist() for i, r in enumerate(rows)]}
+        if return_logits:
+            out["logits"] = [logits[i, :len(r)].tolist() for i, r in enumerate(rows)]
+        return out
+
+    # ------------------------------------------------------------ weight updates
+
+    def init_group(self, payload: dict) -> dict:
+        """/init_weights_update_group: {master_address, master_port, rank_offset, world_size,
+        group_name, backend, timeout_s (ours, default 300)}; blocks until every member joined."""
+        try:
+            name = str(payload["group_name"])
+            backend = str(payload.get("backend") or "gloo")
+            args = dict(master_address=str(payload["master_address"]),
+                        master_port=int(payload["master_port"]),
+                        rank=int(payload["rank_offset"]), world_size=int(payload["world_size"]),
+                        group_name=name, backend=backend,
+                        timeout_s=float(payload.get("timeout_s") or 300.0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UpdateError(f"init_weights_update_group: payload must hold master_address, "
+                              f"master_port, rank_offset, world_size, group_name; got "
+                              f"{sorted(payload)} ({type(exc).__name__}: {exc})") from None
+        if backend == "nccl" and self.device.type != "cuda":
+            raise UpdateError(f"backend: 'nccl' needs a server on cuda, this one serves on "
+                              f"{self.device}")
+        with self._update_lock:
+            self._retire(name)
+            try:
+                group = make_group(device=self.device, **args)
+            except Exception as exc:  # noqa: BLE001 - rendezvous failures come in many types
+                raise UpdateError(f"init_weights_update_group {name!r}: joining "
+                                  f"{args['master_address']}:{args['master_port']} as rank "
+                                  f"{args['rank']} of {args['world_size']} failed: "
+                                  f"{type(exc).__name__}: {exc}", 500) from None
+            self._groups[name] = (*group, backend, args["timeout_s"])
+        return {"success": True, "message": f"joined group {name!r}"}
+
+    def destroy_group(self, name: str) -> dict:
+        with self._update_lock:
+            self._retire(name)
+        return {"success": True}
+
+    def _retire(self, name: str) -> None:
+        group = self._groups.pop(name, None)
+        if group is not None:
+            self._retired.append(group)
+
+    def update_from_distributed(self, payload: dict) -> dict:
+        """/update_weights_from_distributed: {names, dtypes, shapes, group_name, flush_cache,
+        load_format ("flattened_bucket": one uint8 broadcast; else one broadcast per tensor),
+        weight_version, update_id, bucket_index, commit}. Without update_id the call is a
+        self-contained (possibly partial) update, as in SGLang."""
+        if not self._update_lock.acquire(blocking=False):
+            raise UpdateError("update_weights_from_distributed: another update is in progress", 409)
+        try:
+            return self._update_from_distributed(payload)
+        except UpdateError as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._update_lock.release()
+
+    def _fail(self, exc: UpdateError) -> None:
+        self._staging = None
+        self.last_error = str(exc)
+        self.resume()  # a failed update never leaves generation paused
+
+    def _update_from_distributed(self, payload: dict) -> dict:
+        try:
+            names = [str(n) for n in payload["names"]]
+            dtypes = [str(d) for d in payload["dtypes"]]
+            shapes = [[int(d) for d in s] for s in payload["shapes"]]
+            group_name = str(payload["group_name"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UpdateError(f"update_weights_from_distributed: payload must hold names, "
+                              f"dtypes, shapes, group_name; got {sorted(payload)} "
+                              f"({type(exc).__name__}: {exc})") from None
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
+                              f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+        if group_name not in self._groups:
+            raise UpdateError(f"group_name: no weights-update group {group_name!r} on this "
+                              f"server (groups: {sorted(self._groups)}); call "
+                              f"/init_weights_update_group first", 404)
+        flat = payload.get("load_format") == "flattened_bucket"
+        try:
+            torch_dtypes = [dtype_from_name(d) for d in dtypes]
+        except ValueError as exc:
+            # the bytes on the wire cannot be sized: the group is out of step, drop it
+            self._retire(group_name)
+            raise UpdateError(f"dtypes: {exc}; group {group_name!r} dropped, "
+                              f"re-initialise it") from None
+        update_id = payload.get("update_id")
+        staging = self._staging_for(update_id, int(payload.get("bucket_index") or 0))
+        problems = self._validate(names, torch_dtypes, shapes, staging)
+        received = self._receive(group_name, flat, dtypes, torch_dtypes, shapes)
+        if problems:
+            raise UpdateError("update rejected, previous weights kept: " + "; ".join(problems))
+        staging.tensors.update(zip(names, received))
+        staging.next_bucket += 1
+        commit = bool(payload.get("commit", update_id is None))
+        if not commit:
+            return {"success": True, "weight_version": self.version, "staged":
+                    len(staging.tensors), "message": f"staged {len(names)} tensors"}
+        version = payload.get("weight_version")
+        return self._commit(staging, self.version + 1 if version is None else int(version),
+                            partial=update_id is None)
+
+    def _staging_for(self, update_id, bucket_index: int) -> _Staging:
+        current = self._staging
+        if update_id is None:
+            return _Staging(None)
+        if current is None or current.update_id != update_id:
+            current = self._staging = _Staging(update_id)  # a new update drops an abandoned one
+        if bucket_index != current.next_bucket:
+            self._staging = None
+            # still receive the bytes (keeps the group in step), then reject
+            bad = _Staging(update_id)
+            bad.order_error = (f"bucket_index: must be {current.next_bucket} (the next bucket "
+                               f"of update {update_id!r}), got {bucket_index}")
+            return bad
+        return current
+
+    def _validate(self, names, dtypes, shapes, staging: _Staging) -> list[str]:
+        problems = [staging.order_error] if staging.order_error else []
+        seen = set(staging.tensors)
+        unknown = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            canonical = self.aliases.get(name, name)
+            param = self.params.get(canonical)
+            if param is None:
+                unknown.append(name)
+            elif list(param.shape) != list(shape):
+                problems.append(f"tensor {name!r}: shape must equal the served "
+                                f"{list(param.shape)}, got {list(shape)}")
+            elif dtype != param.dtype:
+                problems.append(f"tensor {name!r}: dtype must equal the served "
+                                f"{dtype_name(param.dtype)}, got {dtype_name(dtype)}")
+            if canonical in seen:
+                problems.append(f"tensor {name!r}: must be sent once per update, got it again")
+            seen.add(canonical)
+        if unknown:
+            problems.insert(0, f"tensor {unknown[0]!r}: name must be a parameter of the served "
+                               f"model, got {len(unknown)} unknown name(s) {unknown[:4]}"
+                               f"{' ...' if len(unknown) > 4 else ''} (served names look like "
+                               f"{next(iter(self.params))!r})")
+        return problems[:8] + ([f"... {len(problems) - 8} more"] if len(problems) > 8 else [])
+
+    def _receive(self, group_name, flat, dtypes, torch_dtypes, shapes) -> list[torch.Tensor]:
+        store, pg, backend, timeout_s = self._groups[group_name]
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        try:
+            if flat:
+                offsets, total = bucket_layout(dtypes, shapes)
+                buf = torch.empty(total, dtype=torch.uint8, device=device)
+                wait_work(broadcast(pg, buf), backend, timeout_s)
+                out = [buf[o:o + math.prod(s) * d.itemsize].view(d).view(s)
+                       for o, d, s in zip(offsets, torch_dtypes, shapes)]
+            else:
+                out = []
+                for d, s in zip(torch_dtypes, shapes):
+                    t = torch.empty(s, dtype=d, device=device)
+                    wait_work(broadcast(pg, t), backend, timeout_s)
+                    out.append(t)
+        except Exception as exc:  # noqa: BLE001 - a dead or stalled sender: gloo/nccl errors
+            self._retire(group_name)
+            raise UpdateError(f"receiving over group {group_name!r} failed: "
+                              f"{type(exc).__name__}: {exc}; group dropped, previous weights "
+                              f"kept", 500) from None
+        if device != self.device:
+            out = [t.to(self.device) for t in out]
+        return out
+
+    def _commit(self, staging: _Staging, version: int, *, partial: bool) -> dict:
+        """Validate the whole staging, then swap it in under the model lock."""
+        tensors = {self.aliases.get(n, n): t for n, t in staging.tensors.items()}
+        if not partial:
+            missing = [n for n in self.params if n not in tensors]
+            if missing:
+                raise UpdateError(f"update rejected, previous weights kept: every parameter of "
+                                  f"the served model must be sent, got none for {len(missing)} "
+                                  f"(e.g. {missing[:3]})")
+        finite = torch.stack([torch.isfinite(t).all().to(self.device) for t in tensors.values()])
+        if not bool(finite.all()):  # one synchronisation on the good path
+            bad = [n for n, ok in zip(tensors, finite.tolist()) if not ok]
+            raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
+                              f"got NaN/inf in {bad[:3]}")
+        with self._model_lock:
+            for name, t in tensors.items():
+                self.params[name].data.copy_(t)
+            self.version = version
+            checksum = self.weights_checksum()
+        self._staging = None
+        self.last_error = None
+        return {"success": True, "weight_version": version, "weights_checksum": checksum,
+                "message": f"updated {len(tensors)} tensors to version {version}"}
+
+    def update_from_disk(self, payload: dict) -> dict:
+        """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,
+        verify_checksums (default true: sha256 of each tensor against fsdpfn_manifest.json)}."""
+        if not self._update_lock.acquire(blocking=False):
+            raise UpdateError("update_weights_from_disk: another update is in progress", 409)
+        try:
+            return self._update_from_disk(payload)
+        except UpdateError as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._update_lock.release()
+
+    def _update_from_disk(self, payload: dict) -> dict:
+        path = Path(str(payload.get("model_path") or ""))
+        if not path.is_dir():
+            raise UpdateError(f"model_path: must be a directory of safetensors files, got "
+                              f"{str(path)!r}", 404)
+        manifest = _read_json(path / MANIFEST)
+        version = payload.get("weight_version")
+        if manifest is not None and version is not None and \
+                int(manifest["version"]) != int(version):
+            raise UpdateError(f"weight_version: must equal the manifest's version "
+                              f"{manifest['version']} in {str(path)!r}, got {version}")
+        if version is None:
+            version = manifest["version"] if manifest is not None else self.version + 1
+        staging = _Staging(None)
+        tensors = _load_safetensors(path, self.device)
+        problems = self._validate(list(tensors), [t.dtype for t in tensors.values()],
+                                  [list(t.shape) for t in tensors.values()], staging)
+        if manifest is not None and payload.get("verify_checksums", True):
+            problems += _check_manifest(manifest, tensors)
+        if problems:
+            raise UpdateError(f"update from {str(path)!r} rejected, previous weights kept: "
+                              + "; ".join(problems[:8]))
+        staging.tensors = tensors
+        return self._commit(staging, int(version), partial=False)
+
+
+class _LogprobRecorder:
+    """A forward hook on the HF model during generate(): at each decoding step it scores the
+    token sampled at the previous step (the new input) under the previous step's distribution,
+    so only one [B, V] distribution is ever kept."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, module, args, kwargs, output) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.previous is not None:
+            self.steps.append(self._score(ids[:, -1]))
+        logits = output.logits[:, -1, :].float()
+        self.previous = torch.log_softmax(logits / self.temperature, dim=-1)
+
+    def _score(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.previous.gather(-1, tokens.to(self.previous.device)[:, None])[:, 0].cpu()
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(rows, L) log-probs of the generated tokens."""
+        if self.previous is not None and len(self.steps) < new_tokens.shape[1]:
+            self.steps.append(self._score(new_tokens[:, len(self.steps)]))
+        assert len(self.steps) == new_tokens.shape[1], (len(self.steps), new_tokens.shape)
+        return torch.stack(self.steps, dim=1)
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _load_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UpdateError(f"model_path: must hold *.safetensors files, got none in "
+                          f"{str(path)!r}", 404)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file), device=str(device)))
+    return tensors
+
+
+def _check_manifest(manifest: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    problems = []
+    expected = manifest.get("tensors", {})
+    if sorted(expected) != sorted(tensors):
+        problems.append(f"files: must hold exactly the manifest's {len(expected)} tensors, got "
+                        f"{len(tensors)}")
+    for name, entry in expected.items():
+        t = tensors.get(name)
+        if t is not None and sha256_of(t) != entry.get("sha256"):
+            problems.append(f"tensor {name!r}: sha256 must equal the manifest's, got a "
+                            f"different digest (corrupted or partly written file)")
+    return problems
+

@@ -1,0 +1,127 @@
+"""Start a rollout server as a subprocess and wait until it answers /health (with a deadline).
+
+    with launch_server("ckpt/", device="cpu") as server:      # killed on exit, even on errors
+        target = ff.RolloutTarget(server.url)
+
+The server listens on 127.0.0.1 on a free port; its output goes to ``server.log_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["RolloutProcess", "launch_server", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RolloutProcess:
+    """A running ``python -m fsdpfn.rollout``; ``close()`` kills it (idempotent)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
+        self.proc = proc
+        self.url = url
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-4000:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def get(self, path: str, timeout: float = 10.0) -> dict:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(self.url + path, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def post(self, path: str, payload: dict, timeout: float = 60.0) -> dict:
+        """POST JSON; an HTTP error answer is returned as its JSON body plus "status"."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with opener.open(req, timeout=timeout) as resp:
+                return {"status": resp.status, **json.loads(resp.read())}
+        except urllib.error.HTTPError as exc:
+            return {"status": exc.code, **json.loads(exc.read() or b"{}")}
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"rollout server exited with {self.proc.returncode} before "
+                                   f"answering /health:\n{self.log()}")
+            try:
+                if self.get("/health", timeout=2.0).get("status") == "ok":
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"rollout server at {self.url} did not answer /health within "
+                           f"{timeout:.0f} s:\n{self.log()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "RolloutProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def launch_server(model: str | os.PathLike, *, port: int | None = None, device: str = "cpu",
+                  dtype: str = "auto", threads: int | None = 1, weight_version: int = 0,
+                  health_timeout: float = 120.0, log_dir: str | os.PathLike | None = None,
+                  extra_args: tuple[str, ...] = (), env: dict | None = None) -> RolloutProcess:
+    """Start ``python -m fsdpfn.rollout`` on 127.0.0.1 and wait for /health (killed on failure).
+
+    ``env`` adds variables to the server's environment (e.g. CUDA_VISIBLE_DEVICES)."""
+    port = port or free_port()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="fsdpfn-rollout-"))
+    log_path = log_dir / f"rollout-{port}.log"
+    cmd = [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model), "--port", str(port),
+           "--host", "127.0.0.1", "--device", device, "--dtype", dtype,
+           "--weight-version", str(weight_version), *extra_args]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.environ.get("OMP_NUM_THREADS", 1)),
+           **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        server.wait_healthy(health_timeout)
+    except BaseException:
+        server.close()
+        raise
+    return server

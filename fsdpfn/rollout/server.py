@@ -1,0 +1,95 @@
+"""The HTTP face of a RolloutEngine (FastAPI): SGLang's endpoint names and payloads, plus ours.
+
+| endpoint | payload | answer |
+| --- | --- | --- |
+| GET /health | | {status, weight_version} |
+| GET /weight_version, GET /get_weight_version | | {weight_version} |
+| GET /get_model_info | | {model_path, dtype, device, weight_version, params: {name: {dtype, shape}}, groups, paused, last_error} |
+| POST /generate | {input_ids: [[int]] or [int], sampling_params: {temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, seed}} | {weight_version, outputs: [{prompt_index, output_ids, output_logprobs, finish_reason}]} |
+| POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
+| POST /init_weights_update_group | {master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s} | {success, message} |
+| POST /destroy_weights_update_group | {group_name} | {success} |
+| POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit} | {success, weight_version, weights_checksum (on commit), message} |
+| POST /update_weights_from_disk | {model_path, weight_version, flush_cache, verify_checksums} | same |
+| POST /pause_generation, POST /continue_generation | {} | {success} |
+
+Failures answer 4xx (the request breaks a rule) or 5xx (the transfer failed) with
+{"success": false, "message": ...}; the served weights and version are then unchanged and
+generation is not left paused. Blocking handlers are plain ``def`` (run in FastAPI's thread pool),
+so /health and generation stay responsive while an update is being received.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fsdpfn.rollout.engine import RolloutEngine, SamplingParams, UpdateError
+
+__all__ = ["build_app"]
+
+
+def build_app(engine: RolloutEngine):
+    from fastapi import Body, FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="fsdpfn rollout server")
+
+    def answer(fn: Callable[[], Any]):
+        try:
+            return fn()
+        except UpdateError as exc:
+            return JSONResponse(status_code=exc.status,
+                                content={"success": False, "message": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - report, keep serving
+            return JSONResponse(status_code=500, content={
+                "success": False, "message": f"{type(exc).__name__}: {exc}"})
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "weight_version": engine.version}
+
+    @app.get("/weight_version")
+    @app.get("/get_weight_version")
+    async def weight_version():
+        return {"weight_version": engine.version}
+
+    @app.get("/get_model_info")
+    def model_info():
+        return engine.info()
+
+    @app.post("/generate")
+    def generate(payload: dict = Body(...)):
+        return answer(lambda: engine.generate(
+            payload.get("input_ids"), SamplingParams(**(payload.get("sampling_params") or {}))))
+
+    @app.post("/forward")
+    def forward(payload: dict = Body(...)):
+        return answer(lambda: engine.forward(
+            payload.get("input_ids"), temperature=float(payload.get("temperature", 1.0)),
+            return_logits=bool(payload.get("return_logits", False))))
+
+    @app.post("/init_weights_update_group")
+    def init_group(payload: dict = Body(...)):
+        return answer(lambda: engine.init_group(payload))
+
+    @app.post("/destroy_weights_update_group")
+    def destroy_group(payload: dict = Body(...)):
+        return answer(lambda: engine.destroy_group(str(payload.get("group_name"))))
+
+    @app.post("/update_weights_from_distributed")
+    def update_distributed(payload: dict = Body(...)):
+        return answer(lambda: engine.update_from_distributed(payload))
+
+    @app.post("/update_weights_from_disk")
+    def update_disk(payload: dict = Body(...)):
+        return answer(lambda: engine.update_from_disk(payload))
+
+    @app.post("/pause_generation")
+    def pause(payload: dict = Body(default={})):
+        return answer(lambda: (engine.pause(), {"success": True})[1])
+
+    @app.post("/continue_generation")
+    def resume(payload: dict = Body(default={})):
+        return answer(lambda: (engine.resume(), {"success": True})[1])
+
+    return app

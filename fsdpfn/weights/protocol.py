@@ -1,0 +1,204 @@
+"""The wire and disk formats shared by push_weights (trainer) and fsdpfn.rollout (receiver).
+
+Nothing here talks to a network or a process group: dtype names, the flat-bucket byte layout, the
+weights checksum, the disk manifest, and the stateless process group that a trainer rank and its
+receivers build from a TCPStore (outside the trainer's default world).
+
+Flat bucket ("load_format": "flattened_bucket"): one uint8 buffer per bucket; tensor i occupies
+``nbytes_i`` bytes at ``offset_i``, offsets rounded up to ALIGN bytes so every slice can be viewed
+as its dtype. Both ends compute the layout from the advertised (names, dtypes, shapes) alone.
+
+Weights checksum: for each tensor, the sum of its bytes read as int32 words (uint8 when the byte
+count is not a multiple of 4), in int64; combined over names in sorted order as
+sum((i + 1) * c_i) mod 2**61. Integer sums are associative, so the value is bit-exact whatever the
+device or reduction order: the trainer computes it from what it sends, the receiver from the
+parameters it serves after the swap, and equality shows the server really holds the pushed weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", "tensor_checksum",
+           "tensor_checksums",
+           "combine_checksums", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
+           "make_group", "broadcast", "wait_work", "DEFAULT_BUCKET_BYTES"]
+
+ALIGN = 64
+DEFAULT_BUCKET_BYTES = 1 << 30
+MANIFEST = "fsdpfn_manifest.json"
+_MOD = (1 << 61) - 1
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16; ValueError for anything else."""
+    key = str(name).removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(int(d) for d in shape) * dtype.itemsize
+
+
+def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tuple[list[int], int]:
+    """(offsets, total bytes) of a flat bucket holding tensors of these dtypes and shapes."""
+    offsets, cursor = [], 0
+    for name, shape in zip(dtypes, shapes):
+        cursor = -(-cursor // ALIGN) * ALIGN
+        offsets.append(cursor)
+        cursor += nbytes_of(shape, dtype_from_name(name))
+    return offsets, cursor
+
+
+def _word_sum(t: torch.Tensor) -> torch.Tensor:
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    return words.sum(dtype=torch.int64)
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Order-independent, bit-exact integer sum of the bytes of ``t`` (any device)."""
+    return int(_word_sum(t).item())
+
+
+def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """tensor_checksum of each, with one device synchronisation for all of them."""
+    if not tensors:
+        return []
+    sums = [_word_sum(t) for t in tensors]
+    return [int(v) for v in torch.stack([s.to(sums[0].device) for s in sums]).tolist()]
+
+
+def combine_checksums(per_tensor: dict[str, int]) -> int:
+    return sum((i + 1) * (c % _MOD) for i, (_, c) in
+               enumerate(sorted(per_tensor.items()))) % _MOD
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    raw = t.detach().contiguous().cpu().view(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- disk manifest
+
+
+def write_manifest(directory: Path, *, version: int, entries: dict[str, dict],
+                   files: list[str], weights_checksum: int) -> None:
+    """entries: name -> {dtype, shape, sha256, file}; written last, fsynced (it is the commit)."""
+    payload = {"format": "fsdpfn-weights/1", "version": int(version), "names": list(entries),
+               "tensors": entries, "files": files, "weights_checksum": int(weights_checksum)}
+    path = Path(directory) / MANIFEST
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=1)
+        fh.flush()
+        _fsync(fh)
+
+
+def read_manifest(directory: Path) -> dict | None:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _fsync(fh) -> None:
+    import os
+
+    os.fsync(fh.fileno())
+
+
+# ---------------------------------------------------------------- the stateless process group
+
+
+def make_group(*, master_address: str, master_port: int, rank: int, world_size: int,
+               group_name: str, backend: str, timeout_s: float, device: torch.device | None = None,
+               store=None):
+    """A process group of ``world_size`` members built straight from a TCPStore.
+
+    Rank 0 hosts the store (pass ``store=None`` and it is created as master). It is not part of
+    torch.distributed's default world: no global registration, nothing to destroy but the object.
+    Returns (store, backend object). Blocks until every member has joined or ``timeout_s`` passes.
+    """
+    from torch.distributed import PrefixStore, TCPStore
+
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    if store is None:
+        store = TCPStore(master_address, int(master_port), int(world_size),
+                         is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    prefixed = PrefixStore(f"fsdpfn/{group_name}", store)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        opts = ProcessGroupGloo._Options()  # noqa: SLF001 - the only way to pass both options
+        opts._timeout = timeout  # noqa: SLF001
+        host = master_address if rank == 0 else _local_address(master_address)
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]  # noqa: SLF001
+        pg = ProcessGroupGloo(prefixed, int(rank), int(world_size), opts)
+    elif backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device.index if device.index is not None
+                                  else torch.cuda.current_device())
+        opts = ProcessGroupNCCL.Options()
+        # the watchdog would tear the process down on a timeout: give it a minute more than
+        # wait_work's deadline, which aborts the communicator and raises instead
+        opts._timeout = timeout + datetime.timedelta(seconds=60)  # noqa: SLF001
+        pg = ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    return store, pg
+
+
+def _local_address(master_address: str) -> str:
+    """The address of this host's interface that routes to ``master_address``."""
+    import socket
+
+    if master_address in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_address, 9))  # no packet is sent for a UDP connect
+        return s.getsockname()[0]
+
+
+def broadcast(pg, tensor: torch.Tensor):
+    """Asynchronous broadcast of ``tensor`` from member 0 over ``pg``; returns the work handle."""
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return pg.broadcast([tensor], opts)
+
+
+def wait_work(work, backend: str, timeout_s: float) -> None:
+    """Block the host until ``work`` completes; raise on failure or after ``timeout_s``.
+
+    gloo's wait takes a timeout; an NCCL wait only orders CUDA streams, so it is polled."""
+    if backend == "gloo":
+        work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        return
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the transfer did not complete within {timeout_s:g} s")
+        time.sleep(0.0005)
+    work.wait()

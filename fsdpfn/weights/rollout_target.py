@@ -1,0 +1,439 @@
+"""RolloutTarget: push to one or more rollout servers (fsdpfn.rollout, or SGLang-compatible).
+
+transport="broadcast" (default). Trainer rank 0 and the servers share a dedicated process group
+(NCCL when trainer and servers are on CUDA, else gloo), built once from a TCPStore hosted by rank 0
+and reused across pushes (rebuilt when a server no longer lists it, or after a failure). Per push:
+
+  1. rank 0 reads every server's /get_model_info: the push dtype (the served dtype unless
+     ``dtype`` is given), and, with ``precheck``, names and shapes against the trainer's;
+     rank 0's verdict reaches every rank before any gather.
+  2. buckets (``bucket_bytes``, default 1 GiB) are gathered by all ranks in a fixed name order;
+     for each, rank 0 posts the metadata {names, dtypes, shapes, group_name, flush_cache,
+     load_format="flattened_bucket", weight_version, update_id, bucket_index, commit} to
+     /update_weights_from_distributed in a thread (the call blocks in the server while it
+     receives) and broadcasts one flat uint8 buffer asynchronously; the next bucket is gathered
+     meanwhile. The dtypes advertised are those of the bytes sent (the layout is in
+     fsdpfn.weights.protocol).
+  3. the last bucket carries commit=true: the server validates its staging and swaps; with
+     ``pause_generation`` rank 0 pauses generation just before it and continues it after (also
+     after a failure). Its answer's weights_checksum must equal the checksum of what was sent,
+     and /weight_version must then report the pushed version.
+
+transport="disk": the ranks write ``disk_root/v{version}`` (a DiskTarget layout, which the
+servers must be able to read at the same path), then rank 0 calls /update_weights_from_disk.
+
+Every request and every bucket's transfer is bounded by ``timeout_s`` (group set-up by
+``init_timeout_s``). Any failure raises WeightSyncError on every trainer rank naming the server,
+the endpoint or tensor, the rule and the value. Each server swaps atomically, so a failed push
+leaves it serving its previous weights; with several servers, those that committed before the
+failure keep the new version (the message says which failed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import urllib.parse
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.state import EngineState, agree
+from fsdpfn.weights.disk import rotate, write_version
+from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets, share,
+                                   weight_params)
+from fsdpfn.weights.http import Call, call
+from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, broadcast, combine_checksums,
+                                     dtype_from_name, make_group, tensor_checksums, wait_work)
+
+__all__ = ["RolloutTarget"]
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class RolloutTarget:
+    """Push to rollout servers at ``urls`` (see the module doc for the protocol).
+
+    transport: "broadcast" or "disk" (needs ``disk_root``, shared with the servers).
+    dtype: the dtype sent (None: the servers' served dtype).
+    backend: "gloo" or "nccl" (None: nccl when the trainer and every server are on CUDA).
+    timeout_s: bound on every HTTP request and every bucket's transfer; init_timeout_s on
+    creating the group. pause_generation: pause around the swap. precheck: compare names and
+    shapes with each server's before sending. master_address / master_port: where the servers
+    reach trainer rank 0's store (None: 127.0.0.1 for local servers, else the address of the
+    interface that routes to the first server; a free port). on_bucket(index, n_buckets): called
+    on rank 0 once each bucket is on the wire (progress reports).
+    """
+
+    def __init__(self, urls: str | Sequence[str], *, transport: str = "broadcast",
+                 dtype: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 backend: str | None = None, timeout_s: float = 300.0,
+                 init_timeout_s: float = 120.0, pause_generation: bool = True,
+                 flush_cache: bool = True, precheck: bool = True,
+                 disk_root: str | os.PathLike | None = None, keep_last: int = 2,
+                 master_address: str | None = None, master_port: int | None = None,
+                 group_name: str | None = None,
+                 on_bucket: Callable[[int, int], None] | None = None):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                               for u in urls):
+            raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
+        if transport not in ("broadcast", "disk"):
+            raise ConfigError(f"transport: must be 'broadcast' or 'disk', got {transport!r}")
+        if transport == "disk" and disk_root is None:
+            raise ConfigError("disk_root: must be set for transport='disk' (a directory the "
+                              "servers can read at the same path), got None")
+        if backend not in (None, "gloo", "nccl"):
+            raise ConfigError(f"backend: must be None, 'gloo' or 'nccl', got {backend!r}")
+        for key, value in (("timeout_s", timeout_s), ("init_timeout_s", init_timeout_s)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{key}: must be a number > 0, got {value!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ConfigError(f"bucket_bytes: must be an int >= 1, got {bucket_bytes!r}")
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ConfigError(f"keep_last: must be an int >= 1, got {keep_last!r}")
+        if dtype is not None:
+            try:
+                dtype_from_name(dtype)
+            except ValueError as exc:
+                raise ConfigError(f"dtype: {exc}") from None
+        self.urls = [u.rstrip("/") for u in urls]
+        self.transport = transport
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self.init_timeout_s = float(init_timeout_s)
+        self.pause_generation = pause_generation
+        self.flush_cache = flush_cache
+        self.precheck = precheck
+        self.disk_root = None if disk_root is None else Path(disk_root)
+        self.keep_last = keep_last
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name or f"fsdpfn-{uuid.uuid4().hex[:8]}"
+        self.on_bucket = on_bucket
+        # rank 0 only: the live group (store, pg, backend) and groups left after a failure
+        # (kept referenced: destroying a group with an operation in flight blocks until its
+        # timeout)
+        self._group: tuple[Any, Any, str] | None = None
+        self._retired: list = []
+
+    def __repr__(self) -> str:
+        return f"RolloutTarget({self.urls!r}, transport={self.transport!r})"
+
+    # ------------------------------------------------------------ the collective push
+
+    def push(self, state: EngineState) -> tuple[int, int]:
+        """Collective over the trainer ranks; returns (n_tensors, n_bytes)."""
+        params = weight_params(state)
+        plan, error = (guard(lambda: self._prepare(state, params), "preparing the push")
+                       if is_pusher() else (None, None))
+        dtype_str, backend = share(plan, error)
+        dtype = dtype_from_name(dtype_str)
+        if self.transport == "disk":
+            return self._push_disk(state, dtype)
+        return self._push_broadcast(state, params, dtype, backend)
+
+    def _push_broadcast(self, state: EngineState, params, dtype: torch.dtype,
+                        backend: str) -> tuple[int, int]:
+        buckets = plan_buckets(params, dtype, self.bucket_bytes)
+        sender = _BroadcastSender(self, buckets, state.version) if is_pusher() else None
+        out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
+        try:
+            drive(state, dict(params), buckets, sender, gather_device=state.mesh.device,
+                  out_device=out_device, flat=True)
+            error = None
+            if sender is not None:
+                _, error = guard(sender.conclude, "concluding the push")
+            agree(state.mesh, error)
+        except BaseException:
+            if sender is not None:
+                sender.abandon()
+            raise
+        return sum(len(b.specs) for b in buckets), sum(s.nbytes for b in buckets for s in b.specs)
+
+    def _push_disk(self, state: EngineState, dtype: torch.dtype) -> tuple[int, int]:
+        final, n_tensors, n_bytes, checksum = write_version(
+            state, self.disk_root, dtype=dtype, bucket_bytes=self.bucket_bytes)
+        error = None
+        if is_pusher():
+            _, error = guard(lambda: self._load_from_disk(final, state.version, checksum),
+                             "loading from disk")
+            if error is None:
+                _, error = guard(lambda: rotate(self.disk_root, self.keep_last),
+                                 "rotating old versions")
+        agree(state.mesh, error)
+        return n_tensors, n_bytes
+
+    # ------------------------------------------------------------ rank 0: preparation
+
+    def _prepare(self, state: EngineState, params) -> tuple[str, str]:
+        """(push dtype name, backend); checks names/shapes; (re)builds the group if needed."""
+        infos = {url: call(url, "/get_model_info", timeout=self.timeout_s) for url in self.urls}
+        served = {url: info.get("dtype") for url, info in infos.items()}
+        if self.dtype is not None:
+            dtype = self.dtype
+        elif len(set(served.values())) == 1:
+            dtype = next(iter(served.values()))
+        else:
+            raise WeightSyncError(f"dtype: the servers serve different dtypes {served}; pass "
+                                  f"RolloutTarget(dtype=...) explicitly")
+        if self.precheck:
+            for url, info in infos.items():
+                _precheck(url, info, params, dtype)
+        on_cuda = state.mesh.device_type == "cuda" and all(
+            str(info.get("device", "cpu")).startswith("cuda") for info in infos.values())
+        backend = self.backend or ("nccl" if on_cuda else "gloo")
+        if self.transport == "broadcast":
+            stale = self._group is None or self._group[2] != backend or any(
+                self.group_name not in info.get("groups", ()) for info in infos.values())
+            if stale:
+                self._init_group(backend, state.mesh.device)
+        return dtype, backend
+
+    def _address(self) -> str:
+        if self.master_address:
+            return self.master_address
+        hosts = [urllib.parse.urlparse(u).hostname or "" for u in self.urls]
+        if all(h in _LOOPBACK for h in hosts):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((hosts[0], 9))  # a UDP connect sends nothing: it only picks the route
+            return s.getsockname()[0]
+
+    def _init_group(self, backend: str, device: torch.device) -> None:
+        self.retire()
+        address = self._address()
+        port = self.master_port or _free_port(address)
+        world = 1 + len(self.urls)
+        deadline = time.monotonic() + self.init_timeout_s
+        calls = [Call(lambda url=url, i=i: call(url, "/init_weights_update_group", {
+            "master_address": address, "master_port": port, "rank_offset": 1 + i,
+            "world_size": world, "group_name": self.group_name, "backend": backend,
+            "timeout_s": self.timeout_s}, timeout=self.init_timeout_s),
+            f"server {url}: /init_weights_update_group")
+            for i, url in enumerate(self.urls)]
+        try:
+            group = make_group(master_address=address, master_port=port, rank=0,
+                               world_size=world, group_name=self.group_name, backend=backend,
+                               timeout_s=self.init_timeout_s, device=device)
+        except Exception as exc:  # noqa: BLE001 - the servers' answers say more: prefer them
+            for c in calls:
+                c.result(min(deadline, time.monotonic() + 5.0))
+            raise WeightSyncError(f"init_weights_update_group: building group "
+                                  f"{self.group_name!r} ({backend}, {address}:{port}, "
+                                  f"{world} members) failed: {type(exc).__name__}: {exc}") from None
+        for c in calls:
+            c.result(deadline)
+        pg = group[1]
+        if backend == "gloo" and hasattr(pg, "set_timeout"):
+            pg.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        self._group = (*group, backend)
+
+    def retire(self) -> None:
+        """Rank 0: stop using the current group (the next push builds a new one)."""
+        if self._group is not None:
+            group, self._group = self._group, None
+            if group[2] == "nccl":
+                try:
+                    group[1].abort()
+                except Exception:  # noqa: BLE001 - best effort on a broken communicator
+                    pass
+            self._retired.append(group)
+
+    def close(self) -> None:
+        """Rank 0: ask the servers to drop the group (best effort) and forget it."""
+        if is_pusher() and self._group is not None:
+            for url in self.urls:
+                try:
+                    call(url, "/destroy_weights_update_group", {"group_name": self.group_name},
+                         timeout=min(self.timeout_s, 10.0))
+                except WeightSyncError:
+                    pass
+            self.retire()
+
+    # ------------------------------------------------------------ rank 0: pause and disk
+
+    def _pause(self) -> None:
+        if self.pause_generation:
+            for url in self.urls:
+                call(url, "/pause_generation", {}, timeout=self.timeout_s)
+
+    def _continue(self, *, strict: bool) -> None:
+        if not self.pause_generation:
+            return
+        errors = []
+        for url in self.urls:
+            try:
+                call(url, "/continue_generation", {}, timeout=min(self.timeout_s, 30.0))
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+        if errors and strict:
+            raise WeightSyncError("; ".join(errors))
+
+    def _load_from_disk(self, directory: Path, version: int, checksum: int) -> None:
+        payload = {"model_path": str(directory.resolve()), "weight_version": version,
+                   "flush_cache": self.flush_cache, "verify_checksums": True}
+        self._pause()
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            calls = {url: Call(lambda url=url: call(url, "/update_weights_from_disk", payload,
+                                                    timeout=self.timeout_s),
+                               f"server {url}: /update_weights_from_disk")
+                     for url in self.urls}
+            answers = {}
+            errors = []
+            for url, c in calls.items():
+                try:
+                    answers[url] = c.result(deadline + 1.0)
+                except WeightSyncError as exc:
+                    errors.append(str(exc))
+            if errors:
+                raise WeightSyncError("; ".join(errors))
+            for url, answer in answers.items():
+                _check_commit(url, answer, version, checksum)
+        except BaseException:
+            self._continue(strict=False)
+            raise
+        self._continue(strict=True)
+        _verify_versions(self.urls, version, self.timeout_s)
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _precheck(url: str, info: dict, params, dtype: str) -> None:
+    served = info.get("params") or {}
+    ours = {name: list(p.shape) for name, p in params}
+    problems = []
+    unknown = [n for n in ours if n not in served]
+    missing = [n for n in served if n not in ours]
+    if unknown:
+        problems.append(f"tensor {unknown[0]!r}: name must be a parameter of the served model, "
+                        f"got {len(unknown)} unknown names (e.g. {unknown[:3]})")
+    if missing:
+        problems.append(f"tensor {missing[0]!r}: the served model has it, the trainer does not "
+                        f"({len(missing)} such, e.g. {missing[:3]})")
+    for name, shape in ours.items():
+        if name in served and list(served[name]["shape"]) != shape:
+            problems.append(f"tensor {name!r}: shape must equal the served "
+                            f"{served[name]['shape']}, got {shape}")
+        if name in served and served[name]["dtype"] != dtype:
+            problems.append(f"tensor {name!r}: dtype must equal the served "
+                            f"{served[name]['dtype']}, got {dtype}")
+    if problems:
+        more = f"; ... {len(problems) - 4} more" if len(problems) > 4 else ""
+        raise WeightSyncError(f"server {url}: the trainer's weights do not match the served "
+                              f"model ({info.get('model_path')}): " + "; ".join(problems[:4])
+                              + more)
+
+
+def _check_commit(url: str, answer: dict, version: int, checksum: int) -> None:
+    if answer.get("weight_version") != version:
+        raise WeightSyncError(f"server {url}: weight_version after the update must be {version}, "
+                              f"got {answer.get('weight_version')!r}")
+    if answer.get("weights_checksum") != checksum:
+        raise WeightSyncError(f"server {url}: weights_checksum after the update must equal the "
+                              f"checksum of the pushed weights {checksum}, got "
+                              f"{answer.get('weights_checksum')!r} (the server does not hold "
+                              f"what was sent)")
+
+
+def _verify_versions(urls: list[str], version: int, timeout: float) -> None:
+    for url in urls:
+        got = call(url, "/weight_version", timeout=timeout).get("weight_version")
+        if got != version:
+            raise WeightSyncError(f"server {url}: /weight_version must report {version} after "
+                                  f"the push, got {got!r}")
+
+
+class _BroadcastSender:
+    """Rank 0: metadata over HTTP (a thread per server) + one async flat broadcast per bucket."""
+
+    def __init__(self, target: RolloutTarget, buckets: list[Bucket], version: int):
+        self.target = target
+        self.buckets = buckets
+        self.version = version
+        self.update_id = uuid.uuid4().hex
+        self.checksums: dict[str, int] = {}
+        self.paused = False
+        self.final_answers: dict[str, dict] = {}
+
+    def start(self, bucket: Bucket, flat: torch.Tensor):
+        t = self.target
+        store, pg, backend = t._group  # noqa: SLF001
+        last = bucket.index == len(self.buckets) - 1
+        views = [flat[o:o + s.nbytes] for s, o in zip(bucket.specs, bucket.offsets)]
+        self.checksums.update(zip(bucket.names, tensor_checksums(views)))
+        if last and t.pause_generation:
+            self.paused = True
+            t._pause()  # noqa: SLF001
+        payload = {**bucket.metadata, "group_name": t.group_name,
+                   "flush_cache": bool(last and t.flush_cache), "load_format": "flattened_bucket",
+                   "weight_version": self.version, "update_id": self.update_id,
+                   "bucket_index": bucket.index, "commit": last}
+        calls = {url: Call(lambda url=url: call(url, "/update_weights_from_distributed", payload,
+                                                timeout=t.timeout_s),
+                           f"server {url}: /update_weights_from_distributed")
+                 for url in t.urls}
+        work = broadcast(pg, flat)  # ordered after the gather's copies on the current stream
+        if t.on_bucket is not None:
+            t.on_bucket(bucket.index, len(self.buckets))
+        return bucket, calls, work, flat, backend, time.monotonic() + t.timeout_s
+
+    def finish(self, handle) -> None:
+        bucket, calls, work, flat, backend, deadline = handle
+        wire_error = _wait(work, backend, deadline)
+        if wire_error is not None:
+            deadline = min(deadline, time.monotonic() + 2.0)  # the servers may explain
+        errors, answers = [], {}
+        for url, c in calls.items():
+            try:
+                answers[url] = c.result(deadline)
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+        where = (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
+                 f"from {bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s="
+                 f"{self.target.timeout_s:g}]")
+        if errors:
+            raise WeightSyncError("; ".join(errors) + f" {where}")
+        if wire_error is not None:
+            raise WeightSyncError(f"broadcast to {self.target.urls} failed: {wire_error} {where}")
+        if bucket.index == len(self.buckets) - 1:
+            self.final_answers = answers
+
+    def conclude(self) -> None:
+        """After the last bucket: checksums, continue generation, versions."""
+        checksum = combine_checksums(self.checksums)
+        for url, answer in self.final_answers.items():
+            _check_commit(url, answer, self.version, checksum)
+        if self.paused:
+            self.paused = False
+            self.target._continue(strict=True)  # noqa: SLF001
+        _verify_versions(self.target.urls, self.version, self.target.timeout_s)
+
+    def abandon(self) -> None:
+        """After a failure: the group may be out of step (drop it); never leave generation
+        paused."""
+        self.target.retire()
+        if self.paused:
+            self.paused = False
+            self.target._continue(strict=False)  # noqa: SLF001
+
+
+def _wait(work, backend: str, deadline: float) -> str | None:
+    """Wait for a broadcast until ``deadline``; the error text, or None when it completed."""
+    try:
+        wait_work(work, backend, deadline - time.monotonic())
+        return None
+    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError, NCCL TimeoutError
+        return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,305 @@
+"""fsdpfn.rollout.RolloutEngine in one process (no HTTP, no trainer) and the weight-push formats.
+
+References: a plain HF forward of the same model (float32) for log-probs; the tensors written or
+broadcast for updates. Updates go over a real gloo group built from a TCPStore, with the sender
+(member 0) in this thread and the engine (member 1) in a second one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
+from fsdpfn.rollout.process import free_port
+from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+from fsdpfn.weights.gather import plan_buckets
+from fsdpfn.weights.protocol import (ALIGN, broadcast, bucket_layout, combine_checksums,
+                                     make_group, sha256_of, tensor_checksum, write_manifest)
+
+# float32 everywhere. Generation runs the model step by step with a KV cache and left padding,
+# the reference runs whole right-padded sequences: the same products summed in another order,
+# a few ulps apart (~1e-7 relative) per op; 2 layers of 64-wide sums stay far below 1e-5.
+LOGP_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("m") / "tiny", tiny_qwen2_config(), seed=0)
+
+
+@pytest.fixture()
+def engine(model_dir):
+    return RolloutEngine(str(model_dir), dtype="float32", device="cpu", max_pause_s=30)
+
+
+def _ref_logp(model, rows: list[list[int]], temperature: float) -> list[torch.Tensor]:
+    """log softmax(logits / T) of each token given its prefix, one unpadded row at a time."""
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row])
+            logits = model(input_ids=ids).logits.double()[0]
+            logp = torch.log_softmax(logits / temperature, -1)
+            out.append(logp[:-1].gather(-1, ids[0, 1:, None])[:, 0])
+    return out
+
+
+# ---------------------------------------------------------------- generation
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.3, 1.0), (0.0, 1.0)])
+def test_generation_logprobs_match_forward(engine, temperature, top_p):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+    sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=7, n=2, seed=3)
+    res = engine.generate(prompts, sp)
+    assert res["weight_version"] == 0 and len(res["outputs"]) == 4
+    rows = [prompts[o["prompt_index"]] + o["output_ids"] for o in res["outputs"]]
+    refs = _ref_logp(engine.model, rows, temperature or 1.0)
+    for o, ref in zip(res["outputs"], refs):
+        n_prompt = len(prompts[o["prompt_index"]])
+        assert [o["prompt_index"] for o in res["outputs"]] == [0, 0, 1, 1]
+        got = torch.tensor(o["output_logprobs"], dtype=torch.float64)
+        torch.testing.assert_close(got, ref[n_prompt - 1:], atol=LOGP_ATOL, rtol=0)
+        if temperature == 0:  # greedy: every token is the argmax of its distribution
+            with torch.no_grad():
+                logits = engine.model(input_ids=torch.tensor([rows[0]])).logits[0]
+            p0 = len(prompts[res["outputs"][0]["prompt_index"]])
+            assert logits[p0 - 1:-1].argmax(-1).tolist() == res["outputs"][0]["output_ids"]
+
+
+@pytest.mark.timeout(60)
+def test_stop_tokens_seed_and_validation(engine):
+    base = dict(temperature=1.0, max_new_tokens=12, n=3, seed=11)
+    free = engine.generate([[5, 6]], SamplingParams(**base))["outputs"]
+    assert engine.generate([[5, 6]], SamplingParams(**base))["outputs"] == free  # seeded
+    stop = free[0]["output_ids"][2]
+    out = engine.generate([[5, 6]], SamplingParams(**base, stop_token_ids=[stop]))["outputs"]
+    for o in out:
+        ids = o["output_ids"]
+        if o["finish_reason"] == "stop":
+            assert ids[-1] == stop and stop not in ids[:-1]
+        else:
+            assert len(ids) == 12 and stop not in ids
+        assert len(o["output_logprobs"]) == len(ids)
+    assert out[0]["finish_reason"] == "stop" and len(out[0]["output_ids"]) == 3
+    with pytest.raises(UpdateError, match=r"input_ids\[0\]: must be .* in \[0, 128\), got"):
+        engine.generate([[1, 128]], SamplingParams())
+    with pytest.raises(UpdateError, match="sampling_params.top_p: must be in"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(UpdateError, match="unknown keys"):
+        SamplingParams(temprature=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_pause_blocks_generation_until_continue_and_expires(engine):
+    engine.pause()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (engine.generate([[1, 2]], SamplingParams(
+        max_new_tokens=2)), done.set()), daemon=True)
+    thread.start()
+    assert not done.wait(0.5), "generation ran while paused"
+    engine.resume()
+    assert done.wait(20), "generation did not continue after resume"
+    engine.max_pause_s = 0.3
+    engine.pause()
+    t0 = time.monotonic()
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))  # waits for the expiry
+    assert 0.2 < time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(60)
+def test_update_waits_for_generation_in_flight(engine, tmp_path):
+    """pause -> wait for the request in flight (it finishes on the old weights) -> swap ->
+    continue: the next request sees the new version."""
+    from safetensors.torch import save_file
+
+    new = _perturbed(engine, seed=2)
+    (tmp_path / "v").mkdir()
+    save_file(new, str(tmp_path / "v" / "model.safetensors"))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(engine.generate(
+        [[1, 2, 3]], SamplingParams(max_new_tokens=48, seed=0))), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while engine._active == 0 and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.001)
+    engine.pause()  # returns once the request in flight is done
+    assert result["weight_version"] == 0 and len(result["outputs"][0]["output_ids"]) == 48
+    assert engine.update_from_disk({"model_path": str(tmp_path / "v"),
+                                    "weight_version": 1})["weight_version"] == 1
+    engine.resume()
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))["weight_version"] == 1
+    thread.join(5)
+
+
+# ---------------------------------------------------------------- updates over a gloo group
+
+
+class _Pair:
+    """Member 0 (this thread) and the engine (member 1) in one gloo group."""
+
+    def __init__(self, engine, name="g"):
+        port = free_port()
+        answer = {}
+        t = threading.Thread(target=lambda: answer.update(engine.init_group({
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": name, "backend": "gloo", "timeout_s": 20})))
+        t.start()
+        self.store, self.pg = make_group(master_address="127.0.0.1", master_port=port, rank=0,
+                                         world_size=2, group_name=name, backend="gloo",
+                                         timeout_s=20)
+        t.join(30)
+        assert answer.get("success"), answer
+        self.engine, self.name = engine, name
+
+    def send(self, tensors: dict[str, torch.Tensor], *, flat=True, dtypes=None, **extra):
+        """Post one bucket's metadata to the engine (a thread) and broadcast its bytes."""
+        names = list(tensors)
+        dtypes = dtypes or [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
+        shapes = [list(t.shape) for t in tensors.values()]
+        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.name,
+                   "load_format": "flattened_bucket" if flat else None, **extra}
+        result = {}
+
+        def serve():
+            try:
+                result["ok"] = self.engine.update_from_distributed(payload)
+            except UpdateError as exc:
+                result["err"] = exc
+        t = threading.Thread(target=serve)
+        t.start()
+        if flat:
+            offsets, total = bucket_layout(dtypes, shapes)
+            buf = torch.zeros(total, dtype=torch.uint8)
+            for (o, t_), n in zip(zip(offsets, tensors.values()), names):
+                buf[o:o + t_.numel() * t_.element_size()].view(t_.dtype).copy_(t_.flatten())
+            broadcast(self.pg, buf).wait()
+        else:
+            for t_ in tensors.values():
+                broadcast(self.pg, t_.contiguous()).wait()
+        t.join(30)
+        return result
+
+
+def _perturbed(engine, scale=0.01, seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: (p.detach() + scale * torch.randn(p.shape, generator=g)).clone()
+            for n, p in engine.params.items()}
+
+
+@pytest.mark.timeout(90)
+def test_distributed_update_is_staged_validated_and_atomic(engine):
+    pair = _Pair(engine)
+    before = {n: p.detach().clone() for n, p in engine.params.items()}
+    new = _perturbed(engine)
+    names = list(new)
+    half = len(names) // 2
+
+    # a bad shape in the first bucket: bytes drained, rejected, nothing served changes
+    bad = {n: new[n] for n in names[:half]}
+    bad[names[0]] = torch.zeros(3, 5)
+    r = pair.send(bad, update_id="u1", bucket_index=0, commit=False)
+    assert r["err"].status == 400 and f"tensor {names[0]!r}: shape must equal" in str(r["err"])
+    assert engine.version == 0 and engine.last_error
+    # a dtype unlike the served one, and an unknown name, in one self-contained call
+    r = pair.send({names[1]: new[names[1]].double(), "model.nope": torch.zeros(2)})
+    assert "dtype must equal the served float32, got float64" in str(r["err"])
+    assert "tensor 'model.nope': name must be a parameter" in str(r["err"])
+    # a commit that lacks parameters
+    r = pair.send({n: new[n] for n in names[:half]}, update_id="u2", bucket_index=0, commit=True,
+                  weight_version=5)
+    assert "every parameter of the served model must be sent" in str(r["err"])
+    # a bucket out of order
+    r = pair.send({n: new[n] for n in names[half:]}, update_id="u3", bucket_index=1, commit=True)
+    assert "bucket_index: must be 0" in str(r["err"])
+    # non-finite weights
+    nan = {n: new[n].clone() for n in names}
+    nan[names[2]][0] = float("nan")
+    r = pair.send(nan, update_id="u4", bucket_index=0, commit=True, weight_version=5)
+    assert "must be finite" in str(r["err"])
+    assert engine.version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.params.items())
+
+    # the group is still in step: a good two-bucket update commits
+    r = pair.send({n: new[n] for n in names[:half]}, update_id="u5", bucket_index=0,
+                  commit=False)
+    assert r["ok"]["weight_version"] == 0 and engine.version == 0  # staged, not served yet
+    r = pair.send({n: new[n] for n in names[half:]}, update_id="u5", bucket_index=1,
+                  commit=True, weight_version=7)
+    assert r["ok"]["weight_version"] == 7 == engine.version
+    assert r["ok"]["weights_checksum"] == combine_checksums(
+        {n: tensor_checksum(t) for n, t in new.items()})
+    assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
+
+    # SGLang's per-tensor format: a self-contained partial update
+    one = {names[3]: torch.full_like(new[names[3]], 0.5)}
+    r = pair.send(one, flat=False, weight_version=8)
+    assert r["ok"]["weight_version"] == 8 and bool((engine.params[names[3]] == 0.5).all())
+
+
+@pytest.mark.timeout(60)
+def test_update_from_disk_verifies_before_swapping(engine, tmp_path):
+    from safetensors.torch import save_file
+
+    new = _perturbed(engine, seed=1)
+
+    def write(directory, tensors, version, corrupt=None):
+        directory.mkdir()
+        save_file(tensors, str(directory / "model.safetensors"))
+        entries = {n: {"dtype": "float32", "shape": list(t.shape), "file": "model.safetensors",
+                       "sha256": sha256_of(t)} for n, t in tensors.items()}
+        if corrupt:
+            entries[corrupt]["sha256"] = "0" * 64
+        write_manifest(directory, version=version, entries=entries,
+                       files=["model.safetensors"], weights_checksum=0)
+        return str(directory)
+
+    before = {n: p.detach().clone() for n, p in engine.params.items()}
+    bad_sha = write(tmp_path / "a", new, 3, corrupt=next(iter(new)))
+    with pytest.raises(UpdateError, match="sha256 must equal the manifest's"):
+        engine.update_from_disk({"model_path": bad_sha})
+    extra = write(tmp_path / "b", {**new, "model.extra": torch.zeros(2)}, 3)
+    with pytest.raises(UpdateError, match="'model.extra': name must be a parameter"):
+        engine.update_from_disk({"model_path": extra})
+    good = write(tmp_path / "c", new, 3)
+    with pytest.raises(UpdateError, match="weight_version: must equal the manifest's version 3"):
+        engine.update_from_disk({"model_path": good, "weight_version": 4})
+    with pytest.raises(UpdateError, match="model_path: must be a directory") as info:
+        engine.update_from_disk({"model_path": str(tmp_path / "missing")})
+    assert info.value.status == 404
+    assert engine.version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.params.items())
+    answer = engine.update_from_disk({"model_path": good})
+    assert answer["weight_version"] == 3 == engine.version
+    assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
+
+
+# ---------------------------------------------------------------- formats
+
+
+def test_bucket_layout_aligns_and_plans_are_greedy():
+    offsets, total = bucket_layout(["float32", "bfloat16", "float32"], [[3], [5], [2, 2]])
+    assert offsets == [0, ALIGN, 2 * ALIGN] and total == 2 * ALIGN + 16
+    params = [("a", torch.zeros(10)), ("b", torch.zeros(100)), ("c", torch.zeros(5)),
+              ("d", torch.zeros(5))]
+    buckets = plan_buckets(params, torch.float32, bucket_bytes=200)
+    assert [b.names for b in buckets] == [["a"], ["b"], ["c", "d"]]  # b (400 B) alone
+    assert buckets[2].offsets == (0, ALIGN) and buckets[2].nbytes == ALIGN + 20
+    assert [b.metadata["dtypes"] for b in buckets] == [["float32"]] * 2 + [["float32"] * 2]
+
+
+def test_checksum_is_exact_and_detects_a_flipped_bit():
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert tensor_checksum(t) == tensor_checksum(t.clone()) == tensor_checksum(t.flip(0))
+    flipped = t.clone()
+    flipped.view(torch.int32)[17] ^= 1
+    assert tensor_checksum(flipped) != tensor_checksum(t)
+    odd = torch.arange(3, dtype=torch.bfloat16)  # 6 bytes: summed as bytes
+    assert tensor_checksum(odd) == int(odd.view(torch.uint8).sum())
+    a, b = {"x": 1, "y": 2}, {"y": 2, "x": 1}
+    assert combine_checksums(a) == combine_checksums(b) != combine_checksums({"x": 2, "y": 1})
