@@ -217,6 +217,7 @@ class EngineConfig:
     lora: LoRAConfig | None = attrs.field(default=None)
     seed: int = attrs.field(default=1, validator=_int(0))
     attn_impl: str = attrs.field(default="auto", validator=_one_of("auto", "varlen", "sdpa"))
+    fused_kernels: bool = attrs.field(default=False, validator=_bool)  # Liger RMSNorm/SwiGLU
 
     @model_path.validator
     def _check_path(self, attribute, value):

@@ -96,6 +96,35 @@ def _build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -
     return model
 
 
+def apply_fused_kernels(model: nn.Module, hf_config, device_type: str) -> None:
+    """Swap this model's RMSNorm and SwiGLU MLP modules for Liger-Kernel's fused Triton ones
+    (same parameter names, so checkpoints and the TP plan are unchanged). Instance-level: no
+    class of transformers is patched. CUDA only; a no-op when liger_kernel is not installed."""
+    if device_type != "cuda":
+        return
+    try:
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    except ImportError:
+        return
+    eps = getattr(hf_config, "rms_norm_eps", 1e-6)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            kind = type(child).__name__
+            if kind.endswith("RMSNorm") and child.weight.ndim == 1:
+                fused = LigerRMSNorm(child.weight.shape[0], eps=eps, in_place=False)
+            elif kind.endswith("MLP") and getattr(hf_config, "hidden_act", "") in ("silu", "swish") \
+                    and all(hasattr(child, p) for p in ("gate_proj", "up_proj", "down_proj")) \
+                    and child.gate_proj.bias is None:
+                fused = LigerSwiGLUMLP(hf_config, intermediate_size=child.gate_proj.out_features)
+            else:
+                continue
+            fused.to(device=child.weight.device if kind.endswith("RMSNorm")
+                     else child.gate_proj.weight.device,
+                     dtype=next(child.parameters()).dtype)
+            setattr(module, name, fused)
+
+
 def _disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
@@ -299,6 +328,8 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     lm = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
     if config.disable_dropout:
         _disable_dropout(lm)
+    if config.fused_kernels:
+        apply_fused_kernels(lm, hf_config, mesh.device_type)
     apply_tp(lm, mesh)
     apply_ac(lm, config)
     model = PackedModel(lm, is_critic=config.is_critic)
