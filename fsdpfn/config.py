@@ -216,6 +216,8 @@ class EngineConfig:
     fsdp: FSDPConfig = attrs.field(factory=FSDPConfig)
     lora: LoRAConfig | None = attrs.field(default=None)
     seed: int = attrs.field(default=1, validator=_int(0))
+    # attention over packed sequences: "auto" (flash varlen on CUDA in bf16/fp16, else masked
+    # SDPA), "varlen" (CUDA only), "sdpa" (the masked path everywhere)
     attn_impl: str = attrs.field(default="auto", validator=_one_of("auto", "varlen", "sdpa"))
     fused_kernels: bool = attrs.field(default=False, validator=_bool)  # Liger RMSNorm/SwiGLU
 

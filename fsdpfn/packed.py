@@ -28,6 +28,7 @@ class PackedModel(nn.Module):
         self.is_critic = is_critic
         self.tp_group = None  # set by shard_model when the lm_head is split over the vocabulary
         self.compute_dtype = torch.bfloat16  # set by shard_model: picks the attention path
+        self.use_varlen = True  # False: the masked SDPA path even on CUDA (attn_impl="sdpa")
 
     @property
     def base(self) -> nn.Module:
@@ -45,7 +46,7 @@ class PackedModel(nn.Module):
         head exists to avoid).
         """
         n = input_ids.shape[0]
-        use_varlen = varlen_available(input_ids.device, self.compute_dtype)
+        use_varlen = self.use_varlen and varlen_available(input_ids.device, self.compute_dtype)
         cu = cu_seqlens.to(input_ids.device, torch.int32)
         out = self.base(
             input_ids=input_ids[None], position_ids=position_ids[None],

@@ -72,6 +72,23 @@ def load_hf_config(config: EngineConfig):
     return hf_config
 
 
+def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
+    """Options that have a config field but no implementation yet fail loudly, never silently."""
+    if config.lora is not None:
+        raise ConfigError(f"lora: LoRA adapters are not supported yet, must be None, got "
+                          f"{config.lora!r}")
+    if config.fsdp.per_layer_optim_step:
+        raise ConfigError("fsdp.per_layer_optim_step: the streamed per-layer optimizer step is "
+                          "not supported yet, must be False, got True")
+    if config.optimizer is not None and config.optimizer_dtype != "float32":
+        raise ConfigError(f"optimizer_dtype: bf16 master weights need Kahan-compensated AdamW, "
+                          f"which is not supported yet; must be 'float32' for a trainable state, "
+                          f"got {config.optimizer_dtype!r}")
+    if config.attn_impl == "varlen" and mesh.device_type != "cuda":
+        raise ConfigError(f"attn_impl: 'varlen' needs CUDA, got device type "
+                          f"{mesh.device_type!r} (use 'auto' or 'sdpa')")
+
+
 def _check_divisibility(hf_config, mesh: Mesh) -> None:
     if mesh.cp > 1:
         raise ConfigError(f"ParallelStrategy.cp: context parallelism is not supported yet, must "
@@ -317,6 +334,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
         raise ConfigError(f"config: must be an EngineConfig, got {type(config).__name__}")
     error = None
     try:  # every rank validates before the first collective; all agree on the verdict
+        _check_supported(config, mesh)
         hf_config = load_hf_config(config)
         _check_divisibility(hf_config, mesh)
     except ConfigError as exc:
@@ -334,6 +352,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     apply_ac(lm, config)
     model = PackedModel(lm, is_critic=config.is_critic)
     model.compute_dtype = torch_dtype(config.dtype)
+    model.use_varlen = config.attn_impl != "sdpa"
     if mesh.tp > 1:
         model.tp_group = mesh.group("tp")
     apply_fsdp(model, mesh, config)

@@ -96,3 +96,26 @@ def test_tp_must_divide_heads(model_dirs, spmd4):
     for message in spmd4.run(bad_tp, args=(model_dirs["qwen2"],), timeout=100):
         assert message == ("ParallelStrategy.tp: must divide the model's num_key_value_heads, "
                            "got tp=4 and num_key_value_heads=2")
+
+
+def unsupported_options():
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    base = dict(model_config=tiny_qwen2_config().to_dict(), dtype="float32")
+    out = []
+    for extra in (dict(lora=ff.LoRAConfig()), dict(fsdp=ff.FSDPConfig(per_layer_optim_step=True)),
+                  dict(optimizer_dtype="bfloat16"), dict(attn_impl="varlen")):
+        try:
+            ff.shard_model(ff.EngineConfig(**base, **extra), mesh)
+            out.append(None)
+        except ff.ConfigError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_unimplemented_options_fail_loudly(spmd1):
+    lora, per_layer, bf16, varlen = spmd1.run(unsupported_options, timeout=100)[0]
+    assert lora.startswith("lora: LoRA adapters are not supported yet")
+    assert per_layer.startswith("fsdp.per_layer_optim_step: ")
+    assert bf16.startswith("optimizer_dtype: bf16 master weights need Kahan")
+    assert varlen == "attn_impl: 'varlen' needs CUDA, got device type 'cpu' (use 'auto' or 'sdpa')"
