@@ -25,3 +25,12 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def present(batch, key: str) -> bool:
     return key in batch.keys()
+
+
+def minibatch_order(state, batch, *, shuffle: bool, seed: int) -> list[int] | None:
+    """Row order for the minibatches of one call: None (in order), or a permutation drawn from
+    (seed, state.step), so every call shuffles differently but reproducibly."""
+    if not shuffle:
+        return None
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + state.step)
+    return torch.randperm(batch.batch_size[0], generator=gen).tolist()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from fsdpfn import keys as K
-from fsdpfn.algos.common import AGG_NORMALIZER, present, token_mean_stat
+from fsdpfn.algos.common import AGG_NORMALIZER, minibatch_order, present, token_mean_stat
 from fsdpfn.config import CriticConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.ops import aggregate_sum, value_loss_terms
@@ -31,12 +29,6 @@ def critic_loss(config: CriticConfig):
     return loss_fn
 
 
-def _order(state, batch, config):
-    if not config.shuffle:
-        return None
-    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + state.step)
-    return torch.randperm(batch.batch_size[0], generator=gen).tolist()
-
 
 def critic_step(state, batch, config: CriticConfig):
     """Critic update (critic states): needs returns and the values before the update
@@ -49,4 +41,6 @@ def critic_step(state, batch, config: CriticConfig):
     return grad_step(state, batch, critic_loss(config), optimizer_steps=config.n_minibatches,
                      normalizer=AGG_NORMALIZER[config.agg],
                      require=(K.LOSS_MASK, K.RETURNS, old_key), why=why,
-                     order=_order(state, batch, config), fn_name="critic_step")
+                     order=minibatch_order(state, batch, shuffle=config.shuffle,
+                                           seed=config.seed),
+                     fn_name="critic_step")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from fsdpfn import keys as K
-from fsdpfn.algos.common import AGG_NORMALIZER, masked_max, present, token_mean_stat
+from fsdpfn.algos.common import (AGG_NORMALIZER, masked_max, minibatch_order, present,
+                                 token_mean_stat)
 from fsdpfn.config import PPOConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.ops import aggregate_sum, kl, policy_loss_terms
@@ -50,12 +49,6 @@ def ppo_loss(config: PPOConfig):
     return loss_fn
 
 
-def _order(state, batch, config: PPOConfig):
-    if not config.shuffle:
-        return None
-    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + state.step)
-    return torch.randperm(batch.batch_size[0], generator=gen).tolist()
-
 
 def ppo_step(state, batch, config: PPOConfig):
     """Actor update: ``config.n_minibatches`` optimizer steps. Needs old_logp and advantages
@@ -69,4 +62,6 @@ def ppo_step(state, batch, config: PPOConfig):
     return grad_step(state, batch, ppo_loss(config), optimizer_steps=config.n_minibatches,
                      normalizer=AGG_NORMALIZER[config.agg], require=require, why=why,
                      with_entropy=config.entropy_coef > 0, temperature=config.temperature,
-                     order=_order(state, batch, config), fn_name="ppo_step")
+                     order=minibatch_order(state, batch, shuffle=config.shuffle,
+                                           seed=config.seed),
+                     fn_name="ppo_step")
