@@ -66,6 +66,11 @@ class EngineState:
             object.__setattr__(self, "lease", Lease(_param_versions(self.model)))
 
     @property
+    def lr_scheduler(self):
+        """The LR scheduler (an alias of ``scheduler``); None for inference-only states."""
+        return self.scheduler
+
+    @property
     def trainable(self) -> bool:
         return self.optimizer is not None
 

@@ -12,7 +12,7 @@ from fsdpfn.ops.logprobs import chunked_logprobs, token_entropy, token_logprobs,
 from fsdpfn.ops.losses import (DPO_KINDS, RATIO_LEVELS, PolicyTerms, ValueTerms, bradley_terry_loss,
                                bradley_terry_loss_with_stats, dpo_loss, dpo_loss_with_stats,
                                policy_loss, policy_loss_terms, sft_loss, sft_loss_with_stats,
-                               value_loss, value_loss_terms)
+                               value_loss, value_loss_terms, value_loss_with_stats)
 
 __all__ = [
     # logprobs
@@ -22,7 +22,8 @@ __all__ = [
     # aggregation
     "aggregate", "aggregate_sum", "aggregate_sum_packed", "masked_values", "AGG_MODES",
     # losses
-    "policy_loss", "policy_loss_terms", "PolicyTerms", "value_loss", "value_loss_terms", "ValueTerms",
+    "policy_loss", "policy_loss_terms", "PolicyTerms", "value_loss", "value_loss_with_stats",
+    "value_loss_terms", "ValueTerms",
     "sft_loss", "sft_loss_with_stats", "bradley_terry_loss", "bradley_terry_loss_with_stats",
     "dpo_loss", "dpo_loss_with_stats", "DPO_KINDS", "RATIO_LEVELS",
     # advantages

@@ -24,7 +24,7 @@ from fsdpfn.ops.aggregate import aggregate, masked_values
 
 __all__ = [
     "PolicyTerms", "policy_loss_terms", "policy_loss",
-    "ValueTerms", "value_loss_terms", "value_loss",
+    "ValueTerms", "value_loss_terms", "value_loss", "value_loss_with_stats",
     "sft_loss", "sft_loss_with_stats",
     "bradley_terry_loss", "bradley_terry_loss_with_stats",
     "dpo_loss", "dpo_loss_with_stats", "DPO_KINDS", "RATIO_LEVELS",
@@ -188,7 +188,7 @@ def value_loss_terms(values, old_values, returns, mask, *, clip=0.5) -> ValueTer
     return ValueTerms(loss=torch.where(mask, loss, torch.zeros_like(loss)), clipped=clipped.float())
 
 
-def value_loss(values, old_values, returns, mask, *, clip=0.5, agg="token-mean"):
+def value_loss_with_stats(values, old_values, returns, mask, *, clip=0.5, agg="token-mean"):
     """(loss, stats): `value_loss_terms` aggregated with `agg`; stats vf_clip_frac, value_mean, returns_mean."""
     terms = value_loss_terms(values, old_values, returns, mask, clip=clip)
     mask = mask.bool()
@@ -199,6 +199,12 @@ def value_loss(values, old_values, returns, mask, *, clip=0.5, agg="token-mean")
         "returns_mean": _masked_mean(returns, mask),
     }
     return loss, {k: _stat(v) for k, v in stats.items()}
+
+
+def value_loss(values, old_values, returns, mask, *, clip=0.5, agg="token-mean") -> torch.Tensor:
+    """½·max((v−R)², (clip(v, v_old±clip)−R)²) aggregated with `agg`: a 0-dim tensor
+    (`value_loss_with_stats` also returns the statistics)."""
+    return value_loss_with_stats(values, old_values, returns, mask, clip=clip, agg=agg)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.ops import (aggregate, aggregate_sum, aggregate_sum_packed, bradley_terry_loss,
                         bradley_terry_loss_with_stats, dpo_loss, dpo_loss_with_stats, kl, policy_loss,
-                        policy_loss_terms, sft_loss, sft_loss_with_stats, value_loss, value_loss_terms)
+                        policy_loss_terms, sft_loss, sft_loss_with_stats, value_loss, value_loss_terms,
+                        value_loss_with_stats)
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None)
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -355,7 +356,8 @@ def test_value_loss_matches_reference_and_ignores_masked_values(shape, clip, agg
     v, v_old, ret = torch.randn(*lead, t), torch.randn(*lead, t), torch.randn(*lead, t)
     mask = torch.rand(*lead, t) < 0.6
     v.requires_grad_()
-    loss, stats = value_loss(v, v_old, ret, mask, clip=clip, agg=agg)
+    loss, stats = value_loss_with_stats(v, v_old, ret, mask, clip=clip, agg=agg)
+    assert torch.equal(value_loss(v, v_old, ret, mask, clip=clip, agg=agg), loss)
     loss.backward()
     # reference: per token in float64
     v64 = v.detach().double().reshape(-1, t).requires_grad_()
@@ -386,7 +388,7 @@ def test_value_loss_matches_reference_and_ignores_masked_values(shape, clip, agg
     close(stats["returns_mean"], ret[mask].double().sum() / n)
     # poisoned masked-out values: same loss and grad
     v2 = poison(v.detach(), mask).requires_grad_()
-    loss2, _ = value_loss(v2, poison(v_old, mask), poison(ret, mask), mask, clip=clip, agg=agg)
+    loss2 = value_loss(v2, poison(v_old, mask), poison(ret, mask), mask, clip=clip, agg=agg)
     loss2.backward()
     assert torch.equal(loss, loss2) and torch.equal(v.grad, v2.grad)
 
