@@ -236,20 +236,27 @@ _MEMORY_SCRIPT = textwrap.dedent("""
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * page
 
+    def hwm():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
     def peak_extra(mode, n, chunk):
-        # ru_maxrss is the peak of the whole process: peak - rss(now) is an upper bound of this
-        # run's extra memory, exact when this run's peak is the highest so far
+        # the peak RSS (VmHWM) is reset to the current RSS before the run ("5" to clear_refs),
+        # so the measurement is this run's alone; ru_maxrss would also carry the peak of the
+        # parent this process was forked from
         torch.manual_seed(0)
         hidden = torch.randn(n, H, requires_grad=True)
         weight = torch.randn(V, H, requires_grad=True)
         targets = torch.randint(0, V, (n,))
         before = rss()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
         if mode == "full":
             logp = token_logprobs(hidden @ weight.t(), targets)
         else:
             logp, _ = chunked_logprobs(hidden, weight, targets, chunk_size=chunk, with_entropy=True)
         logp.sum().backward()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # KiB on Linux
+        return hwm() - before
 
     peak_extra("chunked", 64, 16)  # warm-up: thread pools, kernels
     runs = [tuple(a.split(",")) for a in sys.argv[1:]]
@@ -258,14 +265,49 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 
 
 def _peak_extra_bytes(*runs: tuple[str, int, int]) -> list[int]:
-    """Peak extra RSS of each (mode, N, chunk_size) run, in order, in one fresh process."""
+    """Peak extra RSS of each (mode, N, chunk_size) run, each in a fresh process (so no run's
+    heap fragmentation shows up in another's measurement)."""
     # glibc's dynamic mmap threshold would serve freed 16 MiB chunks from the heap, whose RSS then
     # grows with fragmentation (allocator noise, not the algorithm): pin the threshold at 1 MiB
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20), "OMP_NUM_THREADS": "1"}
-    args = [f"{m},{n},{c}" for m, n, c in runs]
-    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True,
-                         timeout=120, check=True, env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    peaks = []
+    for m, n, c in runs:
+        out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, f"{m},{n},{c}"],
+                             capture_output=True, text=True, timeout=120, check=True, env=env)
+        peaks.append(json.loads(out.stdout.strip().splitlines()[-1])[0])
+    return peaks
+
+
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_never_creates_more_than_a_chunk_of_logits(with_entropy):
+    n, v, h, chunk = 1000, 5000, 8, 64
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    with _LargestTensor() as mode:
+        logp, ent = chunked_logprobs(hidden, weight, targets, chunk_size=chunk,
+                                     with_entropy=with_entropy)
+        (logp.sum() + (ent.sum() if with_entropy else 0)).backward()
+    # forward and backward: nothing larger than one chunk of logits or the weight (its grad)
+    assert mode.largest <= max(chunk * v, v * h), mode.largest
+    with _LargestTensor() as full:
+        token_logprobs(hidden @ weight.t(), targets).sum().backward()
+    assert full.largest >= n * v  # the instrument sees a full [N, V] when there is one
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm and KiB ru_maxrss")
