@@ -79,7 +79,7 @@ def reference_update(model_dir: str, batch, kind: str) -> dict[str, torch.Tensor
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     torch.optim.AdamW(groups, lr=OPT["lr"], eps=OPT["eps"], betas=OPT["betas"]).step()
-    return {k: (v - before[k]) for k, v in model.state_dict().items()}, float(loss)
+    return {k: (v - before[k]) for k, v in model.state_dict().items()}, float(loss.detach())
 
 
 # ---------------------------------------------------------------- runs on ranks
