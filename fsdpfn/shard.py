@@ -21,6 +21,7 @@ from fsdpfn import attention
 from fsdpfn.config import EngineConfig, OptimizerConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.mesh import Mesh
+from fsdpfn.optim import KahanAdamW
 from fsdpfn.packed import PackedModel
 from fsdpfn.state import EngineState, agree
 
@@ -80,10 +81,6 @@ def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
     if config.fsdp.per_layer_optim_step:
         raise ConfigError("fsdp.per_layer_optim_step: the streamed per-layer optimizer step is "
                           "not supported yet, must be False, got True")
-    if config.optimizer is not None and config.optimizer_dtype != "float32":
-        raise ConfigError(f"optimizer_dtype: bf16 master weights need Kahan-compensated AdamW, "
-                          f"which is not supported yet; must be 'float32' for a trainable state, "
-                          f"got {config.optimizer_dtype!r}")
     if config.attn_impl == "varlen" and mesh.device_type != "cuda":
         raise ConfigError(f"attn_impl: 'varlen' needs CUDA, got device type "
                           f"{mesh.device_type!r} (use 'auto' or 'sdpa')")
@@ -296,16 +293,18 @@ def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh)
 # ---------------------------------------------------------------- optimizer
 
 
-def build_optimizer(model: nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (norm weights and biases are skipped)."""
+def build_optimizer(model: nn.Module, opt: OptimizerConfig, *,
+                    master_dtype: str = "float32") -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (norm weights and biases are skipped). With bf16
+    master weights, Kahan-compensated AdamW (fsdpfn.optim) so small updates are not lost."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": opt.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=opt.lr, betas=opt.betas,
-                             eps=opt.eps)
+    cls = KahanAdamW if master_dtype == "bfloat16" else torch.optim.AdamW
+    return cls([g for g in groups if g["params"]], lr=opt.lr, betas=opt.betas, eps=opt.eps)
 
 
 def lr_factor(opt: OptimizerConfig, step: int) -> float:
@@ -366,7 +365,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     agree(mesh, error)
     optimizer = scheduler = None
     if config.optimizer is not None:
-        optimizer = build_optimizer(model, config.optimizer)
+        optimizer = build_optimizer(model, config.optimizer, master_dtype=config.optimizer_dtype)
         scheduler = build_scheduler(optimizer, config.optimizer)
     else:
         for param in model.parameters():

@@ -103,7 +103,7 @@ def unsupported_options():
     base = dict(model_config=tiny_qwen2_config().to_dict(), dtype="float32")
     out = []
     for extra in (dict(lora=ff.LoRAConfig()), dict(fsdp=ff.FSDPConfig(per_layer_optim_step=True)),
-                  dict(optimizer_dtype="bfloat16"), dict(attn_impl="varlen")):
+                  dict(attn_impl="varlen")):
         try:
             ff.shard_model(ff.EngineConfig(**base, **extra), mesh)
             out.append(None)
@@ -114,8 +114,31 @@ def unsupported_options():
 
 @pytest.mark.timeout(120)
 def test_unimplemented_options_fail_loudly(spmd1):
-    lora, per_layer, bf16, varlen = spmd1.run(unsupported_options, timeout=100)[0]
+    lora, per_layer, varlen = spmd1.run(unsupported_options, timeout=100)[0]
     assert lora.startswith("lora: LoRA adapters are not supported yet")
     assert per_layer.startswith("fsdp.per_layer_optim_step: ")
-    assert bf16.startswith("optimizer_dtype: bf16 master weights need Kahan")
     assert varlen == "attn_impl: 'varlen' needs CUDA, got device type 'cpu' (use 'auto' or 'sdpa')"
+
+
+def bf16_master_learns():
+    from fsdpfn.optim import KahanAdamW
+    from fsdpfn.testing import random_batch
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(
+        model_config=tiny_qwen2_config().to_dict(), dtype="bfloat16", optimizer_dtype="bfloat16",
+        optimizer=ff.OptimizerConfig(lr=3e-3)), mesh)
+    batch = random_batch(8, 12, seed=1)
+    losses = []
+    for _ in range(20):
+        state, stats = ff.sft_step(state, batch, ff.SFTConfig())
+        losses.append(float(stats["loss"]))
+    dtypes = {local_tensor(p).dtype for p in state.model.parameters()}
+    return losses, isinstance(state.optimizer, KahanAdamW), dtypes
+
+
+@pytest.mark.timeout(200)
+def test_bf16_master_weights_train_with_kahan_adamw(spmd2):
+    for losses, kahan, dtypes in spmd2.run(bf16_master_learns, timeout=150):
+        assert kahan and dtypes == {torch.bfloat16}
+        assert losses[-1] < 0.7 * losses[0], losses
