@@ -1,0 +1,396 @@
+"""The ``fsdpfn`` command: run a recipe from a YAML config, the embedded demo, default configs.
+
+    fsdpfn demo                                    # GRPO on addition: 2 CPU ranks + 1 server
+    fsdpfn demo steps=10 warmup.steps=100          # dotted overrides, validated like the YAML
+    fsdpfn run examples/ppo.yaml launch.nproc=1    # any recipe config
+    fsdpfn run runs/demo/config.yaml --resume      # continue from the latest checkpoint
+    fsdpfn config grpo > my.yaml                   # a recipe's full default config
+
+``run`` is a launcher: it validates the config (fsdpfn.serde; unknown keys and bad values are
+errors naming the dotted key), writes it to ``run_dir/config.yaml``, writes the initial model for
+RL recipes and starts the rollout server (``python -m fsdpfn.rollout``) when ``rollout.url`` is
+not set, then starts ``launch.nproc`` trainer ranks with ``python -m torch.distributed.run``
+(OMP_NUM_THREADS=launch.threads_per_rank each). At the end it plots run_dir/metrics.jsonl to
+run_dir/metrics.png and prints a summary.
+
+Ctrl-C (SIGINT) is forwarded to the ranks, which finish the current step, save a checkpoint and
+exit; the rollout server is then shut down. A second Ctrl-C kills the ranks at once (the last
+published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done, 130 stopped by
+a signal, 2 bad config or command line, else the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+_OWNED = ("config.yaml", "model0", "model0.tmp", "sft", "checkpoints", "critic_checkpoints",
+          "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks")
+
+
+def _say(message: str) -> None:
+    print(f"[fsdpfn] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- argument parsing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdpfn", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="fsdpfn: functional RL and fine-tuning on PyTorch FSDP2.",
+        epilog="examples:\n"
+               "  fsdpfn demo                                 GRPO demo (CPU, a few minutes)\n"
+               "  fsdpfn demo steps=5 warmup.steps=50         a shorter demo\n"
+               "  fsdpfn run examples/sft.yaml steps=20       run a recipe config\n"
+               "  fsdpfn run runs/demo/config.yaml --resume   continue a run\n"
+               "  fsdpfn config ppo                           print a default config\n"
+               "\n'fsdpfn COMMAND --help' describes each command.")
+    from fsdpfn import __version__
+
+    parser.add_argument("--version", action="version", version=f"fsdpfn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def launch_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="dotted overrides, values parsed as YAML (steps=10 ppo.kl_coef=0.0 "
+                            "launch.nproc=1)")
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in run_dir")
+        p.add_argument("--overwrite", action="store_true",
+                       help="delete a previous run's files in run_dir and start over")
+        p.add_argument("--dry-run", action="store_true",
+                       help="validate and print the resolved config and commands; run nothing")
+
+    run = sub.add_parser(
+        "run", help="run a recipe from a YAML config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a recipe (grpo, ppo, sft, rw, dpo) from a YAML config: start the "
+                    "rollout server when the recipe needs one, launch the trainer ranks with "
+                    "torchrun, write metrics.jsonl, metrics.png and checkpoints to run_dir.",
+        epilog="example: fsdpfn run examples/grpo.yaml steps=20 launch.nproc=2")
+    run.add_argument("config", help="recipe config (YAML or JSON) with a 'recipe:' key, or a "
+                                    "recipe name (grpo, ppo, sft, rw, dpo) for its defaults")
+    launch_options(run)
+    run.set_defaults(func=_cmd_run)
+
+    demo = sub.add_parser(
+        "demo", help="GRPO on multi-digit addition with the embedded default (CPU)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The embedded demo: a small Qwen2 and a character tokenizer built in code, "
+                    "an SFT warm-up, then GRPO with the built-in rollout server (2 trainer "
+                    "ranks, weights pushed every step). Takes a few minutes on a 2-core CPU; "
+                    "writes runs/demo/ (run_dir=... to change).",
+        epilog="examples:\n  fsdpfn demo\n  fsdpfn demo steps=10 --overwrite\n"
+               "  fsdpfn demo --resume")
+    launch_options(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    config = sub.add_parser(
+        "config", help="print a recipe's full default config as YAML",
+        description="Print the full default config of a recipe (every key, with its default), "
+                    "a starting point for your own YAML.")
+    config.add_argument("recipe", nargs="?", help="grpo, ppo, sft, rw or dpo (omit to list)")
+    config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    config.set_defaults(func=_cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    from fsdpfn.errors import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"fsdpfn: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _cmd_config(args) -> int:
+    from fsdpfn import serde
+    from fsdpfn.recipes import RECIPE_CONFIGS, default_config
+
+    if not args.recipe:
+        for name, cls in RECIPE_CONFIGS.items():
+            print(f"{name:5s} {(cls.__doc__ or '').strip().splitlines()[0]}")
+        return 0
+    print(serde.to_yaml(default_config(args.recipe, args.overrides)), end="")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from fsdpfn.recipes import RECIPE_CONFIGS, default_config, load_recipe_config
+
+    if args.config in RECIPE_CONFIGS and not Path(args.config).exists():
+        cfg = default_config(args.config, args.overrides)
+    else:
+        cfg = load_recipe_config(args.config, args.overrides)
+    return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+
+
+def _cmd_demo(args) -> int:
+    from fsdpfn.recipes import demo_config
+
+    cfg = demo_config(args.overrides)
+    return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    from fsdpfn.errors import ConfigError
+
+    previous = [name for name in ("checkpoints", "metrics.jsonl", "sft")
+                if (run_dir / name).exists()]
+    if previous and not (resume or overwrite):
+        raise ConfigError(f"run_dir: {str(run_dir)!r} holds a previous run "
+                          f"({', '.join(previous)}); pass --resume to continue it, --overwrite "
+                          f"to start over, or set run_dir=... to another directory")
+    if overwrite and not resume:
+        for name in _OWNED:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _torchrun_cmd(cfg, config_path: Path, *, resume: bool, url: str | None) -> list[str]:
+    from fsdpfn.rollout.process import free_port
+
+    port = cfg.launch.master_port
+    while port is None or (url is not None and url.endswith(f":{port}")):
+        port = free_port()  # never the rollout server's port, which it may not have bound yet
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+           str(cfg.launch.nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "fsdpfn.recipes.worker", "--config", str(config_path)]
+    if resume:
+        cmd.append("--resume")
+    if url:
+        cmd += ["--rollout-url", url]
+    return cmd
+
+
+def _server_cmd(cfg, model_dir: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
+            str(port), "--host", "127.0.0.1", "--device", cfg.rollout.device, "--dtype", "auto",
+            "--threads", str(cfg.rollout.threads)]
+
+
+class _Signals:
+    """SIGINT/SIGTERM in the launcher. The first is forwarded to the trainer ranks (their pids
+    are in run_dir/.ranks/): they finish the current step, save it and exit. Ranks that are not
+    running yet are stopped through torchrun. The second kills the ranks and torchrun."""
+
+    def __init__(self, run_dir: Path):
+        self.count = 0
+        self.trainer: subprocess.Popen | None = None
+        self.ranks_dir = run_dir / ".ranks"
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def rank_pids(self) -> list[int]:
+        pids = []
+        for path in sorted(self.ranks_dir.glob("rank*.pid")):
+            try:
+                pids.append(int(path.read_text()))
+            except (OSError, ValueError):
+                pass
+        return pids
+
+    def _kill(self, pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _handler(self, signum, frame) -> None:
+        self.count += 1
+        proc = self.trainer
+        running = proc is not None and proc.poll() is None
+        pids = self.rank_pids() if running else []
+        if self.count == 1:
+            print(file=sys.stderr)
+            _say(f"{signal.Signals(signum).name}: stopping after the current step "
+                 f"(again to abort now)")
+            for pid in pids:
+                self._kill(pid, signal.SIGINT)
+            if running and not pids:
+                self._kill(proc.pid, signal.SIGTERM)
+        else:
+            _say("aborting: killing the trainer ranks (the last published checkpoint is intact)")
+            for pid in pids:
+                self._kill(pid, signal.SIGKILL)
+            if running:
+                self._kill(proc.pid, signal.SIGKILL)
+
+
+def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool = False) -> int:
+    """Run ``cfg`` (a recipe config) as ``fsdpfn run`` does; returns the exit status."""
+    from fsdpfn import serde
+    from fsdpfn.recipes import NEEDS_ROLLOUT
+
+    run_dir = Path(cfg.run_dir)
+    config_path = run_dir / "config.yaml"
+    needs_rollout = cfg.recipe in NEEDS_ROLLOUT
+    own_server = needs_rollout and cfg.rollout.url is None
+    if dry_run:
+        print(serde.to_yaml(cfg), end="")
+        if own_server:
+            _say("rollout server: " + " ".join(_server_cmd(cfg, run_dir / "model0", 0)))
+        _say("trainer: " + " ".join(_torchrun_cmd(cfg, config_path, resume=resume,
+                                                  url=cfg.rollout.url if needs_rollout
+                                                  else None)))
+        return 0
+    _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    config_path.write_text(serde.to_yaml(cfg))
+    t0 = time.monotonic()
+    signals = _Signals(run_dir)
+    shutil.rmtree(signals.ranks_dir, ignore_errors=True)
+    signals.install()
+    server = None
+    try:
+        url = cfg.rollout.url if needs_rollout else None
+        if needs_rollout:
+            _write_initial_model(cfg, run_dir)
+        if own_server:
+            server = _start_server(cfg, run_dir)
+            url = server.url
+        cmd = _torchrun_cmd(cfg, config_path, resume=resume, url=url)
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        _say(f"{cfg.recipe}: {cfg.launch.nproc} trainer rank(s), run_dir {run_dir}"
+             + (f", rollout server {url}" if url else ""))
+        if signals.count:
+            return 130
+        # its own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
+        trainer = subprocess.Popen(cmd, env=env, start_new_session=True)
+        signals.trainer = trainer
+        rc = _wait(trainer, server, signals)
+    finally:
+        if server is not None:
+            server.close()
+        signals.restore()
+    interrupted = signals.count > 0
+    _summarize(cfg, run_dir, time.monotonic() - t0, rc, interrupted)
+    if interrupted:
+        return 130
+    return rc
+
+
+def _write_initial_model(cfg, run_dir: Path) -> Path:
+    from fsdpfn.recipes.task import CharTokenizer, save_initial_model
+
+    path = run_dir / "model0"
+    if not (path / "config.json").is_file():
+        shutil.rmtree(run_dir / "model0.tmp", ignore_errors=True)
+        save_initial_model(path, cfg.model, CharTokenizer())
+    return path
+
+
+def _start_server(cfg, run_dir: Path):
+    """``python -m fsdpfn.rollout`` in its own session (Ctrl-C must not reach it before the
+    ranks finished their step); the ranks wait for /health themselves."""
+    from fsdpfn.rollout.process import RolloutProcess, free_port
+
+    port = free_port()
+    log_path = run_dir / "rollout.log"
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(_server_cmd(cfg, run_dir / "model0", port), stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def _wait(trainer: subprocess.Popen, server, signals: _Signals) -> int:
+    reported = False
+    while True:
+        try:
+            return trainer.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        if server is not None and not server.alive() and not reported and not signals.count:
+            reported = True
+            _say(f"the rollout server exited with {server.proc.returncode}; stopping the "
+                 f"trainer. Its log ({server.log_path}):\n{server.log()}")
+            try:
+                os.kill(trainer.pid, signal.SIGTERM)  # torchrun stops its ranks
+            except ProcessLookupError:
+                pass
+
+
+def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool) -> dict:
+    from fsdpfn.recipes.plot import plot_metrics, read_metrics
+
+    metrics = run_dir / "metrics.jsonl"
+    rows = [r for r in read_metrics(metrics) if r.get("phase") == cfg.recipe] \
+        if metrics.is_file() else []
+    summary = {"recipe": cfg.recipe, "run_dir": str(run_dir), "exit_code": rc,
+               "interrupted": interrupted, "wall_seconds": round(seconds, 1),
+               "steps": rows[-1]["step"] if rows else 0}
+    key = next((k for k in ("reward_mean", "accuracy", "reward_accuracy", "loss")
+                if rows and rows[0].get(k) is not None), None)
+    if key is not None:
+        k = max(1, min(5, len(rows) // 4))
+        first = [r[key] for r in rows[:k] if r.get(key) is not None]
+        last = [r[key] for r in rows[-k:] if r.get(key) is not None]
+        summary[key] = {"first": rows[0][key], "last": rows[-1][key],
+                        f"mean_first_{k}": sum(first) / len(first),
+                        f"mean_last_{k}": sum(last) / len(last)}
+    evals = [r["greedy_accuracy"] for r in rows if r.get("greedy_accuracy") is not None]
+    if evals:
+        summary["greedy_accuracy"] = {"first": evals[0], "last": evals[-1]}
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*")) \
+        if (run_dir / "checkpoints").is_dir() else []
+    if checkpoints:
+        summary["checkpoint"] = str(checkpoints[-1])
+    if rows and cfg.log.plot:
+        png = plot_metrics(metrics, run_dir / "metrics.png", phase=cfg.recipe)
+        summary["plot"] = str(png)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    minutes = f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+    status = "stopped" if interrupted else ("done" if rc == 0 else f"failed (exit {rc})")
+    line = f"{status} in {minutes}: {cfg.recipe}, {summary['steps']} steps"
+    if key is not None:
+        s = summary[key]
+        k = next(n for n in s if n.startswith("mean_first_")).rsplit("_", 1)[1]
+        line += (f"; {key} {s[f'mean_first_{k}']:.3f} -> {s[f'mean_last_{k}']:.3f} "
+                 f"(mean of the first / last {k} steps)")
+    if evals:
+        line += f"; greedy accuracy (held-out) {evals[0]:.3f} -> {evals[-1]:.3f}"
+    _say(line)
+    _say(f"metrics {metrics}" + (f", plot {summary['plot']}" if "plot" in summary else "")
+         + (f", checkpoint {summary['checkpoint']}" if "checkpoint" in summary else ""))
+    if interrupted or rc != 0:
+        _say(f"continue with: fsdpfn run {run_dir / 'config.yaml'} --resume")
+    return summary
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,269 @@
+"""Recipe configs: one frozen attrs class per recipe, composed of fsdpfn's own configs.
+
+A YAML file names its recipe (``recipe: grpo``) and is validated by fsdpfn's one cattrs converter
+(``fsdpfn.serde``): unknown keys are rejected, and errors name the dotted path, the rule and the
+value (``ppo.clip_low: must be < 1, got 1.5``). Print any recipe's full default config with
+``fsdpfn config NAME``.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, MicroBatchSpec,
+                           OptimizerConfig, ParallelStrategy, PPOConfig, RWConfig, SFTConfig,
+                           _bool, _float, _float_conv, _int, _one_of)
+from fsdpfn.errors import ConfigError
+from fsdpfn.recipes.task import AdditionTask, TinyModel
+
+__all__ = ["LaunchConfig", "RolloutConfig", "CheckpointConfig", "LogConfig", "WarmupConfig",
+           "EvalConfig", "GRPORecipe", "PPORecipe", "SFTRecipe", "RWRecipe", "DPORecipe",
+           "RECIPE_CONFIGS"]
+
+
+def _recipe_name(name: str):
+    def check(_, attribute, value):
+        if value != name:
+            raise ConfigError(f"recipe: must be {name!r} for this config class, got {value!r}")
+    return check
+
+
+def _path(_, attribute, value):
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{attribute.name}: must be a non-empty path string, got {value!r}")
+
+
+@attrs.frozen
+class LaunchConfig:
+    """How ``fsdpfn run`` starts the trainer: ``nproc`` torchrun ranks (gloo on CPU, NCCL on
+    CUDA), each with ``threads_per_rank`` CPU threads (OMP_NUM_THREADS)."""
+
+    nproc: int = attrs.field(default=2, validator=_int(1))
+    threads_per_rank: int = attrs.field(default=1, validator=_int(1))
+    device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda", "auto"))
+    master_port: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+
+
+@attrs.frozen
+class RolloutConfig:
+    """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
+    the run's initial model and stops it at the end; else the trainer uses the server at ``url``
+    (it must serve a model of the same architecture). Weights are pushed after every step over
+    ``transport`` ("broadcast": a gloo/NCCL group; "disk": safetensors under run_dir/push)."""
+
+    url: str | None = attrs.field(default=None)
+    transport: str = attrs.field(default="broadcast", validator=_one_of("broadcast", "disk"))
+    threads: int = attrs.field(default=1, validator=_int(1))
+    device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"))
+    temperature: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0))
+    top_p: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0, le=1))
+    timeout_s: float = attrs.field(default=120.0, converter=_float_conv, validator=_float(gt=0))
+    health_timeout_s: float = attrs.field(default=300.0, converter=_float_conv,
+                                          validator=_float(gt=0))
+
+    @url.validator
+    def _check_url(self, attribute, value):
+        if value is not None and (not isinstance(value, str)
+                                  or not value.startswith(("http://", "https://"))):
+            raise ConfigError(f"url: must be None or 'http://host:port', got {value!r}")
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """Save every ``every`` steps (0: only at the end) into run_dir/checkpoints/step_N, keeping
+    the ``keep_last`` newest. A clean stop (Ctrl-C) also saves the last finished step."""
+
+    every: int = attrs.field(default=10, validator=_int(0))
+    keep_last: int = attrs.field(default=2, validator=_int(1))
+
+
+@attrs.frozen
+class LogConfig:
+    """Progress bar on stderr (a line every ``every`` steps when stderr is not a terminal),
+    metrics as JSON lines in run_dir/metrics.jsonl, and a PNG plot at the end."""
+
+    progress: bool = attrs.field(default=True, validator=_bool)
+    every: int = attrs.field(default=1, validator=_int(1))
+    plot: bool = attrs.field(default=True, validator=_bool)
+
+
+@attrs.frozen
+class WarmupConfig:
+    """Supervised warm-up before RL (sft_step on solved problems); its result is the reference
+    model and the starting point of RL. It ends after ``steps`` steps, or earlier once the
+    expected reward of sampling (mean over held-out problems of P(correct answer) =
+    exp(Σ logp of its tokens), checked every ``check_every`` steps) reaches ``target_reward``
+    (None: never early). steps=0 skips it."""
+
+    steps: int = attrs.field(default=600, validator=_int(0))
+    batch_size: int = attrs.field(default=128, validator=_int(1))
+    target_reward: float | None = attrs.field(default=0.35, converter=lambda v: None if v is None
+                                              else _float_conv(v),
+                                              validator=_float(gt=0, le=1, optional=True))
+    check_every: int = attrs.field(default=10, validator=_int(1))
+    optimizer: OptimizerConfig = attrs.field(
+        factory=lambda: OptimizerConfig(lr=2e-3, warmup_steps=50))
+
+
+@attrs.frozen
+class EvalConfig:
+    """Greedy accuracy on ``n_prompts`` held-out problems every ``every`` steps (0: off)."""
+
+    every: int = attrs.field(default=0, validator=_int(0))
+    n_prompts: int = attrs.field(default=128, validator=_int(1))
+
+
+@attrs.frozen
+class GRPORecipe:
+    """GRPO on the addition task: SFT warm-up, then per step: the rollout server samples
+    ``advantage.group_size`` answers for each of ``prompts_per_step`` problems; rewards; ref and
+    old log-probs (forward_logp); group advantages; ppo_step (decoupled PPO with the server's
+    behav_logp); push_weights; checkpoint on schedule."""
+
+    recipe: str = attrs.field(default="grpo", validator=_recipe_name("grpo"))
+    run_dir: str = attrs.field(default="runs/grpo", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=80, validator=_int(1))
+    prompts_per_step: int = attrs.field(default=64, validator=_int(1))
+    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    task: AdditionTask = attrs.field(factory=AdditionTask)
+    model: TinyModel = attrs.field(factory=TinyModel)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
+    advantage: AdvantageConfig = attrs.field(
+        factory=lambda: AdvantageConfig(estimator="grpo", group_size=8))
+    ppo: PPOConfig = attrs.field(
+        factory=lambda: PPOConfig(clip_low=0.2, clip_high=0.28, n_minibatches=8, kl_coef=0.01))
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    eval: EvalConfig = attrs.field(factory=lambda: EvalConfig(every=10))
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        if self.advantage.estimator not in ("grpo", "drgrpo", "rloo", "reinforce++"):
+            raise ConfigError(f"advantage.estimator: must be a critic-free estimator for recipe "
+                              f"'grpo' (grpo, drgrpo, rloo, reinforce++; use recipe 'ppo' for "
+                              f"gae), got {self.advantage.estimator!r}")
+        if self.advantage.group_size < 2:
+            raise ConfigError(f"advantage.group_size: must be >= 2 for recipe 'grpo' (answers "
+                              f"per problem, compared within their group), got "
+                              f"{self.advantage.group_size}")
+        if self.ppo.temperature != self.rollout.temperature:
+            raise ConfigError(f"ppo.temperature: must equal rollout.temperature "
+                              f"({self.rollout.temperature}) so that old_logp and behav_logp "
+                              f"describe the same distribution, got {self.ppo.temperature}")
+
+
+@attrs.frozen
+class PPORecipe:
+    """PPO with a critic and GAE on the addition task: like grpo, plus a critic (value head on
+    the same tiny model) trained by critic_step; advantages from compute_values + GAE."""
+
+    recipe: str = attrs.field(default="ppo", validator=_recipe_name("ppo"))
+    run_dir: str = attrs.field(default="runs/ppo", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=20, validator=_int(1))
+    prompts_per_step: int = attrs.field(default=128, validator=_int(1))
+    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    task: AdditionTask = attrs.field(factory=AdditionTask)
+    model: TinyModel = attrs.field(factory=TinyModel)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
+    critic_optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
+    advantage: AdvantageConfig = attrs.field(
+        factory=lambda: AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
+    ppo: PPOConfig = attrs.field(factory=lambda: PPOConfig(n_minibatches=4, kl_coef=0.01))
+    critic: CriticConfig = attrs.field(factory=lambda: CriticConfig(n_minibatches=4))
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    eval: EvalConfig = attrs.field(factory=EvalConfig)
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        if self.advantage.estimator != "gae":
+            raise ConfigError(f"advantage.estimator: must be 'gae' for recipe 'ppo' (it trains "
+                              f"a critic), got {self.advantage.estimator!r}")
+        if self.advantage.group_size != 1:
+            raise ConfigError(f"advantage.group_size: must be 1 for recipe 'ppo' (one answer "
+                              f"per prompt), got {self.advantage.group_size}")
+        if self.ppo.temperature != self.rollout.temperature:
+            raise ConfigError(f"ppo.temperature: must equal rollout.temperature "
+                              f"({self.rollout.temperature}), got {self.ppo.temperature}")
+
+
+@attrs.frozen
+class SFTRecipe:
+    """Supervised fine-tuning on solved addition problems (sft_step), held-out loss with
+    evaluate, export_hf of the result to run_dir/model."""
+
+    recipe: str = attrs.field(default="sft", validator=_recipe_name("sft"))
+    run_dir: str = attrs.field(default="runs/sft", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=100, validator=_int(1))
+    batch_size: int = attrs.field(default=64, validator=_int(1))
+    eval_every: int = attrs.field(default=20, validator=_int(0))
+    export: bool = attrs.field(default=True, validator=_bool)
+    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    task: AdditionTask = attrs.field(factory=AdditionTask)
+    model: TinyModel = attrs.field(factory=TinyModel)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=3e-3))
+    sft: SFTConfig = attrs.field(factory=SFTConfig)
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+
+@attrs.frozen
+class RWRecipe:
+    """Reward model (Bradley-Terry, rw_step) on pairs: the correct sum (chosen) against a near
+    miss (rejected); the value head scores the last token."""
+
+    recipe: str = attrs.field(default="rw", validator=_recipe_name("rw"))
+    run_dir: str = attrs.field(default="runs/rw", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=60, validator=_int(1))
+    pairs_per_step: int = attrs.field(default=32, validator=_int(1))
+    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
+    model: TinyModel = attrs.field(factory=TinyModel)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-3))
+    rw: RWConfig = attrs.field(factory=RWConfig)
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+
+@attrs.frozen
+class DPORecipe:
+    """DPO (dpo_step) on the same pairs, against a frozen reference copy of the initial model
+    (forward_logp gives ref_logp)."""
+
+    recipe: str = attrs.field(default="dpo", validator=_recipe_name("dpo"))
+    run_dir: str = attrs.field(default="runs/dpo", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=60, validator=_int(1))
+    pairs_per_step: int = attrs.field(default=32, validator=_int(1))
+    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
+    model: TinyModel = attrs.field(factory=TinyModel)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
+    dpo: DPOConfig = attrs.field(factory=lambda: DPOConfig(beta=0.1))
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+
+RECIPE_CONFIGS = {"grpo": GRPORecipe, "ppo": PPORecipe, "sft": SFTRecipe, "rw": RWRecipe,
+                  "dpo": DPORecipe}

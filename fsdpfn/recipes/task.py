@@ -1,0 +1,232 @@
+"""The embedded default task: multi-digit addition with a character tokenizer, and a tiny model.
+
+Nothing is downloaded. A prompt is ``<bos>`` + ``"a+b="``; the answer is the decimal sum followed
+by ``<eos>``: ``<bos>37+48=85<eos>``. The reward parses the generated characters up to ``<eos>``
+and compares the number with a+b (1.0 when equal, else 0.0).
+
+    tok = CharTokenizer()
+    task = AdditionTask(digits=2)
+    problems = task.sample(8, seed=0)                   # [(a, b), ...]
+    prompt_ids = [task.prompt_ids(tok, a, b) for a, b in problems]
+    reward = task.reward(a, b, tok.decode(output_ids))  # 1.0 or 0.0
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import attrs
+import torch
+from tensordict import TensorDict
+
+from fsdpfn import keys as K
+from fsdpfn.config import _bool, _int
+
+__all__ = ["CharTokenizer", "AdditionTask", "TinyModel", "save_initial_model", "sft_batch",
+           "pair_batch", "rollout_batch"]
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHARS = "0123456789+="
+
+
+class CharTokenizer:
+    """ids 0..2 are <pad>, <bos>, <eos>; then one id per character of ``0123456789+=``."""
+
+    def __init__(self):
+        self.itos = [PAD, BOS, EOS, *CHARS]
+        self.stoi = {s: i for i, s in enumerate(self.itos)}
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        """The text of ``ids`` without <pad>/<bos>, up to the first <eos> (or showing it)."""
+        out = []
+        for i in ids:
+            if stop_at_eos and i == self.eos_id:
+                break
+            if i not in (self.pad_id, self.bos_id):
+                out.append(self.itos[i])
+        return "".join(out)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``char_vocab.json`` (the id -> symbol table) next to a model."""
+        path = Path(directory) / "char_vocab.json"
+        path.write_text(json.dumps({"itos": self.itos, "pad": 0, "bos": 1, "eos": 2}, indent=1))
+        return path
+
+
+@attrs.frozen
+class AdditionTask:
+    """``a + b`` with a, b uniform in [0, 10**digits). Variants: ``reverse`` writes the answer
+    least-significant digit first (37+48= -> "58"), ``zero_pad`` writes the operands with
+    ``digits`` digits (07+48=). The reward always checks the number the answer denotes."""
+
+    digits: int = attrs.field(default=2, validator=_int(1))
+    reverse: bool = attrs.field(default=False, validator=_bool)
+    zero_pad: bool = attrs.field(default=False, validator=_bool)
+
+    def prompt(self, a: int, b: int) -> str:
+        """``"a+b="``; with ``zero_pad`` the operands have ``digits`` digits (07+48=)."""
+        if self.zero_pad:
+            return f"{a:0{self.digits}d}+{b:0{self.digits}d}="
+        return f"{a}+{b}="
+
+    def answer(self, a: int, b: int) -> str:
+        """The target text of ``a + b`` (without <eos>)."""
+        return self.write(a + b)
+
+    def write(self, value: int) -> str:
+        return str(value)[::-1] if self.reverse else str(value)
+
+    def prompt_ids(self, tok: "CharTokenizer", a: int, b: int) -> list[int]:
+        return [tok.bos_id, *tok.encode(self.prompt(a, b))]
+
+    def answer_ids(self, tok: "CharTokenizer", value: int) -> list[int]:
+        """``value`` as written by the task, then <eos>."""
+        return [*tok.encode(self.write(value)), tok.eos_id]
+
+    def sample(self, n: int, *, seed: int) -> list[tuple[int, int]]:
+        rng = random.Random(seed)
+        hi = 10 ** self.digits
+        return [(rng.randrange(hi), rng.randrange(hi)) for _ in range(n)]
+
+    @property
+    def max_answer_tokens(self) -> int:
+        return self.digits + 2  # digits of the sum (one more than an operand) + <eos>
+
+    def reward(self, a: int, b: int, completion: str) -> float:
+        """1.0 when ``completion`` (the text before <eos>) is the decimal a+b, else 0.0."""
+        text = completion.strip()[::-1] if self.reverse else completion.strip()
+        if not text.isdigit() or (len(text) > 1 and text[0] == "0"):
+            return 0.0
+        return 1.0 if int(text) == a + b else 0.0
+
+
+@attrs.frozen
+class TinyModel:
+    """A small Qwen2 built in code (random init under ``seed``); vocabulary from CharTokenizer."""
+
+    hidden_size: int = attrs.field(default=128, validator=_int(8))
+    intermediate_size: int = attrs.field(default=256, validator=_int(8))
+    num_layers: int = attrs.field(default=2, validator=_int(1))
+    num_heads: int = attrs.field(default=8, validator=_int(1))
+    num_kv_heads: int = attrs.field(default=4, validator=_int(1))
+    seed: int = attrs.field(default=0, validator=_int(0))
+
+    def hf_config(self, vocab_size: int):
+        from transformers import Qwen2Config
+
+        return Qwen2Config(vocab_size=vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size,
+                           num_hidden_layers=self.num_layers,
+                           num_attention_heads=self.num_heads,
+                           num_key_value_heads=self.num_kv_heads, max_position_embeddings=128,
+                           tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2)
+
+    def config_dict(self, vocab_size: int) -> dict:
+        """The transformers config as plain data, for ``EngineConfig(model_config=...)``."""
+        return self.hf_config(vocab_size).to_dict()
+
+
+def save_initial_model(path: str | Path, model: TinyModel, tokenizer: CharTokenizer) -> Path:
+    """Build the model (random init, float32) and write an HF directory with char_vocab.json."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(model.seed)
+    hf = AutoModelForCausalLM.from_config(model.hf_config(tokenizer.vocab_size),
+                                          dtype=torch.float32)
+    tmp = path.with_name(path.name + ".tmp")
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" for a 1 MB file is noise
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    tokenizer.save(tmp)
+    tmp.rename(path)
+    return path
+
+
+# ---------------------------------------------------------------- batches in the public layout
+
+
+def _pad_rows(rows: list[list[int]], prompt_lens: list[int]) -> TensorDict:
+    """input_ids, attention_mask (real tokens), loss_mask (tokens after the prompt); right pad."""
+    T = max(len(r) for r in rows)
+    B = len(rows)
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    attn = torch.zeros(B, T, dtype=torch.bool)
+    loss = torch.zeros(B, T, dtype=torch.bool)
+    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
+        ids[i, :len(row)] = torch.tensor(row)
+        attn[i, :len(row)] = True
+        loss[i, p:len(row)] = True
+    return TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss},
+                      batch_size=[B])
+
+
+def sft_batch(task: AdditionTask, tok: CharTokenizer, n: int, *, seed: int) -> TensorDict:
+    """n solved problems: prompt + correct answer, loss on the answer (digits and <eos>)."""
+    rows, plens = [], []
+    for a, b in task.sample(n, seed=seed):
+        prompt = task.prompt_ids(tok, a, b)
+        rows.append(prompt + task.answer_ids(tok, a + b))
+        plens.append(len(prompt))
+    return _pad_rows(rows, plens)
+
+
+def wrong_answer(a: int, b: int, rng: random.Random) -> int:
+    """A near miss: the sum with one digit changed (or off by one in the last digit)."""
+    digits = list(str(a + b))
+    i = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0"
+                                                                  and len(digits) > 1)]
+    digits[i] = rng.choice(choices)
+    return int("".join(digits))
+
+
+def pair_batch(task: AdditionTask, tok: CharTokenizer, n_pairs: int, *, seed: int) -> TensorDict:
+    """Preference pairs: row 2i the correct sum (chosen), row 2i+1 a near miss (rejected)."""
+    rng = random.Random(seed + 7919)
+    rows, plens = [], []
+    for a, b in task.sample(n_pairs, seed=seed):
+        prompt = task.prompt_ids(tok, a, b)
+        for value in (a + b, wrong_answer(a, b, rng)):
+            rows.append(prompt + task.answer_ids(tok, value))
+            plens.append(len(prompt))
+    return _pad_rows(rows, plens)
+
+
+def rollout_batch(prompts: list[list[int]], outputs: list[dict], group_size: int,
+                  rewards: list[float]) -> TensorDict:
+    """The public batch of one rollout: rows prompt-major (group k = rows [kG, (k+1)G)).
+
+    ``outputs[i]`` is the server's answer for row i ({output_ids, output_logprobs}); its
+    log-probs become ``behav_logp`` at the positions of the generated tokens.
+    """
+    rows, plens = [], []
+    for i, out in enumerate(outputs):
+        prompt = prompts[i // group_size]
+        rows.append(prompt + list(out["output_ids"]))
+        plens.append(len(prompt))
+    batch = _pad_rows(rows, plens)
+    behav = torch.zeros(batch[K.INPUT_IDS].shape, dtype=torch.float32)
+    for i, out in enumerate(outputs):
+        p, n = plens[i], len(out["output_ids"])
+        behav[i, p:p + n] = torch.tensor(out["output_logprobs"], dtype=torch.float32)
+    batch.set(K.BEHAV_LOGP, behav)
+    batch.set(K.REWARDS, torch.tensor(rewards, dtype=torch.float32))
+    return batch

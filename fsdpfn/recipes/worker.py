@@ -1,0 +1,52 @@
+"""One trainer rank of ``fsdpfn run`` (started by torchrun; not meant to be run by hand).
+
+    python -m torch.distributed.run --nproc-per-node 2 -m fsdpfn.recipes.worker \
+        --config runs/demo/config.yaml [--resume] [--rollout-url http://127.0.0.1:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fsdpfn.recipes.worker")
+    p.add_argument("--config", required=True, help="the resolved recipe config (YAML)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--rollout-url", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdpfn.recipes import load_recipe_config, run_recipe
+    from fsdpfn.recipes.runtime import RunContext
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    cfg = load_recipe_config(args.config)
+    device = cfg.launch.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx = RunContext(run_dir=Path(cfg.run_dir), resume=args.resume,
+                     rollout_url=args.rollout_url or getattr(getattr(cfg, "rollout", None),
+                                                             "url", None),
+                     device=device)
+    ctx.stop.install()
+    # the launcher forwards Ctrl-C to the ranks by these pids (torchrun starts each rank in a
+    # session of its own, and signalling torchrun itself would tear the ranks down mid-step)
+    pid_file = ctx.run_dir / ".ranks" / f"rank{os.environ.get('RANK', '0')}.pid"
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(str(os.getpid()))
+    try:
+        run_recipe(cfg, ctx)
+    finally:
+        pid_file.unlink(missing_ok=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
