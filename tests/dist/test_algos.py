@@ -139,3 +139,25 @@ def test_ppo_raises_mean_reward(spmd1):
     means = spmd1.run(learn_bandit, args=(25,), timeout=240)[0]
     start, end = sum(means[:5]) / 5, sum(means[-5:]) / 5
     assert end > start + 0.3, means
+
+
+def evaluate_matches_step_loss():
+    from fsdpfn.algos.sft import sft_loss_fn
+
+    state = _state(lr=1e-2)
+    batch = random_batch(8, 12, seed=4)
+    before = ff.evaluate(state, batch, sft_loss_fn(ff.SFTConfig()))
+    version = state.version
+    new, stats = ff.sft_step(state, batch, ff.SFTConfig())
+    after = ff.evaluate(new, batch, sft_loss_fn(ff.SFTConfig()))
+    return (float(before["loss"]), float(stats["loss"]), float(after["loss"]), version,
+            new.version, float(before["tokens"]), float(stats["tokens"]))
+
+
+@pytest.mark.timeout(200)
+def test_evaluate_reports_the_loss_without_changing_the_state(spmd2):
+    for before, step_loss, after, v0, v1, tok_eval, tok_step in spmd2.run(
+            evaluate_matches_step_loss, timeout=150):
+        # the step's loss is computed before its update: evaluate must see the same number
+        assert abs(before - step_loss) < 1e-6 * max(1.0, abs(step_loss))
+        assert after < before and v1 == v0 + 1 and tok_eval == tok_step
