@@ -316,22 +316,21 @@ def bench_largest(rate: float):
     """Each candidate in a subprocess: an OOM must not poison the next."""
     import subprocess
     for name, offload in (("7B", True),):
-        if True:
-            cmd = [sys.executable, __file__, "--only", "one_train", "--model", name,
-                   "--offload", str(int(offload)), "--rate", str(rate)]
-            try:
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-            except subprocess.TimeoutExpired:
-                record("largest", f"Qwen2-{name} offload={offload}", ok=False,
-                       error="did not finish within 240 s")
-                continue
-            lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-            if lines:
-                ROWS.append(json.loads(lines[-1]))
-                print(lines[-1], flush=True)
-            else:
-                tail = (res.stderr or res.stdout)[-400:].replace("\n", " | ")
-                record("largest", f"Qwen2-{name} offload={offload}", ok=False, error=tail)
+        cmd = [sys.executable, __file__, "--only", "one_train", "--model", name,
+               "--offload", str(int(offload)), "--rate", str(rate)]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            record("largest", f"Qwen2-{name} offload={offload}", ok=False,
+                   error="did not finish within 240 s")
+            continue
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        if lines:
+            ROWS.append(json.loads(lines[-1]))
+            print(lines[-1], flush=True)
+        else:
+            tail = (res.stderr or res.stdout)[-400:].replace("\n", " | ")
+            record("largest", f"Qwen2-{name} offload={offload}", ok=False, error=tail)
 
 
 def one_train(name: str, offload: bool, rate: float):

@@ -13,7 +13,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.state import local_tensor
 from fsdpfn.testing import random_batch, save_tiny_model, tiny_qwen2_config
 
 B, T, V = 8, 16, 128
@@ -169,7 +168,6 @@ def test_forward_logp_matches_per_sequence_reference(model_dir, batch_with_old_l
 @given(budget=st.integers(min_value=16, max_value=200), n_mbs=st.integers(1, 5))
 def test_forward_logp_any_budget(model_dir, batch_with_old_logp, budget, n_mbs):
     # one process, no ranks needed: the packing and micro-batch planning are what vary
-    from fsdpfn.testing import run_spmd  # noqa: F401  (documented alternative)
     batch, ref = batch_with_old_logp
     state = _single_state(model_dir, budget, n_mbs)
     out = ff.forward_logp(state, batch)
@@ -180,8 +178,6 @@ _STATES: dict = {}
 
 
 def _single_state(model_dir, budget, n_mbs):
-    if not dist.is_initialized():
-        ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")  # a one-rank group
     key = (model_dir, budget, n_mbs)
     if key not in _STATES:
         mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
