@@ -174,8 +174,9 @@ def rl_batch(n_seqs: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 
 def fsdpfn_state(cfg: dict, *, optimizer=True, budget=16384, mesh=None, offload=False,
-                 ac=False, reshard=True, fused=False, dtype="bfloat16", chunk=1024):
+                 ac=False, reshard=True, fused=None, dtype="bfloat16", chunk=1024):
     mesh = mesh or ff.build_mesh(ff.ParallelStrategy(dp=-1))
+    fused = ff.EngineConfig.__attrs_attrs__.fused_kernels.default if fused is None else fused
     ecfg = ff.EngineConfig(model_config=cfg, dtype=dtype, optimizer_dtype="float32",
                            gradient_checkpointing=ac, fused_kernels=fused,
                            logprobs_chunk_size=chunk,
@@ -219,12 +220,52 @@ def bench_forward(cfg: dict):
     del state
 
 
+def bench_forward_variants(cfg: dict, profile: bool = True):
+    """forward_logp under its options, and where the time goes (torch.profiler, top kernels)."""
+    batch, lens = rl_batch(4, 4096, 4096, cfg["vocab_size"])
+    gpu_batch = batch.to("cuda")
+    logps = {}
+    model = naive_model(cfg)
+    ids = gpu_batch[K.INPUT_IDS]
+
+    @torch.no_grad()
+    def naive():
+        logits = model(input_ids=ids).logits.float()
+        return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
+
+    base = reset_peak()
+    sec = timed(naive, iters=5)
+    record("forward_variants", "naive HF full logits", ms=round(sec * 1e3, 1),
+           peak_extra_gib=round(peak_gib(base), 2))
+    del model
+    for name, kw in (("default", {}), ("fused_kernels=False", {"fused": False}),
+                     ("chunk 4096", {"chunk": 4096}),
+                     ("reshard_after_forward=False", {"reshard": False})):
+        state, _ = fsdpfn_state(cfg, optimizer=False, budget=16384, **kw)
+        base = reset_peak()
+        sec = timed(lambda: ff.forward_logp(state, batch), iters=5)
+        sec_gpu = timed(lambda: ff.forward_logp(state, gpu_batch), iters=5)
+        logps[name] = ff.forward_logp(state, batch)[K.LOGP]
+        diff = float((logps[name] - logps["default"]).abs().max())
+        record("forward_variants", f"forward_logp {name}", ms=round(sec * 1e3, 1),
+               ms_gpu_batch=round(sec_gpu * 1e3, 1), peak_extra_gib=round(peak_gib(base), 2),
+               max_abs_diff_vs_default=diff)
+        if profile and name == "default":
+            from torch.profiler import ProfilerActivity, profile as prof
+            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                ff.forward_logp(state, batch)
+                torch.cuda.synchronize()
+            log(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
+                                       max_name_column_width=70))
+        del state
+
+
 def ppo_cfg():
     return ff.PPOConfig(clip_low=0.2, clip_high=0.28)
 
 
 def bench_ppo(cfg: dict, rate: float, *, budget=16384, naive=True, n_seqs=64, ac=False,
-              fused=False, reshard=True, chunk=1024):
+              fused=None, reshard=True, chunk=1024):
     world = dist.get_world_size() if dist.is_initialized() else 1
     batch, lens = rl_batch(n_seqs * world, 256, 4096, cfg["vocab_size"], seed=1)
     if naive and world == 1:
@@ -244,7 +285,7 @@ def bench_ppo(cfg: dict, rate: float, *, budget=16384, naive=True, n_seqs=64, ac
     tok = sum(local_lens)
     mfu = train_flops(cfg, local_lens) / sec / (rate * 1e12)
     record("ppo", f"fsdpfn ppo_step dp={world} budget={budget}{' ac' if ac else ''}"
-                  f"{' liger' if fused else ''}{'' if reshard else ' no-reshard'}"
+                  f"{' liger' if fused is not False else ' no-liger'}{'' if reshard else ' no-reshard'}"
                   f"{f' chunk={chunk}' if chunk != 1024 else ''}",
            real_tokens_per_gpu=tok, s=round(sec, 3),
            tokens_per_s_per_gpu=round(tok / sec), mfu=round(mfu, 3),
@@ -315,26 +356,32 @@ def bench_tp(cfg: dict):
 def bench_largest(rate: float):
     """Each candidate in a subprocess: an OOM must not poison the next."""
     import subprocess
-    for name, offload in (("7B", True),):
+    for name, offload in (("7B", False), ("7B", True)):
+        if offload and any(r.get("ok") for r in ROWS if r["section"] == "largest"):
+            break  # it trains without offload: nothing to learn from the slower run
         cmd = [sys.executable, __file__, "--only", "one_train", "--model", name,
                "--offload", str(int(offload)), "--rate", str(rate)]
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         except subprocess.TimeoutExpired:
             record("largest", f"Qwen2-{name} offload={offload}", ok=False,
-                   error="did not finish within 240 s")
+                   error="did not finish within 300 s")
             continue
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
         if lines:
             ROWS.append(json.loads(lines[-1]))
             print(lines[-1], flush=True)
         else:
-            tail = (res.stderr or res.stdout)[-400:].replace("\n", " | ")
+            text = res.stderr or res.stdout
+            errors = [ln for ln in text.splitlines() if "Error" in ln]
+            tail = (errors[-1] if errors else text[-400:].replace("\n", " | "))[:400]
             record("largest", f"Qwen2-{name} offload={offload}", ok=False, error=tail)
 
 
 def one_train(name: str, offload: bool, rate: float):
     cfg = {"7B": QWEN2_7B, "14B": QWEN2_14B, "3B": QWEN2_3B}[name]
+    torch.cuda.set_device(0)
     batch, lens = rl_batch(16, 256, 4096, cfg["vocab_size"], seed=3)
     try:
         state, _ = fsdpfn_state(cfg, budget=8192, offload=offload, ac=True)
@@ -353,7 +400,10 @@ def one_train(name: str, offload: bool, rate: float):
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
     except torch.OutOfMemoryError as exc:
         record("largest", f"Qwen2-{name} offload={offload} ac", ok=False,
-               params_b=round(param_count(cfg) / 1e9, 2), error=f"OOM: {str(exc)[:120]}")
+               params_b=round(param_count(cfg) / 1e9, 2), error=f"OOM: {str(exc)[:120]}",
+               allocated_gib=round(torch.cuda.memory_allocated() / 2**30, 1),
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+               where="".join(__import__("traceback").format_exc().splitlines(True)[-8:])[:600])
 
 
 def print_table():
@@ -382,6 +432,7 @@ def main():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         ff.build_mesh(ff.ParallelStrategy(dp=-1))  # the process group, before any section
     if "one_train" in only:
+        torch.cuda.set_device(0)
         ff.build_mesh(ff.ParallelStrategy(dp=-1))
         one_train(args.model, args.offload == "1", args.rate)
         return
@@ -393,6 +444,8 @@ def main():
         bench_logprobs()
     if "forward" in only:
         bench_forward(cfg)
+    if "forward_variants" in only:
+        bench_forward_variants(cfg)
     if "ppo" in only:
         bench_ppo(cfg, rate, budget=args.budget)
     if "ppo_variants" in only:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
 import attrs
@@ -193,6 +194,12 @@ def _model_config_conv(value):
     return value
 
 
+def _path_conv(value):
+    """A pathlib.Path (any os.PathLike) is kept as its string; anything else is left to the
+    validator."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
 @attrs.frozen
 class EngineConfig:
     """One model's engine: where the weights come from, precision, micro-batching, optimizer.
@@ -202,7 +209,7 @@ class EngineConfig:
     ``optimizer=None`` gives an inference-only state.
     """
 
-    model_path: str | None = attrs.field(default=None)
+    model_path: str | None = attrs.field(default=None, converter=_path_conv)
     model_config: dict | None = attrs.field(default=None, converter=_model_config_conv)
     is_critic: bool = attrs.field(default=False, validator=_bool)
     dtype: str = attrs.field(default="bfloat16", validator=_one_of("bfloat16", "float32"))
@@ -219,7 +226,9 @@ class EngineConfig:
     # attention over packed sequences: "auto" (flash varlen on CUDA in bf16/fp16, else masked
     # SDPA), "varlen" (CUDA only), "sdpa" (the masked path everywhere)
     attn_impl: str = attrs.field(default="auto", validator=_one_of("auto", "varlen", "sdpa"))
-    fused_kernels: bool = attrs.field(default=False, validator=_bool)  # Liger RMSNorm/SwiGLU
+    # Liger-Kernel's fused RMSNorm and SwiGLU on CUDA when liger_kernel is installed (a no-op on
+    # CPU or without it); False keeps HF's eager modules
+    fused_kernels: bool = attrs.field(default=True, validator=_bool)
 
     @model_path.validator
     def _check_path(self, attribute, value):

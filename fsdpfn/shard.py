@@ -303,8 +303,15 @@ def build_optimizer(model: nn.Module, opt: OptimizerConfig, *,
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": opt.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    cls = KahanAdamW if master_dtype == "bfloat16" else torch.optim.AdamW
-    return cls([g for g in groups if g["params"]], lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    groups = [g for g in groups if g["params"]]
+    if master_dtype == "bfloat16":
+        return KahanAdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    # On CUDA the fused kernel: one launch per tensor list and no temporaries, where the
+    # default multi-tensor path allocates whole-model intermediates (sqrt of exp_avg_sq, ...) that
+    # cost as much memory as the fp32 parameters themselves.
+    on_cuda = all(p.device.type == "cuda" for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                             fused=True if on_cuda else None)
 
 
 def lr_factor(opt: OptimizerConfig, step: int) -> float:

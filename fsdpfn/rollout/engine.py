@@ -10,8 +10,15 @@ between pause and continue cannot stall the server), and a failed update resumes
 
 Updates are staged: received tensors go into a staging dict (a second copy of the weights), are
 validated against the served model (name known, shape, dtype, not given twice; at commit: every
-parameter present, all finite), and only then copied into the served parameters under the model
-lock. Any failure discards the staging; the served weights and version are untouched.
+parameter present, all finite), and only then swapped in under the model lock: each served
+parameter is pointed at its received tensor (no copy; the old storage is freed). Any failure
+discards the staging; the served weights and version are untouched. Per-bucket checks (finite
+values, per-tensor checksums) are queued on the device as each bucket arrives and read once, at
+commit.
+
+Buckets of one update may be posted before the previous one is done (a trainer overlaps the
+HTTP round trip with the transfer): a request waits, up to its group's timeout, for its turn
+(bucket_index == the next expected bucket of its update_id).
 
 behav_logp convention: the log-prob of each sampled token is log_softmax(logits / temperature)
 at that token: temperature applied, top-p / top-k truncation not (it is what the trainer's
@@ -21,17 +28,21 @@ at that token: temperature applied, top-p / top-k truncation not (it is what the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from fsdpfn.weights.protocol import (MANIFEST, bucket_layout, combine_checksums, dtype_from_name,
-                                     dtype_name, make_group, broadcast, sha256_of, wait_work,
-                                     tensor_checksums)
+from fsdpfn.weights.protocol import (MANIFEST, broadcast, bucket_layout, combine_checksums,
+                                     dtype_from_name, dtype_name, flat_checksums, make_group,
+                                     padded_size, sha256_of, tensor_checksums, wait_work,
+                                     zero_padding)
 
 __all__ = ["RolloutEngine", "UpdateError", "SamplingParams"]
 
@@ -77,6 +88,9 @@ class _Staging:
         self.tensors: dict[str, torch.Tensor] = {}
         self.next_bucket = 0
         self.order_error: str | None = None
+        # queued on the device per bucket, read at commit: (names, int64 checksums), bool flags
+        self.sums: list[tuple[list[str], torch.Tensor]] = []
+        self.finite: list[torch.Tensor] = []
 
 
 class RolloutEngine:
@@ -102,7 +116,6 @@ class RolloutEngine:
         self.version = int(weight_version)
         self.max_pause_s = float(max_pause_s)
         self._model_lock = threading.Lock()
-        self._update_lock = threading.Lock()
         self._gen_cond = threading.Condition()
         self._paused = False
         self._pause_timer: threading.Timer | None = None
@@ -110,16 +123,25 @@ class RolloutEngine:
         self._groups: dict[str, tuple] = {}  # name -> (store, pg, backend, timeout_s)
         self._retired: list = []  # groups left mid-operation: kept alive, never destroyed here
         self._staging: _Staging | None = None
+        self._turn = threading.Condition()  # orders the buckets of one update (see module doc)
+        self._busy = False
+        self._failed: set[str] = set()  # update ids that failed: their later buckets are refused
         self.last_error: str | None = None
+        self.server_id = uuid.uuid4().hex  # changes when the server restarts
 
     # ------------------------------------------------------------ info
+
+    @property
+    def group_names(self) -> list[str]:
+        return sorted(self._groups)
 
     @property
     def dtype(self) -> torch.dtype:
         return next(iter(self.params.values())).dtype
 
     def info(self) -> dict:
-        return {"model_path": self.model_path, "dtype": dtype_name(self.dtype),
+        return {"model_path": self.model_path, "server_id": self.server_id,
+                "dtype": dtype_name(self.dtype),
                 "device": str(self.device), "weight_version": self.version,
                 "is_generation": True, "vocab_size": self.vocab_size, "paused": self._paused,
                 "groups": sorted(self._groups), "last_error": self.last_error,
@@ -285,7 +307,7 @@ class RolloutEngine:
         if backend == "nccl" and self.device.type != "cuda":
             raise UpdateError(f"backend: 'nccl' needs a server on cuda, this one serves on "
                               f"{self.device}")
-        with self._update_lock:
+        with self._exclusive(args["timeout_s"]):
             self._retire(name)
             try:
                 group = make_group(device=self.device, **args)
@@ -298,7 +320,7 @@ class RolloutEngine:
         return {"success": True, "message": f"joined group {name!r}"}
 
     def destroy_group(self, name: str) -> dict:
-        with self._update_lock:
+        with self._exclusive(60.0):
             self._retire(name)
         return {"success": True}
 
@@ -312,15 +334,68 @@ class RolloutEngine:
         load_format ("flattened_bucket": one uint8 broadcast; else one broadcast per tensor),
         weight_version, update_id, bucket_index, commit}. Without update_id the call is a
         self-contained (possibly partial) update, as in SGLang."""
-        if not self._update_lock.acquire(blocking=False):
-            raise UpdateError("update_weights_from_distributed: another update is in progress", 409)
+        update_id = payload.get("update_id")
         try:
-            return self._update_from_distributed(payload)
+            index = int(payload.get("bucket_index") or 0)
+        except (TypeError, ValueError):
+            index = 0
+        group = self._groups.get(str(payload.get("group_name")))
+        wait_s = float(group[3]) if group is not None else 0.0
+        clock = time.perf_counter()
+        self._wait_turn(update_id, index, wait_s)
+        waited = time.perf_counter() - clock
+        try:
+            if update_id is not None and update_id in self._failed:
+                # an earlier bucket failed: the sender has dropped the group, nothing will come
+                self._retire(str(payload.get("group_name")))
+                raise UpdateError(f"bucket_index {index}: update {update_id!r} already failed "
+                                  f"({self.last_error}); group dropped, previous weights kept",
+                                  409)
+            answer = self._update_from_distributed(payload)
+            answer["seconds"] = {"wait_turn": waited, **answer.get("seconds", {}),
+                                 "total": time.perf_counter() - clock}
+            return answer
         except UpdateError as exc:
+            if update_id is not None:
+                if len(self._failed) > 1000:
+                    self._failed.clear()
+                self._failed.add(update_id)
             self._fail(exc)
             raise
         finally:
-            self._update_lock.release()
+            with self._turn:
+                self._busy = False
+                self._turn.notify_all()
+
+    @contextlib.contextmanager
+    def _exclusive(self, wait_s: float):
+        """No other update, group change or bucket runs meanwhile (409 after ``wait_s``)."""
+        self._wait_turn(None, 0, wait_s)
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._busy = False
+                self._turn.notify_all()
+
+    def _wait_turn(self, update_id, index: int, wait_s: float) -> None:
+        """Block until no update runs and, for bucket ``index`` > 0 of ``update_id``, until the
+        buckets before it are done (or the update failed, or was replaced); 409 after
+        ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        with self._turn:
+            while True:
+                st = self._staging
+                ready = (update_id is None or index == 0 or update_id in self._failed
+                         or st is None or st.update_id != update_id or st.next_bucket >= index)
+                if not self._busy and ready:
+                    self._busy = True
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise UpdateError("update_weights_from_distributed: another update is in "
+                                      "progress", 409)
+                self._turn.wait(remaining)
 
     def _fail(self, exc: UpdateError) -> None:
         self._staging = None
@@ -355,18 +430,26 @@ class RolloutEngine:
         update_id = payload.get("update_id")
         staging = self._staging_for(update_id, int(payload.get("bucket_index") or 0))
         problems = self._validate(names, torch_dtypes, shapes, staging)
-        received = self._receive(group_name, flat, dtypes, torch_dtypes, shapes)
+        clock = time.perf_counter()
+        received, sums, finite = self._receive(group_name, flat, dtypes, torch_dtypes, shapes)
+        seconds = {"receive": time.perf_counter() - clock}
         if problems:
             raise UpdateError("update rejected, previous weights kept: " + "; ".join(problems))
         staging.tensors.update(zip(names, received))
+        staging.sums.append(([self.aliases.get(n, n) for n in names], sums))
+        staging.finite.append(finite)
         staging.next_bucket += 1
         commit = bool(payload.get("commit", update_id is None))
         if not commit:
             return {"success": True, "weight_version": self.version, "staged":
-                    len(staging.tensors), "message": f"staged {len(names)} tensors"}
+                    len(staging.tensors), "message": f"staged {len(names)} tensors",
+                    "seconds": seconds}
         version = payload.get("weight_version")
-        return self._commit(staging, self.version + 1 if version is None else int(version),
-                            partial=update_id is None)
+        clock = time.perf_counter()
+        answer = self._commit(staging, self.version + 1 if version is None else int(version),
+                              partial=update_id is None)
+        seconds["commit"] = time.perf_counter() - clock
+        return {**answer, "seconds": seconds}
 
     def _staging_for(self, update_id, bucket_index: int) -> _Staging:
         current = self._staging
@@ -408,33 +491,49 @@ class RolloutEngine:
                                f"{next(iter(self.params))!r})")
         return problems[:8] + ([f"... {len(problems) - 8} more"] if len(problems) > 8 else [])
 
-    def _receive(self, group_name, flat, dtypes, torch_dtypes, shapes) -> list[torch.Tensor]:
+    def _receive(self, group_name, flat, dtypes, torch_dtypes, shapes):
+        """(tensors, their int64 checksums, a bool "all finite"), the checks queued on the
+        device, not read."""
         store, pg, backend, timeout_s = self._groups[group_name]
         device = self.device if backend == "nccl" else torch.device("cpu")
         try:
             if flat:
                 offsets, total = bucket_layout(dtypes, shapes)
-                buf = torch.empty(total, dtype=torch.uint8, device=device)
-                wait_work(broadcast(pg, buf), backend, timeout_s)
-                out = [buf[o:o + math.prod(s) * d.itemsize].view(d).view(s)
-                       for o, d, s in zip(offsets, torch_dtypes, shapes)]
-            else:
-                out = []
-                for d, s in zip(torch_dtypes, shapes):
-                    t = torch.empty(s, dtype=d, device=device)
-                    wait_work(broadcast(pg, t), backend, timeout_s)
-                    out.append(t)
+                sizes = [math.prod(s) * d.itemsize for d, s in zip(torch_dtypes, shapes)]
+                buf = torch.empty(padded_size(total), dtype=torch.uint8, device=device)
+                wait_work(broadcast(pg, buf[:total]), backend, timeout_s)
+                buf = buf.to(self.device)
+                buf[total:].zero_()
+                zero_padding(buf, offsets, sizes)
+                out = [buf[o:o + n].view(d).view(s)
+                       for o, n, d, s in zip(offsets, sizes, torch_dtypes, shapes)]
+                sums = flat_checksums(buf, offsets, sizes)
+                if len(set(torch_dtypes)) == 1 and total % torch_dtypes[0].itemsize == 0:
+                    # padding is zero: the bucket is finite iff every tensor is
+                    finite = torch.isfinite(buf[:total].view(torch_dtypes[0])).all()
+                else:
+                    finite = torch.stack([torch.isfinite(t).all() for t in out]).all()
+                return out, sums, finite
+            out = []
+            for d, s in zip(torch_dtypes, shapes):
+                t = torch.empty(s, dtype=d, device=device)
+                wait_work(broadcast(pg, t), backend, timeout_s)
+                out.append(t)
         except Exception as exc:  # noqa: BLE001 - a dead or stalled sender: gloo/nccl errors
             self._retire(group_name)
             raise UpdateError(f"receiving over group {group_name!r} failed: "
                               f"{type(exc).__name__}: {exc}; group dropped, previous weights "
                               f"kept", 500) from None
-        if device != self.device:
-            out = [t.to(self.device) for t in out]
-        return out
+        out = [t.to(self.device) for t in out]
+        sums = torch.stack([s.to(self.device) for s in _word_sums(out)]) if out else \
+            torch.zeros(0, dtype=torch.int64, device=self.device)
+        finite = torch.stack([torch.isfinite(t).all() for t in out]).all() if out else \
+            torch.ones((), dtype=torch.bool, device=self.device)
+        return out, sums, finite
 
     def _commit(self, staging: _Staging, version: int, *, partial: bool) -> dict:
-        """Validate the whole staging, then swap it in under the model lock."""
+        """Validate the whole staging, then swap it in under the model lock (no copy: each
+        parameter is pointed at its received tensor)."""
         tensors = {self.aliases.get(n, n): t for n, t in staging.tensors.items()}
         if not partial:
             missing = [n for n in self.params if n not in tensors]
@@ -442,16 +541,22 @@ class RolloutEngine:
                 raise UpdateError(f"update rejected, previous weights kept: every parameter of "
                                   f"the served model must be sent, got none for {len(missing)} "
                                   f"(e.g. {missing[:3]})")
-        finite = torch.stack([torch.isfinite(t).all().to(self.device) for t in tensors.values()])
-        if not bool(finite.all()):  # one synchronisation on the good path
-            bad = [n for n, ok in zip(tensors, finite.tolist()) if not ok]
+        if not staging.finite:  # from disk: checked here
+            staging.finite = [torch.isfinite(t).all() for t in tensors.values()]
+        if not bool(torch.stack([f.to(self.device) for f in staging.finite]).all()):
+            bad = [n for n, t in tensors.items() if not bool(torch.isfinite(t).all())]
             raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
                               f"got NaN/inf in {bad[:3]}")
         with self._model_lock:
             for name, t in tensors.items():
-                self.params[name].data.copy_(t)
+                self.params[name].data = t
             self.version = version
+        if partial or not staging.sums:
             checksum = self.weights_checksum()
+        else:
+            names = [n for batch, _ in staging.sums for n in batch]
+            values = torch.cat([v.to(self.device) for _, v in staging.sums]).tolist()
+            checksum = combine_checksums(dict(zip(names, values)))
         self._staging = None
         self.last_error = None
         return {"success": True, "weight_version": version, "weights_checksum": checksum,
@@ -460,15 +565,12 @@ class RolloutEngine:
     def update_from_disk(self, payload: dict) -> dict:
         """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,
         verify_checksums (default true: sha256 of each tensor against fsdpfn_manifest.json)}."""
-        if not self._update_lock.acquire(blocking=False):
-            raise UpdateError("update_weights_from_disk: another update is in progress", 409)
-        try:
-            return self._update_from_disk(payload)
-        except UpdateError as exc:
-            self._fail(exc)
-            raise
-        finally:
-            self._update_lock.release()
+        with self._exclusive(0.0):
+            try:
+                return self._update_from_disk(payload)
+            except UpdateError as exc:
+                self._fail(exc)
+                raise
 
     def _update_from_disk(self, payload: dict) -> dict:
         path = Path(str(payload.get("model_path") or ""))
@@ -522,6 +624,12 @@ class _LogprobRecorder:
             self.steps.append(self._score(new_tokens[:, len(self.steps)]))
         assert len(self.steps) == new_tokens.shape[1], (len(self.steps), new_tokens.shape)
         return torch.stack(self.steps, dim=1)
+
+
+def _word_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    from fsdpfn.weights.protocol import _word_sum
+
+    return [_word_sum(t) for t in tensors]
 
 
 def _read_json(path: Path) -> dict | None:

@@ -2,7 +2,7 @@
 
 | endpoint | payload | answer |
 | --- | --- | --- |
-| GET /health | | {status, weight_version} |
+| GET /health | | {status, weight_version, server_id, groups} |
 | GET /weight_version, GET /get_weight_version | | {weight_version} |
 | GET /get_model_info | | {model_path, dtype, device, weight_version, params: {name: {dtype, shape}}, groups, paused, last_error} |
 | POST /generate | {input_ids: [[int]] or [int], sampling_params: {temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, seed}} | {weight_version, outputs: [{prompt_index, output_ids, output_logprobs, finish_reason}]} |
@@ -46,7 +46,8 @@ def build_app(engine: RolloutEngine):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "weight_version": engine.version}
+        return {"status": "ok", "weight_version": engine.version, "server_id": engine.server_id,
+                "groups": engine.group_names}
 
     @app.get("/weight_version")
     @app.get("/get_weight_version")

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", "tensor_checksum",
-           "tensor_checksums",
+           "tensor_checksums", "padded_size", "flat_checksums", "zero_padding",
            "combine_checksums", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
            "make_group", "broadcast", "wait_work", "DEFAULT_BUCKET_BYTES"]
 
@@ -84,6 +84,44 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
         return []
     sums = [_word_sum(t) for t in tensors]
     return [int(v) for v in torch.stack([s.to(sums[0].device) for s in sums]).tolist()]
+
+
+def padded_size(nbytes: int) -> int:
+    """Bytes allocated for a flat bucket of ``nbytes``: rounded up to ALIGN, the tail zero (only
+    the first ``nbytes`` travel)."""
+    return -(-int(nbytes) // ALIGN) * ALIGN
+
+
+def flat_checksums(buf: torch.Tensor, offsets: Sequence[int],
+                   sizes: Sequence[int]) -> torch.Tensor:
+    """tensor_checksum of every tensor of a flat bucket at once: an int64 tensor on buf's device
+    (no synchronisation). ``buf`` is the padded uint8 buffer (``padded_size`` bytes) whose padding
+    bytes are zero. Offsets are ALIGN-aligned, so every ALIGN-byte row belongs to one tensor: the
+    checksum of tensor i is the sum of its rows' int32 words (row sums, one prefix sum, one
+    difference). Tensors whose size is not a multiple of 4 bytes are summed as uint8 (as
+    tensor_checksum does), one by one."""
+    if buf.numel() % ALIGN:
+        raise ValueError(f"buf: must hold a multiple of {ALIGN} bytes, got {buf.numel()}")
+    rows = buf.view(torch.int32).view(-1, ALIGN // 4).sum(1, dtype=torch.int64)
+    prefix = torch.cat([rows.new_zeros(1), rows.cumsum(0)])
+    del rows
+    starts = torch.tensor([o // ALIGN for o in offsets], dtype=torch.int64)
+    ends = torch.tensor([-(-(o + n) // ALIGN) for o, n in zip(offsets, sizes)],
+                        dtype=torch.int64)
+    sums = prefix[ends.to(buf.device)] - prefix[starts.to(buf.device)]
+    for i, (o, n) in enumerate(zip(offsets, sizes)):
+        if n % 4:
+            sums[i] = buf[o:o + n].sum(dtype=torch.int64)
+    return sums
+
+
+def zero_padding(buf: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> None:
+    """Zero the bytes of ``buf`` (padded, see padded_size) that belong to no tensor: the gap after
+    each tensor up to the next ALIGN boundary (one small fill per unaligned tensor)."""
+    for o, n in zip(offsets, sizes):
+        end = o + n
+        if end % ALIGN:
+            buf[end:padded_size(end)].zero_()
 
 
 def combine_checksums(per_tensor: dict[str, int]) -> int:

@@ -49,7 +49,7 @@ from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets
                                    weight_params)
 from fsdpfn.weights.http import Call, call
 from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, broadcast, combine_checksums,
-                                     dtype_from_name, make_group, tensor_checksums, wait_work)
+                                     dtype_from_name, flat_checksums, make_group, wait_work)
 
 __all__ = ["RolloutTarget"]
 
@@ -78,7 +78,7 @@ class RolloutTarget:
                  disk_root: str | os.PathLike | None = None, keep_last: int = 2,
                  master_address: str | None = None, master_port: int | None = None,
                  group_name: str | None = None,
-                 on_bucket: Callable[[int, int], None] | None = None):
+                 on_bucket: Callable[[int, int], None] | None = None, pipeline: bool = True):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                for u in urls):
@@ -118,11 +118,15 @@ class RolloutTarget:
         self.master_port = master_port
         self.group_name = group_name or f"fsdpfn-{uuid.uuid4().hex[:8]}"
         self.on_bucket = on_bucket
+        self.pipeline = bool(pipeline)
         # rank 0 only: the live group (store, pg, backend) and groups left after a failure
         # (kept referenced: destroying a group with an operation in flight blocks until its
         # timeout)
         self._group: tuple[Any, Any, str] | None = None
         self._retired: list = []
+        self.last_timings: dict[str, float] = {}  # seconds per phase of the last push
+        # rank 0 only: url -> (server_id, trainer layout hash, /get_model_info answer)
+        self._infos: dict[str, tuple[Any, int, dict]] = {}
 
     def __repr__(self) -> str:
         return f"RolloutTarget({self.urls!r}, transport={self.transport!r})"
@@ -130,12 +134,17 @@ class RolloutTarget:
     # ------------------------------------------------------------ the collective push
 
     def push(self, state: EngineState) -> tuple[int, int]:
-        """Collective over the trainer ranks; returns (n_tensors, n_bytes)."""
+        """Collective over the trainer ranks; returns (n_tensors, n_bytes). Afterwards
+        ``last_timings`` holds this rank's seconds per phase: prepare (server checks, group),
+        transfer (gather + send + the servers' commit), conclude (checksums, continue)."""
+        clock = time.perf_counter()
+        self.last_timings = {}
         params = weight_params(state)
         plan, error = (guard(lambda: self._prepare(state, params), "preparing the push")
                        if is_pusher() else (None, None))
         dtype_str, backend = share(plan, error)
         dtype = dtype_from_name(dtype_str)
+        self.last_timings["prepare"] = time.perf_counter() - clock
         if self.transport == "disk":
             return self._push_disk(state, dtype)
         return self._push_broadcast(state, params, dtype, backend)
@@ -146,12 +155,16 @@ class RolloutTarget:
         sender = _BroadcastSender(self, buckets, state.version) if is_pusher() else None
         out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
         try:
+            clock = time.perf_counter()
             drive(state, dict(params), buckets, sender, gather_device=state.mesh.device,
                   out_device=out_device, flat=True)
+            self.last_timings["transfer"] = time.perf_counter() - clock
+            clock = time.perf_counter()
             error = None
             if sender is not None:
                 _, error = guard(sender.conclude, "concluding the push")
             agree(state.mesh, error)
+            self.last_timings["conclude"] = time.perf_counter() - clock
         except BaseException:
             if sender is not None:
                 sender.abandon()
@@ -174,8 +187,20 @@ class RolloutTarget:
     # ------------------------------------------------------------ rank 0: preparation
 
     def _prepare(self, state: EngineState, params) -> tuple[str, str]:
-        """(push dtype name, backend); checks names/shapes; (re)builds the group if needed."""
-        infos = {url: call(url, "/get_model_info", timeout=self.timeout_s) for url in self.urls}
+        """(push dtype name, backend); checks names/shapes; (re)builds the group if needed.
+
+        The servers' model info (and the precheck against it) is cached per server_id and
+        trainer layout: a push normally costs one small /health request per server, and the
+        full /get_model_info only after a server restart, a new group or another model."""
+        layout = hash(tuple((name, tuple(p.shape)) for name, p in params))
+        health = {url: call(url, "/health", timeout=self.timeout_s) for url in self.urls}
+        for url, h in health.items():
+            cached = self._infos.get(url)
+            if cached is None or cached[0] != h.get("server_id") or cached[1] != layout \
+                    or h.get("server_id") is None:
+                info = call(url, "/get_model_info", timeout=self.timeout_s)
+                self._infos[url] = (info.get("server_id"), layout, info)
+        infos = {url: self._infos[url][2] for url in self.urls}
         served = {url: info.get("dtype") for url, info in infos.items()}
         if self.dtype is not None:
             dtype = self.dtype
@@ -186,13 +211,17 @@ class RolloutTarget:
                                   f"RolloutTarget(dtype=...) explicitly")
         if self.precheck:
             for url, info in infos.items():
-                _precheck(url, info, params, dtype)
+                try:
+                    _precheck(url, info, params, dtype)
+                except WeightSyncError:
+                    self._infos.pop(url, None)  # look again next time
+                    raise
         on_cuda = state.mesh.device_type == "cuda" and all(
             str(info.get("device", "cpu")).startswith("cuda") for info in infos.values())
         backend = self.backend or ("nccl" if on_cuda else "gloo")
         if self.transport == "broadcast":
             stale = self._group is None or self._group[2] != backend or any(
-                self.group_name not in info.get("groups", ()) for info in infos.values())
+                self.group_name not in h.get("groups", ()) for h in health.values())
             if stale:
                 self._init_group(backend, state.mesh.device)
         return dtype, backend
@@ -302,7 +331,6 @@ class RolloutTarget:
             self._continue(strict=False)
             raise
         self._continue(strict=True)
-        _verify_versions(self.urls, version, self.timeout_s)
 
 
 def _free_port(address: str) -> int:
@@ -348,23 +376,16 @@ def _check_commit(url: str, answer: dict, version: int, checksum: int) -> None:
                               f"what was sent)")
 
 
-def _verify_versions(urls: list[str], version: int, timeout: float) -> None:
-    for url in urls:
-        got = call(url, "/weight_version", timeout=timeout).get("weight_version")
-        if got != version:
-            raise WeightSyncError(f"server {url}: /weight_version must report {version} after "
-                                  f"the push, got {got!r}")
-
-
 class _BroadcastSender:
     """Rank 0: metadata over HTTP (a thread per server) + one async flat broadcast per bucket."""
 
     def __init__(self, target: RolloutTarget, buckets: list[Bucket], version: int):
+        self.start_before_finish = target.pipeline
         self.target = target
         self.buckets = buckets
         self.version = version
         self.update_id = uuid.uuid4().hex
-        self.checksums: dict[str, int] = {}
+        self.checksums: list[tuple[list[str], torch.Tensor]] = []  # per bucket, on the device
         self.paused = False
         self.final_answers: dict[str, dict] = {}
 
@@ -372,8 +393,9 @@ class _BroadcastSender:
         t = self.target
         store, pg, backend = t._group  # noqa: SLF001
         last = bucket.index == len(self.buckets) - 1
-        views = [flat[o:o + s.nbytes] for s, o in zip(bucket.specs, bucket.offsets)]
-        self.checksums.update(zip(bucket.names, tensor_checksums(views)))
+        # queued on the device (no synchronisation): read once, in conclude()
+        self.checksums.append((bucket.names, flat_checksums(
+            flat, bucket.offsets, [s.nbytes for s in bucket.specs])))
         if last and t.pause_generation:
             self.paused = True
             t._pause()  # noqa: SLF001
@@ -385,7 +407,8 @@ class _BroadcastSender:
                                                 timeout=t.timeout_s),
                            f"server {url}: /update_weights_from_distributed")
                  for url in t.urls}
-        work = broadcast(pg, flat)  # ordered after the gather's copies on the current stream
+        # ordered after the gather's copies on the current stream; the padded tail stays here
+        work = broadcast(pg, flat[:bucket.nbytes])
         if t.on_bucket is not None:
             t.on_bucket(bucket.index, len(self.buckets))
         return bucket, calls, work, flat, backend, time.monotonic() + t.timeout_s
@@ -408,18 +431,24 @@ class _BroadcastSender:
             raise WeightSyncError("; ".join(errors) + f" {where}")
         if wire_error is not None:
             raise WeightSyncError(f"broadcast to {self.target.urls} failed: {wire_error} {where}")
+        timings = self.target.last_timings
+        for answer in answers.values():  # the servers' own account, summed over buckets
+            for key, value in (answer.get("seconds") or {}).items():
+                if isinstance(value, (int, float)):
+                    timings[f"server_{key}"] = timings.get(f"server_{key}", 0.0) + value
         if bucket.index == len(self.buckets) - 1:
             self.final_answers = answers
 
     def conclude(self) -> None:
         """After the last bucket: checksums, continue generation, versions."""
-        checksum = combine_checksums(self.checksums)
+        names = [n for batch, _ in self.checksums for n in batch]
+        values = torch.cat([v.cpu() for _, v in self.checksums]).tolist()
+        checksum = combine_checksums(dict(zip(names, values)))
         for url, answer in self.final_answers.items():
             _check_commit(url, answer, self.version, checksum)
         if self.paused:
             self.paused = False
             self.target._continue(strict=True)  # noqa: SLF001
-        _verify_versions(self.target.urls, self.version, self.target.timeout_s)
 
     def abandon(self) -> None:
         """After a failure: the group may be out of step (drop it); never leave generation

@@ -129,3 +129,10 @@ def test_configs_are_frozen():
     cfg = ff.PPOConfig()
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         cfg.clip_low = 0.3
+
+
+def test_model_path_accepts_a_pathlib_path(tmp_path):
+    cfg = ff.EngineConfig(model_path=tmp_path / "model")
+    assert cfg.model_path == str(tmp_path / "model") and isinstance(cfg.model_path, str)
+    with pytest.raises(ff.ConfigError, match="model_path: must be a non-empty path string"):
+        ff.EngineConfig(model_path=3)
