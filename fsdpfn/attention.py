@@ -3,7 +3,8 @@
 fsdpfn feeds models a single packed row [1, N] with position_ids restarting per sequence. Attention
 must never cross a sequence boundary:
 - CUDA: torch's variable-length flash attention (``torch.nn.attention.varlen``) over cu_seqlens.
-- elsewhere (and as the reference): SDPA with a block-diagonal causal mask [1, 1, N, N].
+- elsewhere: causal SDPA on each sequence's slice of the row (memory grows with the sum of
+  squared sequence lengths, never with N^2); a 4D mask, when a caller hands one, is honoured.
 The function is registered under the name ``fsdpfn_packed`` in transformers' AttentionInterface; the
 model's ``config._attn_implementation`` is set to it by shard_model. The mask construction of HF is
 bypassed by handing the model a ready 4D mask (see ``packed_attention_mask``).
@@ -39,10 +40,10 @@ def block_causal_mask(cu_seqlens: torch.Tensor, n: int, device) -> torch.Tensor:
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, n: int, device, *,
                           use_varlen: bool) -> torch.Tensor | None:
-    """What is handed to an HF model as ``attention_mask``: a ready 4D mask (HF passes 4D masks
-    through unchanged), or None on the varlen path (the registered mask function returns None
-    and the attention reads cu_seqlens)."""
-    return None if use_varlen else block_causal_mask(cu_seqlens, n, device)
+    """What is handed to an HF model as ``attention_mask``: None (the registered mask function
+    returns None too); the attention reads cu_seqlens, on the varlen path and on the
+    per-sequence SDPA path alike. ``block_causal_mask`` is the equivalent dense mask."""
+    return None
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -76,19 +77,34 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                      **kwargs):
     """HF attention-interface function; query [1, Hq, N, D] -> ([1, N, Hq, D], None)."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if attention_mask is None and cu_seqlens is not None and varlen_available(query.device,
-                                                                                query.dtype):
+    allowed = kwargs.get("fsdpfn_varlen", True)  # False: attn_impl="sdpa" asked for SDPA
+    if attention_mask is None and cu_seqlens is not None and allowed and \
+            varlen_available(query.device, query.dtype):
         return _varlen(query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling), None
-    if attention_mask is None:
-        if cu_seqlens is None:
-            raise RuntimeError("fsdpfn_packed attention needs a mask or cu_seq_lens_q")
-        attention_mask = block_causal_mask(cu_seqlens, query.shape[2], query.device)
+    if attention_mask is None and cu_seqlens is None:
+        raise RuntimeError("fsdpfn_packed attention needs a mask or cu_seq_lens_q")
     if key.shape[1] != query.shape[1]:
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                         dropout_p=dropout, scale=scaling)
+    if attention_mask is None:
+        out = _per_sequence(query, key, value, cu_seqlens, scaling, dropout)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _per_sequence(query, key, value, cu_seqlens, scaling, dropout) -> torch.Tensor:
+    """Causal SDPA on each sequence of the packed row; [1, H, N, D] in and out."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    n = query.shape[2]
+    parts = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                            is_causal=True, dropout_p=dropout, scale=scaling)
+             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    if bounds[-1] < n:  # tokens after the last sequence (none from fsdpfn's packing)
+        parts.append(query.new_zeros(*query.shape[:2], n - bounds[-1], value.shape[-1]))
+    return torch.cat(parts, dim=2) if parts else query.new_zeros(*query.shape[:3],
+                                                                 value.shape[-1])
 
 
 def register() -> None:

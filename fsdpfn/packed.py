@@ -52,7 +52,7 @@ class PackedModel(nn.Module):
             input_ids=input_ids[None], position_ids=position_ids[None],
             attention_mask=packed_attention_mask(cu, n, input_ids.device, use_varlen=use_varlen),
             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
-            use_cache=False)
+            fsdpfn_varlen=use_varlen, use_cache=False)
         hidden = out.last_hidden_state[0]  # (N, H)
         if self.is_critic:
             # a fresh tensor, not a view: FSDP2 hooks the module's outputs for backward
