@@ -143,7 +143,8 @@ class RolloutEngine:
         return {"model_path": self.model_path, "server_id": self.server_id,
                 "dtype": dtype_name(self.dtype),
                 "device": str(self.device), "weight_version": self.version,
-                "is_generation": True, "vocab_size": self.vocab_size, "paused": self._paused,
+                "is_generation": True, "vocab_size": self.vocab_size, "multi_bucket": True,
+                "paused": self._paused,
                 "groups": sorted(self._groups), "last_error": self.last_error,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}
                            for n, p in self.params.items()}}
@@ -333,7 +334,9 @@ class RolloutEngine:
         """/update_weights_from_distributed: {names, dtypes, shapes, group_name, flush_cache,
         load_format ("flattened_bucket": one uint8 broadcast; else one broadcast per tensor),
         weight_version, update_id, bucket_index, commit}. Without update_id the call is a
-        self-contained (possibly partial) update, as in SGLang."""
+        self-contained (possibly partial) update, as in SGLang. With ``buckets`` (a list of
+        {names, dtypes, shapes}; advertised as multi_bucket in /get_model_info) the whole update
+        is one request (see _update_buckets)."""
         update_id = payload.get("update_id")
         try:
             index = int(payload.get("bucket_index") or 0)
@@ -403,6 +406,8 @@ class RolloutEngine:
         self.resume()  # a failed update never leaves generation paused
 
     def _update_from_distributed(self, payload: dict) -> dict:
+        if payload.get("buckets") is not None:
+            return self._update_buckets(payload)
         try:
             names = [str(n) for n in payload["names"]]
             dtypes = [str(d) for d in payload["dtypes"]]
@@ -498,22 +503,9 @@ class RolloutEngine:
         device = self.device if backend == "nccl" else torch.device("cpu")
         try:
             if flat:
-                offsets, total = bucket_layout(dtypes, shapes)
-                sizes = [math.prod(s) * d.itemsize for d, s in zip(torch_dtypes, shapes)]
-                buf = torch.empty(padded_size(total), dtype=torch.uint8, device=device)
-                wait_work(broadcast(pg, buf[:total]), backend, timeout_s)
-                buf = buf.to(self.device)
-                buf[total:].zero_()
-                zero_padding(buf, offsets, sizes)
-                out = [buf[o:o + n].view(d).view(s)
-                       for o, n, d, s in zip(offsets, sizes, torch_dtypes, shapes)]
-                sums = flat_checksums(buf, offsets, sizes)
-                if len(set(torch_dtypes)) == 1 and total % torch_dtypes[0].itemsize == 0:
-                    # padding is zero: the bucket is finite iff every tensor is
-                    finite = torch.isfinite(buf[:total].view(torch_dtypes[0])).all()
-                else:
-                    finite = torch.stack([torch.isfinite(t).all() for t in out]).all()
-                return out, sums, finite
+                buf, work = self._post_flat(pg, device, dtypes, shapes)
+                wait_work(work, backend, timeout_s)
+                return self._unpack_flat(buf, dtypes, torch_dtypes, shapes)
             out = []
             for d, s in zip(torch_dtypes, shapes):
                 t = torch.empty(s, dtype=d, device=device)
@@ -530,6 +522,96 @@ class RolloutEngine:
         finite = torch.stack([torch.isfinite(t).all() for t in out]).all() if out else \
             torch.ones((), dtype=torch.bool, device=self.device)
         return out, sums, finite
+
+    @staticmethod
+    def _post_flat(pg, device, dtypes, shapes):
+        """Allocate a padded flat bucket and post its receive; (buffer, work)."""
+        _, total = bucket_layout(dtypes, shapes)
+        buf = torch.empty(padded_size(total), dtype=torch.uint8, device=device)
+        return buf, broadcast(pg, buf[:total])
+
+    def _unpack_flat(self, buf, dtypes, torch_dtypes, shapes):
+        """A received flat bucket -> (tensor views, int64 checksums, bool "all finite"); the
+        checks are queued on the device, not read."""
+        offsets, total = bucket_layout(dtypes, shapes)
+        sizes = [math.prod(s) * d.itemsize for d, s in zip(torch_dtypes, shapes)]
+        buf = buf.to(self.device)
+        buf[total:].zero_()
+        zero_padding(buf, offsets, sizes)
+        out = [buf[o:o + n].view(d).view(s)
+               for o, n, d, s in zip(offsets, sizes, torch_dtypes, shapes)]
+        sums = flat_checksums(buf, offsets, sizes)
+        if len(set(torch_dtypes)) == 1 and total % torch_dtypes[0].itemsize == 0:
+            # padding is zero: the bucket is finite iff every tensor is
+            finite = torch.isfinite(buf[:total].view(torch_dtypes[0])).all()
+        else:
+            finite = torch.stack([torch.isfinite(t).all() for t in out]).all()
+        return out, sums, finite
+
+    def _update_buckets(self, payload: dict) -> dict:
+        """The whole update in one request: {buckets: [{names, dtypes, shapes}, ...],
+        group_name, weight_version, update_id, pause_generation, load_format="flattened_bucket"}.
+        Every bucket's receive is posted at once (the sender keeps two in flight); each is
+        unpacked and checked as it lands; then one commit, with generation paused around the swap
+        when asked."""
+        try:
+            group_name = str(payload["group_name"])
+            buckets = [([str(n) for n in b["names"]], [str(d) for d in b["dtypes"]],
+                        [[int(x) for x in s] for s in b["shapes"]]) for b in payload["buckets"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UpdateError(f"update_weights_from_distributed: buckets must be a list of "
+                              f"{{names, dtypes, shapes}} and group_name given; got "
+                              f"{sorted(payload)} ({type(exc).__name__}: {exc})") from None
+        if any(not (len(n) == len(d) == len(s)) for n, d, s in buckets):
+            raise UpdateError("buckets: names, dtypes, shapes must have equal lengths in every "
+                              "bucket")
+        if group_name not in self._groups:
+            raise UpdateError(f"group_name: no weights-update group {group_name!r} on this "
+                              f"server (groups: {sorted(self._groups)}); call "
+                              f"/init_weights_update_group first", 404)
+        try:
+            torch_dtypes = [[dtype_from_name(x) for x in d] for _, d, _ in buckets]
+        except ValueError as exc:
+            self._retire(group_name)
+            raise UpdateError(f"dtypes: {exc}; group {group_name!r} dropped, "
+                              f"re-initialise it") from None
+        staging = self._staging = _Staging(payload.get("update_id"))
+        problems = self._validate([n for b in buckets for n in b[0]],
+                                  [d for ds in torch_dtypes for d in ds],
+                                  [s for b in buckets for s in b[2]], staging)
+        store, pg, backend, timeout_s = self._groups[group_name]
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        clock = time.perf_counter()
+        try:
+            posted = [self._post_flat(pg, device, d, s) for _, d, s in buckets]
+            for (names, dtypes, shapes), tds, (buf, work) in zip(buckets, torch_dtypes, posted):
+                wait_work(work, backend, timeout_s)
+                out, sums, finite = self._unpack_flat(buf, dtypes, tds, shapes)
+                staging.tensors.update(zip(names, out))
+                staging.sums.append(([self.aliases.get(n, n) for n in names], sums))
+                staging.finite.append(finite)
+            del posted
+        except Exception as exc:  # noqa: BLE001 - a dead or stalled sender
+            self._retire(group_name)
+            raise UpdateError(f"receiving over group {group_name!r} failed: "
+                              f"{type(exc).__name__}: {exc}; group dropped, previous weights "
+                              f"kept", 500) from None
+        seconds = {"receive": time.perf_counter() - clock}
+        if problems:
+            raise UpdateError("update rejected, previous weights kept: " + "; ".join(problems))
+        version = payload.get("weight_version")
+        clock = time.perf_counter()
+        pause = bool(payload.get("pause_generation")) and not self._paused
+        if pause:
+            self.pause()
+        try:
+            answer = self._commit(staging, self.version + 1 if version is None
+                                  else int(version), partial=False)
+        finally:
+            if pause:
+                self.resume()
+        seconds["commit"] = time.perf_counter() - clock
+        return {**answer, "seconds": seconds}
 
     def _commit(self, staging: _Staging, version: int, *, partial: bool) -> dict:
         """Validate the whole staging, then swap it in under the model lock (no copy: each

@@ -9,7 +9,7 @@
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
 | POST /init_weights_update_group | {master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s} | {success, message} |
 | POST /destroy_weights_update_group | {group_name} | {success} |
-| POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit} | {success, weight_version, weights_checksum (on commit), message} |
+| POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit}, or the whole update at once: {buckets: [{names, dtypes, shapes}], group_name, weight_version, update_id, pause_generation, load_format} | {success, weight_version, weights_checksum (on commit), message, seconds} |
 | POST /update_weights_from_disk | {model_path, weight_version, flush_cache, verify_checksums} | same |
 | POST /pause_generation, POST /continue_generation | {} | {success} |
 

@@ -66,6 +66,9 @@ class Call:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             self._error = exc
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def result(self, deadline: float) -> Any:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():

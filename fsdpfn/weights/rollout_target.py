@@ -7,8 +7,11 @@ and reused across pushes (rebuilt when a server no longer lists it, or after a f
   1. rank 0 reads every server's /get_model_info: the push dtype (the served dtype unless
      ``dtype`` is given), and, with ``precheck``, names and shapes against the trainer's;
      rank 0's verdict reaches every rank before any gather.
-  2. buckets (``bucket_bytes``, default 1 GiB) are gathered by all ranks in a fixed name order;
-     for each, rank 0 posts the metadata {names, dtypes, shapes, group_name, flush_cache,
+  2. buckets (``bucket_bytes``, default 1 GiB) are gathered by all ranks in a fixed name order.
+     With fsdpfn.rollout servers (``multi_bucket`` in their model info) rank 0 posts one request
+     holding every bucket's metadata before the first gather; the servers post every receive and
+     answer after their commit; the broadcasts go out with two buckets in flight. Otherwise (an
+     SGLang server, or ``one_request=False``), for each bucket rank 0 posts the metadata {names, dtypes, shapes, group_name, flush_cache,
      load_format="flattened_bucket", weight_version, update_id, bucket_index, commit} to
      /update_weights_from_distributed in a thread (the call blocks in the server while it
      receives) and broadcasts one flat uint8 buffer asynchronously; the next bucket is gathered
@@ -78,7 +81,8 @@ class RolloutTarget:
                  disk_root: str | os.PathLike | None = None, keep_last: int = 2,
                  master_address: str | None = None, master_port: int | None = None,
                  group_name: str | None = None,
-                 on_bucket: Callable[[int, int], None] | None = None, pipeline: bool = True):
+                 on_bucket: Callable[[int, int], None] | None = None, pipeline: bool = True,
+                 one_request: bool = True):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                for u in urls):
@@ -119,6 +123,7 @@ class RolloutTarget:
         self.group_name = group_name or f"fsdpfn-{uuid.uuid4().hex[:8]}"
         self.on_bucket = on_bucket
         self.pipeline = bool(pipeline)
+        self.one_request = bool(one_request)
         # rank 0 only: the live group (store, pg, backend) and groups left after a failure
         # (kept referenced: destroying a group with an operation in flight blocks until its
         # timeout)
@@ -152,7 +157,12 @@ class RolloutTarget:
     def _push_broadcast(self, state: EngineState, params, dtype: torch.dtype,
                         backend: str) -> tuple[int, int]:
         buckets = plan_buckets(params, dtype, self.bucket_bytes)
-        sender = _BroadcastSender(self, buckets, state.version) if is_pusher() else None
+        sender = None
+        if is_pusher():
+            one_request = self.one_request and self.pipeline and all(
+                self._infos[url][2].get("multi_bucket") for url in self.urls)
+            sender = (_OneRequestSender if one_request else _BroadcastSender)(
+                self, buckets, state.version)
         out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
         try:
             clock = time.perf_counter()
@@ -457,6 +467,93 @@ class _BroadcastSender:
         if self.paused:
             self.paused = False
             self.target._continue(strict=False)  # noqa: SLF001
+
+
+class _OneRequestSender:
+    """Rank 0, for servers that take a whole update in one request (fsdpfn.rollout advertises
+    multi_bucket): one HTTP request carries every bucket's metadata and is posted before the
+    first bucket is gathered; the server posts every receive, the broadcasts follow with two
+    buckets in flight, and the answer (after the server's commit, generation paused around the
+    swap when asked) is read at the end. No HTTP round trip per bucket."""
+
+    start_before_finish = True
+
+    def __init__(self, target: RolloutTarget, buckets: list[Bucket], version: int):
+        self.target = target
+        self.buckets = buckets
+        self.version = version
+        self.checksums: list[tuple[list[str], torch.Tensor]] = []
+        t = target
+        payload = {"buckets": [b.metadata for b in buckets], "group_name": t.group_name,
+                   "flush_cache": t.flush_cache, "load_format": "flattened_bucket",
+                   "weight_version": version, "update_id": uuid.uuid4().hex,
+                   "pause_generation": t.pause_generation, "commit": True}
+        self.calls = {url: Call(lambda url=url: call(url, "/update_weights_from_distributed",
+                                                     payload, timeout=t.timeout_s
+                                                     * max(1, len(buckets))),
+                                f"server {url}: /update_weights_from_distributed")
+                      for url in t.urls}
+
+    def _server_error(self) -> str | None:
+        for c in self.calls.values():
+            if c.done():
+                try:
+                    c.result(time.monotonic())
+                except WeightSyncError as exc:
+                    return str(exc)
+        return None
+
+    def start(self, bucket: Bucket, flat: torch.Tensor):
+        t = self.target
+        _, pg, backend = t._group  # noqa: SLF001
+        self.checksums.append((bucket.names, flat_checksums(
+            flat, bucket.offsets, [s.nbytes for s in bucket.specs])))
+        work = broadcast(pg, flat[:bucket.nbytes])
+        if t.on_bucket is not None:
+            t.on_bucket(bucket.index, len(self.buckets))
+        return bucket, work, flat, time.monotonic() + t.timeout_s
+
+    def finish(self, handle) -> None:
+        bucket, work, flat, deadline = handle
+        where = (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
+                 f"from {bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s="
+                 f"{self.target.timeout_s:g}]")
+        while not work.is_completed():  # a server that failed answers before the wire does
+            error = self._server_error()
+            if error is not None:
+                raise WeightSyncError(f"{error} {where}")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"broadcast to {self.target.urls} did not complete "
+                                      f"within timeout_s {where}")
+            time.sleep(0.0002)
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError
+            raise WeightSyncError(f"broadcast to {self.target.urls} failed: "
+                                  f"{type(exc).__name__}: {exc} {where}") from None
+
+    def conclude(self) -> None:
+        names = [n for batch, _ in self.checksums for n in batch]
+        values = torch.cat([v.cpu() for _, v in self.checksums]).tolist()
+        checksum = combine_checksums(dict(zip(names, values)))
+        deadline = time.monotonic() + self.target.timeout_s
+        errors, answers = [], {}
+        for url, c in self.calls.items():
+            try:
+                answers[url] = c.result(deadline)
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise WeightSyncError("; ".join(errors))
+        timings = self.target.last_timings
+        for url, answer in answers.items():
+            for key, value in (answer.get("seconds") or {}).items():
+                if isinstance(value, (int, float)):
+                    timings[f"server_{key}"] = timings.get(f"server_{key}", 0.0) + value
+            _check_commit(url, answer, self.version, checksum)
+
+    def abandon(self) -> None:
+        self.target.retire()
 
 
 def _wait(work, backend: str, deadline: float) -> str | None:

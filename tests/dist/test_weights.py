@@ -116,11 +116,11 @@ def _catch(fn):
 # ---------------------------------------------------------------- a push lands, exactly
 
 
-def push_and_compare(path, urls, tp, transport, root, steps):
+def push_and_compare(path, urls, tp, transport, root, steps, options):
     state = _trained(path, tp, steps, seed=10 * steps)
     before = _on_rank0(lambda: [_probe(url) for url in urls])
     target = RolloutTarget(urls, transport=transport, disk_root=root, timeout_s=30,
-                           bucket_bytes=96 * 1024)
+                           bucket_bytes=96 * 1024, **options)
     receipt = push_weights(state, target)
     group = target._group  # noqa: SLF001 - rank 0 holds it; None elsewhere and for disk
     again = push_weights(state, target)  # the group is reused, not rebuilt
@@ -132,16 +132,20 @@ def push_and_compare(path, urls, tp, transport, root, steps):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp,transport,steps,n_servers",
-                         [(1, "broadcast", 1, 2), (1, "disk", 2, 2), (2, "broadcast", 3, 1),
-                          (2, "disk", 4, 1)],
-                         ids=["dp2-broadcast-2servers", "dp2-disk-2servers", "tp2-broadcast",
-                              "tp2-disk"])
+@pytest.mark.parametrize("tp,transport,steps,n_servers,options",
+                         [(1, "broadcast", 1, 2, {}), (1, "disk", 2, 2, {}),
+                          (2, "broadcast", 3, 1, {"one_request": False}), (2, "disk", 4, 1, {}),
+                          (1, "broadcast", 5, 1, {"pipeline": False})],
+                         ids=["dp2-broadcast-2servers", "dp2-disk-2servers",
+                              "tp2-broadcast-per-bucket", "tp2-disk", "dp2-broadcast-sequential"])
 def test_push_lands_and_server_logits_equal_trainer(spmd2, servers, model_dir, tmp_path, tp,
-                                                   transport, steps, n_servers):
+                                                   transport, steps, n_servers, options):
+    """Over broadcast in its three modes: the whole update in one request (the default with
+    fsdpfn.rollout), a request per bucket posted ahead, a request per bucket in turn."""
     urls = [s.url for s in servers[:n_servers]]
     results = spmd2.run(push_and_compare, args=(model_dir, urls, tp, transport,
-                                                str(tmp_path / "push"), steps), timeout=180)
+                                                str(tmp_path / "push"), steps, options),
+                        timeout=180)
     receipts = [r[0] for r in results] + [r[1] for r in results]
     receipt, _, reused, version, before, after, ours = results[0]
     assert isinstance(receipt, PushReceipt)
