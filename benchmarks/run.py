@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdpfn as ff  # noqa: E402
 from fsdpfn import keys as K  # noqa: E402
 from fsdpfn.ops import chunked_logprobs  # noqa: E402
+from fsdpfn.ops.logprobs import liger_available, liger_logprobs  # noqa: E402
 
 QWEN2_1_5B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -143,11 +144,22 @@ def bench_logprobs(n=16384, v=151936, h=1536):
             lp.sum().backward()
         return lp
 
+    def liger(grad):
+        x = hidden.detach().requires_grad_(grad)
+        lp = liger_logprobs(x, weight, targets)
+        if grad:
+            lp.sum().backward()
+        return lp
+
     with torch.no_grad():
-        ref = full(False)
-        got = chunked(False)
-    err = float((ref - got).abs().max())
-    for name, fn in (("full logits", full), ("chunked 1024", chunked)):
+        ref64 = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(
+            -1, targets[:, None])[:, 0]
+    paths = [("full logits", full), ("chunked 1024", chunked)]
+    if liger_available("cuda"):
+        paths.append(("liger fused linear CE", liger))
+    for name, fn in paths:
+        with torch.no_grad():
+            err = float((fn(False).double() - ref64).abs().max())
         for grad in (False, True):
             base = reset_peak()
             ctx = torch.enable_grad() if grad else torch.no_grad()
@@ -155,7 +167,7 @@ def bench_logprobs(n=16384, v=151936, h=1536):
                 sec = timed(lambda: fn(grad))
             record("logprobs", f"{name} {'fwd+bwd' if grad else 'fwd'}", n=n, v=v,
                    ms=round(sec * 1e3, 2), peak_extra_gib=round(peak_gib(base), 3),
-                   max_abs_diff_vs_full=err)
+                   max_abs_err_vs_float64=err)
 
 
 def rl_batch(n_seqs: int, lo: int, hi: int, vocab: int, seed: int = 0):
@@ -174,11 +186,13 @@ def rl_batch(n_seqs: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 
 def fsdpfn_state(cfg: dict, *, optimizer=True, budget=16384, mesh=None, offload=False,
-                 ac=False, reshard=True, fused=None, dtype="bfloat16", chunk=1024):
+                 ac=False, reshard=True, fused=None, dtype="bfloat16", chunk=1024,
+                 logprobs_impl="chunked"):
     mesh = mesh or ff.build_mesh(ff.ParallelStrategy(dp=-1))
     fused = ff.EngineConfig.__attrs_attrs__.fused_kernels.default if fused is None else fused
     ecfg = ff.EngineConfig(model_config=cfg, dtype=dtype, optimizer_dtype="float32",
                            gradient_checkpointing=ac, fused_kernels=fused,
+                           logprobs_impl=logprobs_impl,
                            logprobs_chunk_size=chunk,
                            mb_spec=ff.MicroBatchSpec(max_tokens_per_mb=budget),
                            fsdp=ff.FSDPConfig(offload_params=offload,
@@ -220,7 +234,7 @@ def bench_forward(cfg: dict):
     del state
 
 
-def bench_forward_variants(cfg: dict, profile: bool = True):
+def bench_forward_variants(cfg: dict, profile: bool = False):
     """forward_logp under its options, and where the time goes (torch.profiler, top kernels)."""
     batch, lens = rl_batch(4, 4096, 4096, cfg["vocab_size"])
     gpu_batch = batch.to("cuda")
@@ -238,9 +252,12 @@ def bench_forward_variants(cfg: dict, profile: bool = True):
     record("forward_variants", "naive HF full logits", ms=round(sec * 1e3, 1),
            peak_extra_gib=round(peak_gib(base), 2))
     del model
-    for name, kw in (("default", {}), ("fused_kernels=False", {"fused": False}),
-                     ("chunk 4096", {"chunk": 4096}),
-                     ("reshard_after_forward=False", {"reshard": False})):
+    variants = [("default", {}), ("fused_kernels=False", {"fused": False}),
+                ("chunk 4096", {"chunk": 4096}),
+                ("reshard_after_forward=False", {"reshard": False})]
+    if liger_available("cuda"):
+        variants.append(("logprobs_impl=liger", {"logprobs_impl": "liger"}))
+    for name, kw in variants:
         state, _ = fsdpfn_state(cfg, optimizer=False, budget=16384, **kw)
         base = reset_peak()
         sec = timed(lambda: ff.forward_logp(state, batch), iters=5)
@@ -265,13 +282,13 @@ def ppo_cfg():
 
 
 def bench_ppo(cfg: dict, rate: float, *, budget=16384, naive=True, n_seqs=64, ac=False,
-              fused=None, reshard=True, chunk=1024):
+              fused=None, reshard=True, chunk=1024, logprobs_impl="chunked"):
     world = dist.get_world_size() if dist.is_initialized() else 1
     batch, lens = rl_batch(n_seqs * world, 256, 4096, cfg["vocab_size"], seed=1)
     if naive and world == 1:
         bench_naive_step(cfg, batch, lens, rate)
     state, mesh = fsdpfn_state(cfg, budget=budget, ac=ac, fused=fused, reshard=reshard,
-                               chunk=chunk)
+                               chunk=chunk, logprobs_impl=logprobs_impl)
     local = ff.shard_batch(batch, mesh) if world > 1 else batch
     local_lens = local[K.ATTENTION_MASK].sum(-1).tolist()
     local = ff.forward_logp(state, local, out_key=K.OLD_LOGP)
@@ -286,7 +303,8 @@ def bench_ppo(cfg: dict, rate: float, *, budget=16384, naive=True, n_seqs=64, ac
     mfu = train_flops(cfg, local_lens) / sec / (rate * 1e12)
     record("ppo", f"fsdpfn ppo_step dp={world} budget={budget}{' ac' if ac else ''}"
                   f"{' liger' if fused is not False else ' no-liger'}{'' if reshard else ' no-reshard'}"
-                  f"{f' chunk={chunk}' if chunk != 1024 else ''}",
+                  f"{f' chunk={chunk}' if chunk != 1024 else ''}"
+                  f"{' liger-head' if logprobs_impl == 'liger' else ''}",
            real_tokens_per_gpu=tok, s=round(sec, 3),
            tokens_per_s_per_gpu=round(tok / sec), mfu=round(mfu, 3),
            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
@@ -451,6 +469,9 @@ def main():
     if "ppo_variants" in only:
         bench_ppo(cfg, rate, budget=2 * args.budget, naive=False, fused=True, reshard=False,
                   chunk=2048)
+        if liger_available("cuda"):
+            bench_ppo(cfg, rate, budget=2 * args.budget, naive=False, fused=True,
+                      reshard=False, logprobs_impl="liger")
     if "tp" in only:
         bench_tp(cfg)
     if "largest" in only:

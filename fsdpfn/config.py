@@ -229,6 +229,10 @@ class EngineConfig:
     # Liger-Kernel's fused RMSNorm and SwiGLU on CUDA when liger_kernel is installed (a no-op on
     # CPU or without it); False keeps HF's eager modules
     fused_kernels: bool = attrs.field(default=True, validator=_bool)
+    # the log-prob head: "chunked" (fsdpfn.ops.chunked_logprobs, float32 logits, any device,
+    # entropy, tp) or "liger" (Liger-Kernel's fused linear cross-entropy: CUDA, tp=1; a call that
+    # asks for entropy takes the chunked head)
+    logprobs_impl: str = attrs.field(default="chunked", validator=_one_of("chunked", "liger"))
 
     @model_path.validator
     def _check_path(self, attribute, value):

@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdpfn.attention import packed_attention_mask, varlen_available
 from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
+from fsdpfn.ops.logprobs import liger_logprobs
 
 __all__ = ["PackedModel"]
 
@@ -29,6 +30,7 @@ class PackedModel(nn.Module):
         self.tp_group = None  # set by shard_model when the lm_head is split over the vocabulary
         self.compute_dtype = torch.bfloat16  # set by shard_model: picks the attention path
         self.use_varlen = True  # False: the masked SDPA path even on CUDA (attn_impl="sdpa")
+        self.logprobs_impl = "chunked"  # or "liger" (set by shard_model, checked there)
 
     @property
     def base(self) -> nn.Module:
@@ -67,6 +69,8 @@ class PackedModel(nn.Module):
             logp, entropy = vocab_parallel_logprobs(
                 hidden, local, targets, group=self.tp_group, vocab_start=rank * local.shape[0],
                 chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
+        elif self.logprobs_impl == "liger" and not with_entropy:
+            logp, entropy = liger_logprobs(hidden, weight, targets, temperature=temperature), None
         else:
             logp, entropy = chunked_logprobs(hidden, weight, targets, chunk_size=chunk_size,
                                              temperature=temperature, with_entropy=with_entropy)

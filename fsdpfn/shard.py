@@ -81,6 +81,13 @@ def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
     if config.fsdp.per_layer_optim_step:
         raise ConfigError("fsdp.per_layer_optim_step: the streamed per-layer optimizer step is "
                           "not supported yet, must be False, got True")
+    if config.logprobs_impl == "liger":
+        from fsdpfn.ops.logprobs import liger_available
+
+        if config.is_critic or mesh.tp > 1 or not liger_available(mesh.device_type):
+            raise ConfigError(f"logprobs_impl: 'liger' needs an actor on CUDA with tp=1 and "
+                              f"liger-kernel installed, got 'liger' with device type "
+                              f"{mesh.device_type!r}, tp={mesh.tp}, is_critic={config.is_critic}")
     if config.attn_impl == "varlen" and mesh.device_type != "cuda":
         raise ConfigError(f"attn_impl: 'varlen' needs CUDA, got device type "
                           f"{mesh.device_type!r} (use 'auto' or 'sdpa')")
@@ -359,6 +366,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     model = PackedModel(lm, is_critic=config.is_critic)
     model.compute_dtype = torch_dtype(config.dtype)
     model.use_varlen = config.attn_impl != "sdpa"
+    model.logprobs_impl = config.logprobs_impl
     if mesh.tp > 1:
         model.tp_group = mesh.group("tp")
     apply_fsdp(model, mesh, config)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from fsdpfn.errors import BatchError, ConfigError
 
-__all__ = ["token_logprobs", "token_entropy", "chunked_logprobs", "vocab_parallel_logprobs"]
+__all__ = ["token_logprobs", "token_entropy", "chunked_logprobs", "vocab_parallel_logprobs",
+           "liger_logprobs", "liger_available"]
 
 
 def _check_temperature(temperature: float) -> float:
@@ -262,3 +263,43 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, ta
     if int(vocab_start) < 0:
         raise ConfigError(f"vocab_start must be >= 0, got {vocab_start!r}")
     return _chunked(hidden, weight_shard, targets, chunk_size, temperature, with_entropy, group, vocab_start)
+
+
+# --------------------------------------------------------------------------------------------
+# Liger-Kernel's fused linear cross-entropy (CUDA, optional)
+# --------------------------------------------------------------------------------------------
+
+
+def liger_available(device: torch.device | str) -> bool:
+    """Liger-Kernel's fused linear cross-entropy can run here: CUDA and liger_kernel present."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import (  # noqa: F401
+            LigerFusedLinearCrossEntropyFunction)
+    except ImportError:
+        return False
+    return True
+
+
+def liger_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """The same quantity as ``chunked_logprobs`` (log_softmax(hidden @ weight.T / T)[targets],
+    float32 [N]) through Liger-Kernel's fused linear cross-entropy with reduction="none" (its
+    per-token loss is -logp; its backward recomputes the logits chunk by chunk). CUDA only; no
+    entropy. Liger rounds each chunk's logits to the input dtype before its float32 softmax,
+    where chunked_logprobs keeps float32 logits: the two differ by that rounding (bf16: ~1e-2)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    temperature = _check_temperature(temperature)
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise BatchError(f"hidden [N, H] and weight [V, H] must agree on H, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise BatchError(f"targets must have shape [N] = {tuple(hidden.shape[:1])}, got "
+                         f"{tuple(targets.shape)}")
+    h = hidden if temperature == 1.0 else hidden / temperature
+    loss = LigerFusedLinearCrossEntropyFunction.apply(
+        h.contiguous(), weight, targets.long().contiguous(), None, None, -100, 0.0, 0.0,
+        "none", None, False, torch.float32)[0]
+    return -loss.float()

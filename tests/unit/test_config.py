@@ -136,3 +136,16 @@ def test_model_path_accepts_a_pathlib_path(tmp_path):
     assert cfg.model_path == str(tmp_path / "model") and isinstance(cfg.model_path, str)
     with pytest.raises(ff.ConfigError, match="model_path: must be a non-empty path string"):
         ff.EngineConfig(model_path=3)
+
+
+def test_liger_logprobs_impl_refused_where_it_cannot_run():
+    """logprobs_impl='liger' needs CUDA and liger-kernel: on CPU shard_model refuses it by name."""
+    assert ff.EngineConfig(model_path="x").logprobs_impl == "chunked"
+    with pytest.raises(ff.ConfigError, match="logprobs_impl: must be one of"):
+        ff.EngineConfig(model_path="x", logprobs_impl="fused")
+    from fsdpfn.testing import tiny_qwen2_config
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1))
+    with pytest.raises(ff.ConfigError, match="logprobs_impl: 'liger' needs an actor on CUDA"):
+        ff.shard_model(ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(),
+                                       logprobs_impl="liger"), mesh)
