@@ -91,10 +91,40 @@ def raw_limit(sizes: list[int], device: str, rounds: int = 10) -> dict:
         return json.load(f)
 
 
+def profile_push(state, model_dir, tmp, device, trace):
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdpfn.rollout import launch_server
+
+    server = launch_server(model_dir, device=device, dtype="bfloat16", threads=4, log_dir=tmp,
+                           health_timeout=600,
+                           env={"CUDA_VISIBLE_DEVICES": "1"} if device == "cuda" else None)
+    try:
+        target = RolloutTarget(server.url, timeout_s=120)
+        for _ in range(4):
+            push_weights(state, target)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda"
+                                               else [])
+        with profile(activities=activities) as prof:
+            receipt = push_weights(state, target)
+        print(f"profiled push: {receipt.seconds * 1e3:.2f} ms, phases "
+              f"{ {k: round(v * 1e3, 2) for k, v in target.last_timings.items()} }")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25,
+                                        max_name_column_width=60))
+        prof.export_chrome_trace(trace)
+    finally:
+        server.close()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="1.5B", choices=["1.5B", "7B"])
     parser.add_argument("--pushes", type=int, default=6)
+    parser.add_argument("--profile", default=None, metavar="TRACE.json",
+                        help="skip the table: profile one warm default push (torch.profiler on "
+                             "the trainer), print its top operations, write a Chrome trace")
+    parser.add_argument("--quick", action="store_true",
+                        help="the limit in 1 GiB buckets only; the default and 256 MiB pushes")
     parser.add_argument("--cpu", action="store_true",
                         help="a smoke run on CPU (gloo, a tiny model): checks the script only")
     args = parser.parse_args()
@@ -125,8 +155,11 @@ def main():
           f"{torch.__version__}, Qwen2-{args.model} shape, {len(params)} tensors, "
           f"{n_bytes / 1e9:.2f} GB in bf16", flush=True)
 
+    if args.profile:
+        profile_push(state, model_dir, tmp, device, args.profile)
+        return
     limits = {}
-    for bucket_bytes in (1 << 30, 256 << 20):
+    for bucket_bytes in (1 << 30,) if args.quick else (1 << 30, 256 << 20):
         sizes = [b.nbytes for b in plan_buckets(params, torch.bfloat16, bucket_bytes)]
         raw = raw_limit(sizes, device)
         for label, times in raw.items():
@@ -150,6 +183,8 @@ def main():
                     ("push, 1 GiB buckets, pipeline=False", {"pipeline": False}),
                     ("push, 256 MiB buckets", {"bucket_bytes": 256 << 20}),
                     ("push, 4 GiB buckets (one bucket)", {"bucket_bytes": 4 << 30})]
+        if args.quick:
+            variants = [variants[0], variants[2]]
         for name, kw in variants:
             target = RolloutTarget(server.url, timeout_s=120, **kw)
             first = push_weights(state, target).seconds

@@ -5,8 +5,9 @@ weights checksum, the disk manifest, and the stateless process group that a trai
 receivers build from a TCPStore (outside the trainer's default world).
 
 Flat bucket ("load_format": "flattened_bucket"): one uint8 buffer per bucket; tensor i occupies
-``nbytes_i`` bytes at ``offset_i``, offsets rounded up to ALIGN bytes so every slice can be viewed
-as its dtype. Both ends compute the layout from the advertised (names, dtypes, shapes) alone.
+``nbytes_i`` bytes at ``offset_i``, offsets rounded up to ALIGN (4096) bytes so every slice can be
+viewed as its dtype and every 4 KiB row of the buffer belongs to one tensor (the bucket checksum
+sums rows). Both ends compute the layout from the advertised (names, dtypes, shapes) alone.
 
 Weights checksum: for each tensor, the sum of its bytes read as int32 words (uint8 when the byte
 count is not a multiple of 4), in int64; combined over names in sorted order as
@@ -18,6 +19,7 @@ parameters it serves after the swap, and equality shows the server really holds 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -32,7 +34,7 @@ __all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", 
            "combine_checksums", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
            "make_group", "broadcast", "wait_work", "DEFAULT_BUCKET_BYTES"]
 
-ALIGN = 64
+ALIGN = 4096  # a row of the bucket checksum: long rows make its row sums bandwidth-bound
 DEFAULT_BUCKET_BYTES = 1 << 30
 MANIFEST = "fsdpfn_manifest.json"
 _MOD = (1 << 61) - 1
@@ -105,23 +107,40 @@ def flat_checksums(buf: torch.Tensor, offsets: Sequence[int],
     rows = buf.view(torch.int32).view(-1, ALIGN // 4).sum(1, dtype=torch.int64)
     prefix = torch.cat([rows.new_zeros(1), rows.cumsum(0)])
     del rows
-    starts = torch.tensor([o // ALIGN for o in offsets], dtype=torch.int64)
-    ends = torch.tensor([-(-(o + n) // ALIGN) for o, n in zip(offsets, sizes)],
-                        dtype=torch.int64)
-    sums = prefix[ends.to(buf.device)] - prefix[starts.to(buf.device)]
+    starts, ends = _row_bounds(tuple(offsets), tuple(sizes), str(buf.device))
+    sums = prefix[ends] - prefix[starts]
     for i, (o, n) in enumerate(zip(offsets, sizes)):
         if n % 4:
             sums[i] = buf[o:o + n].sum(dtype=torch.int64)
     return sums
 
 
+@functools.lru_cache(maxsize=256)
+def _row_bounds(offsets: tuple, sizes: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and one-past-last checksum row of each tensor, on ``device``, cached per layout: a
+    push repeats the same layouts, and building them anew would cost a host-device copy (and a
+    synchronisation) per bucket."""
+    starts = torch.tensor([o // ALIGN for o in offsets], dtype=torch.int64)
+    ends = torch.tensor([-(-(o + n) // ALIGN) for o, n in zip(offsets, sizes)],
+                        dtype=torch.int64)
+    return starts.to(device), ends.to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _gap_index(offsets: tuple, sizes: tuple, device: str) -> torch.Tensor | None:
+    """The byte positions of a padded bucket that belong to no tensor, on ``device`` (cached per
+    layout), or None when there are none."""
+    gaps = [torch.arange(o + n, padded_size(o + n)) for o, n in zip(offsets, sizes)
+            if (o + n) % ALIGN]
+    return torch.cat(gaps).to(device) if gaps else None
+
+
 def zero_padding(buf: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> None:
     """Zero the bytes of ``buf`` (padded, see padded_size) that belong to no tensor: the gap after
-    each tensor up to the next ALIGN boundary (one small fill per unaligned tensor)."""
-    for o, n in zip(offsets, sizes):
-        end = o + n
-        if end % ALIGN:
-            buf[end:padded_size(end)].zero_()
+    each tensor up to the next ALIGN boundary (one kernel; the positions are cached per layout)."""
+    index = _gap_index(tuple(offsets), tuple(sizes), str(buf.device))
+    if index is not None:
+        buf.index_fill_(0, index, 0)
 
 
 def combine_checksums(per_tensor: dict[str, int]) -> int:

@@ -403,9 +403,6 @@ class _BroadcastSender:
         t = self.target
         store, pg, backend = t._group  # noqa: SLF001
         last = bucket.index == len(self.buckets) - 1
-        # queued on the device (no synchronisation): read once, in conclude()
-        self.checksums.append((bucket.names, flat_checksums(
-            flat, bucket.offsets, [s.nbytes for s in bucket.specs])))
         if last and t.pause_generation:
             self.paused = True
             t._pause()  # noqa: SLF001
@@ -419,6 +416,10 @@ class _BroadcastSender:
                  for url in t.urls}
         # ordered after the gather's copies on the current stream; the padded tail stays here
         work = broadcast(pg, flat[:bucket.nbytes])
+        # queued after the broadcast is (it reads the buffer while the wire does), read in
+        # conclude(): no synchronisation here
+        self.checksums.append((bucket.names, flat_checksums(
+            flat, bucket.offsets, [s.nbytes for s in bucket.specs])))
         if t.on_bucket is not None:
             t.on_bucket(bucket.index, len(self.buckets))
         return bucket, calls, work, flat, backend, time.monotonic() + t.timeout_s
@@ -452,7 +453,7 @@ class _BroadcastSender:
     def conclude(self) -> None:
         """After the last bucket: checksums, continue generation, versions."""
         names = [n for batch, _ in self.checksums for n in batch]
-        values = torch.cat([v.cpu() for _, v in self.checksums]).tolist()
+        values = torch.cat([v for _, v in self.checksums]).tolist()  # one synchronisation
         checksum = combine_checksums(dict(zip(names, values)))
         for url, answer in self.final_answers.items():
             _check_commit(url, answer, self.version, checksum)
@@ -506,9 +507,9 @@ class _OneRequestSender:
     def start(self, bucket: Bucket, flat: torch.Tensor):
         t = self.target
         _, pg, backend = t._group  # noqa: SLF001
+        work = broadcast(pg, flat[:bucket.nbytes])  # before the checksum: not held up by it
         self.checksums.append((bucket.names, flat_checksums(
             flat, bucket.offsets, [s.nbytes for s in bucket.specs])))
-        work = broadcast(pg, flat[:bucket.nbytes])
         if t.on_bucket is not None:
             t.on_bucket(bucket.index, len(self.buckets))
         return bucket, work, flat, time.monotonic() + t.timeout_s
@@ -534,7 +535,7 @@ class _OneRequestSender:
 
     def conclude(self) -> None:
         names = [n for batch, _ in self.checksums for n in batch]
-        values = torch.cat([v.cpu() for _, v in self.checksums]).tolist()
+        values = torch.cat([v for _, v in self.checksums]).tolist()  # one synchronisation
         checksum = combine_checksums(dict(zip(names, values)))
         deadline = time.monotonic() + self.target.timeout_s
         errors, answers = [], {}

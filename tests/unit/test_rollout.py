@@ -287,10 +287,13 @@ def test_bucket_layout_aligns_and_plans_are_greedy():
     assert offsets == [0, ALIGN, 2 * ALIGN] and total == 2 * ALIGN + 16
     params = [("a", torch.zeros(10)), ("b", torch.zeros(100)), ("c", torch.zeros(5)),
               ("d", torch.zeros(5))]
-    buckets = plan_buckets(params, torch.float32, bucket_bytes=200)
-    assert [b.names for b in buckets] == [["a"], ["b"], ["c", "d"]]  # b (400 B) alone
-    assert buckets[2].offsets == (0, ALIGN) and buckets[2].nbytes == ALIGN + 20
-    assert [b.metadata["dtypes"] for b in buckets] == [["float32"]] * 2 + [["float32"] * 2]
+    buckets = plan_buckets(params, torch.float32, bucket_bytes=ALIGN + 400)
+    assert [b.names for b in buckets] == [["a", "b"], ["c", "d"]]
+    assert buckets[0].nbytes == ALIGN + 400
+    small = plan_buckets(params, torch.float32, bucket_bytes=200)
+    assert [b.names for b in small] == [["a"], ["b"], ["c"], ["d"]]  # b (400 B) alone
+    assert buckets[1].offsets == (0, ALIGN) and buckets[1].nbytes == ALIGN + 20
+    assert [b.metadata["dtypes"] for b in buckets] == [["float32"] * 2] * 2
 
 
 def test_checksum_is_exact_and_detects_a_flipped_bit():
