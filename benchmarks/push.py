@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdpfn as ff  # noqa: E402
+from _table import print_markdown_table  # noqa: E402 - benchmarks/ is this script's folder
 from fsdpfn.weights import RolloutTarget, push_weights  # noqa: E402
 from fsdpfn.weights.gather import plan_buckets, weight_params  # noqa: E402
 
@@ -202,13 +203,7 @@ def main():
             target.close()
     finally:
         server.close()
-    keys = ["name"]
-    for row in ROWS:
-        keys += [k for k in row if k not in keys]
-    print("\n| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in ROWS:
-        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    print_markdown_table(ROWS, ("name",))
 
 
 if __name__ == "__main__":

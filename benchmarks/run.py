@@ -32,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdpfn as ff  # noqa: E402
+from _table import print_markdown_table  # noqa: E402 - benchmarks/ is this script's folder
 from fsdpfn import keys as K  # noqa: E402
 from fsdpfn.ops import chunked_logprobs  # noqa: E402
 from fsdpfn.ops.logprobs import liger_available, liger_logprobs  # noqa: E402
@@ -427,13 +428,7 @@ def one_train(name: str, offload: bool, rate: float):
 def print_table():
     if not rank0():
         return
-    keys = ["section", "name"]
-    for row in ROWS:
-        keys += [k for k in row if k not in keys]
-    print("\n| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in ROWS:
-        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    print_markdown_table(ROWS, ("section", "name"))
 
 
 def main():
