@@ -186,6 +186,33 @@ class _Pair:
         return result
 
 
+    def send_update(self, buckets: list[dict[str, torch.Tensor]], **extra):
+        """The whole update in one request ({buckets: [...]}) and one flat broadcast per bucket,
+        with garbage in the padding (the receiver must not count it)."""
+        metas = [{"names": list(b), "dtypes": [str(t.dtype).removeprefix("torch.")
+                                               for t in b.values()],
+                  "shapes": [list(t.shape) for t in b.values()]} for b in buckets]
+        payload = {"buckets": metas, "group_name": self.name,
+                   "load_format": "flattened_bucket", **extra}
+        result = {}
+
+        def serve():
+            try:
+                result["ok"] = self.engine.update_from_distributed(payload)
+            except UpdateError as exc:
+                result["err"] = exc
+        t = threading.Thread(target=serve)
+        t.start()
+        for bucket, meta in zip(buckets, metas):
+            offsets, total = bucket_layout(meta["dtypes"], meta["shapes"])
+            buf = torch.full((total,), 0xAB, dtype=torch.uint8)
+            for o, t_ in zip(offsets, bucket.values()):
+                buf[o:o + t_.numel() * t_.element_size()].view(t_.dtype).copy_(t_.flatten())
+            broadcast(self.pg, buf).wait()
+        t.join(30)
+        return result
+
+
 def _perturbed(engine, scale=0.01, seed=0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: (p.detach() + scale * torch.randn(p.shape, generator=g)).clone()
@@ -306,3 +333,35 @@ def test_checksum_is_exact_and_detects_a_flipped_bit():
     assert tensor_checksum(odd) == int(odd.view(torch.uint8).sum())
     a, b = {"x": 1, "y": 2}, {"y": 2, "x": 1}
     assert combine_checksums(a) == combine_checksums(b) != combine_checksums({"x": 2, "y": 1})
+
+
+@pytest.mark.timeout(90)
+def test_whole_update_in_one_request_is_checked_and_atomic(engine):
+    """{buckets: [...]}: every bucket received, then one commit. The checksum the engine reports
+    equals tensor_checksum of what was sent (padding garbage ignored); a NaN or an unknown name
+    anywhere rejects the whole update after all bytes are received, and the weights stay."""
+    pair = _Pair(engine, name="g-one")
+    new = _perturbed(engine, seed=5)
+    names = list(new)
+    buckets = [{n: new[n] for n in names[:3]}, {n: new[n] for n in names[3:]}]
+    r = pair.send_update(buckets, weight_version=7, update_id="one-1", pause_generation=True)
+    assert r["ok"]["weight_version"] == 7 == engine.version
+    sent = combine_checksums({n: tensor_checksum(t) for n, t in new.items()})
+    assert r["ok"]["weights_checksum"] == sent == engine.weights_checksum()
+    assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
+    assert not engine.info()["paused"]
+    kept = {n: p.detach().clone() for n, p in engine.params.items()}
+    bad = _perturbed(engine, seed=6)
+    bad[names[-1]].view(-1)[0] = float("nan")
+    r = pair.send_update([{n: bad[n] for n in names[:3]}, {n: bad[n] for n in names[3:]}],
+                         weight_version=8, update_id="one-2")
+    assert "must be finite" in str(r["err"]) and names[-1] in str(r["err"])
+    unknown = dict(list(bad.items())[:2])
+    unknown["model.not_a_weight"] = torch.zeros(3)
+    r = pair.send_update([unknown], weight_version=8, update_id="one-3")
+    assert "name must be a parameter of the served model" in str(r["err"])
+    assert engine.version == 7
+    assert all(torch.equal(p, kept[n]) for n, p in engine.params.items())
+    assert "g-one" in engine.group_names  # the group stayed in step: usable again
+    r = pair.send_update([new], weight_version=9, update_id="one-4")
+    assert r["ok"]["weight_version"] == 9
