@@ -24,10 +24,8 @@ with ppo_step instead of a custom loss.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -38,7 +36,7 @@ import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.recipes.task import (AdditionTask, CharTokenizer, TinyModel, rollout_batch,
                                  save_initial_model, sft_batch)
-from fsdpfn.rollout import launch_server
+from fsdpfn.rollout import generate, launch_server
 from fsdpfn.weights import RolloutTarget, push_weights
 
 
@@ -69,15 +67,6 @@ def reinforce_kl_loss(kl_coef: float):
 # ---------------------------------------------------------------- helpers
 
 
-def post(url: str, path: str, payload: dict) -> dict:
-    """JSON over HTTP to the rollout server (no proxies: it is local)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url + path, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with opener.open(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
 def from_rank0(fn):
     """fn() on rank 0, its result on every rank."""
     box = [fn() if dist.get_rank() == 0 else None]
@@ -90,9 +79,8 @@ def rollout(url, task, tok, n_prompts, group_size, seed) -> dict:
     server's behav_logp, as a plain dict (picklable)."""
     problems = task.sample(n_prompts, seed=seed)
     prompts = [task.prompt_ids(tok, a, b) for a, b in problems]
-    answer = post(url, "/generate", {"input_ids": prompts, "sampling_params": {
-        "n": group_size, "max_new_tokens": task.max_answer_tokens, "temperature": 1.0,
-        "stop_token_ids": [tok.eos_id], "seed": seed}})
+    answer = generate(url, prompts, n=group_size, max_new_tokens=task.max_answer_tokens,
+                      temperature=1.0, stop_token_ids=[tok.eos_id], seed=seed)
     outputs = answer["outputs"]
     rewards = [task.reward(*problems[i // group_size], tok.decode(o["output_ids"]))
                for i, o in enumerate(outputs)]

@@ -37,7 +37,7 @@ from fsdpfn.recipes.runtime import (Metrics, Progress, RunContext, broadcast_fro
                                     is_main, log, mean_sequence_prob)
 from fsdpfn.recipes.task import (AdditionTask, CharTokenizer, rollout_batch, sft_batch)
 from fsdpfn.weights import RolloutTarget, push_weights
-from fsdpfn.weights.http import call
+from fsdpfn.rollout import generate
 
 __all__ = ["run", "warmup", "generate", "greedy_accuracy"]
 
@@ -103,16 +103,6 @@ def warmup(cfg, ctx: RunContext, mesh, tok: CharTokenizer, metrics: Metrics) -> 
 # ---------------------------------------------------------------- rollout (rank 0)
 
 
-def generate(url: str, prompts: list[list[int]], *, n: int, max_new_tokens: int,
-             temperature: float, top_p: float, seed: int, stop_id: int, timeout: float) -> dict:
-    """POST /generate: n samples per prompt (prompt-major), ids and the server's log-probs."""
-    return call(url, "/generate", {
-        "input_ids": prompts,
-        "sampling_params": {"n": n, "max_new_tokens": max_new_tokens,
-                            "temperature": temperature, "top_p": top_p,
-                            "stop_token_ids": [stop_id], "seed": seed}}, timeout=timeout)
-
-
 def _rollout(cfg, url: str, tok: CharTokenizer, step: int) -> dict:
     """Rank 0: one step's global batch (as plain tensors) and its rollout statistics."""
     task: AdditionTask = cfg.task
@@ -121,7 +111,7 @@ def _rollout(cfg, url: str, tok: CharTokenizer, step: int) -> dict:
     prompts = [cfg.task.prompt_ids(tok, a, b) for a, b in problems]
     answer = generate(url, prompts, n=G, max_new_tokens=task.max_answer_tokens,
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                      seed=cfg.seed * 1_000_003 + step, stop_id=tok.eos_id,
+                      seed=cfg.seed * 1_000_003 + step, stop_token_ids=[tok.eos_id],
                       timeout=cfg.rollout.timeout_s)
     outputs = answer["outputs"]
     rewards = [task.reward(*problems[i // G], tok.decode(o["output_ids"]))
@@ -135,9 +125,9 @@ def greedy_accuracy(cfg, url: str, tok: CharTokenizer, n_prompts: int) -> float:
     """Rank 0: exact-match rate of greedy answers on held-out problems (a fixed set)."""
     problems = cfg.task.sample(n_prompts, seed=987_654_321)
     prompts = [cfg.task.prompt_ids(tok, a, b) for a, b in problems]
-    answer = call(url, "/generate", {"input_ids": prompts, "sampling_params": {
-        "n": 1, "max_new_tokens": cfg.task.max_answer_tokens, "temperature": 0.0,
-        "stop_token_ids": [tok.eos_id]}}, timeout=cfg.rollout.timeout_s)
+    answer = generate(url, prompts, n=1, max_new_tokens=cfg.task.max_answer_tokens,
+                      temperature=0.0, stop_token_ids=[tok.eos_id],
+                      timeout=cfg.rollout.timeout_s)
     hits = [cfg.task.reward(a, b, tok.decode(o["output_ids"]))
             for (a, b), o in zip(problems, answer["outputs"])]
     return sum(hits) / len(hits)

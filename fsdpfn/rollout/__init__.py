@@ -7,10 +7,13 @@ generation (batched sampling; token ids and the server's own per-token log-probs
 /pause_generation, /continue_generation). Updates are staged, validated, then swapped atomically.
 
 ``RolloutEngine`` is the server without HTTP; ``build_app(engine)`` the FastAPI app;
-``launch_server`` / ``RolloutProcess`` start one as a subprocess (tests, examples).
+``launch_server`` / ``RolloutProcess`` start one as a subprocess (tests, examples);
+``generate(url, prompts, ...)`` samples from one (n per prompt, ids and behav_logp).
 """
 
+from fsdpfn.rollout.client import generate
 from fsdpfn.rollout.engine import RolloutEngine, SamplingParams, UpdateError
 from fsdpfn.rollout.process import RolloutProcess, launch_server
 
-__all__ = ["RolloutEngine", "SamplingParams", "UpdateError", "RolloutProcess", "launch_server"]
+__all__ = ["RolloutEngine", "SamplingParams", "UpdateError", "RolloutProcess", "launch_server",
+           "generate"]

@@ -102,10 +102,13 @@ class RolloutProcess:
 def launch_server(model: str | os.PathLike, *, port: int | None = None, device: str = "cpu",
                   dtype: str = "auto", threads: int | None = 1, weight_version: int = 0,
                   health_timeout: float = 120.0, log_dir: str | os.PathLike | None = None,
-                  extra_args: tuple[str, ...] = (), env: dict | None = None) -> RolloutProcess:
+                  extra_args: tuple[str, ...] = (), env: dict | None = None,
+                  new_session: bool = False) -> RolloutProcess:
     """Start ``python -m fsdpfn.rollout`` on 127.0.0.1 and wait for /health (killed on failure).
 
-    ``env`` adds variables to the server's environment (e.g. CUDA_VISIBLE_DEVICES)."""
+    ``env`` adds variables to the server's environment (e.g. CUDA_VISIBLE_DEVICES).
+    ``new_session``: start it in its own session, so a Ctrl-C (SIGINT to the terminal's process
+    group) in the caller does not reach it; close() still kills it."""
     port = port or free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="fsdpfn-rollout-"))
     log_path = log_dir / f"rollout-{port}.log"
@@ -117,7 +120,8 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.environ.get("OMP_NUM_THREADS", 1)),
            **(env or {})}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=new_session)
     server = RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         server.wait_healthy(health_timeout)

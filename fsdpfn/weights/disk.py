@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.errors import ConfigError
 from fsdpfn.state import EngineState, agree
 from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets,
                                    weight_params)

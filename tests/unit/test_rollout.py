@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import fsdpfn as ff
 from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
 from fsdpfn.rollout.process import free_port
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
@@ -365,3 +366,17 @@ def test_whole_update_in_one_request_is_checked_and_atomic(engine):
     assert "g-one" in engine.group_names  # the group stayed in step: usable again
     r = pair.send_update([new], weight_version=9, update_id="one-4")
     assert r["ok"]["weight_version"] == 9
+
+
+def test_generate_client_validates_and_reports_the_server():
+    """fsdpfn.rollout.generate: bad arguments are ConfigErrors naming the field; an unreachable
+    server is a WeightSyncError naming it."""
+    from fsdpfn.rollout import generate
+
+    with pytest.raises(ff.ConfigError, match="prompts: must be a non-empty list"):
+        generate("http://127.0.0.1:9", [])
+    with pytest.raises(ff.ConfigError, match="n: out of range, got 0"):
+        generate("http://127.0.0.1:9", [[1, 2]], n=0)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(ff.WeightSyncError, match=f"server {url}: /generate failed"):
+        generate(url, [[1, 2]], timeout=2)
