@@ -158,13 +158,8 @@ class _Pair:
         assert answer.get("success"), answer
         self.engine, self.name = engine, name
 
-    def send(self, tensors: dict[str, torch.Tensor], *, flat=True, dtypes=None, **extra):
-        """Post one bucket's metadata to the engine (a thread) and broadcast its bytes."""
-        names = list(tensors)
-        dtypes = dtypes or [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
-        shapes = [list(t.shape) for t in tensors.values()]
-        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.name,
-                   "load_format": "flattened_bucket" if flat else None, **extra}
+    def _serve(self, payload: dict):
+        """The engine handles ``payload`` in a thread: (thread, {"ok": answer} or {"err": exc})."""
         result = {}
 
         def serve():
@@ -174,6 +169,16 @@ class _Pair:
                 result["err"] = exc
         t = threading.Thread(target=serve)
         t.start()
+        return t, result
+
+    def send(self, tensors: dict[str, torch.Tensor], *, flat=True, dtypes=None, **extra):
+        """Post one bucket's metadata to the engine (a thread) and broadcast its bytes."""
+        names = list(tensors)
+        dtypes = dtypes or [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
+        shapes = [list(t.shape) for t in tensors.values()]
+        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.name,
+                   "load_format": "flattened_bucket" if flat else None, **extra}
+        t, result = self._serve(payload)
         if flat:
             offsets, total = bucket_layout(dtypes, shapes)
             buf = torch.zeros(total, dtype=torch.uint8)
@@ -186,7 +191,6 @@ class _Pair:
         t.join(30)
         return result
 
-
     def send_update(self, buckets: list[dict[str, torch.Tensor]], **extra):
         """The whole update in one request ({buckets: [...]}) and one flat broadcast per bucket,
         with garbage in the padding (the receiver must not count it)."""
@@ -195,15 +199,7 @@ class _Pair:
                   "shapes": [list(t.shape) for t in b.values()]} for b in buckets]
         payload = {"buckets": metas, "group_name": self.name,
                    "load_format": "flattened_bucket", **extra}
-        result = {}
-
-        def serve():
-            try:
-                result["ok"] = self.engine.update_from_distributed(payload)
-            except UpdateError as exc:
-                result["err"] = exc
-        t = threading.Thread(target=serve)
-        t.start()
+        t, result = self._serve(payload)
         for bucket, meta in zip(buckets, metas):
             offsets, total = bucket_layout(meta["dtypes"], meta["shapes"])
             buf = torch.full((total,), 0xAB, dtype=torch.uint8)
