@@ -10,7 +10,8 @@ random init; nothing is downloaded.
 Sections:
   matmul    bf16 8192^3 matmul rate: the ceiling MFU is quoted against
   logprobs  log-probs of N=16k tokens, V=151936: full logits vs chunked_logprobs (fwd, fwd+bwd)
-  forward   forward_logp of 4x4096 tokens vs a naive HF forward with full fp32 logits
+  forward   forward_logp of 4x4096 tokens under its options vs a naive HF forward with full
+            fp32 logits (also: forward_variants)
   ppo       ppo_step on 64 sequences, lengths uniform in [256, 4096], vs a naive padded HF step
   tp        (2 GPUs) tp=2 log-probs against dp layouts
   largest   the largest Qwen2 shape that trains on one GPU with fp32 master weights
@@ -212,31 +213,9 @@ def naive_model(cfg: dict, dtype=torch.bfloat16):
 
 
 def bench_forward(cfg: dict):
-    batch, lens = rl_batch(4, 4096, 4096, cfg["vocab_size"])
-    model = naive_model(cfg)
-    ids = batch[K.INPUT_IDS].cuda()
-
-    @torch.no_grad()
-    def naive():
-        logits = model(input_ids=ids).logits.float()
-        return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])
-
-    base = reset_peak()
-    sec = timed(naive)
-    record("forward", "naive HF full logits", tokens=sum(lens), ms=round(sec * 1e3, 1),
-           peak_extra_gib=round(peak_gib(base), 2))
-    del model
-    state, _ = fsdpfn_state(cfg, optimizer=False, budget=16384)
-    base = reset_peak()
-    sec = timed(lambda: ff.forward_logp(state, batch))
-    record("forward", "fsdpfn forward_logp", tokens=sum(lens), ms=round(sec * 1e3, 1),
-           peak_extra_gib=round(peak_gib(base), 2))
-    del state
-
-
-def bench_forward_variants(cfg: dict, profile: bool = False):
-    """forward_logp under its options, and where the time goes (torch.profiler, top kernels)."""
-    batch, lens = rl_batch(4, 4096, 4096, cfg["vocab_size"])
+    """forward_logp of 4x4096 tokens under its options, against a naive HF forward with full
+    fp32 logits measured first in the same process."""
+    batch, _ = rl_batch(4, 4096, 4096, cfg["vocab_size"])
     gpu_batch = batch.to("cuda")
     logps = {}
     model = naive_model(cfg)
@@ -249,7 +228,7 @@ def bench_forward_variants(cfg: dict, profile: bool = False):
 
     base = reset_peak()
     sec = timed(naive, iters=5)
-    record("forward_variants", "naive HF full logits", ms=round(sec * 1e3, 1),
+    record("forward", "naive HF full logits", ms=round(sec * 1e3, 1),
            peak_extra_gib=round(peak_gib(base), 2))
     del model
     variants = [("default", {}), ("fused_kernels=False", {"fused": False}),
@@ -264,16 +243,9 @@ def bench_forward_variants(cfg: dict, profile: bool = False):
         sec_gpu = timed(lambda: ff.forward_logp(state, gpu_batch), iters=5)
         logps[name] = ff.forward_logp(state, batch)[K.LOGP]
         diff = float((logps[name] - logps["default"]).abs().max())
-        record("forward_variants", f"forward_logp {name}", ms=round(sec * 1e3, 1),
+        record("forward", f"forward_logp {name}", ms=round(sec * 1e3, 1),
                ms_gpu_batch=round(sec_gpu * 1e3, 1), peak_extra_gib=round(peak_gib(base), 2),
                max_abs_diff_vs_default=diff)
-        if profile and name == "default":
-            from torch.profiler import ProfilerActivity, profile as prof
-            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                ff.forward_logp(state, batch)
-                torch.cuda.synchronize()
-            log(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
-                                       max_name_column_width=70))
         del state
 
 
@@ -454,10 +426,8 @@ def main():
     rate = args.rate or bench_matmul()
     if "logprobs" in only:
         bench_logprobs()
-    if "forward" in only:
+    if "forward" in only or "forward_variants" in only:
         bench_forward(cfg)
-    if "forward_variants" in only:
-        bench_forward_variants(cfg)
     if "ppo" in only:
         bench_ppo(cfg, rate, budget=args.budget)
     if "ppo_variants" in only:

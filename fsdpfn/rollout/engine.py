@@ -42,7 +42,7 @@ import torch
 from fsdpfn.weights.protocol import (MANIFEST, broadcast, bucket_layout, combine_checksums,
                                      dtype_from_name, dtype_name, flat_checksums, make_group,
                                      padded_size, sha256_of, tensor_checksums, wait_work,
-                                     zero_padding)
+                                     word_sums, zero_padding)
 
 __all__ = ["RolloutEngine", "UpdateError", "SamplingParams"]
 
@@ -145,7 +145,7 @@ class RolloutEngine:
                 "device": str(self.device), "weight_version": self.version,
                 "is_generation": True, "vocab_size": self.vocab_size, "multi_bucket": True,
                 "paused": self._paused,
-                "groups": sorted(self._groups), "last_error": self.last_error,
+                "groups": self.group_names, "last_error": self.last_error,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}
                            for n, p in self.params.items()}}
 
@@ -420,18 +420,9 @@ class RolloutEngine:
         if not (len(names) == len(dtypes) == len(shapes)):
             raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
                               f"{len(names)}, {len(dtypes)}, {len(shapes)}")
-        if group_name not in self._groups:
-            raise UpdateError(f"group_name: no weights-update group {group_name!r} on this "
-                              f"server (groups: {sorted(self._groups)}); call "
-                              f"/init_weights_update_group first", 404)
+        self._require_group(group_name)
         flat = payload.get("load_format") == "flattened_bucket"
-        try:
-            torch_dtypes = [dtype_from_name(d) for d in dtypes]
-        except ValueError as exc:
-            # the bytes on the wire cannot be sized: the group is out of step, drop it
-            self._retire(group_name)
-            raise UpdateError(f"dtypes: {exc}; group {group_name!r} dropped, "
-                              f"re-initialise it") from None
+        torch_dtypes = self._torch_dtypes(dtypes, group_name)
         update_id = payload.get("update_id")
         staging = self._staging_for(update_id, int(payload.get("bucket_index") or 0))
         problems = self._validate(names, torch_dtypes, shapes, staging)
@@ -455,6 +446,21 @@ class RolloutEngine:
                               partial=update_id is None)
         seconds["commit"] = time.perf_counter() - clock
         return {**answer, "seconds": seconds}
+
+    def _require_group(self, group_name: str) -> None:
+        if group_name not in self._groups:
+            raise UpdateError(f"group_name: no weights-update group {group_name!r} on this "
+                              f"server (groups: {self.group_names}); call "
+                              f"/init_weights_update_group first", 404)
+
+    def _torch_dtypes(self, dtypes: list[str], group_name: str) -> list[torch.dtype]:
+        try:
+            return [dtype_from_name(d) for d in dtypes]
+        except ValueError as exc:
+            # the bytes on the wire cannot be sized: the group is out of step, drop it
+            self._retire(group_name)
+            raise UpdateError(f"dtypes: {exc}; group {group_name!r} dropped, "
+                              f"re-initialise it") from None
 
     def _staging_for(self, update_id, bucket_index: int) -> _Staging:
         current = self._staging
@@ -517,7 +523,7 @@ class RolloutEngine:
                               f"{type(exc).__name__}: {exc}; group dropped, previous weights "
                               f"kept", 500) from None
         out = [t.to(self.device) for t in out]
-        sums = torch.stack([s.to(self.device) for s in _word_sums(out)]) if out else \
+        sums = word_sums(out) if out else \
             torch.zeros(0, dtype=torch.int64, device=self.device)
         finite = torch.stack([torch.isfinite(t).all() for t in out]).all() if out else \
             torch.ones((), dtype=torch.bool, device=self.device)
@@ -565,16 +571,8 @@ class RolloutEngine:
         if any(not (len(n) == len(d) == len(s)) for n, d, s in buckets):
             raise UpdateError("buckets: names, dtypes, shapes must have equal lengths in every "
                               "bucket")
-        if group_name not in self._groups:
-            raise UpdateError(f"group_name: no weights-update group {group_name!r} on this "
-                              f"server (groups: {sorted(self._groups)}); call "
-                              f"/init_weights_update_group first", 404)
-        try:
-            torch_dtypes = [[dtype_from_name(x) for x in d] for _, d, _ in buckets]
-        except ValueError as exc:
-            self._retire(group_name)
-            raise UpdateError(f"dtypes: {exc}; group {group_name!r} dropped, "
-                              f"re-initialise it") from None
+        self._require_group(group_name)
+        torch_dtypes = [self._torch_dtypes(d, group_name) for _, d, _ in buckets]
         staging = self._staging = _Staging(payload.get("update_id"))
         problems = self._validate([n for b in buckets for n in b[0]],
                                   [d for ds in torch_dtypes for d in ds],
@@ -706,12 +704,6 @@ class _LogprobRecorder:
             self.steps.append(self._score(new_tokens[:, len(self.steps)]))
         assert len(self.steps) == new_tokens.shape[1], (len(self.steps), new_tokens.shape)
         return torch.stack(self.steps, dim=1)
-
-
-def _word_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    from fsdpfn.weights.protocol import _word_sum
-
-    return [_word_sum(t) for t in tensors]
 
 
 def _read_json(path: Path) -> dict | None:

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", "tensor_checksum",
-           "tensor_checksums", "padded_size", "flat_checksums", "zero_padding",
+           "tensor_checksums", "word_sums", "padded_size", "flat_checksums", "zero_padding",
            "combine_checksums", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
            "make_group", "broadcast", "wait_work", "DEFAULT_BUCKET_BYTES"]
 
@@ -80,12 +80,15 @@ def tensor_checksum(t: torch.Tensor) -> int:
     return int(_word_sum(t).item())
 
 
+def word_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """tensor_checksum of each, as one int64 tensor on the first one's device, not read (no
+    synchronisation)."""
+    return torch.stack([_word_sum(t).to(tensors[0].device) for t in tensors])
+
+
 def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     """tensor_checksum of each, with one device synchronisation for all of them."""
-    if not tensors:
-        return []
-    sums = [_word_sum(t) for t in tensors]
-    return [int(v) for v in torch.stack([s.to(sums[0].device) for s in sums]).tolist()]
+    return [int(v) for v in word_sums(tensors).tolist()] if tensors else []
 
 
 def padded_size(nbytes: int) -> int:

@@ -416,10 +416,7 @@ class _BroadcastSender:
                  for url in t.urls}
         # ordered after the gather's copies on the current stream; the padded tail stays here
         work = broadcast(pg, flat[:bucket.nbytes])
-        # queued after the broadcast is (it reads the buffer while the wire does), read in
-        # conclude(): no synchronisation here
-        self.checksums.append((bucket.names, flat_checksums(
-            flat, bucket.offsets, [s.nbytes for s in bucket.specs])))
+        _queue_checksum(self.checksums, bucket, flat)
         if t.on_bucket is not None:
             t.on_bucket(bucket.index, len(self.buckets))
         return bucket, calls, work, flat, backend, time.monotonic() + t.timeout_s
@@ -442,19 +439,13 @@ class _BroadcastSender:
             raise WeightSyncError("; ".join(errors) + f" {where}")
         if wire_error is not None:
             raise WeightSyncError(f"broadcast to {self.target.urls} failed: {wire_error} {where}")
-        timings = self.target.last_timings
-        for answer in answers.values():  # the servers' own account, summed over buckets
-            for key, value in (answer.get("seconds") or {}).items():
-                if isinstance(value, (int, float)):
-                    timings[f"server_{key}"] = timings.get(f"server_{key}", 0.0) + value
+        _add_server_timings(self.target.last_timings, answers)
         if bucket.index == len(self.buckets) - 1:
             self.final_answers = answers
 
     def conclude(self) -> None:
         """After the last bucket: checksums, continue generation, versions."""
-        names = [n for batch, _ in self.checksums for n in batch]
-        values = torch.cat([v for _, v in self.checksums]).tolist()  # one synchronisation
-        checksum = combine_checksums(dict(zip(names, values)))
+        checksum = _sent_checksum(self.checksums)
         for url, answer in self.final_answers.items():
             _check_commit(url, answer, self.version, checksum)
         if self.paused:
@@ -508,8 +499,7 @@ class _OneRequestSender:
         t = self.target
         _, pg, backend = t._group  # noqa: SLF001
         work = broadcast(pg, flat[:bucket.nbytes])  # before the checksum: not held up by it
-        self.checksums.append((bucket.names, flat_checksums(
-            flat, bucket.offsets, [s.nbytes for s in bucket.specs])))
+        _queue_checksum(self.checksums, bucket, flat)
         if t.on_bucket is not None:
             t.on_bucket(bucket.index, len(self.buckets))
         return bucket, work, flat, time.monotonic() + t.timeout_s
@@ -534,9 +524,7 @@ class _OneRequestSender:
                                   f"{type(exc).__name__}: {exc} {where}") from None
 
     def conclude(self) -> None:
-        names = [n for batch, _ in self.checksums for n in batch]
-        values = torch.cat([v for _, v in self.checksums]).tolist()  # one synchronisation
-        checksum = combine_checksums(dict(zip(names, values)))
+        checksum = _sent_checksum(self.checksums)
         deadline = time.monotonic() + self.target.timeout_s
         errors, answers = [], {}
         for url, c in self.calls.items():
@@ -546,15 +534,34 @@ class _OneRequestSender:
                 errors.append(str(exc))
         if errors:
             raise WeightSyncError("; ".join(errors))
-        timings = self.target.last_timings
+        _add_server_timings(self.target.last_timings, answers)
         for url, answer in answers.items():
-            for key, value in (answer.get("seconds") or {}).items():
-                if isinstance(value, (int, float)):
-                    timings[f"server_{key}"] = timings.get(f"server_{key}", 0.0) + value
             _check_commit(url, answer, self.version, checksum)
 
     def abandon(self) -> None:
         self.target.retire()
+
+
+def _queue_checksum(checksums: list, bucket: Bucket, flat: torch.Tensor) -> None:
+    """Queue the checksums of a bucket on the device, after its broadcast (they read the buffer
+    while the wire does); read once, by _sent_checksum: no synchronisation per bucket."""
+    checksums.append((bucket.names, flat_checksums(flat, bucket.offsets,
+                                                   [s.nbytes for s in bucket.specs])))
+
+
+def _sent_checksum(checksums: list) -> int:
+    """The weights checksum of everything sent (one synchronisation)."""
+    names = [n for batch, _ in checksums for n in batch]
+    values = torch.cat([v for _, v in checksums]).tolist()
+    return combine_checksums(dict(zip(names, values)))
+
+
+def _add_server_timings(timings: dict[str, float], answers: dict[str, dict]) -> None:
+    """The servers' own account of their seconds, summed into ``timings`` as server_<phase>."""
+    for answer in answers.values():
+        for key, value in (answer.get("seconds") or {}).items():
+            if isinstance(value, (int, float)):
+                timings[f"server_{key}"] = timings.get(f"server_{key}", 0.0) + value
 
 
 def _wait(work, backend: str, deadline: float) -> str | None:
