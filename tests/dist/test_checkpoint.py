@@ -434,32 +434,26 @@ def _error_cases(root):
             state = state_after
         except CheckpointError as exc:
             results[name] = ("CheckpointError", str(exc), _same(before, _local(state)))
+
+    def attempt(target, path):
+        """(outcome, message, target unchanged) of one load expected to fail."""
+        before = _local(target)
+        try:
+            load_checkpoint(target, path)
+            return ("no error", "", False)
+        except CheckpointError as exc:
+            return ("CheckpointError", str(exc), _same(before, _local(target)))
+
     # an inference-only state loading a checkpoint with optimizer state
-    before = _local(infer)
-    try:
-        load_checkpoint(infer, root / "good")
-        results["inference_state"] = ("no error", "", False)
-    except CheckpointError as exc:
-        results["inference_state"] = ("CheckpointError", str(exc), _same(before, _local(infer)))
+    results["inference_state"] = attempt(infer, root / "good")
     # another architecture (vocabulary)
-    other = _state(vocab_size=256)
-    before = _local(other)
-    try:
-        load_checkpoint(other, root / "good")
-        results["vocab"] = ("no error", "", False)
-    except CheckpointError as exc:
-        results["vocab"] = ("CheckpointError", str(exc), _same(before, _local(other)))
+    results["vocab"] = attempt(_state(vocab_size=256), root / "good")
     # same architecture, other dtype: DCP would cast silently
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
     bf16 = ff.shard_model(ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(),
                                           optimizer=None, optimizer_dtype="bfloat16"), mesh)
     save_checkpoint(bf16, root / "bf16")
-    before = _local(infer)
-    try:
-        load_checkpoint(infer, root / "bf16")
-        results["dtype"] = ("no error", "", False)
-    except CheckpointError as exc:
-        results["dtype"] = ("CheckpointError", str(exc), _same(before, _local(infer)))
+    results["dtype"] = attempt(infer, root / "bf16")
     # bad save arguments
     for name, kwargs in (("extra_tuple", {"extra": {"pos": (1, 2)}}),
                          ("extra_object", {"extra": {"pos": object()}}),
