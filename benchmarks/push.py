@@ -7,7 +7,8 @@ NCCL broadcast of the same bytes, measured in the same run.
 The trainer is this process, a one-rank fsdpfn state on GPU 0 (fp32 master weights, pushed as
 bf16). The rollout server is ``python -m fsdpfn.rollout`` on GPU 1. The limit is measured by two
 fresh processes on GPU 0 and GPU 1 that broadcast uint8 buffers of exactly the push's bucket
-sizes (and the whole model as one buffer), best of several rounds. Prints one table; the ratio
+sizes (the default plan's, ramped at both ends, and the whole model as one buffer), best of
+several rounds. Prints one table; the ratio
 is the push's GB/s over the limit's.
 """
 
@@ -161,7 +162,8 @@ def main():
         return
     limits = {}
     for bucket_bytes in (1 << 30,) if args.quick else (1 << 30, 256 << 20):
-        sizes = [b.nbytes for b in plan_buckets(params, torch.bfloat16, bucket_bytes)]
+        sizes = [b.nbytes for b in plan_buckets(params, torch.bfloat16, bucket_bytes,
+                                                edge_bytes=32 << 20)]
         raw = raw_limit(sizes, device)
         for label, times in raw.items():
             if label == "one buffer" and bucket_bytes != 1 << 30:
@@ -179,20 +181,26 @@ def main():
     server = launch_server(model_dir, device=device, dtype="bfloat16", threads=4,
                            log_dir=tmp, health_timeout=600,
                            env={"CUDA_VISIBLE_DEVICES": "1"} if not args.cpu else None)
+    timelines = []
     try:
-        variants = [("push, 1 GiB buckets (default)", {}),
-                    ("push, 1 GiB buckets, pipeline=False", {"pipeline": False}),
-                    ("push, 256 MiB buckets", {"bucket_bytes": 256 << 20}),
-                    ("push, 4 GiB buckets (one bucket)", {"bucket_bytes": 4 << 30})]
+        variants = [
+            ("push, defaults (update channel, 1 GiB buckets, 32 MiB edges)", {}),
+            ("push, update channel, no ramp (edge_bucket_bytes=None)",
+             {"edge_bucket_bytes": None}),
+            ("push, HTTP: the whole update in one request (channel=False)", {"channel": False}),
+            ("push, update channel, 256 MiB buckets", {"bucket_bytes": 256 << 20}),
+            ("push, HTTP: a request per bucket in turn (SGLang's way; pipeline=False)",
+             {"channel": False, "pipeline": False})]
         if args.quick:
-            variants = [variants[0], variants[2]]
+            variants = variants[:3]
         for name, kw in variants:
             target = RolloutTarget(server.url, timeout_s=120, **kw)
+            target.timeline = device == "cuda" and not kw  # the defaults: per-bucket GPU times
             first = push_weights(state, target).seconds
             runs = []
             for _ in range(args.pushes):
                 receipt = push_weights(state, target)
-                runs.append((receipt.seconds, dict(target.last_timings)))
+                runs.append((receipt.seconds, dict(target.last_timings), target.last_timeline))
             runs.sort(key=lambda r: r[0])
             best, median = runs[0][0], runs[len(runs) // 2]
             record(name, bytes=receipt.n_bytes, first_s=round(first, 3),
@@ -200,10 +208,32 @@ def main():
                    gb_s=round(receipt.n_bytes / best / 1e9, 1),
                    of_limit=round(limit / best, 3),
                    phases_ms_median={k: round(v * 1e3, 2) for k, v in median[1].items()})
+            if runs[0][2]:
+                timelines.append((name, runs[0][2]))
             target.close()
     finally:
         server.close()
     print_markdown_table(ROWS, ("name",))
+    for name, tl in timelines:
+        print_timeline(name, tl)
+
+
+def print_timeline(name: str, tl: dict) -> None:
+    """The best push's buckets: when the trainer launched each broadcast (host), when its
+    gather and its send finished (trainer GPU, from the sender's start), and when the server had
+    its bytes and had checked them (server GPU, from posting its receives)."""
+    server = next(iter(tl["servers"].values())) or {}
+    rows = []
+    for i, n in enumerate(tl["bucket_bytes"]):
+        rows.append({"bucket": i, "MB": round(n / 1e6, 1),
+                     "launch (host ms)": round(tl["launch_ms"][i], 2),
+                     "gathered (GPU ms)": round(tl["gathered_ms"][i], 2),
+                     "sent (GPU ms)": round(tl["sent_ms"][i], 2),
+                     "server arrived": round(server.get("arrived_ms", [0] * 99)[i], 2),
+                     "server checked": round(server.get("checked_ms", [0] * 99)[i], 2)})
+    print(f"\n{name}: per-bucket timeline of the best push (sender start at host "
+          f"{tl['t0_ms']:.2f} ms)")
+    print_markdown_table(rows, ("bucket",))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-pause-s", type=float, default=600.0,
                    help="a /pause_generation expires by itself after this many seconds")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--channel-port", type=int, default=0,
+                   help="port of the update channel, the fast control path of weight pushes "
+                        "(default 0: a free port, advertised in /get_model_info)")
+    p.add_argument("--no-channel", action="store_true",
+                   help="no update channel: pushes use HTTP only")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -39,8 +44,13 @@ def main(argv=None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = RolloutEngine(args.model, dtype=args.dtype, device=device,
                            weight_version=args.weight_version, max_pause_s=args.max_pause_s)
+    if not args.no_channel:
+        from fsdpfn.rollout.channel import UpdateChannel
+
+        UpdateChannel(engine, args.host, args.channel_port)
     print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}) on "
-          f"http://{args.host}:{args.port} pid {os.getpid()}", flush=True)
+          f"http://{args.host}:{args.port} (update channel: {engine.channel_port}) pid "
+          f"{os.getpid()}", flush=True)
     uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
 
 

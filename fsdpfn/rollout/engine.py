@@ -93,6 +93,57 @@ class _Staging:
         self.finite: list[torch.Tensor] = []
 
 
+class _BucketLayout:
+    """One flat bucket of a whole update: names, dtypes, shapes, and where each tensor lies."""
+
+    def __init__(self, names: list[str], dtypes: list[str], shapes: list[list[int]]):
+        self.names, self.dtypes, self.shapes = names, dtypes, shapes
+        try:
+            self.torch_dtypes = [dtype_from_name(d) for d in dtypes]
+        except ValueError as exc:
+            error = UpdateError(f"dtypes: {exc}")
+            error.unsized = True  # the bytes on the wire cannot be sized
+            raise error from None
+        self.offsets, self.total = bucket_layout(dtypes, shapes)
+        self.sizes = [math.prod(s) * d.itemsize for d, s in zip(self.torch_dtypes, shapes)]
+        self.strides = self.elements = None
+        if len(set(self.torch_dtypes)) == 1:
+            size = self.torch_dtypes[0].itemsize
+            self.elements = [o // size for o in self.offsets]
+            self.strides = [torch.empty(s, device="meta").stride() for s in shapes]
+
+
+class _Layout:
+    """A whole update's buckets, parsed and checked against the served model once (the update
+    channel keeps it per connection and layout id, so a repeated push re-parses nothing).
+    ``problems``: why it cannot be committed (unknown names, shapes, dtypes, a tensor twice, a
+    served parameter missing), empty when it can."""
+
+    def __init__(self, engine: "RolloutEngine", buckets_json):
+        try:
+            parsed = [([str(n) for n in b["names"]], [str(d) for d in b["dtypes"]],
+                       [[int(x) for x in s] for s in b["shapes"]]) for b in buckets_json]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UpdateError(f"update_weights_from_distributed: buckets must be a list of "
+                              f"{{names, dtypes, shapes}}; got {str(buckets_json)[:120]} "
+                              f"({type(exc).__name__}: {exc})") from None
+        if not parsed or any(not (len(n) == len(d) == len(s)) for n, d, s in parsed):
+            raise UpdateError("buckets: must be a non-empty list, with names, dtypes, shapes of "
+                              "equal lengths in every bucket")
+        self.buckets = [_BucketLayout(*b) for b in parsed]
+        names = [n for b in self.buckets for n in b.names]
+        self.problems = engine._validate(  # noqa: SLF001
+            names, [d for b in self.buckets for d in b.torch_dtypes],
+            [s for b in self.buckets for s in b.shapes], _Staging(None))
+        sent = {engine.aliases.get(n, n) for n in names}
+        missing = [n for n in engine.params if n not in sent]
+        if missing:
+            self.problems.append(f"every parameter of the served model must be sent, got none "
+                                 f"for {len(missing)} (e.g. {missing[:3]})")
+        self.canonical = [[engine.aliases.get(n, n) for n in b.names] for b in self.buckets]
+        self.nbytes = sum(b.total for b in self.buckets)
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
                  weight_version: int = 0, max_pause_s: float = 600.0):
@@ -128,6 +179,10 @@ class RolloutEngine:
         self._failed: set[str] = set()  # update ids that failed: their later buckets are refused
         self.last_error: str | None = None
         self.server_id = uuid.uuid4().hex  # changes when the server restarts
+        self.channel_port: int | None = None  # the update channel's port, when one listens
+        self._channels: dict[str, list] = {}  # group name -> update channel sockets bound to it
+        self._channels_lock = threading.Lock()
+        self._stream = None  # the CUDA stream that checks received buckets (lazily)
 
     # ------------------------------------------------------------ info
 
@@ -144,6 +199,7 @@ class RolloutEngine:
                 "dtype": dtype_name(self.dtype),
                 "device": str(self.device), "weight_version": self.version,
                 "is_generation": True, "vocab_size": self.vocab_size, "multi_bucket": True,
+                "update_channel": self.channel_port,
                 "paused": self._paused,
                 "groups": self.group_names, "last_error": self.last_error,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}
@@ -329,14 +385,35 @@ class RolloutEngine:
         group = self._groups.pop(name, None)
         if group is not None:
             self._retired.append(group)
+        with self._channels_lock:
+            sockets = self._channels.pop(name, [])
+        for sock in sockets:  # the trainer learns the group is gone from the closed connection
+            _shut(sock)
 
-    def update_from_distributed(self, payload: dict) -> dict:
+    def attach_channel(self, group_name: str, sock) -> None:
+        """Bind an update channel connection to a group: it is closed when the group is
+        dropped."""
+        with self._channels_lock:
+            if group_name not in self._groups:
+                raise UpdateError(f"group_name: no weights-update group {group_name!r} on this "
+                                  f"server (groups: {self.group_names})", 404)
+            self._channels.setdefault(group_name, []).append(sock)
+
+    def detach_channel(self, sock) -> None:
+        with self._channels_lock:
+            for sockets in self._channels.values():
+                if sock in sockets:
+                    sockets.remove(sock)
+
+    def update_from_distributed(self, payload: dict, *, layout: "_Layout | None" = None,
+                                ack=None) -> dict:
         """/update_weights_from_distributed: {names, dtypes, shapes, group_name, flush_cache,
         load_format ("flattened_bucket": one uint8 broadcast; else one broadcast per tensor),
         weight_version, update_id, bucket_index, commit}. Without update_id the call is a
         self-contained (possibly partial) update, as in SGLang. With ``buckets`` (a list of
         {names, dtypes, shapes}; advertised as multi_bucket in /get_model_info) the whole update
-        is one request (see _update_buckets)."""
+        is one request (see _update_buckets; the update channel passes its parsed ``layout``
+        and an ``ack()`` to call once the update is accepted, before any byte is sent)."""
         update_id = payload.get("update_id")
         try:
             index = int(payload.get("bucket_index") or 0)
@@ -354,7 +431,8 @@ class RolloutEngine:
                 raise UpdateError(f"bucket_index {index}: update {update_id!r} already failed "
                                   f"({self.last_error}); group dropped, previous weights kept",
                                   409)
-            answer = self._update_from_distributed(payload)
+            answer = (self._update_buckets(payload, layout, ack) if layout is not None
+                      else self._update_from_distributed(payload))
             answer["seconds"] = {"wait_turn": waited, **answer.get("seconds", {}),
                                  "total": time.perf_counter() - clock}
             return answer
@@ -407,7 +485,15 @@ class RolloutEngine:
 
     def _update_from_distributed(self, payload: dict) -> dict:
         if payload.get("buckets") is not None:
-            return self._update_buckets(payload)
+            try:
+                layout = _Layout(self, payload["buckets"])
+            except UpdateError as exc:
+                if getattr(exc, "unsized", False):  # the group is out of step: drop it
+                    self._retire(str(payload.get("group_name")))
+                    exc.args = (f"{exc}; group {payload.get('group_name')!r} dropped, "
+                                f"re-initialise it",)
+                raise
+            return self._update_buckets(payload, layout, None)
         try:
             names = [str(n) for n in payload["names"]]
             dtypes = [str(d) for d in payload["dtypes"]]
@@ -509,9 +595,10 @@ class RolloutEngine:
         device = self.device if backend == "nccl" else torch.device("cpu")
         try:
             if flat:
-                buf, work = self._post_flat(pg, device, dtypes, shapes)
+                bucket = _BucketLayout([""] * len(dtypes), list(dtypes), shapes)
+                buf, work = self._post_flat(pg, device, bucket.total)
                 wait_work(work, backend, timeout_s)
-                return self._unpack_flat(buf, dtypes, torch_dtypes, shapes)
+                return self._unpack_flat(buf.to(self.device), bucket)
             out = []
             for d, s in zip(torch_dtypes, shapes):
                 t = torch.empty(s, dtype=d, device=device)
@@ -530,86 +617,166 @@ class RolloutEngine:
         return out, sums, finite
 
     @staticmethod
-    def _post_flat(pg, device, dtypes, shapes):
-        """Allocate a padded flat bucket and post its receive; (buffer, work)."""
-        _, total = bucket_layout(dtypes, shapes)
+    def _post_flat(pg, device, total: int):
+        """Allocate a padded flat bucket of ``total`` bytes and post its receive; (buffer,
+        work)."""
         buf = torch.empty(padded_size(total), dtype=torch.uint8, device=device)
         return buf, broadcast(pg, buf[:total])
 
-    def _unpack_flat(self, buf, dtypes, torch_dtypes, shapes):
+    @staticmethod
+    def _unpack_flat(buf, b: "_BucketLayout"):
         """A received flat bucket -> (tensor views, int64 checksums, bool "all finite"); the
-        checks are queued on the device, not read."""
-        offsets, total = bucket_layout(dtypes, shapes)
-        sizes = [math.prod(s) * d.itemsize for d, s in zip(torch_dtypes, shapes)]
-        buf = buf.to(self.device)
-        buf[total:].zero_()
-        zero_padding(buf, offsets, sizes)
-        out = [buf[o:o + n].view(d).view(s)
-               for o, n, d, s in zip(offsets, sizes, torch_dtypes, shapes)]
-        sums = flat_checksums(buf, offsets, sizes)
-        if len(set(torch_dtypes)) == 1 and total % torch_dtypes[0].itemsize == 0:
-            # padding is zero: the bucket is finite iff every tensor is
-            finite = torch.isfinite(buf[:total].view(torch_dtypes[0])).all()
+        checks are queued on the device (on the current stream), not read."""
+        buf[b.total:].zero_()
+        zero_padding(buf, b.offsets, b.sizes)
+        if b.strides is not None:  # one dtype: one typed view, then a strided view per tensor
+            typed = buf.view(b.torch_dtypes[0])
+            out = [typed.as_strided(s, st, e) for s, st, e in zip(b.shapes, b.strides,
+                                                                   b.elements)]
+        else:
+            out = [buf[o:o + n].view(d).view(s)
+                   for o, n, d, s in zip(b.offsets, b.sizes, b.torch_dtypes, b.shapes)]
+        sums = flat_checksums(buf, b.offsets, b.sizes)
+        if b.strides is not None and b.total % b.torch_dtypes[0].itemsize == 0:
+            # padding is zero: one sum of the whole bucket is NaN or inf when any value is (and,
+            # rarely, when finite values overflow it: the caller then looks value by value).
+            # A reduction runs at the memory's speed; isfinite(...).all() at a third of it.
+            dtype = b.torch_dtypes[0]
+            finite = torch.isfinite(buf[:b.total].view(dtype).sum(
+                dtype=torch.float64 if dtype == torch.float64 else torch.float32))
         else:
             finite = torch.stack([torch.isfinite(t).all() for t in out]).all()
         return out, sums, finite
 
-    def _update_buckets(self, payload: dict) -> dict:
+    def _check_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def _update_buckets(self, payload: dict, layout: _Layout, ack) -> dict:
         """The whole update in one request: {buckets: [{names, dtypes, shapes}, ...],
-        group_name, weight_version, update_id, pause_generation, load_format="flattened_bucket"}.
-        Every bucket's receive is posted at once (the sender keeps two in flight); each is
-        unpacked and checked as it lands; then one commit, with generation paused around the swap
-        when asked."""
-        try:
-            group_name = str(payload["group_name"])
-            buckets = [([str(n) for n in b["names"]], [str(d) for d in b["dtypes"]],
-                        [[int(x) for x in s] for s in b["shapes"]]) for b in payload["buckets"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UpdateError(f"update_weights_from_distributed: buckets must be a list of "
-                              f"{{names, dtypes, shapes}} and group_name given; got "
-                              f"{sorted(payload)} ({type(exc).__name__}: {exc})") from None
-        if any(not (len(n) == len(d) == len(s)) for n, d, s in buckets):
-            raise UpdateError("buckets: names, dtypes, shapes must have equal lengths in every "
-                              "bucket")
-        self._require_group(group_name)
-        torch_dtypes = [self._torch_dtypes(d, group_name) for _, d, _ in buckets]
-        staging = self._staging = _Staging(payload.get("update_id"))
-        problems = self._validate([n for b in buckets for n in b[0]],
-                                  [d for ds in torch_dtypes for d in ds],
-                                  [s for b in buckets for s in b[2]], staging)
-        store, pg, backend, timeout_s = self._groups[group_name]
-        device = self.device if backend == "nccl" else torch.device("cpu")
+        group_name, weight_version, update_id, pause_generation, load_format="flattened_bucket"}
+        (over the update channel, ``layout`` is that list already parsed).
+
+        Every bucket's receive is posted at once (the sender keeps several in flight). Over NCCL
+        the host never waits per bucket: a side stream waits for each bucket's bytes and runs its
+        checks (zero padding, per-tensor checksums, finite), and meanwhile the host takes the
+        model lock (no generation or forward runs until the end) and points every parameter at
+        its received tensor. Then the host waits for the checks, reads them once, and either
+        keeps the new weights (the version moves) or points every parameter back (nothing
+        changed). With ``ack`` (the update channel), a layout that cannot be committed is refused
+        before any byte is sent, and ack() is called once it is accepted; without it (HTTP), the
+        bytes are received and then refused, which keeps the group in step."""
         clock = time.perf_counter()
+        group_name = str(payload.get("group_name"))
+        self._require_group(group_name)
+        if layout.problems and ack is not None:
+            raise UpdateError("update refused before any byte was sent, previous weights kept: "
+                              + "; ".join(layout.problems))
+        version = payload.get("weight_version")
+        version = self.version + 1 if version is None else int(version)
+        if ack is not None:
+            ack()
+        store, pg, backend, timeout_s = self._groups[group_name]
+        nccl = backend == "nccl"
+        seconds = {}
+        staging = _Staging(payload.get("update_id"))
+        posted, done = [], []
+        timeline = [] if nccl and payload.get("timeline") else None  # GPU times, for benchmarks
         try:
-            posted = [self._post_flat(pg, device, d, s) for _, d, s in buckets]
-            for (names, dtypes, shapes), tds, (buf, work) in zip(buckets, torch_dtypes, posted):
-                wait_work(work, backend, timeout_s)
-                out, sums, finite = self._unpack_flat(buf, dtypes, tds, shapes)
+            device = self.device if nccl else torch.device("cpu")
+            stream = self._check_stream() if nccl else None
+            if timeline is not None:
+                timeline.append(_record(stream, True))
+            posted = [self._post_flat(pg, device, b.total) for b in layout.buckets]
+            seconds["post"] = time.perf_counter() - clock
+            for b, names, (buf, work) in zip(layout.buckets, layout.canonical, posted):
+                if nccl:
+                    with torch.cuda.stream(stream):
+                        work.wait()  # the side stream waits for the bytes; the host does not
+                        if timeline is not None:
+                            timeline.append(_record(stream, True))
+                        out, sums, finite = self._unpack_flat(buf, b)
+                    done.append(_record(stream, timeline is not None))
+                else:
+                    wait_work(work, backend, timeout_s)
+                    out, sums, finite = self._unpack_flat(buf.to(self.device), b)
                 staging.tensors.update(zip(names, out))
-                staging.sums.append(([self.aliases.get(n, n) for n in names], sums))
+                staging.sums.append((names, sums))
                 staging.finite.append(finite)
-            del posted
+            seconds["queue"] = time.perf_counter() - clock
+            if layout.problems:  # HTTP: every byte taken, then refused
+                self._wait_events(done, timeout_s)
+                raise UpdateError("update rejected, previous weights kept: "
+                                  + "; ".join(layout.problems))
+            if not self._model_lock.acquire(timeout=timeout_s):
+                raise UpdateError(f"update: a generation held the model for longer than the "
+                                  f"group's timeout_s {timeout_s:g}; previous weights kept", 503)
+        except UpdateError:
+            self._wait_events(done, timeout_s, quiet=True)
+            raise
         except Exception as exc:  # noqa: BLE001 - a dead or stalled sender
             self._retire(group_name)
+            self._retired.append(posted)  # buffers may still be written: keep them alive
             raise UpdateError(f"receiving over group {group_name!r} failed: "
                               f"{type(exc).__name__}: {exc}; group dropped, previous weights "
                               f"kept", 500) from None
-        seconds = {"receive": time.perf_counter() - clock}
-        if problems:
-            raise UpdateError("update rejected, previous weights kept: " + "; ".join(problems))
-        version = payload.get("weight_version")
-        clock = time.perf_counter()
-        pause = bool(payload.get("pause_generation")) and not self._paused
-        if pause:
-            self.pause()
+        previous = {}
         try:
-            answer = self._commit(staging, self.version + 1 if version is None
-                                  else int(version), partial=False)
+            for name, t in staging.tensors.items():  # nothing runs on the model meanwhile
+                param = self.params[name]
+                previous[name] = param.data
+                param.data = t
+            seconds["swap"] = time.perf_counter() - clock
+            try:
+                self._wait_events(done, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the bytes did not come
+                self._retire(group_name)
+                self._retired.append(posted)
+                raise UpdateError(f"receiving over group {group_name!r} failed: "
+                                  f"{type(exc).__name__}: {exc}; group dropped, previous "
+                                  f"weights kept", 500) from None
+            seconds["wait"] = time.perf_counter() - clock
+            flags = torch.stack(staging.finite).to(torch.int64)
+            values = torch.cat([flags] + [v for _, v in staging.sums]).tolist()
+            if not all(values[:len(flags)]):  # a bucket's sum is not finite: look closer
+                bad = [n for n, t in staging.tensors.items() if not bool(torch.isfinite(t).all())]
+                if bad:
+                    raise UpdateError(f"update rejected, previous weights kept: tensors must be "
+                                      f"finite, got NaN/inf in {bad[:3]}")
+            self.version = version
+        except BaseException:
+            for name, t in previous.items():
+                self.params[name].data = t
+            raise
         finally:
-            if pause:
-                self.resume()
+            self._model_lock.release()
+        names = [n for batch, _ in staging.sums for n in batch]
+        checksum = combine_checksums(dict(zip(names, values[len(flags):])))
+        self._staging = None
+        self.last_error = None
         seconds["commit"] = time.perf_counter() - clock
-        return {**answer, "seconds": seconds}
+        answer = {"success": True, "weight_version": version, "weights_checksum": checksum,
+                  "message": f"updated {len(staging.tensors)} tensors to version {version}",
+                  "seconds": seconds}
+        if timeline is not None:  # ms from posting the receives: each bucket in, then checked
+            answer["timeline"] = {
+                "arrived_ms": [timeline[0].elapsed_time(e) for e in timeline[1:]],
+                "checked_ms": [timeline[0].elapsed_time(e) for e in done]}
+        return answer
+
+    @staticmethod
+    def _wait_events(events, timeout_s: float, *, quiet: bool = False) -> None:
+        """Poll each bucket's "checked" event in turn, each within ``timeout_s`` of the one before
+        (the host is free meanwhile); TimeoutError after that, or nothing when ``quiet``."""
+        for event in events:
+            deadline = time.monotonic() + timeout_s
+            while not event.query():
+                if time.monotonic() > deadline:
+                    if quiet:
+                        return
+                    raise TimeoutError(f"a bucket did not arrive within {timeout_s:g} s")
+                time.sleep(2e-5)
 
     def _commit(self, staging: _Staging, version: int, *, partial: bool) -> dict:
         """Validate the whole staging, then swap it in under the model lock (no copy: each
@@ -704,6 +871,21 @@ class _LogprobRecorder:
             self.steps.append(self._score(new_tokens[:, len(self.steps)]))
         assert len(self.steps) == new_tokens.shape[1], (len(self.steps), new_tokens.shape)
         return torch.stack(self.steps, dim=1)
+
+
+def _record(stream, timing: bool):
+    event = torch.cuda.Event(enable_timing=timing)
+    event.record(stream)
+    return event
+
+
+def _shut(sock) -> None:
+    import socket
+
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _read_json(path: Path) -> dict | None:

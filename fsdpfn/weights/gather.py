@@ -10,18 +10,20 @@ k, every rank gathers bucket k+1, rank 0 waits for bucket k, then every rank lea
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol
+import functools
+from typing import Any, Callable, Protocol
 
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.state import EngineState, agree
-from fsdpfn.weights.protocol import ALIGN, dtype_name, nbytes_of, padded_size
+from fsdpfn.weights.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
 
 __all__ = ["TensorSpec", "Bucket", "weight_params", "plan_buckets", "gather_bucket",
-           "iter_buckets", "is_pusher",
+           "is_pusher",
            "Sender", "drive", "guard", "share"]
 
 
@@ -66,30 +68,72 @@ def weight_params(state: EngineState) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def plan_buckets(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                 bucket_bytes: int) -> list[Bucket]:
-    """Greedy buckets in name order; a tensor larger than ``bucket_bytes`` gets a bucket alone."""
-    buckets: list[Bucket] = []
-    specs: list[TensorSpec] = []
-    offsets: list[int] = []
-    cursor = 0
+                 bucket_bytes: int, edge_bytes: int | None = None) -> list[Bucket]:
+    """Buckets of at most ``bucket_bytes`` (a tensor larger than that gets a bucket alone), the
+    same on every rank (a pure function of names and shapes).
 
-    def close() -> None:
-        nonlocal specs, offsets, cursor
-        if specs:
-            buckets.append(Bucket(len(buckets), tuple(specs), tuple(offsets), cursor))
-        specs, offsets, cursor = [], [], 0
-
-    for name, p in params:
-        spec = TensorSpec(name, tuple(int(d) for d in p.shape), dtype)
+    Without ``edge_bytes``: greedy in name order. With it, the buckets ramp up and down: the
+    first and the last hold at most ``edge_bytes``, the next ones in 4x as much, and so on up to
+    ``bucket_bytes`` in the middle. A push then has bytes on the wire after gathering a small
+    first bucket, and the receiver's checks of the last bucket are short: the fixed costs at
+    both ends of the transfer shrink. A tensor too large for a ramp bucket moves to the next
+    bucket that can hold it (the order is still fixed)."""
+    specs = [TensorSpec(name, tuple(int(d) for d in p.shape), dtype) for name, p in params]
+    sizes = [padded_size(s.nbytes) for s in specs]
+    caps = []
+    if edge_bytes:
+        cap = int(edge_bytes)
+        while cap < bucket_bytes:
+            caps.append(cap)
+            cap *= 4
+    tail = _ramp(list(range(len(specs)))[::-1], sizes, caps)
+    in_tail = {i for group in tail for i in group}
+    head = _ramp([i for i in range(len(specs)) if i not in in_tail], sizes, caps)
+    placed = in_tail | {i for group in head for i in group}
+    middle: list[list[int]] = []
+    cursor = 0  # the end of the last tensor of the open bucket
+    for i in (i for i in range(len(specs)) if i not in placed):
         start = -(-cursor // ALIGN) * ALIGN
-        if specs and start + spec.nbytes > bucket_bytes:
-            close()
+        if not middle or (middle[-1] and start + specs[i].nbytes > bucket_bytes):
+            middle.append([])
             start = 0
-        specs.append(spec)
-        offsets.append(start)
-        cursor = start + spec.nbytes
-    close()
+        middle[-1].append(i)
+        cursor = start + specs[i].nbytes
+    buckets = []
+    for group in head + middle + tail[::-1]:
+        group = sorted(group)
+        offsets, cursor = [], 0
+        for i in group:
+            cursor = -(-cursor // ALIGN) * ALIGN
+            offsets.append(cursor)
+            cursor += specs[i].nbytes
+        buckets.append(Bucket(len(buckets), tuple(specs[i] for i in group), tuple(offsets),
+                              cursor))
     return buckets
+
+
+def _ramp(order: list[int], sizes: list[int], caps: list[int]) -> list[list[int]]:
+    """Groups taken from the front of ``order``, the k-th holding at most caps[k] bytes: each
+    takes the items in order while they fit, passing over one larger than its cap (left for a
+    later group) and stopping at the first that would fit an empty group but not this one."""
+    groups, left = [], list(order)
+    for cap in caps:
+        group, used, rest = [], 0, []
+        for pos, i in enumerate(left):
+            if sizes[i] > cap:
+                rest.append(i)
+            elif used + sizes[i] <= cap:
+                group.append(i)
+                used += sizes[i]
+            else:
+                rest.extend(left[pos:])
+                break
+        if group:
+            groups.append(group)
+        left = rest
+        if not left:
+            break
+    return groups
 
 
 def _full(p: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -97,8 +141,6 @@ def _full(p: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Te
 
     The general path (tensor-parallel and 2-D placements). The local shard is cast before the
     gather, so the wire carries the push dtype only."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(p, DTensor):
         local = p.to_local().detach().to(device=device, dtype=dtype)
         whole = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
@@ -111,18 +153,37 @@ def _layout_kind(p: torch.Tensor) -> tuple[str, Any]:
     """How a parameter is gathered: ("whole", None) when this rank holds all of it (a plain
     tensor, or a DTensor on a one-rank mesh), ("dim0", mesh) for FSDP's Shard(0) on a 1-D mesh
     (gathered with its bucket in one all-gather), ("general", None) otherwise (full_tensor)."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if not isinstance(p, DTensor):
         return "whole", None
     mesh = p.device_mesh
-    if mesh.size() == 1:
+    if _mesh_size(mesh) == 1:
         return "whole", None
     placement = p.placements[0] if len(p.placements) == 1 else None
     if (mesh.ndim == 1 and p.ndim >= 1 and type(placement) is Shard  # noqa: E721 - not _Strided
             and placement.dim == 0):
         return "dim0", mesh
     return "general", None
+
+
+_MESH_SIZES: dict[int, tuple[Any, int]] = {}
+
+
+def _mesh_size(mesh) -> int:
+    """mesh.size(), remembered per mesh (it is computed from the mesh layout on every call, and
+    a push asks once per parameter)."""
+    hit = _MESH_SIZES.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        hit = _MESH_SIZES[id(mesh)] = (mesh, mesh.size())
+    return hit[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(int(d), 1)
+    return tuple(reversed(strides))
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -178,17 +239,24 @@ def gather_bucket(params: dict[str, torch.Tensor], bucket: Bucket, *,
     Parameters a rank holds whole are cast straight into the buffer; FSDP-sharded ones are made
     whole by one all-gather per bucket; any other layout goes through DTensor.full_tensor. The
     order of collectives is the bucket's, the same on every rank."""
-    buf = torch.zeros(padded_size(bucket.nbytes), dtype=torch.uint8, device=device) \
+    with torch.no_grad():
+        return _gather_bucket(params, bucket, device, keep)
+
+
+def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
+    buf = torch.empty(padded_size(bucket.nbytes), dtype=torch.uint8, device=device) \
         if keep else None
+    typed = buf.view(bucket.specs[0].dtype) if keep else None  # one dtype per bucket
+    size = bucket.specs[0].dtype.itemsize
     dim0: dict[int, tuple[Any, list]] = {}
     for spec, offset in zip(bucket.specs, bucket.offsets):
         p = params[spec.name]
-        dst = (buf[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-               if keep else None)
+        dst = typed.as_strided(spec.shape, _strides(spec.shape), offset // size) \
+            if keep else None
         kind, mesh = _layout_kind(p)
         if kind == "whole":
             if dst is not None:
-                dst.copy_(_local(p))
+                dst.copy_(p._local_tensor if isinstance(p, DTensor) else p)  # noqa: SLF001
         elif kind == "dim0":
             dim0.setdefault(id(mesh), (mesh, []))[1].append((p, dst))
         else:
@@ -198,31 +266,16 @@ def gather_bucket(params: dict[str, torch.Tensor], bucket: Bucket, *,
             del whole
     for mesh, items in dim0.values():
         _gather_dim0(items, mesh, bucket.specs[0].dtype, device)
+    if buf is not None:  # the bytes between and after the tensors are zero
+        buf[bucket.nbytes:].zero_()
+        zero_padding(buf, bucket.offsets, [s.nbytes for s in bucket.specs])
     return buf
-
-
-def iter_buckets(params: dict[str, torch.Tensor], buckets: list[Bucket], *,
-                 gather_device: torch.device, out_device: torch.device, keep: bool,
-                 flat: bool) -> Iterator[tuple[Bucket, Any]]:
-    """Gather bucket after bucket on every rank. Yields (bucket, data) where data is, on the rank
-    that keeps, a flat uint8 buffer (``flat``) or a list of tensors; None elsewhere."""
-    for bucket in buckets:
-        buf = gather_bucket(params, bucket, device=gather_device, keep=keep)
-        if buf is None:
-            yield bucket, None
-        elif flat:
-            yield bucket, buf.to(out_device)
-        else:
-            yield bucket, [buf[o:o + s.nbytes].view(s.dtype).view(s.shape).to(out_device,
-                                                                              copy=True)
-                           for s, o in zip(bucket.specs, bucket.offsets)]
-        del buf
 
 
 class Sender(Protocol):
     """What a transport does on rank 0: start a bucket (returns a handle), finish it (raises
     WeightSyncError). Only rank 0 calls these. With ``start_before_finish`` the driver starts
-    bucket k before finishing bucket k-1 (two in flight); else after."""
+    buckets before finishing the ones before them (see drive); else after."""
 
     def start(self, bucket: Bucket, data: Any) -> Any: ...
 
@@ -243,34 +296,49 @@ def guard(fn: Callable[[], Any], what: str) -> tuple[Any, WeightSyncError | None
 def drive(state: EngineState, params: dict[str, torch.Tensor], buckets: list[Bucket],
           sender: Sender | None, *, gather_device: torch.device, out_device: torch.device,
           flat: bool) -> None:
-    """Gather every bucket on every rank, overlapped with rank 0 sending the previous one.
+    """Gather every bucket on every rank, overlapped with rank 0 sending the ones before.
 
-    After each bucket every rank takes part in one verdict (rank 0's error or None); a failure
-    raises WeightSyncError on every rank at the same bucket."""
+    With ``sender.start_before_finish``, buckets go out without waiting for the ones before
+    them, as long as the buckets in flight plus the one being gathered hold at most twice the
+    largest bucket (the memory bound: two full buckets; small buckets at the ends of a ramped
+    plan travel several at a time). Otherwise bucket k goes out once bucket k-1 is finished
+    (gathered while k-1 is on the wire). After each bucket every rank takes part in one verdict
+    (rank 0's error or None); a failure raises WeightSyncError on every rank at the same
+    bucket."""
     pusher = is_pusher()
     early = bool(getattr(sender, "start_before_finish", False))
-    pending = None
-    for bucket, data in iter_buckets(params, buckets, gather_device=gather_device,
-                                     out_device=out_device, keep=pusher, flat=flat):
+    budget = 2 * max((b.nbytes for b in buckets), default=0)
+    pending: list[tuple[Any, Bucket]] = []
+    in_flight = 0
+
+    def finish_oldest() -> WeightSyncError | None:
+        nonlocal in_flight
+        handle, done = pending.pop(0)
+        in_flight -= done.nbytes
+        return guard(lambda: sender.finish(handle), f"bucket {done.index}")[1]
+
+    for bucket in buckets:
         error = None
-        if pusher:
-            handle = None
-            if early:  # this bucket goes out before the previous one is confirmed
-                handle, error = guard(lambda: sender.start(bucket, data),
-                                      f"bucket {bucket.index}")
-            if pending is not None:
-                _, late = guard(lambda: sender.finish(pending), f"bucket {bucket.index - 1}")
-                error = error or late
-                pending = None
-            if not early and error is None:
-                handle, error = guard(lambda: sender.start(bucket, data),
-                                      f"bucket {bucket.index}")
-            pending = handle if error is None else None
-        del data
+        while pusher and early and pending and error is None \
+                and in_flight + bucket.nbytes > budget:
+            error = finish_oldest()
+        buf = gather_bucket(params, bucket, device=gather_device, keep=pusher)
+        while pusher and not early and pending and error is None:
+            error = finish_oldest()
+        if pusher and error is None:
+            data = buf.to(out_device) if flat else [
+                buf[o:o + s.nbytes].view(s.dtype).view(s.shape).to(out_device, copy=True)
+                for s, o in zip(bucket.specs, bucket.offsets)]
+            handle, error = guard(lambda: sender.start(bucket, data), f"bucket {bucket.index}")
+            if error is None:
+                pending.append((handle, bucket))
+                in_flight += bucket.nbytes
+            del data
+        del buf
         agree(state.mesh, error)
     error = None
-    if pusher and pending is not None:
-        _, error = guard(lambda: sender.finish(pending), f"bucket {len(buckets) - 1}")
+    while pusher and pending and error is None:
+        error = finish_oldest()
     agree(state.mesh, error)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import select
 import socket
 import time
 import urllib.parse
@@ -50,6 +51,7 @@ from fsdpfn.state import EngineState, agree
 from fsdpfn.weights.disk import rotate, write_version
 from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets, share,
                                    weight_params)
+from fsdpfn.weights.channel import Channel
 from fsdpfn.weights.http import Call, call
 from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, broadcast, combine_checksums,
                                      dtype_from_name, flat_checksums, make_group, wait_work)
@@ -82,7 +84,8 @@ class RolloutTarget:
                  master_address: str | None = None, master_port: int | None = None,
                  group_name: str | None = None,
                  on_bucket: Callable[[int, int], None] | None = None, pipeline: bool = True,
-                 one_request: bool = True):
+                 one_request: bool = True, channel: bool = True,
+                 edge_bucket_bytes: int | None = 32 << 20):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                for u in urls):
@@ -99,6 +102,10 @@ class RolloutTarget:
                 raise ConfigError(f"{key}: must be a number > 0, got {value!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes: must be an int >= 1, got {bucket_bytes!r}")
+        if edge_bucket_bytes is not None and (not isinstance(edge_bucket_bytes, int)
+                                              or edge_bucket_bytes < 1):
+            raise ConfigError(f"edge_bucket_bytes: must be None or an int >= 1, got "
+                              f"{edge_bucket_bytes!r}")
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last: must be an int >= 1, got {keep_last!r}")
         if dtype is not None:
@@ -124,14 +131,22 @@ class RolloutTarget:
         self.on_bucket = on_bucket
         self.pipeline = bool(pipeline)
         self.one_request = bool(one_request)
+        self.channel = bool(channel)
+        self.edge_bucket_bytes = edge_bucket_bytes
         # rank 0 only: the live group (store, pg, backend) and groups left after a failure
         # (kept referenced: destroying a group with an operation in flight blocks until its
         # timeout)
         self._group: tuple[Any, Any, str] | None = None
         self._retired: list = []
         self.last_timings: dict[str, float] = {}  # seconds per phase of the last push
+        self.timeline = False  # benchmarks: record per-bucket GPU times into last_timeline
+        self.last_timeline: dict | None = None
         # rank 0 only: url -> (server_id, trainer layout hash, /get_model_info answer)
         self._infos: dict[str, tuple[Any, int, dict]] = {}
+        # rank 0 only: url -> its update channel (bound to the live group)
+        self._channels: dict[str, Channel] = {}
+        self._prepared: tuple[str, str] | None = None  # (dtype, backend) of the last push
+        self._plans: dict[tuple, tuple[int, list[Bucket]]] = {}  # (layout, dtype) -> (id, plan)
 
     def __repr__(self) -> str:
         return f"RolloutTarget({self.urls!r}, transport={self.transport!r})"
@@ -142,27 +157,39 @@ class RolloutTarget:
         """Collective over the trainer ranks; returns (n_tensors, n_bytes). Afterwards
         ``last_timings`` holds this rank's seconds per phase: prepare (server checks, group),
         transfer (gather + send + the servers' commit), conclude (checksums, continue)."""
-        clock = time.perf_counter()
+        clock = self._clock = time.perf_counter()
         self.last_timings = {}
         params = weight_params(state)
-        plan, error = (guard(lambda: self._prepare(state, params), "preparing the push")
+        layout = tuple((name, tuple(p.shape)) for name, p in params)
+        plan, error = (guard(lambda: self._prepare(state, params, layout), "preparing the push")
                        if is_pusher() else (None, None))
         dtype_str, backend = share(plan, error)
         dtype = dtype_from_name(dtype_str)
         self.last_timings["prepare"] = time.perf_counter() - clock
         if self.transport == "disk":
             return self._push_disk(state, dtype)
-        return self._push_broadcast(state, params, dtype, backend)
+        return self._push_broadcast(state, params, layout, dtype, backend)
 
-    def _push_broadcast(self, state: EngineState, params, dtype: torch.dtype,
+    def _plan(self, params, layout: tuple, dtype: torch.dtype) -> tuple[int, list[Bucket]]:
+        """(layout id, buckets), planned once per trainer layout and dtype."""
+        key = (layout, dtype)
+        if key not in self._plans:
+            self._plans[key] = (len(self._plans), plan_buckets(
+                params, dtype, self.bucket_bytes, self.edge_bucket_bytes))
+        return self._plans[key]
+
+    def _push_broadcast(self, state: EngineState, params, layout: tuple, dtype: torch.dtype,
                         backend: str) -> tuple[int, int]:
-        buckets = plan_buckets(params, dtype, self.bucket_bytes)
+        layout_id, buckets = self._plan(params, layout, dtype)
         sender = None
         if is_pusher():
-            one_request = self.one_request and self.pipeline and all(
-                self._infos[url][2].get("multi_bucket") for url in self.urls)
-            sender = (_OneRequestSender if one_request else _BroadcastSender)(
-                self, buckets, state.version)
+            if self._channels and all(url in self._channels for url in self.urls):
+                sender = _ChannelSender(self, buckets, state.version, layout_id)
+            elif self.one_request and self.pipeline and all(
+                    self._infos[url][2].get("multi_bucket") for url in self.urls):
+                sender = _OneRequestSender(self, buckets, state.version)
+            else:
+                sender = _BroadcastSender(self, buckets, state.version)
         out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
         try:
             clock = time.perf_counter()
@@ -196,13 +223,25 @@ class RolloutTarget:
 
     # ------------------------------------------------------------ rank 0: preparation
 
-    def _prepare(self, state: EngineState, params) -> tuple[str, str]:
+    def _prepare(self, state: EngineState, params, layout: tuple) -> tuple[str, str]:
         """(push dtype name, backend); checks names/shapes; (re)builds the group if needed.
 
         The servers' model info (and the precheck against it) is cached per server_id and
-        trainer layout: a push normally costs one small /health request per server, and the
-        full /get_model_info only after a server restart, a new group or another model."""
-        layout = hash(tuple((name, tuple(p.shape)) for name, p in params))
+        trainer layout. With an update channel to every server (fsdpfn.rollout), a push whose
+        layout was seen before costs no request at all: each channel is open, which shows the
+        server is up and still holds the group (it closes the channel when it drops the group,
+        and the OS closes it when the server exits). Otherwise one small /health request per
+        server, and the full /get_model_info only after a server restart, a new group or
+        another model."""
+        layout = hash(layout)
+        if self._prepared is not None and self._group is not None and \
+                self.transport == "broadcast" and self._channels and \
+                all(url in self._channels and not self._channels[url].stale()
+                    and self._infos.get(url, (None, None))[1] == layout for url in self.urls):
+            return self._prepared
+        self._prepared = None
+        for url in [u for u, ch in self._channels.items() if ch.stale()]:
+            self._channels.pop(url).close()
         health = {url: call(url, "/health", timeout=self.timeout_s) for url in self.urls}
         for url, h in health.items():
             cached = self._infos.get(url)
@@ -234,7 +273,26 @@ class RolloutTarget:
                 self.group_name not in h.get("groups", ()) for h in health.values())
             if stale:
                 self._init_group(backend, state.mesh.device)
+            self._open_channels(infos)
+            if all(url in self._channels for url in self.urls):
+                self._prepared = (dtype, backend)
         return dtype, backend
+
+    def _open_channels(self, infos: dict[str, dict]) -> None:
+        """An update channel to every server that offers one (bound to the live group). A server
+        whose channel cannot be reached is pushed to over HTTP (all servers then are)."""
+        if not self.channel:
+            return
+        for url, info in infos.items():
+            port = info.get("update_channel")
+            if url in self._channels or not port:
+                continue
+            host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
+            try:
+                self._channels[url] = Channel(url, host, int(port), self.group_name,
+                                              min(self.timeout_s, 10.0))
+            except WeightSyncError:
+                pass
 
     def _address(self) -> str:
         if self.master_address:
@@ -277,6 +335,10 @@ class RolloutTarget:
 
     def retire(self) -> None:
         """Rank 0: stop using the current group (the next push builds a new one)."""
+        self._prepared = None
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
         if self._group is not None:
             group, self._group = self._group, None
             if group[2] == "nccl":
@@ -540,6 +602,131 @@ class _OneRequestSender:
 
     def abandon(self) -> None:
         self.target.retire()
+
+
+class _ChannelSender:
+    """Rank 0, over update channels (fsdpfn.rollout): the update message goes out before the
+    first bucket is gathered (its layout only the first time); each server checks it and answers
+    "accepted" before any byte is broadcast, so a refused update never leaves a server waiting
+    for bytes; the broadcasts follow without waiting for each other (drive's memory bound);
+    each server answers once more after its commit. While waiting on the wire the channels are
+    watched: a server's failure or exit is seen at once, not at the timeout."""
+
+    start_before_finish = True
+
+    def __init__(self, target: RolloutTarget, buckets: list[Bucket], version: int,
+                 layout_id: int):
+        self.target = target
+        self.buckets = buckets
+        self.version = version
+        self.checksums: list[tuple[list[str], torch.Tensor]] = []
+        self.channels = {url: target._channels[url] for url in target.urls}  # noqa: SLF001
+        self.answers: dict[str, dict] = {}
+        self.accepted = False
+        # with target.timeline (benchmarks, CUDA): GPU and host times of each bucket, both ends
+        self.timeline = {"t0_ms": (time.perf_counter() - target._clock) * 1e3,  # noqa: SLF001
+                         "events": [_timing_event()], "launch_ms": []} \
+            if target.timeline and torch.cuda.is_available() else None
+        message = {"op": "update", "layout_id": layout_id, "group_name": target.group_name,
+                   "weight_version": version, "update_id": uuid.uuid4().hex,
+                   "pause_generation": target.pause_generation,
+                   "flush_cache": target.flush_cache, "load_format": "flattened_bucket",
+                   "timeline": self.timeline is not None}
+        metadata = None
+        for ch in self.channels.values():
+            if layout_id not in ch.layouts:
+                metadata = metadata or [b.metadata for b in buckets]
+                ch.send({**message, "buckets": metadata})
+                ch.layouts.add(layout_id)
+            else:
+                ch.send(message)
+
+    def _where(self, bucket: Bucket) -> str:
+        return (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
+                f"from {bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s="
+                f"{self.target.timeout_s:g}]")
+
+    def start(self, bucket: Bucket, flat: torch.Tensor):
+        t = self.target
+        if not self.accepted:
+            deadline = time.monotonic() + t.timeout_s
+            for url, ch in self.channels.items():
+                answer = ch.read(deadline, "the update")
+                if not answer.get("accepted"):
+                    raise WeightSyncError(f"server {url}: the update channel must answer "
+                                          f"'accepted' first, got {str(answer)[:200]}")
+            self.accepted = True
+            t.last_timings["accepted"] = time.perf_counter() - t._clock  # noqa: SLF001
+        _, pg, _ = t._group  # noqa: SLF001
+        if self.timeline is not None:
+            self.timeline["launch_ms"].append((time.perf_counter() - t._clock) * 1e3)  # noqa: SLF001
+            gathered = _timing_event()
+        work = broadcast(pg, flat[:bucket.nbytes])  # before the checksum: not held up by it
+        if self.timeline is not None:
+            side = self.timeline.setdefault("stream", torch.cuda.Stream())
+            with torch.cuda.stream(side):
+                work.wait()
+                self.timeline["events"].append((gathered, _timing_event(side)))
+        _queue_checksum(self.checksums, bucket, flat)
+        if bucket.index == 0:
+            t.last_timings["first_send"] = time.perf_counter() - t._clock  # noqa: SLF001
+        if t.on_bucket is not None:
+            t.on_bucket(bucket.index, len(self.buckets))
+        return bucket, work, time.monotonic() + t.timeout_s
+
+    def _watch(self, wait_s: float) -> None:
+        """Read whatever a server sent meanwhile (its final answer, or its failure: raised)."""
+        waiting = [ch.sock for url, ch in self.channels.items() if url not in self.answers]
+        if not waiting:
+            time.sleep(wait_s)
+            return
+        ready, _, _ = select.select(waiting, [], [], wait_s)
+        for url, ch in self.channels.items():
+            if ch.sock in ready:
+                self.answers[url] = ch.read(time.monotonic() + self.target.timeout_s,
+                                            "the update")
+
+    def finish(self, handle) -> None:
+        bucket, work, deadline = handle
+        try:
+            while not work.is_completed():
+                self._watch(0.0002)
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"broadcast to {self.target.urls} did not complete "
+                                          f"within timeout_s {self._where(bucket)}")
+            work.wait()
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{exc} {self._where(bucket)}") from None
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError
+            raise WeightSyncError(f"broadcast to {self.target.urls} failed: "
+                                  f"{type(exc).__name__}: {exc} {self._where(bucket)}") from None
+
+    def conclude(self) -> None:
+        checksum = _sent_checksum(self.checksums)
+        deadline = time.monotonic() + self.target.timeout_s
+        for url, ch in self.channels.items():
+            if url not in self.answers:
+                self.answers[url] = ch.read(deadline, "the update")
+        _add_server_timings(self.target.last_timings, self.answers)
+        for url, answer in self.answers.items():
+            _check_commit(url, answer, self.version, checksum)
+        if self.timeline is not None:
+            t0, *pairs = self.timeline["events"]
+            self.target.last_timeline = {
+                "t0_ms": self.timeline["t0_ms"], "launch_ms": self.timeline["launch_ms"],
+                "gathered_ms": [t0.elapsed_time(g) for g, _ in pairs],
+                "sent_ms": [t0.elapsed_time(e) for _, e in pairs],
+                "bucket_bytes": [b.nbytes for b in self.buckets],
+                "servers": {url: a.get("timeline") for url, a in self.answers.items()}}
+
+    def abandon(self) -> None:
+        self.target.retire()
+
+
+def _timing_event(stream=None):
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 def _queue_checksum(checksums: list, bucket: Bucket, flat: torch.Tensor) -> None:

@@ -208,6 +208,8 @@ def push_mismatched(url, root):
         # the server's own validation (the trainer does not look first)
         "names-broadcast": _catch(lambda: push_weights(names, RolloutTarget(
             url, precheck=False, timeout_s=30))),
+        "names-broadcast-http": _catch(lambda: push_weights(names, RolloutTarget(
+            url, precheck=False, timeout_s=30, channel=False))),
         "shapes-broadcast": _catch(lambda: push_weights(shapes, RolloutTarget(
             url, precheck=False, timeout_s=30))),
         "shapes-disk": _catch(lambda: push_weights(shapes, RolloutTarget(
@@ -232,7 +234,12 @@ def test_mismatched_push_fails_on_every_rank_and_server_keeps_serving(spmd2, ser
                 assert message.startswith("(raised on rank 0)"), message
         assert "tensor 'model.layers.2." in errors["names-broadcast"]
         assert "name must be a parameter of the served model" in errors["names-broadcast"]
-        assert "HTTP 400" in errors["names-broadcast"]
+        # over the update channel the server refuses before any byte is sent; over HTTP it
+        # takes every byte (keeping the group in step), then refuses
+        assert "answered 400: update refused before any byte was sent" in \
+            errors["names-broadcast"]
+        assert "HTTP 400" in errors["names-broadcast-http"]
+        assert "update rejected" in errors["names-broadcast-http"]
         assert ("tensor 'model.layers.0.mlp.gate_proj.weight': shape must equal the served "
                 "[128, 64], got [96, 64]") in errors["shapes-broadcast"]
         assert "shape must equal the served [128, 64], got [96, 64]" in errors["shapes-disk"]

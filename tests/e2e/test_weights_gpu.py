@@ -62,12 +62,34 @@ def trainer(model_dir: str, url: str, dtype: str, n_pushes: int, disk_root: str,
         {"input_ids": probe, "attention_mask": torch.ones_like(probe, dtype=torch.bool)},
         batch_size=[2]).to("cuda"))["logp"].cpu()
     diff = float((torch.tensor(served["token_logprobs"]) - ours)[:, 1:].abs().max())
+    # a NaN in the pushed weights: refused after every byte arrived (the server had already
+    # pointed its parameters at them, then points them back); the served model is unchanged
+    param = dict(state.model.named_parameters())["lm.model.norm.weight"]
+    # this rank's shard (all of it at dp=1), through .data: its own version counter, so the
+    # state is not marked as changed behind fsdpfn's back
+    param = getattr(param, "_local_tensor", param).data
+    kept = param.clone()
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    try:
+        push_weights(state, target)
+        nan_error = None
+    except ff.WeightSyncError as exc:
+        nan_error = str(exc)
+    with torch.no_grad():
+        param.copy_(kept)
+    again = call(url, "/forward", {"input_ids": probe.tolist()}, timeout=60)
+    unchanged = again["token_logprobs"] == served["token_logprobs"] and \
+        again["weight_version"] == served["weight_version"]
+    push_weights(state, target)  # and the next push goes through
     disk = push_weights(state, RolloutTarget(url, transport="disk", disk_root=disk_root,
                                              timeout_s=300))
     version = call(url, "/weight_version", timeout=10)["weight_version"]
     result = {"broadcast_seconds": seconds, "n_bytes": receipt.n_bytes,
               "n_tensors": receipt.n_tensors, "version": state.version,
-              "served_version": version, "logp_max_diff": diff, "disk_seconds": disk.seconds}
+              "served_version": version, "logp_max_diff": diff, "disk_seconds": disk.seconds,
+              "nan_error": nan_error, "unchanged_after_nan": unchanged,
+              "timings": target.last_timings}
     Path(out).write_text(json.dumps(result))
 
 
@@ -92,6 +114,8 @@ def _run(tmp_path, config, dtype: str, n_pushes: int) -> dict:
     result = json.loads(out.read_text())
     print(json.dumps(result))
     assert result["served_version"] == result["version"] == 1
+    assert result["nan_error"] is not None and "must be finite" in result["nan_error"]
+    assert result["unchanged_after_nan"]
     return result
 
 

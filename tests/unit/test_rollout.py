@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -326,8 +327,11 @@ def test_checksum_is_exact_and_detects_a_flipped_bit():
     flipped = t.clone()
     flipped.view(torch.int32)[17] ^= 1
     assert tensor_checksum(flipped) != tensor_checksum(t)
-    odd = torch.arange(3, dtype=torch.bfloat16)  # 6 bytes: summed as bytes
-    assert tensor_checksum(odd) == int(odd.view(torch.uint8).sum())
+    # the definition, computed independently: the bytes as little-endian int16 words, summed
+    words = np.frombuffer(t.numpy().tobytes(), dtype="<i2").astype(np.int64)
+    assert tensor_checksum(t) == int(words.sum())
+    odd = torch.arange(3, dtype=torch.uint8)  # 3 bytes: summed as bytes
+    assert tensor_checksum(odd) == 3
     a, b = {"x": 1, "y": 2}, {"y": 2, "x": 1}
     assert combine_checksums(a) == combine_checksums(b) != combine_checksums({"x": 2, "y": 1})
 
@@ -362,6 +366,13 @@ def test_whole_update_in_one_request_is_checked_and_atomic(engine):
     assert "g-one" in engine.group_names  # the group stayed in step: usable again
     r = pair.send_update([new], weight_version=9, update_id="one-4")
     assert r["ok"]["weight_version"] == 9
+    # finite values whose float32 sum overflows: the fast bucket check flags them, the closer
+    # look clears them, and the update lands
+    huge = {n: t.clone() for n, t in new.items()}
+    huge[names[0]].view(-1)[:4] = 3.0e38
+    r = pair.send_update([huge], weight_version=10, update_id="one-5")
+    assert r["ok"]["weight_version"] == 10
+    assert torch.equal(engine.params[names[0]], huge[names[0]])
 
 
 def test_generate_client_validates_and_reports_the_server():

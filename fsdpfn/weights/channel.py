@@ -1,0 +1,126 @@
+"""The update channel: a persistent TCP connection from trainer rank 0 to an fsdpfn.rollout server,
+bound to one weights-update group, that carries a push's control messages instead of HTTP.
+
+Why: a push of a few GB over NVLink takes milliseconds, and an HTTP request through the server's
+web stack costs about as much as a millisecond or more each way. Over the channel a push costs
+no HTTP request at all: one message out (the update, its bucket layout sent once per
+connection and then named by id), an acceptance back before any byte is broadcast, and the
+answer after the commit.
+
+Frames: 4-byte big-endian length, then a UTF-8 JSON object. Trainer -> server:
+
+    {"op": "attach", "group_name": g}                       -> {"success", "server_id"}
+    {"op": "update", "layout_id": k, "buckets": [...]?,     -> {"accepted": true} or a failure,
+     "group_name", "weight_version", "update_id",              then (when accepted) the answer
+     "pause_generation", "flush_cache", "load_format"}         of /update_weights_from_distributed
+
+``buckets`` ({names, dtypes, shapes} per bucket) comes with the first update that uses a layout id
+on a connection; later updates name it only. A failure is {"success": false, "message", "status"}.
+The server closes the connection when it drops the group (so the trainer knows, for free, that it
+must set up again), and a dead server closes it too (the OS does): the trainer notices without
+waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import struct
+import time
+
+from fsdpfn.errors import WeightSyncError
+
+__all__ = ["send_frame", "recv_frame", "Channel", "MAX_FRAME"]
+
+MAX_FRAME = 64 << 20  # a layout of many thousand tensors is well under this
+_HEADER = struct.Struct(">I")
+
+
+def send_frame(sock: socket.socket, message: dict) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(n - got)
+        if not chunk:
+            raise ConnectionError("the connection was closed by the other end")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket) -> dict:
+    """One message (blocking, within the socket's timeout); ConnectionError on EOF, ValueError on
+    a malformed frame."""
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if length > MAX_FRAME:
+        raise ValueError(f"frame length must be <= {MAX_FRAME} bytes, got {length}")
+    message = json.loads(_recv_exact(sock, length))
+    if not isinstance(message, dict):
+        raise ValueError(f"a frame must hold a JSON object, got {type(message).__name__}")
+    return message
+
+
+class Channel:
+    """Trainer rank 0's end of one server's update channel (see the module doc)."""
+
+    def __init__(self, url: str, host: str, port: int, group_name: str, timeout_s: float):
+        self.url = url
+        self.where = f"server {url}: update channel {host}:{port}"
+        self.layouts: set[int] = set()  # layout ids this server has been sent
+        try:
+            self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        except OSError as exc:
+            raise WeightSyncError(f"{self.where}: connecting failed: {type(exc).__name__}: "
+                                  f"{exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.send({"op": "attach", "group_name": group_name})
+        answer = self.read(time.monotonic() + timeout_s, "attach")
+        self.server_id = answer.get("server_id")
+
+    def send(self, message: dict) -> None:
+        try:
+            send_frame(self.sock, message)
+        except OSError as exc:
+            raise WeightSyncError(f"{self.where}: sending failed: {type(exc).__name__}: {exc} "
+                                  f"(is the server running?)") from None
+
+    def readable(self, wait_s: float = 0.0) -> bool:
+        """Whether a message (or the end of the connection) is waiting."""
+        ready, _, _ = select.select([self.sock], [], [], max(0.0, wait_s))
+        return bool(ready)
+
+    def stale(self) -> bool:
+        """True when the connection has something unasked for waiting: the server closed it (it
+        dropped the group, or exited) or broke the protocol. Costs one select."""
+        try:
+            return self.readable(0.0)
+        except (OSError, ValueError):
+            return True
+
+    def read(self, deadline: float, what: str) -> dict:
+        """The next message by ``deadline``; WeightSyncError on a timeout, a closed connection, or
+        an answer with success false (its message and status)."""
+        try:
+            if not self.readable(deadline - time.monotonic()):
+                raise WeightSyncError(f"{self.where}: no answer to {what} before the deadline "
+                                      f"(timeout_s)")
+            self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            answer = recv_frame(self.sock)
+        except (OSError, ValueError) as exc:
+            raise WeightSyncError(f"{self.where}: {what} failed: {type(exc).__name__}: {exc} "
+                                  f"(did the server exit?)") from None
+        if answer.get("success") is False:
+            raise WeightSyncError(f"server {self.url}: {what} over the update channel answered "
+                                  f"{answer.get('status', 500)}: {answer.get('message')}")
+        return answer
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
