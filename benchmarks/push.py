@@ -195,7 +195,7 @@ def main():
             variants = variants[:3]
         for name, kw in variants:
             target = RolloutTarget(server.url, timeout_s=120, **kw)
-            target.timeline = device == "cuda" and not kw  # the defaults: per-bucket GPU times
+            target.timeline = device == "cuda" and kw.get("channel", True)  # per-bucket times
             first = push_weights(state, target).seconds
             runs = []
             for _ in range(args.pushes):

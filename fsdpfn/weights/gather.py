@@ -249,6 +249,7 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
     typed = buf.view(bucket.specs[0].dtype) if keep else None  # one dtype per bucket
     size = bucket.specs[0].dtype.itemsize
     dim0: dict[int, tuple[Any, list]] = {}
+    whole_dst, whole_src = [], []  # copied by one multi-tensor call (casting) per bucket
     for spec, offset in zip(bucket.specs, bucket.offsets):
         p = params[spec.name]
         dst = typed.as_strided(spec.shape, _strides(spec.shape), offset // size) \
@@ -256,7 +257,8 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
         kind, mesh = _layout_kind(p)
         if kind == "whole":
             if dst is not None:
-                dst.copy_(p._local_tensor if isinstance(p, DTensor) else p)  # noqa: SLF001
+                whole_dst.append(dst)
+                whole_src.append(p._local_tensor if isinstance(p, DTensor) else p)  # noqa: SLF001
         elif kind == "dim0":
             dim0.setdefault(id(mesh), (mesh, []))[1].append((p, dst))
         else:
@@ -264,6 +266,12 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
             if dst is not None:
                 dst.copy_(whole)
             del whole
+    if whole_dst:
+        if all(t.is_contiguous() for t in whole_src):
+            torch._foreach_copy_(whole_dst, whole_src)  # a few kernels, not one per tensor
+        else:
+            for dst, src in zip(whole_dst, whole_src):
+                dst.copy_(src)
     for mesh, items in dim0.values():
         _gather_dim0(items, mesh, bucket.specs[0].dtype, device)
     if buf is not None:  # the bytes between and after the tensors are zero

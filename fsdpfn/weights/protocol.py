@@ -9,10 +9,11 @@ Flat bucket ("load_format": "flattened_bucket"): one uint8 buffer per bucket; te
 viewed as its dtype and every 4 KiB row of the buffer belongs to one tensor (the bucket checksum
 sums rows). Both ends compute the layout from the advertised (names, dtypes, shapes) alone.
 
-Weights checksum: for each tensor, the sum of its bytes read as int16 words (uint8 when the byte
-count is odd), in int64; combined over names in sorted order as
-sum((i + 1) * c_i) mod 2**61. Integer sums are associative, so the value is bit-exact whatever the
-device or reduction order: the trainer computes it from what it sends, the receiver from the
+Weights checksum: for each tensor, the sum of its bytes read as int32 words (uint8 when the byte
+count is not a multiple of 4), modulo 2**32; combined over names in sorted order as
+sum((i + 1) * c_i) mod 2**61. Integer sums modulo 2**32 are associative (int32 additions wrap),
+so the value is bit-exact whatever the device or reduction order, and a flipped bit always
+changes it: the trainer computes it from what it sends, the receiver from the
 parameters it serves after the swap, and equality shows the server really holds the pushed weights.
 """
 
@@ -69,10 +70,13 @@ def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tup
     return offsets, cursor
 
 
+_WRAP = 1 << 32
+
+
 def _word_sum(t: torch.Tensor) -> torch.Tensor:
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
-    words = raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
-    return words.sum(dtype=torch.int64)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    return words.sum(dtype=torch.int64) % _WRAP
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
@@ -102,22 +106,22 @@ def flat_checksums(buf: torch.Tensor, offsets: Sequence[int],
     """tensor_checksum of every tensor of a flat bucket at once: an int64 tensor on buf's device
     (no synchronisation). ``buf`` is the padded uint8 buffer (``padded_size`` bytes) whose padding
     bytes are zero. Offsets are ALIGN-aligned, so every ALIGN-byte row belongs to one tensor: the
-    checksum of tensor i is the sum of its rows' int16 words (row sums, one prefix sum, one
-    difference). A row's sum fits int32 exactly (2048 words of |w| <= 2**15), so the pass over
-    the bytes accumulates in int32, at the memory's speed (int64 accumulation runs at a fifth of
-    it on a GPU); only the row sums are widened. Tensors of an odd byte count are summed as
-    uint8 (as tensor_checksum does), one by one."""
+    checksum of tensor i is the sum of its rows' int32 words modulo 2**32 (row sums, one prefix
+    sum, one difference). The pass over the bytes accumulates in int32, wrapping, which is exact
+    modulo 2**32 and runs at the memory's speed (int64 accumulation runs at a fifth of it on a
+    GPU); only the row sums are widened. Tensors whose size is not a multiple of 4 bytes are
+    summed as uint8 (as tensor_checksum does), one by one."""
     if buf.numel() % ALIGN:
         raise ValueError(f"buf: must hold a multiple of {ALIGN} bytes, got {buf.numel()}")
-    rows = buf.view(torch.int16).view(-1, ALIGN // 2).sum(1, dtype=torch.int32)
+    rows = buf.view(torch.int32).view(-1, ALIGN // 4).sum(1, dtype=torch.int32)
     prefix = torch.cat([rows.new_zeros(1, dtype=torch.int64), rows.cumsum(0, dtype=torch.int64)])
     del rows
     starts, ends = _row_bounds(tuple(offsets), tuple(sizes), str(buf.device))
     sums = prefix[ends] - prefix[starts]
     for i, (o, n) in enumerate(zip(offsets, sizes)):
-        if n % 2:
+        if n % 4:
             sums[i] = buf[o:o + n].sum(dtype=torch.int64)
-    return sums
+    return sums % _WRAP
 
 
 @functools.lru_cache(maxsize=256)

@@ -327,9 +327,12 @@ def test_checksum_is_exact_and_detects_a_flipped_bit():
     flipped = t.clone()
     flipped.view(torch.int32)[17] ^= 1
     assert tensor_checksum(flipped) != tensor_checksum(t)
-    # the definition, computed independently: the bytes as little-endian int16 words, summed
-    words = np.frombuffer(t.numpy().tobytes(), dtype="<i2").astype(np.int64)
-    assert tensor_checksum(t) == int(words.sum())
+    # the definition, computed independently: the bytes as little-endian int32 words, summed
+    # modulo 2**32 (large words, so the int32 partial sums wrap)
+    big = torch.tensor([2**31 - 1, 2**31 - 5, -7, 2**30], dtype=torch.int32).view(torch.float32)
+    for x in (t, big):
+        words = np.frombuffer(x.numpy().tobytes(), dtype="<i4").astype(np.int64)
+        assert tensor_checksum(x) == int(words.sum()) % 2**32
     odd = torch.arange(3, dtype=torch.uint8)  # 3 bytes: summed as bytes
     assert tensor_checksum(odd) == 3
     a, b = {"x": 1, "y": 2}, {"y": 2, "x": 1}
