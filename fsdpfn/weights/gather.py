@@ -19,10 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdpfn.errors import WeightSyncError
-from fsdpfn.state import EngineState, agree
+from fsdpfn.state import EngineState, agree, param_index
 from fsdpfn.weights.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
 
-__all__ = ["TensorSpec", "Bucket", "weight_params", "plan_buckets", "gather_bucket",
+__all__ = ["TensorSpec", "Bucket", "weight_params", "weights_and_layout", "plan_buckets",
+           "gather_bucket",
            "is_pusher",
            "Sender", "drive", "guard", "share"]
 
@@ -44,6 +45,11 @@ class Bucket:
     specs: tuple[TensorSpec, ...]
     offsets: tuple[int, ...]  # byte offsets in the flat buffer (ALIGN-aligned)
     nbytes: int  # size of the flat buffer
+    sizes: tuple[int, ...] = attrs.field(default=None)  # bytes of each tensor
+
+    def __attrs_post_init__(self):
+        if self.sizes is None:
+            object.__setattr__(self, "sizes", tuple(s.nbytes for s in self.specs))
 
     @property
     def names(self) -> list[str]:
@@ -63,8 +69,19 @@ def is_pusher() -> bool:
 
 def weight_params(state: EngineState) -> list[tuple[str, torch.nn.Parameter]]:
     """(HF name, parameter) in registration order: the same on every rank. Tied parameters
-    appear once, under their first name (embed_tokens), as in the HF model's named_parameters."""
-    return [(name.removeprefix("lm."), p) for name, p in state.model.named_parameters()]
+    appear once, under their first name (embed_tokens), as in the HF model's named_parameters.
+    The list is shared between calls: do not change it."""
+    return weights_and_layout(state)[0]
+
+
+def weights_and_layout(state: EngineState):
+    """(weight_params(state), ((HF name, shape), ...)): the layout is what a receiver's view of
+    the pushed bytes depends on. Both are remembered with the model's ParamIndex."""
+    index = param_index(state.model)
+    if "weights" not in index.extra:
+        params = [(name.removeprefix("lm."), p) for name, p in index.named]
+        index.extra["weights"] = (params, tuple((n, tuple(p.shape)) for n, p in params))
+    return index.extra["weights"]
 
 
 def plan_buckets(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
@@ -276,7 +293,7 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
         _gather_dim0(items, mesh, bucket.specs[0].dtype, device)
     if buf is not None:  # the bytes between and after the tensors are zero
         buf[bucket.nbytes:].zero_()
-        zero_padding(buf, bucket.offsets, [s.nbytes for s in bucket.specs])
+        zero_padding(buf, bucket.offsets, bucket.sizes)
     return buf
 
 

@@ -50,7 +50,7 @@ from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.state import EngineState, agree
 from fsdpfn.weights.disk import rotate, write_version
 from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets, share,
-                                   weight_params)
+                                   weights_and_layout)
 from fsdpfn.weights.channel import Channel
 from fsdpfn.weights.http import Call, call
 from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, broadcast, combine_checksums,
@@ -159,8 +159,7 @@ class RolloutTarget:
         transfer (gather + send + the servers' commit), conclude (checksums, continue)."""
         clock = self._clock = time.perf_counter()
         self.last_timings = {}
-        params = weight_params(state)
-        layout = tuple((name, tuple(p.shape)) for name, p in params)
+        params, layout = weights_and_layout(state)
         plan, error = (guard(lambda: self._prepare(state, params, layout), "preparing the push")
                        if is_pusher() else (None, None))
         dtype_str, backend = share(plan, error)
@@ -206,7 +205,7 @@ class RolloutTarget:
             if sender is not None:
                 sender.abandon()
             raise
-        return sum(len(b.specs) for b in buckets), sum(s.nbytes for b in buckets for s in b.specs)
+        return sum(len(b.specs) for b in buckets), sum(sum(b.sizes) for b in buckets)
 
     def _push_disk(self, state: EngineState, dtype: torch.dtype) -> tuple[int, int]:
         final, n_tensors, n_bytes, checksum = write_version(
@@ -732,8 +731,7 @@ def _timing_event(stream=None):
 def _queue_checksum(checksums: list, bucket: Bucket, flat: torch.Tensor) -> None:
     """Queue the checksums of a bucket on the device, after its broadcast (they read the buffer
     while the wire does); read once, by _sent_checksum: no synchronisation per bucket."""
-    checksums.append((bucket.names, flat_checksums(flat, bucket.offsets,
-                                                   [s.nbytes for s in bucket.specs])))
+    checksums.append((bucket.names, flat_checksums(flat, bucket.offsets, bucket.sizes)))
 
 
 def _sent_checksum(checksums: list) -> int:
