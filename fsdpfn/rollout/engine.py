@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from fsdpfn.weights.protocol import (MANIFEST, broadcast, bucket_layout, combine_checksums,
+                                     combine_on_device,
                                      dtype_from_name, dtype_name, flat_checksums, make_group,
                                      padded_size, sha256_of, tensor_checksums, wait_work,
                                      word_sums, zero_padding)
@@ -738,7 +739,9 @@ class RolloutEngine:
                                   f"weights kept", 500) from None
             seconds["wait"] = time.perf_counter() - clock
             flags = torch.stack(staging.finite).to(torch.int64)
-            values = torch.cat([flags] + [v for _, v in staging.sums]).tolist()
+            names = [n for batch, _ in staging.sums for n in batch]
+            checksum = combine_on_device(torch.cat([v for _, v in staging.sums]), names)
+            values = torch.cat([flags, checksum.view(1)]).tolist()  # one read
             if not all(values[:len(flags)]):  # a bucket's sum is not finite: look closer
                 bad = [n for n, t in staging.tensors.items() if not bool(torch.isfinite(t).all())]
                 if bad:
@@ -751,8 +754,7 @@ class RolloutEngine:
             raise
         finally:
             self._model_lock.release()
-        names = [n for batch, _ in staging.sums for n in batch]
-        checksum = combine_checksums(dict(zip(names, values[len(flags):])))
+        checksum = values[-1]
         self._staging = None
         self.last_error = None
         seconds["commit"] = time.perf_counter() - clock

@@ -32,11 +32,12 @@ import torch
 
 __all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", "tensor_checksum",
            "tensor_checksums", "word_sums", "padded_size", "flat_checksums", "zero_padding",
-           "combine_checksums", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
-           "make_group", "broadcast", "wait_work", "DEFAULT_BUCKET_BYTES"]
+           "combine_checksums", "checksum_ranks", "combine_on_device", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
+           "make_group", "broadcast", "wait_work", "DEFAULT_BUCKET_BYTES", "DEFAULT_EDGE_BYTES"]
 
 ALIGN = 4096  # a row of the bucket checksum: long rows make its row sums bandwidth-bound
 DEFAULT_BUCKET_BYTES = 1 << 30
+DEFAULT_EDGE_BYTES = 256 << 20  # the first and last buckets of a push (see plan_buckets)
 MANIFEST = "fsdpfn_manifest.json"
 _MOD = (1 << 61) - 1
 
@@ -155,6 +156,22 @@ def zero_padding(buf: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
 def combine_checksums(per_tensor: dict[str, int]) -> int:
     return sum((i + 1) * (c % _MOD) for i, (_, c) in
                enumerate(sorted(per_tensor.items()))) % _MOD
+
+
+@functools.lru_cache(maxsize=64)
+def checksum_ranks(names: tuple[str, ...], device: str) -> torch.Tensor:
+    """The 1-based position of each name in sorted order, an int64 tensor on ``device`` (cached
+    per list of names): the weights of combine_checksums."""
+    ranks = [0] * len(names)
+    for position, i in enumerate(sorted(range(len(names)), key=names.__getitem__)):
+        ranks[i] = position + 1
+    return torch.tensor(ranks, dtype=torch.int64).to(device)
+
+
+def combine_on_device(sums: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """combine_checksums({names[i]: sums[i]}) on sums' device, as a 0-d int64 tensor, not read:
+    per-tensor checksums are below 2**32, so sum(rank * c) stays far below 2**63."""
+    return (sums * checksum_ranks(tuple(names), str(sums.device))).sum() % _MOD
 
 
 def sha256_of(t: torch.Tensor) -> str:

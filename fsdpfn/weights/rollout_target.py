@@ -53,7 +53,8 @@ from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets
                                    weights_and_layout)
 from fsdpfn.weights.channel import Channel
 from fsdpfn.weights.http import Call, call
-from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, broadcast, combine_checksums,
+from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES, broadcast,
+                                     combine_on_device,
                                      dtype_from_name, flat_checksums, make_group, wait_work)
 
 __all__ = ["RolloutTarget"]
@@ -85,7 +86,7 @@ class RolloutTarget:
                  group_name: str | None = None,
                  on_bucket: Callable[[int, int], None] | None = None, pipeline: bool = True,
                  one_request: bool = True, channel: bool = True,
-                 edge_bucket_bytes: int | None = 32 << 20):
+                 edge_bucket_bytes: int | None = DEFAULT_EDGE_BYTES):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                for u in urls):
@@ -662,7 +663,9 @@ class _ChannelSender:
             gathered = _timing_event()
         work = broadcast(pg, flat[:bucket.nbytes])  # before the checksum: not held up by it
         if self.timeline is not None:
-            side = self.timeline.setdefault("stream", torch.cuda.Stream())
+            if "stream" not in self.timeline:
+                self.timeline["stream"] = torch.cuda.Stream()
+            side = self.timeline["stream"]
             with torch.cuda.stream(side):
                 work.wait()
                 self.timeline["events"].append((gathered, _timing_event(side)))
@@ -737,8 +740,7 @@ def _queue_checksum(checksums: list, bucket: Bucket, flat: torch.Tensor) -> None
 def _sent_checksum(checksums: list) -> int:
     """The weights checksum of everything sent (one synchronisation)."""
     names = [n for batch, _ in checksums for n in batch]
-    values = torch.cat([v for _, v in checksums]).tolist()
-    return combine_checksums(dict(zip(names, values)))
+    return int(combine_on_device(torch.cat([v for _, v in checksums]), names))
 
 
 def _add_server_timings(timings: dict[str, float], answers: dict[str, dict]) -> None:

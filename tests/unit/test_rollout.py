@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fsdpfn as ff
 from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
@@ -20,6 +22,7 @@ from fsdpfn.rollout.process import free_port
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 from fsdpfn.weights.gather import plan_buckets
 from fsdpfn.weights.protocol import (ALIGN, broadcast, bucket_layout, combine_checksums,
+                                     combine_on_device,
                                      make_group, sha256_of, tensor_checksum, write_manifest)
 
 # float32 everywhere. Generation runs the model step by step with a KV cache and left padding,
@@ -337,6 +340,9 @@ def test_checksum_is_exact_and_detects_a_flipped_bit():
     assert tensor_checksum(odd) == 3
     a, b = {"x": 1, "y": 2}, {"y": 2, "x": 1}
     assert combine_checksums(a) == combine_checksums(b) != combine_checksums({"x": 2, "y": 1})
+    many = {f"t{(i * 7919) % 1000}": (i * 2654435761) % 2**32 for i in range(1000)}
+    assert int(combine_on_device(torch.tensor(list(many.values())), list(many))) == \
+        combine_checksums(many)
 
 
 @pytest.mark.timeout(90)
@@ -390,3 +396,34 @@ def test_generate_client_validates_and_reports_the_server():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ff.WeightSyncError, match=f"server {url}: /generate failed"):
         generate(url, [[1, 2]], timeout=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=60), st.integers(1, 20000),
+       st.one_of(st.none(), st.integers(1, 8000)))
+def test_ramped_plans_hold_every_tensor_once_within_the_caps(numels, bucket_bytes, edge):
+    params = [(f"t{i}", torch.empty(n, device="meta")) for i, n in enumerate(numels)]
+    buckets = plan_buckets(params, torch.float32, bucket_bytes, edge)
+    assert sorted(n for b in buckets for n in b.names) == sorted(n for n, _ in params)
+    assert len({n for b in buckets for n in b.names}) == len(params)
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    for b in buckets:
+        assert b.names == sorted(b.names, key=lambda n: int(n[1:]))  # forward order inside
+        assert all(o % ALIGN == 0 for o in b.offsets)
+        assert b.nbytes == b.offsets[-1] + b.sizes[-1]
+        if len(b.specs) > 1:
+            assert b.nbytes <= bucket_bytes
+    if edge is None:  # greedy: the concatenation is the name order
+        assert [n for b in buckets for n in b.names] == [n for n, _ in params]
+
+
+def test_ramped_plan_starts_and_ends_small():
+    # an embedding larger than the edge, then 12 "layers" of three 400-byte tensors
+    params = [("embed", torch.empty(3000, device="meta"))] + [
+        (f"l{i}.{k}", torch.empty(100, device="meta")) for i in range(12) for k in "abc"]
+    buckets = plan_buckets(params, torch.float32, bucket_bytes=8 * ALIGN, edge_bytes=2 * ALIGN)
+    sizes = [len(b.specs) for b in buckets]
+    assert buckets[0].names == ["l0.a", "l0.b"]  # the embedding waits for a bucket it fits
+    assert buckets[-1].names == ["l11.b", "l11.c"] and sizes[-1] == 2
+    assert "embed" in buckets[1].names or "embed" in buckets[2].names
+    assert max(b.nbytes for b in buckets[1:-1] if len(b.specs) > 1) <= 8 * ALIGN
