@@ -14,7 +14,9 @@ parameter present, all finite), and only then swapped in under the model lock: e
 parameter is pointed at its received tensor (no copy; the old storage is freed). Any failure
 discards the staging; the served weights and version are untouched. Per-bucket checks (finite
 values, per-tensor checksums) are queued on the device as each bucket arrives and read once, at
-commit.
+commit. A whole update (one request, or the update channel) takes the model lock once its
+receives are posted and re-points the parameters while the bytes arrive (nothing reads them
+meanwhile); a failed check points them back before the lock is released.
 
 Buckets of one update may be posted before the previous one is done (a trainer overlaps the
 HTTP round trip with the transfer): a request waits, up to its group's timeout, for its turn

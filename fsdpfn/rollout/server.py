@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | GET /health | | {status, weight_version, server_id, groups} |
 | GET /weight_version, GET /get_weight_version | | {weight_version} |
-| GET /get_model_info | | {model_path, dtype, device, weight_version, params: {name: {dtype, shape}}, groups, paused, last_error} |
+| GET /get_model_info | | {model_path, dtype, device, weight_version, params: {name: {dtype, shape}}, groups, paused, last_error, multi_bucket, update_channel (the port of the update channel, or null)} |
 | POST /generate | {input_ids: [[int]] or [int], sampling_params: {temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, seed}} | {weight_version, outputs: [{prompt_index, output_ids, output_logprobs, finish_reason}]} |
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
 | POST /init_weights_update_group | {master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s} | {success, message} |
@@ -12,6 +12,9 @@
 | POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit}, or the whole update at once: {buckets: [{names, dtypes, shapes}], group_name, weight_version, update_id, pause_generation, load_format} | {success, weight_version, weights_checksum (on commit), message, seconds} |
 | POST /update_weights_from_disk | {model_path, weight_version, flush_cache, verify_checksums} | same |
 | POST /pause_generation, POST /continue_generation | {} | {success} |
+
+Beside the HTTP port, ``python -m fsdpfn.rollout`` listens for update channels
+(fsdpfn/rollout/channel.py): the fast path of a weight push, the same whole update without HTTP.
 
 Failures answer 4xx (the request breaks a rule) or 5xx (the transfer failed) with
 {"success": false, "message": ...}; the served weights and version are then unchanged and

@@ -4,23 +4,33 @@ transport="broadcast" (default). Trainer rank 0 and the servers share a dedicate
 (NCCL when trainer and servers are on CUDA, else gloo), built once from a TCPStore hosted by rank 0
 and reused across pushes (rebuilt when a server no longer lists it, or after a failure). Per push:
 
-  1. rank 0 reads every server's /get_model_info: the push dtype (the served dtype unless
-     ``dtype`` is given), and, with ``precheck``, names and shapes against the trainer's;
-     rank 0's verdict reaches every rank before any gather.
-  2. buckets (``bucket_bytes``, default 1 GiB) are gathered by all ranks in a fixed name order.
-     With fsdpfn.rollout servers (``multi_bucket`` in their model info) rank 0 posts one request
-     holding every bucket's metadata before the first gather; the servers post every receive and
-     answer after their commit; the broadcasts go out with two buckets in flight. Otherwise (an
-     SGLang server, or ``one_request=False``), for each bucket rank 0 posts the metadata {names, dtypes, shapes, group_name, flush_cache,
-     load_format="flattened_bucket", weight_version, update_id, bucket_index, commit} to
-     /update_weights_from_distributed in a thread (the call blocks in the server while it
-     receives) and broadcasts one flat uint8 buffer asynchronously; the next bucket is gathered
-     meanwhile. The dtypes advertised are those of the bytes sent (the layout is in
+  1. rank 0 checks the servers. With an update channel open to every server (below) and a
+     layout seen before, this costs nothing: an open channel shows the server is up and still
+     holds the group. Otherwise rank 0 reads /health (and /get_model_info after a server
+     restart or a layout change): the push dtype (the served dtype unless ``dtype`` is given),
+     and, with ``precheck``, names and shapes against the trainer's; it (re)builds the group
+     when needed and opens the update channels. Rank 0's verdict reaches every rank before any
+     gather.
+  2. buckets are gathered by all ranks in a fixed order: ``bucket_bytes`` (default 1 GiB) in
+     the middle, ``edge_bucket_bytes`` (default 256 MiB) at both ends, so the wire starts
+     after a small gather and the server's checks of the last bucket are short. Buckets go out
+     while the next ones are gathered, up to twice the largest bucket in flight.
+     - fsdpfn.rollout servers offer an update channel (``update_channel`` in their model info;
+       fsdpfn.weights.channel): a TCP connection per server, bound to the group. Rank 0 sends
+       the update (the bucket layout the first time, then its id) before the first gather;
+       each server answers "accepted" before any byte is broadcast, posts every receive, checks
+       each bucket as it lands, commits, and answers with its weights checksum.
+       ``channel=False`` sends the same update as one HTTP request instead.
+     - Otherwise (an SGLang server, or ``one_request=False``), for each bucket rank 0 posts the
+       metadata {names, dtypes, shapes, group_name, flush_cache,
+       load_format="flattened_bucket", weight_version, update_id, bucket_index, commit} to
+       /update_weights_from_distributed in a thread (the call blocks in the server while it
+       receives) and broadcasts one flat uint8 buffer asynchronously; the last bucket carries
+       commit=true, and with ``pause_generation`` rank 0 pauses generation around it.
+     The dtypes advertised are those of the bytes sent (the layout is in
      fsdpfn.weights.protocol).
-  3. the last bucket carries commit=true: the server validates its staging and swaps; with
-     ``pause_generation`` rank 0 pauses generation just before it and continues it after (also
-     after a failure). Its answer's weights_checksum must equal the checksum of what was sent,
-     and /weight_version must then report the pushed version.
+  3. every server's answer must carry the pushed version and a weights_checksum equal to the
+     checksum of what was sent.
 
 transport="disk": the ranks write ``disk_root/v{version}`` (a DiskTarget layout, which the
 servers must be able to read at the same path), then rank 0 calls /update_weights_from_disk.
@@ -73,7 +83,11 @@ class RolloutTarget:
     shapes with each server's before sending. master_address / master_port: where the servers
     reach trainer rank 0's store (None: 127.0.0.1 for local servers, else the address of the
     interface that routes to the first server; a free port). on_bucket(index, n_buckets): called
-    on rank 0 once each bucket is on the wire (progress reports).
+    on rank 0 once each bucket is on the wire (progress reports). bucket_bytes /
+    edge_bucket_bytes: the size of the middle buckets and of the first and last ones (None: no
+    ramp). channel: use the servers' update channels when every server offers one (else HTTP).
+    one_request / pipeline: over HTTP, the whole update in one request (fsdpfn.rollout), or a
+    request per bucket posted ahead (pipeline) or in turn.
     """
 
     def __init__(self, urls: str | Sequence[str], *, transport: str = "broadcast",
