@@ -186,6 +186,9 @@ class RolloutEngine:
         self._channels: dict[str, list] = {}  # group name -> update channel sockets bound to it
         self._channels_lock = threading.Lock()
         self._stream = None  # the CUDA stream that checks received buckets (lazily)
+        # a whole update holds the model lock while its bytes arrive for at most this long; a
+        # slower sender lets generation run meanwhile (the swap then waits for the last byte)
+        self.hold_s = 2.0
 
     # ------------------------------------------------------------ info
 
@@ -724,15 +727,27 @@ class RolloutEngine:
             raise UpdateError(f"receiving over group {group_name!r} failed: "
                               f"{type(exc).__name__}: {exc}; group dropped, previous weights "
                               f"kept", 500) from None
-        previous = {}
+        previous: dict[str, torch.Tensor] = {}
+        locked = True
         try:
-            for name, t in staging.tensors.items():  # nothing runs on the model meanwhile
-                param = self.params[name]
-                previous[name] = param.data
-                param.data = t
+            self._swap_in(staging.tensors, previous)  # nothing runs on the model meanwhile
             seconds["swap"] = time.perf_counter() - clock
             try:
-                self._wait_events(done, timeout_s)
+                if not self._events_done(done, time.monotonic() + self.hold_s):
+                    # a slow (or dead) sender: give the model back to generation while the
+                    # bytes come, and take it again for the swap
+                    self._swap_back(previous)
+                    self._model_lock.release()
+                    locked = False
+                    self._wait_events(done, timeout_s)
+                    if not self._model_lock.acquire(timeout=timeout_s):
+                        raise UpdateError(f"update: a generation held the model for longer "
+                                          f"than the group's timeout_s {timeout_s:g}; previous "
+                                          f"weights kept", 503)
+                    locked = True
+                    self._swap_in(staging.tensors, previous)
+            except UpdateError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the bytes did not come
                 self._retire(group_name)
                 self._retired.append(posted)
@@ -751,11 +766,11 @@ class RolloutEngine:
                                       f"finite, got NaN/inf in {bad[:3]}")
             self.version = version
         except BaseException:
-            for name, t in previous.items():
-                self.params[name].data = t
+            self._swap_back(previous)
             raise
         finally:
-            self._model_lock.release()
+            if locked:
+                self._model_lock.release()
         checksum = values[-1]
         self._staging = None
         self.last_error = None
@@ -768,6 +783,29 @@ class RolloutEngine:
                 "arrived_ms": [timeline[0].elapsed_time(e) for e in timeline[1:]],
                 "checked_ms": [timeline[0].elapsed_time(e) for e in done]}
         return answer
+
+    def _swap_in(self, tensors: dict[str, torch.Tensor], previous: dict) -> None:
+        """Point each served parameter at its received tensor (model lock held); ``previous``
+        gets what they pointed at."""
+        for name, t in tensors.items():
+            param = self.params[name]
+            previous[name] = param.data
+            param.data = t
+
+    def _swap_back(self, previous: dict) -> None:
+        for name, t in previous.items():
+            self.params[name].data = t
+        previous.clear()
+
+    @staticmethod
+    def _events_done(events, until: float) -> bool:
+        """Whether every event completes before the monotonic time ``until`` (polled)."""
+        for event in events:
+            while not event.query():
+                if time.monotonic() > until:
+                    return False
+                time.sleep(2e-5)
+        return True
 
     @staticmethod
     def _wait_events(events, timeout_s: float, *, quiet: bool = False) -> None:

@@ -75,8 +75,10 @@ class Channel:
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         except OSError as exc:
-            raise WeightSyncError(f"{self.where}: connecting failed: {type(exc).__name__}: "
-                                  f"{exc}") from None
+            error = WeightSyncError(f"{self.where}: connecting failed: {type(exc).__name__}: "
+                                    f"{exc}")
+            error.unreachable = True  # not a refusal by the server: its port cannot be reached
+            raise error from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.send({"op": "attach", "group_name": group_name})
         answer = self.read(time.monotonic() + timeout_s, "attach")

@@ -160,6 +160,7 @@ class RolloutTarget:
         self._infos: dict[str, tuple[Any, int, dict]] = {}
         # rank 0 only: url -> its update channel (bound to the live group)
         self._channels: dict[str, Channel] = {}
+        self._unreachable: set[tuple] = set()  # (url, server_id, port) whose channel failed
         self._prepared: tuple[str, str] | None = None  # (dtype, backend) of the last push
         self._plans: dict[tuple, tuple[int, list[Bucket]]] = {}  # (layout, dtype) -> (id, plan)
 
@@ -299,14 +300,18 @@ class RolloutTarget:
             return
         for url, info in infos.items():
             port = info.get("update_channel")
-            if url in self._channels or not port:
+            unreachable = (url, info.get("server_id"), port)
+            if url in self._channels or not port or unreachable in self._unreachable:
                 continue
             host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
             try:
                 self._channels[url] = Channel(url, host, int(port), self.group_name,
                                               min(self.timeout_s, 10.0))
-            except WeightSyncError:
-                pass
+            except WeightSyncError as exc:  # this push goes over HTTP
+                if getattr(exc, "unreachable", False):
+                    # not tried again for this server process (a firewalled port would cost a
+                    # connection timeout per push)
+                    self._unreachable.add(unreachable)
 
     def _address(self) -> str:
         if self.master_address:

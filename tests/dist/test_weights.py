@@ -160,6 +160,62 @@ def test_push_lands_and_server_logits_equal_trainer(spmd2, servers, model_dir, t
         assert sorted(p.name for p in (tmp_path / "push").iterdir()) == [f"v{version}"]
 
 
+# ---------------------------------------------------------------- the update channel
+
+
+def push_over_channel(path, url, plain_url):
+    """Pushes that make no HTTP request; a server that dropped the group; a server without a
+    channel (HTTP)."""
+    import fsdpfn.weights.rollout_target as rt
+
+    state = _trained(path, 1, 1, seed=3)
+    target = RolloutTarget(url, timeout_s=30)
+    push_weights(state, target)  # sets up: /health, /get_model_info, the group, the channel
+    counted = []
+    real_call = rt.call
+    rt.call = lambda *a, **k: (counted.append(a[1]), real_call(*a, **k))[1]
+    try:
+        fast = [push_weights(state, target).version for _ in range(2)]
+        over_channel = bool(target._channels)  # noqa: SLF001 - rank 0 only
+        requests = list(counted)
+        # the server drops the group: its channel closes, the next push sets up again
+        _on_rank0(lambda: call(url, "/destroy_weights_update_group",
+                               {"group_name": target.group_name}, timeout=10))
+        again = push_weights(state, target).version
+        recovered = list(counted[len(requests):])
+    finally:
+        rt.call = real_call
+    plain = RolloutTarget(plain_url, timeout_s=30)
+    via_http = push_weights(state, plain).version
+    plain_channels = len(plain._channels)  # noqa: SLF001
+    after = [_on_rank0(lambda: _probe(u)) for u in (url, plain_url)]
+    ours = sharded_logits(state, torch.tensor(PROBE))
+    target.close()
+    plain.close()
+    return (fast, over_channel, requests, again, recovered, via_http, plain_channels,
+            state.version, after, ours)
+
+
+@pytest.mark.timeout(240)
+def test_channel_pushes_make_no_http_request_and_recover(spmd2, servers, model_dir, tmp_path):
+    plain = launch_server(model_dir, log_dir=tmp_path, health_timeout=120,
+                          extra_args=("--no-channel",))
+    try:
+        results = spmd2.run(push_over_channel, args=(model_dir, servers[0].url, plain.url),
+                            timeout=180)
+    finally:
+        plain.close()
+    (fast, over_channel, requests, again, recovered, via_http, plain_channels, version,
+     after, ours) = results[0]
+    assert fast == [version, version] and again == version == via_http
+    assert over_channel and requests == []  # no HTTP request at all on the fast path
+    assert "/health" in recovered and "/init_weights_update_group" in recovered
+    assert plain_channels == 0  # --no-channel: the same push over HTTP
+    for v, logits in after:
+        assert v == version
+        torch.testing.assert_close(logits, ours, atol=LOGITS_TOL, rtol=LOGITS_TOL)
+
+
 # ---------------------------------------------------------------- behaviour log-probs
 
 
