@@ -585,24 +585,16 @@ class _OneRequestSender:
             t.on_bucket(bucket.index, len(self.buckets))
         return bucket, work, flat, time.monotonic() + t.timeout_s
 
+    def _watch(self, wait_s: float) -> None:
+        """A server that failed answers before the wire completes: raise its error."""
+        error = self._server_error()
+        if error is not None:
+            raise WeightSyncError(error)
+        time.sleep(wait_s)
+
     def finish(self, handle) -> None:
         bucket, work, flat, deadline = handle
-        where = (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
-                 f"from {bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s="
-                 f"{self.target.timeout_s:g}]")
-        while not work.is_completed():  # a server that failed answers before the wire does
-            error = self._server_error()
-            if error is not None:
-                raise WeightSyncError(f"{error} {where}")
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"broadcast to {self.target.urls} did not complete "
-                                      f"within timeout_s {where}")
-            time.sleep(0.0002)
-        try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError
-            raise WeightSyncError(f"broadcast to {self.target.urls} failed: "
-                                  f"{type(exc).__name__}: {exc} {where}") from None
+        _await_wire(work, deadline, self.target, bucket, len(self.buckets), self._watch)
 
     def conclude(self) -> None:
         checksum = _sent_checksum(self.checksums)
@@ -660,11 +652,6 @@ class _ChannelSender:
             else:
                 ch.send(message)
 
-    def _where(self, bucket: Bucket) -> str:
-        return (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
-                f"from {bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s="
-                f"{self.target.timeout_s:g}]")
-
     def start(self, bucket: Bucket, flat: torch.Tensor):
         t = self.target
         if not self.accepted:
@@ -709,18 +696,7 @@ class _ChannelSender:
 
     def finish(self, handle) -> None:
         bucket, work, deadline = handle
-        try:
-            while not work.is_completed():
-                self._watch(0.0002)
-                if time.monotonic() > deadline:
-                    raise WeightSyncError(f"broadcast to {self.target.urls} did not complete "
-                                          f"within timeout_s {self._where(bucket)}")
-            work.wait()
-        except WeightSyncError as exc:
-            raise WeightSyncError(f"{exc} {self._where(bucket)}") from None
-        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError
-            raise WeightSyncError(f"broadcast to {self.target.urls} failed: "
-                                  f"{type(exc).__name__}: {exc} {self._where(bucket)}") from None
+        _await_wire(work, deadline, self.target, bucket, len(self.buckets), self._watch)
 
     def conclude(self) -> None:
         checksum = _sent_checksum(self.checksums)
@@ -742,6 +718,27 @@ class _ChannelSender:
 
     def abandon(self) -> None:
         self.target.retire()
+
+
+def _await_wire(work, deadline: float, target: RolloutTarget, bucket: Bucket, n_buckets: int,
+                watch: Callable[[float], None]) -> None:
+    """Wait for a bucket's broadcast, calling watch(seconds) between polls (it raises
+    WeightSyncError when a server failed meanwhile); every failure is a WeightSyncError naming
+    the bucket."""
+    where = (f"[bucket {bucket.index} of {n_buckets}, {len(bucket.specs)} tensors from "
+             f"{bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s={target.timeout_s:g}]")
+    try:
+        while not work.is_completed():
+            watch(0.0002)
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"broadcast to {target.urls} did not complete within "
+                                      f"timeout_s")
+        work.wait()
+    except WeightSyncError as exc:
+        raise WeightSyncError(f"{exc} {where}") from None
+    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError
+        raise WeightSyncError(f"broadcast to {target.urls} failed: {type(exc).__name__}: "
+                              f"{exc} {where}") from None
 
 
 def _timing_event(stream=None):
