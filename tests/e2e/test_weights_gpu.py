@@ -93,6 +93,59 @@ def trainer(model_dir: str, url: str, dtype: str, n_pushes: int, disk_root: str,
     Path(out).write_text(json.dumps(result))
 
 
+def slow_trainer(model_dir: str, url: str, out: str):
+    """A push whose trainer stalls for 4 s after its first bucket: the server holds the model
+    for at most hold_s (2 s), then lets a generation run on the old weights; the push then
+    lands."""
+    import threading
+    import time
+
+    from tensordict import TensorDict
+
+    import fsdpfn as ff
+    from fsdpfn.weights import RolloutTarget, push_weights
+    from fsdpfn.weights.http import call
+
+    torch.cuda.set_device(0)
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
+    state = ff.shard_model(ff.EngineConfig(model_path=model_dir, dtype="bfloat16",
+                                           optimizer=ff.OptimizerConfig(lr=1e-3)), mesh)
+    ids = torch.randint(0, state.hf_config.vocab_size, (2, 32),
+                        generator=torch.Generator().manual_seed(1))
+    loss = torch.ones_like(ids, dtype=torch.bool)
+    loss[:, :4] = False
+    batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                        "loss_mask": loss}, batch_size=[2]).to("cuda")
+    result, armed = {}, []
+
+    def generate():
+        start = time.monotonic()
+        answer = call(url, "/generate", {"input_ids": [[1, 2, 3]], "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0}}, timeout=60)
+        result.update(gen_version=answer["weight_version"], gen_done=time.monotonic(),
+                      gen_seconds=time.monotonic() - start)
+
+    def on_bucket(index, n_buckets):
+        if armed and index == 0:  # the other buckets stay outstanding for 4 s
+            time.sleep(0.3)  # by now the server holds the model, waiting for the bytes
+            threading.Thread(target=generate, daemon=True).start()
+            time.sleep(3.7)
+
+    target = RolloutTarget(url, timeout_s=60, bucket_bytes=64 << 10, edge_bucket_bytes=None,
+                           on_bucket=on_bucket)
+    first = push_weights(state, target)  # sets up the group and the channel (version 0)
+    call(url, "/generate", {"input_ids": [[1, 2, 3]], "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0}}, timeout=120)  # warm
+    state, _ = ff.sft_step(state, batch, ff.SFTConfig())
+    armed.append(True)
+    receipt = push_weights(state, target)
+    plan = next(iter(target._plans.values()))[1]  # noqa: SLF001
+    result.update(push_done=time.monotonic(), n_buckets=len(plan),
+                  first_version=first.version, version=receipt.version,
+        served_version=call(url, "/weight_version", timeout=10)["weight_version"])
+    Path(out).write_text(json.dumps(result))
+
+
 def _run(tmp_path, config, dtype: str, n_pushes: int) -> dict:
     from fsdpfn.rollout import launch_server
     from fsdpfn.testing import save_tiny_model
@@ -135,5 +188,35 @@ def test_nccl_push_qwen2_1_5b_bfloat16(tmp_path):
     assert result["n_bytes"] > 3e9 and result["logp_max_diff"] < BF16_TOL
 
 
+@pytest.mark.timeout(600)
+def test_nccl_push_from_a_stalled_trainer_lets_generation_run(tmp_path):
+    from fsdpfn.rollout import launch_server
+    from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+
+    model_dir = save_tiny_model(tmp_path / "model", tiny_qwen2_config(), seed=0)
+    out = tmp_path / "result.json"
+    server = launch_server(model_dir, device="cuda", dtype="bfloat16", threads=4,
+                           log_dir=tmp_path, health_timeout=300,
+                           env={"CUDA_VISIBLE_DEVICES": "1"})
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "slow_trainer", str(model_dir), server.url, str(out)],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True,
+            timeout=480)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:] + server.log()
+    finally:
+        server.close()
+    result = json.loads(out.read_text())
+    print(json.dumps(result))
+    assert result["n_buckets"] > 1
+    assert result["first_version"] == 0 and result["version"] == result["served_version"] == 1
+    # the generation asked 0.3 s into the stall waited for the rest of the server's hold (2 s),
+    # then ran on the weights it had before, and did not wait for the push to end
+    assert result["gen_version"] == 0 and result["gen_done"] < result["push_done"]
+    assert 1.0 < result["gen_seconds"] < 3.5
+
+
 if __name__ == "__main__" and sys.argv[1] == "trainer":
     trainer(*sys.argv[2:5], int(sys.argv[5]), *sys.argv[6:8])
+if __name__ == "__main__" and sys.argv[1] == "slow_trainer":
+    slow_trainer(*sys.argv[2:5])
