@@ -146,7 +146,9 @@ def slow_trainer(model_dir: str, url: str, out: str):
     Path(out).write_text(json.dumps(result))
 
 
-def _run(tmp_path, config, dtype: str, n_pushes: int) -> dict:
+def _against_server(tmp_path, config, dtype: str, *args: str) -> dict:
+    """Serve a fresh model of ``config`` on GPU 1, run ``python THIS_FILE args...`` (a trainer on
+    GPU 0, its model dir, the server's url and the result path appended) and return its result."""
     from fsdpfn.rollout import launch_server
     from fsdpfn.testing import save_tiny_model
 
@@ -157,8 +159,7 @@ def _run(tmp_path, config, dtype: str, n_pushes: int) -> dict:
                            env={"CUDA_VISIBLE_DEVICES": "1"})
     try:
         proc = subprocess.run(
-            [sys.executable, __file__, "trainer", str(model_dir), server.url, dtype,
-             str(n_pushes), str(tmp_path / "disk"), str(out)],
+            [sys.executable, __file__, args[0], str(model_dir), server.url, *args[1:], str(out)],
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True,
             timeout=480)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:] + server.log()
@@ -166,6 +167,12 @@ def _run(tmp_path, config, dtype: str, n_pushes: int) -> dict:
         server.close()
     result = json.loads(out.read_text())
     print(json.dumps(result))
+    return result
+
+
+def _run(tmp_path, config, dtype: str, n_pushes: int) -> dict:
+    result = _against_server(tmp_path, config, dtype, "trainer", dtype, str(n_pushes),
+                             str(tmp_path / "disk"))
     assert result["served_version"] == result["version"] == 1
     assert result["nan_error"] is not None and "must be finite" in result["nan_error"]
     assert result["unchanged_after_nan"]
@@ -190,24 +197,9 @@ def test_nccl_push_qwen2_1_5b_bfloat16(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_nccl_push_from_a_stalled_trainer_lets_generation_run(tmp_path):
-    from fsdpfn.rollout import launch_server
-    from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+    from fsdpfn.testing import tiny_qwen2_config
 
-    model_dir = save_tiny_model(tmp_path / "model", tiny_qwen2_config(), seed=0)
-    out = tmp_path / "result.json"
-    server = launch_server(model_dir, device="cuda", dtype="bfloat16", threads=4,
-                           log_dir=tmp_path, health_timeout=300,
-                           env={"CUDA_VISIBLE_DEVICES": "1"})
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, "slow_trainer", str(model_dir), server.url, str(out)],
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True,
-            timeout=480)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:] + server.log()
-    finally:
-        server.close()
-    result = json.loads(out.read_text())
-    print(json.dumps(result))
+    result = _against_server(tmp_path, tiny_qwen2_config(), "bfloat16", "slow_trainer")
     assert result["n_buckets"] > 1
     assert result["first_version"] == 0 and result["version"] == result["served_version"] == 1
     # the generation asked 0.3 s into the stall waited for the rest of the server's hold (2 s),
