@@ -127,7 +127,7 @@ def main():
                         help="skip the table: profile one warm default push (torch.profiler on "
                              "the trainer), print its top operations, write a Chrome trace")
     parser.add_argument("--quick", action="store_true",
-                        help="the limit in 1 GiB buckets only; the default and 256 MiB pushes")
+                        help="the limit in 1 GiB buckets only; the first four push variants")
     parser.add_argument("--cpu", action="store_true",
                         help="a smoke run on CPU (gloo, a tiny model): checks the script only")
     args = parser.parse_args()

@@ -50,6 +50,7 @@ class UpdateChannel:
 
     def _serve(self, conn: socket.socket) -> None:
         layouts: dict[int, _Layout] = {}
+        group = None  # the group this connection is attached to (it closes with the group)
         try:
             while True:
                 try:
@@ -60,9 +61,10 @@ class UpdateChannel:
                 try:
                     if op == "attach":
                         self.engine.attach_channel(str(message.get("group_name")), conn)
+                        group = str(message.get("group_name"))
                         send_frame(conn, {"success": True, "server_id": self.engine.server_id})
                     elif op == "update":
-                        answer = self._update(conn, message, layouts)
+                        answer = self._update(conn, group, message, layouts)
                         send_frame(conn, answer)
                     else:
                         raise UpdateError(f"op: must be 'attach' or 'update', got {op!r}")
@@ -78,8 +80,9 @@ class UpdateChannel:
             self.engine.detach_channel(conn)
             conn.close()
 
-    def _update(self, conn: socket.socket, message: dict, layouts: dict[int, _Layout]) -> dict:
-        if message.get("group_name") != self._group_of(conn):
+    def _update(self, conn: socket.socket, group: str | None, message: dict,
+                layouts: dict[int, _Layout]) -> dict:
+        if group is None or message.get("group_name") != group:
             raise UpdateError(f"group_name: must be the group this channel is attached to, got "
                               f"{message.get('group_name')!r}", 409)
         key = message.get("layout_id")
@@ -92,10 +95,3 @@ class UpdateChannel:
         return self.engine.update_from_distributed(
             message, layout=layout,
             ack=lambda: send_frame(conn, {"success": True, "accepted": True}))
-
-    def _group_of(self, conn: socket.socket) -> str | None:
-        with self.engine._channels_lock:  # noqa: SLF001
-            for name, sockets in self.engine._channels.items():  # noqa: SLF001
-                if conn in sockets:
-                    return name
-        return None

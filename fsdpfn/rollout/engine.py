@@ -496,8 +496,8 @@ class RolloutEngine:
             except UpdateError as exc:
                 if getattr(exc, "unsized", False):  # the group is out of step: drop it
                     self._retire(str(payload.get("group_name")))
-                    exc.args = (f"{exc}; group {payload.get('group_name')!r} dropped, "
-                                f"re-initialise it",)
+                    raise UpdateError(f"{exc}; group {payload.get('group_name')!r} dropped, "
+                                      f"re-initialise it") from None
                 raise
             return self._update_buckets(payload, layout, None)
         try:
@@ -812,13 +812,10 @@ class RolloutEngine:
         """Poll each bucket's "checked" event in turn, each within ``timeout_s`` of the one before
         (the host is free meanwhile); TimeoutError after that, or nothing when ``quiet``."""
         for event in events:
-            deadline = time.monotonic() + timeout_s
-            while not event.query():
-                if time.monotonic() > deadline:
-                    if quiet:
-                        return
-                    raise TimeoutError(f"a bucket did not arrive within {timeout_s:g} s")
-                time.sleep(2e-5)
+            if not RolloutEngine._events_done([event], time.monotonic() + timeout_s):
+                if quiet:
+                    return
+                raise TimeoutError(f"a bucket did not arrive within {timeout_s:g} s")
 
     def _commit(self, staging: _Staging, version: int, *, partial: bool) -> dict:
         """Validate the whole staging, then swap it in under the model lock (no copy: each
@@ -837,8 +834,7 @@ class RolloutEngine:
             raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
                               f"got NaN/inf in {bad[:3]}")
         with self._model_lock:
-            for name, t in tensors.items():
-                self.params[name].data = t
+            self._swap_in(tensors, {})
             self.version = version
         if partial or not staging.sums:
             checksum = self.weights_checksum()

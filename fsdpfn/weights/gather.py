@@ -3,9 +3,10 @@
 All trainer ranks walk the same buckets in the same order (FSDP-sharded parameters of a bucket are
 made whole by one all-gather, other sharded layouts by ``full_tensor()``); only rank 0 keeps what
 it gathered. A bucket is the unit
-held whole: the model is never gathered at once. The driver overlaps: rank 0 starts sending bucket
-k, every rank gathers bucket k+1, rank 0 waits for bucket k, then every rank learns rank 0's verdict
-(one all-reduce), so a failure stops every rank at the same bucket and none is left in a gather.
+held whole: the model is never gathered at once. The driver overlaps: rank 0 sends the buckets
+gathered so far (up to twice the largest bucket in flight) while every rank gathers the next one;
+after each bucket every rank learns rank 0's verdict (one all-reduce), so a failure stops every
+rank at the same bucket and none is left in a gather.
 """
 
 from __future__ import annotations

@@ -513,9 +513,7 @@ class _BroadcastSender:
                 answers[url] = c.result(deadline)
             except WeightSyncError as exc:
                 errors.append(str(exc))
-        where = (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
-                 f"from {bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s="
-                 f"{self.target.timeout_s:g}]")
+        where = _where(self.target, bucket, len(self.buckets))
         if errors:
             raise WeightSyncError("; ".join(errors) + f" {where}")
         if wire_error is not None:
@@ -725,8 +723,7 @@ def _await_wire(work, deadline: float, target: RolloutTarget, bucket: Bucket, n_
     """Wait for a bucket's broadcast, calling watch(seconds) between polls (it raises
     WeightSyncError when a server failed meanwhile); every failure is a WeightSyncError naming
     the bucket."""
-    where = (f"[bucket {bucket.index} of {n_buckets}, {len(bucket.specs)} tensors from "
-             f"{bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s={target.timeout_s:g}]")
+    where = _where(target, bucket, n_buckets)
     try:
         while not work.is_completed():
             watch(0.0002)
@@ -739,6 +736,12 @@ def _await_wire(work, deadline: float, target: RolloutTarget, bucket: Bucket, n_
     except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError
         raise WeightSyncError(f"broadcast to {target.urls} failed: {type(exc).__name__}: "
                               f"{exc} {where}") from None
+
+
+def _where(target: RolloutTarget, bucket: Bucket, n_buckets: int) -> str:
+    """The bucket a failure happened in, for its message."""
+    return (f"[bucket {bucket.index} of {n_buckets}, {len(bucket.specs)} tensors from "
+            f"{bucket.names[0]!r}, {bucket.nbytes} bytes; timeout_s={target.timeout_s:g}]")
 
 
 def _timing_event(stream=None):
