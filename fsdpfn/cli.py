@@ -34,7 +34,8 @@ from pathlib import Path
 __all__ = ["main", "build_parser"]
 
 _OWNED = ("config.yaml", "model0", "model0.tmp", "sft", "checkpoints", "critic_checkpoints",
-          "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks")
+          "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks",
+          "data", "tensorboard", "reward_errors.jsonl")
 
 
 def _say(message: str) -> None:
@@ -158,6 +159,9 @@ def _cmd_demo(args) -> int:
 def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     from fsdpfn.errors import ConfigError
 
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir: must be a directory (or a path to create), got "
+                          f"{str(run_dir)!r}, which is a file")
     previous = [name for name in ("checkpoints", "metrics.jsonl", "sft")
                 if (run_dir / name).exists()]
     if previous and not (resume or overwrite):
@@ -174,15 +178,17 @@ def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _torchrun_cmd(cfg, config_path: Path, *, resume: bool, url: str | None) -> list[str]:
+def _torchrun_cmd(cfg, config_path: Path, placement, *, resume: bool,
+                  url: str | None) -> list[str]:
     from fsdpfn.rollout.process import free_port
 
     port = cfg.launch.master_port
     while port is None or (url is not None and url.endswith(f":{port}")):
         port = free_port()  # never the rollout server's port, which it may not have bound yet
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-           str(cfg.launch.nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "fsdpfn.recipes.worker", "--config", str(config_path)]
+           str(placement.nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "fsdpfn.recipes.worker", "--config", str(config_path), "--device",
+           placement.device, "--transport", placement.transport]
     if resume:
         cmd.append("--resume")
     if url:
@@ -190,10 +196,10 @@ def _torchrun_cmd(cfg, config_path: Path, *, resume: bool, url: str | None) -> l
     return cmd
 
 
-def _server_cmd(cfg, model_dir: Path, port: int) -> list[str]:
+def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
     return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
-            str(port), "--host", "127.0.0.1", "--device", cfg.rollout.device, "--dtype", "auto",
-            "--threads", str(cfg.rollout.threads)]
+            str(port), "--host", "127.0.0.1", "--device", placement.server_device, "--dtype",
+            placement.dtype, "--threads", str(cfg.rollout.threads)]
 
 
 class _Signals:
@@ -251,24 +257,70 @@ class _Signals:
                 self._kill(proc.pid, signal.SIGKILL)
 
 
+def _check_inputs(cfg, needs_rollout: bool) -> None:
+    """What can fail before any rank starts: the model directory, the reward function, the
+    TensorBoard writer (the data files are read by _prepare_data)."""
+    from fsdpfn.recipes.model import check_model_dir
+
+    check_model_dir(cfg.model)
+    if needs_rollout and cfg.reward.fn is not None:
+        from fsdpfn.recipes.reward import load_reward
+
+        load_reward(cfg.reward.fn)
+    if cfg.log.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            from fsdpfn.errors import ConfigError
+
+            raise ConfigError("log.tensorboard: needs the tensorboard package (pip install "
+                              "tensorboard), got true") from None
+
+
+def _prepare_data(cfg, run_dir: Path, *, resume: bool) -> None:
+    """Tokenize and filter the data files into run_dir/data once (reused on --resume, so the
+    data cursor points into the same examples), and report what was dropped."""
+    from fsdpfn.recipes.data import DATA_DIR, prepare_files
+    from fsdpfn.recipes.model import load_tokenizer
+
+    if not cfg.data.from_files:
+        return
+    out = run_dir / DATA_DIR
+    if resume and (out / "train.jsonl").is_file():
+        return
+    report = prepare_files(cfg.data, load_tokenizer(cfg.model), cfg.recipe, out)
+    for split, r in report.items():
+        dropped = sum(r["dropped"].values())
+        _say(f"data ({split}): {r['kept']} of {r['rows']} samples"
+             + (f"; dropped {dropped}: " + ", ".join(f"{n} {why}" for why, n in
+                                                    r["dropped"].items()) if dropped else ""))
+
+
 def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool = False) -> int:
     """Run ``cfg`` (a recipe config) as ``fsdpfn run`` does; returns the exit status."""
     from fsdpfn import serde
     from fsdpfn.recipes import NEEDS_ROLLOUT
+    from fsdpfn.recipes.model import initial_model_dir
+    from fsdpfn.recipes.placement import count_gpus, place
 
     run_dir = Path(cfg.run_dir)
     config_path = run_dir / "config.yaml"
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None
+    placement = place(cfg, count_gpus(), needs_rollout=needs_rollout)
+    model_dir = initial_model_dir(cfg.model, run_dir)
+    url = cfg.rollout.url if needs_rollout else None
     if dry_run:
         print(serde.to_yaml(cfg), end="")
+        _say(f"placement: {_describe(placement)}")
         if own_server:
-            _say("rollout server: " + " ".join(_server_cmd(cfg, run_dir / "model0", 0)))
-        _say("trainer: " + " ".join(_torchrun_cmd(cfg, config_path, resume=resume,
-                                                  url=cfg.rollout.url if needs_rollout
-                                                  else None)))
+            _say("rollout server: " + " ".join(_server_cmd(cfg, model_dir, 0, placement)))
+        _say("trainer: " + " ".join(_torchrun_cmd(cfg, config_path, placement, resume=resume,
+                                                  url=url)))
         return 0
+    _check_inputs(cfg, needs_rollout)
     _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    _prepare_data(cfg, run_dir, resume=resume)
     config_path.write_text(serde.to_yaml(cfg))
     t0 = time.monotonic()
     signals = _Signals(run_dir)
@@ -276,17 +328,17 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     signals.install()
     server = None
     try:
-        url = cfg.rollout.url if needs_rollout else None
-        if needs_rollout:
+        if cfg.model.embedded or cfg.model.random_init:
             _write_initial_model(cfg, run_dir)
         if own_server:
-            server = _start_server(cfg, run_dir)
+            server = _start_server(cfg, run_dir, model_dir, placement)
             url = server.url
-        cmd = _torchrun_cmd(cfg, config_path, resume=resume, url=url)
+        cmd = _torchrun_cmd(cfg, config_path, placement, resume=resume, url=url)
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
-               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        _say(f"{cfg.recipe}: {cfg.launch.nproc} trainer rank(s), run_dir {run_dir}"
-             + (f", rollout server {url}" if url else ""))
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               **placement.env(placement.trainer_gpus)}
+        _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}"
+             + (f", rollout server {url}" if url else "") + f"; {_describe(placement)}")
         if signals.count:
             return 130
         # its own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
@@ -304,26 +356,34 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     return rc
 
 
+def _describe(p) -> str:
+    if p.device == "cpu" and p.server_device in (None, "cpu"):
+        return "CPU" + (f", weights pushed by {p.transport}" if p.server_device else "")
+    train = f"trainer on {p.device}" + (f" GPU {list(p.trainer_gpus)}" if p.trainer_gpus else "")
+    if p.server_device is None:
+        return f"{train}, {p.dtype}"
+    serve = f"server on {p.server_device}" + (f" GPU {list(p.server_gpus)}" if p.server_gpus
+                                              else "")
+    return f"{train}, {serve}, weights pushed by {p.transport}, {p.dtype}"
+
+
 def _write_initial_model(cfg, run_dir: Path) -> Path:
-    from fsdpfn.recipes.task import CharTokenizer, save_initial_model
+    from fsdpfn.recipes.model import load_tokenizer, write_initial_model
 
-    path = run_dir / "model0"
-    if not (path / "config.json").is_file():
-        shutil.rmtree(run_dir / "model0.tmp", ignore_errors=True)
-        save_initial_model(path, cfg.model, CharTokenizer())
-    return path
+    return write_initial_model(cfg.model, run_dir / "model0", load_tokenizer(cfg.model))
 
 
-def _start_server(cfg, run_dir: Path):
+def _start_server(cfg, run_dir: Path, model_dir: Path, placement):
     """``python -m fsdpfn.rollout`` in its own session (Ctrl-C must not reach it before the
     ranks finished their step); the ranks wait for /health themselves."""
     from fsdpfn.rollout.process import RolloutProcess, free_port
 
     port = free_port()
     log_path = run_dir / "rollout.log"
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads),
+           **placement.env(placement.server_gpus)}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_server_cmd(cfg, run_dir / "model0", port), stdout=log,
+        proc = subprocess.Popen(_server_cmd(cfg, model_dir, port, placement), stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
 

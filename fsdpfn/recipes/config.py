@@ -14,9 +14,12 @@ from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, MicroBatchS
                            OptimizerConfig, ParallelStrategy, PPOConfig, RWConfig, SFTConfig,
                            _bool, _float, _float_conv, _int, _one_of)
 from fsdpfn.errors import ConfigError
-from fsdpfn.recipes.task import AdditionTask, TinyModel
+from fsdpfn.recipes.data import DataConfig
+from fsdpfn.recipes.model import ModelConfig
+from fsdpfn.recipes.reward import RewardConfig
+from fsdpfn.recipes.task import AdditionTask
 
-__all__ = ["LaunchConfig", "RolloutConfig", "CheckpointConfig", "LogConfig", "WarmupConfig",
+__all__ = ["ModelConfig", "DataConfig", "RewardConfig", "LaunchConfig", "RolloutConfig", "CheckpointConfig", "LogConfig", "WarmupConfig",
            "EvalConfig", "GRPORecipe", "PPORecipe", "SFTRecipe", "RWRecipe", "DPORecipe",
            "RECIPE_CONFIGS"]
 
@@ -33,14 +36,38 @@ def _path(_, attribute, value):
         raise ConfigError(f"{attribute.name}: must be a non-empty path string, got {value!r}")
 
 
+def _gpus(value):
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    return tuple(value)
+
+
+def _gpu_list(_, attribute, value):
+    if value is None:
+        return
+    if not value or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                            for v in value) or len(set(value)) != len(value):
+        raise ConfigError(f"{attribute.name}: must be null or a list of distinct GPU indices "
+                          f">= 0, got {list(value)!r}")
+
+
 @attrs.frozen
 class LaunchConfig:
     """How ``fsdpfn run`` starts the trainer: ``nproc`` torchrun ranks (gloo on CPU, NCCL on
-    CUDA), each with ``threads_per_rank`` CPU threads (OMP_NUM_THREADS)."""
+    CUDA), each with ``threads_per_rank`` CPU threads (OMP_NUM_THREADS). ``device: auto`` uses
+    CUDA when a GPU is visible. ``gpus``: the GPU indices the trainer ranks use (one rank per
+    GPU; null: every GPU the rollout server does not use, or GPU 0 when there is only one).
+    ``nproc: null``: one rank per trainer GPU on CUDA, 2 on CPU."""
 
-    nproc: int = attrs.field(default=2, validator=_int(1))
+    nproc: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
     threads_per_rank: int = attrs.field(default=1, validator=_int(1))
-    device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda", "auto"))
+    device: str = attrs.field(default="auto", validator=_one_of("cpu", "cuda", "auto"))
+    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
+                                               validator=_gpu_list)
     master_port: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
 
 
@@ -49,12 +76,17 @@ class RolloutConfig:
     """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
     the run's initial model and stops it at the end; else the trainer uses the server at ``url``
     (it must serve a model of the same architecture). Weights are pushed after every step over
-    ``transport`` ("broadcast": a gloo/NCCL group; "disk": safetensors under run_dir/push)."""
+    ``transport`` ("broadcast": a gloo/NCCL group; "disk": safetensors under run_dir/push;
+    "auto": broadcast, or disk when trainer and server share a GPU, where NCCL cannot connect
+    two processes). ``device: auto`` follows the trainer; ``gpus``: the server's GPU (null: the
+    host's last GPU)."""
 
     url: str | None = attrs.field(default=None)
-    transport: str = attrs.field(default="broadcast", validator=_one_of("broadcast", "disk"))
+    transport: str = attrs.field(default="auto", validator=_one_of("auto", "broadcast", "disk"))
     threads: int = attrs.field(default=1, validator=_int(1))
-    device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"))
+    device: str = attrs.field(default="auto", validator=_one_of("auto", "cpu", "cuda"))
+    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
+                                               validator=_gpu_list)
     temperature: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0))
     top_p: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0, le=1))
     timeout_s: float = attrs.field(default=120.0, converter=_float_conv, validator=_float(gt=0))
@@ -80,11 +112,14 @@ class CheckpointConfig:
 @attrs.frozen
 class LogConfig:
     """Progress bar on stderr (a line every ``every`` steps when stderr is not a terminal),
-    metrics as JSON lines in run_dir/metrics.jsonl, and a PNG plot at the end."""
+    metrics as JSON lines in run_dir/metrics.jsonl, a PNG plot at the end, and TensorBoard
+    event files in run_dir/tensorboard with ``tensorboard: true`` (needs the tensorboard
+    package)."""
 
     progress: bool = attrs.field(default=True, validator=_bool)
     every: int = attrs.field(default=1, validator=_int(1))
     plot: bool = attrs.field(default=True, validator=_bool)
+    tensorboard: bool = attrs.field(default=False, validator=_bool)
 
 
 @attrs.frozen
@@ -95,7 +130,7 @@ class WarmupConfig:
     exp(Σ logp of its tokens), checked every ``check_every`` steps) reaches ``target_reward``
     (None: never early). steps=0 skips it."""
 
-    steps: int = attrs.field(default=600, validator=_int(0))
+    steps: int | None = attrs.field(default=None, validator=_int(0, allow=(None,)))
     batch_size: int = attrs.field(default=128, validator=_int(1))
     target_reward: float | None = attrs.field(default=0.35, converter=lambda v: None if v is None
                                               else _float_conv(v),
@@ -113,6 +148,26 @@ class EvalConfig:
     n_prompts: int = attrs.field(default=128, validator=_int(1))
 
 
+def _check_rl_data(cfg) -> None:
+    """What an RL recipe needs beyond each section's own rules."""
+    if cfg.data.from_files and cfg.warmup.steps:
+        raise ConfigError(f"warmup.steps: the supervised warm-up trains on solved problems of "
+                          f"the embedded task; with data.train_files it must be 0 or null (run "
+                          f"recipe 'sft' first and set model.path to its export), got "
+                          f"{cfg.warmup.steps}")
+    if cfg.data.from_files and cfg.reward.fn is None:
+        raise ConfigError("reward.fn: must name the reward function ('package.module:function') "
+                          "when the prompts come from data.train_files, got None")
+    _check_model_data(cfg)
+
+
+def _check_model_data(cfg) -> None:
+    if cfg.data.from_files and cfg.model.embedded:
+        raise ConfigError("model.path: data files need the model's own tokenizer; set "
+                          "model.path to an HF model directory, got None (the embedded "
+                          "character model reads only the addition task)")
+
+
 @attrs.frozen
 class GRPORecipe:
     """GRPO on the addition task: SFT warm-up, then per step: the rollout server samples
@@ -125,9 +180,10 @@ class GRPORecipe:
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=80, validator=_int(1))
     prompts_per_step: int = attrs.field(default=64, validator=_int(1))
-    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=AdditionTask)
-    model: TinyModel = attrs.field(factory=TinyModel)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
     mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
     warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
@@ -137,6 +193,7 @@ class GRPORecipe:
     ppo: PPOConfig = attrs.field(
         factory=lambda: PPOConfig(clip_low=0.2, clip_high=0.28, n_minibatches=8, kl_coef=0.01))
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    reward: RewardConfig = attrs.field(factory=lambda: RewardConfig(fn=None))
     eval: EvalConfig = attrs.field(factory=lambda: EvalConfig(every=10))
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
@@ -155,6 +212,7 @@ class GRPORecipe:
             raise ConfigError(f"ppo.temperature: must equal rollout.temperature "
                               f"({self.rollout.temperature}) so that old_logp and behav_logp "
                               f"describe the same distribution, got {self.ppo.temperature}")
+        _check_rl_data(self)
 
 
 @attrs.frozen
@@ -167,9 +225,10 @@ class PPORecipe:
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=20, validator=_int(1))
     prompts_per_step: int = attrs.field(default=128, validator=_int(1))
-    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=AdditionTask)
-    model: TinyModel = attrs.field(factory=TinyModel)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
     mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
     warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
@@ -180,6 +239,7 @@ class PPORecipe:
     ppo: PPOConfig = attrs.field(factory=lambda: PPOConfig(n_minibatches=4, kl_coef=0.01))
     critic: CriticConfig = attrs.field(factory=lambda: CriticConfig(n_minibatches=4))
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    reward: RewardConfig = attrs.field(factory=lambda: RewardConfig(fn=None))
     eval: EvalConfig = attrs.field(factory=EvalConfig)
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
@@ -195,6 +255,7 @@ class PPORecipe:
         if self.ppo.temperature != self.rollout.temperature:
             raise ConfigError(f"ppo.temperature: must equal rollout.temperature "
                               f"({self.rollout.temperature}), got {self.ppo.temperature}")
+        _check_rl_data(self)
 
 
 @attrs.frozen
@@ -209,9 +270,10 @@ class SFTRecipe:
     batch_size: int = attrs.field(default=64, validator=_int(1))
     eval_every: int = attrs.field(default=20, validator=_int(0))
     export: bool = attrs.field(default=True, validator=_bool)
-    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=AdditionTask)
-    model: TinyModel = attrs.field(factory=TinyModel)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
     mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=3e-3))
@@ -219,6 +281,9 @@ class SFTRecipe:
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
     log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        _check_model_data(self)
 
 
 @attrs.frozen
@@ -231,9 +296,10 @@ class RWRecipe:
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=60, validator=_int(1))
     pairs_per_step: int = attrs.field(default=32, validator=_int(1))
-    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
-    model: TinyModel = attrs.field(factory=TinyModel)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
     mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-3))
@@ -241,6 +307,9 @@ class RWRecipe:
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
     log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        _check_model_data(self)
 
 
 @attrs.frozen
@@ -253,9 +322,10 @@ class DPORecipe:
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=60, validator=_int(1))
     pairs_per_step: int = attrs.field(default=32, validator=_int(1))
-    dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
+    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
-    model: TinyModel = attrs.field(factory=TinyModel)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
     mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
@@ -263,6 +333,9 @@ class DPORecipe:
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
     log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        _check_model_data(self)
 
 
 RECIPE_CONFIGS = {"grpo": GRPORecipe, "ppo": PPORecipe, "sft": SFTRecipe, "rw": RWRecipe,

@@ -1,22 +1,25 @@
-"""GRPO and PPO recipes on the addition task, with the built-in rollout server.
+"""GRPO and PPO recipes with the built-in rollout server, on the user's model, data and reward
+(or the embedded addition task).
 
-Per RL step (every rank runs the same code; rank 0 talks to the server):
+Per RL step (every rank runs the same code; rank 0 talks to the server and scores):
 
-    prompts  = task.sample(prompts_per_step)                       # rank 0
-    outputs  = POST /generate {prompts, n=group_size, seed}        # ids + behav_logp (server's)
-    rewards  = task.reward(parse(outputs))                         # 1.0 when the sum is right
-    batch    = shard_batch(global batch, mesh, group_size)         # this rank's groups
+    examples = source.take(cursor, prompts_per_step)                # the data cursor advances
+    outputs  = POST /generate {prompt ids, n=group_size, seed}      # ids + behav_logp (server's)
+    rewards  = reward.fn(prompt, completion, answer, sample)        # worker processes, timeout
+    batch    = shard_batch(global batch, mesh, group_size)          # this rank's groups
     batch    = forward_logp(ref,   batch, out_key="ref_logp")
     batch    = forward_logp(actor, batch, out_key="old_logp")
     [ppo]      batch = compute_values(critic, batch)
-    batch    = compute_advantages(batch, cfg.advantage)            # grpo: group-normalised
-    actor, s = ppo_step(actor, batch, cfg.ppo)                     # decoupled PPO (behav_logp)
+    batch    = compute_advantages(batch, cfg.advantage)             # grpo: group-normalised
+    actor, s = ppo_step(actor, batch, cfg.ppo)                      # decoupled PPO (behav_logp)
     [ppo]      critic, c = critic_step(critic, batch, cfg.critic)
-    receipt  = push_weights(actor, target)                         # server serves version v+1
-    every N:   save_checkpoint(actor, run_dir/checkpoints/step_k)
+    receipt  = push_weights(actor, target)                          # server serves version v+1
+    every N:   save_checkpoint(actor, run_dir/checkpoints/step_k, extra={step, data_cursor})
 
-Before RL, a supervised warm-up (sft_step on solved problems) makes the model partially
-competent; its result (run_dir/sft) is the reference model and RL's starting point.
+On the embedded task a supervised warm-up (sft_step on solved problems) first makes the model
+partially competent; its result (run_dir/sft) is the reference model and RL's starting point.
+Each step's metrics row holds the time of every stage (generate, reward, ref_logp, old_logp,
+values, train, push), tokens/s, response lengths and the clipped fraction, and reward statistics.
 """
 
 from __future__ import annotations
@@ -33,20 +36,27 @@ from tensordict import TensorDict
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.recipes.runtime import (Metrics, Progress, RunContext, broadcast_from_main,
-                                    is_main, log, mean_sequence_prob)
-from fsdpfn.recipes.task import (AdditionTask, CharTokenizer, rollout_batch, sft_batch)
-from fsdpfn.weights import RolloutTarget, push_weights
+from fsdpfn.recipes.data import AdditionSource, load_source
+from fsdpfn.recipes.model import initial_model_dir, load_tokenizer
+from fsdpfn.recipes.reward import build_reward_pool
+from fsdpfn.recipes.runtime import (Metrics, Progress, RunContext, all_reduce_sum,
+                                    broadcast_from_main, is_main, log, mean_sequence_prob)
+from fsdpfn.recipes.task import rollout_batch, sequences_batch
 from fsdpfn.rollout import generate
+from fsdpfn.weights import RolloutTarget, push_weights
 
-__all__ = ["run", "warmup", "generate", "greedy_accuracy"]
+__all__ = ["run", "warmup", "greedy_reward", "wait_for_server", "read_progress",
+           "DEFAULT_REWARDS"]
 
-INITIAL_MODEL = "model0"   # written by the launcher (random init + char_vocab.json)
 WARMUP_MODEL = "sft"       # the warm-up's result: reference model and RL start
+# reward.fn: null means the task's own: exact sums on the embedded task, math answers on files
+DEFAULT_REWARDS = {"embedded": "fsdpfn.recipes.rewards:addition",
+                   "files": "fsdpfn.recipes.rewards:math"}
 
 
-def _engine(cfg, model_path: Path, *, optimizer, critic: bool = False) -> ff.EngineConfig:
-    return ff.EngineConfig(model_path=str(model_path), dtype=cfg.dtype, mb_spec=cfg.mb_spec,
+def _engine(cfg, ctx: RunContext, model_path: Path, *, optimizer,
+            critic: bool = False) -> ff.EngineConfig:
+    return ff.EngineConfig(model_path=str(model_path), dtype=ctx.dtype, mb_spec=cfg.mb_spec,
                            optimizer=optimizer, is_critic=critic, seed=cfg.seed)
 
 
@@ -54,21 +64,55 @@ def _is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-# ---------------------------------------------------------------- warm-up
+class _Stages:
+    """Stage times of one step: ``lap(name)`` ends a stage at the host clock, after the device
+    finished its work (one synchronisation per stage, none per micro-batch)."""
+
+    def __init__(self, ctx: RunContext):
+        self.cuda = ctx.device == "cuda"
+        self.times: dict[str, float] = {}
+        self.t = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.times[f"{name}_seconds"] = now - self.t
+        self.t = now
 
 
-def warmup(cfg, ctx: RunContext, mesh, tok: CharTokenizer, metrics: Metrics) -> bool:
+def warmup_steps(cfg) -> int:
+    if cfg.warmup.steps is not None:
+        return cfg.warmup.steps
+    return 0 if cfg.data.from_files else 600
+
+
+def reward_spec(cfg) -> str:
+    if cfg.reward.fn is not None:
+        return cfg.reward.fn
+    return DEFAULT_REWARDS["files" if cfg.data.from_files else "embedded"]
+
+
+# ---------------------------------------------------------------- warm-up (embedded task)
+
+
+def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
     """SFT warm-up from run_dir/model0 to run_dir/sft; False when stopped by a signal."""
     run_dir = ctx.run_dir
     w = cfg.warmup
-    state = ff.shard_model(_engine(cfg, run_dir / INITIAL_MODEL, optimizer=w.optimizer), mesh)
-    held_out = sft_batch(cfg.task, tok, 256, seed=cfg.seed * 1_000_003 + 999_999)
-    bar = Progress("warm-up (sft)", w.steps, every=max(w.steps // 10, 1),
-                   enabled=cfg.log.progress)
+    steps = warmup_steps(cfg)
+    state = ff.shard_model(_engine(cfg, ctx, run_dir / "model0", optimizer=w.optimizer), mesh)
+    train = AdditionSource(cfg.task, tok, seed=cfg.seed * 1_000_003 + 17)
+    held_out = sequences_batch([(e["ids"], e["loss"]) for e in train.head(256)])
+    bar = Progress("warm-up (sft)", steps, every=max(steps // 10, 1), enabled=cfg.log.progress)
     fields: dict = {}
-    for i in range(w.steps):
+    for i in range(steps):
         t0 = time.perf_counter()
-        batch = sft_batch(cfg.task, tok, w.batch_size, seed=cfg.seed * 1_000_003 + 17 + i)
+        batch = sequences_batch([(e["ids"], e["loss"])
+                                 for e in train.take(i * w.batch_size, w.batch_size)])
         state, stats = ff.sft_step(state, ff.shard_batch(batch, mesh), ff.SFTConfig())
         seconds = time.perf_counter() - t0
         tokens = int(batch[K.ATTENTION_MASK].sum())
@@ -95,7 +139,7 @@ def warmup(cfg, ctx: RunContext, mesh, tok: CharTokenizer, metrics: Metrics) -> 
         bar.close()
     ff.export_hf(state, run_dir / WARMUP_MODEL, dtype="float32")
     if is_main():
-        shutil.copy(run_dir / INITIAL_MODEL / "char_vocab.json", run_dir / WARMUP_MODEL)
+        shutil.copy(run_dir / "model0" / "char_vocab.json", run_dir / WARMUP_MODEL)
     dist.barrier()
     return True
 
@@ -103,34 +147,74 @@ def warmup(cfg, ctx: RunContext, mesh, tok: CharTokenizer, metrics: Metrics) -> 
 # ---------------------------------------------------------------- rollout (rank 0)
 
 
-def _rollout(cfg, url: str, tok: CharTokenizer, step: int) -> dict:
+def _max_new_tokens(cfg) -> int:
+    return cfg.data.max_response_tokens if cfg.data.from_files else cfg.task.max_answer_tokens
+
+
+def _prompt_text(example) -> str:
+    """What the reward sees as the prompt: the dataset's string, or the last user turn."""
+    prompt = example.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt or () if m.get("role") == "user"]
+    return users[-1] if users else ""
+
+
+def _score(pool, tok, examples: list[dict], outputs: list[dict], group: int):
+    """Rank 0: rewards of the completions (outputs[i] answers examples[i // group])."""
+    rows = [examples[i // group] for i in range(len(outputs))]
+    return pool.score([_prompt_text(e) for e in rows],
+                      [tok.decode(o["output_ids"]) for o in outputs],
+                      answers=[e.get("answer") for e in rows],
+                      samples=[e.get("sample") or {} for e in rows])
+
+
+def _rollout(cfg, ctx: RunContext, tok, source, pool, step: int, cursor: int) -> dict:
     """Rank 0: one step's global batch (as plain tensors) and its rollout statistics."""
-    task: AdditionTask = cfg.task
     G = cfg.advantage.group_size
-    problems = task.sample(cfg.prompts_per_step, seed=cfg.seed * 1_000_003 + 1_000 + step)
-    prompts = [cfg.task.prompt_ids(tok, a, b) for a, b in problems]
-    answer = generate(url, prompts, n=G, max_new_tokens=task.max_answer_tokens,
+    examples = source.take(cursor, cfg.prompts_per_step)
+    prompts = [e["prompt_ids"] for e in examples]
+    t0 = time.perf_counter()
+    answer = generate(ctx.rollout_url, prompts, n=G, max_new_tokens=_max_new_tokens(cfg),
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                      seed=cfg.seed * 1_000_003 + step, stop_token_ids=[tok.eos_id],
+                      seed=cfg.seed * 1_000_003 + step, stop_token_ids=tok.stop_ids,
                       timeout=cfg.rollout.timeout_s)
+    t_gen = time.perf_counter()
     outputs = answer["outputs"]
-    rewards = [task.reward(*problems[i // G], tok.decode(o["output_ids"]))
-               for i, o in enumerate(outputs)]
-    batch = rollout_batch(prompts, outputs, G, rewards)
+    result = _score(pool, tok, examples, outputs, G)
+    if result.errors:
+        log(f"step {step}: {result.summary()}")
+        _record_errors(ctx, step, result)
+    batch = rollout_batch(prompts, outputs, G, result.rewards)
+    lengths = [len(o["output_ids"]) for o in outputs]
     return {"batch": batch.to_dict(), "served_version": answer["weight_version"],
-            "response_len": sum(len(o["output_ids"]) for o in outputs) / len(outputs)}
+            "stats": {"generate_seconds": t_gen - t0,
+                      **result.metrics(),
+                      "response_len_mean": sum(lengths) / len(lengths),
+                      "response_len_max": max(lengths),
+                      "response_clip_frac": sum(o.get("finish_reason") == "length"
+                                                for o in outputs) / len(outputs),
+                      "prompt_len_mean": sum(map(len, prompts)) / len(prompts),
+                      "generated_tokens": sum(lengths)}}
 
 
-def greedy_accuracy(cfg, url: str, tok: CharTokenizer, n_prompts: int) -> float:
-    """Rank 0: exact-match rate of greedy answers on held-out problems (a fixed set)."""
-    problems = cfg.task.sample(n_prompts, seed=987_654_321)
-    prompts = [cfg.task.prompt_ids(tok, a, b) for a, b in problems]
-    answer = generate(url, prompts, n=1, max_new_tokens=cfg.task.max_answer_tokens,
-                      temperature=0.0, stop_token_ids=[tok.eos_id],
-                      timeout=cfg.rollout.timeout_s)
-    hits = [cfg.task.reward(a, b, tok.decode(o["output_ids"]))
-            for (a, b), o in zip(problems, answer["outputs"])]
-    return sum(hits) / len(hits)
+def _record_errors(ctx: RunContext, step: int, result) -> None:
+    with open(ctx.run_dir / "reward_errors.jsonl", "a") as fh:
+        for e in result.errors:
+            fh.write(json.dumps({"step": step, "index": e.index, "kind": e.kind,
+                                 "message": e.message, "prompt": e.prompt,
+                                 "completion": e.completion}) + "\n")
+
+
+def greedy_reward(cfg, ctx: RunContext, tok, held_out, pool, n_prompts: int) -> float:
+    """Rank 0: the mean reward of greedy answers to held-out prompts (a fixed set); the
+    accuracy when rewards are 0/1."""
+    examples = held_out.head(n_prompts)
+    answer = generate(ctx.rollout_url, [e["prompt_ids"] for e in examples], n=1,
+                      max_new_tokens=_max_new_tokens(cfg), temperature=0.0,
+                      stop_token_ids=tok.stop_ids, timeout=cfg.rollout.timeout_s)
+    rewards = _score(pool, tok, examples, answer["outputs"], 1).rewards
+    return sum(rewards) / len(rewards)
 
 
 def wait_for_server(url: str, timeout: float) -> None:
@@ -154,19 +238,24 @@ def wait_for_server(url: str, timeout: float) -> None:
 # ---------------------------------------------------------------- the loop
 
 
-def _resume_point(ctx: RunContext):
-    if not ctx.resume:
-        return None
-    return ff.latest_checkpoint(ctx.run_dir / "checkpoints")
+def read_progress(path: Path | None, per_step: int) -> tuple[int, int]:
+    """(recipe step, data cursor) a checkpoint was saved at, from its manifest's ``extra``."""
+    if path is None:
+        return 0, 0
+    manifest = json.loads((path / "fsdpfn.json").read_text())
+    extra = manifest.get("extra") or {}
+    step = int(extra.get("step", manifest.get("step", 0)))
+    return step, int(extra.get("data_cursor", step * per_step))
 
 
-def _save(cfg, ctx, actor, critic, step: int) -> Path:
+def _save(cfg, ctx, actor, critic, step: int, cursor: int) -> Path:
     name = f"step_{step:06d}"
     if critic is not None:  # the critic first: an actor checkpoint implies its critic's
         ff.save_checkpoint(critic, ctx.run_dir / "critic_checkpoints" / name,
                            extra={"step": step}, keep_last=cfg.checkpoint.keep_last)
     path = ctx.run_dir / "checkpoints" / name
-    ff.save_checkpoint(actor, path, extra={"step": step, "recipe": cfg.recipe},
+    ff.save_checkpoint(actor, path, extra={"step": step, "recipe": cfg.recipe,
+                                           "data_cursor": cursor},
                        keep_last=cfg.checkpoint.keep_last)
     return path
 
@@ -174,33 +263,46 @@ def _save(cfg, ctx, actor, critic, step: int) -> Path:
 def run(cfg, ctx: RunContext) -> int:
     """Train; returns the last RL step done (a stop saves a checkpoint of it)."""
     mesh = ff.build_mesh(cfg.parallel, device_type=ctx.device)
-    tok = CharTokenizer()
-    latest = _resume_point(ctx)
-    start = read_step(latest) if latest is not None else 0
+    tok = load_tokenizer(cfg.model)
+    latest = ff.latest_checkpoint(ctx.run_dir / "checkpoints") if ctx.resume else None
+    start, cursor = read_progress(latest, cfg.prompts_per_step)
     warm_dir = ctx.run_dir / WARMUP_MODEL
-    warm_done = _is_model_dir(warm_dir) and (ctx.resume or cfg.warmup.steps == 0)
+    steps = warmup_steps(cfg)
+    warm_done = _is_model_dir(warm_dir) and (ctx.resume or steps == 0)
     metrics = Metrics(ctx.run_dir / "metrics.jsonl",
                       keep_until=({cfg.recipe: start, "warmup": 10**9 if warm_done else 0}
-                                  if ctx.resume else None))
-    # 1. supervised warm-up (its result is reused on --resume)
-    if cfg.warmup.steps > 0 and not warm_done:
+                                  if ctx.resume else None),
+                      tensorboard=ctx.run_dir / "tensorboard" if cfg.log.tensorboard else None)
+    # 1. supervised warm-up on the embedded task (its result is reused on --resume)
+    if steps > 0 and not warm_done:
         if not warmup(cfg, ctx, mesh, tok, metrics):
             return 0
     # 2. actor, reference (and critic), restored from the latest checkpoint on --resume
-    source = warm_dir if cfg.warmup.steps > 0 else ctx.run_dir / INITIAL_MODEL
-    actor, ref, critic = _states(cfg, ctx, mesh, source, latest, start)
+    source_dir = warm_dir if steps > 0 else initial_model_dir(cfg.model, ctx.run_dir)
+    actor, ref, critic = _states(cfg, ctx, mesh, source_dir, latest, start)
     # 3. the rollout server serves the actor's weights from now on
     target = _connect(cfg, ctx, actor)
-    # 4. RL steps
-    return _train(cfg, ctx, mesh, tok, metrics, actor, ref, critic, target, start)
+    # 4. RL steps; rank 0 scores with the reward's worker processes
+    pool = build_reward_pool(cfg.reward, default=reward_spec(cfg)) if is_main() else None
+    try:
+        if pool is not None:
+            pool.start()
+        data = (load_source(cfg, tok, ctx.run_dir, "train"),
+                load_source(cfg, tok, ctx.run_dir, "eval"))
+        return _train(cfg, ctx, mesh, tok, metrics, actor, ref, critic, target, pool, data,
+                      start, cursor)
+    finally:
+        if pool is not None:
+            pool.close()
+        metrics.close()
 
 
 def _states(cfg, ctx: RunContext, mesh, source: Path, latest, start: int):
-    actor = ff.shard_model(_engine(cfg, source, optimizer=cfg.optimizer), mesh)
-    ref = ff.shard_model(_engine(cfg, source, optimizer=None), mesh)
+    actor = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.optimizer), mesh)
+    ref = ff.shard_model(_engine(cfg, ctx, source, optimizer=None), mesh)
     critic = None
     if cfg.recipe == "ppo":
-        critic = ff.shard_model(_engine(cfg, source, optimizer=cfg.critic_optimizer,
+        critic = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.critic_optimizer,
                                         critic=True), mesh)
     if latest is not None:
         actor, _ = ff.load_checkpoint(actor, latest)
@@ -217,35 +319,42 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
         raise ff.ConfigError("rollout.url: the RL recipes need a rollout server; run them with "
                              "`fsdpfn run` (which starts one) or set rollout.url")
     broadcast_from_main(lambda: wait_for_server(url, cfg.rollout.health_timeout_s))
-    disk = cfg.rollout.transport == "disk"
-    target = RolloutTarget(url, transport=cfg.rollout.transport, timeout_s=cfg.rollout.timeout_s,
+    disk = ctx.transport == "disk"
+    target = RolloutTarget(url, transport=ctx.transport, timeout_s=cfg.rollout.timeout_s,
                            disk_root=ctx.run_dir / "push" if disk else None)
     receipt = push_weights(actor, target)
-    log(f"pushed weights version {receipt.version} to {url} ({receipt.n_tensors} tensors, "
-        f"{receipt.n_bytes / 1e6:.1f} MB, {receipt.seconds:.2f} s)")
+    log(f"pushed weights version {receipt.version} to {url} by {ctx.transport} "
+        f"({receipt.n_tensors} tensors, {receipt.n_bytes / 1e6:.1f} MB, "
+        f"{receipt.seconds:.2f} s)")
     return target
 
 
-def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
-           start: int) -> int:
+def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target, pool, data,
+           start: int, cursor: int) -> int:
+    source, held_out = data
+    held_out = held_out or (source if isinstance(source, AdditionSource) else None)
     bar = Progress(cfg.recipe, cfg.steps, start=start, every=cfg.log.every,
                    enabled=cfg.log.progress)
     step, stop = start, False
     t_run = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
-        evaluate = bool(cfg.eval.every) and (step == start + 1 or step % cfg.eval.every == 0
-                                             or step == cfg.steps)
-        actor, critic, row = _rl_step(cfg, ctx, mesh, tok, actor, ref, critic, target, step,
-                                      evaluate)
+        evaluate = held_out is not None and bool(cfg.eval.every) and (
+            step == start + 1 or step % cfg.eval.every == 0 or step == cfg.steps)
+        actor, critic, row = _rl_step(cfg, ctx, mesh, tok, actor, ref, critic, target, pool,
+                                      (source, held_out if evaluate else None), step, cursor)
+        cursor += cfg.prompts_per_step
+        row["data_cursor"] = cursor
         row["elapsed"] = time.perf_counter() - t_run
         stop = ctx.stop.agreed()
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps \
                 or stop:
-            row["checkpoint"] = str(_save(cfg, ctx, actor, critic, step))
+            t0 = time.perf_counter()
+            row["checkpoint"] = str(_save(cfg, ctx, actor, critic, step, cursor))
+            row["checkpoint_seconds"] = time.perf_counter() - t0
         metrics.write(row)
         bar.update(step, reward=row["reward_mean"], loss=row["loss"],
                    **({"greedy": row["greedy_accuracy"]} if evaluate else {}),
-                   tok_s=row["tokens_per_s"], v=row["version"])
+                   len=row["response_len_mean"], tok_s=row["tokens_per_s"], v=row["version"])
         if stop:
             break
     bar.close()
@@ -256,36 +365,39 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
     return step
 
 
-def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, step: int,
-             evaluate: bool):
+def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, data,
+             step: int, cursor: int):
     """One RL step on every rank; returns (actor, critic, metrics row)."""
-    url = ctx.rollout_url
+    source, held_out = data
     t0 = time.perf_counter()
-    rollout = broadcast_from_main(lambda: _rollout(cfg, url, tok, step))
-    greedy = (broadcast_from_main(lambda: greedy_accuracy(cfg, url, tok, cfg.eval.n_prompts))
-              if evaluate else None)
-    t_rollout = time.perf_counter()
+    rollout = broadcast_from_main(lambda: _rollout(cfg, ctx, tok, source, pool, step, cursor))
+    greedy = (broadcast_from_main(lambda: greedy_reward(cfg, ctx, tok, held_out, pool,
+                                                        cfg.eval.n_prompts))
+              if held_out is not None else None)
+    clock = _Stages(ctx)
+    clock.times["rollout_seconds"] = clock.t - t0  # generate + reward (+ eval), on rank 0
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
     batch = ff.shard_batch(full, mesh, group_size=cfg.advantage.group_size)  # (b, T), groups
     batch = ff.forward_logp(ref, batch, out_key=K.REF_LOGP, temperature=cfg.ppo.temperature)
+    clock.lap("ref_logp")
     batch = ff.forward_logp(actor, batch, out_key=K.OLD_LOGP, temperature=cfg.ppo.temperature)
+    clock.lap("old_logp")
     if critic is not None:
         batch = ff.compute_values(critic, batch)
+        clock.lap("values")
     batch = ff.compute_advantages(batch, cfg.advantage)
-    t_logp = time.perf_counter()
     actor, stats = ff.ppo_step(actor, batch, cfg.ppo)
     cstats = None
     if critic is not None:
         critic, cstats = ff.critic_step(critic, batch, cfg.critic)
     gap = _behav_gap(batch, mesh)
-    t_update = time.perf_counter()
+    clock.lap("train")
     receipt = push_weights(actor, target)
+    clock.lap("push")
+    times = clock.times
     seconds = time.perf_counter() - t0
     row = _metrics_row(cfg.recipe, step, full, rollout, stats, cstats, receipt, gap, seconds,
-                       times={"rollout_seconds": t_rollout - t0,
-                              "logp_seconds": t_logp - t_rollout,
-                              "update_seconds": t_update - t_logp,
-                              "push_seconds": receipt.seconds})
+                       times)
     if greedy is not None:
         row["greedy_accuracy"] = greedy  # of the weights this step sampled with
     return actor, critic, row
@@ -302,10 +414,15 @@ def _metrics_row(phase, step, full, rollout, stats, cstats, receipt, gap, second
            "loss": float(stats["loss"]), "pg_loss": float(stats["pg_loss"]),
            "kl": float(stats["kl"]) if "kl" in stats.keys() else None,
            "approx_kl": float(stats["approx_kl"]), "clip_frac": float(stats["clip_frac"]),
-           "grad_norm": float(stats["grad_norm"]), "response_len": rollout["response_len"],
+           "grad_norm": float(stats["grad_norm"]), **rollout["stats"],
            "tokens": tokens, "tokens_per_s": tokens / seconds, "version": receipt.version,
            "served_version": rollout["served_version"], "behav_gap": gap,
            "seconds": seconds, **times}
+    row["generated_tokens_per_s"] = row["generated_tokens"] / max(row["generate_seconds"], 1e-9)
+    for key in stats.keys():  # every other stat of the step (corrections, diagnostics)
+        name = key if isinstance(key, str) else "/".join(key)
+        if name not in row:
+            row[name] = float(stats[key])
     if cstats is not None:
         row.update(critic_loss=float(cstats["loss"]), value_mean=float(cstats["value_mean"]))
     return row
@@ -316,15 +433,7 @@ def _behav_gap(batch, mesh) -> float:
     distribution is from the trainer's (0 up to float noise when the push is in sync)."""
     mask = batch[K.LOSS_MASK]
     diff = (batch[K.OLD_LOGP] - batch[K.BEHAV_LOGP]).abs()
-    totals = torch.tensor([float(torch.where(mask, diff, torch.zeros(())).sum()),
-                           float(mask.sum())], dtype=torch.float64)
-    if mesh.dp > 1:
-        dist.all_reduce(totals, group=mesh.group("dp"))
-    return float(totals[0] / max(totals[1], 1.0))
-
-
-def read_step(path: Path) -> int:
-    """The recipe step a checkpoint was saved at (its ``extra["step"]``), from its manifest."""
-    manifest = json.loads((path / "fsdpfn.json").read_text())
-    extra = manifest.get("extra") or {}
-    return int(extra.get("step", manifest.get("step", 0)))
+    totals = torch.tensor([float(torch.where(mask, diff, torch.zeros((), device=diff.device))
+                                 .sum()), float(mask.sum())], dtype=torch.float64)
+    totals = all_reduce_sum(totals, mesh.group("dp") if mesh.dp > 1 else None)
+    return float(totals[0] / max(float(totals[1]), 1.0))

@@ -8,6 +8,7 @@ checkpoint is never cut short (and checkpoints are atomic anyway).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import signal
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "log", "is_main",
-           "broadcast_from_main", "mean_sequence_prob"]
+           "broadcast_from_main", "all_reduce_sum", "mean_sequence_prob"]
 
 
 def is_main() -> bool:
@@ -51,9 +52,18 @@ class StopFlag:
 
     def agreed(self) -> bool:
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(all_reduce_sum(flag, op=dist.ReduceOp.MAX).item())
+
+
+def all_reduce_sum(x: torch.Tensor, group=None, op=None) -> torch.Tensor:
+    """A host tensor reduced over ``group`` (None: the world, when there is more than one
+    rank); through the device when the group's backend is NCCL."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return x
+    backend = dist.get_backend(group)
+    y = x.to(torch.device("cuda", torch.cuda.current_device())) if backend == "nccl" else x
+    dist.all_reduce(y, op=op or dist.ReduceOp.SUM, group=group)
+    return y.cpu()
 
 
 def broadcast_from_main(fn):
@@ -81,16 +91,21 @@ class RunContext:
     resume: bool = False
     rollout_url: str | None = None
     device: str = "cpu"
+    dtype: str = "float32"
+    transport: str = "broadcast"
     stop: StopFlag = attrs.field(factory=StopFlag)
 
 
 class Metrics:
-    """JSON lines in ``path`` (rank 0 writes). On resume, lines of ``phase`` beyond the resumed
-    step are dropped (they belong to steps that will run again)."""
+    """JSON lines in ``path`` (rank 0 writes), and TensorBoard scalars in ``tensorboard`` (a
+    directory) when given. On resume, lines of ``phase`` beyond the resumed step are dropped
+    (they belong to steps that will run again)."""
 
-    def __init__(self, path: Path, *, keep_until: dict[str, int] | None = None):
+    def __init__(self, path: Path, *, keep_until: dict[str, int] | None = None,
+                 tensorboard: Path | None = None):
         self.path = Path(path)
         self.enabled = is_main()
+        self.writer = None
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +122,10 @@ class Metrics:
             self.path.write_text("".join(line + "\n" for line in kept))
         elif keep_until is None and self.path.exists():
             self.path.unlink()
+        if tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(tensorboard))
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -115,55 +134,50 @@ class Metrics:
                  for k, v in row.items()}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(clean) + "\n")
+        if self.writer is not None:
+            phase, step = row.get("phase", "run"), int(row.get("step", 0))
+            for key, value in clean.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and key != "step":
+                    self.writer.add_scalar(f"{phase}/{key}", value, step)
+            self.writer.flush()
 
-
-def _fmt_time(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 60}:{seconds % 60:02d}"
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 class Progress:
-    """A progress bar on stderr (rank 0): ``grpo 12/40 [#####....] 30% reward 0.41 ... 0:31<1:12``.
-
-    On a terminal it redraws one line; otherwise it prints a line every ``every`` steps and at
-    the end, so logs stay readable.
-    """
+    """A tqdm progress bar on stderr (rank 0). On a terminal it redraws one line; otherwise it
+    prints the bar's line every ``every`` steps and at the end, so logs stay readable."""
 
     def __init__(self, desc: str, total: int, *, start: int = 0, every: int = 1,
-                 enabled: bool = True, width: int = 24):
-        self.desc, self.total, self.start, self.every, self.width = desc, total, start, every, width
-        self.enabled = enabled and is_main()
+                 enabled: bool = True):
+        self.start, self.every, self.total = start, every, total
         self.tty = sys.stderr.isatty()
-        self.t0 = time.monotonic()
-        self.done = start
-        self.fields: dict[str, str] = {}
+        self.bar = None
+        if enabled and is_main():
+            from tqdm import tqdm
+
+            # off a terminal tqdm draws into a null stream and update() prints its line
+            self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True,
+                            file=sys.stderr if self.tty else io.StringIO(), ascii=not self.tty,
+                            mininterval=0.5, unit="step")
 
     def update(self, step: int, **fields) -> None:
-        if not self.enabled:
+        if self.bar is None:
             return
-        self.done = step
-        self.fields = {k: _fmt(v) for k, v in fields.items() if v is not None}
-        if self.tty:
-            sys.stderr.write("\r" + self._line() + "\x1b[K")
-            sys.stderr.flush()
-        elif (step - self.start) % self.every == 0 or step == self.total:
-            print(self._line(), file=sys.stderr, flush=True)
+        self.bar.set_postfix({k: _fmt(v) for k, v in fields.items() if v is not None},
+                             refresh=False)
+        self.bar.update(step - self.bar.n)
+        if not self.tty and ((step - self.start) % self.every == 0 or step == self.total):
+            print(str(self.bar), file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-    def _line(self) -> str:
-        frac = self.done / max(self.total, 1)
-        filled = int(round(frac * self.width))
-        elapsed = time.monotonic() - self.t0
-        ran = self.done - self.start
-        eta = elapsed / ran * (self.total - self.done) if ran else 0.0
-        bar = "#" * filled + "." * (self.width - filled)
-        stats = " ".join(f"{k} {v}" for k, v in self.fields.items())
-        return (f"{self.desc} {self.done:>{len(str(self.total))}}/{self.total} [{bar}] "
-                f"{frac:4.0%} {stats} {_fmt_time(elapsed)}<{_fmt_time(eta)}")
+        if self.bar is None:
+            return
+        self.bar.close()
+        self.bar = None
 
 
 def _fmt(value) -> str:
@@ -185,6 +199,5 @@ def mean_sequence_prob(state, mesh, batch) -> float:
     local = ff.forward_logp(state, ff.shard_batch(batch, mesh), out_key=K.LOGP)
     seq = torch.where(local[K.LOSS_MASK], local[K.LOGP], torch.zeros(())).sum(-1)
     totals = torch.tensor([float(seq.exp().sum()), float(seq.numel())], dtype=torch.float64)
-    if mesh.dp > 1:
-        dist.all_reduce(totals, group=mesh.group("dp"))
+    totals = all_reduce_sum(totals, mesh.group("dp") if mesh.dp > 1 else None)
     return float(totals[0] / totals[1])

@@ -23,9 +23,10 @@ from tensordict import TensorDict
 
 from fsdpfn import keys as K
 from fsdpfn.config import _bool, _int
+from fsdpfn.recipes.model import ModelConfig
 
 __all__ = ["CharTokenizer", "AdditionTask", "TinyModel", "save_initial_model", "sft_batch",
-           "pair_batch", "rollout_batch"]
+           "pair_batch", "rollout_batch", "sequences_batch"]
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+="
@@ -38,6 +39,7 @@ class CharTokenizer:
         self.itos = [PAD, BOS, EOS, *CHARS]
         self.stoi = {s: i for i, s in enumerate(self.itos)}
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.stop_ids = [self.eos_id]
 
     @property
     def vocab_size(self) -> int:
@@ -110,57 +112,34 @@ class AdditionTask:
         return 1.0 if int(text) == a + b else 0.0
 
 
-@attrs.frozen
-class TinyModel:
-    """A small Qwen2 built in code (random init under ``seed``); vocabulary from CharTokenizer."""
-
-    hidden_size: int = attrs.field(default=128, validator=_int(8))
-    intermediate_size: int = attrs.field(default=256, validator=_int(8))
-    num_layers: int = attrs.field(default=2, validator=_int(1))
-    num_heads: int = attrs.field(default=8, validator=_int(1))
-    num_kv_heads: int = attrs.field(default=4, validator=_int(1))
-    seed: int = attrs.field(default=0, validator=_int(0))
-
-    def hf_config(self, vocab_size: int):
-        from transformers import Qwen2Config
-
-        return Qwen2Config(vocab_size=vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size,
-                           num_hidden_layers=self.num_layers,
-                           num_attention_heads=self.num_heads,
-                           num_key_value_heads=self.num_kv_heads, max_position_embeddings=128,
-                           tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0,
-                           bos_token_id=1, eos_token_id=2)
-
-    def config_dict(self, vocab_size: int) -> dict:
-        """The transformers config as plain data, for ``EngineConfig(model_config=...)``."""
-        return self.hf_config(vocab_size).to_dict()
+TinyModel = ModelConfig  # the embedded model's config (``ModelConfig()`` with path unset)
 
 
 def save_initial_model(path: str | Path, model: TinyModel, tokenizer: CharTokenizer) -> Path:
-    """Build the model (random init, float32) and write an HF directory with char_vocab.json."""
-    from transformers import AutoModelForCausalLM
+    """Build the model (random init under ``model.seed``, float32) and write an HF directory
+    with char_vocab.json."""
+    from fsdpfn.recipes.model import write_initial_model
 
-    path = Path(path)
-    torch.manual_seed(model.seed)
-    hf = AutoModelForCausalLM.from_config(model.hf_config(tokenizer.vocab_size),
-                                          dtype=torch.float32)
-    tmp = path.with_name(path.name + ".tmp")
-    from transformers.utils import logging as hf_logging
-
-    bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Writing model shards" for a 1 MB file is noise
-    try:
-        hf.save_pretrained(tmp, safe_serialization=True)
-    finally:
-        if bar_was_on:
-            hf_logging.enable_progress_bar()
-    tokenizer.save(tmp)
-    tmp.rename(path)
-    return path
+    return write_initial_model(model, Path(path), tokenizer)
 
 
 # ---------------------------------------------------------------- batches in the public layout
+
+
+def sequences_batch(seqs: list[tuple[list[int], list[bool]]]) -> TensorDict:
+    """The public batch of (ids, loss) sequences: loss_mask True where loss is (never at t=0)."""
+    T = max(len(ids) for ids, _ in seqs)
+    B = len(seqs)
+    ids_t = torch.zeros(B, T, dtype=torch.int64)
+    attn = torch.zeros(B, T, dtype=torch.bool)
+    loss_t = torch.zeros(B, T, dtype=torch.bool)
+    for i, (ids, loss) in enumerate(seqs):
+        ids_t[i, :len(ids)] = torch.tensor(ids)
+        attn[i, :len(ids)] = True
+        loss_t[i, :len(ids)] = torch.tensor(loss, dtype=torch.bool)
+    loss_t[:, 0] = False
+    return TensorDict({K.INPUT_IDS: ids_t, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss_t},
+                      batch_size=[B])
 
 
 def _pad_rows(rows: list[list[int]], prompt_lens: list[int]) -> TensorDict:

@@ -16,23 +16,32 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="the resolved recipe config (YAML)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--rollout-url", default=None)
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="the launcher's placement (default: launch.device, auto resolved here)")
+    p.add_argument("--transport", default=None, choices=("broadcast", "disk"),
+                   help="how weights reach the rollout server (default: rollout.transport)")
     args = p.parse_args(argv)
 
     import torch
     import torch.distributed as dist
 
     from fsdpfn.recipes import load_recipe_config, run_recipe
+    from fsdpfn.recipes.placement import resolve_dtype
     from fsdpfn.recipes.runtime import RunContext
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     cfg = load_recipe_config(args.config)
-    device = cfg.launch.device
+    device = args.device or cfg.launch.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # one GPU per rank, of those the launcher made visible
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rollout = getattr(cfg, "rollout", None)
+    transport = args.transport or (rollout.transport if rollout is not None else "broadcast")
     ctx = RunContext(run_dir=Path(cfg.run_dir), resume=args.resume,
-                     rollout_url=args.rollout_url or getattr(getattr(cfg, "rollout", None),
-                                                             "url", None),
-                     device=device)
+                     rollout_url=args.rollout_url or getattr(rollout, "url", None),
+                     device=device, dtype=resolve_dtype(cfg, device),
+                     transport="broadcast" if transport == "auto" else transport)
     ctx.stop.install()
     # the launcher forwards Ctrl-C to the ranks by these pids (torchrun starts each rank in a
     # session of its own, and signalling torchrun itself would tear the ranks down mid-step)

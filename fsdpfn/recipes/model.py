@@ -1,0 +1,214 @@
+"""The recipes' model and tokenizer: a user's HF directory, or the embedded tiny Qwen2.
+
+    model:
+      path: /models/Qwen2.5-1.5B-Instruct     # config.json, *.safetensors, tokenizer files
+      random_init: false                       # true: same architecture, weights drawn under seed
+
+With ``path`` unset, the embedded default is used: a small Qwen2 built in code (``hidden_size``,
+``num_layers``, ... below) with fsdpfn's character tokenizer, nothing downloaded. With ``path``,
+the tokenizer and its chat template come from that directory (``AutoTokenizer``), so the rollout
+server, the rewards and the trainer all read the same text.
+
+A tokenizer here is anything with ``encode(text) -> ids``, ``decode(ids) -> text`` (up to the
+first stop token), ``stop_ids``, ``pad_id``, ``vocab_size``, ``prompt_ids(prompt)`` (a string,
+or chat messages rendered with the chat template and its generation prompt) and ``save(dir)``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import attrs
+
+from fsdpfn.config import _bool, _int
+from fsdpfn.errors import ConfigError
+
+__all__ = ["ModelConfig", "HFTokenizer", "load_tokenizer", "check_model_dir",
+           "initial_model_dir", "write_initial_model", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json", "added_tokens.json", "generation_config.json",
+                   "char_vocab.json")
+
+
+def _opt_path(_, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"model.{attribute.name}: must be null or a directory path, got "
+                          f"{value!r}")
+
+
+@attrs.frozen
+class ModelConfig:
+    """``path``: a local HF causal-LM directory (config.json, safetensors, tokenizer); None: the
+    embedded tiny Qwen2 (the fields below) with the character tokenizer. ``random_init``: build
+    ``path``'s architecture from its config.json with fresh weights (drawn under ``seed``); the
+    directory then needs no weights. The size fields apply to the embedded model only."""
+
+    path: str | None = attrs.field(default=None, validator=_opt_path)
+    random_init: bool = attrs.field(default=False, validator=_bool)
+    hidden_size: int = attrs.field(default=128, validator=_int(8))
+    intermediate_size: int = attrs.field(default=256, validator=_int(8))
+    num_layers: int = attrs.field(default=2, validator=_int(1))
+    num_heads: int = attrs.field(default=8, validator=_int(1))
+    num_kv_heads: int = attrs.field(default=4, validator=_int(1))
+    seed: int = attrs.field(default=0, validator=_int(0))
+
+    @property
+    def embedded(self) -> bool:
+        return self.path is None
+
+    def hf_config(self, vocab_size: int):
+        """The embedded model's transformers config."""
+        from transformers import Qwen2Config
+
+        return Qwen2Config(vocab_size=vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size,
+                           num_hidden_layers=self.num_layers,
+                           num_attention_heads=self.num_heads,
+                           num_key_value_heads=self.num_kv_heads, max_position_embeddings=128,
+                           tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2)
+
+    def config_dict(self, vocab_size: int) -> dict:
+        return self.hf_config(vocab_size).to_dict()
+
+
+def check_model_dir(cfg: ModelConfig) -> None:
+    """Fail before any rank starts: the directory, its config, weights and tokenizer."""
+    if cfg.embedded:
+        return
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise ConfigError(f"model.path: must be an existing directory, got {cfg.path!r}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: must hold a transformers config.json, got {cfg.path!r} "
+                          f"(no config.json)")
+    if not cfg.random_init and not any(path.glob("*.safetensors")):
+        raise ConfigError(f"model.path: must hold *.safetensors weights (or set "
+                          f"model.random_init=true), got {cfg.path!r} (no .safetensors file)")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model",
+                                                    "vocab.json", "char_vocab.json")):
+        raise ConfigError(f"model.path: must hold a tokenizer (tokenizer.json, tokenizer.model "
+                          f"or vocab.json), got {cfg.path!r} (no tokenizer files)")
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the recipes' small tokenizer interface."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        self.path = Path(path)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:  # noqa: BLE001 - any loader failure is a config problem here
+            raise ConfigError(f"model.path: the tokenizer in {str(path)!r} does not load "
+                              f"({type(exc).__name__}: {exc})") from None
+        stops = []
+        eos = self.tok.eos_token_id
+        if eos is not None:
+            stops.append(int(eos))
+        gen = self.path / "generation_config.json"
+        if gen.is_file():
+            import json
+
+            ids = json.loads(gen.read_text()).get("eos_token_id")
+            for i in ids if isinstance(ids, list) else [ids]:
+                if i is not None and int(i) not in stops:
+                    stops.append(int(i))
+        self.stop_ids = stops
+        pad = self.tok.pad_token_id
+        self.pad_id = int(pad if pad is not None else (stops[0] if stops else 0))
+        self.eos_id = stops[0] if stops else None
+        self.vocab_size = len(self.tok)
+        self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids) -> str:
+        ids = list(ids)
+        for j, t in enumerate(ids):
+            if t in self.stop_ids:
+                ids = ids[:j]
+                break
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """A string (tokenized as is, with the tokenizer's own BOS if it adds one) or chat
+        messages (the chat template with its generation prompt)."""
+        if isinstance(prompt, str):
+            return list(self.tok.encode(prompt, add_special_tokens=True))
+        return self.chat_ids(prompt, generation_prompt=True)
+
+    def chat_ids(self, messages, *, generation_prompt: bool) -> list[int]:
+        if not self.has_chat_template:
+            raise ConfigError(f"data: chat messages need a chat template, and the tokenizer in "
+                              f"{str(self.path)!r} has none (chat_template)")
+        out = self.tok.apply_chat_template(list(messages), tokenize=True,
+                                           add_generation_prompt=generation_prompt)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def save(self, directory: str | Path) -> None:
+        self.tok.save_pretrained(str(directory))
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The embedded character tokenizer, or ``model.path``'s."""
+    if cfg.embedded:
+        from fsdpfn.recipes.task import CharTokenizer
+
+        return CharTokenizer()
+    check_model_dir(cfg)
+    return HFTokenizer(cfg.path)
+
+
+def initial_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
+    """Where the run's starting weights are: ``model.path`` itself, or run_dir/model0 (the
+    embedded model, or ``random_init``), which the launcher writes."""
+    if cfg.embedded or cfg.random_init:
+        return Path(run_dir) / "model0"
+    return Path(cfg.path)
+
+
+def write_initial_model(cfg: ModelConfig, path: Path, tokenizer) -> Path:
+    """run_dir/model0 for the embedded model or ``random_init`` (weights drawn under seed, float32
+    for the tiny model, the config's dtype otherwise), with the tokenizer files beside it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cfg.embedded:
+        config, dtype = cfg.hf_config(tokenizer.vocab_size), torch.float32
+    else:
+        config = AutoConfig.from_pretrained(cfg.path)
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) \
+            or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    torch.manual_seed(cfg.seed)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    if cfg.embedded:
+        tokenizer.save(tmp)
+    else:
+        for name in TOKENIZER_FILES:
+            if (Path(cfg.path) / name).is_file():
+                shutil.copy(Path(cfg.path) / name, tmp / name)
+    tmp.rename(path)
+    return path

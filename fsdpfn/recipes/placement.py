@@ -1,0 +1,142 @@
+"""Where ``fsdpfn run`` puts its processes: trainer ranks and the rollout server, on the CPU or
+on disjoint GPUs, and how weights travel between them.
+
+    place(cfg, n_gpus)  ->  Placement(device, nproc, trainer_gpus, server_device, server_gpus,
+                                      transport)
+
+Defaults on a host with N GPUs (``device: auto`` finds N > 0): an RL recipe with its own server
+serves on the last GPU and trains on the others (N >= 2), or shares GPU 0 (N == 1); the
+supervised recipes train on every GPU. One trainer rank per GPU. Weights travel by NCCL broadcast
+when trainer and server hold different GPUs; on a shared GPU by disk (safetensors written by the
+trainer, read by the server): NCCL cannot connect two processes on one device. Indices are those
+of the launcher's view (its CUDA_VISIBLE_DEVICES, when set); each process is started with
+CUDA_VISIBLE_DEVICES naming its own GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+from fsdpfn.errors import ConfigError
+
+__all__ = ["Placement", "place", "visible_gpus", "count_gpus", "resolve_dtype"]
+
+
+@attrs.frozen
+class Placement:
+    device: str                       # the trainer's: "cpu" or "cuda"
+    nproc: int                        # trainer ranks
+    trainer_gpus: tuple[int, ...]     # launcher indices, one per rank (empty on CPU)
+    server_device: str | None         # None: no server of ours
+    server_gpus: tuple[int, ...]
+    transport: str                    # "broadcast" or "disk"
+    dtype: str                        # the trainer's compute dtype
+
+    def env(self, gpus: tuple[int, ...]) -> dict:
+        """CUDA_VISIBLE_DEVICES for a process that uses ``gpus`` (launcher indices)."""
+        if not gpus:
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(visible_gpus()[i] for i in gpus)}
+
+
+def visible_gpus() -> list[str]:
+    """The launcher's GPUs as CUDA_VISIBLE_DEVICES entries (index i of the list is GPU i)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [v.strip() for v in env.split(",") if v.strip()]
+    return [str(i) for i in range(count_gpus())]
+
+
+def count_gpus() -> int:
+    """CUDA devices this process can see (0 without CUDA); cached after the first call."""
+    global _COUNT
+    if _COUNT is None:
+        import torch
+
+        _COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return _COUNT
+
+
+_COUNT: int | None = None
+
+
+def _check_indices(key: str, gpus, n_gpus: int) -> None:
+    bad = [g for g in gpus if g >= n_gpus]
+    if bad:
+        raise ConfigError(f"{key}: GPU indices must be < {n_gpus} (this host's GPUs), got "
+                          f"{list(gpus)}")
+
+
+def place(cfg, n_gpus: int, *, needs_rollout: bool) -> Placement:
+    """The placement of ``cfg`` (a recipe config) on a host with ``n_gpus`` GPUs."""
+    launch = cfg.launch
+    own_server = needs_rollout and cfg.rollout.url is None
+    device = launch.device if launch.device != "auto" else ("cuda" if n_gpus else "cpu")
+    if device == "cuda" and n_gpus == 0:
+        raise ConfigError("launch.device: 'cuda' needs a GPU and this host has none, got "
+                          "'cuda' (use auto or cpu)")
+    rollout_dev = None
+    if own_server:
+        rollout_dev = cfg.rollout.device if cfg.rollout.device != "auto" else device
+        if rollout_dev == "cuda" and n_gpus == 0:
+            raise ConfigError("rollout.device: 'cuda' needs a GPU and this host has none, got "
+                              "'cuda'")
+    server_gpus: tuple[int, ...] = ()
+    if rollout_dev == "cuda":
+        server_gpus = cfg.rollout.gpus or (n_gpus - 1,)
+        _check_indices("rollout.gpus", server_gpus, n_gpus)
+        if len(server_gpus) != 1:
+            raise ConfigError(f"rollout.gpus: the built-in server uses one GPU, got "
+                              f"{list(server_gpus)}")
+    trainer_gpus: tuple[int, ...] = ()
+    if device == "cuda":
+        if launch.gpus is not None:
+            trainer_gpus = launch.gpus
+        else:
+            rest = tuple(g for g in range(n_gpus) if g not in server_gpus)
+            trainer_gpus = rest or (0,)
+        _check_indices("launch.gpus", trainer_gpus, n_gpus)
+        nproc = launch.nproc or len(trainer_gpus)
+        if nproc > len(trainer_gpus):
+            raise ConfigError(f"launch.nproc: one trainer rank per GPU, and launch.gpus gives "
+                              f"{len(trainer_gpus)} ({list(trainer_gpus)}), got {nproc}")
+        trainer_gpus = trainer_gpus[:nproc]
+    else:
+        nproc = launch.nproc or 2
+    _check_layout(cfg, nproc)
+    shared = bool(set(trainer_gpus) & set(server_gpus))
+    transport = cfg.rollout.transport if needs_rollout else "broadcast"
+    if transport == "auto":
+        transport = "disk" if shared else "broadcast"
+    elif transport == "broadcast" and shared:
+        raise ConfigError(f"rollout.transport: 'broadcast' needs the server on a GPU of its own "
+                          f"(NCCL cannot connect two processes on one device); trainer GPUs "
+                          f"{list(trainer_gpus)}, server GPU {list(server_gpus)}; use auto or "
+                          f"disk, got 'broadcast'")
+    dtype = resolve_dtype(cfg, device)
+    return Placement(device=device, nproc=nproc, trainer_gpus=tuple(trainer_gpus),
+                     server_device=rollout_dev, server_gpus=tuple(server_gpus),
+                     transport=transport, dtype=dtype)
+
+
+def _check_layout(cfg, nproc: int) -> None:
+    """dp x cp x tp must fill the ranks the launch starts (before any rank starts)."""
+    p = cfg.parallel
+    inner = p.tp * p.cp
+    if p.dp == -1:
+        if nproc % inner:
+            raise ConfigError(f"parallel.tp: tp x cp = {p.tp} x {p.cp} = {inner} must divide "
+                              f"the {nproc} trainer ranks (launch.nproc), got tp={p.tp}")
+    elif p.dp * inner != nproc:
+        raise ConfigError(f"parallel.dp: dp x cp x tp = {p.dp} x {p.cp} x {p.tp} = "
+                          f"{p.dp * inner} must equal the {nproc} trainer ranks (launch.nproc), "
+                          f"got dp={p.dp}")
+
+
+def resolve_dtype(cfg, device: str) -> str:
+    """A recipe's ``dtype: auto``: float32 on the CPU, bfloat16 on CUDA."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if device == "cuda" else "float32"

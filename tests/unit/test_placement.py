@@ -1,0 +1,80 @@
+"""Where `fsdpfn run` puts trainer ranks and the rollout server (no GPU needed: the GPU count is
+an argument), and the parallel layout checked against the ranks before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdpfn.errors import ConfigError
+from fsdpfn.recipes import default_config
+from fsdpfn.recipes import placement as P
+
+
+def place(recipe="grpo", n_gpus=0, *overrides):
+    cfg = default_config(recipe, list(overrides))
+    return P.place(cfg, n_gpus, needs_rollout=recipe in ("grpo", "ppo"))
+
+
+def test_cpu_host_runs_two_ranks_and_broadcasts():
+    p = place("grpo", 0)
+    assert (p.device, p.nproc, p.trainer_gpus, p.server_device, p.transport, p.dtype) == \
+        ("cpu", 2, (), "cpu", "broadcast", "float32")
+
+
+def test_one_gpu_is_shared_and_weights_go_by_disk():
+    p = place("grpo", 1)
+    assert (p.device, p.nproc, p.trainer_gpus, p.server_gpus, p.transport, p.dtype) == \
+        ("cuda", 1, (0,), (0,), "disk", "bfloat16")
+    with pytest.raises(ConfigError, match=r"rollout.transport: 'broadcast' needs the server on "
+                                          r"a GPU of its own.*got 'broadcast'"):
+        place("grpo", 1, "rollout.transport=broadcast")
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_last_gpu_serves_the_others_train(n):
+    p = place("grpo", n)
+    assert p.trainer_gpus == tuple(range(n - 1)) and p.server_gpus == (n - 1,)
+    assert p.nproc == n - 1 and p.transport == "broadcast"
+
+
+def test_supervised_recipes_train_on_every_gpu():
+    p = place("sft", 4)
+    assert p.trainer_gpus == (0, 1, 2, 3) and p.nproc == 4 and p.server_device is None
+
+
+def test_explicit_gpus_and_their_errors():
+    p = place("grpo", 4, "launch.gpus=[1, 2]", "rollout.gpus=[0]")
+    assert p.trainer_gpus == (1, 2) and p.server_gpus == (0,) and p.nproc == 2
+    assert place("grpo", 4, "launch.gpus=[0, 1]", "rollout.gpus=[1]").transport == "disk"
+    with pytest.raises(ConfigError, match=r"launch.gpus: GPU indices must be < 2 .*got \[0, 5\]"):
+        place("grpo", 2, "launch.gpus=[0, 5]")
+    with pytest.raises(ConfigError, match=r"launch.nproc: one trainer rank per GPU.*got 3"):
+        place("grpo", 2, "launch.nproc=3")
+    with pytest.raises(ConfigError, match=r"launch.device: 'cuda' needs a GPU"):
+        place("grpo", 0, "launch.device=cuda")
+    with pytest.raises(ConfigError, match=r"launch.gpus: must be null or a list of distinct"):
+        place("grpo", 4, "launch.gpus=[1, 1]")
+
+
+def test_cpu_trainer_with_a_gpu_server_and_float32_on_request():
+    p = place("grpo", 2, "launch.device=cpu", "rollout.device=cuda")
+    assert p.device == "cpu" and p.server_gpus == (1,) and p.transport == "broadcast"
+    assert place("grpo", 1, "dtype=float32").dtype == "float32"
+
+
+def test_parallel_layout_must_fill_the_ranks():
+    with pytest.raises(ConfigError, match=r"parallel.tp: tp x cp = 3 x 1 = 3 must divide the 2 "
+                                          r"trainer ranks"):
+        place("sft", 0, "parallel.tp=3")
+    with pytest.raises(ConfigError, match=r"parallel.dp: dp x cp x tp = 2 x 1 x 2 = 4 must "
+                                          r"equal the 2 trainer ranks"):
+        place("sft", 0, "parallel.dp=2", "parallel.tp=2")
+    assert place("sft", 0, "parallel.tp=2").nproc == 2
+
+
+def test_env_names_the_launchers_own_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    p = place("grpo", 3)
+    assert p.env(p.trainer_gpus) == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert p.env(p.server_gpus) == {"CUDA_VISIBLE_DEVICES": "6"}
+    assert p.env(()) == {}
