@@ -7,8 +7,9 @@ built in code, nothing downloaded) it
   2. warms the model up with sft_step, exports it with export_hf (the reference model),
   3. runs REINFORCE with a leave-one-out baseline and a k3 KL penalty, written below as a
      ``loss_fn(outputs, minibatch, ctx) -> (loss_sum, stats)`` for ``ff.grad_step``:
-     rollout on the server -> forward_logp (ref, old) -> advantages with ff.ops -> grad_step ->
-     push_weights -> save_checkpoint.
+     rollout on the server (rows tagged with a group_id per problem) -> shard_batch (whole
+     groups per rank) -> forward_logp (ref, old) -> compute_advantages (RLOO, groups checked)
+     -> grad_step -> push_weights -> save_checkpoint.
 
 Run it (CPU, about 30 s):
 
@@ -75,8 +76,8 @@ def from_rank0(fn):
 
 
 def rollout(url, task, tok, n_prompts, group_size, seed) -> dict:
-    """Rank 0: sample group_size answers per problem; the public batch with rewards and the
-    server's behav_logp, as a plain dict (picklable)."""
+    """Rank 0: sample group_size answers per problem; the public batch with rewards, the
+    server's behav_logp and group_id (the problem each row answers), as a plain dict."""
     problems = task.sample(n_prompts, seed=seed)
     prompts = [task.prompt_ids(tok, a, b) for a, b in problems]
     answer = generate(url, prompts, n=group_size, max_new_tokens=task.max_answer_tokens,
@@ -84,7 +85,9 @@ def rollout(url, task, tok, n_prompts, group_size, seed) -> dict:
     outputs = answer["outputs"]
     rewards = [task.reward(*problems[i // group_size], tok.decode(o["output_ids"]))
                for i, o in enumerate(outputs)]
-    return rollout_batch(prompts, outputs, group_size, rewards).to_dict()
+    batch = rollout_batch(prompts, outputs, group_size, rewards)
+    batch.set(K.GROUP_ID, torch.arange(n_prompts).repeat_interleave(group_size))
+    return batch.to_dict()
 
 
 # ---------------------------------------------------------------- the loop
@@ -140,14 +143,13 @@ def main() -> None:
             t0 = time.perf_counter()
             data = from_rank0(lambda: rollout(url, task, tok, args.prompts, G, seed=10**6 + step))
             batch = TensorDict(data, batch_size=[args.prompts * G])
-            batch = ff.shard_batch(batch, mesh, group_size=G)   # whole groups per rank
+            batch = ff.shard_batch(batch, mesh)          # group_id: whole groups per rank
             batch = ff.forward_logp(ref, batch, out_key=K.REF_LOGP)
             batch = ff.forward_logp(actor, batch, out_key=K.OLD_LOGP)
-            # RLOO: each answer's reward minus the mean of the other answers to its problem
-            adv = ff.ops.group_advantages(batch[K.REWARDS], G, norm_std=False,
-                                          leave_one_out=True)           # (b,)
-            mask = batch[K.LOSS_MASK]
-            batch = batch.copy().set(K.ADVANTAGES, torch.where(mask, adv[:, None], 0.0))
+            # RLOO: each answer's reward minus the mean of the other answers to its problem;
+            # a group split over ranks would be a BatchError here, not a wrong advantage
+            batch = ff.compute_advantages(batch, ff.AdvantageConfig(estimator="rloo",
+                                                                    group_size=G), mesh=mesh)
             actor, stats = ff.grad_step(actor, batch, loss_fn, optimizer_steps=2,
                                         require=(K.LOSS_MASK, K.OLD_LOGP, K.REF_LOGP,
                                                  K.ADVANTAGES),

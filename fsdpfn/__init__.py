@@ -16,8 +16,8 @@ from fsdpfn.checkpoint import export_hf, latest_checkpoint, load_checkpoint, sav
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, EngineConfig, FSDPConfig,
                            LoRAConfig, MicroBatchSpec, OptimizerConfig, ParallelStrategy,
                            PPOConfig, RWConfig, SFTConfig)
-from fsdpfn.errors import (BatchError, CheckpointError, ConfigError, StaleStateError,
-                           WeightSyncError)
+from fsdpfn.errors import (BatchError, CheckpointError, ConfigError, MicroBatchOOMError,
+                           StaleStateError, WeightSyncError)
 from fsdpfn.forward import compute_values, forward_logp
 from fsdpfn.mesh import Mesh, build_mesh
 from fsdpfn.shard import shard_model
@@ -34,6 +34,7 @@ __all__ = [
     "DPOConfig",
     # errors
     "ConfigError", "BatchError", "StaleStateError", "WeightSyncError", "CheckpointError",
+    "MicroBatchOOMError",
     # engine
     "Mesh", "build_mesh", "EngineState", "shard_model", "forward_logp", "compute_values",
     "grad_step", "evaluate", "StepContext", "shard_batch", "gather_batch",

@@ -162,11 +162,21 @@ class FSDPConfig:
     optim_step_prefetch_layers: int = attrs.field(default=1, validator=_int(0))
 
 
+DEFAULT_MAX_TOKENS_PER_MB = 16384  # the budget the benchmarks measure (BENCHMARKS.md)
+
+
 @attrs.frozen
 class MicroBatchSpec:
-    """Micro-batches by token budget (max_tokens_per_mb) and/or count (n_mbs, a minimum)."""
+    """Micro-batches by token budget (max_tokens_per_mb) and/or count (n_mbs, a minimum).
 
-    max_tokens_per_mb: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+    The default budget, 16384 tokens per micro-batch, is the fast path the benchmarks measure
+    and bounds activation memory whatever the batch size; a single row (or group kept whole)
+    longer than the budget is a BatchError naming this field. ``None`` puts a rank's whole
+    batch in n_mbs micro-batches, however large.
+    """
+
+    max_tokens_per_mb: int | None = attrs.field(default=DEFAULT_MAX_TOKENS_PER_MB,
+                                                validator=_int(1, allow=(None,)))
     n_mbs: int = attrs.field(default=1, validator=_int(1))
     algo: str = attrs.field(default="ffd", validator=_one_of("ffd", "kk"))
 
@@ -267,6 +277,16 @@ class PPOConfig:
 
     ``clip_high=None`` means symmetric clipping. ``kl_coef>0`` adds coef·KL(π‖π_ref) to the loss
     (needs ``ref_logp``). ``use_behav_logp``: decoupled PPO weights from ``behav_logp`` when present.
+
+    Trainer-rollout mismatch (``fsdpfn.ops.behav_weights``; each needs ``behav_logp`` in the
+    batch): ``behav_cap`` truncates token weights at the cap; ``behav_correction`` 'tis' truncates
+    to [behav_low, behav_high] (behav_low None: no lower bound), 'mis' zeroes tokens (or whole
+    rows) whose weight leaves it (behav_low None: 1/behav_high); behav_high defaults to 2.0.
+    ``behav_level``: 'token', 'sequence' (product over the row) or 'geometric' (geometric mean).
+    ``policy_loss='cispo'``: CISPO's clipped, detached ratio times log π; its bounds are
+    [1 − cispo_clip_low (None: none), 1 + cispo_clip_high (None: the PPO upper clip)].
+    ``check_on_policy``: warn when the first minibatch's mean |logp − old_logp| exceeds
+    ``on_policy_tol`` (on-policy data must have ratio 1 before the first update).
     """
 
     clip_low: float = attrs.field(default=0.2, converter=_float_conv, validator=_float(gt=0, lt=1))
@@ -286,6 +306,73 @@ class PPOConfig:
                                           validator=_float(gt=0, optional=True))
     temperature: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0))
     seed: int = attrs.field(default=0, validator=_int(0))
+    # trainer-rollout mismatch (fsdpfn.ops.correction)
+    behav_correction: str | None = attrs.field(default=None, validator=_one_of(None, "tis", "mis"))
+    behav_level: str = attrs.field(default="token",
+                                   validator=_one_of("token", "sequence", "geometric"))
+    behav_low: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                          validator=_float(ge=0, optional=True))
+    behav_high: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                           validator=_float(gt=0, optional=True))
+    policy_loss: str = attrs.field(default="ppo", validator=_one_of("ppo", "cispo"))
+    cispo_clip_low: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                               validator=_float(gt=0, le=1, optional=True))
+    cispo_clip_high: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                                validator=_float(gt=0, optional=True))
+    check_on_policy: bool = attrs.field(default=False, validator=_bool)
+    on_policy_tol: float = attrs.field(default=1e-3, converter=_float_conv, validator=_float(gt=0))
+
+    def __attrs_post_init__(self):
+        _check_ppo_behav(self)
+        _check_ppo_cispo(self)
+
+    @property
+    def behav_bounds(self) -> tuple[float | None, float | None]:
+        """(low, high) handed to the correction: behav_high defaults to 2.0."""
+        if self.behav_correction is None:
+            return None, None
+        return self.behav_low, 2.0 if self.behav_high is None else self.behav_high
+
+    @property
+    def cispo_bounds(self) -> tuple[float, float]:
+        """(clip_low, clip_high) of CISPO's weight: no lower bound unless cispo_clip_low; the
+        upper one cispo_clip_high, else the PPO upper clip (clip_high or clip_low)."""
+        hi = self.cispo_clip_high
+        if hi is None:
+            hi = self.clip_low if self.clip_high is None else self.clip_high
+        return (1.0 if self.cispo_clip_low is None else self.cispo_clip_low), hi
+
+
+def _check_ppo_behav(c: PPOConfig) -> None:
+    if c.behav_correction is None:
+        for name in ("behav_low", "behav_high"):
+            if getattr(c, name) is not None:
+                raise ConfigError(f"{name}: needs behav_correction 'tis' or 'mis', got "
+                                  f"{getattr(c, name)!r} with behav_correction=None")
+        if c.behav_level != "token":
+            raise ConfigError(f"behav_level: needs behav_correction 'tis' or 'mis' (an untruncated "
+                              f"sequence weight has unbounded variance), got {c.behav_level!r}")
+        return
+    if c.behav_cap is not None:
+        raise ConfigError(f"behav_cap: must be None with behav_correction={c.behav_correction!r} "
+                          f"(behav_cap is token 'tis' at the cap; use behav_high), got {c.behav_cap!r}")
+    if not c.use_behav_logp:
+        raise ConfigError(f"use_behav_logp: must be True with behav_correction="
+                          f"{c.behav_correction!r}, got False")
+    low, high = c.behav_bounds
+    if low is not None and not low < high:
+        raise ConfigError(f"behav_low: must be < behav_high ({high}), got {low!r}")
+
+
+def _check_ppo_cispo(c: PPOConfig) -> None:
+    if c.policy_loss == "cispo":
+        if c.dual_clip is not None:
+            raise ConfigError(f"dual_clip: must be None with policy_loss='cispo', got {c.dual_clip!r}")
+        return
+    for name in ("cispo_clip_low", "cispo_clip_high"):
+        if getattr(c, name) is not None:
+            raise ConfigError(f"{name}: needs policy_loss='cispo', got {getattr(c, name)!r} with "
+                              f"policy_loss={c.policy_loss!r}")
 
 
 @attrs.frozen

@@ -16,10 +16,12 @@ from tensordict import TensorDict
 from fsdpfn import keys as K
 from fsdpfn.batch import (Packed, apply_scatter, next_token_targets, pack, plan_microbatches,
                           row_lengths, shift_to_token_aligned, validate_batch)
-from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.config import MicroBatchSpec
+from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
 from fsdpfn.state import EngineState, check_live
 
-__all__ = ["forward_logp", "compute_values", "prepare", "plan", "model_outputs", "empty_packed"]
+__all__ = ["forward_logp", "compute_values", "prepare", "plan", "model_outputs", "empty_packed",
+           "resolve_mb_spec", "release_memory", "oom_error"]
 
 
 def _batch_fingerprint(batch) -> torch.Tensor:
@@ -67,9 +69,54 @@ def prepare(state: EngineState, batch, fn_name: str, *, require: Sequence[str] =
     check_live(state, fn_name, local_error=_check_replicas(state, batch))
 
 
-def plan(state: EngineState, batch, *, group_size: int = 1) -> list[list[int]]:
+def resolve_mb_spec(state: EngineState, mb_spec) -> MicroBatchSpec:
+    """The micro-batching of one call: ``mb_spec`` when given, else the state's config."""
+    if mb_spec is None:
+        return state.config.mb_spec
+    if not isinstance(mb_spec, MicroBatchSpec):
+        raise ConfigError(f"mb_spec: must be a MicroBatchSpec or None, got {mb_spec!r}")
+    return mb_spec
+
+
+def release_memory(state: EngineState) -> None:
+    """After an out-of-memory error: drop gradients, reshard FSDP parameters left gathered by
+    the interrupted pass, and hand cached device memory back."""
+    for param in state.model.parameters():
+        param.grad = None
+    for module in state.model.modules():
+        reshard = getattr(module, "reshard", None)
+        if callable(reshard) and type(module).__name__.startswith("FSDP"):
+            try:
+                reshard()
+            except Exception:  # noqa: BLE001 - best effort: a module already resharded is fine
+                pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def oom_error(state: EngineState, fn_name: str, n_tokens: int, spec: MicroBatchSpec, *,
+              stepped: int = 0) -> MicroBatchOOMError:
+    """The typed error for a micro-batch of ``n_tokens`` that ran out of device memory;
+    ``stepped``: optimizer steps the call had already taken (then the state was advanced)."""
+    budget = spec.max_tokens_per_mb
+    smaller = max(1, (budget if budget is not None else n_tokens) // 2)
+    if stepped:
+        what = (f"{stepped} earlier optimizer step(s) of this call did run: continue from the "
+                f"error's .state (the successor of the state passed)")
+    else:
+        what = "nothing was updated, so the same state can be used again"
+    return MicroBatchOOMError(
+        f"{fn_name}: out of device memory on a micro-batch of {n_tokens} tokens "
+        f"(max_tokens_per_mb={budget}, n_mbs={spec.n_mbs}). Gradients were dropped and cached "
+        f"memory released; {what}. Lower EngineConfig.mb_spec.max_tokens_per_mb, or retry the "
+        f"call with mb_spec=MicroBatchSpec(max_tokens_per_mb={smaller})",
+        fn_name=fn_name, n_tokens=n_tokens, max_tokens_per_mb=budget)
+
+
+def plan(state: EngineState, batch, *, group_size: int = 1,
+         mb_spec: MicroBatchSpec | None = None) -> list[list[int]]:
     """Micro-batches (row lists) of this rank; the count is the max over all ranks."""
-    spec = state.config.mb_spec
+    spec = mb_spec if mb_spec is not None else state.config.mb_spec
     lens = row_lengths(batch)
     error, rows = None, []
     try:
@@ -131,21 +178,57 @@ def _check_temperature(temperature) -> float:
     return float(temperature)
 
 
-def _mb_packs(state, batch) -> list[Packed]:
+def _mb_packs(state, batch, spec: MicroBatchSpec) -> list[Packed]:
     return [pack(batch, rows=rows) if rows else empty_packed(batch)
-            for rows in plan(state, batch)]
+            for rows in plan(state, batch, mb_spec=spec)]
+
+
+def _check_out_key(out_key, *, with_entropy: bool = False) -> None:
+    if not isinstance(out_key, str) or not out_key:
+        raise ConfigError(f"out_key: must be a non-empty string, got {out_key!r}")
+    if out_key in K.INPUT_KEYS or (with_entropy and out_key == K.ENTROPY):
+        taken = K.INPUT_KEYS + ((K.ENTROPY,) if with_entropy else ())
+        raise ConfigError(f"out_key: must not name a key the engine reads or writes "
+                          f"({', '.join(taken)}), got {out_key!r}; use e.g. 'logp', "
+                          f"'old_logp' or 'ref_logp'")
+
+
+def _scatter_outputs(state, batch, fn_name: str, spec: MicroBatchSpec, outs: list,
+                     **kwargs) -> None:
+    """model_outputs of every micro-batch written into ``outs`` ([B, T] tensors, or None).
+
+    A device out-of-memory error becomes MicroBatchOOMError after memory is released (raised
+    here, outside the except block, so the failed pass's tensors are already freed)."""
+    failed = None
+    for packed in _mb_packs(state, batch, spec):
+        try:
+            results = model_outputs(state, packed, **kwargs)
+        except torch.OutOfMemoryError:
+            failed = packed.n_tokens
+            break
+        if packed.rows.numel():
+            for out, x in zip(outs, results):
+                if out is not None:
+                    apply_scatter(out, packed, x.cpu())
+    if failed is not None:
+        release_memory(state)
+        raise oom_error(state, fn_name, failed, spec)
 
 
 @torch.no_grad()
 def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entropy: bool = False,
-                 temperature: float | None = None):
+                 temperature: float | None = None, mb_spec: MicroBatchSpec | None = None):
     """Log-probs of input_ids under ``state``'s model: ``out_key`` [B, T] float32, 0 at t=0 and on
-    padding (and ``"entropy"`` [B, T] when asked). Read-only: returns a new TensorDict."""
-    error = None
+    padding (and ``"entropy"`` [B, T] when asked). Read-only: returns a new TensorDict.
+
+    ``out_key`` may not name an input (input_ids, attention_mask, loss_mask, rewards, group_id,
+    row_index). ``mb_spec`` overrides the state's micro-batching for this call.
+    """
+    error, spec = None, None
     try:
         temperature = _check_temperature(temperature)
-        if not isinstance(out_key, str) or not out_key:
-            raise ConfigError(f"out_key: must be a non-empty string, got {out_key!r}")
+        _check_out_key(out_key, with_entropy=with_entropy)
+        spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
     prepare(state, batch, "forward_logp", critic=False)
@@ -156,13 +239,8 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
     was_training = state.model.training
     state.model.eval()
     try:
-        for packed in _mb_packs(state, batch):
-            lp, ent = model_outputs(state, packed, temperature=temperature,
-                                    with_entropy=with_entropy)
-            if packed.rows.numel():
-                apply_scatter(logp, packed, lp.cpu())
-                if with_entropy:
-                    apply_scatter(entropy, packed, ent.cpu())
+        _scatter_outputs(state, batch, "forward_logp", spec, [logp, entropy],
+                         temperature=temperature, with_entropy=with_entropy)
     finally:
         state.model.train(was_training)
     out = batch.copy()
@@ -173,18 +251,24 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
 
 
 @torch.no_grad()
-def compute_values(state: EngineState, batch, *, out_key: str = K.VALUES):
-    """Values of a critic state: ``out_key`` [B, T] float32 (0 on padding)."""
+def compute_values(state: EngineState, batch, *, out_key: str = K.VALUES,
+                   mb_spec: MicroBatchSpec | None = None):
+    """Values of a critic state: ``out_key`` [B, T] float32 (0 on padding). ``out_key`` may not
+    name an input; ``mb_spec`` overrides the state's micro-batching for this call."""
+    error, spec = None, None
+    try:
+        _check_out_key(out_key)
+        spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
+    except ConfigError as exc:
+        error = exc
     prepare(state, batch, "compute_values", critic=True)
+    check_live(state, "compute_values", local_error=error)
     B, T = batch.get(K.INPUT_IDS).shape
     values = torch.zeros(B, T, dtype=torch.float32)
     was_training = state.model.training
     state.model.eval()
     try:
-        for packed in _mb_packs(state, batch):
-            v, _ = model_outputs(state, packed)
-            if packed.rows.numel():
-                apply_scatter(values, packed, v.cpu())
+        _scatter_outputs(state, batch, "compute_values", spec, [values, None])
     finally:
         state.model.train(was_training)
     return batch.copy().set(out_key, values.to(batch.device or "cpu"))

@@ -30,8 +30,10 @@ from tensordict import TensorDict
 
 from fsdpfn import keys as K
 from fsdpfn.batch import pack, select_rows, unpack
-from fsdpfn.errors import ConfigError
-from fsdpfn.forward import empty_packed, model_outputs, plan, prepare
+from fsdpfn.config import MicroBatchSpec
+from fsdpfn.errors import ConfigError, MicroBatchOOMError
+from fsdpfn.forward import (empty_packed, model_outputs, oom_error, plan, prepare,
+                            release_memory, resolve_mb_spec)
 from fsdpfn.mesh import Mesh
 from fsdpfn.state import EngineState, advance, check_live
 
@@ -167,34 +169,56 @@ def _reduce_stats(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
     return out
 
 
+def _micro_step(state: EngineState, mb, rows, packed, loss_fn, ctx: StepContext, *,
+                with_entropy: bool, temperature: float, backward: bool) -> dict:
+    """Forward (and backward) of one micro-batch; its stats as 0-dim tensors (loss first)."""
+    outputs = _outputs(state, packed, with_entropy=with_entropy, temperature=temperature)
+    loss_sum, stats = loss_fn(outputs, select_rows(mb, rows).to(state.mesh.device), ctx)
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0:
+        raise ConfigError(f"loss_fn: must return a 0-dim tensor loss sum, got {loss_sum!r}")
+    if backward:
+        (loss_sum / ctx.denominator).backward()
+    return {name: torch.as_tensor(value).detach().float().reshape(())
+            for name, value in {"loss": loss_sum, **dict(stats)}.items()}
+
+
 def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normalizer: str,
                    group_size: int, with_entropy: bool, temperature: float,
-                   backward: bool) -> tuple[dict[str, float], int]:
-    """Forward (and backward) every micro-batch of one minibatch; returns (stats, n_tokens)."""
+                   backward: bool, spec: MicroBatchSpec,
+                   fn_name: str) -> tuple[dict[str, float], int]:
+    """Forward (and backward) every micro-batch of one minibatch; returns (stats, n_tokens).
+
+    A device out-of-memory error in a micro-batch becomes MicroBatchOOMError, raised after the
+    failed pass's tensors are gone (outside the except block), gradients dropped and cached
+    memory released: no optimizer step has run, so the state is unchanged.
+    """
     n_tokens, n_seqs, n_rows = _global_counts(state, mb)
     denom = _denominator(normalizer, n_tokens, n_seqs, n_rows)
     ctx = StepContext(mesh=state.mesh, n_tokens=n_tokens, n_sequences=n_seqs, n_rows=n_rows,
                       normalizer=normalizer, denominator=denom, **ctx_fields)
     sums: dict[str, torch.Tensor] = {}
     maxes: dict[str, torch.Tensor] = {}
-    for rows in plan(state, mb, group_size=group_size):
+    failed = None
+    for rows in plan(state, mb, group_size=group_size, mb_spec=spec):
         if not rows:
             if backward:
                 _dummy_loss(state, empty_packed(mb), with_entropy, temperature).backward()
             continue
         packed = pack(mb, rows=rows)
-        outputs = _outputs(state, packed, with_entropy=with_entropy, temperature=temperature)
-        loss_sum, stats = loss_fn(outputs, select_rows(mb, rows).to(state.mesh.device), ctx)
-        if not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0:
-            raise ConfigError(f"loss_fn: must return a 0-dim tensor loss sum, got {loss_sum!r}")
-        if backward:
-            (loss_sum / denom).backward()
-        for name, value in {"loss": loss_sum, **dict(stats)}.items():
-            value = torch.as_tensor(value).detach().float().reshape(())
+        try:
+            stats = _micro_step(state, mb, rows, packed, loss_fn, ctx, with_entropy=with_entropy,
+                                temperature=temperature, backward=backward)
+        except torch.OutOfMemoryError:
+            failed = packed.n_tokens
+            break
+        for name, value in stats.items():
             if name.endswith("_max"):
                 maxes[name] = torch.maximum(maxes[name], value) if name in maxes else value
             else:
                 sums[name] = sums.get(name, torch.zeros((), device=value.device)) + value
+    if failed is not None:
+        release_memory(state)
+        raise oom_error(state, fn_name, failed, spec)
     return _reduce_stats(sums, maxes, denom, state), n_tokens
 
 
@@ -216,16 +240,23 @@ def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: 
               why: dict | None = None, group_size: int = 1, pairs: bool = False,
               with_entropy: bool = False, temperature: float = 1.0,
               order: Sequence[int] | None = None,
+              mb_spec: MicroBatchSpec | None = None,
               fn_name: str = "grad_step") -> tuple[EngineState, TensorDict]:
     """Forward, backward, clip and ``optimizer_steps`` optimizer steps; see the module docstring.
 
     Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks): the
     loss_fn's keys, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``skipped`` (optimizer steps
     skipped for a non-finite gradient norm) and ``steps`` (optimizer steps taken).
+    ``mb_spec`` overrides ``state.config.mb_spec`` for this call. A micro-batch that runs out of
+    device memory raises MicroBatchOOMError with gradients dropped and memory released:
+    ``state`` is then not donated and can be retried, e.g. with a smaller ``mb_spec``; only when
+    earlier minibatches of the call (optimizer_steps > 1) already stepped is it donated, its
+    successor being the error's ``.state``.
     """
-    error = None
+    error, spec = None, None
     try:
         _check_common(state, optimizer_steps, normalizer, group_size, fn_name, True)
+        spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
     check_live(state, fn_name, local_error=error)
@@ -241,11 +272,16 @@ def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: 
                                                 order=order)):
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
-        stats, n_tok = _run_minibatch(
-            state, select_rows(batch, rows), loss_fn,
-            dict(step=state.step + taken, minibatch=index, n_minibatches=optimizer_steps),
-            normalizer=normalizer, group_size=group_size, with_entropy=with_entropy,
-            temperature=temperature, backward=True)
+        try:
+            stats, n_tok = _run_minibatch(
+                state, select_rows(batch, rows), loss_fn,
+                dict(step=state.step + taken, minibatch=index, n_minibatches=optimizer_steps),
+                normalizer=normalizer, group_size=group_size, with_entropy=with_entropy,
+                temperature=temperature, backward=True, spec=spec, fn_name=fn_name)
+        except MicroBatchOOMError as exc:
+            if not taken:
+                raise
+            raise _oom_after_steps(state, fn_name, exc, spec, taken) from None
         norm = global_grad_norm(model, state.mesh)
         finite = bool(torch.isfinite(norm).item())  # same value on every rank: one verdict
         if finite:
@@ -266,15 +302,26 @@ def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: 
                                   for k, v in out.items()}, batch_size=[])
 
 
+def _oom_after_steps(state: EngineState, fn_name: str, exc: MicroBatchOOMError,
+                     spec: MicroBatchSpec, taken: int) -> MicroBatchOOMError:
+    """An out-of-memory error after earlier minibatches of the call stepped: the weights did
+    change, so the state is advanced and its successor rides on the error as ``.state``."""
+    error = oom_error(state, fn_name, exc.n_tokens, spec, stepped=taken)
+    error.state = advance(state, fn_name, steps=taken, weights_changed=True)
+    return error
+
+
 @torch.no_grad()
 def evaluate(state: EngineState, batch, loss_fn: Callable, *, normalizer: str = "tokens",
              require: Sequence[str] = (K.LOSS_MASK,), why: dict | None = None, group_size: int = 1,
              pairs: bool = False, with_entropy: bool = False,
-             temperature: float = 1.0) -> TensorDict:
-    """The stats grad_step would report for ``batch``, without changing the state."""
-    error = None
+             temperature: float = 1.0, mb_spec: MicroBatchSpec | None = None) -> TensorDict:
+    """The stats grad_step would report for ``batch``, without changing the state
+    (``mb_spec`` overrides the state's micro-batching for this call)."""
+    error, spec = None, None
     try:
         _check_common(state, 1, normalizer, group_size, "evaluate", False)
+        spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
     check_live(state, "evaluate", local_error=error)
@@ -286,7 +333,7 @@ def evaluate(state: EngineState, batch, loss_fn: Callable, *, normalizer: str = 
         stats, n_tok = _run_minibatch(
             state, batch, loss_fn, dict(step=state.step, minibatch=0, n_minibatches=1),
             normalizer=normalizer, group_size=group_size, with_entropy=with_entropy,
-            temperature=temperature, backward=False)
+            temperature=temperature, backward=False, spec=spec, fn_name="evaluate")
     finally:
         state.model.train(was_training)
     stats["tokens"] = float(n_tok)

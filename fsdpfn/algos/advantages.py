@@ -1,4 +1,4 @@
-"""compute_advantages: pure, rank-local advantage estimation (no state).
+"""compute_advantages: pure advantage estimation (no state), rank-local or dp-global.
 
 estimator:
 - ``grpo``: (r − mean(group)) / (std(group) + eps), broadcast to the row's loss tokens;
@@ -9,17 +9,26 @@ estimator:
 - ``gae``: token rewards (outcome + optional dense ``token_rewards`` − kl_coef·KL) and the critic's
   ``values`` through GAE(gamma, lam).
 For the group estimators, kl_coef > 0 subtracts the KL penalty's return-to-go from each token's
-advantage. ``returns`` is what a critic regresses on (GAE), or the advantages themselves.
+advantage. ``returns`` is what a critic regresses on (GAE), or a copy of the advantages.
+
+Groups: rows with equal ``group_id`` when the batch has one, else rows [kG, (k+1)G). A group
+split over ranks (fewer than group_size rows here, or, without group_id, rows that were not one
+group of the global batch by shard_batch's ``row_index``) is a BatchError, not a wrong number.
+Batch statistics (whitening) are taken over the batch given, or with ``mesh=`` over the whole
+data-parallel batch (each dp rank passing its own rows), so advantages do not depend on dp.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from fsdpfn import keys as K
-from fsdpfn.batch import validate_batch
+from fsdpfn.batch import check_groups, validate_batch
 from fsdpfn.config import AdvantageConfig
-from fsdpfn.errors import ConfigError
+from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.mesh import Mesh
+from fsdpfn.state import agree
 from fsdpfn.ops import gae, group_advantages, kl, kl_in_reward, scale_rewards, whiten
 
 __all__ = ["compute_advantages"]
@@ -47,43 +56,92 @@ def _require(batch, config: AdvantageConfig) -> tuple[tuple[str, ...], dict]:
     return tuple(require), why
 
 
-def compute_advantages(batch, config: AdvantageConfig):
-    """New TensorDict with ``advantages`` [B, T] and ``returns`` [B, T] (0 off the loss mask)."""
+GROUPED = ("grpo", "drgrpo", "rloo")
+
+
+def _dp_sum(mesh: Mesh | None):
+    """A float64 sum over the data-parallel ranks of ``mesh`` (None when there is one)."""
+    if mesh is None or mesh.dp == 1:
+        return None
+    group, device = mesh.group("dp"), mesh.device
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        y = x.to(device)
+        dist.all_reduce(y, group=group)
+        return y.to(x.device)
+
+    return all_reduce
+
+
+def _check(batch, config: AdvantageConfig, mesh) -> torch.Tensor | None:
+    """Validate; the group of each row (with group_id) or None. Raises ConfigError/BatchError."""
     if not isinstance(config, AdvantageConfig):
         raise ConfigError(f"config: must be an AdvantageConfig, got {type(config).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh: must be an fsdpfn Mesh (build_mesh) or None, got "
+                          f"{type(mesh).__name__}")
     require, why = _require(batch, config)
-    group = config.group_size if config.estimator in ("grpo", "drgrpo", "rloo") else None
-    validate_batch(batch, require=require, group_size=group, why=why)
+    validate_batch(batch, require=require, why=why)
+    return check_groups(batch, config.group_size) if config.estimator in GROUPED else None
+
+
+def _penalty(batch, config: AdvantageConfig, mask):
+    if config.kl_coef <= 0:
+        return None
+    penalty = config.kl_coef * kl(batch[_policy_logp(batch)], batch[K.REF_LOGP], config.kl_kind)
+    return torch.where(mask, penalty, torch.zeros((), device=mask.device))
+
+
+def _grouped(batch, config: AdvantageConfig, rewards, groups, penalty):
+    mask = batch[K.LOSS_MASK]
+    per_row = group_advantages(rewards, config.group_size, norm_std=config.estimator == "grpo",
+                               leave_one_out=config.estimator == "rloo", eps=config.eps,
+                               group_ids=groups)
+    adv = torch.where(mask, per_row[:, None].expand_as(mask), torch.zeros((), device=mask.device))
+    if penalty is not None:
+        adv = adv - _returns_to_go(penalty, mask, 1.0)
+    return adv, adv.clone()
+
+
+def _token_level(batch, config: AdvantageConfig, rewards, penalty, all_reduce):
+    mask = batch[K.LOSS_MASK]
+    dense = batch[K.TOKEN_REWARDS] if K.TOKEN_REWARDS in batch.keys() else None
+    zeros = torch.zeros(mask.shape, device=mask.device)
+    logp = batch[_policy_logp(batch)] if penalty is not None else zeros
+    ref = batch[K.REF_LOGP] if penalty is not None else zeros
+    token_rewards = kl_in_reward(dense, rewards, logp, ref, mask, coef=config.kl_coef,
+                                 kind=config.kl_kind)
+    if config.estimator == "gae":
+        return gae(token_rewards, batch[K.VALUES], mask, gamma=config.gamma, lam=config.lam)
+    returns = _returns_to_go(token_rewards, mask, config.gamma)  # reinforce++
+    return whiten(returns, mask, all_reduce=all_reduce), returns
+
+
+def compute_advantages(batch, config: AdvantageConfig, *, mesh: Mesh | None = None):
+    """New TensorDict with ``advantages`` [B, T] and ``returns`` [B, T] (0 off the loss mask).
+
+    ``mesh``: the batch is this data-parallel rank's part (e.g. from shard_batch); whitening then
+    uses the mean and variance of the whole data-parallel batch (an all-reduce over the dp axis),
+    and a bad batch on any rank raises on every rank. Without it, statistics are over ``batch``.
+    ``advantages`` and ``returns`` are separate tensors.
+    """
+    error, groups = None, None
+    try:
+        groups = _check(batch, config, mesh)
+    except (BatchError, ConfigError) as exc:
+        error = exc
+    agree(mesh if isinstance(mesh, Mesh) else None, error)
+    all_reduce = _dp_sum(mesh)
     mask = batch[K.LOSS_MASK]
     rewards = scale_rewards(batch[K.REWARDS], scale=config.reward_scale, bias=config.reward_bias,
                             clip=config.reward_clip)
-    penalty = None
-    if config.kl_coef > 0:
-        penalty = config.kl_coef * kl(batch[_policy_logp(batch)], batch[K.REF_LOGP],
-                                      config.kl_kind)
-        penalty = torch.where(mask, penalty, torch.zeros(()))
-    if group is not None:
-        per_row = group_advantages(rewards, config.group_size,
-                                   norm_std=config.estimator == "grpo",
-                                   leave_one_out=config.estimator == "rloo", eps=config.eps)
-        adv = torch.where(mask, per_row[:, None].expand_as(mask), torch.zeros(()))
-        if penalty is not None:
-            adv = adv - _returns_to_go(penalty, mask, 1.0)
-        returns = adv
+    penalty = _penalty(batch, config, mask)
+    if config.estimator in GROUPED:
+        adv, returns = _grouped(batch, config, rewards, groups, penalty)
     else:
-        dense = batch[K.TOKEN_REWARDS] if K.TOKEN_REWARDS in batch.keys() else None
-        logp = batch[_policy_logp(batch)] if penalty is not None else torch.zeros(mask.shape)
-        ref = batch[K.REF_LOGP] if penalty is not None else torch.zeros(mask.shape)
-        token_rewards = kl_in_reward(dense, rewards, logp, ref, mask, coef=config.kl_coef,
-                                     kind=config.kl_kind)
-        if config.estimator == "gae":
-            adv, returns = gae(token_rewards, batch[K.VALUES], mask, gamma=config.gamma,
-                               lam=config.lam)
-        else:  # reinforce++
-            returns = _returns_to_go(token_rewards, mask, config.gamma)
-            adv = whiten(returns, mask)
+        adv, returns = _token_level(batch, config, rewards, penalty, all_reduce)
     if config.whiten and config.estimator != "reinforce++":
-        adv = whiten(adv, mask)
+        adv = whiten(adv, mask, all_reduce=all_reduce)
     out = batch.copy()
     out.set(K.ADVANTAGES, adv.float().contiguous())
     out.set(K.RETURNS, returns.float().contiguous())

@@ -30,9 +30,10 @@ def critic_loss(config: CriticConfig):
 
 
 
-def critic_step(state, batch, config: CriticConfig):
+def critic_step(state, batch, config: CriticConfig, *, mb_spec=None):
     """Critic update (critic states): needs returns and the values before the update
-    (``old_values``, or ``values`` from compute_values)."""
+    (``old_values``, or ``values`` from compute_values). ``mb_spec`` overrides the state's
+    micro-batching for this call."""
     if not isinstance(config, CriticConfig):
         raise ConfigError(f"config: must be a CriticConfig, got {type(config).__name__}")
     old_key = K.OLD_VALUES if present(batch, K.OLD_VALUES) else K.VALUES
@@ -43,4 +44,4 @@ def critic_step(state, batch, config: CriticConfig):
                      require=(K.LOSS_MASK, K.RETURNS, old_key), why=why,
                      order=minibatch_order(state, batch, shuffle=config.shuffle,
                                            seed=config.seed),
-                     fn_name="critic_step")
+                     mb_spec=mb_spec, fn_name="critic_step")

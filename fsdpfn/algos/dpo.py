@@ -36,12 +36,13 @@ def dpo_loss_fn(config: DPOConfig):
     return loss_fn
 
 
-def dpo_step(state, batch, config: DPOConfig = DPOConfig()):
-    """One optimizer step of DPO, normalised by the global number of pairs."""
+def dpo_step(state, batch, config: DPOConfig = DPOConfig(), *, mb_spec=None):
+    """One optimizer step of DPO, normalised by the global number of pairs; ``mb_spec``
+    overrides the state's micro-batching for this call."""
     if not isinstance(config, DPOConfig):
         raise ConfigError(f"config: must be a DPOConfig, got {type(config).__name__}")
     why = {K.REF_LOGP: "the DPO reference; compute it with forward_logp(ref, batch, "
                        "out_key='ref_logp')"}
     return grad_step(state, batch, dpo_loss_fn(config), normalizer="pairs",
                      require=(K.LOSS_MASK, K.REF_LOGP), why=why, group_size=2, pairs=True,
-                     fn_name="dpo_step")
+                     mb_spec=mb_spec, fn_name="dpo_step")

@@ -2,28 +2,78 @@
 
 from __future__ import annotations
 
+import warnings
+
+import torch
+
 from fsdpfn import keys as K
 from fsdpfn.algos.common import (AGG_NORMALIZER, masked_max, minibatch_order, present,
                                  token_mean_stat)
 from fsdpfn.config import PPOConfig
 from fsdpfn.errors import ConfigError
-from fsdpfn.ops import aggregate_sum, kl, policy_loss_terms
+from fsdpfn.ops import aggregate_sum, behav_gap_terms, kl, masked_values, policy_loss_terms
 from fsdpfn.step import StepContext, grad_step
 
 __all__ = ["ppo_loss", "ppo_step"]
 
 
+def _seq_mean_stat(flags: torch.Tensor, rows: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """A per-row statistic's contribution that becomes its mean over the minibatch's rows with a
+    loss token (all ranks) once the engine divides by the normaliser and sums."""
+    total = torch.where(rows, flags.float(), torch.zeros((), device=flags.device)).sum()
+    return total * (ctx.denominator / max(ctx.n_sequences, 1))
+
+
+def _behav_weight_stats(behav, mask, ctx) -> dict:
+    """How the behaviour weights changed the gradient: means, max, truncated / masked fractions."""
+    rows = mask.any(-1)
+    return {"behav_weight_mean": token_mean_stat(behav.weight, mask, ctx),
+            "behav_weight_max": masked_max(behav.weight, mask),
+            "behav_trunc_frac": token_mean_stat(behav.truncated, mask, ctx),
+            "behav_mask_frac": token_mean_stat(behav.masked, mask, ctx),
+            "behav_seq_trunc_frac": _seq_mean_stat(behav.seq_truncated, rows, ctx),
+            "behav_seq_mask_frac": _seq_mean_stat(behav.seq_masked, rows, ctx)}
+
+
+def _behav_gap_stats(mb, mask, ctx) -> dict:
+    """Trainer vs rollout over loss tokens: mean and max |old_logp − behav_logp|, k3 KL."""
+    gap, k3 = behav_gap_terms(mb[K.OLD_LOGP], mb[K.BEHAV_LOGP], mask)
+    return {"behav_gap_mean": token_mean_stat(gap, mask, ctx),
+            "behav_gap_max": masked_max(gap, mask),
+            "behav_kl": token_mean_stat(k3, mask, ctx)}
+
+
+def _on_policy_gap(logp, old_logp, mask, ctx) -> torch.Tensor:
+    """Mean |logp − old_logp| of the first minibatch (before any update), 0 on the others; scaled
+    by n_minibatches because grad_step averages a stat over the minibatches."""
+    if ctx.minibatch != 0:
+        return torch.zeros((), device=logp.device)
+    gap = (masked_values(logp.detach(), mask) - masked_values(old_logp, mask)).abs()
+    return token_mean_stat(gap, mask, ctx) * ctx.n_minibatches
+
+
+def _policy_terms(config: PPOConfig, logp, mb, mask, behav):
+    clip_low, clip_high = ((config.clip_low, config.clip_high) if config.policy_loss == "ppo"
+                           else config.cispo_bounds)
+    low, high = config.behav_bounds
+    return policy_loss_terms(logp, mb[K.OLD_LOGP], mb[K.ADVANTAGES], mask,
+                             clip_low=clip_low, clip_high=clip_high,
+                             dual_clip=config.dual_clip, behav_logp=behav,
+                             behav_cap=config.behav_cap, ratio_level=config.ratio_level,
+                             kind=config.policy_loss, behav_correction=config.behav_correction,
+                             behav_level=config.behav_level, behav_low=low, behav_high=high)
+
+
 def ppo_loss(config: PPOConfig):
-    """loss_fn for grad_step: clipped policy loss (+ KL to ref_logp, − entropy bonus)."""
+    """loss_fn for grad_step: clipped (or CISPO) policy loss, weighted by the behaviour
+    correction (+ KL to ref_logp, − entropy bonus)."""
 
     def loss_fn(outputs, mb, ctx: StepContext):
         mask = mb[K.LOSS_MASK]
         logp = outputs[K.LOGP]
-        behav = mb[K.BEHAV_LOGP] if config.use_behav_logp and present(mb, K.BEHAV_LOGP) else None
-        terms = policy_loss_terms(logp, mb[K.OLD_LOGP], mb[K.ADVANTAGES], mask,
-                                  clip_low=config.clip_low, clip_high=config.clip_high,
-                                  dual_clip=config.dual_clip, behav_logp=behav,
-                                  behav_cap=config.behav_cap, ratio_level=config.ratio_level)
+        has_behav = present(mb, K.BEHAV_LOGP)
+        behav = mb[K.BEHAV_LOGP] if config.use_behav_logp and has_behav else None
+        terms = _policy_terms(config, logp, mb, mask, behav)
         pg_sum, _ = aggregate_sum(terms.loss, mask, config.agg)
         loss = pg_sum
         stats = {"pg_loss": pg_sum.detach(),
@@ -32,9 +82,12 @@ def ppo_loss(config: PPOConfig):
                  "approx_kl": token_mean_stat(terms.neg_log_ratio, mask, ctx),
                  "ratio_mean": token_mean_stat(terms.ratio, mask, ctx),
                  "ratio_max": masked_max(terms.ratio, mask)}
-        if behav is not None:
-            stats["behav_weight_mean"] = token_mean_stat(terms.behav_weight, mask, ctx)
-            stats["behav_weight_max"] = masked_max(terms.behav_weight, mask)
+        if has_behav:
+            stats.update(_behav_gap_stats(mb, mask, ctx))
+        if terms.behav is not None:
+            stats.update(_behav_weight_stats(terms.behav, mask, ctx))
+        if config.check_on_policy:
+            stats["on_policy_gap"] = _on_policy_gap(logp, mb[K.OLD_LOGP], mask, ctx)
         if K.ENTROPY in outputs.keys():
             ent_sum, _ = aggregate_sum(outputs[K.ENTROPY], mask, config.agg)
             loss = loss - config.entropy_coef * ent_sum
@@ -49,19 +102,51 @@ def ppo_loss(config: PPOConfig):
     return loss_fn
 
 
-
-def ppo_step(state, batch, config: PPOConfig):
-    """Actor update: ``config.n_minibatches`` optimizer steps. Needs old_logp and advantages
-    (and ref_logp when kl_coef > 0; behav_logp is used when present and use_behav_logp)."""
-    if not isinstance(config, PPOConfig):
-        raise ConfigError(f"config: must be a PPOConfig, got {type(config).__name__}")
+def _requirements(config: PPOConfig) -> tuple[tuple[str, ...], dict]:
     require = (K.LOSS_MASK, K.OLD_LOGP, K.ADVANTAGES) + ((K.REF_LOGP,) if config.kl_coef else ())
     why = {K.OLD_LOGP: "the PPO ratio; compute it with forward_logp(..., out_key='old_logp')",
            K.ADVANTAGES: "the policy gradient; compute it with compute_advantages",
            K.REF_LOGP: f"the KL term (kl_coef={config.kl_coef})"}
-    return grad_step(state, batch, ppo_loss(config), optimizer_steps=config.n_minibatches,
-                     normalizer=AGG_NORMALIZER[config.agg], require=require, why=why,
-                     with_entropy=config.entropy_coef > 0, temperature=config.temperature,
-                     order=minibatch_order(state, batch, shuffle=config.shuffle,
-                                           seed=config.seed),
-                     fn_name="ppo_step")
+    correction = (f"behav_correction={config.behav_correction!r}" if config.behav_correction
+                  else f"behav_cap={config.behav_cap}" if config.behav_cap is not None else None)
+    if correction and config.use_behav_logp:
+        require += (K.BEHAV_LOGP,)
+        why[K.BEHAV_LOGP] = (f"the rollout correction ({correction}): the rollout engine's "
+                             f"log-probs of the sampled tokens")
+    return require, why
+
+
+def warn_if_off_policy(stats, config: PPOConfig) -> None:
+    """The first minibatch of an on-policy step must have ratio 1: warn, naming likely causes."""
+    gap = float(stats["on_policy_gap"])
+    if gap <= config.on_policy_tol:
+        return
+    behav = (f"; trainer vs rollout: behav_gap_mean={float(stats['behav_gap_mean']):.3g}"
+             if "behav_gap_mean" in stats.keys() else "")
+    warnings.warn(
+        f"ppo_step: check_on_policy: the first minibatch's mean |logp - old_logp| is {gap:.3g}, "
+        f"above on_policy_tol={config.on_policy_tol} (the ratio must be 1 before the first "
+        f"update){behav}. Likely causes: old_logp computed with other weights (a stale state, or "
+        f"taken from a rollout engine the weights were not pushed to); a temperature other than "
+        f"PPOConfig.temperature={config.temperature}; a dtype or kernel mismatch between the "
+        f"forward that made old_logp and the training forward (bf16 vs fp32, dropout, "
+        f"nondeterministic attention).", RuntimeWarning, stacklevel=3)
+
+
+def ppo_step(state, batch, config: PPOConfig, *, mb_spec=None):
+    """Actor update: ``config.n_minibatches`` optimizer steps. Needs old_logp and advantages
+    (ref_logp when kl_coef > 0; behav_logp is used when present and use_behav_logp, and required
+    by behav_cap or behav_correction). ``mb_spec`` overrides the state's micro-batch spec for
+    this call."""
+    if not isinstance(config, PPOConfig):
+        raise ConfigError(f"config: must be a PPOConfig, got {type(config).__name__}")
+    require, why = _requirements(config)
+    state, stats = grad_step(state, batch, ppo_loss(config), optimizer_steps=config.n_minibatches,
+                             normalizer=AGG_NORMALIZER[config.agg], require=require, why=why,
+                             with_entropy=config.entropy_coef > 0, temperature=config.temperature,
+                             order=minibatch_order(state, batch, shuffle=config.shuffle,
+                                                   seed=config.seed),
+                             mb_spec=mb_spec, fn_name="ppo_step")
+    if config.check_on_policy:
+        warn_if_off_policy(stats, config)
+    return state, stats

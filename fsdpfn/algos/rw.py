@@ -33,12 +33,13 @@ def rw_loss(config: RWConfig):
     return loss_fn
 
 
-def rw_step(state, batch, config: RWConfig = RWConfig()):
-    """One optimizer step of the pairwise loss, normalised by the global number of pairs."""
+def rw_step(state, batch, config: RWConfig = RWConfig(), *, mb_spec=None):
+    """One optimizer step of the pairwise loss, normalised by the global number of pairs;
+    ``mb_spec`` overrides the state's micro-batching for this call."""
     if not isinstance(config, RWConfig):
         raise ConfigError(f"config: must be an RWConfig, got {type(config).__name__}")
     if not state.config.is_critic:
         raise ConfigError("rw_step: needs a critic state (EngineConfig(is_critic=True)), got "
                           "is_critic=False")
     return grad_step(state, batch, rw_loss(config), normalizer="pairs", require=(),
-                     group_size=2, pairs=True, fn_name="rw_step")
+                     group_size=2, pairs=True, mb_spec=mb_spec, fn_name="rw_step")

@@ -20,9 +20,10 @@ def sft_loss_fn(config: SFTConfig):
     return loss_fn
 
 
-def sft_step(state, batch, config: SFTConfig = SFTConfig()):
-    """One optimizer step on −mean log π(loss_mask tokens)."""
+def sft_step(state, batch, config: SFTConfig = SFTConfig(), *, mb_spec=None):
+    """One optimizer step on −mean log π(loss_mask tokens); ``mb_spec`` overrides the state's
+    micro-batching for this call."""
     if not isinstance(config, SFTConfig):
         raise ConfigError(f"config: must be an SFTConfig, got {type(config).__name__}")
     return grad_step(state, batch, sft_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg],
-                     fn_name="sft_step")
+                     mb_spec=mb_spec, fn_name="sft_step")

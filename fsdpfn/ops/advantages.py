@@ -52,13 +52,14 @@ def gae(token_rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0):
 
 
 def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_one_out: bool = False,
-                     eps: float = 1e-6):
+                     eps: float = 1e-6, group_ids=None):
     """rewards[B] -> advantages[B] float32; rows [k G, (k+1) G) form group k (GRPO / RLOO).
 
     advantage = r - mean(group), or with leave_one_out r - mean of the other rows of the group
     (RLOO); divided by (std(group) + eps) when norm_std, std the unbiased torch.std of the group's
     rewards. With group_size 1 (no leave_one_out) the advantage is 0: r - mean = 0 and the undefined
-    std is taken as 0.
+    std is taken as 0. With ``group_ids`` [B] (any integers), rows with equal ids form a group
+    wherever they are, and every group must have exactly group_size rows (BatchError otherwise).
     """
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ConfigError(f"group_size must be an int >= 1, got {group_size!r}")
@@ -69,6 +70,27 @@ def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_o
         raise BatchError(f"rewards must be 1-D [B] with B divisible by group_size; got shape "
                          f"{tuple(rewards.shape)} (B = {rewards.shape[0] if rewards.dim() else None}) "
                          f"and group_size = {group_size}")
+    if group_ids is None:
+        return _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, eps)
+    order = _group_order(group_ids, rewards.shape[0], group_size)
+    adv = _consecutive_group_advantages(rewards[order], group_size, norm_std, leave_one_out, eps)
+    return torch.empty_like(adv).index_put_((order,), adv)
+
+
+def _group_order(group_ids, B: int, group_size: int) -> torch.Tensor:
+    """A permutation of the rows [B] that puts the rows of each group next to each other."""
+    if tuple(group_ids.shape) != (B,) or group_ids.dtype.is_floating_point:
+        raise BatchError(f"group_ids must be integers of shape [B] = [{B}], got "
+                         f"{group_ids.dtype} {tuple(group_ids.shape)}")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if bool((counts != group_size).any()):
+        g = int((counts != group_size).nonzero()[0])
+        raise BatchError(f"group_ids: every group must have group_size={group_size} rows, got "
+                         f"{int(counts[g])} rows with id {int(group_ids[inverse == g][0])}")
+    return torch.argsort(inverse, stable=True)
+
+
+def _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, eps):
     r = rewards.float().reshape(-1, group_size)  # (n_groups, G)
     total = r.sum(-1, keepdim=True)
     if leave_one_out:
@@ -81,22 +103,27 @@ def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_o
     return adv.reshape(-1)
 
 
-def whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8):
+def whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8, all_reduce=None):
     """Whiten x[..., T] over all its masked tokens (REINFORCE++ batch normalisation).
 
     (x - mean) / sqrt(var + eps), var the unbiased variance over masked tokens (0 with fewer than 2);
-    with shift_mean=False the mean is added back. 0 under the mask.
+    with shift_mean=False the mean is added back. 0 under the mask. Sums are taken in float64.
+    ``all_reduce``: a function summing a float64 tensor over the processes that hold the other
+    parts of the batch (e.g. the data-parallel ranks); then mean and variance are those of the
+    whole batch, and each part is whitened with them.
     """
+    total = (lambda t: t) if all_reduce is None else all_reduce
     mask = mask.bool()
-    xm = masked_values(x, mask)
-    n = mask.sum().float()
-    mean = xm.sum() / n.clamp(min=1.0)
+    xm = masked_values(x, mask).double()
+    sums = total(torch.stack([xm.sum(), mask.sum().double()]))
+    n = sums[1]
+    mean = sums[0] / n.clamp(min=1.0)
     centred = torch.where(mask, xm - mean, torch.zeros_like(xm))
-    var = centred.square().sum() / (n - 1.0).clamp(min=1.0)
+    var = total(centred.square().sum()) / (n - 1.0).clamp(min=1.0)
     out = centred * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return torch.where(mask, out, torch.zeros_like(out))
+    return torch.where(mask, out, torch.zeros_like(out)).float()
 
 
 def scale_rewards(rewards, *, scale: float = 1.0, bias: float = 0.0, clip: Optional[float] = None):

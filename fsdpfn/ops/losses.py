@@ -1,5 +1,5 @@
-"""Losses: PPO policy (clip, dual clip, decoupled behaviour weights, GSPO ratio), clipped value,
-SFT, Bradley-Terry, DPO/IPO.
+"""Losses: PPO policy (clip, dual clip, decoupled behaviour weights truncated or masked, GSPO
+ratio, CISPO), clipped value, SFT, Bradley-Terry, DPO/IPO.
 
 Token-level inputs are [..., T] with a bool mask[..., T]; the last dim is tokens. Values under a
 False mask change neither a loss nor its gradient (they are replaced with torch.where before any
@@ -21,16 +21,18 @@ import torch.nn.functional as F
 
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.ops.aggregate import aggregate, masked_values
+from fsdpfn.ops.correction import BehavWeights, behav_stats, behav_weights
 
 __all__ = [
     "PolicyTerms", "policy_loss_terms", "policy_loss",
     "ValueTerms", "value_loss_terms", "value_loss", "value_loss_with_stats",
     "sft_loss", "sft_loss_with_stats",
     "bradley_terry_loss", "bradley_terry_loss_with_stats",
-    "dpo_loss", "dpo_loss_with_stats", "DPO_KINDS", "RATIO_LEVELS",
+    "dpo_loss", "dpo_loss_with_stats", "DPO_KINDS", "RATIO_LEVELS", "POLICY_KINDS",
 ]
 
 RATIO_LEVELS = ("token", "sequence")
+POLICY_KINDS = ("ppo", "cispo")
 DPO_KINDS = ("sigmoid", "ipo")
 
 
@@ -66,10 +68,11 @@ class PolicyTerms(NamedTuple):
     dual_clipped: torch.Tensor  # 1.0 where the dual clip capped the loss
     ratio: torch.Tensor         # r (detached)
     neg_log_ratio: torch.Tensor  # old_logp - logp (detached), for approx_kl
-    behav_weight: Optional[torch.Tensor]  # truncated exp(old_logp - behav_logp), or None
+    behav_weight: Optional[torch.Tensor]  # exp(old_logp - behav_logp) truncated or masked, or None
+    behav: Optional[BehavWeights] = None  # the weights with their truncation / mask indicators
 
 
-def _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level):
+def _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level, kind, correction):
     if not clip_low >= 0.0:
         raise ConfigError(f"clip_low must be >= 0, got {clip_low!r}")
     if clip_high is not None and not clip_high >= 0.0:
@@ -80,6 +83,14 @@ def _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level):
         raise ConfigError(f"behav_cap must be > 0 or None, got {behav_cap!r}")
     if ratio_level not in RATIO_LEVELS:
         raise ConfigError(f"ratio_level must be one of {list(RATIO_LEVELS)}, got {ratio_level!r}")
+    if kind not in POLICY_KINDS:
+        raise ConfigError(f"kind must be one of {list(POLICY_KINDS)}, got {kind!r}")
+    if kind == "cispo" and dual_clip is not None:
+        raise ConfigError(f"dual_clip must be None with kind='cispo' (its loss is already linear "
+                          f"in the clipped weight), got {dual_clip!r}")
+    if behav_cap is not None and correction is not None:
+        raise ConfigError(f"behav_cap must be None with behav_correction={correction!r} (behav_cap "
+                          f"is token 'tis' at behav_high=cap), got {behav_cap!r}")
 
 
 def _log_ratio(logp, old_logp, mask, ratio_level):
@@ -91,22 +102,8 @@ def _log_ratio(logp, old_logp, mask, ratio_level):
     return log_r
 
 
-def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None,
-                      dual_clip=None, behav_logp=None, behav_cap=None, ratio_level="token") -> PolicyTerms:
-    """Per-token PPO loss: max(-A r, -A clamp(r, 1 - clip_low, 1 + (clip_high or clip_low))).
-
-    logp, old_logp, advantages, mask (bool), behav_logp: [..., T]. With dual_clip c > 1 the loss of
-    tokens with A < 0 is capped at -c A. With behav_logp, each token is multiplied by the detached
-    weight exp(old_logp - behav_logp), truncated at behav_cap when given. ratio_level 'sequence'
-    replaces r with exp(masked mean over the row of log r), broadcast to the row's tokens.
-    """
-    _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level)
-    _check_same_shape(mask, logp=logp, old_logp=old_logp, advantages=advantages, behav_logp=behav_logp)
-    mask = mask.bool()
-    hi = clip_low if clip_high is None else clip_high
-    adv = masked_values(advantages, mask)
-    log_r = _log_ratio(logp, old_logp, mask, ratio_level)
-    ratio = log_r.exp()  # 1 under the mask
+def _ppo_pg(adv, ratio, clip_low, hi, dual_clip):
+    """(pg, clipped, dual) of the clipped surrogate; see `policy_loss_terms`."""
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + hi)
     clipped = pg_clipped > pg_unclipped
@@ -116,13 +113,59 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_hi
         cap = -adv * dual_clip
         dual = (adv < 0) & (pg > cap)
         pg = torch.where(dual, cap, pg)
-    weight = None
-    if behav_logp is not None:
-        log_w = masked_values(old_logp, mask) - masked_values(behav_logp, mask)
-        weight = log_w.detach().exp()
-        if behav_cap is not None:
-            weight = weight.clamp(max=behav_cap)
-        weight = torch.where(mask, weight, torch.zeros_like(weight))
+    return pg, clipped, dual
+
+
+def _cispo_pg(adv, log_r, ratio, clip_low, hi):
+    """CISPO: -A sg(clamp(r)) log pi, written as -A sg(clamp(r)) (1 + log r - sg(log r)): the
+    same gradient -A clamp(r) grad log pi, and the value -A clamp(r), comparable with PPO's."""
+    kept = ratio.detach().clamp(1.0 - clip_low, 1.0 + hi)
+    return -adv * kept * (1.0 + log_r - log_r.detach()), kept != ratio.detach()
+
+
+def _behav(old_logp, behav_logp, mask, correction, level, low, high, cap):
+    """BehavWeights, or None without behav_logp; behav_cap is token 'tis' at the cap."""
+    if behav_logp is None:
+        if correction is not None:
+            raise BatchError(f"behav_logp is required by behav_correction={correction!r}, got None")
+        return None
+    if cap is not None:
+        correction, level, low, high = "tis", "token", None, cap
+    return behav_weights(old_logp, behav_logp, mask, correction=correction, level=level, low=low,
+                         high=high)
+
+
+def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None,
+                      dual_clip=None, behav_logp=None, behav_cap=None, ratio_level="token",
+                      kind="ppo", behav_correction=None, behav_level="token", behav_low=None,
+                      behav_high=None) -> PolicyTerms:
+    """Per-token PPO loss: max(-A r, -A clamp(r, 1 - clip_low, 1 + (clip_high or clip_low))).
+
+    logp, old_logp, advantages, mask (bool), behav_logp: [..., T]. With dual_clip c > 1 the loss of
+    tokens with A < 0 is capped at -c A. ratio_level 'sequence' replaces r with exp(masked mean
+    over the row of log r), broadcast to the row's tokens. kind 'cispo' (MiniMax-M1) replaces the
+    surrogate with -A sg(clamp(r, 1 - clip_low, 1 + hi)) log pi: every token keeps a gradient, scaled
+    by its clipped ratio (clip_low=1 leaves no lower bound); `clipped` marks tokens whose r was clamped.
+    With behav_logp, each token is multiplied by the detached weight exp(old_logp - behav_logp):
+    truncated at behav_cap, or per `behav_weights(correction=behav_correction, level=behav_level,
+    low=behav_low, high=behav_high)` (token/sequence/geometric, truncated 'tis' or masked 'mis').
+    """
+    _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level, kind, behav_correction)
+    _check_same_shape(mask, logp=logp, old_logp=old_logp, advantages=advantages, behav_logp=behav_logp)
+    mask = mask.bool()
+    hi = clip_low if clip_high is None else clip_high
+    adv = masked_values(advantages, mask)
+    log_r = _log_ratio(logp, old_logp, mask, ratio_level)
+    ratio = log_r.exp()  # 1 under the mask
+    if kind == "cispo":
+        pg, clipped = _cispo_pg(adv, log_r, ratio, clip_low, hi)
+        dual = torch.zeros_like(clipped)
+    else:
+        pg, clipped, dual = _ppo_pg(adv, ratio, clip_low, hi, dual_clip)
+    behav = _behav(old_logp, behav_logp, mask, behav_correction, behav_level, behav_low,
+                   behav_high, behav_cap)
+    weight = None if behav is None else behav.weight
+    if weight is not None:
         pg = pg * weight
     zero = torch.zeros_like(pg)
     return PolicyTerms(
@@ -132,19 +175,24 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_hi
         ratio=torch.where(mask, ratio, zero).detach(),
         neg_log_ratio=(-log_r).detach(),
         behav_weight=weight,
+        behav=behav,
     )
 
 
 def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None,
-                agg="token-mean", behav_logp=None, behav_cap=None, ratio_level="token"):
+                agg="token-mean", behav_logp=None, behav_cap=None, ratio_level="token", kind="ppo",
+                behav_correction=None, behav_level="token", behav_low=None, behav_high=None):
     """(loss, stats): `policy_loss_terms` aggregated with `agg` (see `aggregate`).
 
     stats (token-means over the mask): clip_frac, dual_clip_frac, approx_kl (mean old_logp - logp),
-    ratio_mean, ratio_max, and with behav_logp behav_weight_mean, behav_weight_max.
+    ratio_mean, ratio_max, and with behav_logp behav_weight_mean, behav_weight_max; with a
+    behav_correction also the `behav_stats` diagnostics (behav_gap_mean/max, behav_kl,
+    behav_trunc_frac, behav_mask_frac, behav_seq_trunc_frac, behav_seq_mask_frac).
     """
     terms = policy_loss_terms(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                               dual_clip=dual_clip, behav_logp=behav_logp, behav_cap=behav_cap,
-                              ratio_level=ratio_level)
+                              ratio_level=ratio_level, kind=kind, behav_correction=behav_correction,
+                              behav_level=behav_level, behav_low=behav_low, behav_high=behav_high)
     mask = mask.bool()
     loss = aggregate(terms.loss, mask, agg)
     stats = {
@@ -157,6 +205,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     if terms.behav_weight is not None:
         stats["behav_weight_mean"] = _masked_mean(terms.behav_weight, mask)
         stats["behav_weight_max"] = _masked_max(terms.behav_weight, mask)
+        if behav_correction is not None:
+            stats.update(behav_stats(old_logp, behav_logp, mask, terms.behav))
     return loss, {k: _stat(v) for k, v in stats.items()}
 
 

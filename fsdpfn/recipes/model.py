@@ -129,12 +129,15 @@ class HFTokenizer:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids) -> str:
-        ids = list(ids)
-        for j, t in enumerate(ids):
+        """The text up to the first stop token; ids past the tokenizer's vocabulary (a model's
+        embedding is often padded beyond it) are left out."""
+        out = []
+        for t in ids:
             if t in self.stop_ids:
-                ids = ids[:j]
                 break
-        return self.tok.decode(ids, skip_special_tokens=True)
+            if 0 <= t < self.vocab_size:
+                out.append(t)
+        return self.tok.decode(out, skip_special_tokens=True)
 
     def prompt_ids(self, prompt) -> list[int]:
         """A string (tokenized as is, with the tokenizer's own BOS if it adds one) or chat

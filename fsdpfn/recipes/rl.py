@@ -377,7 +377,7 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     clock = _Stages(ctx)
     clock.times["rollout_seconds"] = clock.t - t0  # generate + reward (+ eval), on rank 0
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
-    batch = ff.shard_batch(full, mesh, group_size=cfg.advantage.group_size)  # (b, T), groups
+    batch = ff.shard_batch(full, mesh)  # (b, T): whole groups (group_id) on each rank
     batch = ff.forward_logp(ref, batch, out_key=K.REF_LOGP, temperature=cfg.ppo.temperature)
     clock.lap("ref_logp")
     batch = ff.forward_logp(actor, batch, out_key=K.OLD_LOGP, temperature=cfg.ppo.temperature)
@@ -385,7 +385,7 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     if critic is not None:
         batch = ff.compute_values(critic, batch)
         clock.lap("values")
-    batch = ff.compute_advantages(batch, cfg.advantage)
+    batch = ff.compute_advantages(batch, cfg.advantage, mesh=mesh)  # dp-global statistics
     actor, stats = ff.ppo_step(actor, batch, cfg.ppo)
     cstats = None
     if critic is not None:

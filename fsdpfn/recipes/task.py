@@ -194,7 +194,8 @@ def rollout_batch(prompts: list[list[int]], outputs: list[dict], group_size: int
     """The public batch of one rollout: rows prompt-major (group k = rows [kG, (k+1)G)).
 
     ``outputs[i]`` is the server's answer for row i ({output_ids, output_logprobs}); its
-    log-probs become ``behav_logp`` at the positions of the generated tokens.
+    log-probs become ``behav_logp`` at the positions of the generated tokens. Rows carry
+    ``group_id`` (the prompt's index), so shard_batch keeps each group on one rank.
     """
     rows, plens = [], []
     for i, out in enumerate(outputs):
@@ -208,4 +209,5 @@ def rollout_batch(prompts: list[list[int]], outputs: list[dict], group_size: int
         behav[i, p:p + n] = torch.tensor(out["output_logprobs"], dtype=torch.float32)
     batch.set(K.BEHAV_LOGP, behav)
     batch.set(K.REWARDS, torch.tensor(rewards, dtype=torch.float32))
+    batch.set(K.GROUP_ID, torch.arange(len(outputs), dtype=torch.int64) // group_size)
     return batch

@@ -11,9 +11,9 @@ from tensordict import TensorDict
 
 from fsdpfn import keys as K
 from fsdpfn.batch import (
-    apply_scatter, balanced_partition, dp_shard_rows, gather_rows, next_token_targets, pack,
-    plan_microbatches, row_lengths, select_rows, seq_sum, shard_rows, shift_to_token_aligned,
-    unpack, unpack_seqs, validate_batch,
+    apply_scatter, balanced_partition, check_groups, dp_shard_rows, gather_rows,
+    next_token_targets, pack, plan_microbatches, row_lengths, select_rows, seq_sum, shard_batch,
+    shard_rows, shift_to_token_aligned, unpack, unpack_seqs, validate_batch,
 )
 from fsdpfn.errors import BatchError, ConfigError
 
@@ -438,3 +438,117 @@ def test_refine_fills_empty_bins_without_raising_the_largest():
     bins = _refine([[0, 1, 2, 3, 4], [], []], sizes)
     assert sorted(u for b in bins for u in b) == [0, 1, 2, 3, 4] and all(bins)
     assert max(sum(sizes[u] for u in b) for b in bins) == 4  # {4}, {3, 1}, {2, 0} or similar
+
+
+# ---------------------------------------------------------------- groups over data-parallel ranks
+
+
+class _Mesh:
+    """What shard_batch reads of a Mesh: the dp size and this rank's dp coordinate."""
+
+    def __init__(self, dp, rank):
+        self.dp, self._rank = dp, rank
+
+    def rank(self, axis):
+        assert axis == "dp"
+        return self._rank
+
+
+@st.composite
+def group_layouts(draw, max_groups=6, max_G=4):
+    """A batch whose rows carry group ids in any order: (batch, ids as a list, G)."""
+    G = draw(st.integers(1, max_G))
+    n = draw(st.integers(1, max_groups))
+    ids = [g * 7 + 3 for g in range(n) for _ in range(G)]       # arbitrary, non-contiguous ids
+    ids = draw(st.permutations(ids))
+    T = draw(st.integers(1, 8))
+    lens = draw(st.lists(st.integers(1, T), min_size=len(ids), max_size=len(ids)))
+    batch = make_batch(lens, T, seed=draw(st.integers(0, 2**16)))
+    batch.set(K.GROUP_ID, torch.tensor(ids, dtype=torch.int64))
+    return batch, list(ids), G
+
+
+@FAST
+@given(group_layouts(), st.integers(1, 4), st.booleans())
+def test_shard_batch_keeps_each_group_id_on_one_rank(layout, dp, tell_g):
+    batch, ids, G = layout
+    if len(set(ids)) < dp:
+        with pytest.raises(BatchError, match=f"dp_size={dp}"):
+            shard_batch(batch, _Mesh(dp, 0))
+        return
+    pieces = [shard_batch(batch, _Mesh(dp, r), group_size=G if tell_g else 1) for r in range(dp)]
+    seen = []
+    for piece in pieces:
+        rows = piece.get(K.ROW_INDEX).tolist()
+        assert rows == sorted(rows) and rows
+        assert torch.equal(piece.get(K.INPUT_IDS), batch.get(K.INPUT_IDS)[rows])
+        local = piece.get(K.GROUP_ID).tolist()
+        for g in set(local):                       # the whole group is here
+            assert local.count(g) == ids.count(g) == G
+        check_groups(piece, G)                     # and a grouped estimator accepts it
+        seen += rows
+    assert sorted(seen) == list(range(len(ids)))
+
+
+@FAST
+@given(group_layouts(max_G=3), st.integers(2, 3))
+def test_shard_batch_without_group_id_splits_only_when_told_group_size_one(layout, dp):
+    batch, ids, G = layout
+    batch = batch.exclude(K.GROUP_ID)
+    if len(ids) // G < dp:
+        return
+    for r in range(dp):
+        check_groups(shard_batch(batch, _Mesh(dp, r), group_size=G), G)  # told G: whole
+    for r in range(dp):
+        piece = shard_batch(batch, _Mesh(dp, r))            # the default: rows one by one
+        rows = piece.get(K.ROW_INDEX).tolist()
+        whole = (len(rows) % G == 0 and all(                # reference: every block of G rows
+            rows[k:k + G] == list(range(rows[k], rows[k] + G)) and rows[k] % G == 0
+            for k in range(0, len(rows), G)))
+        if whole:
+            check_groups(piece, G)
+        else:
+            with pytest.raises(BatchError, match="split|divisible"):
+                check_groups(piece, G)
+
+
+def test_split_group_is_refused_naming_the_fix():
+    batch = make_batch([3, 4, 2, 5, 6, 1, 2, 2], 6)        # 2 groups of 4, unbalanced tokens
+    piece = select_rows(batch, [0, 1, 4, 5])                # what a group-blind split gives
+    piece.set(K.ROW_INDEX, torch.tensor([0, 1, 4, 5]))
+    with pytest.raises(BatchError, match=r"row_index.*group 0.*\[0, 1, 4, 5\].*group_size=4"):
+        check_groups(piece, 4)
+    piece.set(K.GROUP_ID, torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(BatchError, match=r"group_id.*group_size=4.*got 2 rows with group_id 0"):
+        check_groups(piece, 4)
+    with pytest.raises(BatchError, match=r"group_id.*group_size=3"):
+        shard_batch(batch.set(K.GROUP_ID, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])), _Mesh(2, 0),
+                    group_size=3)
+
+
+def test_check_groups_returns_groups_in_order_of_first_row():
+    batch = make_batch([2] * 6, 3).set(K.GROUP_ID, torch.tensor([9, 4, 9, 4, 1, 1]))
+    assert check_groups(batch, 2).tolist() == [0, 1, 0, 1, 2, 2]
+    assert check_groups(batch.exclude(K.GROUP_ID), 3) is None
+
+
+def test_validate_group_id_and_row_index_dtypes():
+    batch = make_batch([2, 3], 4)
+    for key in (K.GROUP_ID, K.ROW_INDEX):
+        with pytest.raises(BatchError, match=f"{key}: must have dtype torch.int64"):
+            validate_batch(batch.clone().set(key, torch.zeros(2)))
+        with pytest.raises(BatchError, match=rf"{key}: must have shape \[B\]"):
+            validate_batch(batch.clone().set(key, torch.zeros(2, 1, dtype=torch.int64)))
+
+
+def test_default_budget_splits_a_large_rl_batch():
+    """EngineConfig() micro-batches by 16384 tokens, the benchmarked budget: a 96-sequence,
+    ~160k-token batch (Qwen3-1.7B RL shape) is never one micro-batch."""
+    from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, EngineConfig, MicroBatchSpec
+    spec = EngineConfig(model_path="ckpt/").mb_spec
+    assert spec == MicroBatchSpec() and spec.max_tokens_per_mb == DEFAULT_MAX_TOKENS_PER_MB == 16384
+    lens = [600 + (i * 397) % 2200 for i in range(96)]
+    assert 150_000 < sum(lens) < 170_000
+    plan = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb, n_mbs=spec.n_mbs)
+    assert sorted(r for rows in plan for r in rows) == list(range(96))
+    assert len(plan) >= sum(lens) / 16384 and max(_loads(plan, lens)) <= 16384

@@ -217,3 +217,107 @@ def test_kl_in_reward(shape, kind, with_tokens, seed):
     assert torch.equal(out, poisoned)
     with pytest.raises(ConfigError, match="kind"):
         kl_in_reward(None, rewards, logp, ref_logp, mask, coef=0.1, kind="k5")
+
+
+# --------------------------------------------------------------------------------------------
+# groups given by ids, whitening over several parts, compute_advantages
+# --------------------------------------------------------------------------------------------
+
+def ref_group_by_ids(rewards, ids, norm_std, loo, eps):
+    """float64: each row against the other rows with its id, wherever they are."""
+    r, ids = rewards.double().tolist(), ids.tolist()
+    out = []
+    for x, i in zip(r, ids):
+        grp = [y for y, j in zip(r, ids) if j == i]
+        g = len(grp)
+        mean = sum(grp) / g
+        std = math.sqrt(sum((y - mean) ** 2 for y in grp) / (g - 1)) if g > 1 else 0.0
+        a = x - ((sum(grp) - x) / (g - 1) if loo else mean)
+        out.append(a / (std + eps) if norm_std else a)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@SETTINGS
+@given(n_groups=st.integers(1, 4), g=st.integers(2, 5), norm_std=st.booleans(), loo=st.booleans(),
+       data=st.data())
+def test_group_advantages_by_ids_match_reference_in_any_row_order(n_groups, g, norm_std, loo, data):
+    ids = torch.tensor(data.draw(st.permutations([5 * k - 3 for k in range(n_groups)] * g)))
+    rewards = torch.tensor(data.draw(st.lists(st.floats(-3, 3), min_size=len(ids),
+                                              max_size=len(ids))))
+    adv = group_advantages(rewards, g, norm_std=norm_std, leave_one_out=loo, group_ids=ids)
+    close(adv, ref_group_by_ids(rewards, ids, norm_std, loo, 1e-6), what="advantages by ids")
+    with pytest.raises(BatchError, match=r"group_ids: every group must have group_size=2 rows, "
+                                         r"got 3 rows with id 0"):
+        group_advantages(torch.zeros(6), 2, group_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
+
+
+@SETTINGS
+@given(shape=shapes, parts=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_whiten_with_all_reduce_uses_the_statistics_of_all_parts(shape, parts, seed):
+    """`parts` ranks holding identical rows: summing over them must give the statistics of the
+    concatenated batch (n = parts·n, so the unbiased variance changes), and each part is
+    whitened with those."""
+    lead, t = shape
+    torch.manual_seed(seed)
+    x, mask = torch.randn(*lead, t) * 2 + 1, torch.rand(*lead, t) < 0.7
+    out = whiten(x, mask, all_reduce=lambda s: s * parts)
+    whole = whiten(torch.cat([x] * parts), torch.cat([mask] * parts))
+    close(out, whole[: x.shape[0]], what="whiten over parts")
+
+
+def _adv_batch(B, T, G, seed):
+    from fsdpfn import keys as K
+    from fsdpfn.testing import random_batch
+    batch = random_batch(B, T, seed=seed, group_size=G)
+    g = torch.Generator().manual_seed(seed)
+    batch.set(K.VALUES, torch.where(batch[K.ATTENTION_MASK], torch.randn(B, T, generator=g), 0.0))
+    batch.set(K.OLD_LOGP, torch.where(batch[K.ATTENTION_MASK], -torch.rand(B, T, generator=g), 0.0))
+    batch.set(K.REF_LOGP, torch.where(batch[K.ATTENTION_MASK], -torch.rand(B, T, generator=g), 0.0))
+    return batch
+
+
+ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce++", "gae"]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_compute_advantages_returns_separate_advantages_and_returns(estimator):
+    from fsdpfn import AdvantageConfig, compute_advantages, keys as K
+    batch = _adv_batch(8, 6, 4, seed=1)
+    out = compute_advantages(batch, AdvantageConfig(estimator=estimator, group_size=4,
+                                                    kl_coef=0.1))
+    adv, ret = out[K.ADVANTAGES], out[K.RETURNS]
+    assert adv.data_ptr() != ret.data_ptr()
+    before = ret.clone()
+    adv.add_(1.0)
+    assert torch.equal(ret, before)
+
+
+@SETTINGS
+@given(estimator=st.sampled_from(["grpo", "drgrpo", "rloo"]), whiten_=st.booleans(), data=st.data())
+def test_compute_advantages_with_group_id_is_row_order_equivariant(estimator, whiten_, data):
+    """Rows permuted with their group_id give the same advantages, permuted: groups are the ids,
+    not the positions."""
+    from fsdpfn import AdvantageConfig, compute_advantages, keys as K
+    G = data.draw(st.integers(2, 4))
+    n = data.draw(st.integers(1, 3))
+    batch = _adv_batch(n * G, 5, G, seed=data.draw(st.integers(0, 2**16)))
+    config = AdvantageConfig(estimator=estimator, group_size=G, whiten=whiten_)
+    plain = compute_advantages(batch, config)[K.ADVANTAGES]
+    perm = torch.tensor(data.draw(st.permutations(range(n * G))))
+    ids = torch.arange(n).repeat_interleave(G) * 11
+    shuffled = batch.clone().set(K.GROUP_ID, ids)[perm]
+    close(compute_advantages(shuffled, config)[K.ADVANTAGES], plain[perm], what="permuted")
+
+
+def test_compute_advantages_refuses_split_groups():
+    from fsdpfn import AdvantageConfig, compute_advantages, keys as K
+    batch = _adv_batch(8, 6, 4, seed=2)
+    piece = batch[torch.tensor([0, 2, 4, 6])].set(K.ROW_INDEX, torch.tensor([0, 2, 4, 6]))
+    for estimator in ("grpo", "drgrpo", "rloo"):
+        with pytest.raises(BatchError, match="shard_batch split the groups"):
+            compute_advantages(piece, AdvantageConfig(estimator=estimator, group_size=4))
+    ids = piece.clone().set(K.GROUP_ID, torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(BatchError, match="group_id: every group must have group_size=4"):
+        compute_advantages(ids, AdvantageConfig(group_size=4))
+    # token-level estimators have no groups: a sharded batch is fine
+    compute_advantages(piece, AdvantageConfig(estimator="reinforce++"))
