@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The embedded demo on a GPU host: trainer on GPU 0 and server on GPU 1 (NCCL push), then both
+# on GPU 0 (push by disk); per-stage seconds of each. Usage: bash benchmarks/gpu_demo.sh OUTDIR [overrides]
+set -uo pipefail
+out=${1:?OUTDIR}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+for layout in two one; do
+  dir=/tmp/runs/demo_$layout
+  if [ $layout = one ]; then vis=0; else vis=0,1; fi
+  start=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$vis timeout ${DEMO_TIMEOUT:-280} python3 -m fsdpfn demo run_dir=$dir --overwrite "$@" 2>&1 \
+    | grep -v -E "^(warm-up|grpo) .*\|" | tail -25
+  echo "[$layout] exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
+  cp $dir/metrics.jsonl "$out/metrics_$layout.jsonl" 2>/dev/null
+  cp $dir/rollout.log "$out/rollout_$layout.log" 2>/dev/null
+  cp $dir/summary.json "$out/summary_$layout.json" 2>/dev/null
+done
+python3 benchmarks/stages.py /tmp/runs/demo_two /tmp/runs/demo_one
