@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The embedded demo on a GPU host: trainer on GPU 0 and server on GPU 1 (NCCL push), then both
-# on GPU 0 (push by disk); per-stage seconds of each. Usage: bash benchmarks/gpu_demo.sh OUTDIR [overrides]
+# on GPU 0 (push by disk); per-stage seconds of each. LAYOUTS="two one" (default) or "one".
+# Usage: bash benchmarks/gpu_demo.sh OUTDIR [overrides]
 set -uo pipefail
 out=${1:?OUTDIR}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-for layout in two one; do
+for layout in ${LAYOUTS:-two one}; do
   dir=/tmp/runs/demo_$layout
   if [ $layout = one ]; then vis=0; else vis=0,1; fi
   start=$(date +%s)
@@ -16,4 +17,4 @@ for layout in two one; do
   cp $dir/rollout.log "$out/rollout_$layout.log" 2>/dev/null
   cp $dir/summary.json "$out/summary_$layout.json" 2>/dev/null
 done
-python3 benchmarks/stages.py /tmp/runs/demo_two /tmp/runs/demo_one
+python3 benchmarks/stages.py $(for l in ${LAYOUTS:-two one}; do echo /tmp/runs/demo_$l; done)
