@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdpfn.attention import packed_attention_mask, varlen_available
 from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
-from fsdpfn.ops.logprobs import liger_logprobs
+from fsdpfn.ops.logprobs import liger_logprobs, vocab_shard_range
 
 __all__ = ["PackedModel"]
 
@@ -65,9 +65,12 @@ class PackedModel(nn.Module):
         weight = self.lm.get_output_embeddings().weight  # (V, H), DTensor Shard(0) under tp
         if self.tp_group is not None:
             local = weight.to_local()
-            rank = torch.distributed.get_rank(self.tp_group)
+            # uneven vocabularies: Shard(0) splits like torch.chunk (the last shards are shorter)
+            start, stop = vocab_shard_range(weight.shape[0], self.tp_group.size(),
+                                            torch.distributed.get_rank(self.tp_group))
+            assert local.shape[0] == stop - start, (tuple(local.shape), start, stop)
             logp, entropy = vocab_parallel_logprobs(
-                hidden, local, targets, group=self.tp_group, vocab_start=rank * local.shape[0],
+                hidden, local, targets, group=self.tp_group, vocab_start=start,
                 chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
         elif self.logprobs_impl == "liger" and not with_entropy:
             logp, entropy = liger_logprobs(hidden, weight, targets, temperature=temperature), None

@@ -10,6 +10,7 @@ backward and reduces gradients in ``grad_reduce_dtype``.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -21,12 +22,13 @@ from fsdpfn import attention
 from fsdpfn.config import EngineConfig, OptimizerConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.mesh import Mesh
+from fsdpfn.ops.logprobs import vocab_shard_range
 from fsdpfn.optim import KahanAdamW
 from fsdpfn.packed import PackedModel
 from fsdpfn.state import EngineState, agree
 
 __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
-           "build_optimizer", "build_scheduler", "base_model", "torch_dtype",
+           "kv_heads_of_rank", "build_optimizer", "build_scheduler", "base_model", "torch_dtype",
            "full_state_dict_from_disk"]
 
 
@@ -94,18 +96,23 @@ def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
 
 
 def _check_divisibility(hf_config, mesh: Mesh) -> None:
+    """What tp must divide: the query heads and the MLP width. The vocabulary is split unevenly
+    (no padding rows) and kv heads fewer than tp, or not divisible by it, are replicated."""
     if mesh.cp > 1:
         raise ConfigError(f"ParallelStrategy.cp: context parallelism is not supported yet, must "
                           f"be 1, got {mesh.cp}")
     tp = mesh.tp
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    for name, value in (("num_attention_heads", hf_config.num_attention_heads),
-                        ("num_key_value_heads", n_kv),
-                        ("intermediate_size", hf_config.intermediate_size),
-                        ("vocab_size", hf_config.vocab_size)):
+    for name in ("num_attention_heads", "intermediate_size"):
+        value = getattr(hf_config, name)
         if value % tp:
             raise ConfigError(f"ParallelStrategy.tp: must divide the model's {name}, got "
                               f"tp={tp} and {name}={value}")
+    vocab = hf_config.vocab_size
+    start, stop = vocab_shard_range(vocab, tp, tp - 1)
+    if stop == start:  # only for vocabularies of at most tp*(tp-1) tokens
+        raise ConfigError(f"ParallelStrategy.tp: every tensor-parallel rank must hold at least "
+                          f"one vocabulary row (ceil(vocab_size / tp) rows each), got tp={tp} "
+                          f"and vocab_size={vocab}, which leaves the last rank none")
 
 
 def _build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -> nn.Module:
@@ -155,9 +162,115 @@ def _disable_dropout(model: nn.Module) -> None:
 # ---------------------------------------------------------------- parallelism, in order
 
 
+def kv_heads_of_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
+    """The kv heads tp rank ``rank`` needs for its query heads [rank*q, (rank+1)*q), q = n_heads
+    / tp, when its k/v projections are replicated (n_kv_heads not divisible by tp): the distinct
+    heads when every local kv head serves the same number of consecutive query heads (always the
+    case when n_kv_heads divides tp: one kv head), else one kv head per query head."""
+    q, group = n_heads // tp, n_heads // n_kv_heads
+    per_query = [(rank * q + i) // group for i in range(q)]
+    distinct = sorted(set(per_query))
+    repeat = q // len(distinct)
+    if [h for h in distinct for _ in range(repeat)] == per_query:
+        return distinct
+    return per_query
+
+
+def _replicated_kv_style(heads: list[int], head_dim: int):
+    """k_proj / v_proj kept whole on every tp rank (Replicate); each rank keeps the output
+    columns of its ``heads``. The output's gradient is declared Partial over tp, so the weight's
+    and the input's gradients are summed over the ranks (each rank saw only its heads)."""
+    from torch.distributed.tensor import Partial, Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    index = torch.tensor(heads, dtype=torch.long)
+
+    class ReplicatedKV(ColwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            for pname, param in module.named_parameters():
+                whole = distribute_tensor(param, device_mesh, [Replicate()],
+                                          src_data_rank=self.src_data_rank)
+                module.register_parameter(pname, nn.Parameter(
+                    whole, requires_grad=param.requires_grad))
+
+        @staticmethod
+        def _select_heads(module, outputs, device_mesh):
+            local = outputs.to_local(grad_placements=[Partial()])  # (..., n_kv * D)
+            by_head = local.unflatten(-1, (-1, head_dim))  # (..., n_kv, D)
+            picked = by_head.index_select(-2, index.to(local.device))
+            return picked.flatten(-2)  # (..., len(heads) * D)
+
+        def _apply(self, module, device_mesh):
+            return distribute_module(
+                module, device_mesh, self._partition_linear_fn,
+                functools.partial(self._prepare_input_fn, self.input_layouts,
+                                  self.desired_input_layouts),
+                self._select_heads)
+
+    return ReplicatedKV()
+
+
+def _per_head_norm_style():
+    """A norm over head_dim applied to each head (Qwen3's q_norm / k_norm): its weight is
+    replicated over tp while each rank normalises only its heads, so the input is declared
+    Shard over the heads dim and the weight's gradient comes out Partial, summed over tp."""
+    from torch.distributed.tensor import (DTensor, Replicate, Shard, distribute_module,
+                                          distribute_tensor)
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class PerHeadNorm(ParallelStyle):
+        def _partition(self, name, module, device_mesh):
+            for pname, param in module.named_parameters(recurse=False):
+                whole = distribute_tensor(param, device_mesh, [Replicate()],
+                                          src_data_rank=self.src_data_rank)
+                module.register_parameter(pname, nn.Parameter(
+                    whole, requires_grad=param.requires_grad))
+
+        @staticmethod
+        def _heads_input(module, inputs, device_mesh):
+            x = inputs[0]  # (..., heads of this rank, D)
+            return DTensor.from_local(x, device_mesh, [Shard(x.ndim - 2)], run_check=False)
+
+        @staticmethod
+        def _local_output(module, outputs, device_mesh):
+            return outputs.to_local()
+
+        def _apply(self, module, device_mesh):
+            return distribute_module(module, device_mesh, self._partition, self._heads_input,
+                                     self._local_output)
+
+    return PerHeadNorm()
+
+
+def _attention_plan(layer: nn.Module, n_heads: int, n_kv_heads: int, tp_mesh) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
+    for name in ("q_norm", "k_norm"):  # per-head norms (Qwen3): replicated, grads summed
+        norm = getattr(layer.self_attn, name, None)
+        if norm is not None and any(True for _ in norm.parameters()):
+            plan[f"self_attn.{name}"] = _per_head_norm_style()
+    if n_kv_heads % tp_mesh.size() == 0:
+        plan.update({"self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel()})
+        return plan
+    attn = layer.self_attn
+    head_dim = getattr(attn, "head_dim", None) or attn.k_proj.out_features // n_kv_heads
+    heads = kv_heads_of_rank(n_heads, n_kv_heads, tp_mesh.size(), tp_mesh.get_local_rank())
+    plan["self_attn.k_proj"] = _replicated_kv_style(heads, head_dim)
+    plan["self_attn.v_proj"] = _replicated_kv_style(heads, head_dim)
+    # HF's eager GQA reads this ratio; fsdpfn's attention reads the shapes (the same ratio)
+    attn.num_key_value_groups = (n_heads // tp_mesh.size()) // len(heads)
+    return plan
+
+
 def apply_tp(model: nn.Module, mesh: Mesh) -> None:
     """Tensor parallel plan: embeddings row-parallel (over the vocabulary), q/k/v and gate/up
-    column-parallel, o/down row-parallel, lm_head column-parallel (logits stay split over V)."""
+    column-parallel, o/down row-parallel, lm_head column-parallel (logits stay split over V).
+
+    Any vocabulary: the rows split like torch.chunk (ceil(V / tp) per rank, the last ranks
+    shorter), so no padding row exists in a parameter, a logit, a checkpoint or an export. kv
+    heads not divisible by tp: k/v projections replicated, each rank computing the kv heads its
+    query heads use (see kv_heads_of_rank)."""
     if mesh.tp == 1:
         return
     from torch.distributed.tensor import Replicate, Shard
@@ -166,12 +279,14 @@ def apply_tp(model: nn.Module, mesh: Mesh) -> None:
 
     tp_mesh = mesh.device_mesh["tp"]
     base = base_model(model)
-    tied = getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head")
+    config = model.config
+    n_heads = config.num_attention_heads
+    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    tied = getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head")
     parallelize_module(base.embed_tokens, tp_mesh,
                        RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for layer in base.layers:
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+        plan = {**_attention_plan(layer, n_heads, n_kv_heads, tp_mesh),
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel()}
         parallelize_module(layer, tp_mesh, plan)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fsdpfn.errors import BatchError, ConfigError
 
 __all__ = ["token_logprobs", "token_entropy", "chunked_logprobs", "vocab_parallel_logprobs",
-           "liger_logprobs", "liger_available"]
+           "vocab_shard_range", "liger_logprobs", "liger_available"]
 
 
 def _check_temperature(temperature: float) -> float:
@@ -243,6 +243,17 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     chunk's logits from the saved hidden and weight. Grads flow to hidden and weight, in their dtypes.
     """
     return _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, None, 0)
+
+
+def vocab_shard_range(vocab_size: int, n_shards: int, index: int) -> tuple[int, int]:
+    """Rows [start, stop) of a [vocab_size, H] matrix held by shard ``index`` of ``n_shards``
+    under torch.chunk's split (DTensor's Shard(0)): ceil(V / n) rows each, the last shards
+    shorter or empty when n does not divide V. No padding rows exist anywhere."""
+    if n_shards < 1 or not 0 <= index < n_shards or vocab_size < 0:
+        raise ConfigError(f"vocab_shard_range: needs 0 <= index < n_shards and vocab_size >= 0, "
+                          f"got index={index}, n_shards={n_shards}, vocab_size={vocab_size}")
+    rows = -(-vocab_size // n_shards)
+    return min(index * rows, vocab_size), min((index + 1) * rows, vocab_size)
 
 
 def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *,

@@ -1,13 +1,17 @@
 """shard_model parity: sharded logits equal the unsharded model's, gathered weights equal the
-originals exactly, memory_efficient_load equals a plain load, tp divisibility is checked."""
+originals exactly (also for a vocabulary tp does not divide and for fewer kv heads than tp),
+memory_efficient_load equals a plain load, what tp must divide is checked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import fsdpfn as ff
+from fsdpfn.shard import kv_heads_of_rank
 from fsdpfn.state import local_tensor
 from fsdpfn.testing import (save_tiny_model, sharded_logits, tiny_llama_config,
                             tiny_qwen2_config)
@@ -21,7 +25,11 @@ RTOL = ATOL = 1e-5
 def _configs(tmp):
     out = {}
     for name, cfg in (("qwen2", tiny_qwen2_config()), ("llama", tiny_llama_config()),
-                      ("qwen2_tied", tiny_qwen2_config(tie_word_embeddings=True))):
+                      ("qwen2_tied", tiny_qwen2_config(tie_word_embeddings=True)),
+                      # a prime vocabulary (uneven rows per tp rank), one kv head (replicated)
+                      ("qwen2_v97_kv1", tiny_qwen2_config(vocab_size=97, num_key_value_heads=1)),
+                      ("llama_v97_tied", tiny_llama_config(vocab_size=97,
+                                                           tie_word_embeddings=True))):
         out[name] = str(save_tiny_model(tmp / name, cfg, seed=3))
     return out
 
@@ -30,7 +38,7 @@ def parity(paths: dict, tp: int):
     from transformers import AutoModelForCausalLM
 
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=tp), device_type="cpu")
-    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(0))
     results = {}
     for name, path in paths.items():
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -54,7 +62,8 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,tp", [(2, 1), (2, 2), (4, 2)], ids=["dp2", "tp2", "dp2xtp2"])
+@pytest.mark.parametrize("world,tp", [(2, 1), (2, 2), (4, 2), (4, 4)],
+                         ids=["dp2", "tp2", "dp2xtp2", "tp4"])
 def test_sharded_logits_and_weights_match(model_dirs, world, tp, spmd2, spmd4):
     pool = spmd2 if world == 2 else spmd4
     for rank_result in pool.run(parity, args=(model_dirs, tp), timeout=240):
@@ -82,20 +91,45 @@ def test_memory_efficient_load_equals_plain_load(model_dirs, spmd4):
             assert torch.equal(a[name], b[name]), name
 
 
-def bad_tp(path: str):
+def bad_tp(model_config: dict):
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1, tp=4), device_type="cpu")
     try:
-        ff.shard_model(ff.EngineConfig(model_path=path), mesh)
+        ff.shard_model(ff.EngineConfig(model_config=model_config), mesh)
     except ff.ConfigError as exc:
         return str(exc)
     return None
 
 
 @pytest.mark.timeout(120)
-def test_tp_must_divide_heads(model_dirs, spmd4):
-    for message in spmd4.run(bad_tp, args=(model_dirs["qwen2"],), timeout=100):
-        assert message == ("ParallelStrategy.tp: must divide the model's num_key_value_heads, "
-                           "got tp=4 and num_key_value_heads=2")
+def test_tp_must_divide_query_heads_and_leave_every_rank_vocabulary_rows(spmd4):
+    heads = tiny_qwen2_config(hidden_size=48, num_attention_heads=6, num_key_value_heads=2)
+    for message in spmd4.run(bad_tp, args=(heads.to_dict(),), timeout=100):
+        assert message == ("ParallelStrategy.tp: must divide the model's num_attention_heads, "
+                           "got tp=4 and num_attention_heads=6")
+    # 5 tokens over tp=4: ceil(5/4) = 2 rows each leaves the last rank none
+    for message in spmd4.run(bad_tp, args=(tiny_qwen2_config(vocab_size=5).to_dict(),),
+                             timeout=100):
+        assert message == ("ParallelStrategy.tp: every tensor-parallel rank must hold at least "
+                           "one vocabulary row (ceil(vocab_size / tp) rows each), got tp=4 and "
+                           "vocab_size=5, which leaves the last rank none")
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(n_kv=st.integers(1, 12), group=st.integers(1, 8), tp=st.integers(1, 16), data=st.data())
+def test_kv_heads_of_rank_serve_each_query_head_its_own_kv_head(n_kv, group, tp, data):
+    """Local query head i (global rank*q + i) attends with local kv head i // (q / len(heads))
+    (fsdpfn's attention repeats kv heads by the shape ratio): it must be kv head
+    (rank*q + i) // group, as in the unsharded model."""
+    n_heads = n_kv * group
+    if n_heads % tp:
+        return
+    rank = data.draw(st.integers(0, tp - 1))
+    q = n_heads // tp
+    heads = kv_heads_of_rank(n_heads, n_kv, tp, rank)
+    assert q % len(heads) == 0
+    assert all(heads[i // (q // len(heads))] == (rank * q + i) // group for i in range(q))
+    if tp % n_kv == 0 and tp >= n_kv:  # one kv head per rank, the fewest possible
+        assert len(heads) == 1
 
 
 def unsupported_options():

@@ -1,0 +1,138 @@
+"""Rollout benchmark (one GPU): generated tokens/s of the built-in server through
+fsdpfn.rollout.generate, and the decode step time against its memory-bandwidth floor.
+
+    python benchmarks/rollout.py                    # decode loop (CUDA graphs), Qwen2-1.5B shape
+    python benchmarks/rollout.py --decode hf        # the HF generate path, for comparison
+    python benchmarks/rollout.py --rows 512 --no-concurrent
+
+A random Qwen2-1.5B-shaped model in bf16 is served by ``python -m fsdpfn.rollout`` on the GPU.
+Prompts of 256 random tokens, 8 samples each, temperature 1, no stop token. Each shape runs once
+as a warm-up (it captures the CUDA graphs of its shapes: "first wall"), then timed, as one
+batched request and as one client per prompt, all at once (threads). The step time is the
+server's own (decode steps and their seconds, from /get_model_info); the floor is the bytes one
+step must read (all weights, plus the KV cache of every row at its mean context) over the GPU's
+measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _table import print_markdown_table  # noqa: E402 - benchmarks/ is this script's folder
+from fsdpfn.rollout import generate, launch_server  # noqa: E402
+
+QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  max_position_embeddings=4096, tie_word_embeddings=True)
+SHAPES = [(64, 512), (256, 512), (512, 1024), (1024, 1024)]  # (rows in flight, new tokens)
+N, PROMPT = 8, 256
+
+
+def build_model(path: str) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_1_5B), dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """GB/s of a device-to-device copy (bytes read + written), best of 10."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return nbytes / best / 1e9
+
+
+def floor_ms(rows: int, new: int, bandwidth: float) -> float:
+    c = QWEN2_1_5B
+    weights = 2 * (c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * (
+        c["hidden_size"] * (c["hidden_size"] + 2 * 256) + c["hidden_size"] ** 2
+        + 3 * c["hidden_size"] * c["intermediate_size"]))  # bf16; q 1536, k/v 256 wide
+    kv_per_token = 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * 128
+    kv = rows * (PROMPT + new / 2) * kv_per_token
+    return (weights + kv) / (bandwidth * 1e9) * 1e3
+
+
+def run(url: str, rows: int, new: int, concurrent: bool) -> float:
+    g = torch.Generator().manual_seed(rows + new)
+    prompts = torch.randint(0, QWEN2_1_5B["vocab_size"], (rows // N, PROMPT), generator=g).tolist()
+    kwargs = dict(n=N, max_new_tokens=new, temperature=1.0, timeout=3600)
+    clock = time.perf_counter()
+    if not concurrent:
+        out = generate(url, prompts, **kwargs)["outputs"]
+    else:
+        answers = [None] * len(prompts)
+        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(
+            i, generate(url, [prompts[i]], **kwargs))) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out = [o for a in answers for o in a["outputs"]]
+    wall = time.perf_counter() - clock
+    assert sum(len(o["output_ids"]) for o in out) == rows * new, "a row ended early"
+    return wall
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--decode", default="loop", choices=("loop", "hf"))
+    p.add_argument("--rows", type=int, nargs="*", default=None, help="only these shapes")
+    p.add_argument("--no-concurrent", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    args = p.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"device copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
+    shapes = [s for s in SHAPES if not args.rows or s[0] in args.rows]
+    table = []
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp)
+        extra = ("--decode", args.decode, "--decode-rows", "1024", "--decode-max-len",
+                 str(PROMPT + max(n for _, n in shapes)), "--no-channel")
+        extra += ("--no-cuda-graphs",) if args.no_cuda_graphs else ()
+        with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
+                           health_timeout=900, extra_args=extra) as server:
+            for rows, new in shapes:
+                first = run(server.url, rows, new, False)
+                for concurrent in ([False] if args.no_concurrent else [False, True]):
+                    before = server.get("/get_model_info").get("decode_stats") or {}
+                    wall = run(server.url, rows, new, concurrent)
+                    after = server.get("/get_model_info").get("decode_stats") or {}
+                    steps = after.get("steps", 0) - before.get("steps", 0)
+                    step_ms = (after.get("seconds", 0) - before.get("seconds", 0)) / steps * 1e3 \
+                        if steps else float("nan")
+                    row = {"rows in flight": f"{rows} ({rows // N} x {N})", "new tokens": new,
+                           "clients": rows // N if concurrent else 1,
+                           "first wall (s)": f"{first:.1f}", "wall (s)": f"{wall:.1f}",
+                           "generated tokens/s": f"{rows * new / wall:,.0f}",
+                           "decode steps": steps, "step (ms)": f"{step_ms:.2f}",
+                           "floor (ms)": f"{floor_ms(rows, new, bandwidth):.2f}",
+                           "graphs": after.get("graphs", "")}
+                    table.append(row)
+                    print(json.dumps(row), flush=True)
+            print(server.log()[-1500:])
+    print_markdown_table(table, ("rows in flight", "new tokens", "clients"))
+
+
+if __name__ == "__main__":
+    main()
