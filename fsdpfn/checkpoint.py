@@ -8,7 +8,9 @@ own shards, and any mesh shape can load it (dp=2 -> dp=1, dp=1 -> dp=2 x tp=2, .
       __<r>_<i>.distcp     DCP data: model and optimizer shards, written by rank r
       rng/rank_<r>.pt      rank r's RNG state (torch CPU, CUDA, python random, numpy)
       fsdpfn.json          manifest: step, version, architecture, optimizer status, LR scheduler
-                           state, ``extra``, and the size of every file above
+                           state, ``extra``, the size of every file above, and ``checksums``:
+                           every saved chunk's (sum, position-weighted sum) and a CRC32 of the
+                           pickled items, .metadata and the RNG files (fsdpfn.integrity)
       COMPLETE             the marker, written last; a directory without it is not a checkpoint
 
 DCP keys are ``model.<fqn>`` (fqn as in ``state.model.state_dict()``, prefix ``lm.``) and torch's
@@ -43,10 +45,14 @@ Decisions (documented contract):
 * ``extra`` must be JSON that round-trips unchanged (dict with str keys; lists, not tuples); rank
   0's is stored and every rank gets it back (``{}`` when none was saved).
 * Everything the load reads is checked before anything changes: the marker, the manifest, every
-  file's size, the architecture (model_type, sizes, heads, vocabulary, tied embeddings, critic),
-  and every key's shape and dtype against the DCP metadata (DCP itself would silently cast dtypes
-  and ignore extra keys). The data are read into fresh buffers and applied only after every rank
-  read them, so a failure at any stage leaves the state unchanged and live, on every rank.
+  file's size, every byte of data against the checksums recorded at save (a chunk that differs,
+  or that torch's loader cannot read, raises CheckpointError naming the file and the tensor; at
+  any world size: each rank sums the parts of saved chunks it reads, on the device, and the
+  parts are added over the ranks), the architecture (model_type, sizes, heads, vocabulary, tied
+  embeddings, critic), and every key's shape and dtype against the DCP metadata (DCP itself
+  would silently cast dtypes and ignore extra keys). The data are read into fresh buffers and
+  applied only after every rank read them, so a failure at any stage leaves the state unchanged
+  and live, on every rank.
 * ``async_save=True`` stages a CPU copy of the state before returning (DCP's stager), then writes
   and publishes in a background thread over a gloo group of its own; the returned AsyncSave's
   ``wait()`` (on every rank) returns once published or raises CheckpointError everywhere.
@@ -80,6 +86,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from fsdpfn import integrity
 from fsdpfn.errors import CheckpointError
 from fsdpfn.state import EngineState, advance, agree, check_live, stale_reason
 
@@ -328,6 +335,9 @@ def _wrap(fn: str, what: str, exc: BaseException) -> CheckpointError:
     each failing rank's exception) included."""
     failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
     if isinstance(failures, dict) and failures:
+        named = [f[0] for _, f in sorted(failures.items()) if isinstance(f[0], CheckpointError)]
+        if named:  # fsdpfn's own verdict from inside DCP (a file named): pass it on as it is
+            return CheckpointError(str(named[0]))
         detail = "; ".join(f"rank {rank}: {_one_line(failure[0])}"
                            for rank, failure in sorted(failures.items())[:4])
     else:
@@ -530,8 +540,9 @@ def _tidy(parent: Path, keep_last: int | None, current: Path) -> None:
 
 
 def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int | None,
-            agree_fn, error: BaseException | None) -> None:
-    """Collective: agree that every rank's data is written, then rank 0 publishes."""
+            agree_fn, error: BaseException | None, sums: list | None = None) -> None:
+    """Collective: agree that every rank's data is written, then rank 0 records the checksums
+    (``sums``: every rank's chunk checksums, None when not taken) and publishes."""
     fn = "save_checkpoint"
     try:
         agree_fn(error)
@@ -544,6 +555,9 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
         published = False
         try:
             manifest = dict(manifest, files=_file_sizes(tmp))
+            if sums is not None:
+                small = [rel for rel in manifest["files"] if not rel.endswith(".distcp")]
+                manifest["checksums"] = integrity.record(tmp, sums, small)
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             (tmp / OWNER).unlink()  # from here on the directory is complete but for its marker
             _fsync_dir(tmp)
@@ -552,7 +566,7 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
             _publish(tmp, target, token)
             published = True
             _tidy(target.parent, keep_last, target)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             error = _wrap(fn, f"publishing {str(target)!r}", exc)
             if not published:
                 _discard(tmp)
@@ -560,7 +574,8 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
 
 
 def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
-                    keep_last: int | None = None, async_save: bool = False) -> AsyncSave | None:
+                    keep_last: int | None = None, async_save: bool = False,
+                    checksums: bool = True) -> AsyncSave | None:
     """Save model, optimizer, LR scheduler, step, version, RNG and ``extra`` to ``path`` (DCP,
     sharded, atomic; see the module docstring for the layout). Collective: every rank calls it.
 
@@ -569,6 +584,8 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     ``save_checkpoint(state, run_dir / f"step_{state.step}", keep_last=3)``; other directories
     are never touched. ``async_save=True`` copies the state to CPU memory, returns an AsyncSave
     handle at once and writes in the background (publication when done; ``handle.wait()``).
+    ``checksums=True`` records a checksum of every saved chunk, taken on the device before the
+    copy out, which load_checkpoint verifies (see fsdpfn.integrity); False saves that pass.
     Read-only: the state stays live. Raises CheckpointError (on every rank; nothing published).
     """
     fn = "save_checkpoint"
@@ -576,6 +593,8 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     if stale_reason(state, fn) is None:
         try:
             target, extra_json = _check_save_args(path, extra, keep_last, async_save)
+            if not isinstance(checksums, bool):
+                raise CheckpointError(f"{fn}: checksums: must be a bool, got {checksums!r}")
         except CheckpointError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable directory, on one rank
@@ -610,20 +629,46 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
             _discard(tmp)
         raise
 
-    # stage 2: DCP writes the shards (in the background when async); rank 0 then publishes
+    # stage 2: the chunks' checksums, on the device, before DCP copies anything out
     state_dict = _to_save(state, status)
+    try:
+        sums = _gather_checksums(state_dict, mesh) if checksums else None
+    except BaseException:
+        if _rank() == 0:
+            _discard(tmp)
+        raise
+
+    # stage 3: DCP writes the shards (in the background when async); rank 0 then publishes
     if async_save:
-        return _save_async(state_dict, tmp, target, token, manifest, keep_last)
+        return _save_async(state_dict, tmp, target, token, manifest, keep_last, sums)
     error = None
     try:
         dcp.save(state_dict, checkpoint_id=tmp)
     except _DCP_ERRORS as exc:
         error = _wrap(fn, f"writing {str(tmp)!r}", exc)
-    _finish(tmp, target, token, manifest, keep_last, lambda e: agree(mesh, e), error)
+    _finish(tmp, target, token, manifest, keep_last, lambda e: agree(mesh, e), error, sums)
     return None
 
 
-def _save_async(state_dict, tmp, target, token, manifest, keep_last) -> AsyncSave:
+def _gather_checksums(state_dict: dict, mesh) -> list | None:
+    """Every rank's chunk checksums (integrity.local_checksums), gathered to rank 0 (a list
+    indexed by rank there, None on the other ranks). Collective."""
+    error, local = None, []
+    try:
+        local = integrity.local_checksums(state_dict)
+    except CheckpointError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
+        error = _wrap("save_checkpoint", "checksumming the state", exc)
+    agree(mesh, error)
+    if _world() == 1:
+        return [local]
+    gathered = [None] * _world() if _rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    return gathered
+
+
+def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums) -> AsyncSave:
     # a group of its own: the background thread's collectives never interleave with training's
     group = dist.new_group(backend="gloo") if _world() > 1 else None
     handle = AsyncSave(target, group)
@@ -649,7 +694,8 @@ def _save_async(state_dict, tmp, target, token, manifest, keep_last) -> AsyncSav
             future.result()
         except _DCP_ERRORS as exc:
             error = _wrap("save_checkpoint", f"writing {str(tmp)!r}", exc)
-        _finish(tmp, target, token, manifest, keep_last, lambda e: _agree_on(group, e), error)
+        _finish(tmp, target, token, manifest, keep_last, lambda e: _agree_on(group, e), error,
+                sums)
 
     handle._start(body)  # noqa: SLF001
     return handle
@@ -818,12 +864,31 @@ def _plan_optim(state: EngineState, metadata, root: Path) -> dict:
 
 
 class _LoadPlan:
-    def __init__(self, root, manifest, staging, load_optim, rng):
+    def __init__(self, root, manifest, staging, load_optim, rng, checksums=None):
         self.root, self.manifest, self.staging = root, manifest, staging
         self.load_optim, self.rng = load_optim, rng
+        self.checksums = checksums  # the manifest's record to verify against; None: no check
 
 
-def _plan_load(state: EngineState, path, weights_only) -> _LoadPlan:
+def _checksums_to_verify(root: Path, manifest: dict, verify) -> dict | None:
+    fn = "load_checkpoint"
+    if not isinstance(verify, bool):
+        raise CheckpointError(f"{fn}: verify: must be a bool, got {verify!r}")
+    record = manifest.get("checksums")
+    if not verify:
+        return None
+    if record is None:
+        log.warning("load_checkpoint: %s was saved without checksums (checksums=False or an "
+                    "older fsdpfn); its data are not verified", root)
+        return None
+    if not isinstance(record, dict) or record.get("algorithm") != integrity.ALGORITHM:
+        raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: checksums.algorithm must be "
+                              f"{integrity.ALGORITHM!r}, got {_get(record, 'algorithm')!r}; "
+                              f"upgrade fsdpfn or pass verify=False")
+    return record
+
+
+def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan:
     fn = "load_checkpoint"
     if not isinstance(weights_only, bool):
         raise CheckpointError(f"{fn}: weights_only: must be a bool, got {weights_only!r}")
@@ -834,6 +899,8 @@ def _plan_load(state: EngineState, path, weights_only) -> _LoadPlan:
             raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: {key} must be an integer >= 0, "
                                   f"got {manifest.get(key)!r}")
     _check_files(root, manifest)
+    checksums = _checksums_to_verify(root, manifest, verify)
+    integrity.check_file(root, ".metadata", checksums)
     _check_architecture(state, manifest, root)
     status = _get(manifest.get("optimizer"), "status")
     if status not in ("saved", "empty", "none"):
@@ -863,11 +930,40 @@ def _plan_load(state: EngineState, path, weights_only) -> _LoadPlan:
     if not weights_only:
         saved_world = int(_get(manifest.get("rng"), "world_size") or 1)
         file = _rng_file(root, _rank() % saved_world)
+        integrity.check_file(root, file.relative_to(root).as_posix(), checksums)
         try:
             rng = torch.load(file, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a broken checkpoint
             raise _wrap(fn, f"reading {str(file)!r}", exc) from None
-    return _LoadPlan(root, manifest, staging, load_optim, rng)
+    return _LoadPlan(root, manifest, staging, load_optim, rng, checksums)
+
+
+def _read(plan: _LoadPlan) -> integrity.VerifyingPlanner | None:
+    """DCP's load into the staging buffers; with checksums, through a reader that names a file
+    it cannot read and a planner that sums every chunk on arrival (returned)."""
+    if plan.checksums is None:
+        dcp.load(plan.staging, checkpoint_id=str(plan.root))
+        return None
+    planner = integrity.VerifyingPlanner(plan.root, plan.checksums)
+    dcp.load(plan.staging, checkpoint_id=str(plan.root), planner=planner,
+             storage_reader=integrity.NamingReader(str(plan.root)))
+    return planner
+
+
+def _verify(planner: integrity.VerifyingPlanner, plan: _LoadPlan, mesh) -> None:
+    """Collective: every chunk read matches its recorded checksum, or CheckpointError on every
+    rank (nothing applied yet)."""
+    fn, local, error = "load_checkpoint", None, None
+    try:
+        local = integrity.local_shares(planner)
+    except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
+        error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
+    agree(mesh, error)
+    try:
+        error = integrity.verify(local, planner, plan.root)
+    except Exception as exc:  # noqa: BLE001 - a failure to verify is never a pass
+        error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
+    agree(mesh, error)
 
 
 def _restore_param_groups(optimizer, saved: list) -> None:
@@ -896,35 +992,41 @@ def _apply(state: EngineState, plan: _LoadPlan) -> None:
         _set_rng_state(plan.rng, state.mesh)
 
 
-def load_checkpoint(state: EngineState, path, *, weights_only: bool = False
-                    ) -> tuple[EngineState, dict]:
+def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
+                    verify: bool = True) -> tuple[EngineState, dict]:
     """Load a checkpoint saved by save_checkpoint at any mesh shape into ``state``'s mesh.
 
     Returns ``(successor, extra)``; ``state`` is donated (stale afterwards). The successor has the
     saved step and ``version = max(state.version, saved version) + 1``; model, optimizer (Adam
     moments and hyper-parameters), LR scheduler and RNG are those saved. ``weights_only=True``
     loads the model weights only (the successor keeps this state's optimizer, scheduler, step and
-    RNG). Collective. Raises CheckpointError on every rank, with the state unchanged and live, for
-    a missing, incomplete, truncated or mismatching checkpoint (see the module docstring).
+    RNG). ``verify=True`` checks every chunk read against the checksums recorded at save
+    (fsdpfn.integrity; at any world size); a checkpoint saved without them loads unverified, with
+    a warning. Collective. Raises CheckpointError on every rank, with the state unchanged and live,
+    for a missing, incomplete, truncated, corrupted or mismatching checkpoint (the file and the
+    tensor named; see the module docstring).
     """
     fn = "load_checkpoint"
     error, plan = None, None
     if stale_reason(state, fn) is None:
         try:
-            plan = _plan_load(state, path, weights_only)
+            plan = _plan_load(state, path, weights_only, verify)
         except CheckpointError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - e.g. a malformed manifest, on one rank
             error = _wrap(fn, f"checking {str(path)!r}", exc)
     check_live(state, fn, local_error=error)
 
-    # read into the fresh buffers; nothing live changes until every rank has read everything
-    error = None
+    # read into the fresh buffers (summing each chunk as it lands); nothing live changes until
+    # every rank has read and verified everything
+    error, planner = None, None
     try:
-        dcp.load(plan.staging, checkpoint_id=str(plan.root))
+        planner = _read(plan)
     except _DCP_ERRORS as exc:
         error = _wrap(fn, f"reading {str(plan.root)!r}", exc)
     agree(state.mesh, error)
+    if planner is not None:
+        _verify(planner, plan, state.mesh)
 
     error = None
     try:

@@ -499,7 +499,7 @@ def test_checkpoint_errors_leave_the_state_unchanged(spmd2, tmp_path):
         "no_marker": "without COMPLETE",
         "no_metadata": ".metadata",
         "truncated": "truncated",
-        "dcp_read_fails": "reading",
+        "dcp_read_fails": "dcp/__1_0.distcp",
         "no_optimizer_state": "weights_only=True",
         "bad_weights_only": "weights_only: must be a bool",
         "inference_state": "inference-only",
@@ -521,6 +521,151 @@ def test_checkpoint_errors_leave_the_state_unchanged(spmd2, tmp_path):
         assert version == 2  # max(0, 1) + 1
     # messages name the path
     assert str(tmp_path / "nope") in per_rank[0][0]["missing"][1]
+
+
+# ---------------------------------------------------------------- corrupted data (checksums)
+
+
+def _save_for_corruption(root):
+    root = Path(root)
+    state, _ = _steps(_state(), 1)
+    save_checkpoint(state, root / "sync")
+    save_checkpoint(state, root / "async", async_save=True).wait()
+    save_checkpoint(state, root / "unchecked", checksums=False)
+    return _full(state)
+
+
+def _xor_middle(file: Path, n=4096):
+    data = bytearray(file.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xA5 for b in data[mid:mid + n])
+    file.write_bytes(bytes(data))  # same size: the manifest's size check passes
+
+
+def _xor_largest_chunk(root: Path, rel: str, n=4096):
+    """XOR n bytes in the middle of the largest tensor chunk stored in ``root / rel``: inside
+    its raw data, where torch's loader sees nothing wrong. Returns the chunk's key."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(root)).read_metadata()
+    index, info = max(((i, s) for i, s in md.storage_data.items() if s.relative_path == rel),
+                      key=lambda x: x[1].length)
+    file = root / rel
+    data = bytearray(file.read_bytes())
+    mid = info.offset + info.length // 2 - n // 2
+    data[mid:mid + n] = bytes(b ^ 0xA5 for b in data[mid:mid + n])
+    file.write_bytes(bytes(data))
+    return index.fqn
+
+
+def _zero_tail(file: Path, n=4096):
+    data = bytearray(file.read_bytes())
+    data[-n:] = bytes(n)
+    file.write_bytes(bytes(data))
+
+
+def _flip_pickled_item(root: Path):
+    """Flip one byte inside the first pickled item (an optimizer hyper-parameter) of DCP."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = FileSystemReader(str(root)).read_metadata()
+    index, info = next((i, s) for i, s in sorted(md.storage_data.items(), key=lambda x: x[0].fqn)
+                       if isinstance(md.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    file = root / info.relative_path
+    data = bytearray(file.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    return info.relative_path, index.fqn
+
+
+def _load_each(paths, dp):
+    """{path: "ok" or the CheckpointError's message, with "[CHANGED]" if the state changed}."""
+    state = _state(dp=dp, seed=7)
+    out = {}
+    for path in paths:
+        before = _local(state)
+        try:
+            state, _ = load_checkpoint(state, path)
+            out[path] = ("ok", _full(state))
+        except CheckpointError as exc:
+            out[path] = (str(exc) + ("" if _same(before, _local(state)) else " [CHANGED]"), None)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_corrupted_shards_are_refused_naming_the_file_and_tensor(spmd1, spmd2, tmp_path):
+    """XOR-ed 4 KiB in the middle of a .distcp (same size), a zeroed tail, a flipped byte in a
+    pickled item and in .metadata: each load raises CheckpointError naming the file (and the
+    tensor or item), on every rank, with the state unchanged; at the saved world size and at
+    another one (the saved chunks' checksums are completed over the ranks); for async saves
+    too. Clean copies load; a checkpoint saved with checksums=False loads unverified."""
+    saved = spmd2.run(_save_for_corruption, args=(str(tmp_path),), timeout=150)[0]
+    keys = {}
+    edits = {"flip": ("sync", lambda d: _xor_middle(d / "__1_0.distcp")),
+             "flip_data": ("sync", lambda d: keys.setdefault(
+                 "flip_data", _xor_largest_chunk(d, "__1_0.distcp"))),
+             "flip_async": ("async", lambda d: keys.setdefault(
+                 "flip_async", _xor_largest_chunk(d, "__0_0.distcp"))),
+             "tail": ("sync", lambda d: _zero_tail(d / "__1_0.distcp")),
+             "metadata": ("sync", lambda d: _xor_middle(d / ".metadata", 1))}
+    for name, (source, edit) in edits.items():
+        shutil.copytree(tmp_path / source, tmp_path / name)
+        edit(tmp_path / name)
+    shutil.copytree(tmp_path / "sync", tmp_path / "item")
+    item_file, item_key = _flip_pickled_item(tmp_path / "item")
+    expect = {
+        # the file's middle: torch's loader fails (a header) or the checksum differs (data)
+        "flip": [f"{tmp_path / 'flip' / '__1_0.distcp'}'", "the file is", "corrupted"],
+        "flip_data": [f"{tmp_path / 'flip_data' / '__1_0.distcp'}'",
+                      f"the chunk of tensor {keys['flip_data']!r}", "must have the checksum"],
+        "flip_async": [f"{tmp_path / 'flip_async' / '__0_0.distcp'}'",
+                       f"the chunk of tensor {keys['flip_async']!r}", "must have the checksum"],
+        "tail": [f"{tmp_path / 'tail' / '__1_0.distcp'}'", "corrupted"],
+        "metadata": [f"{tmp_path / 'metadata' / '.metadata'}'", "CRC32 must be"],
+        "item": [f"{tmp_path / 'item' / item_file}'", f"the item {item_key!r}"],
+    }
+    paths = [str(tmp_path / n) for n in ("sync", "async", "unchecked", *expect)]
+    for pool, dp in ((spmd2, 2), (spmd1, 1)):  # saved at dp=2; dp=1 reads chunks whole
+        per_rank = pool.run(_load_each, args=(paths, dp), timeout=150)
+        for rank, out in enumerate(per_rank):
+            for name, needles in expect.items():
+                message = out[str(tmp_path / name)][0]
+                for needle in needles:
+                    assert needle in message, f"dp={dp} rank {rank} {name}: {message}"
+                assert "[CHANGED]" not in message, f"dp={dp} rank {rank} {name}: {message}"
+            for name in ("sync", "async", "unchecked"):
+                assert out[str(tmp_path / name)][0] == "ok", (dp, rank, name, out)
+        for name in ("sync", "async", "unchecked"):
+            _assert_equal_full(saved, per_rank[0][str(tmp_path / name)][1], f"{name} dp={dp}")
+    assert "checksums" not in json.loads((tmp_path / "unchecked" / MANIFEST).read_text())
+    chunks = json.loads((tmp_path / "sync" / MANIFEST).read_text())["checksums"]["chunks"]
+    assert any(k.startswith("optim.state.") for k in chunks)  # Adam moments and steps too
+    assert all(len(v) == 2 for k, v in chunks.items() if k.endswith("embed_tokens.weight"))
+
+
+def _load_dp1_save(src, dst):
+    state, _ = load_checkpoint(_state(dp=1, seed=3), src)
+    save_checkpoint(state, dst)
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_a_chunk_split_over_ranks_is_verified_whole(spmd1, spmd2, tmp_path):
+    """Saved at dp=1 (one chunk per tensor), loaded at dp=2: each rank reads half of a chunk;
+    the halves' shares add up to the recorded checksum, so a flip on either half is caught."""
+    spmd2.run(_save_for_corruption, args=(str(tmp_path / "src"),), timeout=150)
+    spmd1.run(_load_dp1_save, args=(str(tmp_path / "src" / "sync"), str(tmp_path / "one")),
+              timeout=150)
+    shutil.copytree(tmp_path / "one", tmp_path / "flip")
+    _xor_largest_chunk(tmp_path / "flip", "__0_0.distcp")
+    out = spmd2.run(_load_each, args=([str(tmp_path / "one"), str(tmp_path / "flip")], 2),
+                    timeout=150)
+    for rank in range(2):
+        assert out[rank][str(tmp_path / "one")][0] == "ok"
+        message = out[rank][str(tmp_path / "flip")][0]
+        assert f"{tmp_path / 'flip' / '__0_0.distcp'}'" in message, message
+        assert "must have the checksum" in message and "[CHANGED]" not in message, message
 
 
 # ---------------------------------------------------------------- async save and rotation

@@ -193,3 +193,99 @@ def test_export_target_rules(tmp_path):
     (other / "data.bin").write_text("x")
     with pytest.raises(CheckpointError, match="without config.json"):
         C._check_export_target(other)
+
+
+# ---------------------------------------------------------------- chunk checksums (integrity)
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from fsdpfn import integrity as I  # noqa: E402
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8,
+           torch.bool]
+_NP_INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _reference(t: torch.Tensor) -> list[int]:
+    """Σ e_i and Σ (i+1)·e_i modulo 2**32 in Python integers, e_i the elements' bytes read as
+    signed integers of their width, in row-major order."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    ints = [int(v) for v in np.frombuffer(raw, dtype=_NP_INTS[t.element_size()])]
+    return [sum(ints) % 2**32, sum((i + 1) * e for i, e in enumerate(ints)) % 2**32]
+
+
+def _tensor(seed, shape, dtype):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-2**62 if dtype == torch.int64 else 0, 2**62 if dtype == torch.int64
+                             else 255, shape, generator=g, dtype=dtype)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+
+
+_shapes = st.lists(st.integers(1, 7), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), shape=_shapes, dtype=st.sampled_from(_DTYPES))
+def test_chunk_checksum_equals_the_python_integer_reference(seed, shape, dtype):
+    t = _tensor(seed, shape, dtype)
+    assert I.box_sums(t, t.shape).tolist() == _reference(t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), shape=_shapes.filter(len), dtype=st.sampled_from(_DTYPES),
+       data=st.data())
+def test_shares_of_sub_boxes_add_up_to_the_chunk_checksum(seed, shape, dtype, data):
+    """A load at another world size reads parts of a saved chunk: the parts' shares, computed on
+    strided views, must add up to the whole chunk's checksum."""
+    t = _tensor(seed, shape, dtype)
+    cuts = [sorted({0, n, *data.draw(st.lists(st.integers(1, n), max_size=2))}) for n in shape]
+    total = torch.zeros(2, dtype=torch.int64)
+    boxes = [[]]
+    for dim_cuts in cuts:
+        boxes = [b + [(lo, hi)] for b in boxes for lo, hi in zip(dim_cuts, dim_cuts[1:])]
+    for box in boxes:
+        view = t[tuple(slice(lo, hi) for lo, hi in box)]
+        total += I.box_sums(view, t.shape, [lo for lo, _ in box])
+    assert (total % 2**32).tolist() == _reference(t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(2, 64), data=st.data())
+def test_a_flipped_bit_or_swapped_neighbours_change_the_checksum(seed, n, data):
+    t = _tensor(seed, (n,), torch.float32)
+    i = data.draw(st.integers(0, n - 2))
+    flipped = t.clone()
+    flipped.view(torch.int32)[i] ^= 1 << data.draw(st.integers(0, 31))
+    assert I.box_sums(flipped, t.shape)[0] != I.box_sums(t, t.shape)[0]
+    swapped = t.clone()
+    swapped[i], swapped[i + 1] = t[i + 1], t[i]
+    if not torch.equal(t[i].view(torch.int32), t[i + 1].view(torch.int32)):
+        sums = I.box_sums(swapped, t.shape)
+        assert sums[0] == I.box_sums(t, t.shape)[0]  # a plain sum cannot see the order
+        assert sums[1] != I.box_sums(t, t.shape)[1]
+
+
+def test_checksum_of_a_transposed_view_follows_its_logical_order():
+    t = _tensor(3, (5, 8), torch.bfloat16)
+    assert I.box_sums(t.t(), (8, 5)).tolist() == _reference(t.t().contiguous())
+    assert I.box_sums(t.t(), (8, 5)).tolist() != I.box_sums(t, (5, 8)).tolist()
+
+
+def test_complex_tensors_are_refused_with_the_dtype_named():
+    with pytest.raises(CheckpointError, match="complex128"):
+        I.box_sums(torch.zeros(2, dtype=torch.complex128), (2,))
+
+
+def test_check_file_names_a_corrupted_small_file(tmp_path):
+    (tmp_path / ".metadata").write_bytes(b"abcdef")
+    record = {"files": {".metadata": I.file_crc(tmp_path / ".metadata")}}
+    I.check_file(tmp_path, ".metadata", record)
+    (tmp_path / ".metadata").write_bytes(b"abcdeF")
+    with pytest.raises(CheckpointError, match=r"\.metadata.*CRC32 must be"):
+        I.check_file(tmp_path, ".metadata", record)
+    I.check_file(tmp_path, ".metadata", None)  # nothing recorded: nothing checked
