@@ -27,6 +27,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default 0: a free port, advertised in /get_model_info)")
     p.add_argument("--no-channel", action="store_true",
                    help="no update channel: pushes use HTTP only")
+    p.add_argument("--decode", default="auto", choices=("auto", "hf", "loop"),
+                   help="generation: 'loop' is the decode loop (slot KV cache, continuous "
+                        "batching, CUDA graphs), 'hf' is HF generate; auto: loop on CUDA, hf on "
+                        "CPU")
+    p.add_argument("--decode-rows", type=int, default=None,
+                   help="rows decoded at once (KV cache slots; default: half the free GPU "
+                        "memory, at most 1024)")
+    p.add_argument("--decode-max-len", type=int, default=2048,
+                   help="prompt plus new tokens of a row, at most (KV cache positions per slot)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode loop without CUDA graphs (eager steps)")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -43,7 +54,10 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = RolloutEngine(args.model, dtype=args.dtype, device=device,
-                           weight_version=args.weight_version, max_pause_s=args.max_pause_s)
+                           weight_version=args.weight_version, max_pause_s=args.max_pause_s,
+                           decode=args.decode, decode_rows=args.decode_rows,
+                           decode_max_len=args.decode_max_len,
+                           cuda_graphs=not args.no_cuda_graphs)
     if not args.no_channel:
         from fsdpfn.rollout.channel import UpdateChannel
 

@@ -59,7 +59,9 @@ class UpdateError(Exception):
 
 
 class SamplingParams:
-    """temperature (0: greedy), top_p, top_k (0: off), max_new_tokens, stop_token_ids, n, seed."""
+    """temperature (0: greedy), top_p, top_k (0: off), max_new_tokens, stop_token_ids, n, seed
+    (reproducible sampling on the HF generate path; the decode loop, where the rows of
+    concurrent requests share steps, draws from the device's generator and ignores it)."""
 
     FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 16,
               "stop_token_ids": (), "n": 1, "seed": None}
@@ -149,7 +151,9 @@ class _Layout:
 
 class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
-                 weight_version: int = 0, max_pause_s: float = 600.0):
+                 weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
+                 decode_rows: int | None = None, decode_max_len: int = 2048,
+                 cuda_graphs: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -189,6 +193,37 @@ class RolloutEngine:
         # a whole update holds the model lock while its bytes arrive for at most this long; a
         # slower sender lets generation run meanwhile (the swap then waits for the last byte)
         self.hold_s = 2.0
+        self._decoder = self._build_decoder(decode, decode_rows, decode_max_len, cuda_graphs)
+
+    def _build_decoder(self, mode: str, rows: int | None, max_len: int, cuda_graphs: bool):
+        """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
+        None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
+        not serve, logged)."""
+        from fsdpfn.rollout import decode
+
+        if mode not in ("auto", "hf", "loop"):
+            raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
+        if mode == "hf" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        reason = decode.unsupported_reason(self.model)
+        if reason is not None:
+            if mode == "loop":
+                raise UpdateError(f"decode: 'loop' cannot serve this model: {reason}")
+            decode.log.warning("decode loop off (%s): generation uses HF generate", reason)
+            return None
+        max_len = min(int(max_len), int(getattr(self.model.config, "max_position_embeddings",
+                                                max_len)))
+        per_slot = decode._Model.kv_bytes_per_slot(self.model, max_len)  # noqa: SLF001
+        if rows is None:  # half of the free memory for the KV cache, at most 1024 rows
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" \
+                else 64 * per_slot
+            rows = max(8, min(1024, int(0.5 * free // per_slot) // 8 * 8))
+        decoder = decode.Decoder(self.model, lock=self._model_lock, version=lambda: self.version,
+                                 slots=int(rows), max_len=max_len, cuda_graphs=cuda_graphs)
+        decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
+                           "graphs %s", rows, max_len, rows * per_slot / 1e9,
+                           "on" if decoder.use_graphs else "off")
+        return decoder
 
     # ------------------------------------------------------------ info
 
@@ -207,6 +242,12 @@ class RolloutEngine:
                 "is_generation": True, "vocab_size": self.vocab_size, "multi_bucket": True,
                 "update_channel": self.channel_port,
                 "paused": self._paused,
+                "decode": "hf" if self._decoder is None else (
+                    f"loop ({self._decoder.slots} rows x {self._decoder.max_len}, CUDA graphs "
+                    f"{'on' if self._decoder.use_graphs else 'off'})"),
+                "decode_stats": None if self._decoder is None else {
+                    "steps": self._decoder.steps, "seconds": self._decoder.step_seconds,
+                    "graphs": len(self._decoder.graphs)},
                 "groups": self.group_names, "last_error": self.last_error,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}
                            for n, p in self.params.items()}}
@@ -268,16 +309,41 @@ class RolloutEngine:
 
     def generate(self, input_ids: list, sampling: SamplingParams) -> dict:
         """Returns {"weight_version", "outputs": [{"prompt_index", "output_ids",
-        "output_logprobs", "finish_reason"}]}, n outputs per prompt, prompt-major."""
+        "output_logprobs", "finish_reason", "weight_versions"}]}, n outputs per prompt,
+        prompt-major. ``weight_versions``: the weights version that produced each token;
+        ``weight_version``: the oldest of them (the only one unless weights were swapped while
+        the request ran in the decode loop, which swaps between steps)."""
         prompts = self._check_ids(input_ids, "input_ids")
+        if self._decoder is not None:
+            self._check_decode(prompts, sampling)
         self._enter_generation()
         try:
-            with self._model_lock:
-                version = self.version
-                outputs = self._generate(prompts, sampling)
+            if self._decoder is not None:
+                outputs = self._decoder.generate(prompts, sampling)
+                version = min(min(o["weight_versions"] or [self.version]) for o in outputs)
+            else:
+                with self._model_lock:
+                    version = self.version
+                    outputs = self._generate(prompts, sampling)
+                for o in outputs:
+                    o["weight_versions"] = [version] * len(o["output_ids"])
         finally:
             self._leave_generation()
         return {"weight_version": version, "outputs": outputs}
+
+    def _check_decode(self, prompts: list[list[int]], sp: SamplingParams) -> None:
+        from fsdpfn.rollout.decode import MAX_STOPS
+
+        limit = self._decoder.max_len
+        longest = max(len(p) for p in prompts)
+        if longest + sp.max_new_tokens > limit:
+            raise UpdateError(f"sampling_params.max_new_tokens: prompt length plus "
+                              f"max_new_tokens must be <= the server's decode max length "
+                              f"{limit} (--decode-max-len), got {longest} + "
+                              f"{sp.max_new_tokens}")
+        if len(sp.stop_token_ids) > MAX_STOPS:
+            raise UpdateError(f"sampling_params.stop_token_ids: must hold at most {MAX_STOPS} "
+                              f"ids, got {len(sp.stop_token_ids)}")
 
     def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[dict]:
         from transformers import GenerationConfig

@@ -5,7 +5,7 @@
 | GET /health | | {status, weight_version, server_id, groups} |
 | GET /weight_version, GET /get_weight_version | | {weight_version} |
 | GET /get_model_info | | {model_path, dtype, device, weight_version, params: {name: {dtype, shape}}, groups, paused, last_error, multi_bucket, update_channel (the port of the update channel, or null)} |
-| POST /generate | {input_ids: [[int]] or [int], sampling_params: {temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, seed}} | {weight_version, outputs: [{prompt_index, output_ids, output_logprobs, finish_reason}]} |
+| POST /generate | {input_ids: [[int]] or [int], sampling_params: {temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, seed}} | {weight_version (the oldest of the tokens'), outputs: [{prompt_index, output_ids, output_logprobs, finish_reason, weight_versions (per token)}]} |
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
 | POST /init_weights_update_group | {master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s} | {success, message} |
 | POST /destroy_weights_update_group | {group_name} | {success} |
@@ -32,6 +32,8 @@ __all__ = ["build_app"]
 
 
 def build_app(engine: RolloutEngine):
+    import anyio
+    import anyio.to_thread
     from fastapi import Body, FastAPI
     from fastapi.responses import JSONResponse
 
@@ -61,10 +63,17 @@ def build_app(engine: RolloutEngine):
     def model_info():
         return engine.info()
 
+    # generation requests wait in their own threads (the decode loop batches them), beyond
+    # FastAPI's shared pool of 40: many clients neither queue nor block the update handlers
+    generation_threads = anyio.CapacityLimiter(4096)
+
     @app.post("/generate")
-    def generate(payload: dict = Body(...)):
-        return answer(lambda: engine.generate(
-            payload.get("input_ids"), SamplingParams(**(payload.get("sampling_params") or {}))))
+    async def generate(payload: dict = Body(...)):
+        # a plain JSONResponse: FastAPI's encoder walks each of the (many) numbers in Python
+        return await anyio.to_thread.run_sync(lambda: answer(lambda: JSONResponse(
+            engine.generate(payload.get("input_ids"),
+                            SamplingParams(**(payload.get("sampling_params") or {}))))),
+            limiter=generation_threads)
 
     @app.post("/forward")
     def forward(payload: dict = Body(...)):

@@ -72,23 +72,47 @@ def test_loop_logprobs_equal_forward_logp_in_bf16(engines, model_dir):
     import fsdpfn as ff
     from fsdpfn.rollout import SamplingParams
 
-    loop, _ = engines
+    loop, hf = engines
     prompts = _prompts(6, 40) + _prompts(2, 7, seed=1)
-    res = loop.generate(prompts, SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=96,
-                                                n=4))
-    assert loop.info()["decode_stats"]["graphs"] > 0, "no CUDA graph was captured (see the log)"
-    outputs = res["outputs"]
+    sp = dict(temperature=0.8, top_p=0.95, max_new_tokens=96, n=4)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
     state = ff.shard_model(ff.EngineConfig(model_path=str(model_dir), optimizer=None), mesh)
-    batch, loss = _batch(prompts, outputs)
-    ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
-    got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
-    diff = (got - ref).abs()
-    print(f"\nlog-prob |loop - forward_logp|: max {diff.max():.4f} mean {diff.mean():.5f} "
-          f"over {diff.numel()} tokens (logp mean {ref.mean():.2f})")
-    assert diff.max() < BF16_MAX and diff.mean() < BF16_MEAN
-    wrong_t = ff.forward_logp(state, batch, temperature=1.0)["logp"].cpu()[loss]
-    assert (got - wrong_t).abs().mean() > 5 * BF16_MEAN, "the check cannot tell temperatures"
+    gaps = {}
+    for name, engine in (("loop", loop), ("hf generate", hf)):
+        outputs = engine.generate(prompts, SamplingParams(**sp))["outputs"]
+        batch, loss = _batch(prompts, outputs)
+        ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
+        got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
+        diff = (got - ref).abs()
+        gaps[name] = (float(diff.max()), float(diff.mean()))
+        print(f"\nlog-prob |{name} - forward_logp|: max {diff.max():.4f} mean "
+              f"{diff.mean():.5f} over {diff.numel()} tokens (logp mean {ref.mean():.2f})")
+        if name == "loop":
+            wrong_t = ff.forward_logp(state, batch, temperature=1.0)["logp"].cpu()[loss]
+            assert (got - wrong_t).abs().mean() > 5 * BF16_MEAN, \
+                "the check cannot tell temperatures"
+    assert loop.info()["decode_stats"]["graphs"] > 0, "no CUDA graph was captured (see the log)"
+    # bf16 tolerance: as close to the trainer as HF's own generate is (or within fixed bounds)
+    (loop_max, loop_mean), (hf_max, hf_mean) = gaps["loop"], gaps["hf generate"]
+    assert loop_mean < max(BF16_MEAN, 1.5 * hf_mean), gaps
+    assert loop_max < max(BF16_MAX, 1.5 * hf_max), gaps
+
+
+@pytest.mark.timeout(900)
+def test_loop_recaptures_after_a_weight_swap(engines):
+    """An update re-points the parameters: the next generation captures new graphs (in a fresh
+    pool) and gives the same greedy tokens as before on equal weights."""
+    from fsdpfn.rollout import SamplingParams
+
+    loop, _ = engines
+    prompts = _prompts(4, 30, seed=3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=32, n=2)
+    before = [o["output_ids"] for o in loop.generate(prompts, greedy)["outputs"]]
+    with loop._model_lock:  # an update's swap: every parameter re-pointed at a copy
+        loop._swap_in({n: p.detach().clone() for n, p in loop.params.items()}, {})
+    after = [o["output_ids"] for o in loop.generate(prompts, greedy)["outputs"]]
+    assert after == before
+    assert loop.info()["decode_stats"]["graphs"] > 0
 
 
 @pytest.mark.timeout(900)
@@ -112,5 +136,7 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
         step = logits[len(p) - 1:-1]
         best = step.max(-1).values
         chosen = step.gather(-1, torch.tensor(o["output_ids"], device="cuda")[:, None])[:, 0]
-        assert bool(((best - chosen) < 0.1).all()), (best - chosen).max()
+        # within two bf16 spacings of the best logit (2**-7 relative: 0.19 at a logit of 12)
+        tol = (2 * 2.0 ** -7 * best.abs()).clamp(min=0.05)
+        assert bool(((best - chosen) <= tol).all()), (best - chosen).max()
     assert same >= len(got) // 2

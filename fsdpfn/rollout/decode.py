@@ -1,0 +1,549 @@
+"""The rollout server's own decode loop: a slot KV cache, continuous batching, CUDA graphs.
+
+Why not ``model.generate``: it re-runs HF's Python per step (masks, cache bookkeeping, logits
+processors, stopping criteria), about 90 ms of host time per step on a 28-layer model whatever
+the batch; the GPU waits. Why not transformers' continuous batching: its log-probs are taken after
+the logits processors (top-p / top-k truncated, not the ``behav_logp`` convention below), it has
+one sampling config per manager (no per-request temperature / top-p), and its API moved between
+the 5.x releases we run on. What is kept from transformers: the model's own modules (embedding,
+norms, q/k/v/o projections, MLPs, rotary tables, lm_head) and parameters, so a weight update that
+re-points the parameters is what the loop reads. What is ours: the KV cache and attention.
+
+Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]).
+A request's n samples of one prompt are prefilled once (one forward of the prompt) and the
+prompt's KV is copied into their n slots (prefix sharing). Decode runs one token for slots
+[0, R) per step; R and the attended length are rounded up to buckets, so each (R, length,
+truncation) is one shape. The step (forward on [R, 1], sampling, bookkeeping: stop tokens,
+lengths, token and log-prob buffers) touches only device tensors, so on CUDA it is captured once
+per shape in a CUDA graph and replayed with one host call; the host reads the small per-slot
+state every ``sync_every`` steps (or sooner, when a row is due to end), returns finished rows and
+lets queued rows take free slots (continuous batching: requests of any client share the steps).
+
+GQA decode attention: the G query heads of a kv head are attended as G "positions" of that head
+(q [R, kv, G, D] against the cache [R, kv, L, D], one additive mask per row), so the cache is read
+once and never repeated per query head.
+
+Versions. The loop holds the engine's model lock for a chunk of steps and releases it between
+chunks, so a weight swap lands between two steps. Each token is tagged with the weights version
+that produced it (``weight_versions`` per output). After a swap the KV of the rows in flight is
+recomputed with the new weights (one prefill of their prompt and tokens so far), so every token's
+log-prob is exactly that of the teacher-forced forward of the version it names, never of a mix.
+The parameters also live elsewhere after a swap: the graphs (which captured their addresses) are
+dropped and captured again. A trainer that pauses before an update (drains) pays neither.
+
+Log-probs: log_softmax(logits / T) at the sampled token in float32, temperature applied, top-p /
+top-k not (T = 1 for greedy rows), as in the engine's HF path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Decoder", "unsupported_reason", "sample"]
+
+log = logging.getLogger("fsdpfn.rollout")
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+MAX_STOPS = 32  # stop token ids per request
+LEN_BUCKET = 256  # attended length rounded up to this
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the decode loop cannot serve ``model`` (None: it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED:
+        return f"model_type {config.model_type!r} is not one of {SUPPORTED}"
+    if getattr(config, "use_sliding_window", False) or (
+            config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+        return "sliding-window attention is not supported"
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+            or {})
+    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
+        return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
+    if not hasattr(getattr(model, "model", None), "layers"):
+        return "model has no .model.layers"
+    return None
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def sample(logits, temperature, top_p, top_k, *, truncate: bool):
+    """logits[R, V] float32, per-row temperature / top_p / top_k [R] -> (token[R], logp[R]).
+    Sampling by the exponential race (argmax of p / E, E ~ Exp(1)): no host sync. Greedy rows
+    (temperature <= 0) take the argmax of the logits and report log_softmax(logits)."""
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    filtered = _truncate(scaled, top_p, top_k) if truncate else scaled
+    race = filtered - torch.empty_like(scaled).exponential_().log()
+    token = torch.where(greedy, logits.argmax(-1), race.argmax(-1))
+    logp = scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1)
+    return token, logp
+
+
+def _truncate(scaled, top_p, top_k):
+    """-inf outside each row's top-k, then outside the smallest set holding top_p of the mass
+    (HF's order: top-k, then top-p; the most likely token is always kept)."""
+    values, index = scaled.sort(-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
+    keep = ranks[None] < torch.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
+    probs = values.masked_fill(~keep, float("-inf")).softmax(-1)
+    keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
+    return torch.full_like(scaled, float("-inf")).scatter(
+        -1, index, values.masked_fill(~keep, float("-inf")))
+
+
+class _Request:
+    def __init__(self, prompts: list[list[int]], sp):
+        self.prompts, self.sp = prompts, sp
+        self.rows = [(i, j) for i in range(len(prompts)) for j in range(sp.n)]  # prompt-major
+        self.next_row = 0
+        self.results: list[dict | None] = [None] * len(self.rows)
+        self.remaining = len(self.rows)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class _Slot:
+    """Host view of one occupied slot."""
+
+    def __init__(self, request: _Request, row: int, prompt_len: int, version: int):
+        self.request, self.row = request, row
+        self.prompt_len = prompt_len
+        self.gen = 1  # tokens generated so far (the first comes from the prefill)
+        self.segments = [(0, version)]  # (first token index, weights version)
+        self.truncate = request.sp.top_p < 1 or request.sp.top_k > 0
+
+    def bound(self, steps: int) -> int:
+        """An upper bound of the attended length after ``steps`` more steps."""
+        return min(self.prompt_len + self.gen - 1 + steps, self.prompt_len
+                   + self.request.sp.max_new_tokens) + 1
+
+
+class _Model:
+    """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
+
+    def __init__(self, model, slots: int, max_len: int):
+        cfg = model.config
+        self.model, self.base = model, model.model
+        self.layers = list(self.base.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = int(getattr(attn, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
+        self.q_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.group = self.q_heads // self.kv_heads
+        self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.slots, self.max_len = slots, max_len
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        with torch.no_grad():  # rotary tables for every position, from the model's own module
+            cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
+                                            torch.arange(max_len, device=self.device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # (L, D)
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.rows = torch.arange(slots, device=self.device)
+        self.heads = torch.arange(self.kv_heads, device=self.device)
+        self.cols = torch.arange(max_len, device=self.device)
+
+    @staticmethod
+    def kv_bytes_per_slot(model, max_len: int) -> int:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        itemsize = next(model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * max_len * itemsize
+
+    def _qkv(self, attn, a, shape):
+        q = attn.q_proj(a).view(*shape, self.q_heads, self.head_dim)
+        k = attn.k_proj(a).view(*shape, self.kv_heads, self.head_dim)
+        v = attn.v_proj(a).view(*shape, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v
+
+    def logits(self, hidden):
+        """hidden[N, H] (before the final norm) -> logits[N, V] float32."""
+        return self.model.get_output_embeddings()(self.base.norm(hidden)).float()
+
+    def prefill(self, ids, lengths, slots, src):
+        """ids[P, W] right-padded prompts, lengths[P]; the KV of prompt src[i] goes to slot
+        slots[i] (columns [0, W); those past a prompt's length are rewritten before being read).
+        Returns logits[P, V] at each prompt's last token."""
+        P, W = ids.shape
+        x = self.base.embed_tokens(ids)  # (P, W, H)
+        cos, sin = self.cos[:W, None], self.sin[:W, None]  # (W, 1, D)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), (P, W))  # (P, W, heads, D)
+            q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)
+            v = v.transpose(1, 2)
+            self.k[i][slots, :, :W] = k[src]
+            self.v[i][slots, :, :W] = v[src]
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1),
+                is_causal=True, scale=self.scaling)  # right padding: causal is enough
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(P, W, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x[torch.arange(P, device=ids.device), lengths - 1]  # (P, H)
+        return self.logits(last)
+
+    def decode(self, tok, pos, R: int, Lb: int):
+        """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
+        the first Lb), returns logits[R, V]."""
+        x = self.base.embed_tokens(tok)  # (R, H)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, D)
+        mask = torch.zeros((R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
+            self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
+        where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), (R,))  # (R, heads, D)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.k[i].index_put_(where, k)
+            self.v[i].index_put_(where, v)
+            out = F.scaled_dot_product_attention(
+                q.view(R, self.kv_heads, self.group, self.head_dim), self.k[i][:R, :, :Lb],
+                self.v[i][:R, :, :Lb], attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
+            x = x + attn.o_proj(out.reshape(R, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.logits(x)
+
+
+class _State:
+    """Per-slot device tensors the step reads and advances (static: graphs capture them)."""
+
+    def __init__(self, slots: int, max_len: int, device):
+        def z(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        self.tok, self.pos, self.gen, self.max_new, self.top_k = z(slots), z(slots), z(slots), \
+            z(slots), z(slots)
+        self.active, self.stopped = z(slots, dtype=torch.bool), z(slots, dtype=torch.bool)
+        self.temperature = z(slots, dtype=torch.float32)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.stops = torch.full((slots, MAX_STOPS), -1, dtype=torch.long, device=device)
+        self.out_tok = z(slots, max_len + 1)
+        self.out_lp = z(slots, max_len + 1, dtype=torch.float32)
+
+    def snapshot(self):
+        return [t.clone() for t in (self.tok, self.pos, self.gen, self.active, self.stopped)]
+
+    def restore(self, saved) -> None:
+        for t, s in zip((self.tok, self.pos, self.gen, self.active, self.stopped), saved):
+            t.copy_(s)
+
+
+class Decoder:
+    """Continuous-batching generation over a slot cache (see the module doc). ``generate`` may
+    be called from many threads; one scheduler thread runs the model.
+
+    ``lock``: held while the model runs (the engine's model lock); ``version``: returns the
+    weights version now served (read with the lock held)."""
+
+    def __init__(self, model, *, lock: threading.Lock, version: Callable[[], int],
+                 slots: int, max_len: int, cuda_graphs: bool = True, sync_every: int = 16,
+                 prefill_tokens: int = 16384):
+        self.net = _Model(model, slots, max_len)
+        self.state = _State(slots, max_len, self.net.device)
+        self.params = [p for _, p in model.named_parameters()]
+        self.lock, self.version = lock, version
+        self.slots, self.max_len = slots, max_len
+        self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
+        self.use_graphs = cuda_graphs and self.net.device.type == "cuda"
+        self.graphs: dict[tuple, object] = {}
+        self.graph_key = None  # the parameters' addresses the graphs were captured with
+        self.weights = None  # (version, parameter addresses) the KV cache was computed with
+        self.pool = None
+        self.table: list[_Slot | None] = [None] * slots
+        self.pending: list[_Request] = []  # requests with rows not yet admitted
+        self.inflight: set[_Request] = set()  # requests not yet answered
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.steps = 0  # decode steps run, and seconds spent in them (for benchmarks)
+        self.step_seconds = 0.0
+
+    # ------------------------------------------------------------ the client side
+
+    def generate(self, prompts: list[list[int]], sp) -> list[dict]:
+        """n outputs per prompt, prompt-major: {prompt_index, output_ids, output_logprobs,
+        finish_reason, weight_versions}. Blocks until every row is done."""
+        request = _Request(prompts, sp)
+        with self.cond:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name="fsdpfn-decode")
+                self.thread.start()
+            self.pending.append(request)
+            self.inflight.add(request)
+            self.cond.notify_all()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.results
+
+    # ------------------------------------------------------------ the scheduler
+
+    def _run(self) -> None:
+        if self.net.device.type == "cuda":
+            torch.cuda.set_device(self.net.device)
+        while True:
+            with self.cond:
+                while not self.pending and not any(self.table):
+                    self.cond.wait()
+            try:
+                with self.lock, torch.no_grad():
+                    finished = self._iteration()
+            except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
+                log.exception("decode loop failed")
+                self._fail_all(exc)
+                continue
+            self._deliver(finished)
+            time.sleep(0)  # let a waiting weight swap take the lock between chunks
+
+    def _iteration(self) -> list[tuple[_Slot, list, list, bool]]:
+        """Admit queued rows, run a chunk of steps, read which rows ended (model lock held)."""
+        version = self.version()
+        key = tuple(p.data_ptr() for p in self.params)
+        if key != self.graph_key:  # weights re-pointed by an update: old graphs read freed memory
+            self.graphs.clear()
+            self.pool = None  # a fresh pool: the allocator refuses capture into a dropped one
+            self.graph_key = key
+        if (version, key) != self.weights:  # rows in flight continue on the new weights only
+            self.weights = (version, key)
+            self._refresh([s for s in range(self.slots) if self.table[s] is not None], version)
+        self._admit(version)
+        live = [s for s in range(self.slots) if self.table[s] is not None]
+        R = _bucket(max(live) + 1, self.slots)
+        remaining = min(self.table[s].request.sp.max_new_tokens - self.table[s].gen
+                        for s in live)
+        steps = max(1, min(self.sync_every, remaining))
+        Lb = min(self.max_len, -(-max(self.table[s].bound(steps) for s in live)
+                                 // LEN_BUCKET) * LEN_BUCKET)
+        truncate = any(self.table[s].truncate for s in live)
+        clock = time.perf_counter()
+        for _ in range(steps):
+            self._replay(R, Lb, truncate)
+        finished = self._collect(live)  # reads the device: the steps are done
+        self.steps += steps
+        self.step_seconds += time.perf_counter() - clock
+        return finished
+
+    def _collect(self, live: list[int]) -> list[tuple[_Slot, list, list, bool]]:
+        st = self.state
+        flags = torch.stack([st.active.long(), st.gen, st.stopped.long()])[:, :max(live) + 1]
+        active, gen, stopped = flags.cpu().tolist()
+        ended = [s for s in live if not active[s]]
+        for s in live:
+            self.table[s].gen = gen[s]
+        if not ended:
+            return []
+        width = max(gen[s] for s in ended)
+        index = torch.tensor(ended, device=st.tok.device)
+        toks = st.out_tok[index, :width].cpu().tolist()
+        lps = st.out_lp[index, :width].cpu().tolist()
+        out = []
+        for i, s in enumerate(ended):
+            out.append((self.table[s], toks[i][:gen[s]], lps[i][:gen[s]], bool(stopped[s])))
+            self.table[s] = None
+        return out
+
+    def _deliver(self, finished) -> None:
+        for slot, toks, lps, stopped in finished:
+            request = slot.request
+            versions = []
+            bounds = [b for b, _ in slot.segments[1:]] + [len(toks)]
+            for (start, v), end in zip(slot.segments, bounds):
+                versions += [v] * (min(end, len(toks)) - start)
+            prompt_index = request.rows[slot.row][0]
+            request.results[slot.row] = {
+                "prompt_index": prompt_index, "output_ids": toks, "output_logprobs": lps,
+                "finish_reason": "stop" if stopped else "length", "weight_versions": versions}
+            request.remaining -= 1
+            if request.remaining == 0:
+                with self.cond:
+                    self.inflight.discard(request)
+                request.done.set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self.cond:
+            requests, self.inflight = self.inflight, set()
+            self.pending.clear()
+        self.table = [None] * self.slots
+        self.state.active.zero_()
+        for r in requests:
+            r.error = exc
+            r.done.set()
+
+    def _refresh(self, live: list[int], version: int) -> None:
+        """The weights changed between two steps: recompute the KV of the rows in flight (prompt
+        and tokens so far) with the new weights, so each later token is exactly what the new
+        weights give for the whole row; the tokens after this point name the new version."""
+        if not live:
+            return
+        st, device = self.state, self.net.device
+        width = max(self.table[s].gen for s in live)
+        toks = st.out_tok[torch.tensor(live, device=device), :width].cpu().tolist()
+        rows = []
+        for s, out in zip(live, toks):
+            slot = self.table[s]
+            prompt = slot.request.prompts[slot.request.rows[slot.row][0]]
+            rows.append((s, prompt + out[:slot.gen - 1]))  # the last token is the next input
+            slot.segments.append((slot.gen, version))
+        rows.sort(key=lambda r: len(r[1]))
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and (end + 1 - start) * len(rows[end][1]) <= \
+                    self.prefill_tokens:
+                end += 1
+            chunk = rows[start:end]
+            ids = torch.zeros((len(chunk), len(chunk[-1][1])), dtype=torch.long)
+            for i, (_, row) in enumerate(chunk):
+                ids[i, :len(row)] = torch.tensor(row)
+            self.net.prefill(ids.to(device), torch.tensor([len(r) for _, r in chunk],
+                                                          device=device),
+                             torch.tensor([s for s, _ in chunk], device=device),
+                             torch.arange(len(chunk), device=device))
+            start = end
+
+    # ------------------------------------------------------------ admission (prefill)
+
+    def _admit(self, version: int) -> None:
+        """Queued rows take free slots (lowest first); each prompt is prefilled once for all of
+        its rows admitted now."""
+        free = [s for s in range(self.slots) if self.table[s] is None]
+        taken: list[tuple[_Request, int, int]] = []  # (request, row, slot)
+        with self.cond:
+            while free and self.pending:
+                request = self.pending[0]
+                while free and request.next_row < len(request.rows):
+                    taken.append((request, request.next_row, free.pop(0)))
+                    request.next_row += 1
+                if request.next_row == len(request.rows):
+                    self.pending.pop(0)
+        groups: dict[tuple[int, int], list] = {}  # the rows of each prompt, in order
+        for request, row, s in taken:
+            groups.setdefault((id(request), request.rows[row][0]), []).append((request, row, s))
+        chunk, width, n_prompts = [], 0, 0
+        for items in groups.values():  # prefill chunks of at most prefill_tokens padded tokens
+            request, row, _ = items[0]
+            length = len(request.prompts[request.rows[row][0]])
+            if chunk and (n_prompts + 1) * max(width, length) > self.prefill_tokens:
+                self._prefill(chunk, version)
+                chunk, width, n_prompts = [], 0, 0
+            chunk += items
+            width, n_prompts = max(width, length), n_prompts + 1
+        if chunk:
+            self._prefill(chunk, version)
+
+    def _prefill(self, items: list[tuple[_Request, int, int]], version: int) -> None:
+        device, st = self.net.device, self.state
+        keys: dict[tuple[int, int], int] = {}
+        prompts = []
+        for request, row, _ in items:
+            p = request.rows[row][0]
+            if (id(request), p) not in keys:
+                keys[(id(request), p)] = len(prompts)
+                prompts.append(request.prompts[p])
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        src = torch.tensor([keys[(id(r), r.rows[w][0])] for r, w, _ in items], device=device)
+        slots = torch.tensor([s for _, _, s in items], device=device)
+        logits = self.net.prefill(ids.to(device), lengths, slots, src)[src]  # (N, V)
+        sps = [r.sp for r, _, _ in items]
+        temperature = torch.tensor([float(sp.temperature) for sp in sps], device=device)
+        top_p = torch.tensor([float(sp.top_p) for sp in sps], device=device)
+        top_k = torch.tensor([sp.top_k for sp in sps], device=device)
+        token, logp = sample(logits, temperature, top_p, top_k,
+                             truncate=any(sp.top_p < 1 or sp.top_k > 0 for sp in sps))
+        stops = torch.full((len(items), MAX_STOPS), -1, dtype=torch.long)
+        for i, sp in enumerate(sps):
+            stops[i, :len(sp.stop_token_ids)] = torch.tensor(sp.stop_token_ids, dtype=torch.long)
+        stops = stops.to(device)
+        max_new = torch.tensor([sp.max_new_tokens for sp in sps], device=device)
+        stopped = (token[:, None] == stops).any(-1)
+        st.tok[slots], st.pos[slots], st.gen[slots] = token, lengths[src], 1
+        st.out_tok[slots, 0], st.out_lp[slots, 0] = token, logp
+        st.temperature[slots], st.top_p[slots], st.top_k[slots] = temperature, top_p, top_k
+        st.stops[slots], st.max_new[slots], st.stopped[slots] = stops, max_new, stopped
+        st.active[slots] = ~stopped & (max_new > 1)
+        for (request, row, s), n in zip(items, lengths[src].tolist()):
+            self.table[s] = _Slot(request, row, n, version)
+
+    # ------------------------------------------------------------ the step, eager or graphed
+
+    def _step(self, R: int, Lb: int, truncate: bool) -> None:
+        """One token for slots [0, R): forward, sampling, bookkeeping (device only)."""
+        st = self.state
+        tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
+        logits = self.net.decode(tok, pos, R, Lb)
+        token, logp = sample(logits, st.temperature[:R], st.top_p[:R], st.top_k[:R],
+                             truncate=truncate)
+        where = (self.net.rows[:R], gen)  # finished rows write past their end: never read
+        st.out_tok.index_put_(where, token)
+        st.out_lp.index_put_(where, logp)
+        stop = active & (token[:, None] == st.stops[:R]).any(-1)
+        gen_next = gen + active.long()
+        st.stopped[:R] |= stop
+        st.active[:R] = active & ~stop & (gen_next < st.max_new[:R])
+        st.tok[:R] = torch.where(active, token, tok)
+        st.pos[:R] = pos + active.long()
+        st.gen[:R] = gen_next
+
+    def _replay(self, R: int, Lb: int, truncate: bool) -> None:
+        key = (R, Lb, truncate)
+        if self.use_graphs and key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph = self.graphs.get(key) if self.use_graphs else None
+        if graph is None:
+            self._step(R, Lb, truncate)
+        else:
+            graph.replay()
+
+    def _capture(self, key):
+        """A CUDA graph of the step at ``key``, or None (eager, logged) when capture fails. The
+        warm-up run advances the state: it is restored before capture (capture runs nothing)."""
+        saved = self.state.snapshot()
+        try:
+            stream = torch.cuda.Stream(self.net.device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step(*key)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.state.restore(saved)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            clock = time.perf_counter()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._step(*key)
+            log.info("decode: captured rows=%d len=%d truncate=%s in %.2f s", *key,
+                     time.perf_counter() - clock)
+            return graph
+        except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
+            log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s failed; "
+                          "this shape runs eagerly", *key)
+            torch.cuda.synchronize(self.net.device)
+            self.state.restore(saved)
+            return None
+
+
+def _bucket(n: int, cap: int) -> int:
+    """n rounded up to 8, 12, 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x), at most
+    cap."""
+    size = 8
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return min(size, cap)

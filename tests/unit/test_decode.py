@@ -1,0 +1,219 @@
+"""fsdpfn.rollout.decode on CPU (no CUDA graphs: the same step runs eagerly).
+
+References: HF ``generate`` of the same engine (greedy tokens), a float64 teacher-forced HF forward
+of each whole row (log-probs), and float64 top-k / top-p sets for the sampler.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
+from fsdpfn.rollout.decode import Decoder, _bucket, sample
+from fsdpfn.testing import save_tiny_model, tiny_llama_config, tiny_qwen2_config
+
+# float32 on both sides, different summation orders (see tests/unit/test_rollout.py)
+LOGP_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("m") / "tiny", tiny_qwen2_config(), seed=0)
+
+
+def _engine(path, decode="loop", rows=8, max_len=96):
+    return RolloutEngine(str(path), dtype="float32", device="cpu", max_pause_s=30,
+                         decode=decode, decode_rows=rows, decode_max_len=max_len)
+
+
+def _ref_logp(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        ids = torch.tensor([prompt + output])
+        logp = torch.log_softmax(model(input_ids=ids).logits.double()[0] / temperature, -1)
+    return logp[len(prompt) - 1:-1].gather(-1, ids[0, len(prompt):, None])[:, 0]
+
+
+def _assert_logps(engine, prompts, result, temperature):
+    for o in result["outputs"]:
+        ref = _ref_logp(engine.model, prompts[o["prompt_index"]], o["output_ids"],
+                        temperature or 1.0)
+        got = torch.tensor(o["output_logprobs"], dtype=torch.float64)
+        torch.testing.assert_close(got, ref, atol=LOGP_ATOL, rtol=0)
+
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", [tiny_qwen2_config, tiny_llama_config])
+def test_greedy_tokens_equal_hf_generate_and_logps_equal_forward(tmp_path, config):
+    path = save_tiny_model(tmp_path / "m", config(), seed=1)
+    loop, hf = _engine(path), _engine(path, decode="hf")
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20, n=2)
+    got, want = loop.generate(PROMPTS, sp), hf.generate(PROMPTS, sp)
+    assert [o["output_ids"] for o in got["outputs"]] == \
+        [o["output_ids"] for o in want["outputs"]]
+    assert [o["prompt_index"] for o in got["outputs"]] == [0, 0, 1, 1, 2, 2, 3, 3]
+    _assert_logps(loop, PROMPTS, got, 0.0)
+    assert loop.info()["decode"].startswith("loop") and hf.info()["decode"] == "hf"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.9, 0), (1.3, 1.0, 5),
+                                                     (1.0, 1.0, 0)])
+def test_sampled_logps_equal_forward_at_temperature(model_dir, temperature, top_p, top_k):
+    engine = _engine(model_dir)
+    res = engine.generate(PROMPTS, SamplingParams(temperature=temperature, top_p=top_p,
+                                                  top_k=top_k, max_new_tokens=15, n=3))
+    assert len(res["outputs"]) == 12 and res["weight_version"] == 0
+    assert all(len(o["output_ids"]) == 15 == len(o["weight_versions"]) for o in res["outputs"])
+    _assert_logps(engine, PROMPTS, res, temperature)
+
+
+@pytest.mark.timeout(120)
+def test_rows_join_and_leave_slots_with_stop_tokens(model_dir):
+    """15 rows through 8 slots: rows that stop free their slot and queued rows take it; every
+    row still equals HF generate (greedy), stop token last."""
+    loop, hf = _engine(model_dir, rows=8), _engine(model_dir, decode="hf")
+    prompts = [[i + 1, i + 2] for i in range(5)]
+    free = hf.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))["outputs"]
+    stop = free[0]["output_ids"][3]
+    sp = SamplingParams(temperature=0, max_new_tokens=12, n=3, stop_token_ids=[stop])
+    got = loop.generate(prompts, sp)["outputs"]
+    want = hf.generate(prompts, sp)["outputs"]
+    for g, w in zip(got, want):
+        assert (g["output_ids"], g["finish_reason"]) == (w["output_ids"], w["finish_reason"])
+        assert len(g["output_logprobs"]) == len(g["output_ids"])
+    assert got[0]["finish_reason"] == "stop" and got[0]["output_ids"][-1] == stop
+    assert loop._decoder.table == [None] * 8  # noqa: SLF001 - every slot given back
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_share_decode_steps(model_dir):
+    """Two clients' requests queued together are admitted together: the steps run once for
+    both (max_new_tokens - 1 decode steps, the first token comes from the prefill)."""
+    engine = _engine(model_dir, rows=16)
+    decoder = engine._decoder  # noqa: SLF001
+    results = [None, None]
+    sps = [SamplingParams(temperature=0, max_new_tokens=10, n=2),
+           SamplingParams(temperature=0.9, max_new_tokens=10, n=3, top_p=0.8)]
+
+    def client(i):
+        results[i] = engine.generate([PROMPTS[i], PROMPTS[i + 2]], sps[i])
+    with engine._model_lock:  # noqa: SLF001 - hold the scheduler until both are queued
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(decoder.pending) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    for t in threads:
+        t.join(60)
+    assert decoder.steps == 9
+    assert len(results[0]["outputs"]) == 4 and len(results[1]["outputs"]) == 6
+    for i in range(2):
+        _assert_logps(engine, [PROMPTS[i], PROMPTS[i + 2]], results[i],
+                      sps[i].temperature)
+
+
+@pytest.mark.timeout(120)
+def test_weight_swap_lands_between_steps_and_each_token_names_its_version(model_dir, tmp_path):
+    """An update from disk while a request decodes: it takes the model lock between two chunks;
+    the tokens before carry version 0, those after version 1, and each log-prob is that of the
+    weights that produced it. The decoder drops its graphs (the parameters moved)."""
+    from safetensors.torch import save_file
+
+    engine = _engine(model_dir, rows=8, max_len=200)
+    decoder = engine._decoder  # noqa: SLF001
+    decoder.sync_every = 2
+    old = {n: p.detach().clone() for n, p in engine.params.items()}
+    g = torch.Generator().manual_seed(4)
+    new = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in old.items()}
+    (tmp_path / "v").mkdir()
+    save_file(new, str(tmp_path / "v" / "model.safetensors"))
+    decoder.graphs[("stale",)] = object()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(engine.generate(
+        [[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=150))))
+    thread.start()
+    while decoder.steps < 4:
+        time.sleep(0.001)
+    assert engine.update_from_disk({"model_path": str(tmp_path / "v"),
+                                    "weight_version": 1})["weight_version"] == 1
+    thread.join(60)
+    out = result["outputs"][0]
+    versions = out["weight_versions"]
+    assert result["weight_version"] == 0 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions) and len(versions) == 150
+    ref_new = _ref_logp(engine.model, [1, 2, 3], out["output_ids"], 1.0)
+    engine._swap_in(old, {})  # noqa: SLF001 - score under the old weights
+    ref_old = _ref_logp(engine.model, [1, 2, 3], out["output_ids"], 1.0)
+    ref = torch.where(torch.tensor(versions) == 0, ref_old, ref_new)
+    torch.testing.assert_close(torch.tensor(out["output_logprobs"], dtype=torch.float64), ref,
+                               atol=LOGP_ATOL, rtol=0)
+    assert ("stale",) not in decoder.graphs
+
+
+@pytest.mark.timeout(60)
+def test_pause_drains_the_loop_and_limits_are_named(model_dir):
+    engine = _engine(model_dir, max_len=32)
+    engine.pause()
+    done = threading.Event()
+    threading.Thread(target=lambda: (engine.generate([[1, 2]], SamplingParams(
+        max_new_tokens=4)), done.set()), daemon=True).start()
+    assert not done.wait(0.5), "generation ran while paused"
+    engine.resume()
+    assert done.wait(30)
+    with pytest.raises(UpdateError, match=r"max_new_tokens: prompt length plus .* 32 .* got "
+                                          r"3 \+ 30"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=30))
+    with pytest.raises(UpdateError, match="stop_token_ids: must hold at most 32 ids, got 33"):
+        engine.generate([[1]], SamplingParams(stop_token_ids=list(range(33))))
+
+
+def test_decode_step_never_reads_the_device_on_the_host():
+    """The step runs on the meta device (no values): nothing in it depends on a tensor's value
+    on the host, which is what a CUDA graph capture requires."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
+    decoder = Decoder(model, lock=threading.Lock(), version=lambda: 0, slots=16, max_len=64)
+    with torch.no_grad():
+        for truncate in (False, True):
+            decoder._step(16, 64, truncate)  # noqa: SLF001
+
+
+def test_buckets_round_up_within_the_cap():
+    assert [_bucket(n, 1024) for n in (1, 8, 9, 13, 17, 33, 100, 513, 1000, 5000)] == \
+        [8, 8, 12, 16, 24, 48, 128, 768, 1024, 1024]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(st.integers(0, 2**31 - 1), st.floats(0.05, 1.0), st.integers(0, 12),
+       st.floats(0.2, 3.0))
+def test_sampled_tokens_lie_in_the_top_k_top_p_set(seed, top_p, top_k, temperature):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(64, 40, generator=g) * 3
+    torch.manual_seed(seed)
+    token, logp = sample(logits, torch.full((64,), temperature), torch.full((64,), top_p),
+                         torch.full((64,), top_k), truncate=True)
+    ref = torch.log_softmax(logits.double() / temperature, -1)
+    torch.testing.assert_close(logp.double(), ref.gather(-1, token[:, None])[:, 0],
+                               atol=1e-5, rtol=0)
+    order = ref.argsort(-1, descending=True)
+    rank = (order == token[:, None]).nonzero()[:, 1]  # rank of each sampled token
+    if top_k:
+        assert bool((rank < top_k).all())
+    kept = ref.exp().gather(-1, order)
+    if top_k:
+        kept[:, top_k:] = 0
+    mass_before = (kept / kept.sum(-1, keepdim=True)).cumsum(-1) - kept / kept.sum(
+        -1, keepdim=True)
+    assert bool((mass_before.gather(-1, rank[:, None]) < top_p + 1e-5).all())
