@@ -10,7 +10,7 @@ for layout in ${LAYOUTS:-two one}; do
   dir=/tmp/runs/demo_$layout
   if [ $layout = one ]; then vis=0; else vis=0,1; fi
   start=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$vis timeout ${DEMO_TIMEOUT:-280} python3 -m fsdpfn demo run_dir=$dir --overwrite "$@" 2>&1 \
+  CUDA_VISIBLE_DEVICES=$vis timeout ${DEMO_TIMEOUT:-280} python3 -m fsdpfn demo run_dir=$dir "$@" --overwrite 2>&1 \
     | grep -v -E "^(warm-up|grpo) .*\|" | tail -25
   echo "[$layout] exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
   cp $dir/metrics.jsonl "$out/metrics_$layout.jsonl" 2>/dev/null
