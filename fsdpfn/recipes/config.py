@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, MicroBatchSpec,
+from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, LoRAConfig, MicroBatchSpec,
                            OptimizerConfig, ParallelStrategy, PPOConfig, RWConfig, SFTConfig,
                            _bool, _float, _float_conv, _int, _one_of)
 from fsdpfn.errors import ConfigError
@@ -76,13 +76,14 @@ class RolloutConfig:
     """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
     the run's initial model and stops it at the end; else the trainer uses the server at ``url``
     (it must serve a model of the same architecture). Weights are pushed after every step over
-    ``transport`` ("broadcast": a gloo/NCCL group; "disk": safetensors under run_dir/push;
-    "auto": broadcast, or disk when trainer and server share a GPU, where NCCL cannot connect
-    two processes). ``device: auto`` follows the trainer; ``gpus``: the server's GPU (null: the
+    ``transport`` ("broadcast": a gloo/NCCL group; "ipc": CUDA IPC handles, for a server on
+    trainer rank 0's GPU; "disk": safetensors under run_dir/push; "auto": broadcast, or ipc
+    when trainer and server share a GPU, where NCCL cannot connect two processes). ``device: auto`` follows the trainer; ``gpus``: the server's GPU (null: the
     host's last GPU)."""
 
     url: str | None = attrs.field(default=None)
-    transport: str = attrs.field(default="auto", validator=_one_of("auto", "broadcast", "disk"))
+    transport: str = attrs.field(default="auto",
+                                 validator=_one_of("auto", "broadcast", "ipc", "disk"))
     threads: int = attrs.field(default=1, validator=_int(1))
     device: str = attrs.field(default="auto", validator=_one_of("auto", "cpu", "cuda"))
     gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
@@ -173,7 +174,9 @@ class GRPORecipe:
     """GRPO on the addition task: SFT warm-up, then per step: the rollout server samples
     ``advantage.group_size`` answers for each of ``prompts_per_step`` problems; rewards; ref and
     old log-probs (forward_logp); group advantages; ppo_step (decoupled PPO with the server's
-    behav_logp); push_weights; checkpoint on schedule."""
+    behav_logp); push_weights; checkpoint on schedule. ``lora``: train adapters only (the
+    warm-up too, exported merged); ref_logp is then the actor with its adapters disabled (one
+    model in memory) and pushes carry the merged weights."""
 
     recipe: str = attrs.field(default="grpo", validator=_recipe_name("grpo"))
     run_dir: str = attrs.field(default="runs/grpo", validator=_path)
@@ -190,6 +193,7 @@ class GRPORecipe:
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
     advantage: AdvantageConfig = attrs.field(
         factory=lambda: AdvantageConfig(estimator="grpo", group_size=8))
+    lora: LoRAConfig | None = attrs.field(default=None)
     ppo: PPOConfig = attrs.field(
         factory=lambda: PPOConfig(clip_low=0.2, clip_high=0.28, n_minibatches=8, kl_coef=0.01))
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
@@ -218,7 +222,8 @@ class GRPORecipe:
 @attrs.frozen
 class PPORecipe:
     """PPO with a critic and GAE on the addition task: like grpo, plus a critic (value head on
-    the same tiny model) trained by critic_step; advantages from compute_values + GAE."""
+    the same tiny model) trained by critic_step; advantages from compute_values + GAE.
+    ``lora`` applies to the actor (as in grpo); the critic is trained in full."""
 
     recipe: str = attrs.field(default="ppo", validator=_recipe_name("ppo"))
     run_dir: str = attrs.field(default="runs/ppo", validator=_path)
@@ -234,6 +239,7 @@ class PPORecipe:
     warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
     critic_optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
+    lora: LoRAConfig | None = attrs.field(default=None)
     advantage: AdvantageConfig = attrs.field(
         factory=lambda: AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
     ppo: PPOConfig = attrs.field(factory=lambda: PPOConfig(n_minibatches=4, kl_coef=0.01))
@@ -261,7 +267,8 @@ class PPORecipe:
 @attrs.frozen
 class SFTRecipe:
     """Supervised fine-tuning on solved addition problems (sft_step), held-out loss with
-    evaluate, export_hf of the result to run_dir/model."""
+    evaluate, export_hf of the result to run_dir/model (with ``lora``: adapters trained, the
+    model exported merged)."""
 
     recipe: str = attrs.field(default="sft", validator=_recipe_name("sft"))
     run_dir: str = attrs.field(default="runs/sft", validator=_path)
@@ -277,6 +284,7 @@ class SFTRecipe:
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
     mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=3e-3))
+    lora: LoRAConfig | None = attrs.field(default=None)
     sft: SFTConfig = attrs.field(factory=SFTConfig)
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
@@ -315,7 +323,8 @@ class RWRecipe:
 @attrs.frozen
 class DPORecipe:
     """DPO (dpo_step) on the same pairs, against a frozen reference copy of the initial model
-    (forward_logp gives ref_logp)."""
+    (forward_logp gives ref_logp). With ``lora`` the reference is the policy with its adapters
+    disabled (forward_logp(..., adapters=False)): one model in memory."""
 
     recipe: str = attrs.field(default="dpo", validator=_recipe_name("dpo"))
     run_dir: str = attrs.field(default="runs/dpo", validator=_path)
@@ -329,6 +338,7 @@ class DPORecipe:
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
     mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
+    lora: LoRAConfig | None = attrs.field(default=None)
     dpo: DPOConfig = attrs.field(factory=lambda: DPOConfig(beta=0.1))
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))

@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --nproc-per-node 2 -m fsdpfn.recipes.worker \
         --config runs/demo/config.yaml [--resume] [--rollout-url http://127.0.0.1:PORT]
+
+With FSDPFN_LAUNCHER_PID set (``fsdpfn run`` sets it), the rank exits when that process does.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+
+from fsdpfn.supervise import watch_launcher
 
 
 def main(argv=None) -> int:
@@ -18,9 +22,13 @@ def main(argv=None) -> int:
     p.add_argument("--rollout-url", default=None)
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="the launcher's placement (default: launch.device, auto resolved here)")
-    p.add_argument("--transport", default=None, choices=("broadcast", "disk"),
+    p.add_argument("--transport", default=None, choices=("broadcast", "ipc", "disk"),
                    help="how weights reach the rollout server (default: rollout.transport)")
     args = p.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    # before the slow imports: a rank whose launcher was killed must not train unsupervised
+    # (torchrun dies with the launcher, but its ranks are not the launcher's children)
+    watch_launcher(f"trainer rank {rank}")
 
     import torch
     import torch.distributed as dist
@@ -45,7 +53,7 @@ def main(argv=None) -> int:
     ctx.stop.install()
     # the launcher forwards Ctrl-C to the ranks by these pids (torchrun starts each rank in a
     # session of its own, and signalling torchrun itself would tear the ranks down mid-step)
-    pid_file = ctx.run_dir / ".ranks" / f"rank{os.environ.get('RANK', '0')}.pid"
+    pid_file = ctx.run_dir / ".ranks" / f"rank{rank}.pid"
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(str(os.getpid()))
     try:

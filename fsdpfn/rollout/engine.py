@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fsdpfn.rollout import lora as rollout_lora
 from fsdpfn.weights.protocol import (MANIFEST, broadcast, bucket_layout, combine_checksums,
                                      combine_on_device,
                                      dtype_from_name, dtype_name, flat_checksums, make_group,
@@ -185,6 +186,7 @@ class RolloutEngine:
         self._busy = False
         self._failed: set[str] = set()  # update ids that failed: their later buckets are refused
         self.last_error: str | None = None
+        self.lora_slot = None  # the adapter merged in, if any (fsdpfn.rollout.lora)
         self.server_id = uuid.uuid4().hex  # changes when the server restarts
         self.channel_port: int | None = None  # the update channel's port, when one listens
         self._channels: dict[str, list] = {}  # group name -> update channel sockets bound to it
@@ -239,6 +241,7 @@ class RolloutEngine:
         return {"model_path": self.model_path, "server_id": self.server_id,
                 "dtype": dtype_name(self.dtype),
                 "device": str(self.device), "weight_version": self.version,
+                "ipc": self.device.type == "cuda",
                 "is_generation": True, "vocab_size": self.vocab_size, "multi_bucket": True,
                 "update_channel": self.channel_port,
                 "paused": self._paused,
@@ -902,6 +905,8 @@ class RolloutEngine:
         with self._model_lock:
             self._swap_in(tensors, {})
             self.version = version
+            if not partial:
+                rollout_lora.forget(self)
         if partial or not staging.sums:
             checksum = self.weights_checksum()
         else:
@@ -912,6 +917,57 @@ class RolloutEngine:
         self.last_error = None
         return {"success": True, "weight_version": version, "weights_checksum": checksum,
                 "message": f"updated {len(tensors)} tensors to version {version}"}
+
+    def update_from_ipc(self, payload: dict) -> dict:
+        """/update_weights_from_ipc: {buckets: [{names, dtypes, shapes, handle}], weight_version,
+        flush_cache}: each bucket's tensors packed back to back in a device buffer of a process
+        on this GPU, named by its CUDA IPC handle (fsdpfn.weights.ipc); copied out here, checked
+        and committed like a whole update. The sender frees the buffers after the answer."""
+        with self._exclusive(0.0):
+            try:
+                return self._update_from_ipc(payload)
+            except UpdateError as exc:
+                self._fail(exc)
+                raise
+
+    def _update_from_ipc(self, payload: dict) -> dict:
+        from fsdpfn.weights.ipc import open_shared, unpack
+
+        if self.device.type != "cuda":
+            raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
+                              f"runs on {self.device}")
+        version = payload.get("weight_version")
+        if not isinstance(version, int):
+            raise UpdateError(f"weight_version: must be an int, got {version!r}")
+        layout = _Layout(self, payload.get("buckets"))
+        if layout.problems:
+            raise UpdateError("update rejected, previous weights kept: "
+                              + "; ".join(layout.problems[:8]))
+        staging = _Staging(None)
+        for spec, b in zip(payload["buckets"], layout.buckets):
+            try:
+                buffer = open_shared(spec.get("handle") or {}, self.device)
+                tensors = unpack(buffer, b.torch_dtypes, b.shapes)
+            except (ValueError, RuntimeError) as exc:
+                raise UpdateError(f"update rejected, previous weights kept: {exc}") from None
+            del buffer
+            staging.tensors.update(zip(b.names, tensors))
+        torch.cuda.synchronize(self.device)  # every copy done before the sender frees its buffers
+        return self._commit(staging, version, partial=False)
+
+    def load_lora_adapter(self, payload: dict) -> dict:
+        """/load_lora_adapter (SGLang's payload): see fsdpfn.rollout.lora."""
+        with self._exclusive(0.0):
+            try:
+                return rollout_lora.load_adapter(self, payload)
+            except UpdateError as exc:
+                self._fail(exc)
+                raise
+
+    def unload_lora_adapter(self, payload: dict) -> dict:
+        """/unload_lora_adapter (SGLang's payload): see fsdpfn.rollout.lora."""
+        with self._exclusive(0.0):
+            return rollout_lora.unload_adapter(self, payload)
 
     def update_from_disk(self, payload: dict) -> dict:
         """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,

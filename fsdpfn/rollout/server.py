@@ -11,7 +11,10 @@
 | POST /destroy_weights_update_group | {group_name} | {success} |
 | POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit}, or the whole update at once: {buckets: [{names, dtypes, shapes}], group_name, weight_version, update_id, pause_generation, load_format} | {success, weight_version, weights_checksum (on commit), message, seconds} |
 | POST /update_weights_from_disk | {model_path, weight_version, flush_cache, verify_checksums} | same |
+| POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: tensors in a device buffer of a process on this GPU (fsdpfn.weights.ipc) | same |
 | POST /pause_generation, POST /continue_generation | {} | {success} |
+| POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py) |
+| POST /unload_lora_adapter | {lora_name} | same: the base weights served again |
 
 Beside the HTTP port, ``python -m fsdpfn.rollout`` listens for update channels
 (fsdpfn/rollout/channel.py): the fast path of a weight push, the same whole update without HTTP.
@@ -93,9 +96,31 @@ def build_app(engine: RolloutEngine):
     def update_distributed(payload: dict = Body(...)):
         return answer(lambda: engine.update_from_distributed(payload))
 
+    @app.post("/update_weights_from_ipc")
+    def update_ipc(payload: dict = Body(...)):
+        return answer(lambda: engine.update_from_ipc(payload))
+
     @app.post("/update_weights_from_disk")
     def update_disk(payload: dict = Body(...)):
         return answer(lambda: engine.update_from_disk(payload))
+
+    def lora_answer(fn: Callable[[], Any]):
+        out = answer(fn)  # SGLang's LoRAUpdateOutput names the failure error_message
+        if isinstance(out, JSONResponse):
+            import json
+
+            body = json.loads(out.body)
+            body["error_message"] = body.get("message")
+            return JSONResponse(status_code=out.status_code, content=body)
+        return out
+
+    @app.post("/load_lora_adapter")
+    def load_lora(payload: dict = Body(...)):
+        return lora_answer(lambda: engine.load_lora_adapter(payload))
+
+    @app.post("/unload_lora_adapter")
+    def unload_lora(payload: dict = Body(...)):
+        return lora_answer(lambda: engine.unload_lora_adapter(payload))
 
     @app.post("/pause_generation")
     def pause(payload: dict = Body(default={})):

@@ -32,6 +32,11 @@ and reused across pushes (rebuilt when a server no longer lists it, or after a f
   3. every server's answer must carry the pushed version and a weights_checksum equal to the
      checksum of what was sent.
 
+transport="ipc" (a server on trainer rank 0's own GPU, where NCCL cannot connect the two
+processes): rank 0 packs each gathered bucket into a device buffer and sends the servers its CUDA
+IPC handle in one /update_weights_from_ipc request; each server copies the tensors out on the
+device, checks and commits as for a whole update, and the buffers are freed after its answer.
+
 transport="disk": the ranks write ``disk_root/v{version}`` (a DiskTarget layout, which the
 servers must be able to read at the same path), then rank 0 calls /update_weights_from_disk.
 
@@ -75,7 +80,9 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 class RolloutTarget:
     """Push to rollout servers at ``urls`` (see the module doc for the protocol).
 
-    transport: "broadcast" or "disk" (needs ``disk_root``, shared with the servers).
+    transport: "broadcast", "disk" (needs ``disk_root``, shared with the servers) or "ipc"
+    (servers on trainer rank 0's GPU: CUDA IPC handles to device buffers, see
+    fsdpfn.weights.ipc).
     dtype: the dtype sent (None: the servers' served dtype).
     backend: "gloo" or "nccl" (None: nccl when the trainer and every server are on CUDA).
     timeout_s: bound on every HTTP request and every bucket's transfer; init_timeout_s on
@@ -105,8 +112,9 @@ class RolloutTarget:
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                for u in urls):
             raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
-        if transport not in ("broadcast", "disk"):
-            raise ConfigError(f"transport: must be 'broadcast' or 'disk', got {transport!r}")
+        if transport not in ("broadcast", "disk", "ipc"):
+            raise ConfigError(f"transport: must be 'broadcast', 'disk' or 'ipc', got "
+                              f"{transport!r}")
         if transport == "disk" and disk_root is None:
             raise ConfigError("disk_root: must be set for transport='disk' (a directory the "
                               "servers can read at the same path), got None")
@@ -183,6 +191,8 @@ class RolloutTarget:
         self.last_timings["prepare"] = time.perf_counter() - clock
         if self.transport == "disk":
             return self._push_disk(state, dtype)
+        if self.transport == "ipc":
+            return self._push_ipc(state, params, layout, dtype)
         return self._push_broadcast(state, params, layout, dtype, backend)
 
     def _plan(self, params, layout: tuple, dtype: torch.dtype) -> tuple[int, list[Bucket]]:
@@ -222,6 +232,47 @@ class RolloutTarget:
                 sender.abandon()
             raise
         return sum(len(b.specs) for b in buckets), sum(sum(b.sizes) for b in buckets)
+
+    def _push_ipc(self, state: EngineState, params, layout: tuple,
+                  dtype: torch.dtype) -> tuple[int, int]:
+        """Rank 0 packs each gathered bucket into a device buffer of its own and hands the
+        servers (on rank 0's GPU) their IPC handles in one /update_weights_from_ipc request;
+        the buffers are freed once every server answered."""
+        from fsdpfn.weights.ipc import IpcSender
+
+        if state.mesh.device_type != "cuda":
+            raise ConfigError(f"transport: 'ipc' shares CUDA memory and this trainer runs on "
+                              f"{state.mesh.device_type}; use 'broadcast' or 'disk', got 'ipc'")
+        _, buckets = self._plan(params, layout, dtype)
+        sender = IpcSender() if is_pusher() else None
+        try:
+            clock = time.perf_counter()
+            drive(state, dict(params), buckets, sender, gather_device=state.mesh.device,
+                  out_device=state.mesh.device, flat=False)
+            error = None
+            if sender is not None:
+                _, error = guard(lambda: self._load_ipc(sender, state.version),
+                                 "updating over CUDA IPC")
+            agree(state.mesh, error)
+            self.last_timings["transfer"] = time.perf_counter() - clock
+        finally:
+            if sender is not None:
+                sender.release()
+        return sum(len(b.specs) for b in buckets), sum(sum(b.sizes) for b in buckets)
+
+    def _load_ipc(self, sender, version: int) -> None:
+        from fsdpfn.weights.protocol import combine_checksums
+
+        torch.cuda.current_stream().synchronize()  # the buffers are complete before any read
+        payload = {"buckets": sender.buckets, "weight_version": version,
+                   "flush_cache": self.flush_cache}
+        self._pause()
+        try:
+            for url in self.urls:
+                answer = call(url, "/update_weights_from_ipc", payload, timeout=self.timeout_s)
+                _check_commit(url, answer, version, combine_checksums(sender.checksums))
+        finally:
+            self._continue(strict=False)
 
     def _push_disk(self, state: EngineState, dtype: torch.dtype) -> tuple[int, int]:
         final, n_tensors, n_bytes, checksum = write_version(

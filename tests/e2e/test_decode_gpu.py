@@ -118,8 +118,10 @@ def test_loop_recaptures_after_a_weight_swap(engines):
 @pytest.mark.timeout(900)
 def test_loop_greedy_tokens_equal_hf_generate(engines):
     """Greedy rows equal HF generate's up to bf16 near-ties: every loop token is the argmax of a
-    teacher-forced HF forward of its row, or within bf16 noise of it, and most rows agree
-    with HF generate token for token."""
+    teacher-forced HF forward of its row, or within two bf16 spacings of it. (Whole rows are
+    not compared: this random model, initializer range 0.08, has near-ties at most positions,
+    and one tie broken the other way changes the rest of a row; on the H200 0 of 16 rows
+    matched HF generate's token for token while every token passed the check below.)"""
     from fsdpfn.rollout import SamplingParams
 
     loop, hf = engines
@@ -139,4 +141,3 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
         # within two bf16 spacings of the best logit (2**-7 relative: 0.19 at a logit of 12)
         tol = (2 * 2.0 ** -7 * best.abs()).clamp(min=0.05)
         assert bool(((best - chosen) <= tol).all()), (best - chosen).max()
-    assert same >= len(got) // 2

@@ -21,10 +21,11 @@ def test_cpu_host_runs_two_ranks_and_broadcasts():
         ("cpu", 2, (), "cpu", "broadcast", "float32")
 
 
-def test_one_gpu_is_shared_and_weights_go_by_disk():
+def test_one_gpu_is_shared_and_weights_go_by_cuda_ipc():
     p = place("grpo", 1)
     assert (p.device, p.nproc, p.trainer_gpus, p.server_gpus, p.transport, p.dtype) == \
-        ("cuda", 1, (0,), (0,), "disk", "bfloat16")
+        ("cuda", 1, (0,), (0,), "ipc", "bfloat16")
+    assert place("grpo", 1, "rollout.transport=disk").transport == "disk"
     with pytest.raises(ConfigError, match=r"rollout.transport: 'broadcast' needs the server on "
                                           r"a GPU of its own.*got 'broadcast'"):
         place("grpo", 1, "rollout.transport=broadcast")
@@ -45,7 +46,12 @@ def test_supervised_recipes_train_on_every_gpu():
 def test_explicit_gpus_and_their_errors():
     p = place("grpo", 4, "launch.gpus=[1, 2]", "rollout.gpus=[0]")
     assert p.trainer_gpus == (1, 2) and p.server_gpus == (0,) and p.nproc == 2
+    # the server shares a GPU, but not rank 0's: IPC cannot reach it, disk can
     assert place("grpo", 4, "launch.gpus=[0, 1]", "rollout.gpus=[1]").transport == "disk"
+    assert place("grpo", 4, "launch.gpus=[1, 0]", "rollout.gpus=[1]").transport == "ipc"
+    with pytest.raises(ConfigError, match=r"rollout.transport: 'ipc' needs the server on "
+                                          r"trainer rank 0's GPU"):
+        place("grpo", 4, "rollout.transport=ipc")
     with pytest.raises(ConfigError, match=r"launch.gpus: GPU indices must be < 2 .*got \[0, 5\]"):
         place("grpo", 2, "launch.gpus=[0, 5]")
     with pytest.raises(ConfigError, match=r"launch.nproc: one trainer rank per GPU.*got 3"):
