@@ -16,6 +16,7 @@ from fsdpfn.batch import (
     shard_rows, shift_to_token_aligned, unpack, unpack_seqs, validate_batch,
 )
 from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.testing.strategies import grouped_batches
 
 FAST = settings(max_examples=40, deadline=None)
 V = 50
@@ -457,15 +458,8 @@ class _Mesh:
 @st.composite
 def group_layouts(draw, max_groups=6, max_G=4):
     """A batch whose rows carry group ids in any order: (batch, ids as a list, G)."""
-    G = draw(st.integers(1, max_G))
-    n = draw(st.integers(1, max_groups))
-    ids = [g * 7 + 3 for g in range(n) for _ in range(G)]       # arbitrary, non-contiguous ids
-    ids = draw(st.permutations(ids))
-    T = draw(st.integers(1, 8))
-    lens = draw(st.lists(st.integers(1, T), min_size=len(ids), max_size=len(ids)))
-    batch = make_batch(lens, T, seed=draw(st.integers(0, 2**16)))
-    batch.set(K.GROUP_ID, torch.tensor(ids, dtype=torch.int64))
-    return batch, list(ids), G
+    batch, G = draw(grouped_batches(max_groups=max_groups, max_group_size=max_G, max_len=8))
+    return batch, batch.get(K.GROUP_ID).tolist(), G
 
 
 @FAST
