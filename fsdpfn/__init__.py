@@ -6,26 +6,42 @@
     batch = ff.forward_logp(actor, batch, out_key="old_logp")
     batch = ff.compute_advantages(batch, ff.AdvantageConfig(estimator="grpo", group_size=8))
     actor, stats = ff.ppo_step(actor, batch, ff.PPOConfig())
+
+Names are imported on first use (PEP 562): ``import fsdpfn`` alone does not import torch, so the
+``fsdpfn`` command reports a config error before torch would have finished loading.
 """
 
-from fsdpfn import keys, ops
-from fsdpfn.algos import (compute_advantages, critic_step, dpo_step, ppo_step, rw_step,
-                          sft_step)
-from fsdpfn.batch import gather_batch, shard_batch
-from fsdpfn.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, EngineConfig, FSDPConfig,
-                           LoRAConfig, MicroBatchSpec, OptimizerConfig, ParallelStrategy,
-                           PPOConfig, RWConfig, SFTConfig)
-from fsdpfn.errors import (BatchError, CheckpointError, ConfigError, MicroBatchOOMError,
-                           StaleStateError, WeightSyncError)
-from fsdpfn.forward import compute_values, forward_logp
-from fsdpfn.mesh import Mesh, build_mesh
-from fsdpfn.shard import shard_model
-from fsdpfn.state import EngineState
-from fsdpfn.step import StepContext, evaluate, grad_step
-from fsdpfn.weights import DiskTarget, PushReceipt, RolloutTarget, push_weights
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it (the explicit re-exports of this package)
+_SOURCES = {
+    # configs
+    **dict.fromkeys(("ParallelStrategy", "EngineConfig", "OptimizerConfig", "FSDPConfig",
+                     "MicroBatchSpec", "LoRAConfig", "PPOConfig", "CriticConfig",
+                     "AdvantageConfig", "SFTConfig", "RWConfig", "DPOConfig"), "fsdpfn.config"),
+    # errors
+    **dict.fromkeys(("ConfigError", "BatchError", "StaleStateError", "WeightSyncError",
+                     "CheckpointError", "MicroBatchOOMError"), "fsdpfn.errors"),
+    # engine
+    "Mesh": "fsdpfn.mesh", "build_mesh": "fsdpfn.mesh",
+    "EngineState": "fsdpfn.state",
+    "shard_model": "fsdpfn.shard",
+    "forward_logp": "fsdpfn.forward", "compute_values": "fsdpfn.forward",
+    "grad_step": "fsdpfn.step", "evaluate": "fsdpfn.step", "StepContext": "fsdpfn.step",
+    "shard_batch": "fsdpfn.batch", "gather_batch": "fsdpfn.batch",
+    **dict.fromkeys(("save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint"),
+                    "fsdpfn.checkpoint"),
+    **dict.fromkeys(("push_weights", "PushReceipt", "DiskTarget", "RolloutTarget"),
+                    "fsdpfn.weights"),
+    # algorithms
+    **dict.fromkeys(("compute_advantages", "ppo_step", "critic_step", "sft_step", "rw_step",
+                     "dpo_step"), "fsdpfn.algos"),
+}
+_MODULES = ("ops", "keys")
 
 __all__ = [
     # configs
@@ -45,3 +61,18 @@ __all__ = [
     # modules
     "ops", "keys",
 ]
+
+
+def __getattr__(name: str):
+    if name in _SOURCES:
+        value = getattr(importlib.import_module(_SOURCES[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,6 +17,14 @@ Ctrl-C (SIGINT) is forwarded to the ranks, which finish the current step, save a
 exit; the rollout server is then shut down. A second Ctrl-C kills the ranks at once (the last
 published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done, 130 stopped by
 a signal, 2 bad config or command line, else the trainer's.
+
+The launcher's children die with it, even when it is killed with SIGKILL (fsdpfn.supervise):
+torchrun and the rollout server get a parent-death signal, and every trainer rank and the server
+watch the launcher's pid and exit within about a second of it going away. run_dir/run_state.json
+says how the last run ended: "running" (with the launcher's pid) from the start, then "done",
+"failed" or "interrupted"; a record still "running" whose launcher is gone is reported as
+"killed" by the next ``fsdpfn run``/``fsdpfn demo`` into that run_dir (``--resume`` continues
+from the latest checkpoint), and a run_dir whose launcher still runs is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ __all__ = ["main", "build_parser"]
 
 _OWNED = ("config.yaml", "model0", "model0.tmp", "sft", "checkpoints", "critic_checkpoints",
           "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks",
-          "data", "tensorboard", "reward_errors.jsonl")
+          "data", "tensorboard", "reward_errors.jsonl", "run_state.json")
 
 
 def _say(message: str) -> None:
@@ -156,18 +164,47 @@ def _cmd_demo(args) -> int:
 # ---------------------------------------------------------------- the launcher
 
 
-def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+def _check_run_dir_path(run_dir: Path) -> None:
     from fsdpfn.errors import ConfigError
 
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir: must be a directory (or a path to create), got "
                           f"{str(run_dir)!r}, which is a file")
+
+
+def _last_run(run_dir: Path) -> str | None:
+    """How the last run in ``run_dir`` ended (None: no record); a run whose launcher is alive
+    on this host is refused: two launchers must not write one run_dir."""
+    import socket
+
+    from fsdpfn.errors import ConfigError
+    from fsdpfn.supervise import describe_last_run, last_run
+
+    state = last_run(run_dir)
+    if state is None:
+        return None
+    if state.get("status") == "running" and state.get("host") == socket.gethostname():
+        raise ConfigError(f"run_dir: must not be in use by another run, got {str(run_dir)!r}, "
+                          f"where {describe_last_run(state)}; stop it, wait for it, or set "
+                          f"run_dir=... to another directory")
+    return describe_last_run(state)
+
+
+def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    from fsdpfn.errors import ConfigError
+
+    _check_run_dir_path(run_dir)
+    last = _last_run(run_dir)
     previous = [name for name in ("checkpoints", "metrics.jsonl", "sft")
                 if (run_dir / name).exists()]
     if previous and not (resume or overwrite):
         raise ConfigError(f"run_dir: {str(run_dir)!r} holds a previous run "
-                          f"({', '.join(previous)}); pass --resume to continue it, --overwrite "
-                          f"to start over, or set run_dir=... to another directory")
+                          f"({', '.join(previous)}" + (f"; {last}" if last else "") + "); pass "
+                          f"--resume to continue it, --overwrite to start over, or set "
+                          f"run_dir=... to another directory")
+    if last and "killed" in last:
+        _say(f"{run_dir}: {last}" + ("; resuming from its latest checkpoint" if resume
+                                     else "; starting over"))
     if overwrite and not resume:
         for name in _OWNED:
             path = run_dir / name
@@ -199,7 +236,8 @@ def _torchrun_cmd(cfg, config_path: Path, placement, *, resume: bool,
 def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
     return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
             str(port), "--host", "127.0.0.1", "--device", placement.server_device, "--dtype",
-            placement.dtype, "--threads", str(cfg.rollout.threads)]
+            placement.dtype, "--threads", str(cfg.rollout.threads),
+            "--parent-pid", str(os.getpid())]
 
 
 class _Signals:
@@ -302,8 +340,10 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     from fsdpfn.recipes import NEEDS_ROLLOUT
     from fsdpfn.recipes.model import initial_model_dir
     from fsdpfn.recipes.placement import count_gpus, place
+    from fsdpfn.supervise import write_run_state
 
     run_dir = Path(cfg.run_dir)
+    _check_run_dir_path(run_dir)  # before count_gpus, which imports torch
     config_path = run_dir / "config.yaml"
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None
@@ -322,6 +362,27 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
     _prepare_data(cfg, run_dir, resume=resume)
     config_path.write_text(serde.to_yaml(cfg))
+    write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
+    try:
+        rc, interrupted, seconds = _run(cfg, run_dir, config_path, placement, model_dir,
+                                        own_server=own_server, url=url, resume=resume)
+    except BaseException as exc:
+        write_run_state(run_dir, "failed", exit_code=None,
+                        error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    _summarize(cfg, run_dir, seconds, rc, interrupted)
+    status = 130 if interrupted else rc
+    write_run_state(run_dir, "interrupted" if interrupted else ("done" if rc == 0 else "failed"),
+                    exit_code=status)
+    return status
+
+
+def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, own_server: bool,
+         url: str | None, resume: bool) -> tuple[int, bool, float]:
+    """Start the server (when ours) and the trainer and wait for them; (exit status,
+    interrupted, seconds). Both children die with this process (fsdpfn.supervise)."""
+    from fsdpfn.supervise import LAUNCHER_PID_ENV, die_with_parent
+
     t0 = time.monotonic()
     signals = _Signals(run_dir)
     shutil.rmtree(signals.ranks_dir, ignore_errors=True)
@@ -336,24 +397,21 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         cmd = _torchrun_cmd(cfg, config_path, placement, resume=resume, url=url)
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               **placement.env(placement.trainer_gpus)}
+               LAUNCHER_PID_ENV: str(os.getpid()), **placement.env(placement.trainer_gpus)}
         _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}"
              + (f", rollout server {url}" if url else "") + f"; {_describe(placement)}")
         if signals.count:
-            return 130
+            return 130, True, time.monotonic() - t0
         # its own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
-        trainer = subprocess.Popen(cmd, env=env, start_new_session=True)
+        trainer = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                   preexec_fn=die_with_parent())
         signals.trainer = trainer
         rc = _wait(trainer, server, signals)
     finally:
         if server is not None:
             server.close()
         signals.restore()
-    interrupted = signals.count > 0
-    _summarize(cfg, run_dir, time.monotonic() - t0, rc, interrupted)
-    if interrupted:
-        return 130
-    return rc
+    return rc, signals.count > 0, time.monotonic() - t0
 
 
 def _describe(p) -> str:
@@ -377,6 +435,7 @@ def _start_server(cfg, run_dir: Path, model_dir: Path, placement):
     """``python -m fsdpfn.rollout`` in its own session (Ctrl-C must not reach it before the
     ranks finished their step); the ranks wait for /health themselves."""
     from fsdpfn.rollout.process import RolloutProcess, free_port
+    from fsdpfn.supervise import die_with_parent
 
     port = free_port()
     log_path = run_dir / "rollout.log"
@@ -384,7 +443,8 @@ def _start_server(cfg, run_dir: Path, model_dir: Path, placement):
            **placement.env(placement.server_gpus)}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(_server_cmd(cfg, model_dir, port, placement), stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent())
     return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 
@@ -432,7 +492,10 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool) -
         summary["checkpoint"] = str(checkpoints[-1])
     if rows and cfg.log.plot:
         png = plot_metrics(metrics, run_dir / "metrics.png", phase=cfg.recipe)
-        summary["plot"] = str(png)
+        if png is not None:
+            summary["plot"] = str(png)
+        else:
+            _say("no metrics.png: plotting needs matplotlib (pip install 'fsdpfn[recipes]')")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     minutes = f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
     status = "stopped" if interrupted else ("done" if rc == 0 else f"failed (exit {rc})")

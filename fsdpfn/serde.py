@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
 import cattrs
 import yaml
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
@@ -17,9 +18,13 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from fsdpfn.errors import ConfigError
 
 __all__ = ["converter", "structure", "unstructure", "to_yaml", "from_yaml", "to_json", "from_json",
-           "apply_overrides", "load_config"]
+           "apply_overrides", "load_config", "load_yaml", "load_json", "read_config_file"]
 
 T = TypeVar("T")
+
+class _NotAMapping(ConfigError):
+    """A value where a mapping belongs; the message lacks the key, which the walk adds."""
+
 
 converter = cattrs.Converter(forbid_extra_keys=True)
 # tuples are written as lists in YAML/JSON; Optional[dict] (a transformers config) passes through
@@ -32,8 +37,23 @@ for _scalar in (int, float, bool, str):
 
 def _expect_dict(value):
     if not isinstance(value, dict):
-        raise ConfigError(f"must be a mapping, got {value!r}")
+        raise _NotAMapping(f"must be a mapping, got {value!r}")
     return value
+
+
+def _section_hook(cls):
+    """A nested config (a section) must be a mapping: ``optimizer=5`` is named as such instead
+    of failing inside cattrs (``argument of type 'int' is not iterable``)."""
+    inner = converter.gen_structure_attrs_fromdict(cls)
+
+    def structure_section(value, _):
+        if not isinstance(value, dict):
+            raise _NotAMapping(f"must be a mapping (section), got {value!r}")
+        return inner(value, cls)
+    return structure_section
+
+
+converter.register_structure_hook_factory(attrs.has, _section_hook)
 
 
 def _first_error(exc: BaseException, path: str) -> tuple[str, BaseException]:
@@ -64,6 +84,8 @@ def _config_error(exc: BaseException, root: str = "") -> ConfigError:
         return ConfigError(f"{where}unknown key(s) {keys} (allowed: "
                            f"{sorted(a.name for a in leaf.cl.__attrs_attrs__)})")
     msg = str(leaf)
+    if isinstance(leaf, _NotAMapping):
+        return ConfigError(f"{path or 'config'}: {msg}")
     if isinstance(leaf, ConfigError):
         # the leaf names its own field; prefix the path of the enclosing config
         return ConfigError(f"{path}.{msg}" if path else msg)
@@ -93,7 +115,7 @@ def to_json(value: Any) -> str:
 
 
 def from_json(text: str, cls: type[T]) -> T:
-    return structure(json.loads(text), cls)
+    return structure(load_json(text), cls)
 
 
 def to_yaml(value: Any) -> str:
@@ -101,7 +123,99 @@ def to_yaml(value: Any) -> str:
 
 
 def from_yaml(text: str, cls: type[T]) -> T:
-    return structure(yaml.safe_load(text) or {}, cls)
+    return structure(load_yaml(text) or {}, cls)
+
+
+# ---------------------------------------------------------------- reading YAML and JSON text
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key written twice in one mapping (PyYAML keeps the last
+    one silently; YAML itself requires keys to be unique)."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=False):
+    first: dict = {}  # key -> its first mark
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' may be overridden
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            earlier = first.setdefault(key, key_node.start_mark)
+        except TypeError:  # an unhashable key: SafeLoader's own error names it
+            break
+        if earlier is not key_node.start_mark:
+            mark = key_node.start_mark
+            raise ConfigError(f"config: duplicate key {key!r} at line {mark.line + 1}, column "
+                              f"{mark.column + 1} (first at line {earlier.line + 1}, column "
+                              f"{earlier.column + 1}): a key may appear once per mapping")
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                 _construct_unique_mapping)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def load_yaml(text: str, *, what: str = "config") -> Any:
+    """Parse YAML text (safe types only). A syntax error or a repeated key is a ConfigError of
+    one line that gives the line and column: ``config: YAML syntax error at line 3, column 5:
+    mapping values are not allowed here``."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("config:", f"{what}:", 1)) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        if exc.context and exc.problem and exc.context_mark:
+            problem += f" ({exc.context} at line {exc.context_mark.line + 1})"
+        raise ConfigError(f"{what}: YAML syntax error{where}: {_one_line(problem)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what}: YAML error: {_one_line(exc)}") from None
+
+
+def _unique_pairs(pairs: list) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"config: duplicate key {key!r}: a key may appear once per "
+                              f"object")
+        out[key] = value
+    return out
+
+
+def load_json(text: str) -> Any:
+    """Parse JSON text; syntax errors and repeated keys are one-line ConfigErrors."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config: JSON syntax error at line {exc.lineno}, column {exc.colno}: "
+                          f"{exc.msg}") from None
+
+
+def read_config_file(path: str | Path) -> Any:
+    """The plain data of a YAML or JSON (by suffix) config file; ConfigError when it is missing,
+    unreadable or not valid YAML/JSON (the message gives the file, line and column)."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config: file {what}, got {str(path)!r}")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config: cannot read {str(path)!r}: {_one_line(exc)}") from None
+    try:
+        return load_json(text) if path.suffix == ".json" else load_yaml(text)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("config:", f"config {str(path)!r}:", 1)) from None
+
+
+# ---------------------------------------------------------------- overrides and files
 
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
@@ -123,15 +237,11 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
                 raise ConfigError(f"override: {'.'.join(parts[:depth + 1])} is not a mapping, "
                                   f"got {child!r}")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = load_yaml(raw, what=f"override {item!r}")
     return out
 
 
 def load_config(path: str | Path, cls: type[T], overrides: list[str] | tuple[str, ...] = ()) -> T:
     """Read a YAML or JSON file, apply dotted overrides, and structure it as ``cls``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config: file does not exist, got {str(path)!r}")
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else (yaml.safe_load(text) or {})
+    data = read_config_file(path) or {}
     return structure(apply_overrides(data, overrides), cls)

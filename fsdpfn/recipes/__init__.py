@@ -41,17 +41,9 @@ def config_from_data(data: dict, overrides=()):
 
 
 def load_recipe_config(path: str | Path, overrides=()):
-    """Read a recipe YAML (or JSON) file, apply ``key.sub=value`` overrides, validate."""
-    import json
-
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config: file does not exist, got {str(path)!r}")
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else (yaml.safe_load(text) or {})
-    return config_from_data(data, overrides)
+    """Read a recipe YAML (or JSON) file, apply ``key.sub=value`` overrides, validate. Syntax
+    errors (with their line and column) and repeated keys are ConfigErrors too."""
+    return config_from_data(serde.read_config_file(path) or {}, overrides)
 
 
 def default_config(name: str, overrides=()):

@@ -18,8 +18,6 @@ import random
 from pathlib import Path
 
 import attrs
-import torch
-from tensordict import TensorDict
 
 from fsdpfn import keys as K
 from fsdpfn.config import _bool, _int
@@ -128,6 +126,9 @@ def save_initial_model(path: str | Path, model: TinyModel, tokenizer: CharTokeni
 
 def sequences_batch(seqs: list[tuple[list[int], list[bool]]]) -> TensorDict:
     """The public batch of (ids, loss) sequences: loss_mask True where loss is (never at t=0)."""
+    import torch  # here, not at the top: the CLI reads recipe configs without importing torch
+    from tensordict import TensorDict
+
     T = max(len(ids) for ids, _ in seqs)
     B = len(seqs)
     ids_t = torch.zeros(B, T, dtype=torch.int64)
@@ -144,6 +145,9 @@ def sequences_batch(seqs: list[tuple[list[int], list[bool]]]) -> TensorDict:
 
 def _pad_rows(rows: list[list[int]], prompt_lens: list[int]) -> TensorDict:
     """input_ids, attention_mask (real tokens), loss_mask (tokens after the prompt); right pad."""
+    import torch
+    from tensordict import TensorDict
+
     T = max(len(r) for r in rows)
     B = len(rows)
     ids = torch.zeros(B, T, dtype=torch.int64)
@@ -197,6 +201,8 @@ def rollout_batch(prompts: list[list[int]], outputs: list[dict], group_size: int
     log-probs become ``behav_logp`` at the positions of the generated tokens. Rows carry
     ``group_id`` (the prompt's index), so shard_batch keeps each group on one rank.
     """
+    import torch
+
     rows, plens = [], []
     for i, out in enumerate(outputs):
         prompt = prompts[i // group_size]

@@ -39,11 +39,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode loop without CUDA graphs (eager steps)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when the process with this pid exits (the launcher that started "
+                        "this server; default: run until stopped)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.parent_pid is not None:
+        from fsdpfn.supervise import watch_launcher
+
+        watch_launcher("the rollout server", args.parent_pid)
     import torch
     import uvicorn
 

@@ -92,6 +92,8 @@ def test_demo_runs_resumes_and_plots(tmp_path):
     assert read_png(run_dir / "metrics.png")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["exit_code"] == 0
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "done" and state["exit_code"] == 0 and state["recipe"] == "grpo"
     assert "reward_mean" in first.stderr and "done in" in first.stderr
 
     # a second run into the same directory must not silently start over
@@ -139,11 +141,14 @@ def test_sigint_stops_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err[-4000:]
-    url = re.search(r"rollout server (http://\S+)", err).group(1)
+    url = re.search(r"rollout server (http://[^\s;,]+)", err).group(1)
     assert not _port_open(url), "the rollout server is still running"
     rows = metrics(run_dir)
     assert rows and rows[-1]["step"] < 200
     assert checkpoint_steps(run_dir) == [rows[-1]["step"]]
     assert not [p for p in (run_dir / "checkpoints").iterdir() if ".tmp-" in p.name]
     assert "stopped" in err and "--resume" in err
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "interrupted" and state["exit_code"] == 130
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
     assert read_png(run_dir / "metrics.png")

@@ -71,6 +71,52 @@ def test_cli_help_config_and_errors(capsys, tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+# each bad input: (file text or None for examples/sft.yaml, overrides, what the one line says)
+CLI_ERRORS = [
+    ("recipe: sft\nsteps: 3\noptimizer:\n  lr: 1\n    eps: 2\n", [],
+     "YAML syntax error at line 5, column 8: mapping values are not allowed here"),
+    ("recipe: sft\nsteps: 3\nsteps: 4\n", [],
+     "duplicate key 'steps' at line 3, column 1 (first at line 2, column 1): a key may appear "
+     "once per mapping"),
+    (None, ["optimizer=5"], "optimizer: must be a mapping (section), got 5"),
+    (None, ["launch=null"], "launch: must be a mapping (section), got None"),
+    (None, ["run_dir={tmp}/a_file"], "run_dir: must be a directory (or a path to create), got "
+                                     "'{tmp}/a_file', which is a file"),
+    (None, ["parallel.tp=3", "launch.nproc=2", "launch.device=cpu"],
+     "parallel.tp: tp x cp = 3 x 1 = 3 must divide the 2 trainer ranks (launch.nproc), got "
+     "tp=3"),
+    (None, ["parallel.dp=3", "launch.nproc=2", "launch.device=cpu"],
+     "parallel.dp: dp x cp x tp = 3 x 1 x 1 = 3 must equal the 2 trainer ranks "
+     "(launch.nproc), got dp=3"),
+    (None, ["steps=[1"], "override 'steps=[1': YAML syntax error at line 1, column 3"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text,overrides,expected", CLI_ERRORS,
+                         ids=["yaml-syntax", "duplicate-key", "section-scalar", "section-null",
+                              "run-dir-file", "tp-vs-nproc", "dp-vs-nproc", "override-syntax"])
+def test_cli_errors_are_one_line_exit_2_before_any_rank(text, overrides, expected, tmp_path):
+    """Each bad input: exit status 2, one line naming the key, the rule and the value, no
+    traceback, and nothing started (no run_dir written)."""
+    (tmp_path / "a_file").write_text("")
+    config = EXAMPLES / "sft.yaml"
+    if text is not None:
+        config = tmp_path / "bad.yaml"
+        config.write_text(text)
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    run_dir = tmp_path / "run"
+    if not any(o.startswith("run_dir=") for o in overrides):
+        overrides.append(f"run_dir={run_dir}")
+    proc = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(config), *overrides],
+                          capture_output=True, text=True, timeout=100, env=_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("fsdpfn: error: "), \
+        proc.stderr
+    assert expected.replace("{tmp}", str(tmp_path)) in proc.stderr, proc.stderr
+    assert not run_dir.exists()
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", sorted(QUICK))
 def test_example_runs(name, tmp_path):

@@ -20,7 +20,8 @@ def _examples():
     yield from (cls() for cls in ALL)
     yield ff.EngineConfig(model_path="ckpt/")
     yield ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(), is_critic=True,
-                          optimizer=None, lora=ff.LoRAConfig(rank=4),
+                          optimizer=None)
+    yield ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(), lora=ff.LoRAConfig(rank=4),
                           fsdp=ff.FSDPConfig(wrap_policy=("Qwen2DecoderLayer",)),
                           mb_spec=ff.MicroBatchSpec(max_tokens_per_mb=4096, n_mbs=2))
     yield ff.OptimizerConfig(lr=3e-4, schedule="cosine", warmup_steps=10, total_steps=100,
@@ -149,3 +150,96 @@ def test_liger_logprobs_impl_refused_where_it_cannot_run():
     with pytest.raises(ff.ConfigError, match="logprobs_impl: 'liger' needs an actor on CUDA"):
         ff.shard_model(ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(),
                                        logprobs_impl="liger"), mesh)
+
+
+# ---------------------------------------------------------------- reading YAML: one-line errors
+
+
+def test_yaml_syntax_errors_give_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model_path: x\noptimizer:\n  lr: 1\n    eps: 2\n")
+    with pytest.raises(ff.ConfigError) as info:
+        serde.load_config(path, ff.EngineConfig)
+    msg = str(info.value)
+    assert msg.startswith(f"config {str(path)!r}: YAML syntax error at line 4, column 8: "), msg
+    assert "mapping values are not allowed here" in msg and "\n" not in msg
+    with pytest.raises(ff.ConfigError, match=r"^config: YAML syntax error at line 2, column 1: "
+                                             r"expected ',' or ']'"):
+        serde.load_yaml("a: [1, 2\n")
+    with pytest.raises(ff.ConfigError, match=r"^override 'steps=\[1': YAML syntax error at "
+                                             r"line 1, column 3"):
+        serde.apply_overrides({}, ["steps=[1"])
+    (tmp_path / "bad.json").write_text('{"model_path": "x",\n "dtype": }')
+    with pytest.raises(ff.ConfigError, match=r"JSON syntax error at line 2, column 11"):
+        serde.load_config(tmp_path / "bad.json", ff.EngineConfig)
+
+
+def test_duplicate_keys_are_refused_naming_key_and_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("model_path: x\noptimizer:\n  lr: 0.1\n  eps: 1.0e-8\n  lr: 0.2\n")
+    with pytest.raises(ff.ConfigError, match=r"duplicate key 'lr' at line 5, column 3 \(first "
+                                             r"at line 3, column 3\): a key may appear once"):
+        serde.load_config(path, ff.EngineConfig)
+    with pytest.raises(ff.ConfigError, match=r"^override 'fsdp=\{a: 1, a: 2\}': duplicate key "
+                                             r"'a' at line 1, column 8"):
+        serde.apply_overrides({}, ["fsdp={a: 1, a: 2}"])
+    (tmp_path / "dup.json").write_text('{"model_path": "x", "model_path": "y"}')
+    with pytest.raises(ff.ConfigError, match="duplicate key 'model_path'"):
+        serde.load_config(tmp_path / "dup.json", ff.EngineConfig)
+    # the same key in different mappings, and a merge key that a later key overrides, are fine
+    assert serde.load_yaml("a: {x: 1}\nb: {x: 2}\nbase: &b {x: 3}\nc:\n  <<: *b\n  x: 4\n") == \
+        {"a": {"x": 1}, "b": {"x": 2}, "base": {"x": 3}, "c": {"x": 4}}
+
+
+@settings(max_examples=30, deadline=None)
+@given(keys=st.lists(st.from_regex(r"[a-z]{1,6}", fullmatch=True), min_size=1, max_size=6))
+def test_yaml_mappings_load_as_pyyaml_unless_a_key_repeats(keys):
+    import yaml
+
+    text = "".join(f"{k}: {i}\n" for i, k in enumerate(keys))
+    if len(set(keys)) == len(keys):
+        assert serde.load_yaml(text) == yaml.safe_load(text)
+    else:
+        dup = next(k for i, k in enumerate(keys) if k in keys[:i])
+        with pytest.raises(ff.ConfigError, match=f"duplicate key '{dup}'"):
+            serde.load_yaml(text)
+
+
+def test_a_section_given_a_scalar_is_named():
+    for value in (5, "x", [1], True):
+        with pytest.raises(ff.ConfigError) as info:
+            serde.structure({"model_path": "x", "optimizer": value}, ff.EngineConfig)
+        assert str(info.value) == f"optimizer: must be a mapping (section), got {value!r}"
+    with pytest.raises(ff.ConfigError, match=r"^mb_spec: must be a mapping \(section\), got 3$"):
+        serde.structure(serde.apply_overrides({"model_path": "x"}, ["mb_spec=3"]),
+                        ff.EngineConfig)
+    with pytest.raises(ff.ConfigError, match=r"^model_config: must be a mapping, got 5$"):
+        serde.structure({"model_config": 5}, ff.EngineConfig)
+    # an optional section may still be null
+    assert serde.structure({"model_path": "x", "optimizer": None}, ff.EngineConfig).optimizer \
+        is None
+
+
+def test_import_fsdpfn_is_lazy_and_complete():
+    """``import fsdpfn`` (and the CLI's config path) does not import torch; every name of
+    __all__ still resolves, and dir() lists them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fsdpfn, fsdpfn.cli, fsdpfn.serde, fsdpfn.recipes\n"
+            "from fsdpfn.errors import ConfigError\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "rc = fsdpfn.cli.main(['run', 'sft', 'optimizer.lrr=1'])\n"
+            "assert rc == 2 and 'torch' not in sys.modules, rc\n"
+            "import fsdpfn as ff\n"
+            "assert ff.build_mesh.__name__ == 'build_mesh' and 'torch' in sys.modules\n"
+            "from fsdpfn import ppo_step, keys, MicroBatchOOMError\n"
+            "import torch; assert issubclass(MicroBatchOOMError, torch.OutOfMemoryError)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "unknown key(s) ['lrr']" in proc.stderr
+    assert all(getattr(ff, name) is not None for name in ff.__all__)
+    assert set(ff.__all__) <= set(dir(ff))
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        ff.nope  # noqa: B018

@@ -1,0 +1,173 @@
+"""The processes of a run die with their launcher, and the run directory says how the last run
+ended.
+
+``fsdpfn run`` starts torchrun and the rollout server with ``die_with_parent()`` as preexec_fn:
+on Linux the kernel sends them SIGKILL when the launcher dies, even by SIGKILL. torchrun's own
+children (the trainer ranks) are not the launcher's, so each rank runs ``watch_launcher()``: a
+daemon thread that exits the process within about a second of the launcher's pid going away
+(the pid comes in the environment as FSDPFN_LAUNCHER_PID; the server takes ``--parent-pid``).
+
+``run_dir/run_state.json`` holds the launcher's record of the run:
+
+    {"status": "running", "pid": 4242, "started": "2025-01-31T12:00:00", ...}   at start
+    {"status": "done" | "failed" | "interrupted", "exit_code": 0, "ended": ..., ...}   at the end
+
+A state still "running" whose launcher is gone means the launcher was killed (SIGKILL, OOM
+killer, a lost machine): ``last_run(run_dir)`` reports it as "killed".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["LAUNCHER_PID_ENV", "RUN_STATE", "die_with_parent", "watch_launcher", "watch_pid",
+           "pid_alive", "write_run_state", "read_run_state", "last_run", "describe_last_run"]
+
+LAUNCHER_PID_ENV = "FSDPFN_LAUNCHER_PID"
+RUN_STATE = "run_state.json"
+_PR_SET_PDEATHSIG = 1
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (tells a reused pid apart), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[19] if len(fields) > 19 else None  # field 22 of proc(5), after "pid (comm)"
+
+
+def pid_alive(pid: int, start_time: str | None = None) -> bool:
+    """Whether ``pid`` runs (a zombie does not); with ``start_time``, only the same process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return sys.platform != "linux"  # no /proc: trust kill(0)
+    if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+        return False
+    return start_time is None or _start_time(pid) == start_time
+
+
+def die_with_parent(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` for subprocess.Popen: the child gets ``sig`` when the process that
+    started it exits (Linux PR_SET_PDEATHSIG; a no-op elsewhere). Call it from the main thread:
+    the kernel ties the signal to the thread that forked."""
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+    def preexec() -> None:
+        if libc is None:
+            return
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+    return preexec
+
+
+def watch_pid(pid: int, on_gone, *, interval: float = 0.5, name: str = "fsdpfn-watchdog"):
+    """Start a daemon thread that calls ``on_gone()`` once ``pid`` has exited."""
+    start = _start_time(pid)
+
+    def loop() -> None:
+        while pid_alive(pid, start):
+            time.sleep(interval)
+        on_gone()
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def watch_launcher(what: str, pid: int | None = None, *, interval: float = 0.5):
+    """Exit this process (status 1, no cleanup: its launcher is gone and nothing supervises it)
+    when the launcher exits. ``pid`` defaults to $FSDPFN_LAUNCHER_PID; None there: no watch."""
+    if pid is None:
+        value = os.environ.get(LAUNCHER_PID_ENV)
+        if not value:
+            return None
+        pid = int(value)
+
+    def gone() -> None:
+        print(f"[fsdpfn] {what} (pid {os.getpid()}): its launcher (pid {pid}) is gone; "
+              f"exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+    return watch_pid(pid, gone, interval=interval)
+
+
+# ---------------------------------------------------------------- the run's state file
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def read_run_state(run_dir: str | os.PathLike) -> dict | None:
+    """run_dir/run_state.json, or None when there is none (or it cannot be read)."""
+    try:
+        state = json.loads((Path(run_dir) / RUN_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def write_run_state(run_dir: str | os.PathLike, status: str, **fields) -> dict:
+    """Write run_state.json atomically. "running" starts a new record (this process's pid, the
+    start time, the host); any other status updates it with ``ended``."""
+    path = Path(run_dir) / RUN_STATE
+    if status == "running":
+        state = {"status": status, "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
+                 "host": socket.gethostname(), "started": _now(), **fields}
+    else:
+        state = {**(read_run_state(run_dir) or {}), "status": status, "ended": _now(),
+                 **fields}
+    tmp = path.with_name(f".{RUN_STATE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)
+    return state
+
+
+def last_run(run_dir: str | os.PathLike) -> dict | None:
+    """The last run's record with its ``status`` resolved: "running" only while its launcher
+    runs (same host, live pid of the same start time); "killed" when it is gone without having
+    written an end; else as recorded ("done", "failed", "interrupted"). None: no record."""
+    state = read_run_state(run_dir)
+    if state is None or state.get("status") != "running":
+        return state
+    pid, host = state.get("pid"), state.get("host")
+    if host not in (None, socket.gethostname()):
+        return state  # another machine's launcher: it cannot be checked from here
+    if isinstance(pid, int) and pid_alive(pid, state.get("pid_start")):
+        return state
+    return {**state, "status": "killed"}
+
+
+def describe_last_run(state: dict) -> str:
+    """One sentence about a run record from ``last_run``."""
+    status = state.get("status")
+    pid, started = state.get("pid"), state.get("started", "?")
+    if status == "killed":
+        return (f"the last run was killed: its launcher (pid {pid}, started {started}) is gone "
+                f"and never recorded an end")
+    if status == "running":
+        return (f"a run is in progress (launcher pid {pid} on {state.get('host')}, started "
+                f"{started})")
+    ended = state.get("ended", "?")
+    return f"the last run ended {status} (exit {state.get('exit_code')}) at {ended}"
