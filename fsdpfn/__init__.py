@@ -43,24 +43,7 @@ _SOURCES = {
 }
 _MODULES = ("ops", "keys")
 
-__all__ = [
-    # configs
-    "ParallelStrategy", "EngineConfig", "OptimizerConfig", "FSDPConfig", "MicroBatchSpec",
-    "LoRAConfig", "PPOConfig", "CriticConfig", "AdvantageConfig", "SFTConfig", "RWConfig",
-    "DPOConfig",
-    # errors
-    "ConfigError", "BatchError", "StaleStateError", "WeightSyncError", "CheckpointError",
-    "MicroBatchOOMError",
-    # engine
-    "Mesh", "build_mesh", "EngineState", "shard_model", "forward_logp", "compute_values",
-    "grad_step", "evaluate", "StepContext", "shard_batch", "gather_batch",
-    "save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint",
-    "push_weights", "PushReceipt", "DiskTarget", "RolloutTarget",
-    # algorithms
-    "compute_advantages", "ppo_step", "critic_step", "sft_step", "rw_step", "dpo_step",
-    # modules
-    "ops", "keys",
-]
+__all__ = [*_SOURCES, *_MODULES]
 
 
 def __getattr__(name: str):
