@@ -6,7 +6,8 @@
 
 Modules: push (push_weights, PushReceipt), gather (the fixed bucket schedule all ranks follow),
 disk (DiskTarget, atomic versioned safetensors), rollout_target (RolloutTarget: HTTP control and
-the broadcast group), protocol (formats shared with fsdpfn.rollout), http (the stdlib client).
+the broadcast group), sglang (the push to stock SGLang servers, in SGLang's protocol), protocol
+(formats and checksums shared with fsdpfn.rollout), http (the stdlib client).
 """
 
 from fsdpfn.weights.disk import DiskTarget

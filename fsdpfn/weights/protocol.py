@@ -9,12 +9,21 @@ Flat bucket ("load_format": "flattened_bucket"): one uint8 buffer per bucket; te
 viewed as its dtype and every 4 KiB row of the buffer belongs to one tensor (the bucket checksum
 sums rows). Both ends compute the layout from the advertised (names, dtypes, shapes) alone.
 
-Weights checksum: for each tensor, the sum of its bytes read as int32 words (uint8 when the byte
-count is not a multiple of 4), modulo 2**32; combined over names in sorted order as
-sum((i + 1) * c_i) mod 2**61. Integer sums modulo 2**32 are associative (int32 additions wrap),
-so the value is bit-exact whatever the device or reduction order, and a flipped bit always
-changes it: the trainer computes it from what it sends, the receiver from the
-parameters it serves after the swap, and equality shows the server really holds the pushed weights.
+Weights checksum (order-sensitive). The bytes of a tensor, read as little-endian int32 words
+w_0..w_{n-1} (uint8 bytes when the byte count is not a multiple of 4), give two sums modulo 2**32::
+
+    S = sum(w_j)            W = sum((j + 1) * w_j)
+
+and the tensor's checksum is the 64-bit integer S + 2**32 * W (an int64 bit pattern on a device).
+A changed word changes S; a permutation of unequal words inside the tensor keeps S and changes W
+(the position weights see the order). Integer sums modulo 2**32 are associative (int32 additions
+wrap), so the value is bit-exact whatever the device or reduction order. W needs no position
+tensor: each 4 KiB row of 1024 words is read as a [32, 32] block, and its two marginals (sums
+over each axis, two reductions at memory speed, both 1/32 of the data) give the row's sum and its
+column-weighted sum; the row weights are applied to those small vectors (see ``_row_terms``).
+The checksums of all tensors combine over names in sorted order as sum(rank * c) mod 2**61 - 1.
+The trainer computes it from what it sends, the receiver from what it serves after the swap, and
+equality shows the server really holds the pushed weights, in the pushed order.
 """
 
 from __future__ import annotations
@@ -72,28 +81,79 @@ def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tup
 
 
 _WRAP = 1 << 32
+_ROW = ALIGN // 4  # int32 words in a row of a flat bucket
+_SIDE = 32  # a row read as a [_SIDE, _SIDE] block: _SIDE ** 2 == _ROW
+
+
+def _mulmod32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x * y mod 2**32 for int64 tensors in [0, 2**32), without int64 overflow."""
+    return ((x * (y >> 16) % _WRAP) * 65536 + x * (y & 0xFFFF)) % _WRAP
+
+
+def _row_terms(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, column-weighted sum) of each row of int32 ``rows`` [R, _ROW], int64 [R] mod 2**32.
+
+    A row is a [32, 32] block (col = 32 * a + b): its two marginals p[a] (sum over b) and q[b]
+    (sum over a) are two reductions in wrapping int32 (memory speed), and
+    sum(col * w) = 32 * sum(a * p[a]) + sum(b * q[b]) is taken on them (1/32 of the data)."""
+    block = rows.view(-1, _SIDE, _SIDE)
+    p = block.sum(2, dtype=torch.int32).to(torch.int64)
+    q = block.sum(1, dtype=torch.int32).to(torch.int64)
+    position = torch.arange(_SIDE, dtype=torch.int64, device=rows.device)
+    sums = p.sum(1) % _WRAP
+    weighted = (_SIDE * (p * position).sum(1) + (q * position).sum(1)) % _WRAP
+    return sums, weighted
+
+
+def _direct(words: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, W) of 1-D integer ``words`` whose first one has position ``first`` (0-based), with an
+    explicit position tensor (short tails and byte-summed tensors only)."""
+    w = words.to(torch.int64) % _WRAP
+    weights = torch.arange(first + 1, first + 1 + w.numel(), dtype=torch.int64,
+                           device=w.device) % _WRAP
+    return w.sum() % _WRAP, _mulmod32(w, weights).sum() % _WRAP
+
+
+def _pack(sums: torch.Tensor, weighted: torch.Tensor) -> torch.Tensor:
+    """S + 2**32 * W as the bit pattern of an int64 (S, W in [0, 2**32))."""
+    high = torch.where(weighted >= 1 << 31, weighted - _WRAP, weighted)
+    return sums + high * _WRAP
 
 
 def _word_sum(t: torch.Tensor) -> torch.Tensor:
+    """The checksum of one tensor (module doc) as a packed int64 0-d tensor, not read."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    return words.sum(dtype=torch.int64) % _WRAP
+    if raw.numel() % 4:
+        return _pack(*_direct(raw, 0))
+    words = raw.view(torch.int32)
+    full = words.numel() // _ROW * _ROW
+    sums, weighted = _direct(words[full:], full)
+    if full:
+        row_sums, row_weighted = _row_terms(words[:full].view(-1, _ROW))
+        bases = torch.arange(full // _ROW, dtype=torch.int64, device=words.device) * _ROW + 1
+        sums = (sums + row_sums.sum()) % _WRAP
+        weighted = (weighted + (_mulmod32(bases % _WRAP, row_sums) + row_weighted).sum()) % _WRAP
+    return _pack(sums, weighted)
+
+
+def _unsigned(value: int) -> int:
+    return int(value) % (1 << 64)
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
-    """Order-independent, bit-exact integer sum of the bytes of ``t`` (any device)."""
-    return int(_word_sum(t).item())
+    """Order-sensitive, bit-exact checksum S + 2**32 * W of the bytes of ``t`` (any device)."""
+    return _unsigned(_word_sum(t).item())
 
 
 def word_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """tensor_checksum of each, as one int64 tensor on the first one's device, not read (no
-    synchronisation)."""
+    """tensor_checksum of each, as one int64 tensor (bit patterns) on the first one's device,
+    not read (no synchronisation)."""
     return torch.stack([_word_sum(t).to(tensors[0].device) for t in tensors])
 
 
 def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     """tensor_checksum of each, with one device synchronisation for all of them."""
-    return [int(v) for v in word_sums(tensors).tolist()] if tensors else []
+    return [_unsigned(v) for v in word_sums(tensors).tolist()] if tensors else []
 
 
 def padded_size(nbytes: int) -> int:
@@ -104,25 +164,32 @@ def padded_size(nbytes: int) -> int:
 
 def flat_checksums(buf: torch.Tensor, offsets: Sequence[int],
                    sizes: Sequence[int]) -> torch.Tensor:
-    """tensor_checksum of every tensor of a flat bucket at once: an int64 tensor on buf's device
-    (no synchronisation). ``buf`` is the padded uint8 buffer (``padded_size`` bytes) whose padding
-    bytes are zero. Offsets are ALIGN-aligned, so every ALIGN-byte row belongs to one tensor: the
-    checksum of tensor i is the sum of its rows' int32 words modulo 2**32 (row sums, one prefix
-    sum, one difference). The pass over the bytes accumulates in int32, wrapping, which is exact
-    modulo 2**32 and runs at the memory's speed (int64 accumulation runs at a fifth of it on a
-    GPU); only the row sums are widened. Tensors whose size is not a multiple of 4 bytes are
+    """tensor_checksum of every tensor of a flat bucket at once: an int64 tensor (bit patterns)
+    on buf's device (no synchronisation). ``buf`` is the padded uint8 buffer (``padded_size``
+    bytes) whose padding bytes are zero. Offsets are ALIGN-aligned, so every ALIGN-byte row
+    belongs to one tensor: per row, its sum and its sum weighted by the global word position
+    (two reductions of the whole buffer in wrapping int32, at the memory's speed; _row_terms),
+    then one prefix sum each and a difference per tensor; a tensor's own positions are the
+    global ones shifted by its first word. Tensors whose size is not a multiple of 4 bytes are
     summed as uint8 (as tensor_checksum does), one by one."""
     if buf.numel() % ALIGN:
         raise ValueError(f"buf: must hold a multiple of {ALIGN} bytes, got {buf.numel()}")
-    rows = buf.view(torch.int32).view(-1, ALIGN // 4).sum(1, dtype=torch.int32)
-    prefix = torch.cat([rows.new_zeros(1, dtype=torch.int64), rows.cumsum(0, dtype=torch.int64)])
-    del rows
+    row_sums, row_weighted = _row_terms(buf.view(torch.int32).view(-1, _ROW))
+    firsts = torch.arange(row_sums.numel(), dtype=torch.int64, device=buf.device) * _ROW
+    global_weighted = (_mulmod32(firsts % _WRAP, row_sums) + row_weighted) % _WRAP
+    zero = row_sums.new_zeros(1)
+    prefix_s = torch.cat([zero, row_sums.cumsum(0)])
+    prefix_g = torch.cat([zero, global_weighted.cumsum(0)])
+    del row_sums, row_weighted, global_weighted
     starts, ends = _row_bounds(tuple(offsets), tuple(sizes), str(buf.device))
-    sums = prefix[ends] - prefix[starts]
+    sums = (prefix_s[ends] - prefix_s[starts]) % _WRAP
+    shift = (starts * _ROW - 1) % _WRAP  # position j + 1 = global word - (first word - 1)
+    weighted = (prefix_g[ends] - prefix_g[starts] - _mulmod32(shift, sums)) % _WRAP
+    packed = _pack(sums, weighted)
     for i, (o, n) in enumerate(zip(offsets, sizes)):
         if n % 4:
-            sums[i] = buf[o:o + n].sum(dtype=torch.int64)
-    return sums % _WRAP
+            packed[i] = _pack(*_direct(buf[o:o + n], 0))
+    return packed
 
 
 @functools.lru_cache(maxsize=256)
@@ -154,7 +221,9 @@ def zero_padding(buf: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
 
 
 def combine_checksums(per_tensor: dict[str, int]) -> int:
-    return sum((i + 1) * (c % _MOD) for i, (_, c) in
+    """sum(rank * c) mod 2**61 - 1 over names in sorted order (rank 1-based); ``c`` may be given
+    as the signed int64 bit pattern (what a device tensor's tolist() holds)."""
+    return sum((i + 1) * (_unsigned(c) % _MOD) for i, (_, c) in
                enumerate(sorted(per_tensor.items()))) % _MOD
 
 
@@ -169,9 +238,16 @@ def checksum_ranks(names: tuple[str, ...], device: str) -> torch.Tensor:
 
 
 def combine_on_device(sums: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """combine_checksums({names[i]: sums[i]}) on sums' device, as a 0-d int64 tensor, not read:
-    per-tensor checksums are below 2**32, so sum(rank * c) stays far below 2**63."""
-    return (sums * checksum_ranks(tuple(names), str(sums.device))).sum() % _MOD
+    """combine_checksums({names[i]: sums[i]}) on sums' device, as a 0-d int64 tensor, not read.
+
+    With c = S + 2**32 W: A = sum(rank * S), B = sum(rank * W) (each term below 2**32 times the
+    rank, so exact in int64 for up to ~40k tensors), and 2**32 B = 2**61 (B >> 29) +
+    2**32 (B mod 2**29), where 2**61 = 1 modulo 2**61 - 1."""
+    ranks = checksum_ranks(tuple(names), str(sums.device))
+    low, high = sums & (_WRAP - 1), (sums >> 32) & (_WRAP - 1)
+    a = (low * ranks).sum() % _MOD
+    b = (high * ranks).sum() % _MOD
+    return (a + (b >> 29) + (b & ((1 << 29) - 1)) * _WRAP) % _MOD
 
 
 def sha256_of(t: torch.Tensor) -> str:

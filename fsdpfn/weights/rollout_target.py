@@ -1,4 +1,6 @@
-"""RolloutTarget: push to one or more rollout servers (fsdpfn.rollout, or SGLang-compatible).
+"""RolloutTarget: push to one or more rollout servers (fsdpfn.rollout, or stock SGLang servers:
+see fsdpfn.weights.sglang for SGLang's protocol, chosen when a server's /get_model_info lists
+neither ``params`` nor ``update_channel``; what follows describes fsdpfn.rollout servers).
 
 transport="broadcast" (default). Trainer rank 0 and the servers share a dedicated process group
 (NCCL when trainer and servers are on CUDA, else gloo), built once from a TCPStore hosted by rank 0
@@ -21,7 +23,7 @@ and reused across pushes (rebuilt when a server no longer lists it, or after a f
        each server answers "accepted" before any byte is broadcast, posts every receive, checks
        each bucket as it lands, commits, and answers with its weights checksum.
        ``channel=False`` sends the same update as one HTTP request instead.
-     - Otherwise (an SGLang server, or ``one_request=False``), for each bucket rank 0 posts the
+     - Otherwise (``one_request=False``), for each bucket rank 0 posts the
        metadata {names, dtypes, shapes, group_name, flush_cache,
        load_format="flattened_bucket", weight_version, update_id, bucket_index, commit} to
        /update_weights_from_distributed in a thread (the call blocks in the server while it
@@ -50,6 +52,7 @@ failure keep the new version (the message says which failed).
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import select
 import socket
@@ -68,6 +71,7 @@ from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets
                                    weights_and_layout)
 from fsdpfn.weights.channel import Channel
 from fsdpfn.weights.http import Call, call
+from fsdpfn.weights.sglang import is_sglang, make_sglang_group, server_ranks
 from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES, broadcast,
                                      combine_on_device,
                                      dtype_from_name, flat_checksums, make_group, wait_work)
@@ -75,6 +79,7 @@ from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES, b
 __all__ = ["RolloutTarget"]
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class RolloutTarget:
@@ -94,7 +99,10 @@ class RolloutTarget:
     edge_bucket_bytes: the size of the middle buckets and of the first and last ones (None: no
     ramp). channel: use the servers' update channels when every server offers one (else HTTP).
     one_request / pipeline: over HTTP, the whole update in one request (fsdpfn.rollout), or a
-    request per bucket posted ahead (pipeline) or in turn.
+    request per bucket posted ahead (pipeline) or in turn. pause_mode: SGLang's
+    /pause_generation mode ("abort", "retract", "in_place"). probe_tol: after a push to SGLang,
+    the largest gap allowed between the server's greedy log-probs on a fixed prompt and the
+    trainer's forward_logp (None: 1e-3 for a float32 push, 0.1 for 16-bit dtypes).
     """
 
     def __init__(self, urls: str | Sequence[str], *, transport: str = "broadcast",
@@ -107,7 +115,8 @@ class RolloutTarget:
                  group_name: str | None = None,
                  on_bucket: Callable[[int, int], None] | None = None, pipeline: bool = True,
                  one_request: bool = True, channel: bool = True,
-                 edge_bucket_bytes: int | None = DEFAULT_EDGE_BYTES):
+                 edge_bucket_bytes: int | None = DEFAULT_EDGE_BYTES,
+                 pause_mode: str = "abort", probe_tol: float | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                for u in urls):
@@ -131,6 +140,12 @@ class RolloutTarget:
                               f"{edge_bucket_bytes!r}")
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last: must be an int >= 1, got {keep_last!r}")
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause_mode: must be one of {PAUSE_MODES} (SGLang's "
+                              f"/pause_generation modes), got {pause_mode!r}")
+        if probe_tol is not None and (not isinstance(probe_tol, (int, float))
+                                      or isinstance(probe_tol, bool) or not probe_tol >= 0):
+            raise ConfigError(f"probe_tol: must be None or a number >= 0, got {probe_tol!r}")
         if dtype is not None:
             try:
                 dtype_from_name(dtype)
@@ -156,6 +171,13 @@ class RolloutTarget:
         self.one_request = bool(one_request)
         self.channel = bool(channel)
         self.edge_bucket_bytes = edge_bucket_bytes
+        self.pause_mode = pause_mode
+        self.probe_tol = probe_tol
+        # rank 0 only: whether the servers speak SGLang's protocol (None: not asked yet), and the
+        # name of the live group on the wire (SGLang cannot re-create a name: one per build)
+        self._sglang: bool | None = None
+        self._wire_group = self.group_name
+        self._builds = 0
         # rank 0 only: the live group (store, pg, backend) and groups left after a failure
         # (kept referenced: destroying a group with an operation in flight blocks until its
         # timeout)
@@ -186,11 +208,13 @@ class RolloutTarget:
         params, layout = weights_and_layout(state)
         plan, error = (guard(lambda: self._prepare(state, params, layout), "preparing the push")
                        if is_pusher() else (None, None))
-        dtype_str, backend = share(plan, error)
+        dtype_str, backend, sglang = share(plan, error)
         dtype = dtype_from_name(dtype_str)
         self.last_timings["prepare"] = time.perf_counter() - clock
         if self.transport == "disk":
-            return self._push_disk(state, dtype)
+            return self._push_disk(state, dtype, sglang)
+        if sglang:
+            return self._push_sglang(state, params, layout, dtype, backend)
         if self.transport == "ipc":
             return self._push_ipc(state, params, layout, dtype)
         return self._push_broadcast(state, params, layout, dtype, backend)
@@ -274,23 +298,82 @@ class RolloutTarget:
         finally:
             self._continue(strict=False)
 
-    def _push_disk(self, state: EngineState, dtype: torch.dtype) -> tuple[int, int]:
+    def _push_disk(self, state: EngineState, dtype: torch.dtype,
+                   sglang: bool) -> tuple[int, int]:
         final, n_tensors, n_bytes, checksum = write_version(
             state, self.disk_root, dtype=dtype, bucket_bytes=self.bucket_bytes)
         error = None
         if is_pusher():
-            _, error = guard(lambda: self._load_from_disk(final, state.version, checksum),
-                             "loading from disk")
+            load = self._load_from_disk_sglang if sglang else self._load_from_disk
+            _, error = guard(lambda: load(final, state.version, checksum), "loading from disk")
             if error is None:
                 _, error = guard(lambda: rotate(self.disk_root, self.keep_last),
                                  "rotating old versions")
         agree(state.mesh, error)
+        if sglang:
+            self._probe(state, dtype)
         return n_tensors, n_bytes
+
+    def _push_sglang(self, state: EngineState, params, layout: tuple, dtype: torch.dtype,
+                     backend: str) -> tuple[int, int]:
+        """SGLang's protocol (fsdpfn.weights.sglang): a request and a packed broadcast per
+        bucket, one at a time, generation paused throughout; then its version and a probe."""
+        from fsdpfn.weights.sglang import SGLangSender
+
+        _, buckets = self._plan(params, layout, dtype)
+        sender = SGLangSender(self, buckets, state.version) if is_pusher() else None
+        out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
+        try:
+            clock = time.perf_counter()
+            drive(state, dict(params), buckets, sender, gather_device=state.mesh.device,
+                  out_device=out_device, flat=True)
+            self.last_timings["transfer"] = time.perf_counter() - clock
+            error = None
+            if sender is not None:
+                _, error = guard(sender.conclude, "concluding the push")
+            agree(state.mesh, error)
+        except BaseException:
+            if sender is not None:
+                sender.abandon()
+            raise
+        self._probe(state, dtype)
+        return sum(len(b.specs) for b in buckets), sum(sum(b.sizes) for b in buckets)
+
+    def _probe(self, state: EngineState, dtype: torch.dtype) -> None:
+        """Collective: each server's greedy log-probs on a fixed prompt against forward_logp."""
+        from tensordict import TensorDict
+
+        from fsdpfn.forward import forward_logp
+        from fsdpfn.weights.sglang import compare_probe, probe_tokens, run_probes
+
+        prompt = probe_tokens(state.hf_config.vocab_size)
+        probes, error = (guard(lambda: run_probes(self.urls, prompt, self.timeout_s),
+                               "probing the servers") if is_pusher() else (None, None))
+        probes = share(probes, error)
+        rows = [prompt + ids for ids, _ in probes]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = True
+        batch = TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(rows)])
+        logp = forward_logp(state, batch)["logp"]
+        tol = self.probe_tol if self.probe_tol is not None else \
+            (1e-3 if dtype == torch.float32 or dtype == torch.float64 else 0.1)
+        error = None
+        if is_pusher():
+            _, error = guard(lambda: [compare_probe(url, prompt, out, served, logp[i], tol)
+                                      for i, (url, (out, served)) in
+                                      enumerate(zip(self.urls, probes))],
+                             "comparing the probe")
+        agree(state.mesh, error)
 
     # ------------------------------------------------------------ rank 0: preparation
 
-    def _prepare(self, state: EngineState, params, layout: tuple) -> tuple[str, str]:
-        """(push dtype name, backend); checks names/shapes; (re)builds the group if needed.
+    def _prepare(self, state: EngineState, params, layout: tuple) -> tuple[str, str, bool]:
+        """(push dtype name, backend, whether the servers are SGLang's); checks names/shapes;
+        (re)builds the group if needed.
 
         The servers' model info (and the precheck against it) is cached per server_id and
         trainer layout. With an update channel to every server (fsdpfn.rollout), a push whose
@@ -316,6 +399,13 @@ class RolloutTarget:
                 info = call(url, "/get_model_info", timeout=self.timeout_s)
                 self._infos[url] = (info.get("server_id"), layout, info)
         infos = {url: self._infos[url][2] for url in self.urls}
+        kinds = {url: is_sglang(info) for url, info in infos.items()}
+        if len(set(kinds.values())) > 1:
+            raise WeightSyncError(f"urls: the servers must all be fsdpfn.rollout servers or all "
+                                  f"SGLang servers, got SGLang for {kinds}")
+        sglang = self._sglang = next(iter(kinds.values()))
+        if sglang:
+            return self._prepare_sglang(state)
         served = {url: info.get("dtype") for url, info in infos.items()}
         if self.dtype is not None:
             dtype = self.dtype
@@ -341,8 +431,23 @@ class RolloutTarget:
                 self._init_group(backend, state.mesh.device)
             self._open_channels(infos)
             if all(url in self._channels for url in self.urls):
-                self._prepared = (dtype, backend)
-        return dtype, backend
+                self._prepared = (dtype, backend, False)
+        return dtype, backend, False
+
+    def _prepare_sglang(self, state: EngineState) -> tuple[str, str, bool]:
+        """SGLang reports no parameters and no dtype: the push dtype is ``dtype`` or the
+        trainer's compute dtype, and nothing is prechecked (the probe checks afterwards). Its
+        /health shows no groups: the group is kept until a failure retires it."""
+        if self.transport == "ipc":
+            raise WeightSyncError("transport: 'ipc' needs fsdpfn.rollout servers "
+                                  "(/update_weights_from_ipc); SGLang servers take "
+                                  "'broadcast' or 'disk', got 'ipc'")
+        dtype = self.dtype or state.config.dtype
+        backend = self.backend or ("nccl" if state.mesh.device_type == "cuda" else "gloo")
+        if self.transport == "broadcast" and (self._group is None
+                                              or self._group[2] != backend):
+            self._init_group(backend, state.mesh.device)
+        return dtype, backend, True
 
     def _open_channels(self, infos: dict[str, dict]) -> None:
         """An update channel to every server that offers one (bound to the live group). A server
@@ -378,18 +483,32 @@ class RolloutTarget:
         self.retire()
         address = self._address()
         port = self.master_port or _free_port(address)
-        world = 1 + len(self.urls)
+        if self._sglang:
+            self._builds += 1  # SGLang keeps a dropped group's name: never reuse one
+            self._wire_group = self.group_name if self._builds == 1 else \
+                f"{self.group_name}.{self._builds}"
+            sizes = [server_ranks(url, self.timeout_s) for url in self.urls]
+        else:
+            self._wire_group = self.group_name
+            sizes = [1] * len(self.urls)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        world = 1 + sum(sizes)
         deadline = time.monotonic() + self.init_timeout_s
-        calls = [Call(lambda url=url, i=i: call(url, "/init_weights_update_group", {
-            "master_address": address, "master_port": port, "rank_offset": 1 + i,
-            "world_size": world, "group_name": self.group_name, "backend": backend,
-            "timeout_s": self.timeout_s}, timeout=self.init_timeout_s),
-            f"server {url}: /init_weights_update_group")
-            for i, url in enumerate(self.urls)]
+        bodies = {url: {"master_address": address, "master_port": port, "rank_offset": offset,
+                        "world_size": world, "group_name": self._wire_group, "backend": backend}
+                  for url, offset in zip(self.urls, offsets)}
+        if not self._sglang:
+            for body in bodies.values():
+                body["timeout_s"] = self.timeout_s
+        calls = [Call(lambda url=url: call(url, "/init_weights_update_group", bodies[url],
+                                           timeout=self.init_timeout_s),
+                      f"server {url}: /init_weights_update_group")
+                 for url in self.urls]
+        build = make_sglang_group if self._sglang else functools.partial(make_group, rank=0)
         try:
-            group = make_group(master_address=address, master_port=port, rank=0,
-                               world_size=world, group_name=self.group_name, backend=backend,
-                               timeout_s=self.init_timeout_s, device=device)
+            group = build(master_address=address, master_port=port, world_size=world,
+                          group_name=self._wire_group, backend=backend,
+                          timeout_s=self.init_timeout_s, device=device)
         except Exception as exc:  # noqa: BLE001 - the servers' answers say more: prefer them
             for c in calls:
                 c.result(min(deadline, time.monotonic() + 5.0))
@@ -423,7 +542,7 @@ class RolloutTarget:
         if is_pusher() and self._group is not None:
             for url in self.urls:
                 try:
-                    call(url, "/destroy_weights_update_group", {"group_name": self.group_name},
+                    call(url, "/destroy_weights_update_group", {"group_name": self._wire_group},
                          timeout=min(self.timeout_s, 10.0))
                 except WeightSyncError:
                     pass
@@ -433,8 +552,9 @@ class RolloutTarget:
 
     def _pause(self) -> None:
         if self.pause_generation:
+            body = {"mode": self.pause_mode} if self._sglang else {}
             for url in self.urls:
-                call(url, "/pause_generation", {}, timeout=self.timeout_s)
+                call(url, "/pause_generation", body, timeout=self.timeout_s)
 
     def _continue(self, *, strict: bool) -> None:
         if not self.pause_generation:
@@ -473,6 +593,34 @@ class RolloutTarget:
             self._continue(strict=False)
             raise
         self._continue(strict=True)
+
+
+    def _load_from_disk_sglang(self, directory: Path, version: int, checksum: int) -> None:
+        """SGLang's /update_weights_from_disk (its fields; the answer carries success and
+        message only), generation paused around it; then its /get_weight_version."""
+        from fsdpfn.weights.sglang import check_versions, disk_request
+
+        payload = disk_request(str(directory.resolve()), version=version,
+                               flush_cache=self.flush_cache)
+        self._pause()
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            calls = [Call(lambda url=url: call(url, "/update_weights_from_disk", payload,
+                                               timeout=self.timeout_s),
+                          f"server {url}: /update_weights_from_disk") for url in self.urls]
+            errors = []
+            for c in calls:
+                try:
+                    c.result(deadline + 1.0)
+                except WeightSyncError as exc:
+                    errors.append(str(exc))
+            if errors:
+                raise WeightSyncError("; ".join(errors))
+        except BaseException:
+            self._continue(strict=False)
+            raise
+        self._continue(strict=True)
+        check_versions(self.urls, version, self.timeout_s)
 
 
 def _free_port(address: str) -> int:

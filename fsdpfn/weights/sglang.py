@@ -1,0 +1,259 @@
+"""The push to a stock SGLang server, in SGLang's own protocol (its io_struct request fields, its
+group set-up, its flattened-bucket layout).
+
+How a server is told apart: fsdpfn.rollout's /get_model_info lists ``params`` (and usually an
+``update_channel``); SGLang's answers model_path, tokenizer_path, is_generation,
+preferred_sampling_params, weight_version, and neither of those.
+
+Per push, on trainer rank 0 (the other ranks only gather):
+
+  1. /pause_generation {mode} before the first bucket; /continue_generation on every path out
+     (after the last bucket, or after a failure).
+  2. one bucket in flight at a time (SGLang applies each request as it arrives and does not order
+     concurrent ones): POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
+     flush_cache, abort_all_requests, weight_version (a string, on the last bucket only),
+     load_format="flattened_bucket"} in a thread, and ONE broadcast of the bucket's tensors
+     packed back to back (``torch.cat`` of the flattened tensors, no padding: SGLang's
+     FlattenedTensorBucket), typed as the push dtype. The next bucket is gathered meanwhile.
+     An answer need carry nothing but ``success`` and ``message``.
+  3. verification with SGLang's own means: /get_weight_version must read the pushed version, and
+     a log-prob probe (/generate with return_logprob on a fixed prompt, greedy) must match
+     ``forward_logp`` of the trainer on the same tokens (``probe_tol``). SGLang has no staging:
+     a failed check means the server holds something else, and the WeightSyncError says so.
+
+The group is formed as SGLang's ``init_custom_process_group`` forms it: a TCPStore from
+``rendezvous("tcp://addr:port", rank, world_size)`` (rank 0, the trainer, hosts it and waits for
+every server rank to check in), ``PrefixStore(group_name, store)``, and below it the prefixes that
+torch's ``_new_process_group_helper`` adds (``"{group_name}/"``, then ``"{device}/"``); the
+trainer's end is built from those stores directly, outside torch's group registry. A server with
+``tp_size`` ranks (its /get_server_info) joins as ``tp_size`` members.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any, Sequence
+
+import torch
+
+from fsdpfn.errors import WeightSyncError
+from fsdpfn.weights.gather import Bucket
+from fsdpfn.weights.http import Call, call
+from fsdpfn.weights.protocol import broadcast, dtype_name, wait_work
+
+__all__ = ["is_sglang", "server_ranks", "make_sglang_group", "SGLangSender", "pack",
+           "probe_request", "probe_tokens", "compare_probe", "update_request", "disk_request"]
+
+PROBE_NEW_TOKENS = 4
+
+
+def is_sglang(info: dict) -> bool:
+    """Whether a /get_model_info answer is SGLang's (no ``params``, no ``update_channel``)."""
+    return "params" not in info and "update_channel" not in info
+
+
+def server_ranks(url: str, timeout: float) -> int:
+    """How many members a server adds to the update group: its tensor-parallel size (SGLang's
+    /get_server_info ``tp_size``; 1 when it does not say)."""
+    try:
+        info = call(url, "/get_server_info", timeout=timeout)
+    except WeightSyncError:
+        return 1
+    size = info.get("tp_size", 1) if isinstance(info, dict) else 1
+    return int(size) if isinstance(size, int) and size >= 1 else 1
+
+
+def make_sglang_group(*, master_address: str, master_port: int, world_size: int,
+                      group_name: str, backend: str, timeout_s: float,
+                      device: torch.device | None = None):
+    """Member 0 (the trainer) of a group that SGLang servers join with init_custom_process_group.
+    Blocks until every member has checked in to the store or ``timeout_s`` passes. Returns
+    (store, backend object)."""
+    from torch.distributed import PrefixStore, rendezvous
+
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    store, _, _ = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", 0,
+                                  int(world_size), timeout=timeout))
+    store.set_timeout(timeout)
+    named = PrefixStore(group_name, store)  # init_custom_process_group's own prefix
+    helper = PrefixStore(f"{group_name}/", named)  # _new_process_group_helper's prefix
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        opts = ProcessGroupGloo._Options()  # noqa: SLF001 - the only way to pass both options
+        opts._timeout = timeout  # noqa: SLF001
+        opts._devices = [ProcessGroupGloo.create_device(hostname=master_address)]  # noqa: SLF001
+        pg = ProcessGroupGloo(PrefixStore("cpu/", helper), 0, int(world_size), opts)
+    elif backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device.index if device.index is not None
+                                  else torch.cuda.current_device())
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout + datetime.timedelta(seconds=60)  # noqa: SLF001 - see make_group
+        pg = ProcessGroupNCCL(PrefixStore("cuda/", helper), 0, int(world_size), opts)
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    return store, pg
+
+
+def pack(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """The tensors of a gathered bucket (ALIGN-padded uint8 ``flat``) packed back to back, as
+    one tensor of the push dtype: what SGLang's FlattenedTensorBucket allocates and receives."""
+    parts = [flat[o:o + n] for o, n in zip(bucket.offsets, bucket.sizes)]
+    packed = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    return packed.view(bucket.specs[0].dtype)
+
+
+def update_request(bucket: Bucket, *, group_name: str, version: int | None,
+                   flush_cache: bool) -> dict:
+    """An UpdateWeightsFromDistributedReqInput body (SGLang's fields and types only)."""
+    body = {"names": bucket.names, "dtypes": [dtype_name(s.dtype) for s in bucket.specs],
+            "shapes": [list(s.shape) for s in bucket.specs], "group_name": group_name,
+            "flush_cache": bool(flush_cache), "abort_all_requests": False,
+            "load_format": "flattened_bucket"}
+    if version is not None:
+        body["weight_version"] = str(version)
+    return body
+
+
+def disk_request(model_path: str, *, version: int, flush_cache: bool) -> dict:
+    """An UpdateWeightFromDiskReqInput body."""
+    return {"model_path": model_path, "weight_version": str(version),
+            "flush_cache": bool(flush_cache), "abort_all_requests": False}
+
+
+class SGLangSender:
+    """Rank 0's side of drive() for SGLang servers: one bucket in flight at a time (the driver
+    gathers the next one meanwhile), generation paused from the first bucket to the end."""
+
+    start_before_finish = False
+
+    def __init__(self, target, buckets: list[Bucket], version: int):
+        self.target = target
+        self.buckets = buckets
+        self.version = version
+        self.paused = False
+
+    def start(self, bucket: Bucket, flat: torch.Tensor):
+        t = self.target
+        _, pg, backend = t._group  # noqa: SLF001
+        if not self.paused and t.pause_generation:
+            self.paused = True  # set first: a pause that half failed is still undone
+            t._pause()  # noqa: SLF001
+        last = bucket.index == len(self.buckets) - 1
+        body = update_request(bucket, group_name=t._wire_group,  # noqa: SLF001
+                              version=self.version if last else None,
+                              flush_cache=last and t.flush_cache)
+        calls = {url: Call(lambda url=url: call(url, "/update_weights_from_distributed", body,
+                                                timeout=t.timeout_s),
+                           f"server {url}: /update_weights_from_distributed")
+                 for url in t.urls}
+        packed = pack(flat, bucket)
+        work = broadcast(pg, packed)
+        if t.on_bucket is not None:
+            t.on_bucket(bucket.index, len(self.buckets))
+        return bucket, calls, work, packed, backend, time.monotonic() + t.timeout_s
+
+    def finish(self, handle) -> None:
+        bucket, calls, work, packed, backend, deadline = handle
+        wire = None
+        try:
+            wait_work(work, backend, deadline - time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError, NCCL TimeoutError
+            wire = f"{type(exc).__name__}: {exc}"
+            deadline = min(deadline, time.monotonic() + 2.0)  # the servers may explain
+        errors = []
+        for c in calls.values():
+            try:
+                c.result(deadline)
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+        where = (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
+                 f"from {bucket.names[0]!r}, {bucket.nbytes} bytes]")
+        if errors or wire:
+            raise WeightSyncError("; ".join(errors or [f"broadcast to {self.target.urls} "
+                                                       f"failed: {wire}"]) + f" {where}")
+
+    def conclude(self) -> None:
+        """Generation resumes, then every server must report the pushed version."""
+        self.resume(strict=True)
+        check_versions(self.target.urls, self.version, self.target.timeout_s)
+
+    def resume(self, *, strict: bool) -> None:
+        if self.paused:
+            self.paused = False
+            self.target._continue(strict=strict)  # noqa: SLF001
+
+    def abandon(self) -> None:
+        """After a failure: the group may be out of step (drop it); never leave generation
+        paused."""
+        self.target.retire()
+        self.resume(strict=False)
+
+
+def check_versions(urls: Sequence[str], version: int, timeout: float) -> None:
+    for url in urls:
+        got = call(url, "/get_weight_version", timeout=timeout).get("weight_version")
+        if got != str(version):
+            raise WeightSyncError(f"server {url}: weight_version after the update must be "
+                                  f"{str(version)!r}, got {got!r} (/get_weight_version)")
+
+
+# ---------------------------------------------------------------- the log-prob probe
+
+
+def probe_tokens(vocab_size: int, n: int = 8) -> list[int]:
+    """A fixed prompt of ``n`` token ids inside the vocabulary."""
+    return [(3 + 7 * i) % max(int(vocab_size), 1) for i in range(n)]
+
+
+def probe_request(prompt: list[int]) -> dict:
+    """A GenerateReqInput body: greedy (SGLang then reports log_softmax of the raw logits),
+    a few new tokens with their log-probs."""
+    return {"input_ids": list(prompt), "return_logprob": True, "stream": False,
+            "sampling_params": {"max_new_tokens": PROBE_NEW_TOKENS, "temperature": 0.0,
+                                "ignore_eos": True}}
+
+
+def read_probe(url: str, answer: Any) -> tuple[list[int], list[float]]:
+    """(output token ids, their log-probs) from a /generate answer; WeightSyncError when the
+    answer lacks them."""
+    if isinstance(answer, list) and len(answer) == 1:
+        answer = answer[0]
+    try:
+        rows = answer["meta_info"]["output_token_logprobs"]
+        ids = [int(r[1]) for r in rows]
+        logps = [float(r[0]) for r in rows]
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise WeightSyncError(f"server {url}: /generate with return_logprob must answer "
+                              f"meta_info.output_token_logprobs as [logprob, token_id, text] "
+                              f"rows, got {str(answer)[:200]} ({type(exc).__name__})") from None
+    if not ids:
+        raise WeightSyncError(f"server {url}: /generate must return at least one token for the "
+                              f"log-prob probe, got none")
+    return ids, logps
+
+
+def run_probes(urls: Sequence[str], prompt: list[int], timeout: float) -> list[tuple]:
+    """Rank 0: each server's (output ids, log-probs) for the probe prompt."""
+    return [read_probe(url, call(url, "/generate", probe_request(prompt), timeout=timeout))
+            for url in urls]
+
+
+def compare_probe(url: str, prompt: list[int], ids: list[int], served: list[float],
+                  ours: torch.Tensor, tol: float) -> None:
+    """``ours``: the trainer's logp [T] of prompt + ids; the served log-probs must match it at
+    the generated positions within ``tol``."""
+    mine = ours[len(prompt):len(prompt) + len(ids)].double()
+    theirs = torch.tensor(served, dtype=torch.float64)
+    gap = float((mine - theirs).abs().max())
+    if not gap <= tol:
+        raise WeightSyncError(
+            f"server {url}: log-probs of the probe (prompt {prompt}, tokens {ids}) must match "
+            f"the trainer's forward_logp within probe_tol={tol:g}, got a gap of {gap:.4g} "
+            f"(served {[round(v, 4) for v in served]}, trainer "
+            f"{[round(v, 4) for v in mine.tolist()]}); the server does not serve the pushed "
+            f"weights, and SGLang applied them without staging: push again or restart it")
