@@ -5,6 +5,8 @@ must never cross a sequence boundary:
 - CUDA: torch's variable-length flash attention (``torch.nn.attention.varlen``) over cu_seqlens.
 - elsewhere: causal SDPA on each sequence's slice of the row (memory grows with the sum of
   squared sequence lengths, never with N^2); a 4D mask, when a caller hands one, is honoured.
+With context parallelism (cp > 1) the model's attention is ``fsdpfn_ulysses`` instead (fsdpfn.cp:
+all-to-all to whole sequences and 1/cp of the heads, this attention, and back).
 The function is registered under the name ``fsdpfn_packed`` in transformers' AttentionInterface; the
 model's ``config._attn_implementation`` is set to it by shard_model. The mask construction of HF is
 bypassed by handing the model a ready 4D mask (see ``packed_attention_mask``).
@@ -17,7 +19,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTN_NAME", "register", "packed_attention_mask", "packed_attention"]
+__all__ = ["ATTN_NAME", "register", "packed_attention_mask", "packed_attention", "attn_name"]
 
 ATTN_NAME = "fsdpfn_packed"
 
@@ -107,11 +109,21 @@ def _per_sequence(query, key, value, cu_seqlens, scaling, dropout) -> torch.Tens
                                                                  value.shape[-1])
 
 
+def attn_name(cp: int) -> str:
+    """The registered attention a model sharded with context parallelism ``cp`` uses."""
+    from fsdpfn.cp import ULYSSES_NAME
+
+    return ATTN_NAME if cp == 1 else ULYSSES_NAME
+
+
 def register() -> None:
-    """Register ``fsdpfn_packed`` with transformers (idempotent)."""
+    """Register ``fsdpfn_packed`` and ``fsdpfn_ulysses`` with transformers (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
+    from fsdpfn import cp
 
     AttentionInterface.register(ATTN_NAME, packed_attention)
     # mask creation is bypassed (a ready mapping is passed), but HF validates the name
     AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)
+    cp.register()

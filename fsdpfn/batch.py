@@ -477,8 +477,8 @@ def _to_rows(bins: list[list[int]], starts: list[int], group_size: int) -> list[
 
 
 def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: int = 1,
-                      group_size: int = 1, algo: str = "ffd", min_n_mbs: int = 1
-                      ) -> list[list[int]]:
+                      group_size: int = 1, algo: str = "ffd", min_n_mbs: int = 1,
+                      cp: int = 1) -> list[list[int]]:
     """Split rows into micro-batches: lists of row indices, ascending within each list.
 
     seq_lens[B] are real tokens per row (row_lengths(batch)). Units of `group_size` consecutive
@@ -496,11 +496,16 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     unless the fallback was needed. Deterministic; micro-batches
     are ordered by their first row, empty ones last.
 
-    Raises ConfigError for n_mbs/min_n_mbs/group_size < 1, max_tokens_per_mb <= 0 or an
-    unknown algo; BatchError when one unit is longer than max_tokens_per_mb.
+    With context parallelism ``cp`` > 1 the budget is per cp rank: a micro-batch's pack is
+    padded to a multiple of cp (at most cp - 1 tokens, never visible) and each cp rank holds
+    1/cp of it, so a micro-batch may hold up to cp * max_tokens_per_mb real tokens.
+
+    Raises ConfigError for n_mbs/min_n_mbs/group_size/cp < 1, max_tokens_per_mb <= 0 or an
+    unknown algo; BatchError when one unit is longer than the budget.
     """
     _config_int("n_mbs", n_mbs)
     _config_int("min_n_mbs", min_n_mbs)
+    _config_int("cp", cp)
     if max_tokens_per_mb is not None:
         _config_int("max_tokens_per_mb", max_tokens_per_mb)
     if algo not in ALGOS:
@@ -509,23 +514,27 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     k = max(n_mbs, min_n_mbs)
     if max_tokens_per_mb is None:
         return _to_rows(balanced_partition(sizes, k, algo=algo), starts, group_size)
-    _check_units_fit(sizes, starts, group_size, max_tokens_per_mb)
-    ffd = _ffd(sizes, max_tokens_per_mb)
+    budget = max_tokens_per_mb * cp  # ceil(N / cp) <= max_tokens_per_mb  <=>  N <= budget
+    _check_units_fit(sizes, starts, group_size, max_tokens_per_mb, cp)
+    ffd = _ffd(sizes, budget)
     k = max(k, len(ffd))
     bins = balanced_partition(sizes, k, algo=algo)
-    if max(sum(sizes[u] for u in b) for b in bins) > max_tokens_per_mb:
+    if max(sum(sizes[u] for u in b) for b in bins) > budget:
         bins = _refine(ffd + [[] for _ in range(k - len(ffd))], sizes)
     return _to_rows(bins, starts, group_size)
 
 
-def _check_units_fit(sizes, starts, group_size, budget) -> None:
+def _check_units_fit(sizes, starts, group_size, per_rank: int, cp: int = 1) -> None:
+    budget = per_rank * cp
     for u, size in enumerate(sizes):
         if size > budget:
             what = (f"row {starts[u]}" if group_size == 1 else
                     f"the group of rows {starts[u]}..{starts[u] + group_size - 1}")
+            limit = (f"max_tokens_per_mb={per_rank}" if cp == 1 else
+                     f"max_tokens_per_mb x cp = {per_rank} x {cp} = {budget} (the budget is "
+                     "per context-parallel rank)")
             raise BatchError(f"max_tokens_per_mb: {what} has {size} tokens, more than "
-                             f"max_tokens_per_mb={budget}; raise max_tokens_per_mb (or shorten "
-                             "that sequence)")
+                             f"{limit}; raise max_tokens_per_mb (or shorten that sequence)")
 
 
 # ================================================================ data-parallel sharding

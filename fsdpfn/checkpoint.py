@@ -58,6 +58,10 @@ Decisions (documented contract):
   ``wait()`` (on every rank) returns once published or raises CheckpointError everywhere.
 * ``export_hf`` writes ``config.dtype`` (the compute dtype) by default; ``dtype="float32"`` gives
   the fp32 master weights exactly.
+* LoRA states (``config.lora``): the checkpoint holds the adapters alone (``model.`` keys of the
+  adapter matrices) and their optimizer state; the frozen base is rebuilt from
+  ``config.model_path`` by shard_model. ``export_hf`` writes peft's adapter directory, or with
+  ``merged=True`` the HF model with the adapters folded in.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from fsdpfn import integrity
+from fsdpfn import integrity, lora
 from fsdpfn.errors import CheckpointError
 from fsdpfn.state import EngineState, advance, agree, check_live, stale_reason
 
@@ -519,8 +523,17 @@ def _check_save_args(path, extra, keep_last, async_save) -> tuple[Path, dict]:
     return target, extra
 
 
+def _model_state(state: EngineState) -> dict:
+    """The model part of a checkpoint: every parameter, or the adapters alone for a LoRA state
+    (its frozen base is the one of ``config.model_path``)."""
+    model_sd = get_model_state_dict(state.model)
+    if state.config.lora is not None:
+        model_sd = {k: v for k, v in model_sd.items() if lora.is_adapter(k)}
+    return model_sd
+
+
 def _to_save(state: EngineState, status: str) -> dict:
-    state_dict = {"model": get_model_state_dict(state.model)}
+    state_dict = {"model": _model_state(state)}
     if status == "saved":
         state_dict["optim"] = get_optimizer_state_dict(state.model, state.optimizer,
                                                        options=_OPTIM_FLAT)
@@ -791,7 +804,7 @@ def _check_tensor(key: str, md, shape, dtype, root: Path) -> None:
 
 
 def _plan_model(state: EngineState, metadata, root: Path) -> dict:
-    model_sd = get_model_state_dict(state.model)
+    model_sd = _model_state(state)
     saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
     missing = sorted(set(model_sd) - saved)
     unexpected = sorted(saved - set(model_sd))
@@ -975,7 +988,8 @@ def _restore_param_groups(optimizer, saved: list) -> None:
 
 def _apply(state: EngineState, plan: _LoadPlan) -> None:
     """Everything is read and checked: copy it into the live model, optimizer and scheduler."""
-    set_model_state_dict(state.model, plan.staging["model"])
+    set_model_state_dict(state.model, plan.staging["model"], options=StateDictOptions(
+        strict=state.config.lora is None))  # a LoRA checkpoint holds the adapters alone
     manifest = plan.manifest
     if plan.load_optim:
         if "optim" in plan.staging:
@@ -1079,11 +1093,12 @@ def _check_export_target(target: Path) -> None:
         raise CheckpointError(f"export_hf: path {str(target)!r}: must be a new path, an empty "
                               f"directory or an HF model directory to replace, got a file")
     entries = sorted(p.name for p in target.iterdir())
-    if entries and "config.json" not in entries:
+    if entries and "config.json" not in entries and "adapter_config.json" not in entries:
         raise CheckpointError(
             f"export_hf: path {str(target)!r}: must be a new path, an empty directory or an HF "
-            f"model directory (with config.json) to replace, got a non-empty directory without "
-            f"config.json ({len(entries)} entries, e.g. {entries[:3]}); refusing to delete it")
+            f"model or adapter directory (with config.json or adapter_config.json) to replace, "
+            f"got a non-empty directory without config.json or adapter_config.json "
+            f"({len(entries)} entries, e.g. {entries[:3]}); refusing to delete it")
 
 
 def _hf_tensors(state: EngineState, full: dict, dtype: torch.dtype) -> dict:
@@ -1126,6 +1141,43 @@ def _write_safetensors(tmp: Path, tensors: dict, max_bytes: int) -> None:
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
+def _write_adapter(state: EngineState, tensors: dict, target: Path, dtype: torch.dtype) -> None:
+    """peft's adapter directory (adapter_model.safetensors, adapter_config.json naming
+    ``config.model_path`` as the base) plus the base's tokenizer files; atomic like _write_hf."""
+    source = Path(state.config.model_path).resolve() if state.config.model_path else None
+    config = lora.peft_config(state.config.lora, state.model.lm,
+                              base_path=None if source is None else str(source))
+    _write_atomic(target, lambda tmp: (lora.write_adapter_dir(tmp, tensors, config, dtype),
+                                       _copy_tokenizer(source, tmp)))
+
+
+def _copy_tokenizer(source: Path | None, tmp: Path) -> None:
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+
+
+def _write_atomic(target: Path, fill) -> None:
+    """``fill(tmp)`` writes a directory next to ``target``, then it is fsynced and renamed in."""
+    token = uuid.uuid4().hex
+    tmp = _side_path(target, "tmp", token)
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        fill(tmp)
+        (tmp / OWNER).unlink()
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        _publish(tmp, target, token)
+    except BaseException:
+        _discard(tmp)
+        raise
+    _cleanup(target.parent)
+
+
 def _write_hf(state: EngineState, full: dict, target: Path, dtype: torch.dtype,
               max_bytes: int) -> None:
     from transformers import GenerationConfig
@@ -1135,6 +1187,8 @@ def _write_hf(state: EngineState, full: dict, target: Path, dtype: torch.dtype,
     tmp.mkdir(parents=True)
     try:
         (tmp / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        if state.config.lora is not None:  # adapters folded into their base weights
+            full = lora.merge_full_state(full, state.config.lora)
         _write_safetensors(tmp, _hf_tensors(state, full, dtype), max_bytes)
         config = copy.deepcopy(state.hf_config)
         config._attn_implementation = None  # fsdpfn's packed kernel is not an HF option
@@ -1163,7 +1217,7 @@ def _write_hf(state: EngineState, full: dict, target: Path, dtype: torch.dtype,
 
 
 def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = None,
-              max_shard_size: int | str = "5GB") -> None:
+              max_shard_size: int | str = "5GB", merged: bool = False) -> None:
     """Write a consolidated HF model directory that ``from_pretrained`` loads (collective).
 
     ``path`` gets config.json (``architectures`` and ``dtype`` set), safetensors weights
@@ -1175,11 +1229,19 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
     Critics are written in the HF token-classification layout (``score.weight``, ``num_labels=1``)
     that ``AutoModelForTokenClassification`` loads. The directory is written next to ``path`` and
     renamed into place; an existing HF directory at ``path`` is replaced. Read-only.
+
+    A LoRA state (``config.lora``) writes peft's adapter layout by default
+    (``adapter_model.safetensors`` and ``adapter_config.json`` naming ``config.model_path`` as
+    the base, which ``peft.PeftModel.from_pretrained`` loads), and with ``merged=True`` the HF
+    model above with every adapter folded in (W + alpha/rank · B @ A, computed in float32).
+    ``merged`` is a no-op for a state without adapters.
     """
     fn = "export_hf"
     error, target, torch_dt, max_bytes = None, None, None, None
     if stale_reason(state, fn) is None:
         try:
+            if not isinstance(merged, bool):
+                raise CheckpointError(f"{fn}: merged: must be a bool, got {merged!r}")
             target = _as_path(path, fn)
             torch_dt = _export_dtype(dtype, state)
             max_bytes = _shard_bytes(max_shard_size)
@@ -1189,6 +1251,9 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable directory, on one rank
             error = _wrap(fn, f"checking {str(path)!r}", exc)
     check_live(state, fn, local_error=error)
+    if state.config.lora is not None and not merged:
+        _export_adapter(state, target, torch_dt)
+        return
     # every rank takes part in the gather; rank 0 ends up with the full CPU tensors
     full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
@@ -1199,4 +1264,16 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
         except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear
             error = _wrap(fn, f"writing {str(target)!r}", exc)
     del full
+    agree(state.mesh, error)
+
+
+def _export_adapter(state: EngineState, target: Path, dtype: torch.dtype) -> None:
+    """Collective: the adapters gathered whole; rank 0 writes peft's adapter directory."""
+    tensors = lora.gather_adapters(state.model, device=state.mesh.device, keep=_rank() == 0)
+    error = None
+    if _rank() == 0:
+        try:
+            _write_adapter(state, tensors, target, dtype)
+        except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear
+            error = _wrap("export_hf", f"writing {str(target)!r}", exc)
     agree(state.mesh, error)

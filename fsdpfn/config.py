@@ -181,15 +181,36 @@ class MicroBatchSpec:
     algo: str = attrs.field(default="ffd", validator=_one_of("ffd", "kk"))
 
 
+def _names_conv(value):
+    return (value,) if isinstance(value, str) else _to_tuple(value)
+
+
 @attrs.frozen
 class LoRAConfig:
-    """Low-rank adapters (through peft)."""
+    """Low-rank adapters (through peft) on the linears of the decoder layers.
+
+    The adapter delta of a target weight is (alpha / rank) · B @ A (peft's scaling).
+    ``target_modules``: leaf names of those linears (``q_proj``, ``down_proj``, ...) or
+    ``["all-linear"]`` (the default: every linear of the decoder layers; never lm_head).
+    ``dropout`` is peft's dropout on the adapter input (kept even with
+    ``EngineConfig.disable_dropout``, which concerns the base model).
+    """
 
     rank: int = attrs.field(default=8, validator=_int(1))
     alpha: float = attrs.field(default=16.0, converter=_float_conv, validator=_float(gt=0))
     dropout: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0, lt=1))
-    target_modules: tuple[str, ...] = attrs.field(
-        default=("q_proj", "k_proj", "v_proj", "o_proj"), converter=_to_tuple, validator=_str_tuple)
+    target_modules: tuple[str, ...] = attrs.field(default=("all-linear",), converter=_names_conv,
+                                                  validator=_str_tuple)
+
+    @target_modules.validator
+    def _check_targets(self, attribute, value):
+        if value is not None and not value:
+            _fail(attribute, "must name at least one module (or be ['all-linear'])", value)
+        if value is not None and len(value) > 1 and all(len(v) == 1 for v in value):
+            _fail(attribute, "must be a list of module names (in YAML a string reads as its "
+                  "characters: write [all-linear] or [q_proj, v_proj])", "".join(value))
+        if value is not None and "all-linear" in value and len(value) > 1:
+            _fail(attribute, "'all-linear' must stand alone", list(value))
 
 
 def _model_config_conv(value):
@@ -266,6 +287,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, cls):
                 raise ConfigError(f"{name}: must be a {cls.__name__} or None, got {value!r}")
+        if self.lora is not None and self.is_critic:
+            raise ConfigError("lora: adapters on a critic are not supported (its value head "
+                              "would need full training), must be None with is_critic=True, got "
+                              f"{self.lora!r}")
 
 
 # ---------------------------------------------------------------- algorithms

@@ -7,6 +7,7 @@ token budget (count agreed over all ranks) -> pack each micro-batch without padd
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from fsdpfn import keys as K
+from fsdpfn import lora
 from fsdpfn.batch import (Packed, apply_scatter, next_token_targets, pack, plan_microbatches,
                           row_lengths, shift_to_token_aligned, validate_batch)
 from fsdpfn.config import MicroBatchSpec
@@ -33,18 +35,20 @@ def _batch_fingerprint(batch) -> torch.Tensor:
 
 
 def _check_replicas(state: EngineState, batch) -> BatchError | None:
-    """Ranks that differ only in their tp coordinate must pass identical rows."""
-    mesh = state.mesh
-    if mesh.tp == 1:
-        return None
-    fp = _batch_fingerprint(batch)
-    gathered = [torch.zeros_like(fp) for _ in range(mesh.tp)]
-    dist.all_gather(gathered, fp, group=mesh.group("tp"))
-    if any(not torch.equal(g, gathered[0]) for g in gathered):
-        return BatchError("batch: ranks of one tensor-parallel group must pass identical rows, "
-                          f"got different batches on tp ranks (fingerprints "
-                          f"{[g.tolist() for g in gathered]})")
-    return None
+    """Ranks that differ only in their tp (or cp) coordinate must pass identical rows."""
+    mesh, error = state.mesh, None
+    for axis, what in (("tp", "tensor-parallel"), ("cp", "context-parallel")):
+        size = getattr(mesh, axis)
+        if size == 1:
+            continue
+        fp = _batch_fingerprint(batch)
+        gathered = [torch.zeros_like(fp) for _ in range(size)]
+        dist.all_gather(gathered, fp, group=mesh.group(axis))  # every axis: no rank left waiting
+        if error is None and any(not torch.equal(g, gathered[0]) for g in gathered):
+            error = BatchError(f"batch: ranks of one {what} group must pass identical rows, "
+                               f"got different batches on {axis} ranks (fingerprints "
+                               f"{[g.tolist() for g in gathered]})")
+    return error
 
 
 def prepare(state: EngineState, batch, fn_name: str, *, require: Sequence[str] = (),
@@ -121,7 +125,8 @@ def plan(state: EngineState, batch, *, group_size: int = 1,
     error, rows = None, []
     try:
         rows = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb,
-                                 n_mbs=spec.n_mbs, group_size=group_size, algo=spec.algo)
+                                 n_mbs=spec.n_mbs, group_size=group_size, algo=spec.algo,
+                                 cp=state.mesh.cp)
     except BatchError as exc:
         error = exc
     check_live(state, "plan", local_error=error)
@@ -131,7 +136,7 @@ def plan(state: EngineState, batch, *, group_size: int = 1,
     if int(count.item()) > len(rows):
         rows = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb,
                                  n_mbs=spec.n_mbs, group_size=group_size, algo=spec.algo,
-                                 min_n_mbs=int(count.item()))
+                                 min_n_mbs=int(count.item()), cp=state.mesh.cp)
     return rows
 
 
@@ -215,18 +220,30 @@ def _scatter_outputs(state, batch, fn_name: str, spec: MicroBatchSpec, outs: lis
         raise oom_error(state, fn_name, failed, spec)
 
 
+def _check_adapters(state, adapters) -> None:
+    if not isinstance(adapters, bool):
+        raise ConfigError(f"adapters: must be a bool, got {adapters!r}")
+    if not adapters and isinstance(state, EngineState) and state.config.lora is None:
+        raise ConfigError("adapters: False needs a state built with EngineConfig.lora (the base "
+                          "model without its adapters), got a state without lora")
+
+
 @torch.no_grad()
 def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entropy: bool = False,
-                 temperature: float | None = None, mb_spec: MicroBatchSpec | None = None):
+                 temperature: float | None = None, mb_spec: MicroBatchSpec | None = None,
+                 adapters: bool = True):
     """Log-probs of input_ids under ``state``'s model: ``out_key`` [B, T] float32, 0 at t=0 and on
     padding (and ``"entropy"`` [B, T] when asked). Read-only: returns a new TensorDict.
 
     ``out_key`` may not name an input (input_ids, attention_mask, loss_mask, rewards, group_id,
     row_index). ``mb_spec`` overrides the state's micro-batching for this call.
+    ``adapters=False`` (a state with ``lora``): the frozen base model alone, adapters disabled,
+    e.g. ``ref_logp`` for a KL term with one model in memory.
     """
     error, spec = None, None
     try:
         temperature = _check_temperature(temperature)
+        _check_adapters(state, adapters)
         _check_out_key(out_key, with_entropy=with_entropy)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
@@ -239,8 +256,9 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
     was_training = state.model.training
     state.model.eval()
     try:
-        _scatter_outputs(state, batch, "forward_logp", spec, [logp, entropy],
-                         temperature=temperature, with_entropy=with_entropy)
+        with contextlib.nullcontext() if adapters else lora.adapters_disabled(state.model):
+            _scatter_outputs(state, batch, "forward_logp", spec, [logp, entropy],
+                             temperature=temperature, with_entropy=with_entropy)
     finally:
         state.model.train(was_training)
     out = batch.copy()

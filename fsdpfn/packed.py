@@ -7,6 +7,10 @@ lm_head weight in chunks (vocab-parallel under tp), so the [N, V] logits never e
 inside this module's forward keeps FSDP2's root hooks in charge of the lm_head and embedding shards
 (all-gather before, reduce-scatter of their gradients after).
 
+With context parallelism (``cp_group`` set), every cp rank is handed the same whole pack; the
+decoder and the head run on this rank's 1/cp of it (fsdpfn.cp.split_pack, Ulysses attention) and
+the per-token results are all-gathered back to the whole pack (fsdpfn.cp.gather_tokens).
+
 State-dict keys carry the prefix ``lm.`` (the HF model); export strips it.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fsdpfn import cp
 from fsdpfn.attention import packed_attention_mask, varlen_available
 from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
 from fsdpfn.ops.logprobs import liger_logprobs, vocab_shard_range
@@ -28,6 +33,7 @@ class PackedModel(nn.Module):
         self.lm = lm
         self.is_critic = is_critic
         self.tp_group = None  # set by shard_model when the lm_head is split over the vocabulary
+        self.cp_group = None  # set by shard_model under context parallelism (cp > 1)
         self.compute_dtype = torch.bfloat16  # set by shard_model: picks the attention path
         self.use_varlen = True  # False: the masked SDPA path even on CUDA (attn_impl="sdpa")
         self.logprobs_impl = "chunked"  # or "liger" (set by shard_model, checked there)
@@ -50,12 +56,31 @@ class PackedModel(nn.Module):
         n = input_ids.shape[0]
         use_varlen = self.use_varlen and varlen_available(input_ids.device, self.compute_dtype)
         cu = cu_seqlens.to(input_ids.device, torch.int32)
+        extra = {}
+        if self.cp_group is not None:  # this rank's 1/cp of the pack; targets shifted before
+            part = cp.split_pack(input_ids, position_ids, cu, max_seqlen, targets,
+                                 cp=self.cp_group.size(), rank=self.cp_group.rank())
+            input_ids, position_ids, targets = part.input_ids, part.position_ids, part.targets
+            cu, max_seqlen, extra = part.cu_seqlens, part.max_seqlen, {
+                "fsdpfn_cp_group": self.cp_group}
         out = self.base(
             input_ids=input_ids[None], position_ids=position_ids[None],
             attention_mask=packed_attention_mask(cu, n, input_ids.device, use_varlen=use_varlen),
             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
-            fsdpfn_varlen=use_varlen, use_cache=False)
-        hidden = out.last_hidden_state[0]  # (N, H)
+            fsdpfn_varlen=use_varlen, use_cache=False, **extra)
+        results = self._head(out.last_hidden_state[0], targets, temperature=temperature,
+                             with_entropy=with_entropy, chunk_size=chunk_size,
+                             full_logits=full_logits)
+        if self.cp_group is None:
+            return results
+        if isinstance(results, tuple):
+            return tuple(None if x is None else cp.gather_tokens(x, self.cp_group, n)
+                         for x in results)
+        return cp.gather_tokens(results, self.cp_group, n)
+
+    def _head(self, hidden: torch.Tensor, targets, *, temperature: float, with_entropy: bool,
+              chunk_size: int, full_logits: bool):
+        """hidden [N, H] -> values[N] (critic), logits [N, V], or (logp[N], entropy[N] or None)."""
         if self.is_critic:
             # a fresh tensor, not a view: FSDP2 hooks the module's outputs for backward
             return self.lm.score(hidden).float().flatten().clone()

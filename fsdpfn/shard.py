@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpfn import attention
+from fsdpfn import attention, lora
 from fsdpfn.config import EngineConfig, OptimizerConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.mesh import Mesh
@@ -77,9 +77,6 @@ def load_hf_config(config: EngineConfig):
 
 def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
     """Options that have a config field but no implementation yet fail loudly, never silently."""
-    if config.lora is not None:
-        raise ConfigError(f"lora: LoRA adapters are not supported yet, must be None, got "
-                          f"{config.lora!r}")
     if config.fsdp.per_layer_optim_step:
         raise ConfigError("fsdp.per_layer_optim_step: the streamed per-layer optimizer step is "
                           "not supported yet, must be False, got True")
@@ -96,12 +93,15 @@ def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
 
 
 def _check_divisibility(hf_config, mesh: Mesh) -> None:
-    """What tp must divide: the query heads and the MLP width. The vocabulary is split unevenly
-    (no padding rows) and kv heads fewer than tp, or not divisible by it, are replicated."""
-    if mesh.cp > 1:
-        raise ConfigError(f"ParallelStrategy.cp: context parallelism is not supported yet, must "
-                          f"be 1, got {mesh.cp}")
+    """What tp must divide: the query heads and the MLP width; cp must divide each tp rank's
+    query heads. The vocabulary is split unevenly (no padding rows) and kv heads fewer than tp
+    (or cp), or not divisible by it, are replicated."""
     tp = mesh.tp
+    heads = hf_config.num_attention_heads
+    if mesh.cp > 1 and heads % tp == 0 and (heads // tp) % mesh.cp:
+        raise ConfigError(f"ParallelStrategy.cp: must divide the query heads of each tp rank "
+                          f"(num_attention_heads / tp), got cp={mesh.cp} and "
+                          f"num_attention_heads / tp = {heads} / {tp}")
     for name in ("num_attention_heads", "intermediate_size"):
         value = getattr(hf_config, name)
         if value % tp:
@@ -124,10 +124,12 @@ def _build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -
     return model
 
 
-def apply_fused_kernels(model: nn.Module, hf_config, device_type: str) -> None:
+def apply_fused_kernels(model: nn.Module, hf_config, device_type: str, *,
+                        mlp: bool = True) -> None:
     """Swap this model's RMSNorm and SwiGLU MLP modules for Liger-Kernel's fused Triton ones
     (same parameter names, so checkpoints and the TP plan are unchanged). Instance-level: no
-    class of transformers is patched. CUDA only; a no-op when liger_kernel is not installed."""
+    class of transformers is patched. CUDA only; a no-op when liger_kernel is not installed.
+    ``mlp=False`` keeps HF's MLP modules (LoRA adapters on their linears need them called)."""
     if device_type != "cuda":
         return
     try:
@@ -141,7 +143,8 @@ def apply_fused_kernels(model: nn.Module, hf_config, device_type: str) -> None:
             kind = type(child).__name__
             if kind.endswith("RMSNorm") and child.weight.ndim == 1:
                 fused = LigerRMSNorm(child.weight.shape[0], eps=eps, in_place=False)
-            elif kind.endswith("MLP") and getattr(hf_config, "hidden_act", "") in ("silu", "swish") \
+            elif mlp and kind.endswith("MLP") \
+                    and getattr(hf_config, "hidden_act", "") in ("silu", "swish") \
                     and all(hasattr(child, p) for p in ("gate_proj", "up_proj", "down_proj")) \
                     and child.gate_proj.bias is None:
                 fused = LigerSwiGLUMLP(hf_config, intermediate_size=child.gate_proj.out_features)
@@ -289,7 +292,7 @@ def apply_tp(model: nn.Module, mesh: Mesh) -> None:
         plan = {**_attention_plan(layer, n_heads, n_kv_heads, tp_mesh),
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel()}
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, lora.tp_plan(layer, plan))
     if hasattr(model, "lm_head"):
         parallelize_module(model.lm_head, tp_mesh,
                            ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
@@ -406,6 +409,8 @@ def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh)
     if not rank0_only or dist.get_rank() == 0:
         state = (full_state_dict_from_disk(config.model_path, dtype) if config.model_path
                  else _random_init_state(hf_config, config, dtype, mesh.device))
+        if config.lora is not None:  # engine names (base_layer) and the adapters' init
+            state = lora.initial_state(model.lm, state, seed=config.seed)
         state = {f"lm.{k}": v for k, v in _complete_state(model.lm, state, config).items()}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only,
                                cpu_offload=config.fsdp.offload_params)
@@ -469,13 +474,15 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
         error = exc
     agree(mesh, error)
     attention.register()
-    hf_config._attn_implementation = attention.ATTN_NAME
+    hf_config._attn_implementation = attention.attn_name(mesh.cp)
     dtype = torch_dtype(config.optimizer_dtype)
     lm = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
     if config.disable_dropout:
         _disable_dropout(lm)
     if config.fused_kernels:
-        apply_fused_kernels(lm, hf_config, mesh.device_type)
+        apply_fused_kernels(lm, hf_config, mesh.device_type, mlp=config.lora is None)
+    if config.lora is not None:  # before tp and FSDP2: the base frozen in the compute dtype
+        lora.apply_lora(lm, config.lora, base_dtype=torch_dtype(config.dtype), adapter_dtype=dtype)
     apply_tp(lm, mesh)
     apply_ac(lm, config)
     model = PackedModel(lm, is_critic=config.is_critic)
@@ -484,6 +491,8 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     model.logprobs_impl = config.logprobs_impl
     if mesh.tp > 1:
         model.tp_group = mesh.group("tp")
+    if mesh.cp > 1:
+        model.cp_group = mesh.group("cp")
     apply_fsdp(model, mesh, config)
     model.to_empty(device="cpu" if config.fsdp.offload_params else mesh.device)
     _restore_buffers(model, mesh.device)

@@ -113,7 +113,7 @@ def _global_counts(state: EngineState, batch) -> tuple[int, int, int]:
                               dtype=torch.int64)
     else:
         counts = torch.zeros(3, dtype=torch.int64)
-    if state.mesh.dp > 1:
+    if state.mesh.dp > 1:  # over dp only: cp (and tp) ranks hold the same rows, counted once
         dist.all_reduce(counts, group=state.mesh.group("dp"))
     return tuple(int(c) for c in counts)
 

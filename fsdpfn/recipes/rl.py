@@ -57,7 +57,8 @@ DEFAULT_REWARDS = {"embedded": "fsdpfn.recipes.rewards:addition",
 def _engine(cfg, ctx: RunContext, model_path: Path, *, optimizer,
             critic: bool = False) -> ff.EngineConfig:
     return ff.EngineConfig(model_path=str(model_path), dtype=ctx.dtype, mb_spec=cfg.mb_spec,
-                           optimizer=optimizer, is_critic=critic, seed=cfg.seed)
+                           optimizer=optimizer, is_critic=critic, seed=cfg.seed,
+                           lora=None if critic else cfg.lora)
 
 
 def _is_model_dir(path: Path) -> bool:
@@ -137,7 +138,7 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
             return False
     else:
         bar.close()
-    ff.export_hf(state, run_dir / WARMUP_MODEL, dtype="float32")
+    ff.export_hf(state, run_dir / WARMUP_MODEL, dtype="float32", merged=True)
     if is_main():
         shutil.copy(run_dir / "model0" / "char_vocab.json", run_dir / WARMUP_MODEL)
     dist.barrier()
@@ -299,7 +300,9 @@ def run(cfg, ctx: RunContext) -> int:
 
 def _states(cfg, ctx: RunContext, mesh, source: Path, latest, start: int):
     actor = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.optimizer), mesh)
-    ref = ff.shard_model(_engine(cfg, ctx, source, optimizer=None), mesh)
+    ref = None  # with lora: the actor with its adapters disabled (forward_logp adapters=False)
+    if cfg.lora is None:
+        ref = ff.shard_model(_engine(cfg, ctx, source, optimizer=None), mesh)
     critic = None
     if cfg.recipe == "ppo":
         critic = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.critic_optimizer,
@@ -378,7 +381,10 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     clock.times["rollout_seconds"] = clock.t - t0  # generate + reward (+ eval), on rank 0
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
     batch = ff.shard_batch(full, mesh)  # (b, T): whole groups (group_id) on each rank
-    batch = ff.forward_logp(ref, batch, out_key=K.REF_LOGP, temperature=cfg.ppo.temperature)
+    batch = (ff.forward_logp(ref, batch, out_key=K.REF_LOGP, temperature=cfg.ppo.temperature)
+             if ref is not None else
+             ff.forward_logp(actor, batch, out_key=K.REF_LOGP, temperature=cfg.ppo.temperature,
+                             adapters=False))
     clock.lap("ref_logp")
     batch = ff.forward_logp(actor, batch, out_key=K.OLD_LOGP, temperature=cfg.ppo.temperature)
     clock.lap("old_logp")

@@ -37,7 +37,8 @@ HELD_OUT_SEED = 987_654_321
 def _engine(cfg, ctx: RunContext, *, optimizer, critic: bool = False) -> ff.EngineConfig:
     return ff.EngineConfig(model_path=str(initial_model_dir(cfg.model, ctx.run_dir)),
                            dtype=ctx.dtype, mb_spec=cfg.mb_spec, optimizer=optimizer,
-                           is_critic=critic, seed=cfg.model.seed)
+                           is_critic=critic, seed=cfg.model.seed,
+                           lora=None if critic else getattr(cfg, "lora", None))
 
 
 def _sft_batch(examples):
@@ -124,7 +125,7 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
 
 def _export(state, ctx: RunContext, tok) -> Path:
     path = ctx.run_dir / "model"
-    ff.export_hf(state, path, dtype=ctx.dtype)
+    ff.export_hf(state, path, dtype=ctx.dtype, merged=True)  # with lora: adapters folded in
     if is_main():
         tok.save(path)
     log(f"exported the model to {path} (HF layout, with its tokenizer)")
@@ -189,11 +190,14 @@ def run_dpo(cfg, ctx: RunContext):
     mesh = ff.build_mesh(cfg.parallel, device_type=ctx.device)
     tok = load_tokenizer(cfg.model)
     state = ff.shard_model(_engine(cfg, ctx, optimizer=cfg.optimizer), mesh)
-    ref = ff.shard_model(_engine(cfg, ctx, optimizer=None), mesh)  # the same initial weights
+    ref = None  # with lora: the policy with its adapters disabled, no second model
+    if cfg.lora is None:
+        ref = ff.shard_model(_engine(cfg, ctx, optimizer=None), mesh)  # the same initial weights
     held = _held_out(cfg, ctx, tok, 256)
 
     def step_fn(s, local):
-        local = ff.forward_logp(ref, local, out_key=K.REF_LOGP)
+        local = (ff.forward_logp(ref, local, out_key=K.REF_LOGP) if ref is not None
+                 else ff.forward_logp(s, local, out_key=K.REF_LOGP, adapters=False))
         return ff.dpo_step(s, local, cfg.dpo)
 
     evaluate = None

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdpfn import lora
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.state import EngineState, agree, param_index
 from fsdpfn.weights.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
@@ -81,6 +82,8 @@ def weights_and_layout(state: EngineState):
     index = param_index(state.model)
     if "weights" not in index.extra:
         params = [(name.removeprefix("lm."), p) for name, p in index.named]
+        if state.config.lora is not None:  # base names, adapters folded in (lora.MergedWeight)
+            params = lora.merged_params(params, state.config.lora)
         index.extra["weights"] = (params, tuple((n, tuple(p.shape)) for n, p in params))
     return index.extra["weights"]
 
@@ -273,7 +276,12 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
         dst = typed.as_strided(spec.shape, _strides(spec.shape), offset // size) \
             if keep else None
         kind, mesh = _layout_kind(p)
-        if kind == "whole":
+        if isinstance(p, lora.MergedWeight):
+            whole = p.full(spec.dtype, device)
+            if dst is not None:
+                dst.copy_(whole)
+            del whole
+        elif kind == "whole":
             if dst is not None:
                 whole_dst.append(dst)
                 whole_src.append(p._local_tensor if isinstance(p, DTensor) else p)  # noqa: SLF001

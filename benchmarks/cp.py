@@ -1,0 +1,124 @@
+"""Long-sequence benchmark (two GPUs): dp=2 against cp=2 (Ulysses) on a Qwen2-7B-shaped model with
+activation checkpointing, at 16k to 131k tokens per sequence.
+
+    torchrun --nproc-per-node 2 benchmarks/cp.py                       # 16k 32k 64k 128k, both
+    torchrun --nproc-per-node 2 benchmarks/cp.py --lengths 16384 131072 --layouts cp2
+    torchrun --nproc-per-node 2 benchmarks/cp.py --smoke               # a tiny shape, seconds
+
+Both layouts see the same global batch: two sequences of L tokens. dp=2 gives each rank one whole
+sequence; cp=2 gives both ranks both sequences, each rank holding half of every token of the pack
+(so the per-rank token count is L in both). The token budget is L per rank
+(``max_tokens_per_mb``, per cp rank under cp). Measured per (layout, L): forward_logp seconds,
+ppo_step seconds (one optimizer step), tokens per second per GPU of the ppo_step, and the peak
+GPU memory of the ppo_step; a layout that runs out of memory is reported as OOM. Random init from
+the config (bf16 compute, fp32 master weights and AdamW state), flash varlen attention.
+Prints one Markdown table (rank 0) and appends JSON lines to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fsdpfn as ff  # noqa: E402
+from _table import print_markdown_table  # noqa: E402 - benchmarks/ is this script's folder
+from fsdpfn.errors import MicroBatchOOMError  # noqa: E402
+
+QWEN2_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                max_position_embeddings=131072, rope_theta=1_000_000.0,
+                tie_word_embeddings=False)
+SMOKE = dict(QWEN2_7B, vocab_size=4096, hidden_size=256, intermediate_size=512,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+LAYOUTS = {"dp2": dict(dp=2, cp=1), "cp2": dict(dp=1, cp=2)}
+
+
+def _batch(length: int, vocab: int):
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, vocab, (2, length), generator=g)
+    attn = torch.ones(2, length, dtype=torch.bool)
+    loss = attn.clone()
+    loss[:, : length // 8] = False  # a prompt, then the response trained on
+    adv = torch.where(loss, torch.randn(2, length, generator=g), 0)
+    return TensorDict({"input_ids": ids, "attention_mask": attn, "loss_mask": loss,
+                       "advantages": adv}, batch_size=[2])
+
+
+def _timed(fn):
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MicroBatchOOMError)) or \
+        "out of memory" in str(exc).lower()
+
+
+def measure(layout: str, length: int, model: dict) -> dict:
+    """One (layout, L) cell: build the state, forward_logp, one ppo_step; free everything."""
+    row = {"layout": layout, "tokens/seq": length}
+    state = None
+    try:
+        mesh = ff.build_mesh(ff.ParallelStrategy(**LAYOUTS[layout]), device_type="cuda")
+        config = ff.EngineConfig(model_config=model, gradient_checkpointing=True,
+                                 mb_spec=ff.MicroBatchSpec(max_tokens_per_mb=length),
+                                 optimizer=ff.OptimizerConfig(lr=1e-6))
+        state = ff.shard_model(config, mesh)
+        batch = ff.shard_batch(_batch(length, model["vocab_size"]), mesh)
+        batch, fwd_s = _timed(lambda: ff.forward_logp(state, batch, out_key="old_logp"))
+        torch.cuda.reset_peak_memory_stats()
+        (state, _), step_s = _timed(lambda: ff.ppo_step(state, batch, ff.PPOConfig()))
+        per_gpu = 2 * length / 2  # the global batch's tokens over two GPUs
+        row.update({"forward_logp s": round(fwd_s, 2), "ppo_step s": round(step_s, 2),
+                    "tok/s/GPU": round(per_gpu / step_s),
+                    "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
+    except Exception as exc:  # noqa: BLE001 - an OOM is a result of the table
+        if not _is_oom(exc):
+            raise
+        row.update({"forward_logp s": "OOM", "ppo_step s": "OOM"})
+    finally:
+        del state
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape, short sequences")
+    parser.add_argument("--out", default="cp_bench.jsonl")
+    args = parser.parse_args()
+    model, lengths = (SMOKE, [512, 2048]) if args.smoke else (QWEN2_7B, args.lengths)
+    rows = []
+    for length in lengths:
+        for layout in args.layouts:
+            row = measure(layout, length, model)
+            rows.append(row)
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(json.dumps(row), flush=True)
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print_markdown_table(rows, ("layout", "tokens/seq"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

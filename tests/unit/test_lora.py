@@ -1,0 +1,185 @@
+"""LoRA in one process: config validation, names, the merge against a float64 reference, and the
+built-in server's SGLang-shaped /load_lora_adapter and /unload_lora_adapter on a RolloutEngine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsdpfn as ff
+from fsdpfn import lora, serde
+from fsdpfn.errors import ConfigError
+from fsdpfn.recipes.config import DPORecipe, GRPORecipe, SFTRecipe
+from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_lora_config_defaults_to_all_linear_and_accepts_a_string():
+    assert ff.LoRAConfig().target_modules == ("all-linear",)
+    assert ff.LoRAConfig(target_modules="all-linear").target_modules == ("all-linear",)
+    assert ff.LoRAConfig(target_modules=["q_proj", "v_proj"]).target_modules == ("q_proj",
+                                                                                 "v_proj")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"rank": 0}, "rank"), ({"alpha": 0}, "alpha"), ({"dropout": 1.0}, "dropout"),
+    ({"target_modules": []}, "target_modules"),
+    ({"target_modules": ["all-linear", "q_proj"]}, "target_modules"),
+])
+def test_lora_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        ff.LoRAConfig(**kwargs)
+
+
+def test_engine_config_refuses_lora_on_a_critic():
+    with pytest.raises(ConfigError, match="^lora: .*critic"):
+        ff.EngineConfig(model_path="x", is_critic=True, lora=ff.LoRAConfig())
+
+
+@pytest.mark.parametrize("cls, name", [(GRPORecipe, "grpo"), (SFTRecipe, "sft"),
+                                       (DPORecipe, "dpo")])
+def test_recipes_accept_lora_in_yaml(cls, name):
+    cfg = serde.from_yaml(f"recipe: {name}\nlora:\n  rank: 16\n  alpha: 32\n"
+                          f"  target_modules: [q_proj, v_proj]\n", cls)
+    assert cfg.lora == ff.LoRAConfig(rank=16, alpha=32.0, target_modules=("q_proj", "v_proj"))
+    assert serde.from_yaml(serde.to_yaml(cfg), cls) == cfg
+    assert serde.from_yaml(f"recipe: {name}\n", cls).lora is None
+
+
+def test_yaml_string_target_modules_is_named_not_split_silently():
+    with pytest.raises(ConfigError, match="lora.target_modules: must be a list"):
+        serde.from_yaml("recipe: grpo\nlora:\n  target_modules: all-linear\n", GRPORecipe)
+
+
+def test_target_names_all_linear_and_unknown_names():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(tiny_qwen2_config())
+    assert lora.target_names(lm, ff.LoRAConfig()) == [
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    with pytest.raises(ConfigError, match="lora.target_modules: .*'lm_head'"):
+        lora.target_names(lm, ff.LoRAConfig(target_modules=("lm_head",)))
+
+
+# ---------------------------------------------------------------- names and the merge
+
+
+def test_names_between_engine_hf_and_peft():
+    name = "lm.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert lora.is_adapter(name) and not lora.is_adapter("lm.model.norm.weight")
+    assert lora.peft_key(name) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert lora.hf_name("lm.model.layers.0.mlp.up_proj.base_layer.bias") == \
+        "lm.model.layers.0.mlp.up_proj.bias"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(out=st.integers(1, 6), inp=st.integers(1, 6), r=st.integers(1, 4),
+       alpha=st.floats(0.5, 64.0), seed=st.integers(0, 1000))
+def test_merge_full_state_equals_float64_reference(out, inp, r, alpha, seed):
+    g = torch.Generator().manual_seed(seed)
+    w, bias = torch.randn(out, inp, generator=g), torch.randn(out, generator=g)
+    a, b = torch.randn(r, inp, generator=g), torch.randn(out, r, generator=g)
+    m = "lm.model.layers.0.mlp.up_proj"
+    full = {f"{m}.base_layer.weight": w, f"{m}.base_layer.bias": bias,
+            f"{m}.lora_A.default.weight": a, f"{m}.lora_B.default.weight": b,
+            "lm.model.norm.weight": torch.ones(3)}
+    cfg = ff.LoRAConfig(rank=r, alpha=alpha)
+    merged = lora.merge_full_state(full, cfg)
+    assert sorted(merged) == sorted([f"{m}.weight", f"{m}.bias", "lm.model.norm.weight"])
+    want = w.double() + (alpha / r) * (b.double() @ a.double())
+    torch.testing.assert_close(merged[f"{m}.weight"].double(), want, atol=1e-4, rtol=1e-5)
+    # the same through MergedWeight (the push path), and the inputs are left as they were
+    before = w.clone()
+    pushed = lora.MergedWeight(w, a, b, alpha / r).full(torch.float64, "cpu")
+    torch.testing.assert_close(pushed, want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(w, before)
+
+
+# ---------------------------------------------------------------- the built-in server
+
+
+@pytest.fixture(scope="module")
+def engine_and_dir(tmp_path_factory):
+    from fsdpfn.rollout.engine import RolloutEngine
+
+    root = tmp_path_factory.mktemp("lora_unit")
+    model_dir = save_tiny_model(root / "tiny", tiny_qwen2_config(), seed=0)
+    return RolloutEngine(str(model_dir)), root
+
+
+def _adapter_dir(root, name: str, *, seed: int, r: int = 2, alpha: float = 4.0,
+                 modules=("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj")):
+    from safetensors.torch import save_file
+
+    shapes = {"q_proj": (64, 64), "down_proj": (64, 128)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for m in modules:
+        out, inp = shapes[m.rsplit(".", 1)[-1]]
+        tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(r, inp, generator=g)
+        tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(out, r, generator=g)
+    path = root / name
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+         "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}))
+    return path, tensors
+
+
+def test_engine_merges_replaces_and_unloads_adapters(engine_and_dir):
+    engine, root = engine_and_dir
+    q = "model.layers.0.self_attn.q_proj.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+    base = {n: engine.params[n].data.clone() for n in (q, down)}
+    one, t1 = _adapter_dir(root, "one", seed=1)
+    # SGLang's LoadLoRAAdapterReqInput fields, as its client sends them
+    answer = engine.load_lora_adapter({"lora_name": "p", "lora_path": str(one), "pinned": False,
+                                       "lora_id": None, "weight_version": 7})
+    assert answer["success"] and answer["loaded_adapters"] == {"p": str(one)}
+    assert engine.version == 7
+    a = t1["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].double()
+    b = t1["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].double()
+    torch.testing.assert_close(engine.params[q].data.double(), base[q].double() + 2.0 * b @ a,
+                               atol=1e-5, rtol=1e-5)
+    # a second adapter merges into the base (not into the first merge); down_proj is restored
+    two, t2 = _adapter_dir(root, "two", seed=2, modules=("model.layers.0.self_attn.q_proj",))
+    engine.load_lora_adapter({"lora_name": "p", "lora_path": str(two)})
+    assert engine.version == 8
+    a = t2["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].double()
+    b = t2["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].double()
+    torch.testing.assert_close(engine.params[q].data.double(), base[q].double() + 2.0 * b @ a,
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(engine.params[down].data, base[down])
+    answer = engine.unload_lora_adapter({"lora_name": "p"})
+    assert answer["loaded_adapters"] == {} and torch.equal(engine.params[q].data, base[q])
+
+
+def test_engine_refuses_a_bad_adapter_and_keeps_its_weights(engine_and_dir):
+    from fsdpfn.rollout.engine import UpdateError
+
+    engine, root = engine_and_dir
+    version, checksum = engine.version, engine.weights_checksum()
+    bad, _ = _adapter_dir(root, "bad", seed=3, modules=("model.layers.0.self_attn.q_proj",))
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 3,
+                                                         "lora_alpha": 4}))
+    with pytest.raises(UpdateError, match="B @ A must have the weight's shape|lora_A"):
+        from safetensors.torch import save_file
+
+        save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                   torch.zeros(2, 5),
+                   "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+                   torch.zeros(64, 2)}, str(bad / "adapter_model.safetensors"))
+        engine.load_lora_adapter({"lora_name": "p", "lora_path": str(bad)})
+    with pytest.raises(UpdateError, match="lora_path: must be a peft adapter directory"):
+        engine.load_lora_adapter({"lora_name": "p", "lora_path": str(root / "missing")})
+    with pytest.raises(UpdateError, match="lora_name: must name the loaded adapter"):
+        engine.unload_lora_adapter({"lora_name": "nothing"})
+    assert engine.version == version and engine.weights_checksum() == checksum
