@@ -56,6 +56,18 @@ def _section_hook(cls):
 converter.register_structure_hook_factory(attrs.has, _section_hook)
 
 
+def _is_str_tuple(tp) -> bool:
+    import typing
+
+    return typing.get_origin(tp) is tuple and typing.get_args(tp) == (str, Ellipsis)
+
+
+# a list of names written as one name (``target_modules: all-linear``, ``train_files: a.jsonl``)
+# is that one name, never its characters
+converter.register_structure_hook_func(
+    _is_str_tuple, lambda value, _: (value,) if isinstance(value, str) else tuple(value))
+
+
 def _first_error(exc: BaseException, path: str) -> tuple[str, BaseException]:
     """Walk cattrs' exception groups down to the first leaf, building the dotted path."""
     if isinstance(exc, ForbiddenExtraKeysError):

@@ -156,9 +156,6 @@ def _check_rl_data(cfg) -> None:
                           f"the embedded task; with data.train_files it must be 0 or null (run "
                           f"recipe 'sft' first and set model.path to its export), got "
                           f"{cfg.warmup.steps}")
-    if cfg.data.from_files and cfg.reward.fn is None:
-        raise ConfigError("reward.fn: must name the reward function ('package.module:function') "
-                          "when the prompts come from data.train_files, got None")
     _check_model_data(cfg)
 
 
