@@ -19,7 +19,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTN_NAME", "register", "packed_attention_mask", "packed_attention", "attn_name"]
+__all__ = ["ATTN_NAME", "register", "packed_attention_mask", "packed_attention"]
 
 ATTN_NAME = "fsdpfn_packed"
 
@@ -109,21 +109,12 @@ def _per_sequence(query, key, value, cu_seqlens, scaling, dropout) -> torch.Tens
                                                                  value.shape[-1])
 
 
-def attn_name(cp: int) -> str:
-    """The registered attention a model sharded with context parallelism ``cp`` uses."""
-    from fsdpfn.cp import ULYSSES_NAME
-
-    return ATTN_NAME if cp == 1 else ULYSSES_NAME
-
-
 def register() -> None:
-    """Register ``fsdpfn_packed`` and ``fsdpfn_ulysses`` with transformers (idempotent)."""
+    """Register ``fsdpfn_packed`` with transformers (idempotent); fsdpfn.cp registers the
+    context-parallel ``fsdpfn_ulysses`` built on it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-
-    from fsdpfn import cp
 
     AttentionInterface.register(ATTN_NAME, packed_attention)
     # mask creation is bypassed (a ready mapping is passed), but HF validates the name
     AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)
-    cp.register()

@@ -30,10 +30,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from fsdpfn.attention import packed_attention
+from fsdpfn.attention import ATTN_NAME, packed_attention
 
 __all__ = ["ULYSSES_NAME", "CPSlice", "padded_len", "split_pack", "gather_tokens", "seq_to_heads",
-           "heads_to_seq", "replicate_kv", "ulysses_attention", "register"]
+           "heads_to_seq", "replicate_kv", "ulysses_attention", "register", "attn_name"]
 
 ULYSSES_NAME = "fsdpfn_ulysses"
 
@@ -202,10 +202,19 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     return back.transpose(1, 2).contiguous(), None
 
 
+def attn_name(cp: int) -> str:
+    """The registered attention a model sharded with context parallelism ``cp`` uses."""
+    return ATTN_NAME if cp == 1 else ULYSSES_NAME
+
+
 def register() -> None:
-    """Register ``fsdpfn_ulysses`` with transformers (idempotent)."""
+    """Register ``fsdpfn_ulysses`` (and the packed attention it wraps) with transformers
+    (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from fsdpfn import attention
+
+    attention.register()
     AttentionInterface.register(ULYSSES_NAME, ulysses_attention)
     AttentionMaskInterface.register(ULYSSES_NAME, lambda *args, **kwargs: None)

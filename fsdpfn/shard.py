@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdpfn import attention, lora
+from fsdpfn import cp, lora
 from fsdpfn.config import EngineConfig, OptimizerConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.mesh import Mesh
@@ -473,8 +473,8 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     except ConfigError as exc:
         error = exc
     agree(mesh, error)
-    attention.register()
-    hf_config._attn_implementation = attention.attn_name(mesh.cp)
+    cp.register()
+    hf_config._attn_implementation = cp.attn_name(mesh.cp)
     dtype = torch_dtype(config.optimizer_dtype)
     lm = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
     if config.disable_dropout:

@@ -16,6 +16,7 @@ or chat messages rendered with the chat template and its generation prompt) and 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -24,8 +25,11 @@ import attrs
 from fsdpfn.config import _bool, _int
 from fsdpfn.errors import ConfigError
 
-__all__ = ["ModelConfig", "HFTokenizer", "load_tokenizer", "check_model_dir",
+__all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
            "initial_model_dir", "write_initial_model", "TOKENIZER_FILES"]
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHARS = "0123456789+="  # the embedded addition task's characters
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
@@ -92,6 +96,40 @@ def check_model_dir(cfg: ModelConfig) -> None:
                                                     "vocab.json", "char_vocab.json")):
         raise ConfigError(f"model.path: must hold a tokenizer (tokenizer.json, tokenizer.model "
                           f"or vocab.json), got {cfg.path!r} (no tokenizer files)")
+
+
+class CharTokenizer:
+    """ids 0..2 are <pad>, <bos>, <eos>; then one id per character of ``0123456789+=``."""
+
+    def __init__(self):
+        self.itos = [PAD, BOS, EOS, *CHARS]
+        self.stoi = {s: i for i, s in enumerate(self.itos)}
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.stop_ids = [self.eos_id]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        """The text of ``ids`` without <pad>/<bos>, up to the first <eos> (or showing it)."""
+        out = []
+        for i in ids:
+            if stop_at_eos and i == self.eos_id:
+                break
+            if i not in (self.pad_id, self.bos_id):
+                out.append(self.itos[i])
+        return "".join(out)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``char_vocab.json`` (the id -> symbol table) next to a model."""
+        path = Path(directory) / "char_vocab.json"
+        path.write_text(json.dumps({"itos": self.itos, "pad": 0, "bos": 1, "eos": 2}, indent=1))
+        return path
+
 
 
 class HFTokenizer:
@@ -163,8 +201,6 @@ class HFTokenizer:
 def load_tokenizer(cfg: ModelConfig):
     """The embedded character tokenizer, or ``model.path``'s."""
     if cfg.embedded:
-        from fsdpfn.recipes.task import CharTokenizer
-
         return CharTokenizer()
     check_model_dir(cfg)
     return HFTokenizer(cfg.path)

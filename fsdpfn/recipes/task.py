@@ -21,46 +21,11 @@ import attrs
 
 from fsdpfn import keys as K
 from fsdpfn.config import _bool, _int
-from fsdpfn.recipes.model import ModelConfig
+from fsdpfn.recipes.model import CharTokenizer, ModelConfig
 
 __all__ = ["CharTokenizer", "AdditionTask", "TinyModel", "save_initial_model", "sft_batch",
            "pair_batch", "rollout_batch", "sequences_batch"]
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-CHARS = "0123456789+="
-
-
-class CharTokenizer:
-    """ids 0..2 are <pad>, <bos>, <eos>; then one id per character of ``0123456789+=``."""
-
-    def __init__(self):
-        self.itos = [PAD, BOS, EOS, *CHARS]
-        self.stoi = {s: i for i, s in enumerate(self.itos)}
-        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-        self.stop_ids = [self.eos_id]
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.itos)
-
-    def encode(self, text: str) -> list[int]:
-        return [self.stoi[c] for c in text]
-
-    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
-        """The text of ``ids`` without <pad>/<bos>, up to the first <eos> (or showing it)."""
-        out = []
-        for i in ids:
-            if stop_at_eos and i == self.eos_id:
-                break
-            if i not in (self.pad_id, self.bos_id):
-                out.append(self.itos[i])
-        return "".join(out)
-
-    def save(self, directory: str | Path) -> Path:
-        """Write ``char_vocab.json`` (the id -> symbol table) next to a model."""
-        path = Path(directory) / "char_vocab.json"
-        path.write_text(json.dumps({"itos": self.itos, "pad": 0, "bos": 1, "eos": 2}, indent=1))
-        return path
 
 
 @attrs.frozen
