@@ -13,7 +13,6 @@ import json
 import math
 import signal
 import sys
-import time
 from pathlib import Path
 
 import attrs

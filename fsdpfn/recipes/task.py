@@ -13,15 +13,19 @@ and compares the number with a+b (1.0 when equal, else 0.0).
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import attrs
 
+from typing import TYPE_CHECKING
+
 from fsdpfn import keys as K
 from fsdpfn.config import _bool, _int
 from fsdpfn.recipes.model import CharTokenizer, ModelConfig
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 __all__ = ["CharTokenizer", "AdditionTask", "TinyModel", "save_initial_model", "sft_batch",
            "pair_batch", "rollout_batch", "sequences_batch"]
