@@ -1,8 +1,9 @@
 """fsdpfn.rollout: the built-in rollout server, the embedded default behind push_weights.
 
 Start it with ``python -m fsdpfn.rollout --model DIR --port N``; it serves HF transformers
-generation (batched sampling; token ids and the server's own per-token log-probs, the
-``behav_logp`` of the public batch) and takes weight updates on SGLang's endpoints
+generation on SGLang's /generate and OpenAI's /v1/completions and /v1/chat/completions
+(batched sampling; token ids and the server's own per-token log-probs, the ``behav_logp`` of the
+public batch) and takes weight updates on SGLang's endpoints
 (/init_weights_update_group, /update_weights_from_distributed, /update_weights_from_disk,
 /pause_generation, /continue_generation). Updates are staged, validated, then swapped atomically.
 

@@ -1,5 +1,10 @@
-"""generate(): sample from a rollout server (fsdpfn.rollout, or anything answering its /generate)
-from a training loop, with a typed error naming the server and what went wrong."""
+"""generate(): sample from a rollout server (fsdpfn.rollout, or an SGLang server: the request is
+SGLang's /generate) from a training loop, with a typed error naming the server and what went
+wrong.
+
+The request asks for fsdpfn's own answer (``"return_format": "fsdpfn"``: token ids and
+log-probs as plain lists, the version of every token); a server that ignores that key (SGLang)
+answers in SGLang's shape, which is read back into the same value (``from_sglang``)."""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from typing import Sequence
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["generate"]
+__all__ = ["generate", "from_sglang"]
 
 
 def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
@@ -38,6 +43,29 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
     if top_k is not None:
         sampling["top_k"] = int(top_k)
     if seed is not None:
-        sampling["seed"] = int(seed)
-    return call(url, "/generate", {"input_ids": [[int(t) for t in p] for p in prompts],
-                                   "sampling_params": sampling}, timeout=float(timeout))
+        sampling["sampling_seed"] = int(seed)
+    answer = call(url, "/generate", {"input_ids": [[int(t) for t in p] for p in prompts],
+                                     "sampling_params": sampling, "return_logprob": True,
+                                     "return_format": "fsdpfn"}, timeout=float(timeout))
+    return answer if isinstance(answer, dict) and "outputs" in answer else \
+        from_sglang(answer, n)
+
+
+def from_sglang(answer, n: int) -> dict:
+    """SGLang's /generate answer (a list of {output_ids, meta_info}, prompt-major, or one such
+    object) as {weight_version, outputs: [...]}; weight_version is the smallest served version
+    named (an int when the server's versions are), else None."""
+    items = answer if isinstance(answer, list) else [answer]
+    outputs, versions = [], []
+    for i, item in enumerate(items):
+        meta = item.get("meta_info") or {}
+        triples = meta.get("output_token_logprobs") or []
+        reason = (meta.get("finish_reason") or {}).get("type")
+        outputs.append({"prompt_index": i // n, "output_ids": [int(t[1]) for t in triples]
+                        or list(item.get("output_ids") or []),
+                        "output_logprobs": [float(t[0]) for t in triples],
+                        "finish_reason": "length" if reason == "length" else "stop"})
+        version = meta.get("weight_version")
+        if isinstance(version, (int, str)) and str(version).isdigit():
+            versions.append(int(version))
+    return {"weight_version": min(versions) if versions else None, "outputs": outputs}

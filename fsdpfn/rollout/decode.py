@@ -33,6 +33,11 @@ dropped and captured again. A trainer that pauses before an update (drains) pays
 
 Log-probs: log_softmax(logits / T) at the sampled token in float32, temperature applied, top-p /
 top-k not (T = 1 for greedy rows), as in the engine's HF path.
+
+Sampling options: temperature, top-p, top-k, stop token ids and a per-request seed (each row's
+exponential race then draws from a hash of its seed, step and token id) run inside the step; stop
+strings are matched on the finished rows by the engine. Penalties, min_new_tokens and min_p are
+refused by name (the engine checks before queueing); HF generate (--decode hf) serves them.
 """
 
 from __future__ import annotations
@@ -77,17 +82,42 @@ def _rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def sample(logits, temperature, top_p, top_k, *, truncate: bool):
+def sample(logits, temperature, top_p, top_k, *, truncate: bool, seeds=None, steps=None):
     """logits[R, V] float32, per-row temperature / top_p / top_k [R] -> (token[R], logp[R]).
     Sampling by the exponential race (argmax of p / E, E ~ Exp(1)): no host sync. Greedy rows
-    (temperature <= 0) take the argmax of the logits and report log_softmax(logits)."""
+    (temperature <= 0) take the argmax of the logits and report log_softmax(logits). Rows with
+    a seed (``seeds`` [R] >= 0, ``steps`` [R] the index of the token drawn) draw E from a hash
+    of (seed, step, token id): the same seed gives the same tokens whatever else is batched."""
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     filtered = _truncate(scaled, top_p, top_k) if truncate else scaled
-    race = filtered - torch.empty_like(scaled).exponential_().log()
+    noise = torch.empty_like(scaled).exponential_()
+    if seeds is not None:
+        noise = torch.where((seeds >= 0)[:, None], _seeded_exponential(seeds, steps, scaled),
+                            noise)
+    race = filtered - noise.log()
     token = torch.where(greedy, logits.argmax(-1), race.argmax(-1))
     logp = scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1)
     return token, logp
+
+
+_MASK = 0x7FFFFFFF  # 31-bit lanes: every product below fits in int64
+
+
+def _seeded_exponential(seeds, steps, like):
+    """Exp(1) draws [R, V] from an integer hash of (seed, step, column), device ops only."""
+    column = torch.arange(like.shape[-1], device=like.device)
+    x = ((seeds[:, None] & _MASK) * 7919 + (steps[:, None] & _MASK) * 104729 + column) & _MASK
+    for _ in range(3):
+        x = (x * 1103515245 + 12345) & _MASK
+        x = x ^ (x >> 13)
+    u = (x.to(torch.float32) + 0.5) / float(_MASK + 1)  # (0, 1)
+    return -torch.log(u)
+
+
+def row_seed(seed: int | None, sample: int) -> int:
+    """The seed of sample ``sample`` of a request seeded with ``seed`` (-1: unseeded)."""
+    return -1 if seed is None else (int(seed) * 1000003 + sample) & _MASK
 
 
 def _truncate(scaled, top_p, top_k):
@@ -230,6 +260,7 @@ class _State:
         self.active, self.stopped = z(slots, dtype=torch.bool), z(slots, dtype=torch.bool)
         self.temperature = z(slots, dtype=torch.float32)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.seed = torch.full((slots,), -1, dtype=torch.long, device=device)
         self.stops = torch.full((slots, MAX_STOPS), -1, dtype=torch.long, device=device)
         self.out_tok = z(slots, max_len + 1)
         self.out_lp = z(slots, max_len + 1, dtype=torch.float32)
@@ -466,8 +497,11 @@ class Decoder:
         temperature = torch.tensor([float(sp.temperature) for sp in sps], device=device)
         top_p = torch.tensor([float(sp.top_p) for sp in sps], device=device)
         top_k = torch.tensor([sp.top_k for sp in sps], device=device)
+        seeds = torch.tensor([row_seed(r.sp.seed, r.rows[w][1]) for r, w, _ in items],
+                             device=device)
         token, logp = sample(logits, temperature, top_p, top_k,
-                             truncate=any(sp.top_p < 1 or sp.top_k > 0 for sp in sps))
+                             truncate=any(sp.top_p < 1 or sp.top_k > 0 for sp in sps),
+                             seeds=seeds, steps=torch.zeros_like(seeds))
         stops = torch.full((len(items), MAX_STOPS), -1, dtype=torch.long)
         for i, sp in enumerate(sps):
             stops[i, :len(sp.stop_token_ids)] = torch.tensor(sp.stop_token_ids, dtype=torch.long)
@@ -477,6 +511,7 @@ class Decoder:
         st.tok[slots], st.pos[slots], st.gen[slots] = token, lengths[src], 1
         st.out_tok[slots, 0], st.out_lp[slots, 0] = token, logp
         st.temperature[slots], st.top_p[slots], st.top_k[slots] = temperature, top_p, top_k
+        st.seed[slots] = seeds
         st.stops[slots], st.max_new[slots], st.stopped[slots] = stops, max_new, stopped
         st.active[slots] = ~stopped & (max_new > 1)
         for (request, row, s), n in zip(items, lengths[src].tolist()):
@@ -490,7 +525,7 @@ class Decoder:
         tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
         logits = self.net.decode(tok, pos, R, Lb)
         token, logp = sample(logits, st.temperature[:R], st.top_p[:R], st.top_k[:R],
-                             truncate=truncate)
+                             truncate=truncate, seeds=st.seed[:R], steps=gen)
         where = (self.net.rows[:R], gen)  # finished rows write past their end: never read
         st.out_tok.index_put_(where, token)
         st.out_lp.index_put_(where, logp)

@@ -42,6 +42,9 @@ from typing import Any, Sequence
 import torch
 
 from fsdpfn.rollout import lora as rollout_lora
+from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.sampling import Penalties, SamplingParams, find_stop
+from fsdpfn.rollout.text import eos_ids, load_tokenizer
 from fsdpfn.weights.protocol import (MANIFEST, broadcast, bucket_layout, combine_checksums,
                                      combine_on_device,
                                      dtype_from_name, dtype_name, flat_checksums, make_group,
@@ -49,43 +52,6 @@ from fsdpfn.weights.protocol import (MANIFEST, broadcast, bucket_layout, combine
                                      word_sums, zero_padding)
 
 __all__ = ["RolloutEngine", "UpdateError", "SamplingParams"]
-
-
-class UpdateError(Exception):
-    """A request the engine refuses; ``status`` is the HTTP status the server answers with."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-class SamplingParams:
-    """temperature (0: greedy), top_p, top_k (0: off), max_new_tokens, stop_token_ids, n, seed
-    (reproducible sampling on the HF generate path; the decode loop, where the rows of
-    concurrent requests share steps, draws from the device's generator and ignores it)."""
-
-    FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 16,
-              "stop_token_ids": (), "n": 1, "seed": None}
-
-    def __init__(self, **kwargs):
-        unknown = sorted(set(kwargs) - set(self.FIELDS))
-        if unknown:
-            raise UpdateError(f"sampling_params: unknown keys {unknown}; allowed "
-                              f"{sorted(self.FIELDS)}")
-        for key, default in self.FIELDS.items():
-            setattr(self, key, kwargs.get(key, default) if kwargs.get(key) is not None
-                    else default)
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or ())]
-        rules = [("temperature", self.temperature >= 0, ">= 0"),
-                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                 ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
-                 ("max_new_tokens", isinstance(self.max_new_tokens, int)
-                  and self.max_new_tokens >= 1, "an int >= 1"),
-                 ("n", isinstance(self.n, int) and self.n >= 1, "an int >= 1")]
-        for key, ok, rule in rules:
-            if not ok:
-                raise UpdateError(f"sampling_params.{key}: must be {rule}, got "
-                                  f"{getattr(self, key)!r}")
 
 
 class _Staging:
@@ -196,6 +162,8 @@ class RolloutEngine:
         # slower sender lets generation run meanwhile (the swap then waits for the last byte)
         self.hold_s = 2.0
         self._decoder = self._build_decoder(decode, decode_rows, decode_max_len, cuda_graphs)
+        self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
+        self.eos_ids = eos_ids(self.model_path, self.tokenizer)
 
     def _build_decoder(self, mode: str, rows: int | None, max_len: int, cuda_graphs: bool):
         """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
@@ -251,6 +219,8 @@ class RolloutEngine:
                 "decode_stats": None if self._decoder is None else {
                     "steps": self._decoder.steps, "seconds": self._decoder.step_seconds,
                     "graphs": len(self._decoder.graphs)},
+                "tokenizer_path": self.model_path if self.tokenizer is not None else None,
+                "preferred_sampling_params": None, "eos_token_ids": self.eos_ids,
                 "groups": self.group_names, "last_error": self.last_error,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}
                            for n, p in self.params.items()}}
@@ -310,15 +280,21 @@ class RolloutEngine:
             out.append(row)
         return out
 
-    def generate(self, input_ids: list, sampling: SamplingParams) -> dict:
+    def generate(self, input_ids: list, sampling: SamplingParams, *,
+                 top_logprobs: int = 0) -> dict:
         """Returns {"weight_version", "outputs": [{"prompt_index", "output_ids",
-        "output_logprobs", "finish_reason", "weight_versions"}]}, n outputs per prompt,
-        prompt-major. ``weight_versions``: the weights version that produced each token;
-        ``weight_version``: the oldest of them (the only one unless weights were swapped while
-        the request ran in the decode loop, which swaps between steps)."""
+        "output_logprobs", "finish_reason" ("stop" | "length"), "matched" (the stop token id or
+        stop string, when "stop"), "weight_versions", "output_top_logprobs" (with
+        ``top_logprobs`` > 0: per token, [[logprob, token_id], ...] best first)}]}, n outputs
+        per prompt, prompt-major. ``weight_versions``: the weights version that produced each
+        token; ``weight_version``: the oldest of them (the only one unless weights were swapped
+        while the request ran in the decode loop, which swaps between steps)."""
         prompts = self._check_ids(input_ids, "input_ids")
+        if sampling.stop and self.tokenizer is None:
+            raise UpdateError("sampling_params.stop: stop strings need a tokenizer, and the "
+                              f"model directory {self.model_path!r} has none")
         if self._decoder is not None:
-            self._check_decode(prompts, sampling)
+            self._check_decode(prompts, sampling, top_logprobs)
         self._enter_generation()
         try:
             if self._decoder is not None:
@@ -327,14 +303,31 @@ class RolloutEngine:
             else:
                 with self._model_lock:
                     version = self.version
-                    outputs = self._generate(prompts, sampling)
+                    outputs = self._generate(prompts, sampling, top_logprobs)
                 for o in outputs:
                     o["weight_versions"] = [version] * len(o["output_ids"])
         finally:
             self._leave_generation()
+        for o in outputs:
+            self._finish(o, sampling)
         return {"weight_version": version, "outputs": outputs}
 
-    def _check_decode(self, prompts: list[list[int]], sp: SamplingParams) -> None:
+    def _finish(self, o: dict, sp: SamplingParams) -> None:
+        """Cut an output at its first stop string (stop strings are matched on the finished
+        tokens, on both generation paths); name what stopped it."""
+        if o["finish_reason"] == "stop":
+            o["matched"] = o["output_ids"][-1]
+        hit = find_stop(o["output_ids"], self.tokenizer.decode, sp.stop,
+                        sp.min_new_tokens) if sp.stop else None
+        if hit is not None and (hit[0] < len(o["output_ids"]) or o["finish_reason"] != "stop"):
+            end, o["matched"], o["finish_reason"] = hit[0], hit[1], "stop"
+            for key in ("output_ids", "output_logprobs", "weight_versions",
+                        "output_top_logprobs"):
+                if key in o:
+                    o[key] = o[key][:end]
+
+    def _check_decode(self, prompts: list[list[int]], sp: SamplingParams,
+                      top_logprobs: int = 0) -> None:
         from fsdpfn.rollout.decode import MAX_STOPS
 
         limit = self._decoder.max_len
@@ -347,10 +340,19 @@ class RolloutEngine:
         if len(sp.stop_token_ids) > MAX_STOPS:
             raise UpdateError(f"sampling_params.stop_token_ids: must hold at most {MAX_STOPS} "
                               f"ids, got {len(sp.stop_token_ids)}")
+        off = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+               "min_new_tokens": 0, "min_p": 0.0}
+        for key, default in off.items():
+            if getattr(sp, key) != default:
+                raise UpdateError(f"sampling_params.{key}: not supported by the decode loop "
+                                  f"(must be {default}; start the server with --decode hf), got "
+                                  f"{getattr(sp, key)!r}")
+        if top_logprobs:
+            raise UpdateError(f"top_logprobs_num: not supported by the decode loop (must be 0; "
+                              f"start the server with --decode hf), got {top_logprobs}")
 
-    def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[dict]:
-        from transformers import GenerationConfig
-
+    def _generate(self, prompts: list[list[int]], sp: SamplingParams,
+                  top_logprobs: int = 0) -> list[dict]:
         rows = [p for p in prompts for _ in range(sp.n)]  # n samples per prompt, prompt-major
         width = max(len(p) for p in rows)
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -358,15 +360,8 @@ class RolloutEngine:
         for i, p in enumerate(rows):  # left padding: every prompt ends at the same column
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        sample = sp.temperature > 0
-        temperature = sp.temperature if sample else 1.0
-        config = GenerationConfig(
-            do_sample=sample, max_new_tokens=sp.max_new_tokens,
-            eos_token_id=sp.stop_token_ids or None, pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True, use_cache=True,
-            **({"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
-               if sample else {}))
-        recorder = _LogprobRecorder(temperature)
+        config, processors = _generation_config(sp, width, self.pad_token_id)
+        recorder = _LogprobRecorder(sp.temperature if sp.temperature > 0 else 1.0, top_logprobs)
         handle = self.model.register_forward_hook(recorder, with_kwargs=True)
         try:
             if sp.seed is not None:
@@ -374,11 +369,13 @@ class RolloutEngine:
             with torch.no_grad():
                 out = self.model.generate(input_ids=ids.to(self.device),
                                           attention_mask=mask.to(self.device),
-                                          generation_config=config)
+                                          generation_config=config,
+                                          logits_processor=processors)
         finally:
             handle.remove()
         new = out.sequences[:, width:].cpu()  # (B*n, L)
         logps = recorder.finish(new)  # (B*n, L)
+        tops = recorder.top(new.shape[1])
         stops = set(sp.stop_token_ids)
         results = []
         for row in range(new.shape[0]):
@@ -391,6 +388,11 @@ class RolloutEngine:
             results.append({"prompt_index": row // sp.n, "output_ids": tokens[:end],
                             "output_logprobs": logps[row, :end].tolist(),
                             "finish_reason": reason})
+            if tops is not None:
+                values, index = tops
+                results[-1]["output_top_logprobs"] = [
+                    [[v, i] for v, i in zip(vs, ix)]
+                    for vs, ix in zip(values[row, :end].tolist(), index[row, :end].tolist())]
         return results
 
     def forward(self, input_ids: list, *, temperature: float = 1.0,
@@ -601,9 +603,9 @@ class RolloutEngine:
             return {"success": True, "weight_version": self.version, "staged":
                     len(staging.tensors), "message": f"staged {len(names)} tensors",
                     "seconds": seconds}
-        version = payload.get("weight_version")
+        version = _version_of(payload, self.version + 1)
         clock = time.perf_counter()
-        answer = self._commit(staging, self.version + 1 if version is None else int(version),
+        answer = self._commit(staging, version,
                               partial=update_id is None)
         seconds["commit"] = time.perf_counter() - clock
         return {**answer, "seconds": seconds}
@@ -748,8 +750,7 @@ class RolloutEngine:
         if layout.problems and ack is not None:
             raise UpdateError("update refused before any byte was sent, previous weights kept: "
                               + "; ".join(layout.problems))
-        version = payload.get("weight_version")
-        version = self.version + 1 if version is None else int(version)
+        version = _version_of(payload, self.version + 1)
         if ack is not None:
             ack()
         store, pg, backend, timeout_s = self._groups[group_name]
@@ -936,9 +937,9 @@ class RolloutEngine:
         if self.device.type != "cuda":
             raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
                               f"runs on {self.device}")
-        version = payload.get("weight_version")
-        if not isinstance(version, int):
-            raise UpdateError(f"weight_version: must be an int, got {version!r}")
+        version = _version_of(payload, None)
+        if version is None:
+            raise UpdateError("weight_version: must be an int (or a string of one), got None")
         layout = _Layout(self, payload.get("buckets"))
         if layout.problems:
             raise UpdateError("update rejected, previous weights kept: "
@@ -985,9 +986,9 @@ class RolloutEngine:
             raise UpdateError(f"model_path: must be a directory of safetensors files, got "
                               f"{str(path)!r}", 404)
         manifest = _read_json(path / MANIFEST)
-        version = payload.get("weight_version")
+        version = _version_of(payload, None)
         if manifest is not None and version is not None and \
-                int(manifest["version"]) != int(version):
+                int(manifest["version"]) != version:
             raise UpdateError(f"weight_version: must equal the manifest's version "
                               f"{manifest['version']} in {str(path)!r}, got {version}")
         if version is None:
@@ -1008,12 +1009,14 @@ class RolloutEngine:
 class _LogprobRecorder:
     """A forward hook on the HF model during generate(): at each decoding step it scores the
     token sampled at the previous step (the new input) under the previous step's distribution,
-    so only one [B, V] distribution is ever kept."""
+    so only one [B, V] distribution is ever kept (and, with ``top_n``, its top_n log-probs)."""
 
-    def __init__(self, temperature: float):
+    def __init__(self, temperature: float, top_n: int = 0):
         self.temperature = temperature
+        self.top_n = top_n
         self.previous: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
+        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, module, args, kwargs, output) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -1021,6 +1024,9 @@ class _LogprobRecorder:
             self.steps.append(self._score(ids[:, -1]))
         logits = output.logits[:, -1, :].float()
         self.previous = torch.log_softmax(logits / self.temperature, dim=-1)
+        if self.top_n:
+            values, index = self.previous.topk(min(self.top_n, self.previous.shape[-1]), -1)
+            self.tops.append((values.cpu(), index.cpu()))
 
     def _score(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.previous.gather(-1, tokens.to(self.previous.device)[:, None])[:, 0].cpu()
@@ -1031,6 +1037,65 @@ class _LogprobRecorder:
             self.steps.append(self._score(new_tokens[:, len(self.steps)]))
         assert len(self.steps) == new_tokens.shape[1], (len(self.steps), new_tokens.shape)
         return torch.stack(self.steps, dim=1)
+
+    def top(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(values, ids), each (rows, L, top_n): the best log-probs at each generated position."""
+        if not self.top_n:
+            return None
+        steps = self.tops[:length]
+        return torch.stack([v for v, _ in steps], 1), torch.stack([i for _, i in steps], 1)
+
+
+def _generation_config(sp: SamplingParams, width: int, pad_token_id: int):
+    """(GenerationConfig, logits processors) of ``sp`` for HF generate. Sampling transforms are
+    given as processors in HF's own order (temperature, top-k, top-p, min-p), after the
+    penalties: SGLang penalises the logits before temperature."""
+    from transformers import (GenerationConfig, LogitsProcessorList, MinPLogitsWarper,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    sample = sp.temperature > 0
+    processors = LogitsProcessorList([Penalties(width, sp)] if sp.penalized else [])
+    if sample:
+        processors.append(TemperatureLogitsWarper(float(sp.temperature)))
+        if sp.top_k > 0:
+            processors.append(TopKLogitsWarper(int(sp.top_k)))
+        if sp.top_p < 1:
+            processors.append(TopPLogitsWarper(float(sp.top_p)))
+        if sp.min_p > 0:
+            processors.append(MinPLogitsWarper(float(sp.min_p)))
+    config = GenerationConfig(
+        do_sample=sample, max_new_tokens=sp.max_new_tokens,
+        min_new_tokens=sp.min_new_tokens or None,
+        eos_token_id=sp.stop_token_ids or None, pad_token_id=pad_token_id,
+        return_dict_in_generate=True, use_cache=True,
+        **({"temperature": 1.0, "top_p": 1.0, "top_k": 0} if sample else {}))
+    return config, processors
+
+
+def _version_of(payload: dict, default):
+    """``weight_version`` of an update request as an int: an int, or (SGLang sends strings) a
+    string of one; ``default`` when absent."""
+    value = payload.get("weight_version")
+    if value is None:
+        return default
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UpdateError(f"weight_version: must be an int or a string of one (fsdpfn "
+                          f"versions count weight changes), got {value!r}")
+    return value
+
+
+def _load_text(model_path: str):
+    try:
+        return load_tokenizer(model_path)
+    except Exception as exc:  # noqa: BLE001 - serve token ids without it
+        import logging
+
+        logging.getLogger("fsdpfn.rollout").warning(
+            "no tokenizer loaded from %s (%s: %s): text fields are refused", model_path,
+            type(exc).__name__, exc)
+        return None
 
 
 def _record(stream, timing: bool):

@@ -1,18 +1,20 @@
-"""The HTTP face of a RolloutEngine (FastAPI): SGLang's endpoint names and payloads, plus ours.
+"""The HTTP face of a RolloutEngine (FastAPI): SGLang's endpoints and payloads, OpenAI's, plus ours.
 
 | endpoint | payload | answer |
 | --- | --- | --- |
 | GET /health | | {status, weight_version, server_id, groups} |
-| GET /weight_version, GET /get_weight_version | | {weight_version} |
-| GET /get_model_info | | {model_path, dtype, device, weight_version, params: {name: {dtype, shape}}, groups, paused, last_error, multi_bucket, update_channel (the port of the update channel, or null)} |
-| POST /generate | {input_ids: [[int]] or [int], sampling_params: {temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, seed}} | {weight_version (the oldest of the tokens'), outputs: [{prompt_index, output_ids, output_logprobs, finish_reason, weight_versions (per token)}]} |
+| GET /weight_version | | {weight_version} (an int) |
+| GET /get_weight_version | | {weight_version} (a string, as SGLang's) |
+| GET /get_model_info | | SGLang's {model_path, tokenizer_path (null without a tokenizer), is_generation, preferred_sampling_params, weight_version (a string)}, then ours: {dtype, device, eos_token_ids, params: {name: {dtype, shape}}, groups, paused, last_error, multi_bucket, update_channel (the port of the update channel, or null)} |
+| POST, PUT /generate | SGLang's GenerateReqInput (fsdpfn/rollout/sglang_api.py) | SGLang's {text, output_ids, meta_info} (a list for several outputs); fsdpfn's {weight_version, outputs} with "return_format": "fsdpfn" |
+| GET /v1/models, POST /v1/completions, POST /v1/chat/completions | OpenAI's (fsdpfn/rollout/openai_api.py) | OpenAI's, with log-probs |
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
 | POST /init_weights_update_group | {master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s} | {success, message} |
 | POST /destroy_weights_update_group | {group_name} | {success} |
 | POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit}, or the whole update at once: {buckets: [{names, dtypes, shapes}], group_name, weight_version, update_id, pause_generation, load_format} | {success, weight_version, weights_checksum (on commit), message, seconds} |
-| POST /update_weights_from_disk | {model_path, weight_version, flush_cache, verify_checksums} | same |
+| POST /update_weights_from_disk | {model_path, weight_version (an int, or a string of one), flush_cache, verify_checksums} | same, plus SGLang's num_paused_requests |
 | POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: tensors in a device buffer of a process on this GPU (fsdpfn.weights.ipc) | same |
-| POST /pause_generation, POST /continue_generation | {} | {success} |
+| POST /pause_generation, POST /continue_generation | {mode} | SGLang's {message, status: "ok"}, plus success; a pause drains (nothing is aborted) |
 | POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py) |
 | POST /unload_lora_adapter | {lora_name} | same: the base weights served again |
 
@@ -20,16 +22,19 @@ Beside the HTTP port, ``python -m fsdpfn.rollout`` listens for update channels
 (fsdpfn/rollout/channel.py): the fast path of a weight push, the same whole update without HTTP.
 
 Failures answer 4xx (the request breaks a rule) or 5xx (the transfer failed) with
-{"success": false, "message": ...}; the served weights and version are then unchanged and
+{"success": false, "message": ...} (/generate adds SGLang's "object": "error" and "code"; /v1
+answers OpenAI's {"error": {message, type, param, code}}); the served weights and version are then unchanged and
 generation is not left paused. Blocking handlers are plain ``def`` (run in FastAPI's thread pool),
 so /health and generation stay responsive while an update is being received.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
-from fsdpfn.rollout.engine import RolloutEngine, SamplingParams, UpdateError
+from fsdpfn.rollout import openai_api, sglang_api
+from fsdpfn.rollout.engine import RolloutEngine, UpdateError
 
 __all__ = ["build_app"]
 
@@ -58,25 +63,58 @@ def build_app(engine: RolloutEngine):
                 "groups": engine.group_names}
 
     @app.get("/weight_version")
-    @app.get("/get_weight_version")
     async def weight_version():
         return {"weight_version": engine.version}
 
+    @app.get("/get_weight_version")
+    async def get_weight_version():  # SGLang's: a string
+        return {"weight_version": str(engine.version)}
+
     @app.get("/get_model_info")
-    def model_info():
-        return engine.info()
+    def model_info():  # SGLang's fields (weight_version a string), then fsdpfn's
+        return {**engine.info(), "weight_version": str(engine.version)}
 
     # generation requests wait in their own threads (the decode loop batches them), beyond
     # FastAPI's shared pool of 40: many clients neither queue nor block the update handlers
     generation_threads = anyio.CapacityLimiter(4096)
 
-    @app.post("/generate")
-    async def generate(payload: dict = Body(...)):
+    def sglang_answer(fn: Callable[[], Any]):
+        """SGLang's error shape for /generate: {"object": "error", "message", "code"}."""
+        out = answer(fn)
+        if isinstance(out, JSONResponse) and out.status_code >= 400:
+            body = json.loads(out.body)
+            return JSONResponse(status_code=out.status_code, content={
+                "object": "error", "type": "BadRequestError" if out.status_code < 500 else
+                "InternalServerError", "param": None, "code": out.status_code, **body})
+        return out
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(payload: Any = Body(...)):
         # a plain JSONResponse: FastAPI's encoder walks each of the (many) numbers in Python
-        return await anyio.to_thread.run_sync(lambda: answer(lambda: JSONResponse(
-            engine.generate(payload.get("input_ids"),
-                            SamplingParams(**(payload.get("sampling_params") or {}))))),
-            limiter=generation_threads)
+        return await anyio.to_thread.run_sync(lambda: sglang_answer(lambda: JSONResponse(
+            sglang_api.generate(engine, payload))), limiter=generation_threads)
+
+    def openai_answer(fn: Callable[[], Any]):
+        out = answer(lambda: JSONResponse(fn()))
+        if out.status_code >= 400:
+            body = json.loads(out.body)
+            return JSONResponse(status_code=out.status_code, content=openai_api.error_body(
+                body.get("message"), status=out.status_code))
+        return out
+
+    @app.get("/v1/models")
+    async def openai_models():
+        return openai_api.models(engine)
+
+    @app.post("/v1/completions")
+    async def openai_completions(payload: Any = Body(...)):
+        return await anyio.to_thread.run_sync(lambda: openai_answer(
+            lambda: openai_api.completions(engine, payload)), limiter=generation_threads)
+
+    @app.post("/v1/chat/completions")
+    async def openai_chat(payload: Any = Body(...)):
+        return await anyio.to_thread.run_sync(lambda: openai_answer(
+            lambda: openai_api.chat_completions(engine, payload)), limiter=generation_threads)
 
     @app.post("/forward")
     def forward(payload: dict = Body(...)):
@@ -102,13 +140,15 @@ def build_app(engine: RolloutEngine):
 
     @app.post("/update_weights_from_disk")
     def update_disk(payload: dict = Body(...)):
-        return answer(lambda: engine.update_from_disk(payload))
+        out = answer(lambda: {**engine.update_from_disk(payload), "num_paused_requests": 0})
+        if isinstance(out, JSONResponse):  # SGLang's UpdateWeightFromDiskReqOutput fields
+            return JSONResponse(status_code=out.status_code,
+                                content={**json.loads(out.body), "num_paused_requests": 0})
+        return out
 
     def lora_answer(fn: Callable[[], Any]):
         out = answer(fn)  # SGLang's LoRAUpdateOutput names the failure error_message
         if isinstance(out, JSONResponse):
-            import json
-
             body = json.loads(out.body)
             body["error_message"] = body.get("message")
             return JSONResponse(status_code=out.status_code, content=body)
@@ -122,12 +162,17 @@ def build_app(engine: RolloutEngine):
     def unload_lora(payload: dict = Body(...)):
         return lora_answer(lambda: engine.unload_lora_adapter(payload))
 
+    # SGLang's answers; a pause drains (requests in flight finish, new ones wait), whatever
+    # the mode ("abort", "retract", "in_place"): nothing is aborted
     @app.post("/pause_generation")
     def pause(payload: dict = Body(default={})):
-        return answer(lambda: (engine.pause(), {"success": True})[1])
+        return answer(lambda: (engine.pause(), {
+            "message": "Generation paused successfully.", "status": "ok", "success": True})[1])
 
     @app.post("/continue_generation")
     def resume(payload: dict = Body(default={})):
-        return answer(lambda: (engine.resume(), {"success": True})[1])
+        return answer(lambda: (engine.resume(), {
+            "message": "Generation continued successfully.", "status": "ok",
+            "success": True})[1])
 
     return app

@@ -224,7 +224,8 @@ def generate_and_score(path, url, temperature):
     push_weights(state, RolloutTarget(url, timeout_s=30))
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]]
     out = _on_rank0(lambda: call(url, "/generate", {"input_ids": prompts, "sampling_params": {
-        "temperature": temperature, "top_p": 0.9, "max_new_tokens": 8, "n": 2, "seed": 5}},
+        "temperature": temperature, "top_p": 0.9, "max_new_tokens": 8, "n": 2, "seed": 5},
+        "return_format": "fsdpfn"},
         timeout=60))
     rows = [prompts[o["prompt_index"]] + o["output_ids"] for o in out["outputs"]]
     T = max(map(len, rows))

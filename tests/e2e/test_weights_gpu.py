@@ -121,7 +121,7 @@ def slow_trainer(model_dir: str, url: str, out: str):
     def generate():
         start = time.monotonic()
         answer = call(url, "/generate", {"input_ids": [[1, 2, 3]], "sampling_params": {
-            "max_new_tokens": 4, "temperature": 0}}, timeout=60)
+            "max_new_tokens": 4, "temperature": 0}, "return_format": "fsdpfn"}, timeout=60)
         result.update(gen_version=answer["weight_version"], gen_done=time.monotonic(),
                       gen_seconds=time.monotonic() - start)
 

@@ -326,21 +326,23 @@ def test_bucket_layout_aligns_and_plans_are_greedy():
 
 def test_checksum_is_exact_and_detects_a_flipped_bit():
     t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
-    assert tensor_checksum(t) == tensor_checksum(t.clone()) == tensor_checksum(t.flip(0))
+    assert tensor_checksum(t) == tensor_checksum(t.clone()) != tensor_checksum(t.flip(0))
     flipped = t.clone()
     flipped.view(torch.int32)[17] ^= 1
     assert tensor_checksum(flipped) != tensor_checksum(t)
-    # the definition, computed independently: the bytes as little-endian int32 words, summed
-    # modulo 2**32 (large words, so the int32 partial sums wrap)
+    # the definition, computed independently: the bytes as little-endian int32 words w_j,
+    # S = sum(w_j), W = sum((j + 1) w_j) modulo 2**32, checksum S + 2**32 W
     big = torch.tensor([2**31 - 1, 2**31 - 5, -7, 2**30], dtype=torch.int32).view(torch.float32)
     for x in (t, big):
-        words = np.frombuffer(x.numpy().tobytes(), dtype="<i4").astype(np.int64)
-        assert tensor_checksum(x) == int(words.sum()) % 2**32
+        words = [int(w) for w in np.frombuffer(x.numpy().tobytes(), dtype="<i4")]
+        s = sum(words) % 2**32
+        w = sum((j + 1) * v for j, v in enumerate(words)) % 2**32
+        assert tensor_checksum(x) == s + 2**32 * w
     odd = torch.arange(3, dtype=torch.uint8)  # 3 bytes: summed as bytes
-    assert tensor_checksum(odd) == 3
+    assert tensor_checksum(odd) == 3 + 2**32 * (0 * 1 + 1 * 2 + 2 * 3)
     a, b = {"x": 1, "y": 2}, {"y": 2, "x": 1}
     assert combine_checksums(a) == combine_checksums(b) != combine_checksums({"x": 2, "y": 1})
-    many = {f"t{(i * 7919) % 1000}": (i * 2654435761) % 2**32 for i in range(1000)}
+    many = {f"t{(i * 7919) % 1000}": (i * 2654435761) % 2**64 - 2**63 for i in range(1000)}
     assert int(combine_on_device(torch.tensor(list(many.values())), list(many))) == \
         combine_checksums(many)
 

@@ -1,0 +1,224 @@
+"""OpenAI's API on a RolloutEngine: /v1/models, /v1/completions, /v1/chat/completions, so the
+``openai`` client and agent frameworks can drive rollouts (non-streaming).
+
+Completions: ``prompt`` a string, a token-id list, or a list of either (one choice list per
+prompt, n each, in order); ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``n``,
+``stop``, ``seed``, ``frequency_penalty``, ``presence_penalty``, ``logprobs`` (an int N >= 0:
+choices[].logprobs {tokens, token_logprobs, top_logprobs (N best per token, or null for 0),
+text_offset}). Chat: ``messages`` rendered by the model's chat template; ``max_tokens`` or
+``max_completion_tokens`` (default: what fits the context); ``logprobs: true`` (and
+``top_logprobs``): choices[].logprobs.content [{token, logprob, bytes, top_logprobs}]. As in
+SGLang and vLLM, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids`` and ``skip_special_tokens`` are accepted (the openai client's ``extra_body``).
+Every choice also carries fsdpfn's ``token_ids`` and ``weight_version``. A key this server does
+not implement (stream, tools, response_format other than text, logit_bias, echo, suffix, ...)
+is refused by name: 400 {"error": {"message", "type", "param", "code"}}.
+
+Log-probs follow fsdpfn's behav_logp convention: log_softmax(logits / temperature) of the
+sampled token, before penalties and top-p / top-k truncation.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fsdpfn.rollout import sglang_api
+from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.sampling import SamplingParams
+
+__all__ = ["models", "completions", "chat_completions", "error_body"]
+
+# accepted and without effect here
+IGNORED = {"user", "metadata", "store", "stream_options", "service_tier", "model",
+           "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
+# request key -> SamplingParams key
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
+            "seed": "seed", "frequency_penalty": "frequency_penalty",
+            "presence_penalty": "presence_penalty", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens",
+            "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+            "skip_special_tokens": "skip_special_tokens"}
+OFF = {"stream": (None, False), "echo": (None, False), "suffix": (None, ""),
+       "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+       "functions": (None, []), "function_call": (None, "none"),
+       "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+       "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+       "reasoning_effort": (None,), "web_search_options": (None,)}
+
+
+def error_body(message: str, param: str | None = None, status: int = 400) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error"
+                      if status < 500 else "server_error", "param": param, "code": status}}
+
+
+def models(engine) -> dict:
+    return {"object": "list", "data": [{"id": engine.model_path, "object": "model",
+                                        "created": int(time.time()), "owned_by": "fsdpfn",
+                                        "root": engine.model_path, "max_model_len":
+                                        _context(engine)}]}
+
+
+def completions(engine, body: dict) -> dict:
+    _refuse(body, {"prompt", "max_tokens", "logprobs"})
+    prompts = _prompts(engine, body.get("prompt"))
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                 or not 0 <= logprobs <= 20):
+        raise UpdateError(f"logprobs: must be null or an int in [0, 20], got {logprobs!r}")
+    sp = _params(engine, body, body.get("max_tokens"), 16)
+    choices, usage = [], [0, 0]
+    for prompt in prompts:
+        answer = engine.generate([prompt], sp, top_logprobs=logprobs or 0)
+        usage[0] += len(prompt)
+        for o in answer["outputs"]:
+            text = sglang_api.completion_text(engine, o, sp) if engine.tokenizer else ""
+            choice = {"index": len(choices), "text": text, "finish_reason": o["finish_reason"],
+                      "logprobs": None if logprobs is None else
+                      _completion_logprobs(engine, o, logprobs),
+                      **_ours(o)}
+            choices.append(choice)
+            usage[1] += len(o["output_ids"])
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": body.get("model") or engine.model_path,
+            "choices": choices, "usage": _usage(*usage)}
+
+
+def chat_completions(engine, body: dict) -> dict:
+    _refuse(body, {"messages", "max_tokens", "max_completion_tokens", "logprobs",
+                   "top_logprobs"})
+    prompt = _render(engine, body.get("messages"))
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or not 0 <= top <= 20):
+        raise UpdateError(f"top_logprobs: must be null or an int in [0, 20], got {top!r}")
+    if top and not body.get("logprobs"):
+        raise UpdateError(f"top_logprobs: needs logprobs true, got logprobs "
+                          f"{body.get('logprobs')!r}")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    sp = _params(engine, body, limit, max(1, _context(engine) - len(prompt)))
+    answer = engine.generate([prompt], sp, top_logprobs=top or 0)
+    choices = []
+    for i, o in enumerate(answer["outputs"]):
+        text = sglang_api.completion_text(engine, o, sp)
+        choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                        "finish_reason": o["finish_reason"],
+                        "logprobs": {"content": _chat_logprobs(engine, o, top or 0)}
+                        if body.get("logprobs") else None, **_ours(o)})
+    completion = sum(len(o["output_ids"]) for o in answer["outputs"])
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": body.get("model") or engine.model_path,
+            "choices": choices, "usage": _usage(len(prompt), completion)}
+
+
+# ---------------------------------------------------------------- requests
+
+
+def _refuse(body: dict, own: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise UpdateError(f"body: must be a JSON object, got {type(body).__name__}")
+    for key, off in OFF.items():
+        if key in body and body[key] not in off:
+            raise UpdateError(f"{key}: not supported by this server, got "
+                              f"{str(body[key])[:80]!r}")
+    unknown = sorted(set(body) - own - set(SAMPLING) - IGNORED - set(OFF))
+    if unknown:
+        raise UpdateError(f"{unknown[0]}: not a request field this server knows (fields: "
+                          f"{sorted(own | set(SAMPLING))}), got {str(body[unknown[0]])[:80]!r}")
+
+
+def _prompts(engine, prompt) -> list[list[int]]:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise UpdateError(f"prompt: must be a string, a token-id list, or a non-empty list of "
+                          f"either, got {str(prompt)[:80]!r}")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(sglang_api.encode(engine, p, "prompt"))
+        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            out.append(p)
+        else:
+            raise UpdateError(f"prompt: each prompt must be a string or a non-empty token-id "
+                              f"list, got {str(p)[:80]!r}")
+    return out
+
+
+def _render(engine, messages) -> list[int]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and "role" in m for m in messages):
+        raise UpdateError(f"messages: must be a non-empty list of {{role, content}}, got "
+                          f"{str(messages)[:80]!r}")
+    tok = engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None) or not hasattr(tok, "render_chat"):
+        raise UpdateError(f"messages: need a chat template, and the model directory "
+                          f"{engine.model_path!r} has none; use /v1/completions")
+    try:
+        text = tok.render_chat(messages)
+    except Exception as exc:  # noqa: BLE001 - jinja errors of a user's template
+        raise UpdateError(f"messages: the chat template failed: {type(exc).__name__}: "
+                          f"{exc}") from None
+    return tok.encode(text)
+
+
+def _params(engine, body: dict, max_tokens, default: int) -> SamplingParams:
+    spec = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
+    spec["max_new_tokens"] = default if max_tokens is None else max_tokens
+    try:
+        sp = SamplingParams(**spec)
+    except UpdateError as exc:  # name the OpenAI field, not SGLang's
+        message = str(exc).replace("sampling_params.", "")
+        for theirs, ours in (("max_tokens", "max_new_tokens"), ("min_tokens", "min_new_tokens"),
+                             ("seed", "seed")):
+            message = message.replace(f"{ours}:", f"{theirs}:", 1)
+        raise UpdateError(message) from None
+    return sp.with_stops(engine.eos_ids)
+
+
+def _context(engine) -> int:
+    return int(getattr(engine.model.config, "max_position_embeddings", 2048))
+
+
+# ---------------------------------------------------------------- answers
+
+
+def _ours(o: dict) -> dict:
+    versions = o.get("weight_versions") or []
+    return {"token_ids": o["output_ids"],
+            "weight_version": str(min(versions)) if versions else None}
+
+
+def _piece(engine, token: int) -> str:
+    if engine.tokenizer is None:
+        return str(token)
+    return engine.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _completion_logprobs(engine, o: dict, top: int) -> dict:
+    tokens = [_piece(engine, t) for t in o["output_ids"]]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    tops = None
+    if top:
+        tops = [{_piece(engine, t): lp for lp, t in step[:top]}
+                for step in o.get("output_top_logprobs", [])]
+    return {"tokens": tokens, "token_logprobs": o["output_logprobs"], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(engine, o: dict, top: int) -> list[dict]:
+    def entry(t, lp):
+        piece = _piece(engine, t)
+        return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+
+    steps = o.get("output_top_logprobs") or [[] for _ in o["output_ids"]]
+    return [{**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tlp, tt in step[:top]]}
+            for t, lp, step in zip(o["output_ids"], o["output_logprobs"], steps)]
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

@@ -1,0 +1,199 @@
+"""SGLang's /generate on a RolloutEngine: its request (GenerateReqInput, io_struct.py) and its
+answer (tokenizer_manager.py), as SGLang clients (AReaL, verl, slime) send and parse them.
+
+Request: ``input_ids`` ([int] or [[int]]) or ``text`` (str or [str]; needs the model's
+tokenizer), ``sampling_params`` (a dict, or one per prompt; keys of fsdpfn.rollout.sampling),
+``return_logprob``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``rid``. SGLang's defaults
+apply: max_new_tokens 128, and the model's end-of-sequence ids stop a row unless ignore_eos.
+Fields SGLang has that this server does not serve (stream, image_data, input logprobs from
+logprob_start_len >= 0, custom_logit_processor, ...) are refused by name when set; other unknown
+top-level keys are ignored, as SGLang ignores them.
+
+Answer, per output: {"text" (when the model has a tokenizer), "output_ids", "meta_info": {"id",
+"finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"}, "prompt_tokens",
+"completion_tokens", "cached_tokens", "weight_version" (a string, as SGLang's),
+"weight_versions" (fsdpfn: the version of each token, ints), "e2e_latency", and with
+return_logprob "input_token_logprobs" ([]), "output_token_logprobs" [[logprob, id, text|null]],
+with top_logprobs_num "output_top_logprobs"}}: one object for one prompt with n == 1, else a list
+(prompt-major: the n samples of prompt i are [i*n, (i+1)*n)).
+
+fsdpfn's own answer, {weight_version (int), outputs: [{prompt_index, output_ids,
+output_logprobs, finish_reason, weight_versions}]} (fsdpfn.rollout.client reads it), is given
+for ``"return_format": "fsdpfn"``; SGLang ignores that key, and its stops are then exactly
+stop_token_ids (no implicit end-of-sequence id).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.sampling import SamplingParams
+
+__all__ = ["generate", "encode_prompts"]
+
+# top-level GenerateReqInput fields refused when set (value other than these "off" values)
+REFUSED = {"stream": (None, False), "image_data": (None, [], ""), "video_data": (None, [], ""),
+           "audio_data": (None, [], ""), "input_embeds": (None, []),
+           "custom_logit_processor": (None, ""), "token_ids_logprob": (None, []),
+           "session_params": (None, {}), "return_hidden_states": (None, False),
+           "logprob_start_len": (None, -1)}
+
+
+def generate(engine, payload: dict):
+    """One /generate request (see the module doc); the answer as SGLang shapes it, or fsdpfn's
+    with ``return_format`` "fsdpfn"."""
+    start = time.perf_counter()
+    if not isinstance(payload, dict):
+        raise UpdateError(f"/generate: the body must be a JSON object, got "
+                          f"{type(payload).__name__}")
+    _refuse(engine, payload)
+    own = payload.get("return_format") == "fsdpfn"
+    prompts, single = encode_prompts(engine, payload.get("input_ids"), payload.get("text"))
+    top_n = _top_n(payload)
+    specs = payload.get("sampling_params") or {}
+    if isinstance(specs, list):
+        if len(specs) != len(prompts):
+            raise UpdateError(f"sampling_params: a list must hold one dict per prompt "
+                              f"({len(prompts)}), got {len(specs)}")
+        runs = [([p], _params(engine, s, own)) for p, s in zip(prompts, specs)]
+    else:
+        runs = [(prompts, _params(engine, specs, own))]
+    answers = [(engine.generate(p, sp, top_logprobs=top_n), sp) for p, sp in runs]
+    if own:
+        return _own(answers)
+    items = _sglang(engine, payload, answers, prompts, top_n, time.perf_counter() - start)
+    n = runs[0][1].n
+    return items[0] if single and n == 1 and len(items) == 1 else items
+
+
+def _refuse(engine, payload: dict) -> None:
+    for key, off in REFUSED.items():
+        if key in payload and payload[key] not in off:
+            raise UpdateError(f"{key}: not supported by this server (must be "
+                              f"{off[-1]!r} or absent), got {str(payload[key])[:80]!r}")
+    lora = payload.get("lora_path")
+    if lora not in (None, "", []):
+        slot = getattr(engine, "lora_slot", None)
+        names = {getattr(slot, "name", None), getattr(slot, "path", None)} - {None}
+        wanted = lora if isinstance(lora, list) else [lora]
+        if not all(w in names for w in wanted):
+            raise UpdateError(f"lora_path: must name the adapter merged into the served "
+                              f"weights ({sorted(names) or 'none loaded'}), got {lora!r}")
+
+
+def encode_prompts(engine, input_ids, text) -> tuple[list[list[int]], bool]:
+    """(token-id prompts, whether the request held a single prompt)."""
+    if input_ids is not None and text is not None:
+        raise UpdateError("input_ids, text: give one of them, got both")
+    if input_ids is not None:
+        single = isinstance(input_ids, list) and bool(input_ids) and all(
+            isinstance(t, int) for t in input_ids)
+        return ([input_ids] if single else input_ids), single
+    if text is None:
+        raise UpdateError("input_ids: required (or text), got neither")
+    single = isinstance(text, str)
+    texts = [text] if single else text
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise UpdateError(f"text: must be a string or a non-empty list of strings, got "
+                          f"{str(text)[:80]!r}")
+    return [encode(engine, t, "text") for t in texts], single
+
+
+def encode(engine, text: str, field: str) -> list[int]:
+    if engine.tokenizer is None:
+        raise UpdateError(f"{field}: text needs a tokenizer, and the model directory "
+                          f"{engine.model_path!r} has none; send token ids (input_ids)")
+    try:
+        return engine.tokenizer.encode(text)
+    except ValueError as exc:
+        raise UpdateError(f"{field}: {exc}") from None
+
+
+def _top_n(payload: dict) -> int:
+    top = payload.get("top_logprobs_num") or 0
+    if isinstance(top, list):
+        top = max(top) if top else 0
+    if not isinstance(top, int) or top < 0:
+        raise UpdateError(f"top_logprobs_num: must be an int >= 0, got {top!r}")
+    return top if _flag(payload.get("return_logprob")) else 0
+
+
+def _flag(value) -> bool:
+    return any(value) if isinstance(value, list) else bool(value)
+
+
+def _params(engine, spec, own: bool) -> SamplingParams:
+    if not isinstance(spec, dict):
+        raise UpdateError(f"sampling_params: must be a dict (or one per prompt), got "
+                          f"{str(spec)[:80]!r}")
+    spec = {"max_new_tokens": 128, **{k: v for k, v in spec.items() if v is not None}}
+    sp = SamplingParams(**spec)
+    return sp if own else sp.with_stops(engine.eos_ids)
+
+
+def _own(answers) -> dict:
+    outputs, offset = [], 0
+    for answer, _ in answers:
+        for o in answer["outputs"]:
+            outputs.append({**o, "prompt_index": o["prompt_index"] + offset})
+        offset += max(o["prompt_index"] for o in answer["outputs"]) + 1
+    return {"weight_version": min(a["weight_version"] for a, _ in answers), "outputs": outputs}
+
+
+def _sglang(engine, payload, answers, prompts, top_n: int, seconds: float) -> list[dict]:
+    rids = payload.get("rid")
+    with_logprob = _flag(payload.get("return_logprob"))
+    with_text = bool(payload.get("return_text_in_logprobs"))
+    items, offset = [], 0
+    for answer, sp in answers:
+        for o in answer["outputs"]:
+            index = o["prompt_index"] + offset
+            rid = rids[len(items)] if isinstance(rids, list) and len(rids) > len(items) else (
+                rids if isinstance(rids, str) and len(prompts) == 1 and sp.n == 1 else None)
+            items.append(output(engine, o, sp, len(prompts[index]), rid=rid,
+                                logprobs=with_logprob, text_in_logprobs=with_text,
+                                top_n=top_n, seconds=seconds))
+        offset += max(o["prompt_index"] for o in answer["outputs"]) + 1
+    return items
+
+
+def output(engine, o: dict, sp: SamplingParams, prompt_tokens: int, *, rid=None,
+           logprobs: bool = False, text_in_logprobs: bool = False, top_n: int = 0,
+           seconds: float = 0.0) -> dict:
+    """One engine output as one SGLang /generate answer object."""
+    ids = o["output_ids"]
+    if o["finish_reason"] == "stop":
+        reason = {"type": "stop", "matched": o.get("matched")}
+    else:
+        reason = {"type": "length", "length": len(ids)}
+    versions = o.get("weight_versions") or []
+    meta = {"id": rid or uuid.uuid4().hex, "finish_reason": reason,
+            "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "cached_tokens": 0,
+            "weight_version": str(min(versions) if versions else engine.version),
+            "weight_versions": versions, "e2e_latency": seconds}
+    piece = (lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)) \
+        if text_in_logprobs and engine.tokenizer is not None else (lambda t: None)
+    if logprobs:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in
+                                         zip(o["output_logprobs"], ids)]
+    if top_n:
+        meta["input_top_logprobs"] = []
+        meta["output_top_logprobs"] = [[[lp, t, piece(t)] for lp, t in step]
+                                       for step in o.get("output_top_logprobs", [])]
+    item = {"output_ids": ids, "meta_info": meta}
+    if engine.tokenizer is not None:
+        item = {"text": completion_text(engine, o, sp), **item}
+    return item
+
+
+def completion_text(engine, o: dict, sp: SamplingParams) -> str:
+    """The output's text: special tokens skipped per ``skip_special_tokens``; a matched stop
+    string and what follows it cut unless ``no_stop_trim``."""
+    text = engine.tokenizer.decode(o["output_ids"], skip_special_tokens=sp.skip_special_tokens)
+    matched = o.get("matched")
+    if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
+        text = text[:text.index(matched)]
+    return text
