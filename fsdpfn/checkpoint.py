@@ -92,7 +92,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from fsdpfn import integrity, lora
 from fsdpfn.errors import CheckpointError
-from fsdpfn.state import EngineState, advance, agree, check_live, stale_reason
+from fsdpfn.agree import agree_on_error, agree_on_error_in_group
+from fsdpfn.state import EngineState, advance, check_live, stale_reason
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "AsyncSave",
            "MARKER", "MANIFEST", "FORMAT"]
@@ -301,24 +302,6 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _agree_on(group, exc: BaseException | None) -> None:
-    """agree() over ``group`` (the async save's own group): every rank raises if one failed."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if exc is not None:
-            raise exc
-        return
-    flag = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, group=group)
-    if int(flag.item()) == 0:
-        return
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, None if exc is None else str(exc), group=group)
-    if exc is not None:
-        raise exc
-    rank, message = next((r, m) for r, m in enumerate(gathered) if m is not None)
-    raise CheckpointError(f"(raised on rank {rank}) {message}")
 
 
 def _broadcast(value):
@@ -628,7 +611,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
                                                  "pid": os.getpid()}).encode())
     except OSError as exc:
         error = _wrap(fn, f"creating {str(tmp)!r}", exc)
-    agree(mesh, error)
+    agree_on_error(mesh, error)
     try:
         rng_file = _rng_file(tmp, _rank())
         rng_file.parent.mkdir(parents=True, exist_ok=True)
@@ -636,7 +619,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     except Exception as exc:  # noqa: BLE001 - OSError, or torch's writer failing (disk full)
         error = _wrap(fn, f"writing {str(tmp / 'rng')!r}", exc)
     try:
-        agree(mesh, error)
+        agree_on_error(mesh, error)
     except BaseException:
         if _rank() == 0:
             _discard(tmp)
@@ -659,7 +642,8 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
         dcp.save(state_dict, checkpoint_id=tmp)
     except _DCP_ERRORS as exc:
         error = _wrap(fn, f"writing {str(tmp)!r}", exc)
-    _finish(tmp, target, token, manifest, keep_last, lambda e: agree(mesh, e), error, sums)
+    _finish(tmp, target, token, manifest, keep_last, lambda e: agree_on_error(mesh, e), error,
+            sums)
     return None
 
 
@@ -673,7 +657,7 @@ def _gather_checksums(state_dict: dict, mesh) -> list | None:
         error = exc
     except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
         error = _wrap("save_checkpoint", "checksumming the state", exc)
-    agree(mesh, error)
+    agree_on_error(mesh, error)
     if _world() == 1:
         return [local]
     gathered = [None] * _world() if _rank() == 0 else None
@@ -693,7 +677,7 @@ def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums) -> As
         staging_error = None
     # staging is local: agree before returning so a failure raises on every rank now
     try:
-        _agree_on(group, staging_error)
+        agree_on_error_in_group(group, staging_error, error_type=CheckpointError)
     except BaseException:
         if _rank() == 0:
             _discard(tmp)
@@ -707,7 +691,8 @@ def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums) -> As
             future.result()
         except _DCP_ERRORS as exc:
             error = _wrap("save_checkpoint", f"writing {str(tmp)!r}", exc)
-        _finish(tmp, target, token, manifest, keep_last, lambda e: _agree_on(group, e), error,
+        _finish(tmp, target, token, manifest, keep_last,
+                lambda e: agree_on_error_in_group(group, e, error_type=CheckpointError), error,
                 sums)
 
     handle._start(body)  # noqa: SLF001
@@ -861,7 +846,9 @@ def _plan_optim(state: EngineState, metadata, root: Path) -> dict:
             staged[sub] = torch.empty((), dtype=md.properties.dtype)
         else:
             _check_tensor(key, md, param.shape, param.dtype, root)
-            staged[sub] = torch.empty_like(param, requires_grad=False)
+            # where the optimizer keeps its state (host memory for the per-layer step)
+            host = getattr(state.optimizer, "empty_state_like", None)
+            staged[sub] = host(param) if host else torch.empty_like(param, requires_grad=False)
     for fqn in params:
         if fqn not in names or not group_keys <= pg_keys.get(fqn, set()):
             raise CheckpointError(
@@ -971,12 +958,12 @@ def _verify(planner: integrity.VerifyingPlanner, plan: _LoadPlan, mesh) -> None:
         local = integrity.local_shares(planner)
     except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
         error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
-    agree(mesh, error)
+    agree_on_error(mesh, error)
     try:
         error = integrity.verify(local, planner, plan.root)
     except Exception as exc:  # noqa: BLE001 - a failure to verify is never a pass
         error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
-    agree(mesh, error)
+    agree_on_error(mesh, error)
 
 
 def _restore_param_groups(optimizer, saved: list) -> None:
@@ -1038,7 +1025,7 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
         planner = _read(plan)
     except _DCP_ERRORS as exc:
         error = _wrap(fn, f"reading {str(plan.root)!r}", exc)
-    agree(state.mesh, error)
+    agree_on_error(state.mesh, error)
     if planner is not None:
         _verify(planner, plan, state.mesh)
 
@@ -1048,7 +1035,7 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     except Exception as exc:  # noqa: BLE001 - cannot happen after the checks; never silently
         error = _wrap(fn, f"applying {str(plan.root)!r} (the state is now partially loaded; "
                           f"build it again with shard_model)", exc)
-    agree(state.mesh, error)
+    agree_on_error(state.mesh, error)
     manifest = plan.manifest
     step = state.step if weights_only else int(manifest["step"])
     version = max(state.version, int(manifest["version"])) + 1
@@ -1264,7 +1251,7 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
         except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear
             error = _wrap(fn, f"writing {str(target)!r}", exc)
     del full
-    agree(state.mesh, error)
+    agree_on_error(state.mesh, error)
 
 
 def _export_adapter(state: EngineState, target: Path, dtype: torch.dtype) -> None:
@@ -1276,4 +1263,4 @@ def _export_adapter(state: EngineState, target: Path, dtype: torch.dtype) -> Non
             _write_adapter(state, tensors, target, dtype)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear
             error = _wrap("export_hf", f"writing {str(target)!r}", exc)
-    agree(state.mesh, error)
+    agree_on_error(state.mesh, error)

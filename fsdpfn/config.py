@@ -151,7 +151,16 @@ class OptimizerConfig:
 
 @attrs.frozen
 class FSDPConfig:
-    """FSDP2 options. wrap_policy: decoder layer class names (None: the model's _no_split_modules)."""
+    """FSDP2 options. wrap_policy: decoder layer class names (None: the model's _no_split_modules).
+
+    ``offload_params``: sharded parameters, gradients and the optimizer step live in (pinned)
+    host memory; FSDP2 copies each unit's parameters to the device for its forward/backward.
+    ``per_layer_optim_step``: the Adam state lives in pinned host memory and is streamed to the
+    device one FSDP unit at a time for the step (fsdpfn.optim_offload.PerLayerAdamW), with
+    ``optim_step_prefetch_layers`` units loaded ahead (the device holds at most 1 + that many
+    units' state); with ``offload_params`` too, parameters and gradients travel with it. Ignored
+    by inference-only engines.
+    """
 
     wrap_policy: tuple[str, ...] | None = attrs.field(default=None, converter=_to_tuple,
                                                       validator=_str_tuple)
@@ -160,6 +169,13 @@ class FSDPConfig:
     memory_efficient_load: bool = attrs.field(default=True, validator=_bool)
     per_layer_optim_step: bool = attrs.field(default=False, validator=_bool)
     optim_step_prefetch_layers: int = attrs.field(default=1, validator=_int(0))
+
+    def __attrs_post_init__(self):
+        if self.optim_step_prefetch_layers != 1 and not self.per_layer_optim_step:
+            raise ConfigError(f"optim_step_prefetch_layers: only used with "
+                              f"per_layer_optim_step=True, got {self.optim_step_prefetch_layers} "
+                              f"with per_layer_optim_step=False (set both, or leave the "
+                              f"prefetch at its default 1)")
 
 
 DEFAULT_MAX_TOKENS_PER_MB = 16384  # the budget the benchmarks measure (BENCHMARKS.md)
@@ -264,6 +280,13 @@ class EngineConfig:
     # entropy, tp) or "liger" (Liger-Kernel's fused linear cross-entropy: CUDA, tp=1; a call that
     # asks for entropy takes the chunked head)
     logprobs_impl: str = attrs.field(default="chunked", validator=_one_of("chunked", "liger"))
+    # per-call stage times, peak memory, tokens/s and MFU in the stats (fsdpfn.timing): CUDA
+    # events read once at the end of a call, no host synchronisation per micro-batch
+    timing: bool = attrs.field(default=True, validator=_bool)
+    # the per-GPU dense matmul rate (TFLOP/s) MFU is quoted against; None: measured once per
+    # process by a GEMM in the compute dtype on CUDA (on CPU, no MFU unless given)
+    peak_tflops: float | None = attrs.field(default=None, converter=_opt_float_conv,
+                                            validator=_float(gt=0, optional=True))
 
     @model_path.validator
     def _check_path(self, attribute, value):

@@ -24,8 +24,10 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.mesh import Mesh
 from fsdpfn.ops.logprobs import vocab_shard_range
 from fsdpfn.optim import KahanAdamW
+from fsdpfn.optim_offload import PerLayerAdamW, fsdp_units
 from fsdpfn.packed import PackedModel
-from fsdpfn.state import EngineState, agree
+from fsdpfn.agree import agree_on_error
+from fsdpfn.state import EngineState
 
 __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
            "kv_heads_of_rank", "build_optimizer", "build_scheduler", "base_model", "torch_dtype",
@@ -77,9 +79,6 @@ def load_hf_config(config: EngineConfig):
 
 def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
     """Options that have a config field but no implementation yet fail loudly, never silently."""
-    if config.fsdp.per_layer_optim_step:
-        raise ConfigError("fsdp.per_layer_optim_step: the streamed per-layer optimizer step is "
-                          "not supported yet, must be False, got True")
     if config.logprobs_impl == "liger":
         from fsdpfn.ops.logprobs import liger_available
 
@@ -421,9 +420,12 @@ def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh)
 
 
 def build_optimizer(model: nn.Module, opt: OptimizerConfig, *,
-                    master_dtype: str = "float32") -> torch.optim.Optimizer:
+                    master_dtype: str = "float32", per_layer: bool = False,
+                    prefetch_layers: int = 1, device=None) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (norm weights and biases are skipped). With bf16
-    master weights, Kahan-compensated AdamW (fsdpfn.optim) so small updates are not lost."""
+    master weights, Kahan-compensated AdamW (fsdpfn.optim) so small updates are not lost.
+    ``per_layer``: the same math with the state in host memory, stepped on ``device`` one FSDP
+    unit at a time (fsdpfn.optim_offload.PerLayerAdamW)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -431,6 +433,10 @@ def build_optimizer(model: nn.Module, opt: OptimizerConfig, *,
     groups = [{"params": decay, "weight_decay": opt.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    if per_layer:
+        return PerLayerAdamW(groups, units=fsdp_units(model), device=device, lr=opt.lr,
+                             betas=opt.betas, eps=opt.eps, prefetch_layers=prefetch_layers,
+                             kahan=master_dtype == "bfloat16")
     if master_dtype == "bfloat16":
         return KahanAdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
     # On CUDA the fused kernel: one launch per tensor list and no temporaries, where the
@@ -472,7 +478,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
         _check_divisibility(hf_config, mesh)
     except ConfigError as exc:
         error = exc
-    agree(mesh, error)
+    agree_on_error(mesh, error)
     cp.register()
     hf_config._attn_implementation = cp.attn_name(mesh.cp)
     dtype = torch_dtype(config.optimizer_dtype)
@@ -501,10 +507,13 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
         _load_weights(model, hf_config, config, mesh)
     except ConfigError as exc:
         error = exc
-    agree(mesh, error)
+    agree_on_error(mesh, error)
     optimizer = scheduler = None
     if config.optimizer is not None:
-        optimizer = build_optimizer(model, config.optimizer, master_dtype=config.optimizer_dtype)
+        optimizer = build_optimizer(model, config.optimizer, master_dtype=config.optimizer_dtype,
+                                    per_layer=config.fsdp.per_layer_optim_step,
+                                    prefetch_layers=config.fsdp.optim_step_prefetch_layers,
+                                    device=mesh.device)
         scheduler = build_scheduler(optimizer, config.optimizer)
     else:
         for param in model.parameters():
