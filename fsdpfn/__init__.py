@@ -31,6 +31,7 @@ _SOURCES = {
     "EngineState": "fsdpfn.state",
     "shard_model": "fsdpfn.shard",
     "forward_logp": "fsdpfn.forward", "compute_values": "fsdpfn.forward",
+    "last_timings": "fsdpfn.timing", "profile": "fsdpfn.profiling",
     "grad_step": "fsdpfn.step", "evaluate": "fsdpfn.step", "StepContext": "fsdpfn.step",
     "shard_batch": "fsdpfn.batch", "gather_batch": "fsdpfn.batch",
     **dict.fromkeys(("save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint"),

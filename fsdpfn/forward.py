@@ -16,6 +16,7 @@ from tensordict import TensorDict
 
 from fsdpfn import keys as K
 from fsdpfn import lora
+from fsdpfn import timing
 from fsdpfn.batch import (Packed, apply_scatter, next_token_targets, pack, plan_microbatches,
                           row_lengths, shift_to_token_aligned, validate_batch)
 from fsdpfn.config import MicroBatchSpec
@@ -206,11 +207,13 @@ def _scatter_outputs(state, batch, fn_name: str, spec: MicroBatchSpec, outs: lis
     here, outside the except block, so the failed pass's tensors are already freed)."""
     failed = None
     for packed in _mb_packs(state, batch, spec):
+        timing.enter("forward")
         try:
             results = model_outputs(state, packed, **kwargs)
         except torch.OutOfMemoryError:
             failed = packed.n_tokens
             break
+        timing.enter("plan")  # unpacking
         if packed.rows.numel():
             for out, x in zip(outs, results):
                 if out is not None:
@@ -228,6 +231,7 @@ def _check_adapters(state, adapters) -> None:
                           "model without its adapters), got a state without lora")
 
 
+@timing.timed("forward_logp", passes=1, attach=False)
 @torch.no_grad()
 def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entropy: bool = False,
                  temperature: float | None = None, mb_spec: MicroBatchSpec | None = None,
@@ -239,6 +243,8 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
     row_index). ``mb_spec`` overrides the state's micro-batching for this call.
     ``adapters=False`` (a state with ``lora``): the frozen base model alone, adapters disabled,
     e.g. ``ref_logp`` for a KL term with one model in memory.
+    With ``EngineConfig.timing``, the call's stage times, peak memory, tokens/s and MFU are
+    kept for ``fsdpfn.last_timings(state)["forward_logp"]`` (the returned batch is unchanged).
     """
     error, spec = None, None
     try:
@@ -268,6 +274,7 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
     return out
 
 
+@timing.timed("compute_values", passes=1, attach=False)
 @torch.no_grad()
 def compute_values(state: EngineState, batch, *, out_key: str = K.VALUES,
                    mb_spec: MicroBatchSpec | None = None):

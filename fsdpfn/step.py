@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from fsdpfn import keys as K
+from fsdpfn import timing
 from fsdpfn.batch import pack, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError, MicroBatchOOMError
@@ -172,11 +173,13 @@ def _reduce_stats(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
 def _micro_step(state: EngineState, mb, rows, packed, loss_fn, ctx: StepContext, *,
                 with_entropy: bool, temperature: float, backward: bool) -> dict:
     """Forward (and backward) of one micro-batch; its stats as 0-dim tensors (loss first)."""
+    timing.enter("forward")
     outputs = _outputs(state, packed, with_entropy=with_entropy, temperature=temperature)
     loss_sum, stats = loss_fn(outputs, select_rows(mb, rows).to(state.mesh.device), ctx)
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0:
         raise ConfigError(f"loss_fn: must return a 0-dim tensor loss sum, got {loss_sum!r}")
     if backward:
+        timing.enter("backward")
         (loss_sum / ctx.denominator).backward()
     return {name: torch.as_tensor(value).detach().float().reshape(())
             for name, value in {"loss": loss_sum, **dict(stats)}.items()}
@@ -192,7 +195,9 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     failed pass's tensors are gone (outside the except block), gradients dropped and cached
     memory released: no optimizer step has run, so the state is unchanged.
     """
+    timing.enter("comm")
     n_tokens, n_seqs, n_rows = _global_counts(state, mb)
+    timing.enter("plan")
     denom = _denominator(normalizer, n_tokens, n_seqs, n_rows)
     ctx = StepContext(mesh=state.mesh, n_tokens=n_tokens, n_sequences=n_seqs, n_rows=n_rows,
                       normalizer=normalizer, denominator=denom, **ctx_fields)
@@ -202,8 +207,10 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     for rows in plan(state, mb, group_size=group_size, mb_spec=spec):
         if not rows:
             if backward:
+                timing.enter("backward")
                 _dummy_loss(state, empty_packed(mb), with_entropy, temperature).backward()
             continue
+        timing.enter("plan")
         packed = pack(mb, rows=rows)
         try:
             stats = _micro_step(state, mb, rows, packed, loss_fn, ctx, with_entropy=with_entropy,
@@ -219,6 +226,7 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     if failed is not None:
         release_memory(state)
         raise oom_error(state, fn_name, failed, spec)
+    timing.enter("comm")
     return _reduce_stats(sums, maxes, denom, state), n_tokens
 
 
@@ -235,6 +243,7 @@ def _check_common(state, optimizer_steps, normalizer, group_size, fn_name, needs
                           f"optimizer=None (inference only)")
 
 
+@timing.timed("grad_step", passes=3, attach=True, step=True)
 def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: int = 1,
               normalizer: str = "tokens", require: Sequence[str] = (K.LOSS_MASK,),
               why: dict | None = None, group_size: int = 1, pairs: bool = False,
@@ -246,7 +255,10 @@ def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: 
 
     Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks): the
     loss_fn's keys, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``skipped`` (optimizer steps
-    skipped for a non-finite gradient norm) and ``steps`` (optimizer steps taken).
+    skipped for a non-finite gradient norm) and ``steps`` (optimizer steps taken); with
+    ``EngineConfig.timing`` also ``time_plan``, ``time_forward``, ``time_backward``,
+    ``time_optimizer``, ``time_comm``, ``time_total`` (seconds), ``peak_memory_gb``,
+    ``tokens_per_s`` and ``mfu`` (when a peak rate is known): see fsdpfn.timing.
     ``mb_spec`` overrides ``state.config.mb_spec`` for this call. A micro-batch that runs out of
     device memory raises MicroBatchOOMError with gradients dropped and memory released:
     ``state`` is then not donated and can be retried, e.g. with a smaller ``mb_spec``; only when
@@ -282,6 +294,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: 
             if not taken:
                 raise
             raise _oom_after_steps(state, fn_name, exc, spec, taken) from None
+        timing.enter("optimizer")
         norm = global_grad_norm(model, state.mesh)
         finite = bool(torch.isfinite(norm).item())  # same value on every rank: one verdict
         if finite:
@@ -311,6 +324,7 @@ def _oom_after_steps(state: EngineState, fn_name: str, exc: MicroBatchOOMError,
     return error
 
 
+@timing.timed("evaluate", passes=1, attach=True)
 @torch.no_grad()
 def evaluate(state: EngineState, batch, loss_fn: Callable, *, normalizer: str = "tokens",
              require: Sequence[str] = (K.LOSS_MASK,), why: dict | None = None, group_size: int = 1,

@@ -12,6 +12,7 @@ import torch
 
 import fsdpfn as ff
 from fsdpfn import keys as K
+from fsdpfn import timing
 from fsdpfn.testing import random_batch, tiny_qwen2_config
 
 CONFIGS = [
@@ -64,7 +65,7 @@ def test_corrections_dp2_equal_dp1(spmd1, spmd2):
     assert two[0] == two[1]  # identical on all ranks
     for kwargs, a, b in zip(CONFIGS, one, two[0]):
         assert DIAGNOSTICS <= set(a) and set(a) == set(b), (kwargs, DIAGNOSTICS - set(a))
-        for key in a:
+        for key in a.keys() - timing.KEYS:  # measured times differ from run to run
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (kwargs, key, a[key], b[key])
     masked = [s["behav_mask_frac"] for s in one[3:6]]
     assert all(0.0 < m < 1.0 for m in masked), masked  # the masks did drop some tokens, not all
