@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import attrs
 import torch
@@ -13,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdpfn.config import ParallelStrategy
 from fsdpfn.errors import ConfigError
+from fsdpfn.ports import free_port
 
 __all__ = ["Mesh", "build_mesh", "resolve_strategy"]
 
@@ -81,12 +81,6 @@ def resolve_strategy(strategy: ParallelStrategy, world_size: int) -> ParallelStr
     return strategy
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_process_group(device_type: str) -> None:
     backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=float(os.environ.get("FSDPFN_PG_TIMEOUT", 1800)))
@@ -95,7 +89,7 @@ def _init_process_group(device_type: str) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout)
     else:  # a plain `python script.py`: a one-rank group
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1, timeout=timeout)
 
 

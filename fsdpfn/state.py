@@ -15,14 +15,14 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fsdpfn.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import StaleStateError
 from fsdpfn.mesh import Mesh
 
-__all__ = ["EngineState", "Lease", "advance", "check_live", "agree", "local_tensor",
+__all__ = ["EngineState", "Lease", "advance", "check_live", "local_tensor",
            "param_index"]
 
 
@@ -138,34 +138,12 @@ def stale_reason(state: EngineState, fn_name: str) -> str | None:
     return None
 
 
-def agree(mesh: Mesh | None, exc: BaseException | None) -> None:
-    """Collective verdict: if any rank has an error, every rank raises (no rank is left waiting).
-
-    Ranks with their own error raise it; the others raise the same type naming the failing rank.
-    """
-    if mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
-        if exc is not None:
-            raise exc
-        return
-    flag = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag)  # on the default group: every rank of the job takes part
-    if int(flag.item()) == 0:
-        return
-    payload = None if exc is None else (type(exc), str(exc))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, payload)
-    if exc is not None:
-        raise exc
-    rank, (etype, message) = next((r, p) for r, p in enumerate(gathered) if p is not None)
-    raise etype(f"(raised on rank {rank}) {message}")
-
-
 def check_live(state: EngineState, fn_name: str, *, local_error: BaseException | None = None,
                collective: bool = True) -> None:
     """Raise StaleStateError (or ``local_error``) on every rank if any rank finds a problem."""
     reason = stale_reason(state, fn_name)
     exc = StaleStateError(reason) if reason is not None else local_error
-    agree(state.mesh if collective and isinstance(state, EngineState) else None, exc)
+    agree_on_error(state.mesh if collective and isinstance(state, EngineState) else None, exc)
 
 
 def advance(state: EngineState, fn_name: str, *, steps: int = 0, weights_changed: bool = True,

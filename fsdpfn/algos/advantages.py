@@ -28,7 +28,7 @@ from fsdpfn.batch import check_groups, validate_batch
 from fsdpfn.config import AdvantageConfig
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.mesh import Mesh
-from fsdpfn.state import agree
+from fsdpfn.agree import agree_on_error
 from fsdpfn.ops import gae, group_advantages, kl, kl_in_reward, scale_rewards, whiten
 
 __all__ = ["compute_advantages"]
@@ -130,7 +130,7 @@ def compute_advantages(batch, config: AdvantageConfig, *, mesh: Mesh | None = No
         groups = _check(batch, config, mesh)
     except (BatchError, ConfigError) as exc:
         error = exc
-    agree(mesh if isinstance(mesh, Mesh) else None, error)
+    agree_on_error(mesh if isinstance(mesh, Mesh) else None, error)
     all_reduce = _dp_sum(mesh)
     mask = batch[K.LOSS_MASK]
     rewards = scale_rewards(batch[K.REWARDS], scale=config.reward_scale, bias=config.reward_bias,

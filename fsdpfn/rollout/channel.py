@@ -1,4 +1,4 @@
-"""The server's end of the update channel (protocol: fsdpfn/weights/channel.py).
+"""The server's end of the update channel (protocol: fsdpfn/wire/frames.py).
 
 A listening socket beside the HTTP port; each connection gets a thread. A connection first
 attaches to a weights-update group (it is closed when the server drops that group), then carries
@@ -12,8 +12,10 @@ from __future__ import annotations
 import socket
 import threading
 
-from fsdpfn.rollout.engine import RolloutEngine, UpdateError, _Layout
-from fsdpfn.weights.channel import recv_frame, send_frame
+from fsdpfn.rollout.engine import RolloutEngine
+from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.staging import Layout
+from fsdpfn.wire.frames import recv_frame, send_frame
 
 __all__ = ["UpdateChannel"]
 
@@ -49,7 +51,7 @@ class UpdateChannel:
                              name="fsdpfn-update-channel-conn").start()
 
     def _serve(self, conn: socket.socket) -> None:
-        layouts: dict[int, _Layout] = {}
+        layouts: dict[int, Layout] = {}
         group = None  # the group this connection is attached to (it closes with the group)
         try:
             while True:
@@ -81,13 +83,13 @@ class UpdateChannel:
             conn.close()
 
     def _update(self, conn: socket.socket, group: str | None, message: dict,
-                layouts: dict[int, _Layout]) -> dict:
+                layouts: dict[int, Layout]) -> dict:
         if group is None or message.get("group_name") != group:
             raise UpdateError(f"group_name: must be the group this channel is attached to, got "
                               f"{message.get('group_name')!r}", 409)
         key = message.get("layout_id")
         if message.get("buckets") is not None:
-            layouts[key] = _Layout(self.engine, message["buckets"])
+            layouts[key] = Layout(self.engine, message["buckets"])
         layout = layouts.get(key)
         if layout is None:
             raise UpdateError(f"layout_id: must name a layout sent earlier on this connection "

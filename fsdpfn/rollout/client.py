@@ -24,7 +24,7 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
     prompt_index, output_ids, output_logprobs (the behav_logp of each sampled token),
     finish_reason}]}. temperature 0 is greedy. A failure raises WeightSyncError (the server's
     message, or why it could not be reached); bad arguments raise ConfigError."""
-    from fsdpfn.weights.http import call
+    from fsdpfn.wire.http import call
 
     if not isinstance(prompts, Sequence) or not prompts or not all(
             isinstance(p, Sequence) and len(p) > 0 for p in prompts):

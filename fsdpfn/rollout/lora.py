@@ -39,7 +39,7 @@ class _Slot:
 
 
 def _error(message: str, status: int = 400):
-    from fsdpfn.rollout.engine import UpdateError
+    from fsdpfn.rollout.errors import UpdateError
 
     return UpdateError(message, status)
 

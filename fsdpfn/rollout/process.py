@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,13 +19,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from fsdpfn.ports import free_port
+
 __all__ = ["RolloutProcess", "launch_server", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RolloutProcess:

@@ -13,7 +13,7 @@
 | POST /destroy_weights_update_group | {group_name} | {success} |
 | POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit}, or the whole update at once: {buckets: [{names, dtypes, shapes}], group_name, weight_version, update_id, pause_generation, load_format} | {success, weight_version, weights_checksum (on commit), message, seconds} |
 | POST /update_weights_from_disk | {model_path, weight_version (an int, or a string of one), flush_cache, verify_checksums} | same, plus SGLang's num_paused_requests |
-| POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: tensors in a device buffer of a process on this GPU (fsdpfn.weights.ipc) | same |
+| POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: tensors in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | same |
 | POST /pause_generation, POST /continue_generation | {mode} | SGLang's {message, status: "ok"}, plus success; a pause drains (nothing is aborted) |
 | POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py) |
 | POST /unload_lora_adapter | {lora_name} | same: the base weights served again |

@@ -20,10 +20,11 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable
+
+from fsdpfn.ports import free_port
 
 __all__ = ["run_spmd", "SpmdPool", "SpmdError", "SpmdTimeout"]
 
@@ -34,12 +35,6 @@ class SpmdError(AssertionError):
 
 class SpmdTimeout(SpmdError):
     """The ranks did not finish in time (a hang, or a too-short timeout)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, pg_timeout: float, conn) -> None:
@@ -79,7 +74,7 @@ class SpmdPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(rank, self.world_size, port,

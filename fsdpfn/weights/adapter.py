@@ -28,9 +28,9 @@ from typing import Sequence
 from fsdpfn import lora
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.state import EngineState
-from fsdpfn.weights.gather import guard, is_pusher, share
-from fsdpfn.weights.http import call
-from fsdpfn.weights.protocol import dtype_from_name
+from fsdpfn.agree import capture_error, is_rank_zero, share_from_rank_zero
+from fsdpfn.wire.http import call
+from fsdpfn.wire.protocol import dtype_from_name
 
 __all__ = ["AdapterTarget"]
 
@@ -70,14 +70,14 @@ class AdapterTarget:
             raise WeightSyncError("push_weights: AdapterTarget needs a state built with "
                                   "EngineConfig.lora, got one without adapters (push full "
                                   "weights with a RolloutTarget)")
-        pusher = is_pusher()
+        pusher = is_rank_zero()
         tensors = lora.gather_adapters(state.model, device=state.mesh.device, keep=pusher)
         n_bytes = sum(t.numel() * self.dtype.itemsize for t in tensors.values())
         error = None
         if pusher:
-            _, error = guard(lambda: self._publish_and_load(state, tensors),
+            _, error = capture_error(lambda: self._publish_and_load(state, tensors),
                                   "publishing the adapters")
-        share(None, error)
+        share_from_rank_zero(None, error)
         return len(lora.adapter_params(state.model)), n_bytes
 
     def _publish_and_load(self, state: EngineState, tensors: dict) -> None:

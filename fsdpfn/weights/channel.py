@@ -7,7 +7,7 @@ no HTTP request at all: one message out (the update, its bucket layout sent once
 connection and then named by id), an acceptance back before any byte is broadcast, and the
 answer after the commit.
 
-Frames: 4-byte big-endian length, then a UTF-8 JSON object. Trainer -> server:
+Frames (fsdpfn.wire.frames, which both ends import): 4-byte big-endian length, then a UTF-8 JSON object. Trainer -> server:
 
     {"op": "attach", "group_name": g}                       -> {"success", "server_id"}
     {"op": "update", "layout_id": k, "buckets": [...]?,     -> {"accepted": true} or a failure,
@@ -23,46 +23,14 @@ waiting for a timeout.
 
 from __future__ import annotations
 
-import json
 import select
 import socket
-import struct
 import time
 
 from fsdpfn.errors import WeightSyncError
+from fsdpfn.wire.frames import MAX_FRAME, recv_frame, send_frame
 
 __all__ = ["send_frame", "recv_frame", "Channel", "MAX_FRAME"]
-
-MAX_FRAME = 64 << 20  # a layout of many thousand tensors is well under this
-_HEADER = struct.Struct(">I")
-
-
-def send_frame(sock: socket.socket, message: dict) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(n - got)
-        if not chunk:
-            raise ConnectionError("the connection was closed by the other end")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def recv_frame(sock: socket.socket) -> dict:
-    """One message (blocking, within the socket's timeout); ConnectionError on EOF, ValueError on
-    a malformed frame."""
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if length > MAX_FRAME:
-        raise ValueError(f"frame length must be <= {MAX_FRAME} bytes, got {length}")
-    message = json.loads(_recv_exact(sock, length))
-    if not isinstance(message, dict):
-        raise ValueError(f"a frame must hold a JSON object, got {type(message).__name__}")
-    return message
 
 
 class Channel:

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.state import EngineState, agree
-from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets,
-                                   weight_params)
-from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, MANIFEST, combine_checksums,
+from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
+from fsdpfn.state import EngineState
+from fsdpfn.weights.gather import Bucket, gather_and_send, plan_buckets, weight_params
+from fsdpfn.wire.protocol import (DEFAULT_BUCKET_BYTES, MANIFEST, combine_checksums,
                                      dtype_from_name, dtype_name, sha256_of,
                                      tensor_checksum, write_manifest)
 
@@ -73,9 +73,9 @@ class DiskTarget:
         final, n_tensors, n_bytes, _ = write_version(state, self.root, dtype=dtype,
                                                      bucket_bytes=self.bucket_bytes)
         error = None
-        if is_pusher():
-            _, error = guard(lambda: rotate(self.root, self.keep_last), "rotating old versions")
-        agree(state.mesh, error)
+        if is_rank_zero():
+            _, error = capture_error(lambda: rotate(self.root, self.keep_last), "rotating old versions")
+        agree_on_error(state.mesh, error)
         return n_tensors, n_bytes
 
 
@@ -149,16 +149,16 @@ def write_version(state: EngineState, root: Path, *, dtype: torch.dtype,
     final = root / f"v{state.version}"
     tmp = root / f".tmp-v{state.version}-{uuid.uuid4().hex[:8]}"
     writer, error = None, None
-    if is_pusher():
+    if is_rank_zero():
         def prepare():
             tmp.mkdir(parents=True)
             _write_config(state, tmp, dtype)
             return _Writer(tmp, len(buckets))
-        writer, error = guard(prepare, f"creating {str(tmp)!r}")
-    agree(state.mesh, error)
+        writer, error = capture_error(prepare, f"creating {str(tmp)!r}")
+    agree_on_error(state.mesh, error)
     checksum = 0
     try:
-        drive(state, dict(params), buckets, writer, gather_device=state.mesh.device,
+        gather_and_send(state, dict(params), buckets, writer, gather_device=state.mesh.device,
               out_device=torch.device("cpu"), flat=False)
         error = None
         if writer is not None:
@@ -169,8 +169,8 @@ def write_version(state: EngineState, root: Path, *, dtype: torch.dtype,
                                weights_checksum=combine_checksums(writer.checksums))
                 _publish(tmp, final)
                 return combine_checksums(writer.checksums)
-            checksum, error = guard(commit, f"publishing {str(final)!r}")
-        agree(state.mesh, error)
+            checksum, error = capture_error(commit, f"publishing {str(final)!r}")
+        agree_on_error(state.mesh, error)
     finally:
         if writer is not None:
             writer.close()

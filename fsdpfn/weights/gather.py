@@ -12,7 +12,7 @@ rank at the same bucket and none is left in a gather.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -20,14 +20,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdpfn import lora
+from fsdpfn import timing
 from fsdpfn.errors import WeightSyncError
-from fsdpfn.state import EngineState, agree, param_index
-from fsdpfn.weights.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
+from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
+from fsdpfn.state import EngineState, param_index
+from fsdpfn.wire.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
 
 __all__ = ["TensorSpec", "Bucket", "weight_params", "weights_and_layout", "plan_buckets",
-           "gather_bucket",
-           "is_pusher",
-           "Sender", "drive", "guard", "share"]
+           "gather_bucket", "Sender", "gather_and_send"]
 
 
 @attrs.frozen
@@ -62,11 +62,6 @@ class Bucket:
         """names, dtypes, shapes: what is advertised ahead of the bytes."""
         return {"names": self.names, "dtypes": [dtype_name(s.dtype) for s in self.specs],
                 "shapes": [list(s.shape) for s in self.specs]}
-
-
-def is_pusher() -> bool:
-    """Trainer rank 0 (of the default group) talks to the receivers; the others only gather."""
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def weight_params(state: EngineState) -> list[tuple[str, torch.nn.Parameter]]:
@@ -260,7 +255,7 @@ def gather_bucket(params: dict[str, torch.Tensor], bucket: Bucket, *,
     Parameters a rank holds whole are cast straight into the buffer; FSDP-sharded ones are made
     whole by one all-gather per bucket; any other layout goes through DTensor.full_tensor. The
     order of collectives is the bucket's, the same on every rank."""
-    with torch.no_grad():
+    with torch.no_grad(), timing.region("gather"):  # PushReceipt.gather_s
         return _gather_bucket(params, bucket, device, keep)
 
 
@@ -309,25 +304,14 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
 class Sender(Protocol):
     """What a transport does on rank 0: start a bucket (returns a handle), finish it (raises
     WeightSyncError). Only rank 0 calls these. With ``start_before_finish`` the driver starts
-    buckets before finishing the ones before them (see drive); else after."""
+    buckets before finishing the ones before them (see gather_and_send); else after."""
 
     def start(self, bucket: Bucket, data: Any) -> Any: ...
 
     def finish(self, handle: Any) -> None: ...
 
 
-def guard(fn: Callable[[], Any], what: str) -> tuple[Any, WeightSyncError | None]:
-    """Run ``fn`` on rank 0; any failure becomes a WeightSyncError to be agreed on."""
-    try:
-        return fn(), None
-    except WeightSyncError as exc:
-        return None, exc
-    except Exception as exc:  # noqa: BLE001 - a bug or I/O error on rank 0 must not hang others
-        return None, WeightSyncError(f"push_weights: {what} failed on trainer rank 0: "
-                                     f"{type(exc).__name__}: {exc}")
-
-
-def drive(state: EngineState, params: dict[str, torch.Tensor], buckets: list[Bucket],
+def gather_and_send(state: EngineState, params: dict[str, torch.Tensor], buckets: list[Bucket],
           sender: Sender | None, *, gather_device: torch.device, out_device: torch.device,
           flat: bool) -> None:
     """Gather every bucket on every rank, overlapped with rank 0 sending the ones before.
@@ -339,7 +323,7 @@ def drive(state: EngineState, params: dict[str, torch.Tensor], buckets: list[Buc
     (gathered while k-1 is on the wire). After each bucket every rank takes part in one verdict
     (rank 0's error or None); a failure raises WeightSyncError on every rank at the same
     bucket."""
-    pusher = is_pusher()
+    pusher = is_rank_zero()
     early = bool(getattr(sender, "start_before_finish", False))
     budget = 2 * max((b.nbytes for b in buckets), default=0)
     pending: list[tuple[Any, Bucket]] = []
@@ -349,7 +333,7 @@ def drive(state: EngineState, params: dict[str, torch.Tensor], buckets: list[Buc
         nonlocal in_flight
         handle, done = pending.pop(0)
         in_flight -= done.nbytes
-        return guard(lambda: sender.finish(handle), f"bucket {done.index}")[1]
+        return capture_error(lambda: sender.finish(handle), f"bucket {done.index}")[1]
 
     for bucket in buckets:
         error = None
@@ -363,29 +347,14 @@ def drive(state: EngineState, params: dict[str, torch.Tensor], buckets: list[Buc
             data = buf.to(out_device) if flat else [
                 buf[o:o + s.nbytes].view(s.dtype).view(s.shape).to(out_device, copy=True)
                 for s, o in zip(bucket.specs, bucket.offsets)]
-            handle, error = guard(lambda: sender.start(bucket, data), f"bucket {bucket.index}")
+            handle, error = capture_error(lambda: sender.start(bucket, data), f"bucket {bucket.index}")
             if error is None:
                 pending.append((handle, bucket))
                 in_flight += bucket.nbytes
             del data
         del buf
-        agree(state.mesh, error)
+        agree_on_error(state.mesh, error)
     error = None
     while pusher and pending and error is None:
         error = finish_oldest()
-    agree(state.mesh, error)
-
-
-def share(value: Any, error: WeightSyncError | None) -> Any:
-    """Rank 0's (value, error) on every rank (one collective); raises WeightSyncError on every
-    rank when rank 0 has an error. Other ranks pass (None, None)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [value, None if error is None else str(error)]
-        dist.broadcast_object_list(box, src=0)
-        value, message = box
-        if message is not None:
-            raise error if error is not None else WeightSyncError(
-                f"(raised on rank 0) {message}")
-    elif error is not None:
-        raise error
-    return value
+    agree_on_error(state.mesh, error)

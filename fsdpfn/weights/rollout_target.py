@@ -65,14 +65,16 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fsdpfn.errors import ConfigError, WeightSyncError
-from fsdpfn.state import EngineState, agree
+from fsdpfn.agree import (agree_on_error, capture_error, is_rank_zero,
+                          share_from_rank_zero)
+from fsdpfn.ports import free_port
+from fsdpfn.state import EngineState
 from fsdpfn.weights.disk import rotate, write_version
-from fsdpfn.weights.gather import (Bucket, drive, guard, is_pusher, plan_buckets, share,
-                                   weights_and_layout)
+from fsdpfn.weights.gather import Bucket, gather_and_send, plan_buckets, weights_and_layout
 from fsdpfn.weights.channel import Channel
-from fsdpfn.weights.http import Call, call
+from fsdpfn.wire.http import Call, call
 from fsdpfn.weights.sglang import is_sglang, make_sglang_group, server_ranks
-from fsdpfn.weights.protocol import (DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES, broadcast,
+from fsdpfn.wire.protocol import (DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES, broadcast,
                                      combine_on_device,
                                      dtype_from_name, flat_checksums, make_group, wait_work)
 
@@ -206,9 +208,9 @@ class RolloutTarget:
         clock = self._clock = time.perf_counter()
         self.last_timings = {}
         params, layout = weights_and_layout(state)
-        plan, error = (guard(lambda: self._prepare(state, params, layout), "preparing the push")
-                       if is_pusher() else (None, None))
-        dtype_str, backend, sglang = share(plan, error)
+        plan, error = (capture_error(lambda: self._prepare(state, params, layout), "preparing the push")
+                       if is_rank_zero() else (None, None))
+        dtype_str, backend, sglang = share_from_rank_zero(plan, error)
         dtype = dtype_from_name(dtype_str)
         self.last_timings["prepare"] = time.perf_counter() - clock
         if self.transport == "disk":
@@ -231,7 +233,7 @@ class RolloutTarget:
                         backend: str) -> tuple[int, int]:
         layout_id, buckets = self._plan(params, layout, dtype)
         sender = None
-        if is_pusher():
+        if is_rank_zero():
             if self._channels and all(url in self._channels for url in self.urls):
                 sender = _ChannelSender(self, buckets, state.version, layout_id)
             elif self.one_request and self.pipeline and all(
@@ -242,14 +244,14 @@ class RolloutTarget:
         out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
         try:
             clock = time.perf_counter()
-            drive(state, dict(params), buckets, sender, gather_device=state.mesh.device,
+            gather_and_send(state, dict(params), buckets, sender, gather_device=state.mesh.device,
                   out_device=out_device, flat=True)
             self.last_timings["transfer"] = time.perf_counter() - clock
             clock = time.perf_counter()
             error = None
             if sender is not None:
-                _, error = guard(sender.conclude, "concluding the push")
-            agree(state.mesh, error)
+                _, error = capture_error(sender.conclude, "concluding the push")
+            agree_on_error(state.mesh, error)
             self.last_timings["conclude"] = time.perf_counter() - clock
         except BaseException:
             if sender is not None:
@@ -268,16 +270,16 @@ class RolloutTarget:
             raise ConfigError(f"transport: 'ipc' shares CUDA memory and this trainer runs on "
                               f"{state.mesh.device_type}; use 'broadcast' or 'disk', got 'ipc'")
         _, buckets = self._plan(params, layout, dtype)
-        sender = IpcSender() if is_pusher() else None
+        sender = IpcSender() if is_rank_zero() else None
         try:
             clock = time.perf_counter()
-            drive(state, dict(params), buckets, sender, gather_device=state.mesh.device,
+            gather_and_send(state, dict(params), buckets, sender, gather_device=state.mesh.device,
                   out_device=state.mesh.device, flat=False)
             error = None
             if sender is not None:
-                _, error = guard(lambda: self._load_ipc(sender, state.version),
+                _, error = capture_error(lambda: self._load_ipc(sender, state.version),
                                  "updating over CUDA IPC")
-            agree(state.mesh, error)
+            agree_on_error(state.mesh, error)
             self.last_timings["transfer"] = time.perf_counter() - clock
         finally:
             if sender is not None:
@@ -285,7 +287,7 @@ class RolloutTarget:
         return sum(len(b.specs) for b in buckets), sum(sum(b.sizes) for b in buckets)
 
     def _load_ipc(self, sender, version: int) -> None:
-        from fsdpfn.weights.protocol import combine_checksums
+        from fsdpfn.wire.protocol import combine_checksums
 
         torch.cuda.current_stream().synchronize()  # the buffers are complete before any read
         payload = {"buckets": sender.buckets, "weight_version": version,
@@ -303,13 +305,13 @@ class RolloutTarget:
         final, n_tensors, n_bytes, checksum = write_version(
             state, self.disk_root, dtype=dtype, bucket_bytes=self.bucket_bytes)
         error = None
-        if is_pusher():
+        if is_rank_zero():
             load = self._load_from_disk_sglang if sglang else self._load_from_disk
-            _, error = guard(lambda: load(final, state.version, checksum), "loading from disk")
+            _, error = capture_error(lambda: load(final, state.version, checksum), "loading from disk")
             if error is None:
-                _, error = guard(lambda: rotate(self.disk_root, self.keep_last),
+                _, error = capture_error(lambda: rotate(self.disk_root, self.keep_last),
                                  "rotating old versions")
-        agree(state.mesh, error)
+        agree_on_error(state.mesh, error)
         if sglang:
             self._probe(state, dtype)
         return n_tensors, n_bytes
@@ -321,17 +323,17 @@ class RolloutTarget:
         from fsdpfn.weights.sglang import SGLangSender
 
         _, buckets = self._plan(params, layout, dtype)
-        sender = SGLangSender(self, buckets, state.version) if is_pusher() else None
+        sender = SGLangSender(self, buckets, state.version) if is_rank_zero() else None
         out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
         try:
             clock = time.perf_counter()
-            drive(state, dict(params), buckets, sender, gather_device=state.mesh.device,
+            gather_and_send(state, dict(params), buckets, sender, gather_device=state.mesh.device,
                   out_device=out_device, flat=True)
             self.last_timings["transfer"] = time.perf_counter() - clock
             error = None
             if sender is not None:
-                _, error = guard(sender.conclude, "concluding the push")
-            agree(state.mesh, error)
+                _, error = capture_error(sender.conclude, "concluding the push")
+            agree_on_error(state.mesh, error)
         except BaseException:
             if sender is not None:
                 sender.abandon()
@@ -347,9 +349,9 @@ class RolloutTarget:
         from fsdpfn.weights.sglang import compare_probe, probe_tokens, run_probes
 
         prompt = probe_tokens(state.hf_config.vocab_size)
-        probes, error = (guard(lambda: run_probes(self.urls, prompt, self.timeout_s),
-                               "probing the servers") if is_pusher() else (None, None))
-        probes = share(probes, error)
+        probes, error = (capture_error(lambda: run_probes(self.urls, prompt, self.timeout_s),
+                               "probing the servers") if is_rank_zero() else (None, None))
+        probes = share_from_rank_zero(probes, error)
         rows = [prompt + ids for ids, _ in probes]
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
@@ -362,12 +364,12 @@ class RolloutTarget:
         tol = self.probe_tol if self.probe_tol is not None else \
             (1e-3 if dtype == torch.float32 or dtype == torch.float64 else 0.1)
         error = None
-        if is_pusher():
-            _, error = guard(lambda: [compare_probe(url, prompt, out, served, logp[i], tol)
+        if is_rank_zero():
+            _, error = capture_error(lambda: [compare_probe(url, prompt, out, served, logp[i], tol)
                                       for i, (url, (out, served)) in
                                       enumerate(zip(self.urls, probes))],
                              "comparing the probe")
-        agree(state.mesh, error)
+        agree_on_error(state.mesh, error)
 
     # ------------------------------------------------------------ rank 0: preparation
 
@@ -482,7 +484,7 @@ class RolloutTarget:
     def _init_group(self, backend: str, device: torch.device) -> None:
         self.retire()
         address = self._address()
-        port = self.master_port or _free_port(address)
+        port = self.master_port or free_port(address)
         if self._sglang:
             self._builds += 1  # SGLang keeps a dropped group's name: never reuse one
             self._wire_group = self.group_name if self._builds == 1 else \
@@ -539,7 +541,7 @@ class RolloutTarget:
 
     def close(self) -> None:
         """Rank 0: ask the servers to drop the group (best effort) and forget it."""
-        if is_pusher() and self._group is not None:
+        if is_rank_zero() and self._group is not None:
             for url in self.urls:
                 try:
                     call(url, "/destroy_weights_update_group", {"group_name": self._wire_group},
@@ -621,12 +623,6 @@ class RolloutTarget:
             raise
         self._continue(strict=True)
         check_versions(self.urls, version, self.timeout_s)
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def _precheck(url: str, info: dict, params, dtype: str) -> None:
@@ -816,7 +812,7 @@ class _ChannelSender:
     """Rank 0, over update channels (fsdpfn.rollout): the update message goes out before the
     first bucket is gathered (its layout only the first time); each server checks it and answers
     "accepted" before any byte is broadcast, so a refused update never leaves a server waiting
-    for bytes; the broadcasts follow without waiting for each other (drive's memory bound);
+    for bytes; the broadcasts follow without waiting for each other (gather_and_send's memory bound);
     each server answers once more after its commit. While waiting on the wire the channels are
     watched: a server's failure or exit is seen at once, not at the timeout."""
 

@@ -39,8 +39,8 @@ import torch
 
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.weights.gather import Bucket
-from fsdpfn.weights.http import Call, call
-from fsdpfn.weights.protocol import broadcast, dtype_name, wait_work
+from fsdpfn.wire.http import Call, call
+from fsdpfn.wire.protocol import broadcast, dtype_name, wait_work
 
 __all__ = ["is_sglang", "server_ranks", "make_sglang_group", "SGLangSender", "pack",
            "probe_request", "probe_tokens", "compare_probe", "update_request", "disk_request"]
@@ -126,7 +126,7 @@ def disk_request(model_path: str, *, version: int, flush_cache: bool) -> dict:
 
 
 class SGLangSender:
-    """Rank 0's side of drive() for SGLang servers: one bucket in flight at a time (the driver
+    """Rank 0's side of gather_and_send() for SGLang servers: one bucket in flight at a time (the driver
     gathers the next one meanwhile), generation paused from the first bucket to the end."""
 
     start_before_finish = False

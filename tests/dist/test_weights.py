@@ -23,8 +23,8 @@ import fsdpfn as ff
 from fsdpfn.rollout import launch_server
 from fsdpfn.testing import save_tiny_model, sharded_logits, tiny_qwen2_config
 from fsdpfn.weights import DiskTarget, PushReceipt, RolloutTarget, push_weights
-from fsdpfn.weights.http import call
-from fsdpfn.weights.protocol import MANIFEST, read_manifest
+from fsdpfn.wire.http import call
+from fsdpfn.wire.protocol import MANIFEST, read_manifest
 
 pytestmark = pytest.mark.dist
 

@@ -52,9 +52,12 @@ def test_recipes_accept_lora_in_yaml(cls, name):
     assert serde.from_yaml(f"recipe: {name}\n", cls).lora is None
 
 
-def test_yaml_string_target_modules_is_named_not_split_silently():
-    with pytest.raises(ConfigError, match="lora.target_modules: must be a list"):
-        serde.from_yaml("recipe: grpo\nlora:\n  target_modules: all-linear\n", GRPORecipe)
+def test_yaml_string_target_modules_is_one_name_not_its_characters():
+    cfg = serde.from_yaml("recipe: grpo\nlora:\n  target_modules: all-linear\n", GRPORecipe)
+    assert cfg.lora.target_modules == ("all-linear",)
+    with pytest.raises(ConfigError, match="lora.target_modules: 'all-linear' must stand alone"):
+        serde.from_yaml("recipe: grpo\nlora:\n  target_modules: [all-linear, q_proj]\n",
+                        GRPORecipe)
 
 
 def test_target_names_all_linear_and_unknown_names():

@@ -1,4 +1,4 @@
-"""The push checksum (fsdpfn.weights.protocol) sees order: against an independent reference in
+"""The push checksum (fsdpfn.wire.protocol) sees order: against an independent reference in
 Python integers, as a whole-tensor sum and as a flat bucket's per-tensor sums, and as hypothesis
 properties (a transposition of unequal words changes it; a flat bucket agrees with each tensor)."""
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdpfn.weights.protocol import (bucket_layout, combine_checksums, combine_on_device,
+from fsdpfn.wire.protocol import (bucket_layout, combine_checksums, combine_on_device,
                                      flat_checksums, padded_size, tensor_checksum,
                                      tensor_checksums)
 from fsdpfn.weights.sglang import pack

@@ -21,7 +21,7 @@ from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
 from fsdpfn.rollout.process import free_port
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 from fsdpfn.weights.gather import plan_buckets
-from fsdpfn.weights.protocol import (ALIGN, broadcast, bucket_layout, combine_checksums,
+from fsdpfn.wire.protocol import (ALIGN, broadcast, bucket_layout, combine_checksums,
                                      combine_on_device,
                                      make_group, sha256_of, tensor_checksum, write_manifest)
 

@@ -1,5 +1,5 @@
-"""The update channel (fsdpfn.rollout.channel, fsdpfn.weights.channel) against a real
-RolloutEngine in this process: member 0 of a real gloo group is this test, the engine member 1.
+"""The update channel (fsdpfn.rollout.channel, fsdpfn.weights.channel, fsdpfn.wire.frames)
+against a real RolloutEngine in this process: member 0 of a real gloo group is this test, the engine member 1.
 
 What it must show: an update is accepted before any byte moves and lands exactly (checksum of
 what was sent, the served parameters equal, the version moves); a layout is sent once per
@@ -24,8 +24,9 @@ from fsdpfn.rollout import RolloutEngine
 from fsdpfn.rollout.channel import UpdateChannel
 from fsdpfn.rollout.process import free_port
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
-from fsdpfn.weights.channel import Channel, recv_frame, send_frame
-from fsdpfn.weights.protocol import (broadcast, bucket_layout, combine_checksums, make_group,
+from fsdpfn.weights.channel import Channel
+from fsdpfn.wire.frames import recv_frame, send_frame
+from fsdpfn.wire.protocol import (broadcast, bucket_layout, combine_checksums, make_group,
                                      tensor_checksum)
 
 

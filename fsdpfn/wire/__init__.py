@@ -1,0 +1,8 @@
+"""What both ends of a weight push speak: the trainer (fsdpfn.weights) and the rollout server
+(fsdpfn.rollout) import this package, never each other.
+
+protocol  dtype names, the flat-bucket layout, checksums, the disk manifest, the process group
+frames    frames of the update channel (length-prefixed JSON over TCP)
+http      the JSON-over-HTTP client and a thread runner with a deadline
+ipc       CUDA IPC handles as plain JSON
+"""

@@ -1,0 +1,80 @@
+"""The HTTP helpers both ends use: a small JSON-over-HTTP client (stdlib only) whose every failure is a WeightSyncError naming the
+server, the endpoint, and what happened; and a thread runner with a deadline."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable
+
+from fsdpfn.errors import WeightSyncError
+
+__all__ = ["call", "Call"]
+
+# receivers are addressed directly: environment proxies are never used
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def call(url: str, path: str, payload: dict | None = None, *, timeout: float) -> dict:
+    """GET (payload None) or POST JSON; returns the JSON answer or raises WeightSyncError."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url.rstrip("/") + path, data=data,
+                                 headers={"Content-Type": "application/json"},
+                                 method="GET" if payload is None else "POST")
+    where = f"server {url}: {path}"
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        message = exc.read().decode(errors="replace")
+        try:
+            message = json.loads(message).get("message", message)
+        except ValueError:
+            pass
+        raise WeightSyncError(f"{where} answered HTTP {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise WeightSyncError(f"{where} failed: {type(reason).__name__}: {reason} (timeout "
+                              f"{timeout:g} s; is the server running?)") from None
+    try:
+        answer = json.loads(body or b"{}")
+    except ValueError:
+        raise WeightSyncError(f"{where} answered non-JSON: {body[:200]!r}") from None
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise WeightSyncError(f"{where} reported failure: {answer.get('message')}")
+    return answer
+
+
+class Call:
+    """``fn()`` in a daemon thread; ``result(deadline)`` returns it or raises WeightSyncError
+    (its own error, or a timeout naming ``what``)."""
+
+    def __init__(self, fn: Callable[[], Any], what: str):
+        self.what = what
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                        name=f"fsdpfn-push {what}")
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, deadline: float) -> Any:
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            raise WeightSyncError(f"{self.what}: no answer before the deadline (timeout_s)")
+        if self._error is not None:
+            if isinstance(self._error, WeightSyncError):
+                raise self._error
+            raise WeightSyncError(f"{self.what}: {type(self._error).__name__}: {self._error}")
+        return self._value
