@@ -33,9 +33,9 @@ from fsdpfn import timing
 from fsdpfn.batch import pack, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError, MicroBatchOOMError
-from fsdpfn.forward import (empty_packed, model_outputs, oom_error, plan, prepare,
-                            release_memory, resolve_mb_spec)
 from fsdpfn.mesh import Mesh
+from fsdpfn.runner import (empty_packed, model_outputs, oom_error, plan, prepare, release_memory,
+                           resolve_mb_spec)
 from fsdpfn.state import EngineState, advance, check_live
 
 __all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS",

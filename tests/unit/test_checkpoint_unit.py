@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -110,11 +111,11 @@ def test_cleanup_removes_leftovers_of_dead_saves_only(tmp_path):
     target = tmp_path / "step_5"
     dead = C._side_path(target, "tmp", uuid.uuid4().hex)
     dead.mkdir()
-    (dead / C.OWNER).write_text(json.dumps({"host": C.socket.gethostname(),
+    (dead / C.OWNER).write_text(json.dumps({"host": socket.gethostname(),
                                             "pid": _dead_pid()}))
     alive = C._side_path(target, "tmp", uuid.uuid4().hex)
     alive.mkdir()
-    (alive / C.OWNER).write_text(json.dumps({"host": C.socket.gethostname(),
+    (alive / C.OWNER).write_text(json.dumps({"host": socket.gethostname(),
                                              "pid": os.getpid()}))
     elsewhere = C._side_path(target, "tmp", uuid.uuid4().hex)
     elsewhere.mkdir()

@@ -1,0 +1,83 @@
+"""save_checkpoint, load_checkpoint, export_hf: checkpoints that never lose a run.
+
+A checkpoint is a directory written with torch.distributed.checkpoint (DCP): every rank writes its
+own shards, and any mesh shape can load it (dp=2 -> dp=1, dp=1 -> dp=2 x tp=2, ...)::
+
+    <path>/
+      .metadata            DCP metadata: every key's global shape, dtype and chunks
+      __<r>_<i>.distcp     DCP data: model and optimizer shards, written by rank r
+      rng/rank_<r>.pt      rank r's RNG state (torch CPU, CUDA, python random, numpy)
+      fsdpfn.json          manifest: step, version, architecture, optimizer status, LR scheduler
+                           state, ``extra``, the size of every file above, and ``checksums``:
+                           every saved chunk's (sum, position-weighted sum) and a CRC32 of the
+                           pickled items, .metadata and the RNG files (fsdpfn.integrity)
+      COMPLETE             the marker, written last; a directory without it is not a checkpoint
+
+DCP keys are ``model.<fqn>`` (fqn as in ``state.model.state_dict()``, prefix ``lm.``) and torch's
+flattened optimizer state dict under ``optim.``: ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>``
+and ``optim.param_groups.<fqn>.<hyper-parameter>``. Tensors are the fp32 master weights and fp32
+Adam moments (``optimizer_dtype``), saved as sharded DTensors.
+
+Atomic publication: every rank writes into ``<path>.tmp-<token>`` next to the target (rank 0 puts
+an OWNER file there naming its host and pid); rank 0 then records the file sizes in the manifest,
+writes COMPLETE, fsyncs and renames the directory to ``<path>``. An existing checkpoint at ``<path>`` is first renamed aside to ``<path>.old-<token>``
+and deleted after the new one is in place. A crash at any point leaves either the previous
+checkpoint or the new one complete, and no directory that carries COMPLETE without all of its data;
+``load_checkpoint`` of a ``<path>`` whose publication was interrupted between the two renames reads
+the complete sibling. Leftovers (``*.old-*``, ``*.tmp-*`` of processes that died) are removed by
+the next save into the same directory. Saves to the same path must not overlap (``wait()`` an
+asynchronous save before starting the next one to that path). Every rank must see the same file
+system (one host, or a shared file system).
+
+Decisions (documented contract):
+
+* ``load_checkpoint`` returns the successor with the saved ``step`` and
+  ``version = max(state.version, saved version) + 1`` (weights changed, and versions never go
+  back, so a rollout engine never mistakes the loaded weights for ones it holds).
+* A trainable state loading a checkpoint without optimizer state (saved from an inference-only
+  state), and an inference-only state loading one with optimizer state, raise CheckpointError;
+  ``weights_only=True`` loads just the model weights (the state keeps its own optimizer, LR
+  scheduler, step and RNG). A trainable state that never stepped has no Adam moments yet; its
+  checkpoint records that (optimizer status ``empty``) and loading it leaves the optimizer without
+  moments, exactly as saved.
+* RNG: at the saved world size, rank r gets rank r's RNG state back; at another world size rank r
+  gets saved rank (r mod saved world size)'s.
+* ``extra`` must be JSON that round-trips unchanged (dict with str keys; lists, not tuples); rank
+  0's is stored and every rank gets it back (``{}`` when none was saved).
+* Everything the load reads is checked before anything changes: the marker, the manifest, every
+  file's size, every byte of data against the checksums recorded at save (a chunk that differs,
+  or that torch's loader cannot read, raises CheckpointError naming the file and the tensor; at
+  any world size: each rank sums the parts of saved chunks it reads, on the device, and the
+  parts are added over the ranks), the architecture (model_type, sizes, heads, vocabulary, tied
+  embeddings, critic), and every key's shape and dtype against the DCP metadata (DCP itself
+  would silently cast dtypes and ignore extra keys). The data are read into fresh buffers and
+  applied only after every rank read them, so a failure at any stage leaves the state unchanged
+  and live, on every rank.
+* ``async_save=True`` stages a CPU copy of the state before returning (DCP's stager), then writes
+  and publishes in a background thread over a gloo group of its own; the returned AsyncSave's
+  ``wait()`` (on every rank) returns once published or raises CheckpointError everywhere.
+* ``export_hf`` writes ``config.dtype`` (the compute dtype) by default; ``dtype="float32"`` gives
+  the fp32 master weights exactly.
+* LoRA states (``config.lora``): the checkpoint holds the adapters alone (``model.`` keys of the
+  adapter matrices) and their optimizer state; the frozen base is rebuilt from
+  ``config.model_path`` by shard_model. ``export_hf`` writes peft's adapter directory, or with
+  ``merged=True`` the HF model with the adapters folded in.
+
+The package, by stage: ``files`` (layout, file-system helpers, atomic publication,
+``latest_checkpoint``), ``save`` (manifest, RNG, ``save_checkpoint``, ``AsyncSave``), ``load``
+(``load_checkpoint``) and ``export`` (``export_hf``).
+"""
+
+from __future__ import annotations
+
+# the underscored names are re-exported for the unit tests and the checkpoint benchmark
+from fsdpfn.checkpoint.export import _check_export_target, _shard_bytes, export_hf  # noqa: F401
+from fsdpfn.checkpoint.files import (FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER, _cleanup,
+                                     _discard, _file_sizes, _is_complete, _publish, _rotate,
+                                     _side_path, latest_checkpoint)
+from fsdpfn.checkpoint.load import _check_files, _resolve, load_checkpoint
+from fsdpfn.checkpoint.save import (AsyncSave, _check_extra, _check_save_args, _to_save,
+                                    save_checkpoint)
+
+__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "AsyncSave",
+           "MARKER", "MANIFEST", "FORMAT"]

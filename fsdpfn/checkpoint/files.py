@@ -1,0 +1,257 @@
+"""Checkpoint layout, file-system helpers and atomic publication (see fsdpfn.checkpoint).
+
+The names of a checkpoint's files, the side directories ``<path>.tmp-<token>`` and
+``<path>.old-<token>`` a save writes into and renames, their cleanup, rotation, and the collective
+helpers every stage shares.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from fsdpfn.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+MANIFEST = "fsdpfn.json"
+OWNER = "OWNER"
+FORMAT = "fsdpfn-checkpoint"
+FORMAT_VERSION = 1
+ARCH_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+               "tie_word_embeddings")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "spiece.model", "vocab.txt", "chat_template.jinja", "chat_template.json")
+_SIDE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>[0-9a-f]{32})$")
+_OPTIM_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_DCP_ERRORS = (Exception, CheckpointException)  # DCP's own exception derives from BaseException
+
+
+# ---------------------------------------------------------------- small file-system helpers
+
+
+def _as_path(path, fn: str) -> Path:
+    if isinstance(path, Path) or (isinstance(path, (str, os.PathLike)) and os.fspath(path)):
+        return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    raise CheckpointError(f"{fn}: path: must be a non-empty str or os.PathLike, got {path!r}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def _side_path(target: Path, kind: str, token: str) -> Path:
+    return target.parent / f"{target.name}.{kind}-{token}"
+
+
+def _read_manifest(path: Path, fn: str = "load_checkpoint") -> dict:
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{fn}: {str(file)!r}: must exist in an fsdpfn checkpoint, got no "
+                              f"such file") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{fn}: {str(file)!r}: must be a readable JSON manifest, got "
+                              f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{fn}: {str(file)!r}: must be an fsdpfn manifest (format "
+                              f"{FORMAT!r}), got format {_get(manifest, 'format')!r}")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{fn}: {str(file)!r}: format_version must be <= "
+                              f"{FORMAT_VERSION} (this fsdpfn), got "
+                              f"{manifest.get('format_version')!r}; upgrade fsdpfn")
+    return manifest
+
+
+def _get(obj, key):
+    return obj.get(key) if isinstance(obj, dict) else None
+
+
+def _is_fsdpfn_checkpoint(path: Path) -> bool:
+    """A directory fsdpfn wrote (complete or not): it carries the marker or the manifest."""
+    if _is_complete(path):
+        return True
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _saved_at(path: Path) -> float:
+    try:
+        return float(json.loads((path / MANIFEST).read_text()).get("saved_at", 0.0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0.0
+
+
+def _discard(path: Path) -> None:
+    """Delete a directory so that no partial state of the deletion looks complete: rename it to
+    a ``.old-`` name (atomic), drop the marker, then remove the rest."""
+    if not _SIDE.match(path.name):
+        aside = _side_path(path, "old", uuid.uuid4().hex)
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        path = aside
+    try:
+        (path / MARKER).unlink()
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _owner_dead(path: Path) -> bool:
+    """True when the process that created this temporary directory is gone (same host)."""
+    try:
+        owner = json.loads((path / OWNER).read_text())
+        host, pid = owner["host"], int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        # no readable owner: a save killed before writing it, or not ours; old enough is stale
+        try:
+            return time.time() - path.stat().st_mtime > 3600
+        except OSError:
+            return False
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _cleanup(parent: Path) -> None:
+    """Remove leftovers of interrupted saves in ``parent``: every ``*.old-*`` directory, and
+    ``*.tmp-*`` directories whose creating process is dead."""
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = _SIDE.match(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        if match["kind"] == "old" or _owner_dead(entry):
+            _discard(entry)
+
+
+def _rotate(parent: Path, keep_last: int, current: Path) -> list[Path]:
+    """Delete fsdpfn checkpoints in ``parent`` beyond the ``keep_last`` most recently saved
+    (manifest ``saved_at``); ``current`` is always kept. Returns the deleted paths."""
+    found = [e for e in parent.iterdir()
+             if e.is_dir() and not _SIDE.match(e.name) and e != current and _is_complete(e)
+             and _is_fsdpfn_checkpoint(e)]
+    found.sort(key=_saved_at, reverse=True)
+    doomed = found[max(keep_last - 1, 0):]
+    for path in doomed:
+        _discard(path)
+    return doomed
+
+
+def _publish(tmp: Path, target: Path, token: str) -> None:
+    """Rename the complete ``tmp`` to ``target``; an existing target is set aside, then deleted."""
+    aside = None
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        aside = _side_path(target, "old", token)
+        os.rename(target, aside)
+    os.rename(tmp, target)  # replaces an empty directory atomically
+    _fsync_dir(target.parent)
+    if aside is not None:
+        _discard(aside)
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    sizes = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            if rel not in (MANIFEST, MARKER, OWNER):
+                sizes[rel] = full.stat().st_size
+    return dict(sorted(sizes.items()))
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The most recently saved complete fsdpfn checkpoint directly under ``root`` (None if none).
+
+    Use it to resume: ``ckpt = latest_checkpoint(run_dir); if ckpt: state, extra =
+    load_checkpoint(state, ckpt)``.
+    """
+    root = _as_path(root, "latest_checkpoint")
+    if not root.is_dir():
+        return None
+    found = [e for e in root.iterdir() if e.is_dir() and not _SIDE.match(e.name)
+             and _is_complete(e) and _is_fsdpfn_checkpoint(e)]
+    return max(found, key=_saved_at) if found else None
+
+
+# ---------------------------------------------------------------- collective helpers
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _broadcast(value):
+    if _world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines[:3])[:600]}"
+
+
+def _wrap(fn: str, what: str, exc: BaseException) -> CheckpointError:
+    """A CheckpointError from any exception, DCP's CheckpointException (a BaseException holding
+    each failing rank's exception) included."""
+    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
+    if isinstance(failures, dict) and failures:
+        named = [f[0] for _, f in sorted(failures.items()) if isinstance(f[0], CheckpointError)]
+        if named:  # fsdpfn's own verdict from inside DCP (a file named): pass it on as it is
+            return CheckpointError(str(named[0]))
+        detail = "; ".join(f"rank {rank}: {_one_line(failure[0])}"
+                           for rank, failure in sorted(failures.items())[:4])
+    else:
+        detail = _one_line(exc)
+    return CheckpointError(f"{fn}: {what}: failed ({detail})")

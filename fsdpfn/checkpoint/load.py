@@ -1,0 +1,367 @@
+"""load_checkpoint: check everything a checkpoint holds, read it, then apply it."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from fsdpfn import integrity
+from fsdpfn.agree import agree_on_error
+from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _DCP_ERRORS, _OPTIM_FLAT, _SIDE, _as_path,
+                                     _get, _is_complete, _rank, _read_manifest, _saved_at, _wrap)
+from fsdpfn.checkpoint.save import _architecture, _model_state, _rng_file, _set_rng_state
+from fsdpfn.errors import CheckpointError
+from fsdpfn.state import EngineState, advance, check_live, stale_reason
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- load
+
+
+def _resolve(path: Path) -> Path:
+    """The complete checkpoint directory to read for ``path`` (see the module docstring)."""
+    fn = "load_checkpoint"
+    if path.is_dir():
+        if _is_complete(path):
+            return path
+        raise CheckpointError(
+            f"{fn}: path {str(path)!r}: must be a complete fsdpfn checkpoint (a directory "
+            f"carrying {MARKER}, written last by save_checkpoint), got a directory without "
+            f"{MARKER}: an interrupted save, a partial copy, or not an fsdpfn checkpoint")
+    if path.exists():
+        raise CheckpointError(f"{fn}: path {str(path)!r}: must be a checkpoint directory, got a "
+                              f"file")
+    siblings = []
+    if path.parent.is_dir():
+        for entry in path.parent.iterdir():
+            match = _SIDE.match(entry.name)
+            if match and match["name"] == path.name and entry.is_dir() and _is_complete(entry):
+                siblings.append(entry)
+    if not siblings:
+        raise CheckpointError(f"{fn}: path {str(path)!r}: must be an existing checkpoint "
+                              f"directory, got a path that does not exist")
+    chosen = max(siblings, key=_saved_at)
+    log.warning("load_checkpoint: %s does not exist; its publication was interrupted, reading "
+                "the complete %s instead", path, chosen)
+    return chosen
+
+
+def _check_files(root: Path, manifest: dict) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CheckpointError(f"load_checkpoint: {str(root / MANIFEST)!r}: files must list "
+                              f"every file with its size, including .metadata, got "
+                              f"{None if not isinstance(files, dict) else sorted(files)[:5]}")
+    for rel, size in files.items():
+        file = root / rel
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"load_checkpoint: {str(file)!r}: must exist ({size} bytes "
+                                  f"when saved), got no such file: the checkpoint is "
+                                  f"incomplete") from None
+        if actual != size:
+            raise CheckpointError(f"load_checkpoint: {str(file)!r}: must have the {size} bytes "
+                                  f"it had when saved, got {actual} bytes: the file is "
+                                  f"truncated or corrupted")
+
+
+def _check_architecture(state: EngineState, manifest: dict, root: Path) -> None:
+    saved = manifest.get("architecture") or {}
+    here = _architecture(state)
+    for key, value in here.items():
+        if key in saved and saved[key] != value:
+            raise CheckpointError(
+                f"load_checkpoint: architecture.{key}: must match the state's, got {saved[key]!r} "
+                f"in {str(root)!r} and {value!r} in the state (model "
+                f"{here['model_type']!r}); load it into a state built from the same model config")
+
+
+def _read_metadata(root: Path):
+    try:
+        return dcp.FileSystemReader(str(root)).read_metadata()
+    except _DCP_ERRORS as exc:
+        raise _wrap("load_checkpoint", f"reading {str(root / '.metadata')!r}", exc) from None
+
+
+def _tensor_md(metadata, key: str, root: Path):
+    md = metadata.state_dict_metadata.get(key)
+    if md is None:
+        return None
+    if not isinstance(md, TensorStorageMetadata):
+        raise CheckpointError(f"load_checkpoint: key {key!r}: must be a tensor in {str(root)!r}, "
+                              f"got {type(md).__name__}")
+    return md
+
+
+def _check_tensor(key: str, md, shape, dtype, root: Path) -> None:
+    if tuple(md.size) != tuple(shape):
+        raise CheckpointError(f"load_checkpoint: key {key!r}: shape must be {tuple(shape)} (the "
+                              f"state's), got {tuple(md.size)} in {str(root)!r}")
+    if md.properties.dtype != dtype:
+        raise CheckpointError(f"load_checkpoint: key {key!r}: dtype must be {dtype} (the state's; "
+                              f"DCP would cast silently), got {md.properties.dtype} in "
+                              f"{str(root)!r}")
+
+
+def _plan_model(state: EngineState, metadata, root: Path) -> dict:
+    model_sd = _model_state(state)
+    saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    missing = sorted(set(model_sd) - saved)
+    unexpected = sorted(saved - set(model_sd))
+    if missing or unexpected:
+        raise CheckpointError(f"load_checkpoint: model keys: must match the state's, got "
+                              f"{len(missing)} missing (e.g. {missing[:3]}) and {len(unexpected)} "
+                              f"unexpected (e.g. {unexpected[:3]}) in {str(root)!r}")
+    staged = {}
+    for key, value in model_sd.items():
+        _check_tensor(f"model.{key}", _tensor_md(metadata, f"model.{key}", root), value.shape,
+                      value.dtype, root)
+        staged[key] = torch.empty_like(value)  # same DTensor layout; the live tensors stay as-is
+    return staged
+
+
+def _trainable_by_fqn(model) -> dict:
+    """Trainable parameters under the names DCP gives their optimizer state."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns  # the names DCP itself uses
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            fqns = _get_fqns(model, name)
+            out[next(iter(fqns)) if len(fqns) == 1 else name] = param
+    return out
+
+
+def _plan_optim(state: EngineState, metadata, root: Path) -> dict:
+    """Buffers for the flattened optimizer state, built from the metadata and checked against
+    the parameters, without touching the optimizer (it may have no state yet)."""
+    params = _trainable_by_fqn(state.model)
+    group_keys = {k for g in state.optimizer.param_groups for k in g if k != "params"}
+    live_names = {n for s in state.optimizer.state.values() for n in s}
+    staged, names, pg_keys = {}, {}, {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not key.startswith("optim."):
+            continue
+        sub = key[len("optim."):]
+        section, _, rest = sub.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        if section not in ("state", "param_groups") or fqn not in params:
+            raise CheckpointError(f"load_checkpoint: key {key!r}: must be the optimizer state of "
+                                  f"a trainable parameter of the state, got a key the state does "
+                                  f"not have in {str(root)!r}")
+        if section == "param_groups":
+            pg_keys.setdefault(fqn, set()).add(name)
+            staged[sub] = ""  # a placeholder DCP replaces with the saved object
+            continue
+        names.setdefault(fqn, set()).add(name)
+        param = params[fqn]
+        if isinstance(md, BytesStorageMetadata):
+            staged[sub] = ""
+        elif len(md.size) == 0:
+            staged[sub] = torch.empty((), dtype=md.properties.dtype)
+        else:
+            _check_tensor(key, md, param.shape, param.dtype, root)
+            # where the optimizer keeps its state (host memory for the per-layer step)
+            host = getattr(state.optimizer, "empty_state_like", None)
+            staged[sub] = host(param) if host else torch.empty_like(param, requires_grad=False)
+    for fqn in params:
+        if fqn not in names or not group_keys <= pg_keys.get(fqn, set()):
+            raise CheckpointError(
+                f"load_checkpoint: optimizer state of {fqn!r}: must be in the checkpoint with "
+                f"the hyper-parameters {sorted(group_keys)}, got state "
+                f"{sorted(names.get(fqn, ()))} and hyper-parameters "
+                f"{sorted(pg_keys.get(fqn, ()))} in {str(root)!r}")
+        if live_names and names[fqn] != live_names:
+            raise CheckpointError(f"load_checkpoint: optimizer state of {fqn!r}: must hold "
+                                  f"{sorted(live_names)} like the state's optimizer, got "
+                                  f"{sorted(names[fqn])} in {str(root)!r}")
+    return staged
+
+
+class _LoadPlan:
+    def __init__(self, root, manifest, staging, load_optim, rng, checksums=None):
+        self.root, self.manifest, self.staging = root, manifest, staging
+        self.load_optim, self.rng = load_optim, rng
+        self.checksums = checksums  # the manifest's record to verify against; None: no check
+
+
+def _checksums_to_verify(root: Path, manifest: dict, verify) -> dict | None:
+    fn = "load_checkpoint"
+    if not isinstance(verify, bool):
+        raise CheckpointError(f"{fn}: verify: must be a bool, got {verify!r}")
+    record = manifest.get("checksums")
+    if not verify:
+        return None
+    if record is None:
+        log.warning("load_checkpoint: %s was saved without checksums (checksums=False or an "
+                    "older fsdpfn); its data are not verified", root)
+        return None
+    if not isinstance(record, dict) or record.get("algorithm") != integrity.ALGORITHM:
+        raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: checksums.algorithm must be "
+                              f"{integrity.ALGORITHM!r}, got {_get(record, 'algorithm')!r}; "
+                              f"upgrade fsdpfn or pass verify=False")
+    return record
+
+
+def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan:
+    fn = "load_checkpoint"
+    if not isinstance(weights_only, bool):
+        raise CheckpointError(f"{fn}: weights_only: must be a bool, got {weights_only!r}")
+    root = _resolve(_as_path(path, fn))
+    manifest = _read_manifest(root)
+    for key in ("step", "version"):
+        if not isinstance(manifest.get(key), int) or manifest[key] < 0:
+            raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: {key} must be an integer >= 0, "
+                                  f"got {manifest.get(key)!r}")
+    _check_files(root, manifest)
+    checksums = _checksums_to_verify(root, manifest, verify)
+    integrity.check_file(root, ".metadata", checksums)
+    _check_architecture(state, manifest, root)
+    status = _get(manifest.get("optimizer"), "status")
+    if status not in ("saved", "empty", "none"):
+        raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: optimizer.status must be one of "
+                              f"['saved', 'empty', 'none'], got {status!r}")
+    if not weights_only and state.optimizer is None and status != "none":
+        raise CheckpointError(
+            f"{fn}: optimizer: the checkpoint {str(root)!r} holds optimizer state (saved by a "
+            f"trainable state at step {manifest.get('step')}), but this state is inference-only "
+            f"(optimizer=None); pass weights_only=True to load only the model weights")
+    if not weights_only and state.optimizer is not None and status == "none":
+        raise CheckpointError(
+            f"{fn}: optimizer: this state is trainable, but the checkpoint {str(root)!r} holds no "
+            f"optimizer state (saved by an inference-only state); loading it would silently "
+            f"reset the Adam moments. Pass weights_only=True to load only the model weights and "
+            f"keep this state's optimizer")
+    load_optim = not weights_only and state.optimizer is not None
+    if load_optim and manifest["optimizer"].get("class") != type(state.optimizer).__name__:
+        raise CheckpointError(f"{fn}: optimizer.class: must be {type(state.optimizer).__name__} "
+                              f"(the state's), got {manifest['optimizer'].get('class')!r} in "
+                              f"{str(root)!r}")
+    metadata = _read_metadata(root)
+    staging = {"model": _plan_model(state, metadata, root)}
+    if load_optim and status == "saved":
+        staging["optim"] = _plan_optim(state, metadata, root)
+    rng = None
+    if not weights_only:
+        saved_world = int(_get(manifest.get("rng"), "world_size") or 1)
+        file = _rng_file(root, _rank() % saved_world)
+        integrity.check_file(root, file.relative_to(root).as_posix(), checksums)
+        try:
+            rng = torch.load(file, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a broken checkpoint
+            raise _wrap(fn, f"reading {str(file)!r}", exc) from None
+    return _LoadPlan(root, manifest, staging, load_optim, rng, checksums)
+
+
+def _read(plan: _LoadPlan) -> integrity.VerifyingPlanner | None:
+    """DCP's load into the staging buffers; with checksums, through a reader that names a file
+    it cannot read and a planner that sums every chunk on arrival (returned)."""
+    if plan.checksums is None:
+        dcp.load(plan.staging, checkpoint_id=str(plan.root))
+        return None
+    planner = integrity.VerifyingPlanner(plan.root, plan.checksums)
+    dcp.load(plan.staging, checkpoint_id=str(plan.root), planner=planner,
+             storage_reader=integrity.NamingReader(str(plan.root)))
+    return planner
+
+
+def _verify(planner: integrity.VerifyingPlanner, plan: _LoadPlan, mesh) -> None:
+    """Collective: every chunk read matches its recorded checksum, or CheckpointError on every
+    rank (nothing applied yet)."""
+    fn, local, error = "load_checkpoint", None, None
+    try:
+        local = integrity.local_shares(planner)
+    except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
+        error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
+    agree_on_error(mesh, error)
+    try:
+        error = integrity.verify(local, planner, plan.root)
+    except Exception as exc:  # noqa: BLE001 - a failure to verify is never a pass
+        error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
+    agree_on_error(mesh, error)
+
+
+def _restore_param_groups(optimizer, saved: list) -> None:
+    for group, hyper in zip(optimizer.param_groups, saved):
+        for key, value in hyper.items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+def _apply(state: EngineState, plan: _LoadPlan) -> None:
+    """Everything is read and checked: copy it into the live model, optimizer and scheduler."""
+    set_model_state_dict(state.model, plan.staging["model"], options=StateDictOptions(
+        strict=state.config.lora is None))  # a LoRA checkpoint holds the adapters alone
+    manifest = plan.manifest
+    if plan.load_optim:
+        if "optim" in plan.staging:
+            set_optimizer_state_dict(state.model, state.optimizer, plan.staging["optim"],
+                                     options=_OPTIM_FLAT)
+        else:  # saved before the first step: no moments, exactly as saved
+            state.optimizer.state.clear()
+            _restore_param_groups(state.optimizer, manifest["optimizer"].get("param_groups", []))
+        for param in state.model.parameters():
+            param.grad = None
+        if state.scheduler is not None and manifest.get("scheduler") is not None:
+            state.scheduler.load_state_dict(copy.deepcopy(manifest["scheduler"]))
+    if plan.rng is not None:
+        _set_rng_state(plan.rng, state.mesh)
+
+
+def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
+                    verify: bool = True) -> tuple[EngineState, dict]:
+    """Load a checkpoint saved by save_checkpoint at any mesh shape into ``state``'s mesh.
+
+    Returns ``(successor, extra)``; ``state`` is donated (stale afterwards). The successor has the
+    saved step and ``version = max(state.version, saved version) + 1``; model, optimizer (Adam
+    moments and hyper-parameters), LR scheduler and RNG are those saved. ``weights_only=True``
+    loads the model weights only (the successor keeps this state's optimizer, scheduler, step and
+    RNG). ``verify=True`` checks every chunk read against the checksums recorded at save
+    (fsdpfn.integrity; at any world size); a checkpoint saved without them loads unverified, with
+    a warning. Collective. Raises CheckpointError on every rank, with the state unchanged and live,
+    for a missing, incomplete, truncated, corrupted or mismatching checkpoint (the file and the
+    tensor named; see the module docstring).
+    """
+    fn = "load_checkpoint"
+    error, plan = None, None
+    if stale_reason(state, fn) is None:
+        try:
+            plan = _plan_load(state, path, weights_only, verify)
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - e.g. a malformed manifest, on one rank
+            error = _wrap(fn, f"checking {str(path)!r}", exc)
+    check_live(state, fn, local_error=error)
+
+    # read into the fresh buffers (summing each chunk as it lands); nothing live changes until
+    # every rank has read and verified everything
+    error, planner = None, None
+    try:
+        planner = _read(plan)
+    except _DCP_ERRORS as exc:
+        error = _wrap(fn, f"reading {str(plan.root)!r}", exc)
+    agree_on_error(state.mesh, error)
+    if planner is not None:
+        _verify(planner, plan, state.mesh)
+
+    error = None
+    try:
+        _apply(state, plan)
+    except Exception as exc:  # noqa: BLE001 - cannot happen after the checks; never silently
+        error = _wrap(fn, f"applying {str(plan.root)!r} (the state is now partially loaded; "
+                          f"build it again with shard_model)", exc)
+    agree_on_error(state.mesh, error)
+    manifest = plan.manifest
+    step = state.step if weights_only else int(manifest["step"])
+    version = max(state.version, int(manifest["version"])) + 1
+    successor = advance(state, fn, steps=step - state.step, version=version)
+    return successor, copy.deepcopy(manifest.get("extra") or {})
