@@ -33,6 +33,7 @@ _SOURCES = {
     "forward_logp": "fsdpfn.forward", "compute_values": "fsdpfn.forward",
     "last_timings": "fsdpfn.timing", "profile": "fsdpfn.profiling",
     "grad_step": "fsdpfn.step", "evaluate": "fsdpfn.step", "StepContext": "fsdpfn.step",
+    "Objective": "fsdpfn.objective",
     "shard_batch": "fsdpfn.batch", "gather_batch": "fsdpfn.batch",
     **dict.fromkeys(("save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint"),
                     "fsdpfn.checkpoint"),

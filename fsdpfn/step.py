@@ -34,6 +34,7 @@ from fsdpfn.batch import pack, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError, MicroBatchOOMError
 from fsdpfn.mesh import Mesh
+from fsdpfn.objective import NORMALIZERS, Objective, as_objective
 from fsdpfn.runner import (empty_packed, model_outputs, oom_error, plan, prepare, release_memory,
                            resolve_mb_spec)
 from fsdpfn.state import EngineState, advance, check_live
@@ -41,7 +42,6 @@ from fsdpfn.state import EngineState, advance, check_live
 __all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS",
            "minibatch_rows"]
 
-NORMALIZERS = ("tokens", "sequences", "rows", "pairs", "none")
 
 
 @attrs.frozen
@@ -230,28 +230,27 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     return _reduce_stats(sums, maxes, denom, state), n_tokens
 
 
-def _check_common(state, optimizer_steps, normalizer, group_size, fn_name, needs_optimizer):
+def _check_common(state, optimizer_steps, fn_name, needs_optimizer):
     if not isinstance(optimizer_steps, int) or isinstance(optimizer_steps, bool) \
             or optimizer_steps < 1:
         raise ConfigError(f"optimizer_steps: must be an integer >= 1, got {optimizer_steps!r}")
-    if normalizer not in NORMALIZERS:
-        raise ConfigError(f"normalizer: must be one of {list(NORMALIZERS)}, got {normalizer!r}")
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ConfigError(f"group_size: must be an integer >= 1, got {group_size!r}")
     if needs_optimizer and isinstance(state, EngineState) and state.optimizer is None:
         raise ConfigError(f"{fn_name}: needs a trainable state, got one built with "
                           f"optimizer=None (inference only)")
 
 
 @timing.timed("grad_step", passes=3, attach=True, step=True)
-def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: int = 1,
-              normalizer: str = "tokens", require: Sequence[str] = (K.LOSS_MASK,),
-              why: dict | None = None, group_size: int = 1, pairs: bool = False,
-              with_entropy: bool = False, temperature: float = 1.0,
-              order: Sequence[int] | None = None,
+def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
+              optimizer_steps: int = 1, normalizer: str = "tokens",
+              require: Sequence[str] = (K.LOSS_MASK,), why: dict | None = None,
+              group_size: int = 1, pairs: bool = False, with_entropy: bool = False,
+              temperature: float = 1.0, order: Sequence[int] | None = None,
               mb_spec: MicroBatchSpec | None = None,
-              fn_name: str = "grad_step") -> tuple[EngineState, TensorDict]:
+              fn_name: str | None = None) -> tuple[EngineState, TensorDict]:
     """Forward, backward, clip and ``optimizer_steps`` optimizer steps; see the module docstring.
+
+    ``loss_fn`` is an Objective (fsdpfn.objective: the loss and its options in one value) or a
+    bare loss function with the options as keywords.
 
     Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks): the
     loss_fn's keys, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``skipped`` (optimizer steps
@@ -265,15 +264,20 @@ def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: 
     earlier minibatches of the call (optimizer_steps > 1) already stepped is it donated, its
     successor being the error's ``.state``.
     """
-    error, spec = None, None
+    error, spec, obj = None, None, None
     try:
-        _check_common(state, optimizer_steps, normalizer, group_size, fn_name, True)
+        obj = as_objective(loss_fn, fn_name, normalizer=normalizer, require=require, why=why,
+                           group_size=group_size, pairs=pairs, with_entropy=with_entropy,
+                           temperature=temperature)
+        _check_common(state, optimizer_steps, obj.name, True)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
+    fn_name = obj.name if obj is not None else (fn_name or "grad_step")
     check_live(state, fn_name, local_error=error)
-    prepare(state, batch, fn_name, require=require, why=why,
-            group_size=group_size if group_size > 1 else None, pairs=pairs)
+    loss_fn, group_size = obj.loss_fn, obj.group_size
+    prepare(state, batch, fn_name, require=obj.require, why=obj.why,
+            group_size=group_size if group_size > 1 else None, pairs=obj.pairs)
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     max_norm = state.config.optimizer.max_grad_norm
     model.train()
@@ -288,8 +292,8 @@ def grad_step(state: EngineState, batch, loss_fn: Callable, *, optimizer_steps: 
             stats, n_tok = _run_minibatch(
                 state, select_rows(batch, rows), loss_fn,
                 dict(step=state.step + taken, minibatch=index, n_minibatches=optimizer_steps),
-                normalizer=normalizer, group_size=group_size, with_entropy=with_entropy,
-                temperature=temperature, backward=True, spec=spec, fn_name=fn_name)
+                normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
+                temperature=obj.temperature, backward=True, spec=spec, fn_name=fn_name)
         except MicroBatchOOMError as exc:
             if not taken:
                 raise
@@ -326,28 +330,34 @@ def _oom_after_steps(state: EngineState, fn_name: str, exc: MicroBatchOOMError,
 
 @timing.timed("evaluate", passes=1, attach=True)
 @torch.no_grad()
-def evaluate(state: EngineState, batch, loss_fn: Callable, *, normalizer: str = "tokens",
-             require: Sequence[str] = (K.LOSS_MASK,), why: dict | None = None, group_size: int = 1,
-             pairs: bool = False, with_entropy: bool = False,
-             temperature: float = 1.0, mb_spec: MicroBatchSpec | None = None) -> TensorDict:
-    """The stats grad_step would report for ``batch``, without changing the state
-    (``mb_spec`` overrides the state's micro-batching for this call)."""
-    error, spec = None, None
+def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
+             normalizer: str = "tokens", require: Sequence[str] = (K.LOSS_MASK,),
+             why: dict | None = None, group_size: int = 1, pairs: bool = False,
+             with_entropy: bool = False, temperature: float = 1.0,
+             mb_spec: MicroBatchSpec | None = None) -> TensorDict:
+    """The stats grad_step would report for ``batch`` (an Objective, or a loss_fn with the
+    options as keywords), without changing the state (``mb_spec`` overrides the state's
+    micro-batching for this call)."""
+    error, spec, obj = None, None, None
     try:
-        _check_common(state, 1, normalizer, group_size, "evaluate", False)
+        obj = as_objective(loss_fn, "evaluate", normalizer=normalizer, require=require,
+                           why=why, group_size=group_size, pairs=pairs,
+                           with_entropy=with_entropy, temperature=temperature)
+        _check_common(state, 1, "evaluate", False)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
     check_live(state, "evaluate", local_error=error)
-    prepare(state, batch, "evaluate", require=require, why=why,
-            group_size=group_size if group_size > 1 else None, pairs=pairs)
+    group_size = obj.group_size
+    prepare(state, batch, "evaluate", require=obj.require, why=obj.why,
+            group_size=group_size if group_size > 1 else None, pairs=obj.pairs)
     was_training = state.model.training
     state.model.eval()
     try:
         stats, n_tok = _run_minibatch(
-            state, batch, loss_fn, dict(step=state.step, minibatch=0, n_minibatches=1),
-            normalizer=normalizer, group_size=group_size, with_entropy=with_entropy,
-            temperature=temperature, backward=False, spec=spec, fn_name="evaluate")
+            state, batch, obj.loss_fn, dict(step=state.step, minibatch=0, n_minibatches=1),
+            normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
+            temperature=obj.temperature, backward=False, spec=spec, fn_name="evaluate")
     finally:
         state.model.train(was_training)
     stats["tokens"] = float(n_tok)

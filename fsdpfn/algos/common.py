@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fsdpfn.errors import ConfigError
 from fsdpfn.step import StepContext
 
 AGG_NORMALIZER = {"token-mean": "tokens", "seq-mean-token-sum": "sequences",
@@ -34,3 +35,9 @@ def minibatch_order(state, batch, *, shuffle: bool, seed: int) -> list[int] | No
         return None
     gen = torch.Generator().manual_seed(seed * 1_000_003 + state.step)
     return torch.randperm(batch.batch_size[0], generator=gen).tolist()
+
+
+def check_config(config, cls) -> None:
+    if not isinstance(config, cls):
+        raise ConfigError(f"config: must be a{'n' if cls.__name__[0] in 'AEIOSR' else ''} "
+                          f"{cls.__name__}, got {type(config).__name__}")

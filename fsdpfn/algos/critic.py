@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from fsdpfn import keys as K
-from fsdpfn.algos.common import AGG_NORMALIZER, minibatch_order, present, token_mean_stat
+from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_order, present,
+                                  token_mean_stat)
 from fsdpfn.config import CriticConfig
-from fsdpfn.errors import ConfigError
 from fsdpfn.ops import aggregate_sum, value_loss_terms
+from fsdpfn.objective import Objective
 from fsdpfn.step import StepContext, grad_step
 
-__all__ = ["critic_loss", "critic_step"]
+__all__ = ["critic_loss", "critic_step", "critic_objective"]
 
 
 def critic_loss(config: CriticConfig):
@@ -30,18 +31,22 @@ def critic_loss(config: CriticConfig):
 
 
 
+def critic_objective(config: CriticConfig, *, old_key: str = K.OLD_VALUES) -> Objective:
+    """The critic's loss; ``old_key``: where the values before the update are (old_values, or
+    values from compute_values)."""
+    check_config(config, CriticConfig)
+    why = {K.RETURNS: "the value target; compute it with compute_advantages",
+           old_key: "value clipping; compute it with compute_values"}
+    return Objective(critic_loss(config), normalizer=AGG_NORMALIZER[config.agg],
+                     require=(K.LOSS_MASK, K.RETURNS, old_key), why=why, name="critic_step")
+
+
 def critic_step(state, batch, config: CriticConfig, *, mb_spec=None):
     """Critic update (critic states): needs returns and the values before the update
     (``old_values``, or ``values`` from compute_values). ``mb_spec`` overrides the state's
     micro-batching for this call."""
-    if not isinstance(config, CriticConfig):
-        raise ConfigError(f"config: must be a CriticConfig, got {type(config).__name__}")
     old_key = K.OLD_VALUES if present(batch, K.OLD_VALUES) else K.VALUES
-    why = {K.RETURNS: "the value target; compute it with compute_advantages",
-           old_key: "value clipping; compute it with compute_values"}
-    return grad_step(state, batch, critic_loss(config), optimizer_steps=config.n_minibatches,
-                     normalizer=AGG_NORMALIZER[config.agg],
-                     require=(K.LOSS_MASK, K.RETURNS, old_key), why=why,
+    objective = critic_objective(config, old_key=old_key)
+    return grad_step(state, batch, objective, optimizer_steps=config.n_minibatches,
                      order=minibatch_order(state, batch, shuffle=config.shuffle,
-                                           seed=config.seed),
-                     mb_spec=mb_spec, fn_name="critic_step")
+                                           seed=config.seed), mb_spec=mb_spec)

@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from fsdpfn import keys as K
+from fsdpfn.algos.common import check_config
 from fsdpfn.config import DPOConfig
-from fsdpfn.errors import ConfigError
+from fsdpfn.objective import Objective
 from fsdpfn.step import grad_step
 
-__all__ = ["dpo_loss_fn", "dpo_step"]
+__all__ = ["dpo_loss_fn", "dpo_objective", "dpo_step"]
 
 
 def _seq_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -36,13 +37,15 @@ def dpo_loss_fn(config: DPOConfig):
     return loss_fn
 
 
+def dpo_objective(config: DPOConfig = DPOConfig()) -> Objective:
+    check_config(config, DPOConfig)
+    why = {K.REF_LOGP: "the DPO reference; compute it with forward_logp(ref, batch, "
+                       "out_key='ref_logp')"}
+    return Objective(dpo_loss_fn(config), normalizer="pairs", require=(K.LOSS_MASK, K.REF_LOGP),
+                     why=why, group_size=2, pairs=True, name="dpo_step")
+
+
 def dpo_step(state, batch, config: DPOConfig = DPOConfig(), *, mb_spec=None):
     """One optimizer step of DPO, normalised by the global number of pairs; ``mb_spec``
     overrides the state's micro-batching for this call."""
-    if not isinstance(config, DPOConfig):
-        raise ConfigError(f"config: must be a DPOConfig, got {type(config).__name__}")
-    why = {K.REF_LOGP: "the DPO reference; compute it with forward_logp(ref, batch, "
-                       "out_key='ref_logp')"}
-    return grad_step(state, batch, dpo_loss_fn(config), normalizer="pairs",
-                     require=(K.LOSS_MASK, K.REF_LOGP), why=why, group_size=2, pairs=True,
-                     mb_spec=mb_spec, fn_name="dpo_step")
+    return grad_step(state, batch, dpo_objective(config), mb_spec=mb_spec)

@@ -7,14 +7,14 @@ import warnings
 import torch
 
 from fsdpfn import keys as K
-from fsdpfn.algos.common import (AGG_NORMALIZER, masked_max, minibatch_order, present,
+from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, masked_max, minibatch_order, present,
                                  token_mean_stat)
 from fsdpfn.config import PPOConfig
-from fsdpfn.errors import ConfigError
 from fsdpfn.ops import aggregate_sum, behav_gap_terms, kl, masked_values, policy_loss_terms
+from fsdpfn.objective import Objective
 from fsdpfn.step import StepContext, grad_step
 
-__all__ = ["ppo_loss", "ppo_step"]
+__all__ = ["ppo_loss", "ppo_step", "ppo_objective"]
 
 
 def _seq_mean_stat(flags: torch.Tensor, rows: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -133,20 +133,25 @@ def warn_if_off_policy(stats, config: PPOConfig) -> None:
         f"nondeterministic attention).", RuntimeWarning, stacklevel=3)
 
 
+def ppo_objective(config: PPOConfig) -> Objective:
+    """The PPO actor's loss and what it reads (old_logp, advantages, ref_logp with a KL term,
+    behav_logp with a correction)."""
+    check_config(config, PPOConfig)
+    require, why = _requirements(config)
+    return Objective(ppo_loss(config), normalizer=AGG_NORMALIZER[config.agg], require=require,
+                     why=why, with_entropy=config.entropy_coef > 0,
+                     temperature=config.temperature, name="ppo_step")
+
+
 def ppo_step(state, batch, config: PPOConfig, *, mb_spec=None):
     """Actor update: ``config.n_minibatches`` optimizer steps. Needs old_logp and advantages
     (ref_logp when kl_coef > 0; behav_logp is used when present and use_behav_logp, and required
     by behav_cap or behav_correction). ``mb_spec`` overrides the state's micro-batch spec for
     this call."""
-    if not isinstance(config, PPOConfig):
-        raise ConfigError(f"config: must be a PPOConfig, got {type(config).__name__}")
-    require, why = _requirements(config)
-    state, stats = grad_step(state, batch, ppo_loss(config), optimizer_steps=config.n_minibatches,
-                             normalizer=AGG_NORMALIZER[config.agg], require=require, why=why,
-                             with_entropy=config.entropy_coef > 0, temperature=config.temperature,
+    objective = ppo_objective(config)
+    state, stats = grad_step(state, batch, objective, optimizer_steps=config.n_minibatches,
                              order=minibatch_order(state, batch, shuffle=config.shuffle,
-                                                   seed=config.seed),
-                             mb_spec=mb_spec, fn_name="ppo_step")
+                                                   seed=config.seed), mb_spec=mb_spec)
     if config.check_on_policy:
         warn_if_off_policy(stats, config)
     return state, stats

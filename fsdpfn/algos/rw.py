@@ -7,11 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from fsdpfn import keys as K
+from fsdpfn.algos.common import check_config
 from fsdpfn.config import RWConfig
 from fsdpfn.errors import ConfigError
+from fsdpfn.objective import Objective
 from fsdpfn.step import grad_step
 
-__all__ = ["rw_loss", "rw_step", "last_token_scores"]
+__all__ = ["rw_loss", "rw_step", "last_token_scores", "rw_objective"]
 
 
 def last_token_scores(scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -33,13 +35,17 @@ def rw_loss(config: RWConfig):
     return loss_fn
 
 
+def rw_objective(config: RWConfig = RWConfig()) -> Objective:
+    check_config(config, RWConfig)
+    return Objective(rw_loss(config), normalizer="pairs", require=(), group_size=2, pairs=True,
+                     name="rw_step")
+
+
 def rw_step(state, batch, config: RWConfig = RWConfig(), *, mb_spec=None):
     """One optimizer step of the pairwise loss, normalised by the global number of pairs;
     ``mb_spec`` overrides the state's micro-batching for this call."""
-    if not isinstance(config, RWConfig):
-        raise ConfigError(f"config: must be an RWConfig, got {type(config).__name__}")
+    objective = rw_objective(config)
     if not state.config.is_critic:
         raise ConfigError("rw_step: needs a critic state (EngineConfig(is_critic=True)), got "
                           "is_critic=False")
-    return grad_step(state, batch, rw_loss(config), normalizer="pairs", require=(),
-                     group_size=2, pairs=True, mb_spec=mb_spec, fn_name="rw_step")
+    return grad_step(state, batch, objective, mb_spec=mb_spec)

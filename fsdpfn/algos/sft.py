@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from fsdpfn import keys as K
-from fsdpfn.algos.common import AGG_NORMALIZER
+from fsdpfn.algos.common import AGG_NORMALIZER, check_config
 from fsdpfn.config import SFTConfig
-from fsdpfn.errors import ConfigError
+from fsdpfn.objective import Objective
 from fsdpfn.ops import aggregate_sum
 from fsdpfn.step import grad_step
 
-__all__ = ["sft_loss_fn", "sft_step"]
+__all__ = ["sft_loss_fn", "sft_objective", "sft_step"]
 
 
 def sft_loss_fn(config: SFTConfig):
@@ -20,10 +20,12 @@ def sft_loss_fn(config: SFTConfig):
     return loss_fn
 
 
+def sft_objective(config: SFTConfig = SFTConfig()) -> Objective:
+    check_config(config, SFTConfig)
+    return Objective(sft_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg], name="sft_step")
+
+
 def sft_step(state, batch, config: SFTConfig = SFTConfig(), *, mb_spec=None):
     """One optimizer step on −mean log π(loss_mask tokens); ``mb_spec`` overrides the state's
     micro-batching for this call."""
-    if not isinstance(config, SFTConfig):
-        raise ConfigError(f"config: must be an SFTConfig, got {type(config).__name__}")
-    return grad_step(state, batch, sft_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg],
-                     mb_spec=mb_spec, fn_name="sft_step")
+    return grad_step(state, batch, sft_objective(config), mb_spec=mb_spec)
