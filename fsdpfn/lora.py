@@ -90,7 +90,11 @@ def apply_lora(lm: nn.Module, cfg: LoRAConfig, *, base_dtype: torch.dtype,
                adapter_dtype: torch.dtype) -> None:
     """Inject peft adapters into ``lm`` in place (meta skeleton): the base frozen in
     ``base_dtype``, the adapters trainable in ``adapter_dtype``."""
-    import peft
+    try:
+        import peft
+    except ImportError as exc:
+        raise ConfigError(f"lora: adapters are built with the peft package, which does not "
+                          f"import here ({exc}); pip install peft") from None
 
     peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                target_modules=target_names(lm, cfg), bias="none")
