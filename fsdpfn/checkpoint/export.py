@@ -148,14 +148,11 @@ def _write_hf(state: EngineState, full: dict, target: Path, dtype: torch.dtype,
               max_bytes: int) -> None:
     from transformers import GenerationConfig
 
-    token = uuid.uuid4().hex
-    tmp = _side_path(target, "tmp", token)
-    tmp.mkdir(parents=True)
-    try:
-        (tmp / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    def fill(tmp: Path) -> None:
+        tensors = full
         if state.config.lora is not None:  # adapters folded into their base weights
-            full = lora.merge_full_state(full, state.config.lora)
-        _write_safetensors(tmp, _hf_tensors(state, full, dtype), max_bytes)
+            tensors = lora.merge_full_state(full, state.config.lora)
+        _write_safetensors(tmp, _hf_tensors(state, tensors, dtype), max_bytes)
         config = copy.deepcopy(state.hf_config)
         config._attn_implementation = None  # fsdpfn's packed kernel is not an HF option
         config.architectures = [type(state.model.lm).__name__]
@@ -166,20 +163,9 @@ def _write_hf(state: EngineState, full: dict, target: Path, dtype: torch.dtype,
             shutil.copy2(source / "generation_config.json", tmp / "generation_config.json")
         elif not state.config.is_critic:
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        if source is not None:
-            for name in TOKENIZER_FILES:
-                if (source / name).is_file():
-                    shutil.copy2(source / name, tmp / name)
-        (tmp / OWNER).unlink()
-        for file in tmp.iterdir():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        _publish(tmp, target, token)
-    except BaseException:
-        _discard(tmp)
-        raise
-    _cleanup(target.parent)
+        _copy_tokenizer(source, tmp)
+
+    _write_atomic(target, fill)
 
 
 def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = None,

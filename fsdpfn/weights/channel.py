@@ -1,25 +1,6 @@
-"""The update channel: a persistent TCP connection from trainer rank 0 to an fsdpfn.rollout server,
-bound to one weights-update group, that carries a push's control messages instead of HTTP.
-
-Why: a push of a few GB over NVLink takes milliseconds, and an HTTP request through the server's
-web stack costs about as much as a millisecond or more each way. Over the channel a push costs
-no HTTP request at all: one message out (the update, its bucket layout sent once per
-connection and then named by id), an acceptance back before any byte is broadcast, and the
-answer after the commit.
-
-Frames (fsdpfn.wire.frames, which both ends import): 4-byte big-endian length, then a UTF-8 JSON object. Trainer -> server:
-
-    {"op": "attach", "group_name": g}                       -> {"success", "server_id"}
-    {"op": "update", "layout_id": k, "buckets": [...]?,     -> {"accepted": true} or a failure,
-     "group_name", "weight_version", "update_id",              then (when accepted) the answer
-     "pause_generation", "flush_cache", "load_format"}         of /update_weights_from_distributed
-
-``buckets`` ({names, dtypes, shapes} per bucket) comes with the first update that uses a layout id
-on a connection; later updates name it only. A failure is {"success": false, "message", "status"}.
-The server closes the connection when it drops the group (so the trainer knows, for free, that it
-must set up again), and a dead server closes it too (the OS does): the trainer notices without
-waiting for a timeout.
-"""
+"""The update channel, trainer side: a persistent TCP connection from trainer rank 0 to an
+fsdpfn.rollout server, bound to one weights-update group, carrying a push's control messages
+instead of HTTP. Why, and the frames both ends speak: fsdpfn.wire.frames."""
 
 from __future__ import annotations
 
