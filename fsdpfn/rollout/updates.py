@@ -285,17 +285,23 @@ def commit(engine, staging: Staging, version: int, *, partial: bool) -> dict:
             "message": f"updated {len(tensors)} tensors to version {version}"}
 
 
+def _alone(engine, fn, payload: dict) -> dict:
+    """``fn(engine, payload)`` with no other update running; a refusal is recorded (and
+    generation resumed) before it is raised."""
+    with exclusive(engine, 0.0):
+        try:
+            return fn(engine, payload)
+        except UpdateError as exc:
+            fail_update(engine, exc)
+            raise
+
+
 def update_from_ipc(engine, payload: dict) -> dict:
     """/update_weights_from_ipc: {buckets: [{names, dtypes, shapes, handle}], weight_version,
     flush_cache}: each bucket's tensors packed back to back in a device buffer of a process
     on this GPU, named by its CUDA IPC handle (fsdpfn.wire.ipc); copied out here, checked
     and committed like a whole update. The sender frees the buffers after the answer."""
-    with exclusive(engine, 0.0):
-        try:
-            return _update_from_ipc(engine, payload)
-        except UpdateError as exc:
-            fail_update(engine, exc)
-            raise
+    return _alone(engine, _update_from_ipc, payload)
 
 
 def _update_from_ipc(engine, payload: dict) -> dict:
@@ -326,12 +332,7 @@ def _update_from_ipc(engine, payload: dict) -> dict:
 
 def load_lora_adapter(engine, payload: dict) -> dict:
     """/load_lora_adapter (SGLang's payload): see fsdpfn.rollout.lora."""
-    with exclusive(engine, 0.0):
-        try:
-            return rollout_lora.load_adapter(engine, payload)
-        except UpdateError as exc:
-            fail_update(engine, exc)
-            raise
+    return _alone(engine, rollout_lora.load_adapter, payload)
 
 
 def unload_lora_adapter(engine, payload: dict) -> dict:
@@ -343,12 +344,7 @@ def unload_lora_adapter(engine, payload: dict) -> dict:
 def update_from_disk(engine, payload: dict) -> dict:
     """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,
     verify_checksums (default true: sha256 of each tensor against fsdpfn_manifest.json)}."""
-    with exclusive(engine, 0.0):
-        try:
-            return _update_from_disk(engine, payload)
-        except UpdateError as exc:
-            fail_update(engine, exc)
-            raise
+    return _alone(engine, _update_from_disk, payload)
 
 
 def _update_from_disk(engine, payload: dict) -> dict:
