@@ -11,7 +11,19 @@ import time
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.wire.frames import MAX_FRAME, recv_frame, send_frame
 
-__all__ = ["send_frame", "recv_frame", "Channel", "MAX_FRAME"]
+__all__ = ["send_frame", "recv_frame", "Channel", "MAX_FRAME", "wait_readable"]
+
+
+def wait_readable(socks: list, wait_s: float) -> list:
+    """The sockets among ``socks`` with something to read within ``wait_s`` seconds. poll, not
+    select: select refuses file descriptors above 1023, which a long-lived trainer process
+    (many groups, stores and connections) reaches."""
+    poller = select.poll()
+    by_fd = {}
+    for sock in socks:
+        poller.register(sock, select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR)
+        by_fd[sock.fileno()] = sock
+    return [by_fd[fd] for fd, _ in poller.poll(max(0.0, wait_s) * 1000.0)]
 
 
 class Channel:
@@ -42,8 +54,7 @@ class Channel:
 
     def readable(self, wait_s: float = 0.0) -> bool:
         """Whether a message (or the end of the connection) is waiting."""
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, wait_s))
-        return bool(ready)
+        return bool(wait_readable([self.sock], wait_s))
 
     def stale(self) -> bool:
         """True when the connection has something unasked for waiting: the server closed it (it

@@ -54,7 +54,6 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import select
 import socket
 import time
 import urllib.parse
@@ -71,7 +70,7 @@ from fsdpfn.ports import free_port
 from fsdpfn.state import EngineState
 from fsdpfn.weights.disk import rotate, write_version
 from fsdpfn.weights.gather import Bucket, gather_and_send, plan_buckets, weights_and_layout
-from fsdpfn.weights.channel import Channel
+from fsdpfn.weights.channel import Channel, wait_readable
 from fsdpfn.wire.http import Call, call
 from fsdpfn.weights.sglang import is_sglang, make_sglang_group, server_ranks
 from fsdpfn.wire.protocol import (DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES, broadcast,
@@ -881,7 +880,7 @@ class _ChannelSender:
         if not waiting:
             time.sleep(wait_s)
             return
-        ready, _, _ = select.select(waiting, [], [], wait_s)
+        ready = wait_readable(waiting, wait_s)
         for url, ch in self.channels.items():
             if ch.sock in ready:
                 self.answers[url] = ch.read(time.monotonic() + self.target.timeout_s,

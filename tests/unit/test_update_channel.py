@@ -168,3 +168,25 @@ def test_dropping_the_group_closes_the_channel_and_bad_input_is_typed(served):
     with pytest.raises(WeightSyncError, match="did the server exit"):
         ch.read(time.monotonic() + 5, "update")
     ch.close()
+
+
+def test_channel_waits_work_above_file_descriptor_1023():
+    """A long-lived trainer holds many descriptors; select() refuses those above 1023, the
+    channel's poll does not."""
+    import os
+    import socket
+
+    from fsdpfn.weights.channel import wait_readable
+
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    a, b = socket.socketpair()
+    try:
+        assert a.fileno() > 1023
+        assert wait_readable([a], 0.0) == []
+        b.send(b"x")
+        assert wait_readable([a], 1.0) == [a]
+        b.close()  # a closed peer reads as readable too (the end of the connection)
+    finally:
+        a.close()
+        for fd in held:
+            os.close(fd)
