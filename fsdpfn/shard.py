@@ -182,18 +182,14 @@ def _replicated_kv_style(heads: list[int], head_dim: int):
     """k_proj / v_proj kept whole on every tp rank (Replicate); each rank keeps the output
     columns of its ``heads``. The output's gradient is declared Partial over tp, so the weight's
     and the input's gradients are summed over the ranks (each rank saw only its heads)."""
-    from torch.distributed.tensor import Partial, Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor import Partial, distribute_module
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     index = torch.tensor(heads, dtype=torch.long)
 
     class ReplicatedKV(ColwiseParallel):
         def _partition_linear_fn(self, name, module, device_mesh):
-            for pname, param in module.named_parameters():
-                whole = distribute_tensor(param, device_mesh, [Replicate()],
-                                          src_data_rank=self.src_data_rank)
-                module.register_parameter(pname, nn.Parameter(
-                    whole, requires_grad=param.requires_grad))
+            _replicate_params(module, device_mesh, self.src_data_rank)
 
         @staticmethod
         def _select_heads(module, outputs, device_mesh):
@@ -212,21 +208,25 @@ def _replicated_kv_style(heads: list[int], head_dim: int):
     return ReplicatedKV()
 
 
+def _replicate_params(module: nn.Module, device_mesh, src_data_rank) -> None:
+    """Each of ``module``'s own parameters made whole (Replicate) on every tp rank."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for pname, param in module.named_parameters(recurse=False):
+        whole = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=src_data_rank)
+        module.register_parameter(pname, nn.Parameter(whole, requires_grad=param.requires_grad))
+
+
 def _per_head_norm_style():
     """A norm over head_dim applied to each head (Qwen3's q_norm / k_norm): its weight is
     replicated over tp while each rank normalises only its heads, so the input is declared
     Shard over the heads dim and the weight's gradient comes out Partial, summed over tp."""
-    from torch.distributed.tensor import (DTensor, Replicate, Shard, distribute_module,
-                                          distribute_tensor)
+    from torch.distributed.tensor import DTensor, Shard, distribute_module
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
     class PerHeadNorm(ParallelStyle):
         def _partition(self, name, module, device_mesh):
-            for pname, param in module.named_parameters(recurse=False):
-                whole = distribute_tensor(param, device_mesh, [Replicate()],
-                                          src_data_rank=self.src_data_rank)
-                module.register_parameter(pname, nn.Parameter(
-                    whole, requires_grad=param.requires_grad))
+            _replicate_params(module, device_mesh, self.src_data_rank)
 
         @staticmethod
         def _heads_input(module, inputs, device_mesh):

@@ -240,11 +240,17 @@ class RolloutTarget:
                 sender = _OneRequestSender(self, buckets, state.version)
             else:
                 sender = _BroadcastSender(self, buckets, state.version)
+        return self._send_flat(state, params, buckets, sender, backend)
+
+    def _send_flat(self, state: EngineState, params, buckets: list[Bucket], sender,
+                   backend: str) -> tuple[int, int]:
+        """Collective: every bucket gathered flat and handed to rank 0's ``sender`` (None on
+        the other ranks), then its conclusion agreed on; abandoned on any failure."""
         out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
         try:
             clock = time.perf_counter()
-            gather_and_send(state, dict(params), buckets, sender, gather_device=state.mesh.device,
-                  out_device=out_device, flat=True)
+            gather_and_send(state, dict(params), buckets, sender,
+                            gather_device=state.mesh.device, out_device=out_device, flat=True)
             self.last_timings["transfer"] = time.perf_counter() - clock
             clock = time.perf_counter()
             error = None
@@ -323,22 +329,9 @@ class RolloutTarget:
 
         _, buckets = self._plan(params, layout, dtype)
         sender = SGLangSender(self, buckets, state.version) if is_rank_zero() else None
-        out_device = state.mesh.device if backend == "nccl" else torch.device("cpu")
-        try:
-            clock = time.perf_counter()
-            gather_and_send(state, dict(params), buckets, sender, gather_device=state.mesh.device,
-                  out_device=out_device, flat=True)
-            self.last_timings["transfer"] = time.perf_counter() - clock
-            error = None
-            if sender is not None:
-                _, error = capture_error(sender.conclude, "concluding the push")
-            agree_on_error(state.mesh, error)
-        except BaseException:
-            if sender is not None:
-                sender.abandon()
-            raise
+        sent = self._send_flat(state, params, buckets, sender, backend)
         self._probe(state, dtype)
-        return sum(len(b.specs) for b in buckets), sum(sum(b.sizes) for b in buckets)
+        return sent
 
     def _probe(self, state: EngineState, dtype: torch.dtype) -> None:
         """Collective: each server's greedy log-probs on a fixed prompt against forward_logp."""
