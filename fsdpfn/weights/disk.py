@@ -159,7 +159,7 @@ def write_version(state: EngineState, root: Path, *, dtype: torch.dtype,
     checksum = 0
     try:
         gather_and_send(state, dict(params), buckets, writer, gather_device=state.mesh.device,
-              out_device=torch.device("cpu"), flat=False)
+                        out_device=torch.device("cpu"), flat=False)
         error = None
         if writer is not None:
             def commit():

@@ -311,9 +311,10 @@ class Sender(Protocol):
     def finish(self, handle: Any) -> None: ...
 
 
-def gather_and_send(state: EngineState, params: dict[str, torch.Tensor], buckets: list[Bucket],
-          sender: Sender | None, *, gather_device: torch.device, out_device: torch.device,
-          flat: bool) -> None:
+def gather_and_send(state: EngineState, params: dict[str, torch.Tensor],
+                    buckets: list[Bucket], sender: Sender | None, *,
+                    gather_device: torch.device, out_device: torch.device,
+                    flat: bool) -> None:
     """Gather every bucket on every rank, overlapped with rank 0 sending the ones before.
 
     With ``sender.start_before_finish``, buckets go out without waiting for the ones before

@@ -11,8 +11,8 @@ __all__ = ["share", "open_shared", "device_uuid", "IpcSender", "unpack"]
 
 
 class IpcSender:
-    """Rank 0's side of gather_and_send() for an IPC push: each gathered bucket packed back to back into a
-    device buffer of its own (kept alive until release()), its handle and per-tensor checksums
+    """Rank 0's side of gather_and_send() for an IPC push: each gathered bucket packed back to
+    back into a device buffer of its own (kept alive until release()), its handle and per-tensor checksums
     recorded. ``update`` is the request body for /update_weights_from_ipc (without the
     version)."""
 

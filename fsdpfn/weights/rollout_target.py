@@ -278,8 +278,9 @@ class RolloutTarget:
         sender = IpcSender() if is_rank_zero() else None
         try:
             clock = time.perf_counter()
-            gather_and_send(state, dict(params), buckets, sender, gather_device=state.mesh.device,
-                  out_device=state.mesh.device, flat=False)
+            gather_and_send(state, dict(params), buckets, sender,
+                            gather_device=state.mesh.device, out_device=state.mesh.device,
+                            flat=False)
             error = None
             if sender is not None:
                 _, error = capture_error(lambda: self._load_ipc(sender, state.version),

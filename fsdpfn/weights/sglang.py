@@ -126,8 +126,8 @@ def disk_request(model_path: str, *, version: int, flush_cache: bool) -> dict:
 
 
 class SGLangSender:
-    """Rank 0's side of gather_and_send() for SGLang servers: one bucket in flight at a time (the driver
-    gathers the next one meanwhile), generation paused from the first bucket to the end."""
+    """Rank 0's side of gather_and_send() for SGLang servers: one bucket in flight at a time
+    (the driver gathers the next one meanwhile), generation paused from the first bucket to the end."""
 
     start_before_finish = False
 
