@@ -4,6 +4,7 @@ activation checkpointing, at 16k to 131k tokens per sequence.
     torchrun --nproc-per-node 2 benchmarks/cp.py                       # 16k 32k 64k 128k, both
     torchrun --nproc-per-node 2 benchmarks/cp.py --lengths 16384 131072 --layouts cp2
     torchrun --nproc-per-node 2 benchmarks/cp.py --smoke               # a tiny shape, seconds
+    torchrun --nproc-per-node 2 benchmarks/cp.py --model qwen3-1.7B --cells cp2:262144
 
 Both layouts see the same global batch: two sequences of L tokens. dp=2 gives each rank one whole
 sequence; cp=2 gives both ranks both sequences, each rank holding half of every token of the pack
@@ -37,6 +38,11 @@ QWEN2_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, interme
                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                 max_position_embeddings=131072, rope_theta=1_000_000.0,
                 tie_word_embeddings=False)
+QWEN3_1_7B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=262144, rope_theta=1_000_000.0,
+                  tie_word_embeddings=True)
+MODELS = {"7B": QWEN2_7B, "qwen3-1.7B": QWEN3_1_7B}
 SMOKE = dict(QWEN2_7B, vocab_size=4096, hidden_size=256, intermediate_size=512,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 LAYOUTS = {"dp2": dict(dp=2, cp=1), "cp2": dict(dp=1, cp=2)}
@@ -102,19 +108,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--model", default="7B", choices=list(MODELS))
+    parser.add_argument("--cells", nargs="+", default=None, metavar="LAYOUT:LENGTH",
+                        help="only these cells, in order (e.g. cp2:131072 dp2:65536)")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, short sequences")
     parser.add_argument("--out", default="cp_bench.jsonl")
     args = parser.parse_args()
-    model, lengths = (SMOKE, [512, 2048]) if args.smoke else (QWEN2_7B, args.lengths)
+    model, lengths = (SMOKE, [512, 2048]) if args.smoke else (MODELS[args.model], args.lengths)
+    cells = ([(c.split(":")[0], int(c.split(":")[1])) for c in args.cells] if args.cells else
+             [(layout, length) for length in lengths for layout in args.layouts])
     rows = []
-    for length in lengths:
-        for layout in args.layouts:
-            row = measure(layout, length, model)
-            rows.append(row)
-            if int(os.environ.get("RANK", 0)) == 0:
-                print(json.dumps(row), flush=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+    for layout, length in cells:
+        row = measure(layout, length, model)
+        rows.append(row)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(json.dumps(row), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     if int(os.environ.get("RANK", 0)) == 0:
         print_markdown_table(rows, ("layout", "tokens/seq"))
     dist.destroy_process_group()

@@ -156,7 +156,7 @@ def _spec(args, shape, option, seq=None, rows=None) -> dict:
 
 
 def largest(args) -> None:
-    shapes = ["tiny"] if args.cpu else [s for s in SHAPES if s != "tiny"]
+    shapes = ["tiny"] if args.cpu else (args.shapes or [s for s in SHAPES if s != "tiny"])
     rows = []
     for option in args.options:
         best, failed = None, None
@@ -180,7 +180,7 @@ def longest(args) -> None:
     shape = "tiny" if args.cpu else "7B"
     rows = []
     for option in args.options:
-        seq, best, failed = (args.seq if args.cpu else 4096), None, None
+        seq, best, failed = args.seq, None, None
         while seq <= args.max_seq:
             result = _run_trial(_spec(args, shape, option, seq=seq, rows=1), args.timeout)
             if not result["ok"]:
@@ -222,6 +222,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["largest", "longest", "cost", "all"])
     parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
+    parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES),
+                        help="for largest: try only these shapes, in order (default: all)")
     parser.add_argument("--shape", default="1.5B", choices=list(SHAPES), help="for cost")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)

@@ -119,6 +119,49 @@ def profile_push(state, model_dir, tmp, device, trace):
         server.close()
 
 
+def sglang_push(state, model_dir: str, limit: float, pushes: int, device: str) -> None:
+    """The SGLang protocol (init_weights_update_group, update_weights_from_distributed with
+    flattened buckets, pause/continue) against the SGLang stand-in of tests/ in its own process on
+    GPU 1: the push's seconds and its share of the raw broadcast limit."""
+    import subprocess
+    import urllib.request
+
+    from fsdpfn.rollout.process import free_port
+
+    port = free_port()
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.join(here, "..", "tests", "sglang_standin.py"), model_dir,
+           "--port", str(port), "--device", device,
+           "--dtype", "bfloat16" if device == "cuda" else "float32"]
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": "1"} if device == "cuda" else {}))
+    proc = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the SGLang stand-in did not start (exit {proc.poll()})")
+                time.sleep(1)
+        for bucket_bytes in (1 << 30, 256 << 20):
+            target = RolloutTarget(url, timeout_s=120, bucket_bytes=bucket_bytes)
+            first = push_weights(state, target).seconds
+            runs = sorted(push_weights(state, target).seconds for _ in range(pushes))
+            receipt = push_weights(state, target)
+            record(f"push, SGLang protocol (stand-in), {bucket_bytes >> 20} MiB buckets",
+                   bytes=receipt.n_bytes, first_s=round(first, 3), ms=round(runs[0] * 1e3, 2),
+                   median_ms=round(runs[len(runs) // 2] * 1e3, 2),
+                   gb_s=round(receipt.n_bytes / runs[0] / 1e9, 1),
+                   of_limit=round(limit / runs[0], 3))
+            target.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="1.5B", choices=["1.5B", "7B"])
@@ -128,6 +171,8 @@ def main():
                              "the trainer), print its top operations, write a Chrome trace")
     parser.add_argument("--quick", action="store_true",
                         help="the limit in 1 GiB buckets only; the first four push variants")
+    parser.add_argument("--sglang", action="store_true",
+                        help="also push to the SGLang-protocol stand-in of tests/ (GPU 1)")
     parser.add_argument("--cpu", action="store_true",
                         help="a smoke run on CPU (gloo, a tiny model): checks the script only")
     args = parser.parse_args()
@@ -220,6 +265,8 @@ def main():
             target.close()
     finally:
         server.close()
+    if args.sglang:
+        sglang_push(state, model_dir, limit, args.pushes, device)
     print_markdown_table(ROWS, ("name",))
     for name, tl in timelines:
         print_timeline(name, tl)

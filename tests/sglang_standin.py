@@ -159,12 +159,15 @@ def init_custom_process_group(*, backend, init_method, timeout, world_size, rank
 class StandIn:
     """The server's state: an HF model, its update groups, what it received, what it was asked."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, record: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = str(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir,
-                                                          dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(
+            self.device).eval()
+        self.record = record  # keep a copy of every received tensor (for the tests)
         self.weight_version = "default"
         self.groups: dict[str, Any] = {}
         self.paused = False
@@ -240,7 +243,7 @@ class StandIn:
                                                        f"{list(self.groups)}"}
         if body["load_format"] != "flattened_bucket":
             return 400, {"success": False, "message": "the stand-in takes flattened buckets"}
-        named = [(n, torch.empty(s, dtype=getattr(torch, d)))
+        named = [(n, torch.empty(s, dtype=getattr(torch, d), device=self.device))
                  for n, d, s in zip(body["names"], body["dtypes"], body["shapes"])]
         flat = torch.cat([t.flatten() for _, t in named])
         dist.broadcast(flat, src=0, group=self.groups[body["group_name"]])
@@ -271,7 +274,8 @@ class StandIn:
         params = dict(self.model.named_parameters())
         with self.lock, torch.no_grad():
             for name, t in tensors:
-                self.received[name] = t.clone()
+                if self.record:
+                    self.received[name] = t.clone()
                 if self.corrupt:
                     t = t.flatten().flip(0).reshape(t.shape)
                 params[name].copy_(t)
@@ -282,7 +286,8 @@ class StandIn:
         out, logps = [], []
         with torch.no_grad():
             for _ in range(int(params.get("max_new_tokens", 128))):
-                logits = self.model(torch.tensor([ids + out])).logits[0, -1].float()
+                logits = self.model(torch.tensor([ids + out], device=self.device)).logits[0, -1]
+                logits = logits.float()
                 logp = torch.log_softmax(logits, -1)
                 token = int(logp.argmax())
                 out.append(token)
@@ -330,11 +335,33 @@ class _Handler(BaseHTTPRequestHandler):
         self._route(body)
 
 
-def serve(model_dir: str | Path) -> tuple[StandIn, ThreadingHTTPServer, str]:
-    """Start a stand-in on a free 127.0.0.1 port in a daemon thread: (state, server, url)."""
-    standin = StandIn(model_dir)
+def serve(model_dir: str | Path, *, port: int = 0,
+          **kwargs) -> tuple[StandIn, ThreadingHTTPServer, str]:
+    """Start a stand-in on 127.0.0.1 (a free port by default) in a daemon thread: (state, server,
+    url). kwargs go to StandIn (device, dtype, record)."""
+    standin = StandIn(model_dir, **kwargs)
     handler = type("Handler", (_Handler,), {"standin": standin})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return standin, server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+if __name__ == "__main__":  # a stand-in in its own process (benchmarks/push.py --sglang)
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description="an SGLang-protocol stand-in server")
+    parser.add_argument("model_dir")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--record", action="store_true", help="keep every received tensor")
+    args = parser.parse_args()
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))
+    serve(args.model_dir, port=args.port, device=args.device, dtype=getattr(torch, args.dtype),
+          record=args.record)
+    print(f"serving on http://127.0.0.1:{args.port}", flush=True)
+    while True:
+        time.sleep(3600)

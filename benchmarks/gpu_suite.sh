@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project, in groups that fit one device call each.
+# Usage: bash benchmarks/gpu_suite.sh OUTDIR GROUP...   (groups: pair, single, memory)
+#   pair    both GPUs, one item at a time: the demo on two GPUs, the push benchmark (update
+#           channel and SGLang protocol), the two-GPU tests, context parallelism
+#   single  two streams at once, one per GPU: the one-GPU tests and benchmarks
+#   memory  two streams at once: the memory options (largest shape, longest sequence)
+# Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
+# each item's exit status and seconds.
+set -uo pipefail
+out=${1:?OUTDIR}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+item() {  # item NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$out/$name.txt" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$out/items.txt"
+}
+
+pair() {
+  item demo2 200 env LAYOUTS=two DEMO_TIMEOUT=190 bash benchmarks/gpu_demo.sh "$out/demo"
+  item push 150 python benchmarks/push.py --pushes 6 --sglang
+  item tests_pair 130 python -m pytest -q -x -p no:cacheprovider tests/e2e/test_cp_gpu.py \
+    tests/e2e/test_weights_gpu.py
+  item cp 200 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
+    --cells dp2:65536 cp2:65536 cp2:131072 dp2:131072
+}
+
+single_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item timing 170 python benchmarks/timing.py --out "$out/timing" --steps 4 --memory
+  item rollout 170 python benchmarks/rollout.py --rows 64 512
+  item checkpoint 220 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
+}
+
+single_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item tests_single 300 python -m pytest -q -p no:cacheprovider tests/e2e/test_oom_gpu.py \
+    tests/e2e/test_memory_gpu.py tests/e2e/test_decode_gpu.py tests/e2e/test_ipc_gpu.py \
+    tests/e2e/test_liger_gpu.py
+  item lora 250 torchrun --nproc-per-node 1 benchmarks/lora.py --layers 8 --steps 3
+}
+
+memory_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item mem_largest 560 python benchmarks/memory.py largest --shapes 7B 14B \
+    --options default bf16 per_layer per_layer_bf16 --steps 1 --timeout 200
+}
+
+memory_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item mem_cost 250 python benchmarks/memory.py cost --shape 1.5B --steps 2 --timeout 120
+  item mem_longest 300 python benchmarks/memory.py longest --options default per_layer_bf16 \
+    --steps 1 --seq 32768 --max-seq 262144 --timeout 140
+}
+
+for group in "$@"; do
+  case $group in
+    pair) pair ;;
+    single) single_gpu0 & single_gpu1 & wait ;;
+    memory) memory_gpu0 & memory_gpu1 & wait ;;
+    *) echo "unknown group $group"; exit 2 ;;
+  esac
+done
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
+git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null
