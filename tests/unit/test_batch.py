@@ -434,7 +434,7 @@ def test_balanced_partition_kk_never_worse_than_lpt(sizes, k):
 
 
 def test_refine_fills_empty_bins_without_raising_the_largest():
-    from fsdpfn.batch import _refine  # the safety net behind the budget fallback
+    from fsdpfn.batch.partition import _refine  # the safety net behind the budget fallback
     sizes = [4, 3, 2, 1, 0]
     bins = _refine([[0, 1, 2, 3, 4], [], []], sizes)
     assert sorted(u for b in bins for u in b) == [0, 1, 2, 3, 4] and all(bins)
