@@ -16,7 +16,18 @@ from fsdpfn.errors import BatchError, ConfigError
 
 __all__ = ["balanced_partition", "plan_microbatches"]
 
-ALGOS = ("ffd", "kk")
+ALGOS = ("lpt", "kk", "ffd")
+# "ffd" was this option's first name, though what runs for it is LPT (sorted greedy into the
+# lightest bin), not first-fit decreasing; it stays accepted as an alias of "lpt".
+ALGO_ALIASES = {"ffd": "lpt"}
+
+
+def _check_algo(algo) -> str:
+    """The algorithm that runs for `algo` ("ffd" -> "lpt"); ConfigError for an unknown name."""
+    if algo not in ALGOS:
+        raise ConfigError(f"algo: must be one of {list(ALGOS)} (\"ffd\" is an alias of \"lpt\"), "
+                          f"got {algo!r}")
+    return ALGO_ALIASES.get(algo, algo)
 
 
 def _units(seq_lens, group_size: int) -> tuple[list[int], list[int]]:
@@ -94,11 +105,13 @@ def _refine(bins: list[list[int]], sizes: list[int]) -> list[list[int]]:
     return bins
 
 
-def balanced_partition(sizes: Sequence[int], k: int, *, algo: str = "ffd") -> list[list[int]]:
+def balanced_partition(sizes: Sequence[int], k: int, *, algo: str = "lpt") -> list[list[int]]:
     """Split unit indices into exactly k bins with balanced load sums.
 
-    Computes LPT (sorted greedy) and, for algo="kk", Karmarkar-Karp too; keeps the one with
-    the smaller largest bin, then refines it by local moves (which never raise the largest bin).
+    algo="lpt" (the default) runs LPT (sorted greedy: largest unit first, into the lightest
+    bin); algo="kk" runs LPT and Karmarkar-Karp (largest differencing) and keeps the one with
+    the smaller largest bin; "ffd" is an alias of "lpt" kept for older callers. The result is
+    then refined by local moves (which never raise the largest bin).
     Guarantees (OPT = best possible largest bin, mean = sum/k, m = largest unit):
       largest bin <= (4/3 - 1/(3k)) * OPT        (Graham's LPT bound)
       largest bin <= mean + (1 - 1/k) * m        (list-scheduling bound)
@@ -106,8 +119,7 @@ def balanced_partition(sizes: Sequence[int], k: int, *, algo: str = "ffd") -> li
     particular order; units within a bin are unsorted.
     """
     _config_int("k", k)
-    if algo not in ALGOS:
-        raise ConfigError(f"algo: must be one of {ALGOS}, got {algo!r}")
+    algo = _check_algo(algo)
     sizes = list(sizes)
     cands = [_lpt(sizes, k)] + ([_kk(sizes, k)] if algo == "kk" else [])
     best = min(cands, key=lambda bins: max(sum(sizes[u] for u in b) for b in bins))
@@ -136,7 +148,7 @@ def _to_rows(bins: list[list[int]], starts: list[int], group_size: int) -> list[
 
 
 def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: int = 1,
-                      group_size: int = 1, algo: str = "ffd", min_n_mbs: int = 1,
+                      group_size: int = 1, algo: str = "lpt", min_n_mbs: int = 1,
                       cp: int = 1) -> list[list[int]]:
     """Split rows into micro-batches: lists of row indices, ascending within each list.
 
@@ -145,8 +157,9 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     number of first-fit-decreasing bins under `max_tokens_per_mb` (F = 0 without a budget);
     pass min_n_mbs = the largest count over data-parallel ranks so all ranks run the same number
     of forward/backward passes. The units are then spread over exactly k bins by
-    balanced_partition; with a budget, if that spreading breaks the budget, the FFD bins
-    (plus empty ones) refined by local moves are used instead.
+    balanced_partition(algo=algo); with a budget, if that spreading breaks the budget, the FFD
+    bins (plus empty ones) refined by local moves are used instead. (That bin count and fallback
+    are first-fit decreasing whatever `algo` is: `algo` picks only the balancing.)
 
     Guarantees: every row exactly once; every micro-batch <= max_tokens_per_mb tokens; exactly
     k micro-batches; an empty micro-batch ([]) only when there are fewer than k units.
@@ -167,8 +180,7 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     _config_int("cp", cp)
     if max_tokens_per_mb is not None:
         _config_int("max_tokens_per_mb", max_tokens_per_mb)
-    if algo not in ALGOS:
-        raise ConfigError(f"algo: must be one of {ALGOS}, got {algo!r}")
+    _check_algo(algo)
     sizes, starts = _units(seq_lens, group_size)
     k = max(n_mbs, min_n_mbs)
     if max_tokens_per_mb is None:

@@ -20,7 +20,7 @@ __all__ = ["dp_shard_rows", "dp_shard_units", "shard_rows", "gather_rows", "grou
            "check_groups", "shard_batch", "gather_batch"]
 
 
-def dp_shard_rows(seq_lens, dp_size: int, *, group_size: int = 1, algo: str = "ffd"
+def dp_shard_rows(seq_lens, dp_size: int, *, group_size: int = 1, algo: str = "lpt"
                   ) -> list[list[int]]:
     """Split the rows of a global batch over dp_size ranks: part r is rank r's rows, ascending.
 
@@ -36,7 +36,7 @@ def dp_shard_rows(seq_lens, dp_size: int, *, group_size: int = 1, algo: str = "f
 
 
 def dp_shard_units(units: Sequence[Sequence[int]], seq_lens, dp_size: int, *,
-                   algo: str = "ffd") -> list[list[int]]:
+                   algo: str = "lpt") -> list[list[int]]:
     """dp_shard_rows for units given as row lists (e.g. the rows of each group_id): every unit
     on one rank, tokens balanced, parts ascending and ordered by their first row."""
     _config_int("dp_size", dp_size)
