@@ -13,7 +13,7 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.objective import Objective
 from fsdpfn.step import grad_step
 
-__all__ = ["rw_loss", "rw_step", "last_token_scores", "rw_objective"]
+__all__ = ["rw_loss_fn", "rw_loss", "rw_step", "last_token_scores", "rw_objective"]
 
 
 def last_token_scores(scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def last_token_scores(scores: torch.Tensor, attention_mask: torch.Tensor) -> tor
     return scores.gather(-1, last.clamp(min=0)[:, None]).squeeze(-1)
 
 
-def rw_loss(config: RWConfig):
+def rw_loss_fn(config: RWConfig):
     def loss_fn(outputs, mb, ctx):
         s = last_token_scores(outputs["scores"], mb[K.ATTENTION_MASK]).view(-1, 2)
         diff = s[:, 0] - s[:, 1]
@@ -35,9 +35,12 @@ def rw_loss(config: RWConfig):
     return loss_fn
 
 
+rw_loss = rw_loss_fn  # the factory's former name, kept for callers
+
+
 def rw_objective(config: RWConfig = RWConfig()) -> Objective:
     check_config(config, RWConfig)
-    return Objective(rw_loss(config), normalizer="pairs", require=(), group_size=2, pairs=True,
+    return Objective(rw_loss_fn(config), normalizer="pairs", require=(), group_size=2, pairs=True,
                      name="rw_step")
 
 
