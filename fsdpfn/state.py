@@ -10,6 +10,7 @@ in-place version counter, so a parameter changed outside fsdpfn (``p.data.add_(.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -83,8 +84,9 @@ class Lease:
 
 @attrs.frozen(eq=False)
 class EngineState:
-    """config, mesh, sharded model, optimizer and LR scheduler (None when inference-only),
-    ``step`` (optimizer steps taken) and ``version`` (weights version).
+    """config, mesh, sharded model, ``optimizer`` and LR ``scheduler`` (both None when
+    inference-only), ``step`` (optimizer steps taken) and ``version`` (weights version).
+    ``lr_scheduler`` is a deprecated alias of ``scheduler``.
 
     Frozen: functions that change weights return a successor and revoke this one.
     """
@@ -105,7 +107,10 @@ class EngineState:
 
     @property
     def lr_scheduler(self):
-        """The LR scheduler (an alias of ``scheduler``); None for inference-only states."""
+        """Deprecated alias of ``scheduler`` (the same object): use ``state.scheduler``."""
+        warnings.warn("EngineState.lr_scheduler is deprecated: use EngineState.scheduler (the "
+                      "same LR scheduler; None for inference-only states)", DeprecationWarning,
+                      stacklevel=2)
         return self.scheduler
 
     @property
