@@ -189,12 +189,16 @@ class MicroBatchSpec:
     and bounds activation memory whatever the batch size; a single row (or group kept whole)
     longer than the budget is a BatchError naming this field. ``None`` puts a rank's whole
     batch in n_mbs micro-batches, however large.
+
+    ``algo`` balances tokens over the micro-batches (fsdpfn.batch.balanced_partition): ``"lpt"``
+    (largest unit first into the lightest micro-batch) or ``"kk"`` (the better of LPT and
+    Karmarkar-Karp); ``"ffd"`` is accepted as an alias of ``"lpt"`` (its former name).
     """
 
     max_tokens_per_mb: int | None = attrs.field(default=DEFAULT_MAX_TOKENS_PER_MB,
                                                 validator=_int(1, allow=(None,)))
     n_mbs: int = attrs.field(default=1, validator=_int(1))
-    algo: str = attrs.field(default="ffd", validator=_one_of("ffd", "kk"))
+    algo: str = attrs.field(default="lpt", validator=_one_of("lpt", "kk", "ffd"))
 
 
 def _names_conv(value):

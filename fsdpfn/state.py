@@ -10,6 +10,7 @@ in-place version counter, so a parameter changed outside fsdpfn (``p.data.add_(.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -83,8 +84,16 @@ class Lease:
 
 @attrs.frozen(eq=False)
 class EngineState:
-    """config, mesh, sharded model, optimizer and LR scheduler (None when inference-only),
-    ``step`` (optimizer steps taken) and ``version`` (weights version).
+    """config, mesh, sharded model, ``optimizer`` and LR ``scheduler`` (both None when
+    inference-only), ``step`` (optimizer steps taken) and ``version`` (weights version).
+    ``lr_scheduler`` is a deprecated alias of ``scheduler``.
+
+    ``model`` is the engine's internal wrapper (fsdpfn.packed.PackedModel), whose parameter
+    names carry its ``lm.`` prefix; ``hf_model`` is the Hugging Face module inside it, sharded
+    in place, whose ``named_parameters()`` and
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict(state.hf_model)`` use
+    Hugging Face's own names (``model.layers.0.self_attn.q_proj.weight``; with LoRA, peft's
+    injected ``base_layer`` / ``lora_A`` / ``lora_B`` names).
 
     Frozen: functions that change weights return a successor and revoke this one.
     """
@@ -105,8 +114,17 @@ class EngineState:
 
     @property
     def lr_scheduler(self):
-        """The LR scheduler (an alias of ``scheduler``); None for inference-only states."""
+        """Deprecated alias of ``scheduler`` (the same object): use ``state.scheduler``."""
+        warnings.warn("EngineState.lr_scheduler is deprecated: use EngineState.scheduler (the "
+                      "same LR scheduler; None for inference-only states)", DeprecationWarning,
+                      stacklevel=2)
         return self.scheduler
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model (``AutoModelForCausalLM``, or the token-classification critic)
+        inside ``model``: the same sharded modules and parameters, under Hugging Face's names."""
+        return self.model.lm
 
     @property
     def trainable(self) -> bool:

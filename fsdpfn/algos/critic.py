@@ -10,10 +10,10 @@ from fsdpfn.ops import aggregate_sum, value_loss_terms
 from fsdpfn.objective import Objective
 from fsdpfn.step import StepContext, grad_step
 
-__all__ = ["critic_loss", "critic_step", "critic_objective"]
+__all__ = ["critic_loss_fn", "critic_loss", "critic_step", "critic_objective"]
 
 
-def critic_loss(config: CriticConfig):
+def critic_loss_fn(config: CriticConfig):
     """½·max((v−R)², (clip(v, v_old±clip)−R)²); old values from ``old_values`` or ``values``."""
 
     def loss_fn(outputs, mb, ctx: StepContext):
@@ -30,6 +30,8 @@ def critic_loss(config: CriticConfig):
     return loss_fn
 
 
+critic_loss = critic_loss_fn  # the factory's former name, kept for callers
+
 
 def critic_objective(config: CriticConfig, *, old_key: str = K.OLD_VALUES) -> Objective:
     """The critic's loss; ``old_key``: where the values before the update are (old_values, or
@@ -37,7 +39,7 @@ def critic_objective(config: CriticConfig, *, old_key: str = K.OLD_VALUES) -> Ob
     check_config(config, CriticConfig)
     why = {K.RETURNS: "the value target; compute it with compute_advantages",
            old_key: "value clipping; compute it with compute_values"}
-    return Objective(critic_loss(config), normalizer=AGG_NORMALIZER[config.agg],
+    return Objective(critic_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg],
                      require=(K.LOSS_MASK, K.RETURNS, old_key), why=why, name="critic_step")
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fsdpfn import keys as K
 from fsdpfn.algos.common import check_config
 from fsdpfn.config import DPOConfig
 from fsdpfn.objective import Objective
+from fsdpfn.ops import dpo_loss_sum
 from fsdpfn.step import grad_step
 
 __all__ = ["dpo_loss_fn", "dpo_objective", "dpo_step"]
@@ -19,20 +19,15 @@ def _seq_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def dpo_loss_fn(config: DPOConfig):
+    """loss_fn for grad_step: ops.dpo_loss_sum on the sequence log-prob sums of each pair
+    (loss_mask tokens) of the policy and ref_logp; grad_step divides by the global pair count."""
+
     def loss_fn(outputs, mb, ctx):
         mask = mb[K.LOSS_MASK]
         pi = _seq_sums(outputs[K.LOGP], mask)          # (pairs, 2)
         ref = _seq_sums(mb[K.REF_LOGP], mask)
-        logits = (pi[:, 0] - pi[:, 1]) - (ref[:, 0] - ref[:, 1])
-        if config.kind == "sigmoid":
-            per_pair = -F.logsigmoid(config.beta * logits)
-        else:  # ipo
-            per_pair = (logits - 1.0 / (2.0 * config.beta)) ** 2
-        chosen = config.beta * (pi[:, 0] - ref[:, 0]).detach()
-        rejected = config.beta * (pi[:, 1] - ref[:, 1]).detach()
-        return per_pair.sum(), {"reward_accuracy": (chosen > rejected).float().sum(),
-                                "chosen_reward": chosen.sum(), "rejected_reward": rejected.sum(),
-                                "margin": (chosen - rejected).sum()}
+        return dpo_loss_sum(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], beta=config.beta,
+                            kind=config.kind)
 
     return loss_fn
 

@@ -14,7 +14,7 @@ from fsdpfn.ops import aggregate_sum, behav_gap_terms, kl, masked_values, policy
 from fsdpfn.objective import Objective
 from fsdpfn.step import StepContext, grad_step
 
-__all__ = ["ppo_loss", "ppo_step", "ppo_objective"]
+__all__ = ["ppo_loss_fn", "ppo_loss", "ppo_step", "ppo_objective"]
 
 
 def _seq_mean_stat(flags: torch.Tensor, rows: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -64,7 +64,7 @@ def _policy_terms(config: PPOConfig, logp, mb, mask, behav):
                              behav_level=config.behav_level, behav_low=low, behav_high=high)
 
 
-def ppo_loss(config: PPOConfig):
+def ppo_loss_fn(config: PPOConfig):
     """loss_fn for grad_step: clipped (or CISPO) policy loss, weighted by the behaviour
     correction (+ KL to ref_logp, − entropy bonus)."""
 
@@ -100,6 +100,9 @@ def ppo_loss(config: PPOConfig):
         return loss, stats
 
     return loss_fn
+
+
+ppo_loss = ppo_loss_fn  # the factory's former name, kept for callers
 
 
 def _requirements(config: PPOConfig) -> tuple[tuple[str, ...], dict]:
@@ -138,7 +141,7 @@ def ppo_objective(config: PPOConfig) -> Objective:
     behav_logp with a correction)."""
     check_config(config, PPOConfig)
     require, why = _requirements(config)
-    return Objective(ppo_loss(config), normalizer=AGG_NORMALIZER[config.agg], require=require,
+    return Objective(ppo_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg], require=require,
                      why=why, with_entropy=config.entropy_coef > 0,
                      temperature=config.temperature, name="ppo_step")
 

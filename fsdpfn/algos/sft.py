@@ -6,15 +6,18 @@ from fsdpfn import keys as K
 from fsdpfn.algos.common import AGG_NORMALIZER, check_config
 from fsdpfn.config import SFTConfig
 from fsdpfn.objective import Objective
-from fsdpfn.ops import aggregate_sum
+from fsdpfn.ops import sft_loss_sum
 from fsdpfn.step import grad_step
 
 __all__ = ["sft_loss_fn", "sft_objective", "sft_step"]
 
 
 def sft_loss_fn(config: SFTConfig):
+    """loss_fn for grad_step: the summed −log π of the loss_mask tokens (ops.sft_loss_sum, with
+    ``config.agg``); grad_step divides it by the global count."""
+
     def loss_fn(outputs, mb, ctx):
-        nll_sum, _ = aggregate_sum(-outputs[K.LOGP], mb[K.LOSS_MASK], config.agg)
+        nll_sum, _ = sft_loss_sum(outputs[K.LOGP], mb[K.LOSS_MASK], agg=config.agg)
         return nll_sum, {}
 
     return loss_fn

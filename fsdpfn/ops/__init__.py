@@ -12,9 +12,10 @@ from fsdpfn.ops.correction import (BEHAV_CORRECTIONS, BEHAV_LEVELS, BehavWeights
 from fsdpfn.ops.kl import KL_KINDS, kl
 from fsdpfn.ops.logprobs import chunked_logprobs, token_entropy, token_logprobs, vocab_parallel_logprobs
 from fsdpfn.ops.losses import (DPO_KINDS, POLICY_KINDS, RATIO_LEVELS, PolicyTerms, ValueTerms,
-                               bradley_terry_loss, bradley_terry_loss_with_stats, dpo_loss,
-                               dpo_loss_with_stats,
-                               policy_loss, policy_loss_terms, sft_loss, sft_loss_with_stats,
+                               bradley_terry_loss, bradley_terry_loss_sum,
+                               bradley_terry_loss_with_stats, dpo_loss, dpo_loss_sum,
+                               dpo_loss_with_stats, policy_loss, policy_loss_terms, sft_loss,
+                               sft_loss_sum, sft_loss_with_stats,
                                value_loss, value_loss_terms, value_loss_with_stats)
 
 __all__ = [
@@ -27,8 +28,9 @@ __all__ = [
     # losses
     "policy_loss", "policy_loss_terms", "PolicyTerms", "value_loss", "value_loss_with_stats",
     "value_loss_terms", "ValueTerms",
-    "sft_loss", "sft_loss_with_stats", "bradley_terry_loss", "bradley_terry_loss_with_stats",
-    "dpo_loss", "dpo_loss_with_stats", "DPO_KINDS", "RATIO_LEVELS", "POLICY_KINDS",
+    "sft_loss", "sft_loss_with_stats", "sft_loss_sum", "bradley_terry_loss",
+    "bradley_terry_loss_with_stats", "bradley_terry_loss_sum", "dpo_loss", "dpo_loss_with_stats",
+    "dpo_loss_sum", "DPO_KINDS", "RATIO_LEVELS", "POLICY_KINDS",
     # trainer-rollout mismatch
     "behav_weights", "behav_log_ratio", "behav_gap_terms", "behav_stats", "BehavWeights",
     "BEHAV_CORRECTIONS", "BEHAV_LEVELS",

@@ -9,7 +9,9 @@ over the mask whatever the loss aggregation.
 Returns: `policy_loss` and `value_loss` give (loss, stats); `sft_loss`, `bradley_terry_loss` and
 `dpo_loss` give the loss tensor alone, their `*_with_stats` twins give (loss, stats). The `*_terms`
 functions give per-token losses (0 under the mask) and indicators, for callers that normalise over
-a global batch with `aggregate_sum`.
+a global batch with `aggregate_sum`; likewise `sft_loss_sum`, `bradley_terry_loss_sum` and
+`dpo_loss_sum` give a loss sum (and statistic sums) that the mean forms divide by the local count
+and fsdpfn.algos by the global one: the math of each loss is written once.
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import aggregate, masked_values
+from fsdpfn.ops.aggregate import aggregate, aggregate_sum, masked_values
 from fsdpfn.ops.correction import BehavWeights, behav_stats, behav_weights
 
 __all__ = [
     "PolicyTerms", "policy_loss_terms", "policy_loss",
     "ValueTerms", "value_loss_terms", "value_loss", "value_loss_with_stats",
-    "sft_loss", "sft_loss_with_stats",
-    "bradley_terry_loss", "bradley_terry_loss_with_stats",
-    "dpo_loss", "dpo_loss_with_stats", "DPO_KINDS", "RATIO_LEVELS", "POLICY_KINDS",
+    "sft_loss", "sft_loss_with_stats", "sft_loss_sum",
+    "bradley_terry_loss", "bradley_terry_loss_with_stats", "bradley_terry_loss_sum",
+    "dpo_loss", "dpo_loss_with_stats", "dpo_loss_sum", "DPO_KINDS", "RATIO_LEVELS", "POLICY_KINDS",
 ]
 
 RATIO_LEVELS = ("token", "sequence")
@@ -258,16 +260,25 @@ def value_loss(values, old_values, returns, mask, *, clip=0.5, agg="token-mean")
 
 
 # --------------------------------------------------------------------------------------------
-# SFT, reward model, DPO
+# SFT, reward model, DPO: each written once, as a sum with the count it is divided by (the form
+# grad_step's losses take: fsdpfn.algos sums micro-batches and divides by a global count); the
+# mean forms divide that sum by the local count.
 # --------------------------------------------------------------------------------------------
+
+def sft_loss_sum(logp, mask, *, agg="token-mean"):
+    """(nll_sum, count) = aggregate_sum(-logp, mask, agg) for logp[..., T]: the SFT loss is
+    nll_sum / max(count, 1)."""
+    _check_same_shape(mask, logp=logp)
+    return aggregate_sum(-logp, mask, agg)
+
 
 def sft_loss_with_stats(logp, mask):
     """(loss, stats): loss = -token-mean of logp[..., T] over mask (0 if the mask is empty).
 
     stats: nll (= loss), n_tokens.
     """
-    _check_same_shape(mask, logp=logp)
-    loss = -aggregate(logp, mask, "token-mean")
+    nll_sum, count = sft_loss_sum(logp, mask)
+    loss = nll_sum / count.clamp(min=1.0)
     return loss, {"nll": _stat(loss), "n_tokens": _stat(mask.bool().sum().float())}
 
 
@@ -276,9 +287,22 @@ def sft_loss(logp, mask) -> torch.Tensor:
     return sft_loss_with_stats(logp, mask)[0]
 
 
-def _mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean that is 0, not nan, for an empty tensor."""
-    return x.sum() / max(x.numel(), 1)
+def _pair_means(loss_sum: torch.Tensor, stat_sums: dict, n_pairs: int):
+    """A pair loss's sum form -> its mean form (0, not nan, without pairs)."""
+    n = max(n_pairs, 1)
+    return loss_sum / n, {k: _stat(v / n) for k, v in stat_sums.items()}
+
+
+def bradley_terry_loss_sum(chosen, rejected, *, margin=0.0):
+    """(loss_sum, stat_sums): sum over pairs of -log sigmoid(chosen - rejected - margin);
+    chosen[...], rejected[...] scores. stat_sums (detached): accuracy = sum of
+    [chosen > rejected], margin = sum of (chosen - rejected)."""
+    if chosen.shape != rejected.shape:
+        raise BatchError(f"rejected must have the shape of chosen {tuple(chosen.shape)}, "
+                         f"got {tuple(rejected.shape)}")
+    diff = chosen.float() - rejected.float()
+    loss_sum = -F.logsigmoid(diff - margin).sum()
+    return loss_sum, {"accuracy": (diff > 0).float().sum(), "margin": diff.detach().sum()}
 
 
 def bradley_terry_loss_with_stats(chosen, rejected):
@@ -286,17 +310,45 @@ def bradley_terry_loss_with_stats(chosen, rejected):
 
     stats: accuracy = mean(chosen > rejected), margin = mean(chosen - rejected).
     """
-    if chosen.shape != rejected.shape:
-        raise BatchError(f"rejected must have the shape of chosen {tuple(chosen.shape)}, "
-                         f"got {tuple(rejected.shape)}")
-    diff = chosen.float() - rejected.float()
-    loss = _mean(-F.logsigmoid(diff))
-    return loss, {"accuracy": _stat(_mean((diff > 0).float())), "margin": _stat(_mean(diff))}
+    return _pair_means(*bradley_terry_loss_sum(chosen, rejected), chosen.numel())
 
 
 def bradley_terry_loss(chosen, rejected) -> torch.Tensor:
     """Mean of -log sigmoid(chosen - rejected)."""
     return bradley_terry_loss_with_stats(chosen, rejected)[0]
+
+
+def _check_dpo_args(beta, kind, pi_chosen, **others) -> None:
+    if kind not in DPO_KINDS:
+        raise ConfigError(f"kind must be one of {list(DPO_KINDS)}, got {kind!r}")
+    if not beta > 0.0:
+        raise ConfigError(f"beta must be > 0, got {beta!r}")
+    for name, t in others.items():
+        if t.shape != pi_chosen.shape:
+            raise BatchError(f"{name} must have the shape of pi_chosen {tuple(pi_chosen.shape)}, "
+                             f"got {tuple(t.shape)}")
+
+
+def dpo_loss_sum(pi_chosen, pi_rejected, ref_chosen, ref_rejected, *, beta=0.1, kind="sigmoid"):
+    """(loss_sum, stat_sums) from sequence log-probs [P] (one per pair) of policy and reference.
+
+    logits = (pi_c - pi_r) - (ref_c - ref_r); per pair, sigmoid: -log sigmoid(beta logits), ipo:
+    (logits - 1/(2 beta))^2. stat_sums (detached), with rewards r = beta (pi - ref):
+    reward_accuracy = sum of [r_c > r_r], chosen_reward = sum of r_c, rejected_reward, margin =
+    sum of (r_c - r_r).
+    """
+    _check_dpo_args(beta, kind, pi_chosen, pi_rejected=pi_rejected, ref_chosen=ref_chosen,
+                    ref_rejected=ref_rejected)
+    pi_c, pi_r, ref_c, ref_r = (t.float() for t in (pi_chosen, pi_rejected, ref_chosen, ref_rejected))
+    logits = (pi_c - pi_r) - (ref_c - ref_r)
+    if kind == "sigmoid":
+        per_pair = -F.logsigmoid(beta * logits)
+    else:
+        per_pair = (logits - 1.0 / (2.0 * beta)).square()
+    r_c, r_r = beta * (pi_c - ref_c).detach(), beta * (pi_r - ref_r).detach()
+    return per_pair.sum(), {"reward_accuracy": (r_c > r_r).float().sum(),
+                            "chosen_reward": r_c.sum(), "rejected_reward": r_r.sum(),
+                            "margin": (r_c - r_r).sum()}
 
 
 def dpo_loss_with_stats(pi_chosen, pi_rejected, ref_chosen, ref_rejected, *, beta=0.1, kind="sigmoid"):
@@ -306,28 +358,8 @@ def dpo_loss_with_stats(pi_chosen, pi_rejected, ref_chosen, ref_rejected, *, bet
     ipo: mean (logits - 1/(2 beta))^2. stats: reward_accuracy, chosen_reward (mean beta (pi_c -
     ref_c)), rejected_reward, margin (mean chosen - rejected reward).
     """
-    if kind not in DPO_KINDS:
-        raise ConfigError(f"kind must be one of {list(DPO_KINDS)}, got {kind!r}")
-    if not beta > 0.0:
-        raise ConfigError(f"beta must be > 0, got {beta!r}")
-    shape = pi_chosen.shape
-    for name, t in (("pi_rejected", pi_rejected), ("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
-        if t.shape != shape:
-            raise BatchError(f"{name} must have the shape of pi_chosen {tuple(shape)}, got {tuple(t.shape)}")
-    pi_c, pi_r, ref_c, ref_r = (t.float() for t in (pi_chosen, pi_rejected, ref_chosen, ref_rejected))
-    logits = (pi_c - pi_r) - (ref_c - ref_r)
-    if kind == "sigmoid":
-        loss = _mean(-F.logsigmoid(beta * logits))
-    else:
-        loss = _mean((logits - 1.0 / (2.0 * beta)).square())
-    r_c, r_r = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
-    stats = {
-        "reward_accuracy": _mean((r_c > r_r).float()),
-        "chosen_reward": _mean(r_c),
-        "rejected_reward": _mean(r_r),
-        "margin": _mean(r_c - r_r),
-    }
-    return loss, {k: _stat(v) for k, v in stats.items()}
+    sums = dpo_loss_sum(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta=beta, kind=kind)
+    return _pair_means(*sums, pi_chosen.numel())
 
 
 def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, *, beta=0.1, kind="sigmoid") -> torch.Tensor:

@@ -91,7 +91,7 @@ def _ppo_step(state, batch, mb_spec):
     config = ff.PPOConfig()
     if "mb_spec" in inspect.signature(ff.ppo_step).parameters:
         return ff.ppo_step(state, batch, config, mb_spec=mb_spec)
-    from fsdpfn.algos.ppo import ppo_loss
-    return ff.grad_step(state, batch, ppo_loss(config),
+    from fsdpfn.algos.ppo import ppo_loss_fn
+    return ff.grad_step(state, batch, ppo_loss_fn(config),
                         require=(K.LOSS_MASK, K.OLD_LOGP, K.ADVANTAGES), mb_spec=mb_spec,
                         fn_name="ppo_step")

@@ -271,7 +271,7 @@ def _check_plan(plan, lens, group_size):
 plans = st.fixed_dictionaries({
     "group_size": st.sampled_from([1, 2, 3]),
     "n_units": st.integers(1, 14),
-    "algo": st.sampled_from(["ffd", "kk"]),
+    "algo": st.sampled_from(["lpt", "kk"]),
     "n_mbs": st.integers(1, 6),
     "min_n_mbs": st.integers(1, 6),
     "seed": st.integers(0, 2**16),
@@ -326,7 +326,7 @@ def _opt(units, k):
 
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=7), st.integers(1, 3),
-       st.sampled_from(["ffd", "kk"]))
+       st.sampled_from(["lpt", "kk"]))
 def test_balance_within_lpt_bound_of_optimum(units, k, algo):
     plan = plan_microbatches(units, n_mbs=k, algo=algo)
     assert max(_loads(plan, units)) <= (4 / 3 - 1 / (3 * k)) * _opt(units, k) + 1e-9
@@ -371,7 +371,7 @@ def test_plan_errors():
     with pytest.raises(BatchError, match="group_size=2.*B=3"):
         plan_microbatches([1, 2, 3], group_size=2)
     for kw, field in [(dict(n_mbs=0), "n_mbs"), (dict(max_tokens_per_mb=0), "max_tokens_per_mb"),
-                      (dict(max_tokens_per_mb=-5), "max_tokens_per_mb"), (dict(algo="lpt"), "algo"),
+                      (dict(max_tokens_per_mb=-5), "max_tokens_per_mb"), (dict(algo="greedy"), "algo"),
                       (dict(min_n_mbs=0), "min_n_mbs"), (dict(group_size=0), "group_size"),
                       (dict(n_mbs=True), "n_mbs")]:
         with pytest.raises(ConfigError, match=field):
@@ -430,11 +430,35 @@ def test_balanced_partition_kk_never_worse_than_lpt(sizes, k):
         assert len(bins) == k and (len(sizes) < k or all(bins))
         return max(sum(sizes[u] for u in b) for b in bins)
     assert worst(balanced_partition(sizes, k, algo="kk")) <= worst(
-        balanced_partition(sizes, k, algo="ffd"))
+        balanced_partition(sizes, k, algo="lpt"))
+
+
+@FAST
+@given(st.lists(st.integers(0, 50), max_size=20), st.integers(1, 5))
+def test_ffd_is_an_alias_of_lpt(sizes, k):
+    # "ffd" was the first name of what is LPT; old callers get exactly the same bins
+    assert balanced_partition(sizes, k, algo="ffd") == balanced_partition(sizes, k, algo="lpt")
+    assert balanced_partition(sizes, k) == balanced_partition(sizes, k, algo="lpt")
+    lens = [s + 1 for s in sizes]
+    assert (plan_microbatches(lens, n_mbs=k, algo="ffd")
+            == plan_microbatches(lens, n_mbs=k, algo="lpt") == plan_microbatches(lens, n_mbs=k))
+
+
+def test_lpt_is_sorted_greedy_into_the_lightest_bin():
+    # hand-run LPT: 5->A, 4->B, 3->B (B=4 < A=5), 3->A (A=5 < B=7): loads 8 and 7
+    bins = balanced_partition([5, 4, 3, 3], 2, algo="lpt")
+    assert sorted(sorted(b) for b in bins) == [[0, 3], [1, 2]]
+
+
+def test_unknown_partition_algo_names_the_choices():
+    for call in (lambda: balanced_partition([1, 2], 2, algo="best"),
+                 lambda: plan_microbatches([1, 2], algo="best")):
+        with pytest.raises(ConfigError, match=r"algo: must be one of \['lpt', 'kk', 'ffd'\].*'best'"):
+            call()
 
 
 def test_refine_fills_empty_bins_without_raising_the_largest():
-    from fsdpfn.batch import _refine  # the safety net behind the budget fallback
+    from fsdpfn.batch.partition import _refine  # the safety net behind the budget fallback
     sizes = [4, 3, 2, 1, 0]
     bins = _refine([[0, 1, 2, 3, 4], [], []], sizes)
     assert sorted(u for b in bins for u in b) == [0, 1, 2, 3, 4] and all(bins)

@@ -57,6 +57,7 @@ INVALID = [
     (ff.MicroBatchSpec, "max_tokens_per_mb", st.integers(max_value=0)),
     (ff.MicroBatchSpec, "n_mbs", st.integers(max_value=0) | st.floats(0.5, 10.5).filter(
         lambda x: x != int(x))),
+    (ff.MicroBatchSpec, "algo", st.text().filter(lambda s: s not in ("lpt", "kk", "ffd"))),
     (ff.PPOConfig, "clip_low", st.floats(min_value=1.0, max_value=1e3) | _neg),
     (ff.PPOConfig, "dual_clip", st.floats(max_value=1.0, allow_nan=False)),
     (ff.PPOConfig, "n_minibatches", st.integers(max_value=0)),
@@ -243,3 +244,10 @@ def test_import_fsdpfn_is_lazy_and_complete():
     assert set(ff.__all__) <= set(dir(ff))
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         ff.nope  # noqa: B018
+
+
+def test_microbatch_algo_names_what_runs_and_keeps_its_old_name():
+    assert ff.MicroBatchSpec().algo == "lpt"
+    for algo in ("lpt", "kk", "ffd"):  # "ffd": the former name of lpt, still accepted
+        spec = serde.from_yaml(f"algo: {algo}\n", ff.MicroBatchSpec)
+        assert spec == ff.MicroBatchSpec(algo=algo)

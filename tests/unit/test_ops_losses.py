@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.ops import (aggregate, aggregate_sum, aggregate_sum_packed, bradley_terry_loss,
-                        bradley_terry_loss_with_stats, dpo_loss, dpo_loss_with_stats, kl, policy_loss,
-                        policy_loss_terms, sft_loss, sft_loss_with_stats, value_loss, value_loss_terms,
+                        bradley_terry_loss_sum, bradley_terry_loss_with_stats, dpo_loss,
+                        dpo_loss_sum, dpo_loss_with_stats, kl, policy_loss, policy_loss_terms,
+                        sft_loss, sft_loss_sum, sft_loss_with_stats, value_loss, value_loss_terms,
                         value_loss_with_stats)
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None)
@@ -476,6 +477,31 @@ def test_dpo_loss(n, kind, beta, seed):
     close(stats["reward_accuracy"], (r_c > r_r).double().mean())
 
 
+@SETTINGS
+@given(n=st.integers(0, 10), kind=st.sampled_from(["sigmoid", "ipo"]), seed=st.integers(0, 2**16))
+def test_mean_forms_are_the_sum_forms_divided_by_the_count(n, kind, seed):
+    torch.manual_seed(seed)
+    logp, mask = -torch.rand(3, n + 1) * 5, torch.rand(3, n + 1) < 0.5
+    nll_sum, count = sft_loss_sum(logp, mask)
+    assert float(count) == mask.sum() and torch.equal(nll_sum / count.clamp(min=1), sft_loss(logp, mask))
+    c, r = torch.randn(n) * 3, torch.randn(n) * 3
+    bt_sum, bt_stats = bradley_terry_loss_sum(c, r)
+    bt, bt_mean_stats = bradley_terry_loss_with_stats(c, r)
+    assert torch.equal(bt_sum / max(n, 1), bt)
+    assert _floats(bt_stats, max(n, 1)) == pytest.approx(_floats(bt_mean_stats))
+    shifted, _ = bradley_terry_loss_sum(c, r, margin=0.5)  # margin: the same loss at c - 0.5
+    close(shifted, bradley_terry_loss_sum(c - 0.5, r)[0])
+    pc, pr, rc, rr = (-torch.rand(n) * 20 for _ in range(4))
+    d_sum, d_stats = dpo_loss_sum(pc, pr, rc, rr, beta=0.3, kind=kind)
+    d, d_mean_stats = dpo_loss_with_stats(pc, pr, rc, rr, beta=0.3, kind=kind)
+    assert torch.equal(d_sum / max(n, 1), d)
+    assert _floats(d_stats, max(n, 1)) == pytest.approx(_floats(d_mean_stats))
+
+
+def _floats(stats, n=1):
+    return {k: float(v) / n for k, v in stats.items()}
+
+
 def test_pair_losses_bad_arguments():
     x = torch.zeros(3)
     with pytest.raises(ConfigError, match=r"kind.*sigmoid.*ipo.*'hinge'"):
@@ -486,3 +512,9 @@ def test_pair_losses_bad_arguments():
         dpo_loss(x, x, x, torch.zeros(4))
     with pytest.raises(BatchError, match="rejected"):
         bradley_terry_loss(x, torch.zeros(2))
+    with pytest.raises(ConfigError, match=r"kind.*'hinge'"):
+        dpo_loss_sum(x, x, x, x, kind="hinge")
+    with pytest.raises(BatchError, match="rejected"):
+        bradley_terry_loss_sum(x, torch.zeros(2))
+    with pytest.raises(BatchError, match="logp must have the shape of mask"):
+        sft_loss_sum(x, torch.zeros(2, dtype=torch.bool))

@@ -1,0 +1,198 @@
+"""Data-parallel sharding of a global batch and the group checks of grouped estimators.
+
+Units (groups by ``group_id``, or ``group_size`` consecutive rows) stay on one rank; tokens are
+balanced over ranks with balanced_partition. shard_batch / gather_batch are public (API.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDictBase
+
+from fsdpfn import keys as K
+from fsdpfn.batch.partition import _units, balanced_partition
+from fsdpfn.batch.validate import _check_rows, _config_int, row_lengths, select_rows, validate_batch
+from fsdpfn.errors import BatchError
+
+__all__ = ["dp_shard_rows", "dp_shard_units", "shard_rows", "gather_rows", "group_units",
+           "check_groups", "shard_batch", "gather_batch"]
+
+
+def dp_shard_rows(seq_lens, dp_size: int, *, group_size: int = 1, algo: str = "lpt"
+                  ) -> list[list[int]]:
+    """Split the rows of a global batch over dp_size ranks: part r is rank r's rows, ascending.
+
+    Units of `group_size` consecutive rows stay on one rank; tokens are balanced with
+    balanced_partition (same bounds). Every part is non-empty.
+    Parts are ordered by their first row, so rank order follows row order. Deterministic.
+    Raises BatchError when there are fewer units than dp_size.
+    """
+    _config_int("dp_size", dp_size)
+    _, starts = _units(seq_lens, group_size)
+    units = [list(range(s, s + group_size)) for s in starts]
+    return dp_shard_units(units, seq_lens, dp_size, algo=algo)
+
+
+def dp_shard_units(units: Sequence[Sequence[int]], seq_lens, dp_size: int, *,
+                   algo: str = "lpt") -> list[list[int]]:
+    """dp_shard_rows for units given as row lists (e.g. the rows of each group_id): every unit
+    on one rank, tokens balanced, parts ascending and ordered by their first row."""
+    _config_int("dp_size", dp_size)
+    lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    if len(units) < dp_size:
+        sizes = sorted({len(u) for u in units})
+        unit = "rows" if sizes == [1] else "groups"
+        raise BatchError(f"batch: needs at least dp_size={dp_size} {unit} so every "
+                         f"data-parallel rank gets one, got {len(units)} (B={len(lens)})")
+    bins = balanced_partition([sum(lens[r] for r in u) for u in units], dp_size, algo=algo)
+    out = [sorted(r for u in b for r in units[u]) for b in bins]
+    return sorted(out, key=lambda rows: (not rows, rows[0] if rows else 0))
+
+
+def shard_rows(batch: TensorDictBase, parts: Sequence[Sequence[int]], index: int) -> TensorDictBase:
+    """This part's rows of the global batch: select_rows(batch, parts[index])."""
+    return select_rows(batch, parts[index])
+
+
+def gather_rows(pieces: Sequence[TensorDictBase], parts: Sequence[Sequence[int]]) -> TensorDictBase:
+    """Inverse of shard_rows: pieces[i] holds rows parts[i] of the global batch, in that order.
+
+    Returns the global batch with rows back in their original order. The pieces must share
+    keys and T.
+    """
+    if len(pieces) != len(parts):
+        raise BatchError(f"gather: need one piece per part, got {len(pieces)} pieces for "
+                         f"{len(parts)} parts")
+    for i, (piece, rows) in enumerate(zip(pieces, parts)):
+        if piece.batch_size[0] != len(rows):
+            raise BatchError(f"gather: piece {i} must hold {len(rows)} rows, got "
+                             f"{piece.batch_size[0]}")
+    order = torch.as_tensor([r for rows in parts for r in rows], dtype=torch.int64)
+    if sorted(order.tolist()) != list(range(len(order))):
+        raise BatchError(f"gather: parts must cover rows 0..B-1 exactly once, got {parts}")
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    whole = torch.cat(list(pieces), dim=0)
+    return whole[inverse.to(whole.device or "cpu")]
+
+
+# ================================================================ groups and rank-local batches
+
+ROW_INDEX = K.ROW_INDEX  # int64 [B]: a row's index in the global batch, added by shard_batch
+
+
+def group_units(batch: TensorDictBase, group_size: int = 1) -> list[list[int]]:
+    """Rows of each group, groups in order of their first row.
+
+    With ``group_id``: rows with equal ids, wherever they are (group_size > 1 then also checks
+    every group has exactly group_size rows). Without: ``group_size`` consecutive rows.
+    """
+    _config_int("group_size", group_size)
+    B = batch.batch_size[0]
+    if K.GROUP_ID not in batch.keys():
+        _check_rows(B, group_size, False)
+        return [list(range(s, s + group_size)) for s in range(0, B, group_size)]
+    ids = batch.get(K.GROUP_ID).cpu()
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    if group_size > 1:
+        _check_group_sizes(ids, inverse, counts, group_size, "shard_batch(group_size=...)")
+    order = torch.argsort(inverse, stable=True).tolist()
+    units, at = [], 0
+    for n in counts.tolist():
+        units.append(order[at:at + n])
+        at += n
+    return sorted(units, key=lambda rows: rows[0])
+
+
+def _check_group_sizes(ids, inverse, counts, group_size: int, source: str) -> None:
+    bad = (counts != group_size).nonzero()
+    if bad.numel():
+        g = int(bad[0])
+        rows = (inverse == g).nonzero().flatten().tolist()
+        raise BatchError(
+            f"{K.GROUP_ID}: every group must have group_size={group_size} rows ({source}), got "
+            f"{int(counts[g])} rows with group_id {int(ids[rows[0]])} (rows {rows[:8]}"
+            f"{'...' if len(rows) > 8 else ''}); a group split over data-parallel ranks has "
+            "fewer: shard with shard_batch, which keeps rows of one group_id on one rank")
+
+
+def check_groups(batch: TensorDictBase, group_size: int) -> torch.Tensor | None:
+    """Verify the groups of a batch for a grouped estimator; the group of each row or None.
+
+    With ``group_id``: returns group[B] int64 (0..n_groups-1 by first row) and raises BatchError
+    unless every id has exactly group_size rows (a group split by sharding has fewer). Without:
+    rows [kG, (k+1)G) form group k (returns None), B must be divisible by G, and when the batch
+    carries ``row_index`` (shard_batch's) group k must be the consecutive global rows
+    [jG, (j+1)G) for some j; otherwise shard_batch split the groups.
+    """
+    _config_int("group_size", group_size)
+    source = "AdvantageConfig.group_size"
+    if K.GROUP_ID in batch.keys():
+        ids = batch.get(K.GROUP_ID)
+        _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        _check_group_sizes(ids, inverse, counts, group_size, source)
+        first = torch.full((len(counts),), ids.shape[0], dtype=torch.int64, device=ids.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(ids.shape[0], device=ids.device),
+                                     "amin")
+        rank = torch.empty_like(first)
+        rank[torch.argsort(first)] = torch.arange(len(first), device=ids.device)
+        return rank[inverse]
+    B = batch.batch_size[0]
+    if B % group_size:
+        raise BatchError(f"batch: B must be divisible by group_size={group_size} ({source}; "
+                         f"without {K.GROUP_ID}, rows [k*G, (k+1)*G) form group k), got B={B}")
+    if K.ROW_INDEX in batch.keys() and group_size > 1:
+        _check_consecutive(batch.get(K.ROW_INDEX).view(-1, group_size), group_size)
+    return None
+
+
+def _check_consecutive(rows: torch.Tensor, G: int) -> None:
+    """rows[n_groups, G] global row indices: each must be [jG, (j+1)G) in order."""
+    want = rows[:, :1] + torch.arange(G, device=rows.device)
+    bad = ((rows[:, 0] % G) != 0) | (rows != want).any(dim=1)
+    if bad.any():
+        k = int(bad.nonzero()[0])
+        raise BatchError(
+            f"{K.ROW_INDEX}: group {k} (rows [{k * G}, {(k + 1) * G}) of this batch) must be "
+            f"one group of the global batch, rows [j*{G}, (j+1)*{G}), got global rows "
+            f"{rows[k].tolist()}: shard_batch split the groups. Shard with "
+            f"shard_batch(batch, mesh, group_size={G}), or give the batch a {K.GROUP_ID} key")
+
+
+def shard_batch(batch: TensorDictBase, mesh, *, group_size: int = 1) -> TensorDictBase:
+    """This data-parallel rank's rows of a global batch held by every rank.
+
+    Groups stay on one rank: rows with equal ``group_id`` when the batch has one, else
+    ``group_size`` consecutive rows (GRPO groups; DPO/RW pairs: 2). Tokens are balanced over
+    ranks; ranks that share a dp coordinate get the same rows. The result carries ``row_index``
+    (global row of each row) so gather_batch can restore the order and grouped estimators can
+    refuse groups that were split (sharded with group_size=1 and no group_id).
+    """
+    has_ids = K.GROUP_ID in batch.keys()
+    validate_batch(batch, group_size=group_size if group_size > 1 and not has_ids else None)
+    units = group_units(batch, group_size)
+    rows = dp_shard_units(units, row_lengths(batch), mesh.dp)[mesh.rank("dp")]
+    out = select_rows(batch, rows)
+    out.set(ROW_INDEX, torch.as_tensor(rows, dtype=torch.int64, device=batch.device or "cpu"))
+    return out
+
+
+def gather_batch(batch: TensorDictBase, mesh) -> TensorDictBase:
+    """Inverse of shard_batch: every rank gets the global batch, rows in their original order
+    (by ``row_index`` when present, else concatenated in dp-rank order)."""
+    import torch.distributed as dist
+
+    pieces: list = [None] * mesh.dp
+    dist.all_gather_object(pieces, batch.cpu(), group=mesh.group("dp"))
+    widths = {p.get(K.INPUT_IDS).shape[1] for p in pieces}
+    if len(widths) > 1:
+        raise BatchError(f"input_ids: ranks must pass the same padded width T to gather_batch, "
+                         f"got {sorted(widths)}")
+    whole = torch.cat(pieces, dim=0)
+    if ROW_INDEX in whole.keys():
+        order = torch.argsort(whole.get(ROW_INDEX))
+        whole = whole[order]
+        whole = whole.exclude(ROW_INDEX)
+    return whole
