@@ -84,6 +84,11 @@ def _to_float(value):
     return float(value) if isinstance(value, (int, float)) else value
 
 
+def _path(_, attribute, value) -> None:
+    if value is not None and not isinstance(value, Path):
+        _fail(attribute.name, "must be None or a directory path (str or os.PathLike)", value)
+
+
 def _to_path(value):
     return Path(value) if isinstance(value, (str, os.PathLike)) else value
 
@@ -126,7 +131,7 @@ class PushConfig:
     pause_generation: bool = True
     flush_cache: bool = True
     precheck: bool = True
-    disk_root: Path | None = attrs.field(default=None, converter=_to_path)
+    disk_root: Path | None = attrs.field(default=None, converter=_to_path, validator=_path)
     keep_last: int = attrs.field(default=2, validator=_int_at_least_1())
     master_address: str | None = None
     master_port: int | None = None

@@ -67,6 +67,7 @@ def test_group_name_is_filled_per_target_unless_given():
     ("timeout_s", "30", "must be a number > 0"),
     ("init_timeout_s", -1.0, "must be a number > 0"),
     ("keep_last", 0, "must be an int >= 1"),
+    ("disk_root", 5, "must be None or a directory path"),
     ("edge_bucket_bytes", 0, "must be None or an int >= 1"),
     ("pause_mode", "stop", "must be one of ('abort', 'retract', 'in_place')"),
     ("probe_tol", -0.1, "must be None or a number >= 0"),
