@@ -39,6 +39,7 @@ _SOURCES = {
                     "fsdpfn.checkpoint"),
     **dict.fromkeys(("push_weights", "PushReceipt", "DiskTarget", "RolloutTarget"),
                     "fsdpfn.weights"),
+    "PushConfig": "fsdpfn.weights",
     # algorithms
     **dict.fromkeys(("compute_advantages", "ppo_step", "critic_step", "sft_step", "rw_step",
                      "dpo_step"), "fsdpfn.algos"),

@@ -16,10 +16,11 @@ Per push, on trainer rank 0 (the other ranks only gather):
      packed back to back (``torch.cat`` of the flattened tensors, no padding: SGLang's
      FlattenedTensorBucket), typed as the push dtype. The next bucket is gathered meanwhile.
      An answer need carry nothing but ``success`` and ``message``.
-  3. verification with SGLang's own means: /get_weight_version must read the pushed version, and
-     a log-prob probe (/generate with return_logprob on a fixed prompt, greedy) must match
-     ``forward_logp`` of the trainer on the same tokens (``probe_tol``). SGLang has no staging:
-     a failed check means the server holds something else, and the WeightSyncError says so.
+  3. verification with SGLang's own means: /get_weight_version must read the pushed version,
+     and a log-prob probe (``probe``: /generate with return_logprob on a fixed prompt, greedy)
+     must match ``forward_logp`` of the trainer on the same tokens (``probe_tol``; every rank
+     runs the forward). SGLang has no staging: a failed check means the server holds
+     something else, and the WeightSyncError says so.
 
 The group is formed as SGLang's ``init_custom_process_group`` forms it: a TCPStore from
 ``rendezvous("tcp://addr:port", rank, world_size)`` (rank 0, the trainer, hosts it and waits for
@@ -43,7 +44,8 @@ from fsdpfn.wire.http import Call, call
 from fsdpfn.wire.protocol import broadcast, dtype_name, wait_work
 
 __all__ = ["is_sglang", "server_ranks", "make_sglang_group", "SGLangSender", "pack",
-           "probe_request", "probe_tokens", "compare_probe", "update_request", "disk_request"]
+           "probe_request", "probe_tokens", "compare_probe", "update_request", "disk_request",
+           "check_versions", "run_probes", "probe"]
 
 PROBE_NEW_TOKENS = 4
 
@@ -127,35 +129,36 @@ def disk_request(model_path: str, *, version: int, flush_cache: bool) -> dict:
 
 class SGLangSender:
     """Rank 0's side of gather_and_send() for SGLang servers: one bucket in flight at a time
-    (the driver gathers the next one meanwhile), generation paused from the first bucket to the end."""
+    (the driver gathers the next one meanwhile), generation paused from the first bucket to the
+    end. ``servers``: a fsdpfn.weights.servers.Servers (its config, group, pause and resume)."""
 
     start_before_finish = False
 
-    def __init__(self, target, buckets: list[Bucket], version: int):
-        self.target = target
+    def __init__(self, servers, buckets: list[Bucket], version: int):
+        self.servers = servers
         self.buckets = buckets
         self.version = version
         self.paused = False
 
     def start(self, bucket: Bucket, flat: torch.Tensor):
-        t = self.target
-        _, pg, backend = t._group  # noqa: SLF001
-        if not self.paused and t.pause_generation:
+        s, cfg = self.servers, self.servers.config
+        _, pg, backend = s.group.live
+        if not self.paused and cfg.pause_generation:
             self.paused = True  # set first: a pause that half failed is still undone
-            t._pause()  # noqa: SLF001
+            s.pause()
         last = bucket.index == len(self.buckets) - 1
-        body = update_request(bucket, group_name=t._wire_group,  # noqa: SLF001
+        body = update_request(bucket, group_name=s.group.wire_name,
                               version=self.version if last else None,
-                              flush_cache=last and t.flush_cache)
+                              flush_cache=last and cfg.flush_cache)
         calls = {url: Call(lambda url=url: call(url, "/update_weights_from_distributed", body,
-                                                timeout=t.timeout_s),
+                                                timeout=cfg.timeout_s),
                            f"server {url}: /update_weights_from_distributed")
-                 for url in t.urls}
+                 for url in s.urls}
         packed = pack(flat, bucket)
         work = broadcast(pg, packed)
-        if t.on_bucket is not None:
-            t.on_bucket(bucket.index, len(self.buckets))
-        return bucket, calls, work, packed, backend, time.monotonic() + t.timeout_s
+        if cfg.on_bucket is not None:
+            cfg.on_bucket(bucket.index, len(self.buckets))
+        return bucket, calls, work, packed, backend, time.monotonic() + cfg.timeout_s
 
     def finish(self, handle) -> None:
         bucket, calls, work, packed, backend, deadline = handle
@@ -174,23 +177,23 @@ class SGLangSender:
         where = (f"[bucket {bucket.index} of {len(self.buckets)}, {len(bucket.specs)} tensors "
                  f"from {bucket.names[0]!r}, {bucket.nbytes} bytes]")
         if errors or wire:
-            raise WeightSyncError("; ".join(errors or [f"broadcast to {self.target.urls} "
+            raise WeightSyncError("; ".join(errors or [f"broadcast to {self.servers.urls} "
                                                        f"failed: {wire}"]) + f" {where}")
 
     def conclude(self) -> None:
         """Generation resumes, then every server must report the pushed version."""
         self.resume(strict=True)
-        check_versions(self.target.urls, self.version, self.target.timeout_s)
+        check_versions(self.servers.urls, self.version, self.servers.config.timeout_s)
 
     def resume(self, *, strict: bool) -> None:
         if self.paused:
             self.paused = False
-            self.target._continue(strict=strict)  # noqa: SLF001
+            self.servers.resume(strict=strict)
 
     def abandon(self) -> None:
         """After a failure: the group may be out of step (drop it); never leave generation
         paused."""
-        self.target.retire()
+        self.servers.retire()
         self.resume(strict=False)
 
 
@@ -257,3 +260,42 @@ def compare_probe(url: str, prompt: list[int], ids: list[int], served: list[floa
             f"(served {[round(v, 4) for v in served]}, trainer "
             f"{[round(v, 4) for v in mine.tolist()]}); the server does not serve the pushed "
             f"weights, and SGLang applied them without staging: push again or restart it")
+
+
+def probe(state, urls: Sequence[str], dtype: torch.dtype, *, probe_tol: float | None,
+          timeout_s: float) -> None:
+    """Collective: each server's greedy log-probs on a fixed prompt against the trainer's
+    forward_logp on the same tokens (``probe_tol``; None: 1e-3 for a float32 push, 0.1 for
+    16-bit dtypes). Rank 0 asks the servers; every rank runs the forward."""
+    from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero, share_from_rank_zero
+
+    prompt = probe_tokens(state.hf_config.vocab_size)
+    probes, error = (capture_error(lambda: run_probes(urls, prompt, timeout_s),
+                                   "probing the servers") if is_rank_zero() else (None, None))
+    probes = share_from_rank_zero(probes, error)
+    logp = _trainer_logp(state, [prompt + ids for ids, _ in probes])
+    tol = probe_tol if probe_tol is not None else \
+        (1e-3 if dtype == torch.float32 or dtype == torch.float64 else 0.1)
+    error = None
+    if is_rank_zero():
+        _, error = capture_error(lambda: [compare_probe(url, prompt, out, served, logp[i], tol)
+                                          for i, (url, (out, served)) in
+                                          enumerate(zip(urls, probes))],
+                                 "comparing the probe")
+    agree_on_error(state.mesh, error)
+
+
+def _trainer_logp(state, rows: list[list[int]]) -> torch.Tensor:
+    """forward_logp of the token ``rows``, right-padded: logp[len(rows), longest row]."""
+    from tensordict import TensorDict
+
+    from fsdpfn.forward import forward_logp
+
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = True
+    batch = TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(rows)])
+    return forward_logp(state, batch)["logp"]

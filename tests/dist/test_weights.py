@@ -166,14 +166,21 @@ def test_push_lands_and_server_logits_equal_trainer(spmd2, servers, model_dir, t
 def push_over_channel(path, url, plain_url):
     """Pushes that make no HTTP request; a server that dropped the group; a server without a
     channel (HTTP)."""
-    import fsdpfn.weights.rollout_target as rt
+    import sys
+
+    from fsdpfn.wire import http
 
     state = _trained(path, 1, 1, seed=3)
     target = RolloutTarget(url, timeout_s=30)
     push_weights(state, target)  # sets up: /health, /get_model_info, the group, the channel
     counted = []
-    real_call = rt.call
-    rt.call = lambda *a, **k: (counted.append(a[1]), real_call(*a, **k))[1]
+    real_call = http.call
+    # every module of the push that makes requests (each holds its own reference to call)
+    callers = [m for name, m in list(sys.modules.items())
+               if name.startswith("fsdpfn.weights.") and getattr(m, "call", None) is real_call]
+    assert len(callers) >= 3, callers  # servers, update_group, senders at least
+    for m in callers:
+        m.call = lambda *a, **k: (counted.append(a[1]), real_call(*a, **k))[1]
     try:
         fast = [push_weights(state, target).version for _ in range(2)]
         over_channel = bool(target._channels)  # noqa: SLF001 - rank 0 only
@@ -184,7 +191,8 @@ def push_over_channel(path, url, plain_url):
         again = push_weights(state, target).version
         recovered = list(counted[len(requests):])
     finally:
-        rt.call = real_call
+        for m in callers:
+            m.call = real_call
     plain = RolloutTarget(plain_url, timeout_s=30)
     via_http = push_weights(state, plain).version
     plain_channels = len(plain._channels)  # noqa: SLF001

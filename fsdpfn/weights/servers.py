@@ -1,0 +1,248 @@
+"""What trainer rank 0 knows of a RolloutTarget's servers, and its talk with them outside the
+bytes of a push: which protocol they speak (fsdpfn.rollout or SGLang), what they serve (cached per
+server process and trainer layout), the update group and the update channels bound to it, pausing
+and resuming generation, and the checks of a server's answer after an update.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any, Sequence
+
+import torch
+
+from fsdpfn.errors import WeightSyncError
+from fsdpfn.state import EngineState
+from fsdpfn.weights.channel import Channel
+from fsdpfn.weights.push_config import PushConfig
+from fsdpfn.weights.sglang import is_sglang
+from fsdpfn.weights.update_group import UpdateGroup
+from fsdpfn.wire.http import call
+
+__all__ = ["Servers", "check_commit", "precheck"]
+
+
+class Servers:
+    """Rank 0's view of the servers at ``urls`` (pushed to with ``config``)."""
+
+    def __init__(self, urls: Sequence[str], config: PushConfig):
+        self.urls = list(urls)
+        self.config = config
+        self.group = UpdateGroup(self.urls, config)
+        self.sglang: bool | None = None  # whether they speak SGLang's protocol (None: not asked)
+        # url -> (server_id, trainer layout hash, /get_model_info answer)
+        self.infos: dict[str, tuple[Any, int, dict]] = {}
+        # url -> its update channel (bound to the live group)
+        self.channels: dict[str, Channel] = {}
+        self._unreachable: set[tuple] = set()  # (url, server_id, port) whose channel failed
+        self._prepared: tuple[str, str, bool] | None = None  # the last push's preparation
+
+    # ------------------------------------------------------------ before a push
+
+    def prepare(self, state: EngineState, params, layout: tuple) -> tuple[str, str, bool]:
+        """(push dtype name, backend, whether the servers are SGLang's); checks names/shapes;
+        (re)builds the group if needed.
+
+        The servers' model info (and the precheck against it) is cached per server_id and
+        trainer layout. With an update channel to every server (fsdpfn.rollout), a push whose
+        layout was seen before costs no request at all: each channel is open, which shows the
+        server is up and still holds the group (it closes the channel when it drops the group,
+        and the OS closes it when the server exits). Otherwise one small /health request per
+        server, and the full /get_model_info only after a server restart, a new group or
+        another model."""
+        layout = hash(layout)
+        if self._ready(layout):
+            return self._prepared
+        self._prepared = None
+        for url in [u for u, ch in self.channels.items() if ch.stale()]:
+            self.channels.pop(url).close()
+        health = {url: call(url, "/health", timeout=self.config.timeout_s) for url in self.urls}
+        infos = self._model_infos(health, layout)
+        self.sglang = _speak_sglang(infos)
+        if self.sglang:
+            return self._prepare_sglang(state)
+        dtype = self._push_dtype(infos)
+        if self.config.precheck:
+            self._precheck(infos, params, dtype)
+        on_cuda = state.mesh.device_type == "cuda" and all(
+            str(info.get("device", "cpu")).startswith("cuda") for info in infos.values())
+        backend = self.config.backend or ("nccl" if on_cuda else "gloo")
+        if self.config.transport == "broadcast":
+            stale = self.group.live is None or self.group.live[2] != backend or any(
+                self.config.group_name not in h.get("groups", ()) for h in health.values())
+            if stale:
+                self._build_group(backend, state.mesh.device)
+            self.open_channels(infos)
+            if all(url in self.channels for url in self.urls):
+                self._prepared = (dtype, backend, False)
+        return dtype, backend, False
+
+    def _ready(self, layout: int) -> bool:
+        """Whether the last preparation still holds: an open channel to every server, bound to
+        the live group, and the same trainer layout."""
+        return (self._prepared is not None and self.group.live is not None
+                and self.config.transport == "broadcast" and bool(self.channels)
+                and all(url in self.channels and not self.channels[url].stale()
+                        and self.infos.get(url, (None, None))[1] == layout
+                        for url in self.urls))
+
+    def _model_infos(self, health: dict[str, dict], layout: int) -> dict[str, dict]:
+        """Each server's /get_model_info, asked again after a restart or a layout change."""
+        for url, h in health.items():
+            cached = self.infos.get(url)
+            if cached is None or cached[0] != h.get("server_id") or cached[1] != layout \
+                    or h.get("server_id") is None:
+                info = call(url, "/get_model_info", timeout=self.config.timeout_s)
+                self.infos[url] = (info.get("server_id"), layout, info)
+        return {url: self.infos[url][2] for url in self.urls}
+
+    def _push_dtype(self, infos: dict[str, dict]) -> str:
+        served = {url: info.get("dtype") for url, info in infos.items()}
+        if self.config.dtype is not None:
+            return self.config.dtype
+        if len(set(served.values())) == 1:
+            return next(iter(served.values()))
+        raise WeightSyncError(f"dtype: the servers serve different dtypes {served}; pass "
+                              f"RolloutTarget(dtype=...) explicitly")
+
+    def _precheck(self, infos: dict[str, dict], params, dtype: str) -> None:
+        for url, info in infos.items():
+            try:
+                precheck(url, info, params, dtype)
+            except WeightSyncError:
+                self.infos.pop(url, None)  # look again next time
+                raise
+
+    def _prepare_sglang(self, state: EngineState) -> tuple[str, str, bool]:
+        """SGLang reports no parameters and no dtype: the push dtype is ``dtype`` or the
+        trainer's compute dtype, and nothing is prechecked (the probe checks afterwards). Its
+        /health shows no groups: the group is kept until a failure retires it."""
+        cfg = self.config
+        if cfg.transport == "ipc":
+            raise WeightSyncError("transport: 'ipc' needs fsdpfn.rollout servers "
+                                  "(/update_weights_from_ipc); SGLang servers take "
+                                  "'broadcast' or 'disk', got 'ipc'")
+        dtype = cfg.dtype or state.config.dtype
+        backend = cfg.backend or ("nccl" if state.mesh.device_type == "cuda" else "gloo")
+        if cfg.transport == "broadcast" and (self.group.live is None
+                                             or self.group.live[2] != backend):
+            self._build_group(backend, state.mesh.device)
+        return dtype, backend, True
+
+    def _build_group(self, backend: str, device: torch.device) -> None:
+        self.retire()
+        self.group.build(backend, device, sglang=bool(self.sglang))
+
+    def open_channels(self, infos: dict[str, dict]) -> None:
+        """An update channel to every server that offers one (bound to the live group). A server
+        whose channel cannot be reached is pushed to over HTTP (all servers then are)."""
+        if not self.config.channel:
+            return
+        for url, info in infos.items():
+            port = info.get("update_channel")
+            unreachable = (url, info.get("server_id"), port)
+            if url in self.channels or not port or unreachable in self._unreachable:
+                continue
+            host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
+            try:
+                self.channels[url] = Channel(url, host, int(port), self.config.group_name,
+                                             min(self.config.timeout_s, 10.0))
+            except WeightSyncError as exc:  # this push goes over HTTP
+                if getattr(exc, "unreachable", False):
+                    # not tried again for this server process (a firewalled port would cost a
+                    # connection timeout per push)
+                    self._unreachable.add(unreachable)
+
+    def over_channels(self) -> bool:
+        """Whether this push goes over an update channel to every server."""
+        return bool(self.channels) and all(url in self.channels for url in self.urls)
+
+    def take_one_request(self) -> bool:
+        """Whether every server takes a whole update in one HTTP request (multi_bucket)."""
+        return all(self.infos[url][2].get("multi_bucket") for url in self.urls)
+
+    # ------------------------------------------------------------ generation
+
+    def pause(self) -> None:
+        if self.config.pause_generation:
+            body = {"mode": self.config.pause_mode} if self.sglang else {}
+            for url in self.urls:
+                call(url, "/pause_generation", body, timeout=self.config.timeout_s)
+
+    def resume(self, *, strict: bool) -> None:
+        """/continue_generation on every server; with ``strict``, a failure raises (after every
+        server was asked)."""
+        if not self.config.pause_generation:
+            return
+        errors = []
+        for url in self.urls:
+            try:
+                call(url, "/continue_generation", {}, timeout=min(self.config.timeout_s, 30.0))
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+        if errors and strict:
+            raise WeightSyncError("; ".join(errors))
+
+    # ------------------------------------------------------------ the group's end
+
+    def retire(self) -> None:
+        """Stop using the current group and its channels (the next push builds a new one)."""
+        self._prepared = None
+        for ch in self.channels.values():
+            ch.close()
+        self.channels.clear()
+        self.group.retire()
+
+    def close(self) -> None:
+        """Ask the servers to drop the group (best effort) and forget it."""
+        if self.group.live is not None:
+            self.group.destroy_on_servers()
+            self.retire()
+
+
+def _speak_sglang(infos: dict[str, dict]) -> bool:
+    kinds = {url: is_sglang(info) for url, info in infos.items()}
+    if len(set(kinds.values())) > 1:
+        raise WeightSyncError(f"urls: the servers must all be fsdpfn.rollout servers or all "
+                              f"SGLang servers, got SGLang for {kinds}")
+    return next(iter(kinds.values()))
+
+
+def precheck(url: str, info: dict, params, dtype: str) -> None:
+    """The trainer's names, shapes and push dtype against a server's /get_model_info."""
+    served = info.get("params") or {}
+    ours = {name: list(p.shape) for name, p in params}
+    problems = []
+    unknown = [n for n in ours if n not in served]
+    missing = [n for n in served if n not in ours]
+    if unknown:
+        problems.append(f"tensor {unknown[0]!r}: name must be a parameter of the served model, "
+                        f"got {len(unknown)} unknown names (e.g. {unknown[:3]})")
+    if missing:
+        problems.append(f"tensor {missing[0]!r}: the served model has it, the trainer does not "
+                        f"({len(missing)} such, e.g. {missing[:3]})")
+    for name, shape in ours.items():
+        if name in served and list(served[name]["shape"]) != shape:
+            problems.append(f"tensor {name!r}: shape must equal the served "
+                            f"{served[name]['shape']}, got {shape}")
+        if name in served and served[name]["dtype"] != dtype:
+            problems.append(f"tensor {name!r}: dtype must equal the served "
+                            f"{served[name]['dtype']}, got {dtype}")
+    if problems:
+        more = f"; ... {len(problems) - 4} more" if len(problems) > 4 else ""
+        raise WeightSyncError(f"server {url}: the trainer's weights do not match the served "
+                              f"model ({info.get('model_path')}): " + "; ".join(problems[:4])
+                              + more)
+
+
+def check_commit(url: str, answer: dict, version: int, checksum: int) -> None:
+    """A server's answer after an update must carry the pushed version and the checksum of what
+    was sent."""
+    if answer.get("weight_version") != version:
+        raise WeightSyncError(f"server {url}: weight_version after the update must be {version}, "
+                              f"got {answer.get('weight_version')!r}")
+    if answer.get("weights_checksum") != checksum:
+        raise WeightSyncError(f"server {url}: weights_checksum after the update must equal the "
+                              f"checksum of the pushed weights {checksum}, got "
+                              f"{answer.get('weights_checksum')!r} (the server does not hold "
+                              f"what was sent)")
