@@ -3,8 +3,9 @@
 # Usage: bash benchmarks/gpu_suite.sh OUTDIR GROUP...   (groups: pair, single, memory)
 #   pair    both GPUs, one item at a time: the demo on two GPUs, the push benchmark (update
 #           channel and SGLang protocol), the two-GPU tests, context parallelism
-#   single  two streams at once, one per GPU: the one-GPU tests and benchmarks
-#   memory  two streams at once: the memory options (largest shape, longest sequence)
+#   single  two streams at once, one per GPU: the one-GPU tests and benchmarks, the largest shape
+#           per memory option
+#   memory  two streams at once: the memory options' cost and longest sequence
 # Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
 # each item's exit status and seconds.
 set -uo pipefail
@@ -31,23 +32,24 @@ pair() {
 
 single_gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  item timing 170 python benchmarks/timing.py --out "$out/timing" --steps 4 --memory
-  item rollout 170 python benchmarks/rollout.py --rows 64 512
-  item checkpoint 220 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
+  item tests_checksum 60 python -m pytest -q -p no:cacheprovider tests/e2e/test_checksum_gpu.py
+  item timing 150 python benchmarks/timing.py --out "$out/timing" --steps 3 --memory
+  item rollout 130 python benchmarks/rollout.py --rows 512
+  item tests_single 230 python -m pytest -q -p no:cacheprovider tests/e2e/test_oom_gpu.py \
+    tests/e2e/test_memory_gpu.py tests/e2e/test_decode_gpu.py tests/e2e/test_ipc_gpu.py \
+    tests/e2e/test_liger_gpu.py
 }
 
 single_gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  item tests_single 300 python -m pytest -q -p no:cacheprovider tests/e2e/test_oom_gpu.py \
-    tests/e2e/test_memory_gpu.py tests/e2e/test_decode_gpu.py tests/e2e/test_ipc_gpu.py \
-    tests/e2e/test_liger_gpu.py
-  item lora 250 torchrun --nproc-per-node 1 benchmarks/lora.py --layers 8 --steps 3
+  item mem_largest 340 python benchmarks/memory.py largest --shapes 7B 14B \
+    --options default bf16 per_layer per_layer_bf16 --steps 1 --timeout 120
+  item lora 200 torchrun --nproc-per-node 1 benchmarks/lora.py --layers 8 --steps 3
 }
 
 memory_gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  item mem_largest 560 python benchmarks/memory.py largest --shapes 7B 14B \
-    --options default bf16 per_layer per_layer_bf16 --steps 1 --timeout 200
+  item checkpoint 220 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
 }
 
 memory_gpu1() {

@@ -359,7 +359,7 @@ if __name__ == "__main__":  # a stand-in in its own process (benchmarks/push.py 
     parser.add_argument("--record", action="store_true", help="keep every received tensor")
     args = parser.parse_args()
     if args.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(args.device))
+        torch.cuda.set_device(torch.device(args.device).index or 0)
     serve(args.model_dir, port=args.port, device=args.device, dtype=getattr(torch, args.dtype),
           record=args.record)
     print(f"serving on http://127.0.0.1:{args.port}", flush=True)
