@@ -43,13 +43,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's part) as a tensor shaped like ``param``: a DTensor when it is one."""
+    """``local`` (this rank's part) as a tensor shaped like ``param``: a DTensor when it is one,
+    wrapping ``local`` itself wherever it lives. (DTensor.from_local would move a host tensor to
+    the mesh's device type: on a CUDA mesh the state meant for pinned host memory would land on
+    the GPU. FSDP2 builds its CPU-offloaded parameters the same direct way.)"""
     if not hasattr(param, "_local_tensor"):
         return local
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    spec = DTensorSpec(param.device_mesh, tuple(param.placements),
+                       tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:

@@ -154,3 +154,25 @@ def test_checkpoints_round_trip_with_each_option(spmd2, tmp_path):
     for rank, out in enumerate(spmd2.run(round_trip, args=(str(tmp_path), names), timeout=540)):
         for name, diff in out.items():
             assert diff == [], f"rank {rank} {name}: resumed run differs: {diff}"
+
+
+def host_state_stays_where_it_is():
+    """PerLayerAdamW's state is wrapped as DTensors around the host buffers themselves (never
+    moved to the mesh's device type, never copied): on a CUDA mesh the moments must stay in
+    pinned host memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdpfn.optim_offload import _like_param
+
+    mesh = init_device_mesh("cpu", (2,))
+    param = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], run_check=False)
+    local = torch.ones(2, 3)
+    out = _like_param(local, param)
+    return (out._local_tensor is local, tuple(out.shape), out.placements == param.placements)  # noqa: SLF001
+
+
+@pytest.mark.timeout(120)
+def test_per_layer_state_wraps_the_host_buffers_themselves(spmd2):
+    for out in spmd2.run(host_state_stays_where_it_is, timeout=100):
+        assert out == (True, (4, 3), True)
