@@ -152,6 +152,7 @@ class _Slot:
         self.gen = 1  # tokens generated so far (the first comes from the prefill)
         self.segments = [(0, version)]  # (first token index, weights version)
         self.truncate = request.sp.top_p < 1 or request.sp.top_k > 0
+        self.seeded = request.sp.seed is not None
 
     def bound(self, steps: int) -> int:
         """An upper bound of the attended length after ``steps`` more steps."""
@@ -359,10 +360,13 @@ class Decoder:
         steps = max(1, min(self.sync_every, remaining))
         Lb = min(self.max_len, -(-max(self.table[s].bound(steps) for s in live)
                                  // LEN_BUCKET) * LEN_BUCKET)
+        # per-step options that cost a pass over [R, V]: in the step (and its graph) only when a
+        # live row asks for them
         truncate = any(self.table[s].truncate for s in live)
+        seeded = any(self.table[s].seeded for s in live)
         clock = time.perf_counter()
         for _ in range(steps):
-            self._replay(R, Lb, truncate)
+            self._replay(R, Lb, truncate, seeded)
         finished = self._collect(live)  # reads the device: the steps are done
         self.steps += steps
         self.step_seconds += time.perf_counter() - clock
@@ -499,9 +503,10 @@ class Decoder:
         top_k = torch.tensor([sp.top_k for sp in sps], device=device)
         seeds = torch.tensor([row_seed(r.sp.seed, r.rows[w][1]) for r, w, _ in items],
                              device=device)
+        seeded = any(sp.seed is not None for sp in sps)
         token, logp = sample(logits, temperature, top_p, top_k,
                              truncate=any(sp.top_p < 1 or sp.top_k > 0 for sp in sps),
-                             seeds=seeds, steps=torch.zeros_like(seeds))
+                             seeds=seeds if seeded else None, steps=torch.zeros_like(seeds))
         stops = torch.full((len(items), MAX_STOPS), -1, dtype=torch.long)
         for i, sp in enumerate(sps):
             stops[i, :len(sp.stop_token_ids)] = torch.tensor(sp.stop_token_ids, dtype=torch.long)
@@ -519,13 +524,14 @@ class Decoder:
 
     # ------------------------------------------------------------ the step, eager or graphed
 
-    def _step(self, R: int, Lb: int, truncate: bool) -> None:
+    def _step(self, R: int, Lb: int, truncate: bool, seeded: bool) -> None:
         """One token for slots [0, R): forward, sampling, bookkeeping (device only)."""
         st = self.state
         tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
         logits = self.net.decode(tok, pos, R, Lb)
         token, logp = sample(logits, st.temperature[:R], st.top_p[:R], st.top_k[:R],
-                             truncate=truncate, seeds=st.seed[:R], steps=gen)
+                             truncate=truncate, seeds=st.seed[:R] if seeded else None,
+                             steps=gen)
         where = (self.net.rows[:R], gen)  # finished rows write past their end: never read
         st.out_tok.index_put_(where, token)
         st.out_lp.index_put_(where, logp)
@@ -537,13 +543,13 @@ class Decoder:
         st.pos[:R] = pos + active.long()
         st.gen[:R] = gen_next
 
-    def _replay(self, R: int, Lb: int, truncate: bool) -> None:
-        key = (R, Lb, truncate)
+    def _replay(self, R: int, Lb: int, truncate: bool, seeded: bool) -> None:
+        key = (R, Lb, truncate, seeded)
         if self.use_graphs and key not in self.graphs:
             self.graphs[key] = self._capture(key)
         graph = self.graphs.get(key) if self.use_graphs else None
         if graph is None:
-            self._step(R, Lb, truncate)
+            self._step(*key)
         else:
             graph.replay()
 
@@ -564,12 +570,12 @@ class Decoder:
             clock = time.perf_counter()
             with torch.cuda.graph(graph, pool=self.pool):
                 self._step(*key)
-            log.info("decode: captured rows=%d len=%d truncate=%s in %.2f s", *key,
+            log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s in %.2f s", *key,
                      time.perf_counter() - clock)
             return graph
         except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
-            log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s failed; "
-                          "this shape runs eagerly", *key)
+            log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s seeded=%s "
+                          "failed; this shape runs eagerly", *key)
             torch.cuda.synchronize(self.net.device)
             self.state.restore(saved)
             return None

@@ -187,7 +187,8 @@ def test_decode_step_never_reads_the_device_on_the_host():
     decoder = Decoder(model, lock=threading.Lock(), version=lambda: 0, slots=16, max_len=64)
     with torch.no_grad():
         for truncate in (False, True):
-            decoder._step(16, 64, truncate)  # noqa: SLF001
+            for seeded in (False, True):
+                decoder._step(16, 64, truncate, seeded)  # noqa: SLF001
 
 
 def test_buckets_round_up_within_the_cap():
