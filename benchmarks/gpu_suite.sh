@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in groups that fit one device call each.
-# Usage: bash benchmarks/gpu_suite.sh OUTDIR GROUP...   (groups: pair, single, memory)
+# Usage: bash benchmarks/gpu_suite.sh OUTDIR GROUP...   (groups: pair, single, memory, recheck,
+#        long)
 #   pair    both GPUs, one item at a time: the demo on two GPUs, the push benchmark (update
 #           channel and SGLang protocol), the two-GPU tests, context parallelism
 #   single  two streams at once, one per GPU: the one-GPU tests and benchmarks, the largest shape
 #           per memory option
 #   memory  two streams at once: the memory options' cost and longest sequence
+#   recheck two streams: the items the previous runs found defects in (per-layer state on the
+#           device, the decode loop's seeded draw), the defaults on a 160k-token batch, timing
+#   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 # Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
-# each item's exit status and seconds.
+# each item's exit status and seconds. At the end everything but items.txt is packed into
+# OUTDIR/results.tgz (a device call returns only a few files).
 set -uo pipefail
 out=${1:?OUTDIR}; shift
 mkdir -p "$out"
@@ -59,13 +64,40 @@ memory_gpu1() {
     --steps 1 --seq 32768 --max-seq 262144 --timeout 140
 }
 
+recheck_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item tests_memory 200 python -m pytest -q -p no:cacheprovider tests/e2e/test_memory_gpu.py
+  item rollout 130 python benchmarks/rollout.py --rows 512
+  item defaults 150 python benchmarks/defaults.py
+  item timing 100 python benchmarks/timing.py --out "$out/timing" --steps 3
+}
+
+recheck_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item mem_largest 330 python benchmarks/memory.py largest --shapes 7B 14B 32B \
+    --options per_layer per_layer_bf16 --steps 1 --timeout 150
+  item checkpoint 220 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
+}
+
+long() {
+  item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
+    --cells cp2:131072
+  item cp262k 250 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
+    --model qwen3-1.7B --cells cp2:262144
+}
+
 for group in "$@"; do
   case $group in
     pair) pair ;;
     single) single_gpu0 & single_gpu1 & wait ;;
     memory) memory_gpu0 & memory_gpu1 & wait ;;
+    recheck) recheck_gpu0 & recheck_gpu1 & wait ;;
+    long) long ;;
     *) echo "unknown group $group"; exit 2 ;;
   esac
 done
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
 git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null
+cp "$out/items.txt" /tmp/fsdpfn_items.txt 2>/dev/null
+tar -C "$out" -czf /tmp/fsdpfn_results.tgz . && find "$out" -mindepth 1 -delete \
+  && mv /tmp/fsdpfn_results.tgz "$out/results.tgz" && cp /tmp/fsdpfn_items.txt "$out/items.txt"
