@@ -270,7 +270,7 @@ class PerLayerAdamW(torch.optim.Optimizer):
             return
         from torch.optim.adam import adam
 
-        fused = self.device.type == "cuda"  # as fsdpfn.shard.build_optimizer picks for AdamW
+        fused = self.device.type == "cuda"  # as fsdpfn.optim_build.build_optimizer picks for AdamW
         adam(part.params_dev, part.grads_dev, dev["exp_avg"], dev["exp_avg_sq"], [], dev["step"],
              foreach=False, fused=fused or None, amsgrad=False, has_complex=False, beta1=beta1,
              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],

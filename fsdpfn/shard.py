@@ -1,17 +1,16 @@
 """shard_model: build the HF model, then apply TP -> activation checkpointing -> FSDP2, then weights.
 
 Every rank builds the model on the meta device; parallelism is applied to that skeleton in a
-visible order (apply_tp, apply_ac, apply_fsdp, in place); the shards are then materialised and
-filled from a full state dict. With ``memory_efficient_load`` only rank 0 reads the checkpoint (or
-draws the random init) and the full state is broadcast into the shards; otherwise every rank reads
-it. Master weights live in ``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and
-backward and reduces gradients in ``grad_reduce_dtype``.
+visible order (apply_tp of fsdpfn.tp, apply_ac, apply_fsdp, in place); the shards are then
+materialised and filled from a full state dict. With ``memory_efficient_load`` only rank 0 reads
+the checkpoint (or draws the random init) and the full state is broadcast into the shards;
+otherwise every rank reads it. Master weights live in ``optimizer_dtype``; FSDP2 casts to the
+compute ``dtype`` for forward and backward and reduces gradients in ``grad_reduce_dtype``. The
+optimizer and its schedule come from fsdpfn.optim_build.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from pathlib import Path
 
 import torch
@@ -19,31 +18,25 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpfn import cp, lora
-from fsdpfn.config import EngineConfig, OptimizerConfig
+from fsdpfn.agree import agree_on_error
+from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.mesh import Mesh
 from fsdpfn.ops.logprobs import vocab_shard_range
-from fsdpfn.optim import KahanAdamW
-from fsdpfn.optim_offload import PerLayerAdamW, fsdp_units
+from fsdpfn.optim_build import build_optimizer, build_scheduler, lr_factor
 from fsdpfn.packed import PackedModel
-from fsdpfn.agree import agree_on_error
 from fsdpfn.state import EngineState
+from fsdpfn.tp import apply_tp, base_model, kv_heads_of_rank
 
+# apply_tp, kv_heads_of_rank, base_model (fsdpfn.tp) and the optimizer builders
+# (fsdpfn.optim_build) are re-exported: their home was this module
 __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
-           "kv_heads_of_rank", "build_optimizer", "build_scheduler", "base_model", "torch_dtype",
-           "full_state_dict_from_disk"]
+           "kv_heads_of_rank", "build_optimizer", "build_scheduler", "lr_factor", "base_model",
+           "torch_dtype", "full_state_dict_from_disk"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-# ---------------------------------------------------------------- model parts
-
-
-def base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack (embeddings, layers, final norm) of an HF causal or token-class model."""
-    return model.model
 
 
 # ---------------------------------------------------------------- config and skeleton
@@ -164,141 +157,6 @@ def _disable_dropout(model: nn.Module) -> None:
 # ---------------------------------------------------------------- parallelism, in order
 
 
-def kv_heads_of_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
-    """The kv heads tp rank ``rank`` needs for its query heads [rank*q, (rank+1)*q), q = n_heads
-    / tp, when its k/v projections are replicated (n_kv_heads not divisible by tp): the distinct
-    heads when every local kv head serves the same number of consecutive query heads (always the
-    case when n_kv_heads divides tp: one kv head), else one kv head per query head."""
-    q, group = n_heads // tp, n_heads // n_kv_heads
-    per_query = [(rank * q + i) // group for i in range(q)]
-    distinct = sorted(set(per_query))
-    repeat = q // len(distinct)
-    if [h for h in distinct for _ in range(repeat)] == per_query:
-        return distinct
-    return per_query
-
-
-def _replicated_kv_style(heads: list[int], head_dim: int):
-    """k_proj / v_proj kept whole on every tp rank (Replicate); each rank keeps the output
-    columns of its ``heads``. The output's gradient is declared Partial over tp, so the weight's
-    and the input's gradients are summed over the ranks (each rank saw only its heads)."""
-    from torch.distributed.tensor import Partial, distribute_module
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    index = torch.tensor(heads, dtype=torch.long)
-
-    class ReplicatedKV(ColwiseParallel):
-        def _partition_linear_fn(self, name, module, device_mesh):
-            _replicate_params(module, device_mesh, self.src_data_rank)
-
-        @staticmethod
-        def _select_heads(module, outputs, device_mesh):
-            local = outputs.to_local(grad_placements=[Partial()])  # (..., n_kv * D)
-            by_head = local.unflatten(-1, (-1, head_dim))  # (..., n_kv, D)
-            picked = by_head.index_select(-2, index.to(local.device))
-            return picked.flatten(-2)  # (..., len(heads) * D)
-
-        def _apply(self, module, device_mesh):
-            return distribute_module(
-                module, device_mesh, self._partition_linear_fn,
-                functools.partial(self._prepare_input_fn, self.input_layouts,
-                                  self.desired_input_layouts),
-                self._select_heads)
-
-    return ReplicatedKV()
-
-
-def _replicate_params(module: nn.Module, device_mesh, src_data_rank) -> None:
-    """Each of ``module``'s own parameters made whole (Replicate) on every tp rank."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    for pname, param in module.named_parameters(recurse=False):
-        whole = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=src_data_rank)
-        module.register_parameter(pname, nn.Parameter(whole, requires_grad=param.requires_grad))
-
-
-def _per_head_norm_style():
-    """A norm over head_dim applied to each head (Qwen3's q_norm / k_norm): its weight is
-    replicated over tp while each rank normalises only its heads, so the input is declared
-    Shard over the heads dim and the weight's gradient comes out Partial, summed over tp."""
-    from torch.distributed.tensor import DTensor, Shard, distribute_module
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    class PerHeadNorm(ParallelStyle):
-        def _partition(self, name, module, device_mesh):
-            _replicate_params(module, device_mesh, self.src_data_rank)
-
-        @staticmethod
-        def _heads_input(module, inputs, device_mesh):
-            x = inputs[0]  # (..., heads of this rank, D)
-            return DTensor.from_local(x, device_mesh, [Shard(x.ndim - 2)], run_check=False)
-
-        @staticmethod
-        def _local_output(module, outputs, device_mesh):
-            return outputs.to_local()
-
-        def _apply(self, module, device_mesh):
-            return distribute_module(module, device_mesh, self._partition, self._heads_input,
-                                     self._local_output)
-
-    return PerHeadNorm()
-
-
-def _attention_plan(layer: nn.Module, n_heads: int, n_kv_heads: int, tp_mesh) -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
-    for name in ("q_norm", "k_norm"):  # per-head norms (Qwen3): replicated, grads summed
-        norm = getattr(layer.self_attn, name, None)
-        if norm is not None and any(True for _ in norm.parameters()):
-            plan[f"self_attn.{name}"] = _per_head_norm_style()
-    if n_kv_heads % tp_mesh.size() == 0:
-        plan.update({"self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel()})
-        return plan
-    attn = layer.self_attn
-    head_dim = getattr(attn, "head_dim", None) or attn.k_proj.out_features // n_kv_heads
-    heads = kv_heads_of_rank(n_heads, n_kv_heads, tp_mesh.size(), tp_mesh.get_local_rank())
-    plan["self_attn.k_proj"] = _replicated_kv_style(heads, head_dim)
-    plan["self_attn.v_proj"] = _replicated_kv_style(heads, head_dim)
-    # HF's eager GQA reads this ratio; fsdpfn's attention reads the shapes (the same ratio)
-    attn.num_key_value_groups = (n_heads // tp_mesh.size()) // len(heads)
-    return plan
-
-
-def apply_tp(model: nn.Module, mesh: Mesh) -> None:
-    """Tensor parallel plan: embeddings row-parallel (over the vocabulary), q/k/v and gate/up
-    column-parallel, o/down row-parallel, lm_head column-parallel (logits stay split over V).
-
-    Any vocabulary: the rows split like torch.chunk (ceil(V / tp) per rank, the last ranks
-    shorter), so no padding row exists in a parameter, a logit, a checkpoint or an export. kv
-    heads not divisible by tp: k/v projections replicated, each rank computing the kv heads its
-    query heads use (see kv_heads_of_rank)."""
-    if mesh.tp == 1:
-        return
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    tp_mesh = mesh.device_mesh["tp"]
-    base = base_model(model)
-    config = model.config
-    n_heads = config.num_attention_heads
-    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
-    tied = getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head")
-    parallelize_module(base.embed_tokens, tp_mesh,
-                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    for layer in base.layers:
-        plan = {**_attention_plan(layer, n_heads, n_kv_heads, tp_mesh),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
-        parallelize_module(layer, tp_mesh, lora.tp_plan(layer, plan))
-    if hasattr(model, "lm_head"):
-        parallelize_module(model.lm_head, tp_mesh,
-                           ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
-        if tied:  # one parameter, sharded over V in both roles
-            model.lm_head.weight = base.embed_tokens.weight
-
-
 def apply_ac(model: nn.Module, config: EngineConfig) -> None:
     """Activation checkpointing of every decoder layer (non-reentrant)."""
     if config.gradient_checkpointing:
@@ -414,54 +272,6 @@ def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only,
                                cpu_offload=config.fsdp.offload_params)
     set_model_state_dict(model, state, options=options)
-
-
-# ---------------------------------------------------------------- optimizer
-
-
-def build_optimizer(model: nn.Module, opt: OptimizerConfig, *,
-                    master_dtype: str = "float32", per_layer: bool = False,
-                    prefetch_layers: int = 1, device=None) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (norm weights and biases are skipped). With bf16
-    master weights, Kahan-compensated AdamW (fsdpfn.optim) so small updates are not lost.
-    ``per_layer``: the same math with the state in host memory, stepped on ``device`` one FSDP
-    unit at a time (fsdpfn.optim_offload.PerLayerAdamW)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": opt.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    if per_layer:
-        return PerLayerAdamW(groups, units=fsdp_units(model), device=device, lr=opt.lr,
-                             betas=opt.betas, eps=opt.eps, prefetch_layers=prefetch_layers,
-                             kahan=master_dtype == "bfloat16")
-    if master_dtype == "bfloat16":
-        return KahanAdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    # On CUDA the fused kernel: one launch per tensor list and no temporaries, where the
-    # default multi-tensor path allocates whole-model intermediates (sqrt of exp_avg_sq, ...) that
-    # cost as much memory as the fp32 parameters themselves.
-    on_cuda = all(p.device.type == "cuda" for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                             fused=True if on_cuda else None)
-
-
-def lr_factor(opt: OptimizerConfig, step: int) -> float:
-    """Multiplier of ``opt.lr`` at optimizer step ``step`` (0-based): warm-up then schedule."""
-    if step < opt.warmup_steps:
-        return (step + 1) / opt.warmup_steps
-    if opt.schedule == "constant":
-        return 1.0
-    span = max(opt.total_steps - opt.warmup_steps, 1)
-    progress = min((step - opt.warmup_steps) / span, 1.0)
-    shape = (1.0 - progress if opt.schedule == "linear"
-             else 0.5 * (1.0 + math.cos(math.pi * progress)))
-    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * shape
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, opt: OptimizerConfig):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(opt, step))
 
 
 # ---------------------------------------------------------------- the public function

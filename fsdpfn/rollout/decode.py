@@ -7,7 +7,9 @@ the logits processors (top-p / top-k truncated, not the ``behav_logp`` conventio
 one sampling config per manager (no per-request temperature / top-p), and its API moved between
 the 5.x releases we run on. What is kept from transformers: the model's own modules (embedding,
 norms, q/k/v/o projections, MLPs, rotary tables, lm_head) and parameters, so a weight update that
-re-points the parameters is what the loop reads. What is ours: the KV cache and attention.
+re-points the parameters is what the loop reads. What is ours: the KV cache and attention
+(fsdpfn/rollout/slot_model.py), the token draws (fsdpfn/rollout/device_sampling.py), and the
+scheduling below.
 
 Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]).
 A request's n samples of one prompt are prefilled once (one forward of the prompt) and the
@@ -18,10 +20,6 @@ lengths, token and log-prob buffers) touches only device tensors, so on CUDA it 
 per shape in a CUDA graph and replayed with one host call; the host reads the small per-slot
 state every ``sync_every`` steps (or sooner, when a row is due to end), returns finished rows and
 lets queued rows take free slots (continuous batching: requests of any client share the steps).
-
-GQA decode attention: the G query heads of a kv head are attended as G "positions" of that head
-(q [R, kv, G, D] against the cache [R, kv, L, D], one additive mask per row), so the cache is read
-once and never repeated per query head.
 
 Versions. The loop holds the engine's model lock for a chunk of steps and releases it between
 chunks, so a weight swap lands between two steps. Each token is tagged with the weights version
@@ -48,88 +46,16 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["Decoder", "unsupported_reason", "sample"]
+from fsdpfn.rollout.device_sampling import row_seed, sample
+from fsdpfn.rollout.slot_model import SUPPORTED, SlotModel, unsupported_reason
+
+__all__ = ["Decoder", "unsupported_reason", "sample", "row_seed", "SUPPORTED", "MAX_STOPS"]
 
 log = logging.getLogger("fsdpfn.rollout")
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 MAX_STOPS = 32  # stop token ids per request
 LEN_BUCKET = 256  # attended length rounded up to this
-
-
-def unsupported_reason(model) -> str | None:
-    """Why the decode loop cannot serve ``model`` (None: it can)."""
-    config = model.config
-    if config.model_type not in SUPPORTED:
-        return f"model_type {config.model_type!r} is not one of {SUPPORTED}"
-    if getattr(config, "use_sliding_window", False) or (
-            config.model_type == "mistral" and getattr(config, "sliding_window", None)):
-        return "sliding-window attention is not supported"
-    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-            or {})
-    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
-        return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
-    if not hasattr(getattr(model, "model", None), "layers"):
-        return "model has no .model.layers"
-    return None
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def sample(logits, temperature, top_p, top_k, *, truncate: bool, seeds=None, steps=None):
-    """logits[R, V] float32, per-row temperature / top_p / top_k [R] -> (token[R], logp[R]).
-    Sampling by the exponential race (argmax of p / E, E ~ Exp(1)): no host sync. Greedy rows
-    (temperature <= 0) take the argmax of the logits and report log_softmax(logits). Rows with
-    a seed (``seeds`` [R] >= 0, ``steps`` [R] the index of the token drawn) draw E from a hash
-    of (seed, step, token id): the same seed gives the same tokens whatever else is batched."""
-    greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    filtered = _truncate(scaled, top_p, top_k) if truncate else scaled
-    noise = torch.empty_like(scaled).exponential_()
-    if seeds is not None:
-        noise = torch.where((seeds >= 0)[:, None], _seeded_exponential(seeds, steps, scaled),
-                            noise)
-    race = filtered - noise.log()
-    token = torch.where(greedy, logits.argmax(-1), race.argmax(-1))
-    logp = scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1)
-    return token, logp
-
-
-_MASK = 0x7FFFFFFF  # 31-bit lanes: every product below fits in int64
-
-
-def _seeded_exponential(seeds, steps, like):
-    """Exp(1) draws [R, V] from an integer hash of (seed, step, column), device ops only."""
-    column = torch.arange(like.shape[-1], device=like.device)
-    x = ((seeds[:, None] & _MASK) * 7919 + (steps[:, None] & _MASK) * 104729 + column) & _MASK
-    for _ in range(3):
-        x = (x * 1103515245 + 12345) & _MASK
-        x = x ^ (x >> 13)
-    u = (x.to(torch.float32) + 0.5) / float(_MASK + 1)  # (0, 1)
-    return -torch.log(u)
-
-
-def row_seed(seed: int | None, sample: int) -> int:
-    """The seed of sample ``sample`` of a request seeded with ``seed`` (-1: unseeded)."""
-    return -1 if seed is None else (int(seed) * 1000003 + sample) & _MASK
-
-
-def _truncate(scaled, top_p, top_k):
-    """-inf outside each row's top-k, then outside the smallest set holding top_p of the mass
-    (HF's order: top-k, then top-p; the most likely token is always kept)."""
-    values, index = scaled.sort(-1, descending=True)
-    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
-    keep = ranks[None] < torch.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
-    probs = values.masked_fill(~keep, float("-inf")).softmax(-1)
-    keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
-    return torch.full_like(scaled, float("-inf")).scatter(
-        -1, index, values.masked_fill(~keep, float("-inf")))
 
 
 class _Request:
@@ -158,96 +84,6 @@ class _Slot:
         """An upper bound of the attended length after ``steps`` more steps."""
         return min(self.prompt_len + self.gen - 1 + steps, self.prompt_len
                    + self.request.sp.max_new_tokens) + 1
-
-
-class _Model:
-    """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
-
-    def __init__(self, model, slots: int, max_len: int):
-        cfg = model.config
-        self.model, self.base = model, model.model
-        self.layers = list(self.base.layers)
-        attn = self.layers[0].self_attn
-        self.head_dim = int(getattr(attn, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
-        self.q_heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.group = self.q_heads // self.kv_heads
-        self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
-        self.slots, self.max_len = slots, max_len
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        with torch.no_grad():  # rotary tables for every position, from the model's own module
-            cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
-                                            torch.arange(max_len, device=self.device)[None])
-        self.cos, self.sin = cos[0], sin[0]  # (L, D)
-        shape = (slots, self.kv_heads, max_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.rows = torch.arange(slots, device=self.device)
-        self.heads = torch.arange(self.kv_heads, device=self.device)
-        self.cols = torch.arange(max_len, device=self.device)
-
-    @staticmethod
-    def kv_bytes_per_slot(model, max_len: int) -> int:
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        itemsize = next(model.parameters()).element_size()
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * max_len * itemsize
-
-    def _qkv(self, attn, a, shape):
-        q = attn.q_proj(a).view(*shape, self.q_heads, self.head_dim)
-        k = attn.k_proj(a).view(*shape, self.kv_heads, self.head_dim)
-        v = attn.v_proj(a).view(*shape, self.kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return q, k, v
-
-    def logits(self, hidden):
-        """hidden[N, H] (before the final norm) -> logits[N, V] float32."""
-        return self.model.get_output_embeddings()(self.base.norm(hidden)).float()
-
-    def prefill(self, ids, lengths, slots, src):
-        """ids[P, W] right-padded prompts, lengths[P]; the KV of prompt src[i] goes to slot
-        slots[i] (columns [0, W); those past a prompt's length are rewritten before being read).
-        Returns logits[P, V] at each prompt's last token."""
-        P, W = ids.shape
-        x = self.base.embed_tokens(ids)  # (P, W, H)
-        cos, sin = self.cos[:W, None], self.sin[:W, None]  # (W, 1, D)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x), (P, W))  # (P, W, heads, D)
-            q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)
-            v = v.transpose(1, 2)
-            self.k[i][slots, :, :W] = k[src]
-            self.v[i][slots, :, :W] = v[src]
-            out = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1),
-                is_causal=True, scale=self.scaling)  # right padding: causal is enough
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(P, W, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = x[torch.arange(P, device=ids.device), lengths - 1]  # (P, H)
-        return self.logits(last)
-
-    def decode(self, tok, pos, R: int, Lb: int):
-        """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
-        the first Lb), returns logits[R, V]."""
-        x = self.base.embed_tokens(tok)  # (R, H)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, D)
-        mask = torch.zeros((R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
-            self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
-        where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x), (R,))  # (R, heads, D)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            self.k[i].index_put_(where, k)
-            self.v[i].index_put_(where, v)
-            out = F.scaled_dot_product_attention(
-                q.view(R, self.kv_heads, self.group, self.head_dim), self.k[i][:R, :, :Lb],
-                self.v[i][:R, :, :Lb], attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
-            x = x + attn.o_proj(out.reshape(R, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.logits(x)
 
 
 class _State:
@@ -284,7 +120,7 @@ class Decoder:
     def __init__(self, model, *, lock: threading.Lock, version: Callable[[], int],
                  slots: int, max_len: int, cuda_graphs: bool = True, sync_every: int = 16,
                  prefill_tokens: int = 16384):
-        self.net = _Model(model, slots, max_len)
+        self.net = SlotModel(model, slots, max_len)
         self.state = _State(slots, max_len, self.net.device)
         self.params = [p for _, p in model.named_parameters()]
         self.lock, self.version = lock, version
@@ -441,9 +277,7 @@ class Decoder:
                     self.prefill_tokens:
                 end += 1
             chunk = rows[start:end]
-            ids = torch.zeros((len(chunk), len(chunk[-1][1])), dtype=torch.long)
-            for i, (_, row) in enumerate(chunk):
-                ids[i, :len(row)] = torch.tensor(row)
+            ids = _right_padded([row for _, row in chunk])
             self.net.prefill(ids.to(device), torch.tensor([len(r) for _, r in chunk],
                                                           device=device),
                              torch.tensor([s for s, _ in chunk], device=device),
@@ -482,19 +316,10 @@ class Decoder:
 
     def _prefill(self, items: list[tuple[_Request, int, int]], version: int) -> None:
         device, st = self.net.device, self.state
-        keys: dict[tuple[int, int], int] = {}
-        prompts = []
-        for request, row, _ in items:
-            p = request.rows[row][0]
-            if (id(request), p) not in keys:
-                keys[(id(request), p)] = len(prompts)
-                prompts.append(request.prompts[p])
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p)
+        prompts, src = _distinct_prompts(items)
+        ids = _right_padded(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
-        src = torch.tensor([keys[(id(r), r.rows[w][0])] for r, w, _ in items], device=device)
+        src = torch.tensor(src, device=device)
         slots = torch.tensor([s for _, _, s in items], device=device)
         logits = self.net.prefill(ids.to(device), lengths, slots, src)[src]  # (N, V)
         sps = [r.sp for r, _, _ in items]
@@ -546,39 +371,64 @@ class Decoder:
     def _replay(self, R: int, Lb: int, truncate: bool, seeded: bool) -> None:
         key = (R, Lb, truncate, seeded)
         if self.use_graphs and key not in self.graphs:
-            self.graphs[key] = self._capture(key)
+            self.graphs[key], self.pool = _capture(self._step, key, self.state, self.net.device,
+                                                   self.pool)
         graph = self.graphs.get(key) if self.use_graphs else None
         if graph is None:
             self._step(*key)
         else:
             graph.replay()
 
-    def _capture(self, key):
-        """A CUDA graph of the step at ``key``, or None (eager, logged) when capture fails. The
-        warm-up run advances the state: it is restored before capture (capture runs nothing)."""
-        saved = self.state.snapshot()
-        try:
-            stream = torch.cuda.Stream(self.net.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._step(*key)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.state.restore(saved)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            clock = time.perf_counter()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._step(*key)
-            log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s in %.2f s", *key,
-                     time.perf_counter() - clock)
-            return graph
-        except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
-            log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s seeded=%s "
-                          "failed; this shape runs eagerly", *key)
-            torch.cuda.synchronize(self.net.device)
-            self.state.restore(saved)
-            return None
+
+def _capture(step: Callable, key: tuple, state: _State, device, pool):
+    """(A CUDA graph of ``step(*key)``, the graph memory pool), the graph None (eager, logged)
+    when capture fails. The warm-up run advances the state: it is restored before capture
+    (capture runs nothing)."""
+    saved = state.snapshot()
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(*key)
+        torch.cuda.current_stream().wait_stream(stream)
+        state.restore(saved)
+        if pool is None:
+            pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        clock = time.perf_counter()
+        with torch.cuda.graph(graph, pool=pool):
+            step(*key)
+        log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s in %.2f s", *key,
+                 time.perf_counter() - clock)
+        return graph, pool
+    except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
+        log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s seeded=%s "
+                      "failed; this shape runs eagerly", *key)
+        torch.cuda.synchronize(device)
+        state.restore(saved)
+        return None, pool
+
+
+def _distinct_prompts(items: list[tuple[_Request, int, int]]
+                      ) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts of (request, row, slot) ``items`` in order of first use, and for
+    each item the index of its prompt among them."""
+    keys: dict[tuple[int, int], int] = {}
+    prompts = []
+    for request, row, _ in items:
+        p = request.rows[row][0]
+        if (id(request), p) not in keys:
+            keys[(id(request), p)] = len(prompts)
+            prompts.append(request.prompts[p])
+    return prompts, [keys[(id(r), r.rows[w][0])] for r, w, _ in items]
+
+
+def _right_padded(rows: list[list[int]]) -> torch.Tensor:
+    """ids[len(rows), longest] on the host, each row right-padded with 0."""
+    ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    return ids
 
 
 def _bucket(n: int, cap: int) -> int:

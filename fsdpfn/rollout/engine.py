@@ -8,8 +8,9 @@ of an update; so a request sees one weights version from start to end (its respo
 ``resume()`` lets them go. A pause expires by itself after ``max_pause_s`` (a trainer that died
 between pause and continue cannot stall the server), and a failed update resumes generation.
 
-Weight updates (groups, staging, swap, verify, commit) live in fsdpfn.rollout.updates and its
-stages (groups.py, staging.py); the methods below only delegate to them.
+Generation runs the decode loop or HF generate (fsdpfn.rollout.generation picks, sizes and checks
+them); weight updates (groups, staging, swap, verify, commit) live in fsdpfn.rollout.updates and
+its stages (groups.py, staging.py); the methods below only delegate to them.
 
 behav_logp convention: the log-prob of each sampled token is log_softmax(logits / temperature)
 at that token: temperature applied, top-p / top-k truncation not (it is what the trainer's
@@ -25,10 +26,10 @@ from typing import Any, Sequence
 
 import torch
 
-from fsdpfn.rollout import groups, updates
+from fsdpfn.rollout import generation, groups, updates
 from fsdpfn.rollout import staging as stages
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.rollout.sampling import Penalties, SamplingParams, find_stop
+from fsdpfn.rollout.sampling import SamplingParams, find_stop
 from fsdpfn.rollout.staging import Staging
 from fsdpfn.rollout.text import eos_ids, load_tokenizer
 from fsdpfn.wire.protocol import combine_checksums, dtype_from_name, dtype_name, tensor_checksums
@@ -81,39 +82,11 @@ class RolloutEngine:
         # a whole update holds the model lock while its bytes arrive for at most this long; a
         # slower sender lets generation run meanwhile (the swap then waits for the last byte)
         self.hold_s = 2.0
-        self._decoder = self._build_decoder(decode, decode_rows, decode_max_len, cuda_graphs)
+        self._decoder = generation.build_decoder(
+            self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
+            lock=self._model_lock, version=lambda: self.version)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
-
-    def _build_decoder(self, mode: str, rows: int | None, max_len: int, cuda_graphs: bool):
-        """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
-        None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
-        not serve, logged)."""
-        from fsdpfn.rollout import decode
-
-        if mode not in ("auto", "hf", "loop"):
-            raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
-        if mode == "hf" or (mode == "auto" and self.device.type != "cuda"):
-            return None
-        reason = decode.unsupported_reason(self.model)
-        if reason is not None:
-            if mode == "loop":
-                raise UpdateError(f"decode: 'loop' cannot serve this model: {reason}")
-            decode.log.warning("decode loop off (%s): generation uses HF generate", reason)
-            return None
-        max_len = min(int(max_len), int(getattr(self.model.config, "max_position_embeddings",
-                                                max_len)))
-        per_slot = decode._Model.kv_bytes_per_slot(self.model, max_len)  # noqa: SLF001
-        if rows is None:  # half of the free memory for the KV cache, at most 1024 rows
-            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" \
-                else 64 * per_slot
-            rows = max(8, min(1024, int(0.5 * free // per_slot) // 8 * 8))
-        decoder = decode.Decoder(self.model, lock=self._model_lock, version=lambda: self.version,
-                                 slots=int(rows), max_len=max_len, cuda_graphs=cuda_graphs)
-        decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
-                           "graphs %s", rows, max_len, rows * per_slot / 1e9,
-                           "on" if decoder.use_graphs else "off")
-        return decoder
 
     # ------------------------------------------------------------ info
 
@@ -214,7 +187,7 @@ class RolloutEngine:
             raise UpdateError("sampling_params.stop: stop strings need a tokenizer, and the "
                               f"model directory {self.model_path!r} has none")
         if self._decoder is not None:
-            self._check_decode(prompts, sampling, top_logprobs)
+            generation.check_decode(self._decoder, prompts, sampling, top_logprobs)
         self._enter_generation()
         try:
             if self._decoder is not None:
@@ -223,7 +196,10 @@ class RolloutEngine:
             else:
                 with self._model_lock:
                     version = self.version
-                    outputs = self._generate(prompts, sampling, top_logprobs)
+                    outputs = generation.hf_generate(self.model, prompts, sampling,
+                                                     top_logprobs,
+                                                     pad_token_id=self.pad_token_id,
+                                                     device=self.device)
                 for o in outputs:
                     o["weight_versions"] = [version] * len(o["output_ids"])
         finally:
@@ -245,75 +221,6 @@ class RolloutEngine:
                         "output_top_logprobs"):
                 if key in o:
                     o[key] = o[key][:end]
-
-    def _check_decode(self, prompts: list[list[int]], sp: SamplingParams,
-                      top_logprobs: int = 0) -> None:
-        from fsdpfn.rollout.decode import MAX_STOPS
-
-        limit = self._decoder.max_len
-        longest = max(len(p) for p in prompts)
-        if longest + sp.max_new_tokens > limit:
-            raise UpdateError(f"sampling_params.max_new_tokens: prompt length plus "
-                              f"max_new_tokens must be <= the server's decode max length "
-                              f"{limit} (--decode-max-len), got {longest} + "
-                              f"{sp.max_new_tokens}")
-        if len(sp.stop_token_ids) > MAX_STOPS:
-            raise UpdateError(f"sampling_params.stop_token_ids: must hold at most {MAX_STOPS} "
-                              f"ids, got {len(sp.stop_token_ids)}")
-        off = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-               "min_new_tokens": 0, "min_p": 0.0}
-        for key, default in off.items():
-            if getattr(sp, key) != default:
-                raise UpdateError(f"sampling_params.{key}: not supported by the decode loop "
-                                  f"(must be {default}; start the server with --decode hf), got "
-                                  f"{getattr(sp, key)!r}")
-        if top_logprobs:
-            raise UpdateError(f"top_logprobs_num: not supported by the decode loop (must be 0; "
-                              f"start the server with --decode hf), got {top_logprobs}")
-
-    def _generate(self, prompts: list[list[int]], sp: SamplingParams,
-                  top_logprobs: int = 0) -> list[dict]:
-        rows = [p for p in prompts for _ in range(sp.n)]  # n samples per prompt, prompt-major
-        width = max(len(p) for p in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, p in enumerate(rows):  # left padding: every prompt ends at the same column
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        config, processors = _generation_config(sp, width, self.pad_token_id)
-        recorder = _LogprobRecorder(sp.temperature if sp.temperature > 0 else 1.0, top_logprobs)
-        handle = self.model.register_forward_hook(recorder, with_kwargs=True)
-        try:
-            if sp.seed is not None:
-                torch.manual_seed(int(sp.seed))
-            with torch.no_grad():
-                out = self.model.generate(input_ids=ids.to(self.device),
-                                          attention_mask=mask.to(self.device),
-                                          generation_config=config,
-                                          logits_processor=processors)
-        finally:
-            handle.remove()
-        new = out.sequences[:, width:].cpu()  # (B*n, L)
-        logps = recorder.finish(new)  # (B*n, L)
-        tops = recorder.top(new.shape[1])
-        stops = set(sp.stop_token_ids)
-        results = []
-        for row in range(new.shape[0]):
-            tokens = new[row].tolist()
-            end, reason = len(tokens), "length"
-            for j, t in enumerate(tokens):
-                if t in stops:
-                    end, reason = j + 1, "stop"
-                    break
-            results.append({"prompt_index": row // sp.n, "output_ids": tokens[:end],
-                            "output_logprobs": logps[row, :end].tolist(),
-                            "finish_reason": reason})
-            if tops is not None:
-                values, index = tops
-                results[-1]["output_top_logprobs"] = [
-                    [[v, i] for v, i in zip(vs, ix)]
-                    for vs, ix in zip(values[row, :end].tolist(), index[row, :end].tolist())]
-        return results
 
     def forward(self, input_ids: list, *, temperature: float = 1.0,
                 return_logits: bool = False) -> dict:
@@ -379,71 +286,6 @@ class RolloutEngine:
     def _swap_in(self, tensors: dict[str, torch.Tensor], previous: dict) -> None:
         """Point each served parameter at its tensor (model lock held); see staging.swap_in."""
         stages.swap_in(self, tensors, previous)
-
-class _LogprobRecorder:
-    """A forward hook on the HF model during generate(): at each decoding step it scores the
-    token sampled at the previous step (the new input) under the previous step's distribution,
-    so only one [B, V] distribution is ever kept (and, with ``top_n``, its top_n log-probs)."""
-
-    def __init__(self, temperature: float, top_n: int = 0):
-        self.temperature = temperature
-        self.top_n = top_n
-        self.previous: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, module, args, kwargs, output) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if self.previous is not None:
-            self.steps.append(self._score(ids[:, -1]))
-        logits = output.logits[:, -1, :].float()
-        self.previous = torch.log_softmax(logits / self.temperature, dim=-1)
-        if self.top_n:
-            values, index = self.previous.topk(min(self.top_n, self.previous.shape[-1]), -1)
-            self.tops.append((values.cpu(), index.cpu()))
-
-    def _score(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.previous.gather(-1, tokens.to(self.previous.device)[:, None])[:, 0].cpu()
-
-    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        """(rows, L) log-probs of the generated tokens."""
-        if self.previous is not None and len(self.steps) < new_tokens.shape[1]:
-            self.steps.append(self._score(new_tokens[:, len(self.steps)]))
-        assert len(self.steps) == new_tokens.shape[1], (len(self.steps), new_tokens.shape)
-        return torch.stack(self.steps, dim=1)
-
-    def top(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(values, ids), each (rows, L, top_n): the best log-probs at each generated position."""
-        if not self.top_n:
-            return None
-        steps = self.tops[:length]
-        return torch.stack([v for v, _ in steps], 1), torch.stack([i for _, i in steps], 1)
-
-
-def _generation_config(sp: SamplingParams, width: int, pad_token_id: int):
-    """(GenerationConfig, logits processors) of ``sp`` for HF generate. Sampling transforms are
-    given as processors in HF's own order (temperature, top-k, top-p, min-p), after the
-    penalties: SGLang penalises the logits before temperature."""
-    from transformers import (GenerationConfig, LogitsProcessorList, MinPLogitsWarper,
-                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-
-    sample = sp.temperature > 0
-    processors = LogitsProcessorList([Penalties(width, sp)] if sp.penalized else [])
-    if sample:
-        processors.append(TemperatureLogitsWarper(float(sp.temperature)))
-        if sp.top_k > 0:
-            processors.append(TopKLogitsWarper(int(sp.top_k)))
-        if sp.top_p < 1:
-            processors.append(TopPLogitsWarper(float(sp.top_p)))
-        if sp.min_p > 0:
-            processors.append(MinPLogitsWarper(float(sp.min_p)))
-    config = GenerationConfig(
-        do_sample=sample, max_new_tokens=sp.max_new_tokens,
-        min_new_tokens=sp.min_new_tokens or None,
-        eos_token_id=sp.stop_token_ids or None, pad_token_id=pad_token_id,
-        return_dict_in_generate=True, use_cache=True,
-        **({"temperature": 1.0, "top_p": 1.0, "top_k": 0} if sample else {}))
-    return config, processors
 
 
 def _load_text(model_path: str):

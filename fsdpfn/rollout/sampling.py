@@ -42,7 +42,7 @@ class SamplingParams:
     both paths (HF generate seeds torch's generator; the decode loop hashes (seed, sample,
     step, token) per row, so a seeded row does not depend on what it is batched with); the two
     paths draw different tokens for one seed. The decode loop refuses, by name, the penalties,
-    min_new_tokens and min_p (fsdpfn.rollout.engine._check_decode)."""
+    min_new_tokens and min_p (fsdpfn.rollout.generation.check_decode)."""
 
     FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_new_tokens": 16,
               "min_new_tokens": 0, "stop_token_ids": (), "stop": (), "ignore_eos": False,

@@ -1,5 +1,5 @@
 """The processes of a run die with their launcher, and run_dir/run_state.json says how the last
-run ended (fsdpfn.supervise, fsdpfn/cli.py).
+run ended (fsdpfn.supervise, fsdpfn/launcher.py).
 
 The end-to-end case: the GRPO demo's launcher killed with SIGKILL after its first metrics line
 leaves no process of the run (torchrun, the trainer ranks, the rollout server) alive within

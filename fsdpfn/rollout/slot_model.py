@@ -1,0 +1,132 @@
+"""The decode loop's network: the HF model's own modules run on a slot KV cache.
+
+What is kept from transformers: the embedding, norms, q/k/v/o projections (and Qwen3's per-head
+q/k norms), MLPs, rotary tables and lm_head, with their parameters, so a weight update that
+re-points the parameters is what the next step reads. What is ours: the KV cache ([S, kv_heads, L,
+D] per layer, one row per slot) and attention. Prefill runs whole right-padded prompts with causal
+SDPA and copies each prompt's KV into its slots; decode runs one token per slot, GQA attended as
+G "positions" of each kv head (q [R, kv, G, D] against the cache [R, kv, L, D]), so the cache is
+read once and never repeated per query head. See fsdpfn/rollout/decode.py for the scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED"]
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the decode loop cannot serve ``model`` (None: it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED:
+        return f"model_type {config.model_type!r} is not one of {SUPPORTED}"
+    if getattr(config, "use_sliding_window", False) or (
+            config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+        return "sliding-window attention is not supported"
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+            or {})
+    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
+        return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
+    if not hasattr(getattr(model, "model", None), "layers"):
+        return "model has no .model.layers"
+    return None
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SlotModel:
+    """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
+
+    def __init__(self, model, slots: int, max_len: int):
+        cfg = model.config
+        self.model, self.base = model, model.model
+        self.layers = list(self.base.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = int(getattr(attn, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
+        self.q_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.group = self.q_heads // self.kv_heads
+        self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.slots, self.max_len = slots, max_len
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        with torch.no_grad():  # rotary tables for every position, from the model's own module
+            cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
+                                            torch.arange(max_len, device=self.device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # (L, D)
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.rows = torch.arange(slots, device=self.device)
+        self.heads = torch.arange(self.kv_heads, device=self.device)
+        self.cols = torch.arange(max_len, device=self.device)
+
+    @staticmethod
+    def kv_bytes_per_slot(model, max_len: int) -> int:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        itemsize = next(model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * max_len * itemsize
+
+    def _qkv(self, attn, a, shape):
+        q = attn.q_proj(a).view(*shape, self.q_heads, self.head_dim)
+        k = attn.k_proj(a).view(*shape, self.kv_heads, self.head_dim)
+        v = attn.v_proj(a).view(*shape, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v
+
+    def logits(self, hidden):
+        """hidden[N, H] (before the final norm) -> logits[N, V] float32."""
+        return self.model.get_output_embeddings()(self.base.norm(hidden)).float()
+
+    def prefill(self, ids, lengths, slots, src):
+        """ids[P, W] right-padded prompts, lengths[P]; the KV of prompt src[i] goes to slot
+        slots[i] (columns [0, W); those past a prompt's length are rewritten before being read).
+        Returns logits[P, V] at each prompt's last token."""
+        P, W = ids.shape
+        x = self.base.embed_tokens(ids)  # (P, W, H)
+        cos, sin = self.cos[:W, None], self.sin[:W, None]  # (W, 1, D)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), (P, W))  # (P, W, heads, D)
+            q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)
+            v = v.transpose(1, 2)
+            self.k[i][slots, :, :W] = k[src]
+            self.v[i][slots, :, :W] = v[src]
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1),
+                is_causal=True, scale=self.scaling)  # right padding: causal is enough
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(P, W, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x[torch.arange(P, device=ids.device), lengths - 1]  # (P, H)
+        return self.logits(last)
+
+    def decode(self, tok, pos, R: int, Lb: int):
+        """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
+        the first Lb), returns logits[R, V]."""
+        x = self.base.embed_tokens(tok)  # (R, H)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, D)
+        mask = torch.zeros((R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
+            self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
+        where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), (R,))  # (R, heads, D)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.k[i].index_put_(where, k)
+            self.v[i].index_put_(where, v)
+            out = F.scaled_dot_product_attention(
+                q.view(R, self.kv_heads, self.group, self.head_dim), self.k[i][:R, :, :Lb],
+                self.v[i][:R, :, :Lb], attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
+            x = x + attn.o_proj(out.reshape(R, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.logits(x)
