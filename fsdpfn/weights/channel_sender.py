@@ -18,7 +18,7 @@ import torch
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.weights.channel import wait_readable
 from fsdpfn.weights.gather import Bucket
-from fsdpfn.weights.senders import PushTimings, await_wire, queue_checksum, sent_checksum
+from fsdpfn.weights.senders import PushTimings, SentChecksums, await_wire
 from fsdpfn.weights.servers import Servers, check_commit
 from fsdpfn.wire.protocol import broadcast
 
@@ -36,7 +36,7 @@ class ChannelSender:
         self.timings = timings
         self.buckets = buckets
         self.version = version
-        self.checksums: list[tuple[list[str], torch.Tensor]] = []
+        self.checksums = SentChecksums()
         self.channels = {url: servers.channels[url] for url in servers.urls}
         self.answers: dict[str, dict] = {}
         self.accepted = False
@@ -83,7 +83,7 @@ class ChannelSender:
         work = broadcast(pg, flat[:bucket.nbytes])  # before the checksum: not held up by it
         if self.timeline is not None:
             self._record_sent(work, gathered)
-        queue_checksum(self.checksums, bucket, flat)
+        self.checksums.add(bucket, flat)  # queued when the next bucket is out
         if bucket.index == 0:
             self.timings.mark("first_send")
         if cfg.on_bucket is not None:
@@ -113,10 +113,11 @@ class ChannelSender:
 
     def finish(self, handle) -> None:
         bucket, work, deadline = handle
+        self.checksums.flush()  # the buffer may be released once this returns
         await_wire(work, deadline, self.servers, bucket, len(self.buckets), self._watch)
 
     def conclude(self) -> None:
-        checksum = sent_checksum(self.checksums)
+        checksum = self.checksums.value()
         deadline = time.monotonic() + self.servers.config.timeout_s
         for url, ch in self.channels.items():
             if url not in self.answers:

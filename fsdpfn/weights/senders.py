@@ -30,7 +30,7 @@ from fsdpfn.wire.http import Call, call
 from fsdpfn.wire.protocol import broadcast, combine_on_device, flat_checksums, wait_work
 
 __all__ = ["PushTimings", "send_flat", "BroadcastSender", "OneRequestSender", "await_wire",
-           "queue_checksum", "sent_checksum"]
+           "queue_checksum", "sent_checksum", "SentChecksums"]
 
 
 class PushTimings:
@@ -99,7 +99,7 @@ class BroadcastSender:
         self.buckets = buckets
         self.version = version
         self.update_id = uuid.uuid4().hex
-        self.checksums: list[tuple[list[str], torch.Tensor]] = []  # per bucket, on the device
+        self.checksums = SentChecksums()  # per bucket, on the device
         self.paused = False
         self.final_answers: dict[str, dict] = {}
 
@@ -120,13 +120,14 @@ class BroadcastSender:
                  for url in s.urls}
         # ordered after the gather's copies on the current stream; the padded tail stays here
         work = broadcast(pg, flat[:bucket.nbytes])
-        queue_checksum(self.checksums, bucket, flat)
+        self.checksums.add(bucket, flat)
         if cfg.on_bucket is not None:
             cfg.on_bucket(bucket.index, len(self.buckets))
         return bucket, calls, work, flat, backend, time.monotonic() + cfg.timeout_s
 
     def finish(self, handle) -> None:
         bucket, calls, work, flat, backend, deadline = handle
+        self.checksums.flush()
         wire_error = _wait(work, backend, deadline)
         if wire_error is not None:
             deadline = min(deadline, time.monotonic() + 2.0)  # the servers may explain
@@ -148,7 +149,7 @@ class BroadcastSender:
 
     def conclude(self) -> None:
         """After the last bucket: checksums, continue generation, versions."""
-        checksum = sent_checksum(self.checksums)
+        checksum = self.checksums.value()
         for url, answer in self.final_answers.items():
             check_commit(url, answer, self.version, checksum)
         if self.paused:
@@ -179,7 +180,7 @@ class OneRequestSender:
         self.timings = timings
         self.buckets = buckets
         self.version = version
-        self.checksums: list[tuple[list[str], torch.Tensor]] = []
+        self.checksums = SentChecksums()
         cfg = servers.config
         payload = {"buckets": [b.metadata for b in buckets], "group_name": cfg.group_name,
                    "flush_cache": cfg.flush_cache, "load_format": "flattened_bucket",
@@ -204,7 +205,7 @@ class OneRequestSender:
         cfg = self.servers.config
         _, pg, backend = self.servers.group.live
         work = broadcast(pg, flat[:bucket.nbytes])  # before the checksum: not held up by it
-        queue_checksum(self.checksums, bucket, flat)
+        self.checksums.add(bucket, flat)
         if cfg.on_bucket is not None:
             cfg.on_bucket(bucket.index, len(self.buckets))
         return bucket, work, flat, time.monotonic() + cfg.timeout_s
@@ -218,10 +219,11 @@ class OneRequestSender:
 
     def finish(self, handle) -> None:
         bucket, work, flat, deadline = handle
+        self.checksums.flush()
         await_wire(work, deadline, self.servers, bucket, len(self.buckets), self._watch)
 
     def conclude(self) -> None:
-        checksum = sent_checksum(self.checksums)
+        checksum = self.checksums.value()
         deadline = time.monotonic() + self.servers.config.timeout_s
         errors, answers = [], {}
         for url, c in self.calls.items():
@@ -273,6 +275,32 @@ def queue_checksum(checksums: list, bucket: Bucket, flat: torch.Tensor) -> None:
     """Queue the checksums of a bucket on the device, after its broadcast (they read the buffer
     while the wire does); read once, by sent_checksum: no synchronisation per bucket."""
     checksums.append((bucket.names, flat_checksums(flat, bucket.offsets, bucket.sizes)))
+
+
+class SentChecksums:
+    """The checksums of the buckets sent, queued on the device one bucket late: a bucket's are
+    queued once the next bucket has gone out (or at a finish, or at the end), so the host
+    launches the next bucket's gather before paying the checksum's few dozen kernel launches
+    (about a millisecond a bucket, with the wire idle meanwhile). The late bucket's buffer is
+    held until then; its kernels read it in stream order, after the next gather."""
+
+    def __init__(self):
+        self._queued: list[tuple[list[str], torch.Tensor]] = []
+        self._late: tuple[Bucket, torch.Tensor] | None = None
+
+    def add(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        self.flush()
+        self._late = (bucket, flat)
+
+    def flush(self) -> None:
+        if self._late is not None:
+            queue_checksum(self._queued, *self._late)
+            self._late = None
+
+    def value(self) -> int:
+        """The weights checksum of every bucket added (one synchronisation)."""
+        self.flush()
+        return sent_checksum(self._queued)
 
 
 def sent_checksum(checksums: list) -> int:
