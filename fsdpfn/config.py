@@ -178,25 +178,25 @@ class FSDPConfig:
                               f"prefetch at its default 1)")
 
 
-DEFAULT_MAX_TOKENS_PER_MB = 16384  # the budget the benchmarks measure (BENCHMARKS.md)
+DEFAULT_MAX_TOKENS_PER_MB = 16384  # the automatic budget: the one the benchmarks measure
 
 
 @attrs.frozen
 class MicroBatchSpec:
     """Micro-batches by token budget (max_tokens_per_mb) and/or count (n_mbs, a minimum).
 
-    The default budget, 16384 tokens per micro-batch, is the fast path the benchmarks measure
-    and bounds activation memory whatever the batch size; a single row (or group kept whole)
-    longer than the budget is a BatchError naming this field. ``None`` puts a rank's whole
-    batch in n_mbs micro-batches, however large.
+    ``max_tokens_per_mb=None`` (the default) is the automatic budget: micro-batches of at most
+    DEFAULT_MAX_TOKENS_PER_MB = 16384 tokens (per context-parallel rank), the fast path the
+    benchmarks measure, which bounds activation memory whatever the batch size; a row (or group
+    kept whole) longer than that goes alone in its own micro-batch, never refused. An explicit
+    budget is a hard limit: a longer row (or group) is a BatchError naming this field.
 
     ``algo`` balances tokens over the micro-batches (fsdpfn.batch.balanced_partition): ``"lpt"``
     (largest unit first into the lightest micro-batch) or ``"kk"`` (the better of LPT and
     Karmarkar-Karp); ``"ffd"`` is accepted as an alias of ``"lpt"`` (its former name).
     """
 
-    max_tokens_per_mb: int | None = attrs.field(default=DEFAULT_MAX_TOKENS_PER_MB,
-                                                validator=_int(1, allow=(None,)))
+    max_tokens_per_mb: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
     n_mbs: int = attrs.field(default=1, validator=_int(1))
     algo: str = attrs.field(default="lpt", validator=_one_of("lpt", "kk", "ffd"))
 

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from fsdpfn import keys as K
 from fsdpfn.batch import (Packed, next_token_targets, plan_microbatches, row_lengths,
                           shift_to_token_aligned, validate_batch)
-from fsdpfn.config import MicroBatchSpec
+from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, MicroBatchSpec
 from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
 from fsdpfn.state import EngineState, check_live
 
@@ -102,7 +102,8 @@ def oom_error(state: EngineState, fn_name: str, n_tokens: int, spec: MicroBatchS
     """The typed error for a micro-batch of ``n_tokens`` that ran out of device memory;
     ``stepped``: optimizer steps the call had already taken (then the state was advanced)."""
     budget = spec.max_tokens_per_mb
-    smaller = max(1, (budget if budget is not None else n_tokens) // 2)
+    smaller = max(1, min(n_tokens, budget or DEFAULT_MAX_TOKENS_PER_MB) // 2)
+    shown = budget if budget is not None else f"None (automatic, {DEFAULT_MAX_TOKENS_PER_MB})"
     if stepped:
         what = (f"{stepped} earlier optimizer step(s) of this call did run: continue from the "
                 f"error's .state (the successor of the state passed)")
@@ -110,22 +111,31 @@ def oom_error(state: EngineState, fn_name: str, n_tokens: int, spec: MicroBatchS
         what = "nothing was updated, so the same state can be used again"
     return MicroBatchOOMError(
         f"{fn_name}: out of device memory on a micro-batch of {n_tokens} tokens "
-        f"(max_tokens_per_mb={budget}, n_mbs={spec.n_mbs}). Gradients were dropped and cached "
+        f"(max_tokens_per_mb={shown}, n_mbs={spec.n_mbs}). Gradients were dropped and cached "
         f"memory released; {what}. Lower EngineConfig.mb_spec.max_tokens_per_mb, or retry the "
         f"call with mb_spec=MicroBatchSpec(max_tokens_per_mb={smaller})",
         fn_name=fn_name, n_tokens=n_tokens, max_tokens_per_mb=budget)
+
+
+def budget_kwargs(spec: MicroBatchSpec) -> dict:
+    """plan_microbatches' budget keywords for ``spec``: max_tokens_per_mb=None is the automatic
+    budget (DEFAULT_MAX_TOKENS_PER_MB, soft: a longer row or group goes alone); an explicit
+    budget is a limit (a longer one is a BatchError)."""
+    if spec.max_tokens_per_mb is not None:
+        return {"max_tokens_per_mb": spec.max_tokens_per_mb}
+    return {"max_tokens_per_mb": DEFAULT_MAX_TOKENS_PER_MB, "strict": False}
 
 
 def plan(state: EngineState, batch, *, group_size: int = 1,
          mb_spec: MicroBatchSpec | None = None) -> list[list[int]]:
     """Micro-batches (row lists) of this rank; the count is the max over all ranks."""
     spec = mb_spec if mb_spec is not None else state.config.mb_spec
+    budget = budget_kwargs(spec)
     lens = row_lengths(batch)
     error, rows = None, []
     try:
-        rows = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb,
-                                 n_mbs=spec.n_mbs, group_size=group_size, algo=spec.algo,
-                                 cp=state.mesh.cp)
+        rows = plan_microbatches(lens, **budget, n_mbs=spec.n_mbs, group_size=group_size,
+                                 algo=spec.algo, cp=state.mesh.cp)
     except BatchError as exc:
         error = exc
     check_live(state, "plan", local_error=error)
@@ -133,9 +143,8 @@ def plan(state: EngineState, batch, *, group_size: int = 1,
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if int(count.item()) > len(rows):
-        rows = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb,
-                                 n_mbs=spec.n_mbs, group_size=group_size, algo=spec.algo,
-                                 min_n_mbs=int(count.item()), cp=state.mesh.cp)
+        rows = plan_microbatches(lens, **budget, n_mbs=spec.n_mbs, group_size=group_size,
+                                 algo=spec.algo, min_n_mbs=int(count.item()), cp=state.mesh.cp)
     return rows
 
 

@@ -149,7 +149,7 @@ def _to_rows(bins: list[list[int]], starts: list[int], group_size: int) -> list[
 
 def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: int = 1,
                       group_size: int = 1, algo: str = "lpt", min_n_mbs: int = 1,
-                      cp: int = 1) -> list[list[int]]:
+                      cp: int = 1, strict: bool = True) -> list[list[int]]:
     """Split rows into micro-batches: lists of row indices, ascending within each list.
 
     seq_lens[B] are real tokens per row (row_lengths(batch)). Units of `group_size` consecutive
@@ -161,7 +161,11 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     bins (plus empty ones) refined by local moves are used instead. (That bin count and fallback
     are first-fit decreasing whatever `algo` is: `algo` picks only the balancing.)
 
-    Guarantees: every row exactly once; every micro-batch <= max_tokens_per_mb tokens; exactly
+    ``strict=False`` makes the budget soft: a unit longer than it goes alone in its own
+    micro-batch instead of raising (what MicroBatchSpec's automatic budget does).
+
+    Guarantees: every row exactly once; every micro-batch <= max_tokens_per_mb tokens (with
+    strict=False: or a unit longer than that, alone); exactly
     k micro-batches; an empty micro-batch ([]) only when there are fewer than k units.
     Without a budget the largest micro-batch is <= (4/3 - 1/(3k)) * OPT and
     <= mean + (1 - 1/k) * largest unit (see balanced_partition); with a budget the same holds
@@ -186,7 +190,8 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     if max_tokens_per_mb is None:
         return _to_rows(balanced_partition(sizes, k, algo=algo), starts, group_size)
     budget = max_tokens_per_mb * cp  # ceil(N / cp) <= max_tokens_per_mb  <=>  N <= budget
-    _check_units_fit(sizes, starts, group_size, max_tokens_per_mb, cp)
+    if strict:
+        _check_units_fit(sizes, starts, group_size, max_tokens_per_mb, cp)
     ffd = _ffd(sizes, budget)
     k = max(k, len(ffd))
     bins = balanced_partition(sizes, k, algo=algo)

@@ -560,13 +560,23 @@ def test_validate_group_id_and_row_index_dtypes():
 
 
 def test_default_budget_splits_a_large_rl_batch():
-    """EngineConfig() micro-batches by 16384 tokens, the benchmarked budget: a 96-sequence,
-    ~160k-token batch (Qwen3-1.7B RL shape) is never one micro-batch."""
+    """EngineConfig()'s mb_spec is API.md's MicroBatchSpec(max_tokens_per_mb=None, n_mbs=1),
+    which plans by the automatic 16384-token budget (the benchmarked one): a 96-sequence,
+    ~160k-token batch (Qwen3-1.7B RL shape) is never one micro-batch, and a row longer than the
+    automatic budget goes alone where an explicit budget refuses it."""
     from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, EngineConfig, MicroBatchSpec
+    from fsdpfn.runner import budget_kwargs
     spec = EngineConfig(model_path="ckpt/").mb_spec
-    assert spec == MicroBatchSpec() and spec.max_tokens_per_mb == DEFAULT_MAX_TOKENS_PER_MB == 16384
+    assert spec == MicroBatchSpec(max_tokens_per_mb=None, n_mbs=1) == MicroBatchSpec()
+    assert DEFAULT_MAX_TOKENS_PER_MB == 16384
     lens = [600 + (i * 397) % 2200 for i in range(96)]
     assert 150_000 < sum(lens) < 170_000
-    plan = plan_microbatches(lens, max_tokens_per_mb=spec.max_tokens_per_mb, n_mbs=spec.n_mbs)
+    plan = plan_microbatches(lens, **budget_kwargs(spec), n_mbs=spec.n_mbs)
     assert sorted(r for rows in plan for r in rows) == list(range(96))
     assert len(plan) >= sum(lens) / 16384 and max(_loads(plan, lens)) <= 16384
+    long = [20000, 300, 16000, 500]
+    plan = plan_microbatches(long, **budget_kwargs(spec))
+    assert [0] in plan and sorted(r for rows in plan for r in rows) == [0, 1, 2, 3]
+    assert max(_loads([rows for rows in plan if 0 not in rows], long)) <= 16384
+    with pytest.raises(BatchError, match="max_tokens_per_mb: row 0 has 20000 tokens"):
+        plan_microbatches(long, **budget_kwargs(MicroBatchSpec(max_tokens_per_mb=16384)))
