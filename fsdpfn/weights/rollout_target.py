@@ -204,6 +204,7 @@ class RolloutTarget:
         sent = send_flat(state, params, buckets, sender, backend, self._timings)
         probe(state, self.urls, dtype, probe_tol=self.config.probe_tol,
               timeout_s=self.config.timeout_s)
+        self._timings.mark("probe")
         return sent
 
     # ------------------------------------------------------------ the group's end
