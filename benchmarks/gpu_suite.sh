@@ -68,15 +68,16 @@ recheck_gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   item tests_memory 200 python -m pytest -q -p no:cacheprovider tests/e2e/test_memory_gpu.py
   item rollout 130 python benchmarks/rollout.py --rows 512
+  item decode_profile 90 python benchmarks/decode_profile.py --rows 512 --new 64
   item defaults 150 python benchmarks/defaults.py
-  item timing 100 python benchmarks/timing.py --out "$out/timing" --steps 3
 }
 
 recheck_gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  item mem_largest 330 python benchmarks/memory.py largest --shapes 7B 14B 32B \
+  item mem_largest 300 python benchmarks/memory.py largest --shapes 7B 14B 32B \
     --options per_layer per_layer_bf16 --steps 1 --timeout 150
-  item checkpoint 220 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
+  item checkpoint 180 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
+  item timing 100 python benchmarks/timing.py --out "$out/timing" --steps 3
 }
 
 long() {
