@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--new", type=int, default=64, help="new tokens per row, profiled")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="Liger's fused RMSNorm and SwiGLU in the served model")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
     p.add_argument("--cpu", action="store_true", help="a smoke run: tiny model on CPU")
     args = p.parse_args()
@@ -66,7 +68,8 @@ def main() -> None:
         path, safe_serialization=True)
     engine = RolloutEngine(path, dtype="bfloat16", device=device, decode="loop" if not args.cpu
                            else "auto", decode_rows=rows, decode_max_len=prompt_len + 2 * args.new
-                           + 64, cuda_graphs=not args.no_cuda_graphs)
+                           + 64, cuda_graphs=not args.no_cuda_graphs,
+                           fused_kernels=args.fused_kernels)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape["vocab_size"], (rows // 8, prompt_len), generator=g).tolist()
     sp = SamplingParams(n=8, max_new_tokens=args.new, temperature=1.0)
@@ -89,7 +92,8 @@ def main() -> None:
     steps = args.new - 1  # the first token of each row comes from the prefill
     print(f"# {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch "
           f"{torch.__version__}: {rows} rows, prompts of {prompt_len}, {args.new} new tokens, "
-          f"graphs {'off' if args.no_cuda_graphs else 'on'}; wall {wall:.3f} s = "
+          f"graphs {'off' if args.no_cuda_graphs else 'on'}, fused modules {engine.fused}; "
+          f"wall {wall:.3f} s = "
           f"{wall / steps * 1e3:.2f} ms per step (prefill included)")
     top = [{"kernel": e.key[:90], "category": category(e.key), "calls": e.count,
             "ms per step": round(getattr(e, key) / 1e3 / steps, 3)} for e in events[:30]]

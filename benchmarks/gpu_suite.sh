@@ -10,6 +10,8 @@
 #   recheck two streams: the items the previous runs found defects in (per-layer state on the
 #           device, the decode loop's seeded draw), the defaults on a 160k-token batch, timing
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
+#   rest    the push benchmark, then two streams: checkpoints, the memory options' cost, LoRA
+#           on the full 7B shape, the longest sequence with the per-layer step
 # Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
 # each item's exit status and seconds. At the end everything but items.txt is packed into
 # OUTDIR/results.tgz (a device call returns only a few files).
@@ -66,18 +68,32 @@ memory_gpu1() {
 
 recheck_gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  item tests_memory 200 python -m pytest -q -p no:cacheprovider tests/e2e/test_memory_gpu.py
-  item rollout 130 python benchmarks/rollout.py --rows 512
-  item decode_profile 90 python benchmarks/decode_profile.py --rows 512 --new 64
+  item rollout 120 python benchmarks/rollout.py --rows 512 --no-concurrent
+  item rollout_fused 120 python benchmarks/rollout.py --rows 512 --no-concurrent --fused-kernels
+  item decode_profile 80 python benchmarks/decode_profile.py --rows 512 --new 64
+  item tests_decode 100 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
   item defaults 150 python benchmarks/defaults.py
 }
 
 recheck_gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  item mem_largest 300 python benchmarks/memory.py largest --shapes 7B 14B 32B \
-    --options per_layer per_layer_bf16 --steps 1 --timeout 150
-  item checkpoint 180 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
+  item tests_memory 200 python -m pytest -q -p no:cacheprovider tests/e2e/test_memory_gpu.py
+  item mem_largest 250 python benchmarks/memory.py largest --shapes 14B 32B \
+    --options per_layer per_layer_bf16 --steps 1 --timeout 120
   item timing 100 python benchmarks/timing.py --out "$out/timing" --steps 3
+}
+
+rest_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item checkpoint 180 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
+  item mem_cost 220 python benchmarks/memory.py cost --shape 1.5B --steps 2 --timeout 100
+}
+
+rest_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item lora 200 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3
+  item mem_longest 200 python benchmarks/memory.py longest --options per_layer_bf16 \
+    --steps 1 --seq 32768 --max-seq 262144 --timeout 90
 }
 
 long() {
@@ -94,6 +110,8 @@ for group in "$@"; do
     memory) memory_gpu0 & memory_gpu1 & wait ;;
     recheck) recheck_gpu0 & recheck_gpu1 & wait ;;
     long) long ;;
+    rest) item push 150 python benchmarks/push.py --quick --pushes 6 --sglang
+          rest_gpu0 & rest_gpu1 & wait ;;
     *) echo "unknown group $group"; exit 2 ;;
   esac
 done

@@ -117,18 +117,21 @@ def _build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -
 
 
 def apply_fused_kernels(model: nn.Module, hf_config, device_type: str, *,
-                        mlp: bool = True) -> None:
+                        mlp: bool = True, keep_weights: bool = False) -> int:
     """Swap this model's RMSNorm and SwiGLU MLP modules for Liger-Kernel's fused Triton ones
     (same parameter names, so checkpoints and the TP plan are unchanged). Instance-level: no
     class of transformers is patched. CUDA only; a no-op when liger_kernel is not installed.
-    ``mlp=False`` keeps HF's MLP modules (LoRA adapters on their linears need them called)."""
+    ``mlp=False`` keeps HF's MLP modules (LoRA adapters on their linears need them called);
+    ``keep_weights``: the swapped modules take the loaded weights (a model already loaded).
+    Returns the number of modules swapped."""
     if device_type != "cuda":
-        return
+        return 0
     try:
         from liger_kernel.transformers.rms_norm import LigerRMSNorm
         from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     except ImportError:
-        return
+        return 0
+    swapped = 0
     eps = getattr(hf_config, "rms_norm_eps", 1e-6)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -145,7 +148,11 @@ def apply_fused_kernels(model: nn.Module, hf_config, device_type: str, *,
             fused.to(device=child.weight.device if kind.endswith("RMSNorm")
                      else child.gate_proj.weight.device,
                      dtype=next(child.parameters()).dtype)
+            if keep_weights:
+                fused.load_state_dict(child.state_dict())
             setattr(module, name, fused)
+            swapped += 1
+    return swapped
 
 
 def _disable_dropout(model: nn.Module) -> None:

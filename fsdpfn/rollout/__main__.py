@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt plus new tokens of a row, at most (KV cache positions per slot)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode loop without CUDA graphs (eager steps)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
+                        "default kernels), when liger_kernel is installed")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when the process with this pid exits (the launcher that started "
@@ -64,7 +67,8 @@ def main(argv=None) -> None:
                            weight_version=args.weight_version, max_pause_s=args.max_pause_s,
                            decode=args.decode, decode_rows=args.decode_rows,
                            decode_max_len=args.decode_max_len,
-                           cuda_graphs=not args.no_cuda_graphs)
+                           cuda_graphs=not args.no_cuda_graphs,
+                           fused_kernels=args.fused_kernels)
     if not args.no_channel:
         from fsdpfn.rollout.channel import UpdateChannel
 

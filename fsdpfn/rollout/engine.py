@@ -41,7 +41,7 @@ class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
                  weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
                  decode_rows: int | None = None, decode_max_len: int = 2048,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, fused_kernels: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -52,6 +52,13 @@ class RolloutEngine:
         kwargs["dtype"] = "auto" if dtype == "auto" else dtype_from_name(dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        if fused_kernels:  # Liger's fused RMSNorm and SwiGLU, as the trainer runs by default
+            from fsdpfn.shard import apply_fused_kernels
+
+            self.fused = apply_fused_kernels(self.model, self.model.config, self.device.type,
+                                             keep_weights=True)
+        else:
+            self.fused = 0
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         # state-dict names that alias a served parameter (a tied lm_head.weight)
         by_id = {id(p): n for n, p in self.params.items()}
@@ -102,7 +109,7 @@ class RolloutEngine:
         return {"model_path": self.model_path, "server_id": self.server_id,
                 "dtype": dtype_name(self.dtype),
                 "device": str(self.device), "weight_version": self.version,
-                "ipc": self.device.type == "cuda",
+                "ipc": self.device.type == "cuda", "fused_modules": self.fused,
                 "is_generation": True, "vocab_size": self.vocab_size, "multi_bucket": True,
                 "update_channel": self.channel_port,
                 "paused": self._paused,
