@@ -31,7 +31,7 @@ from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py: the model 
 
 CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("matmul", r"gemm|cutlass|nvjet|cublas|sm90_xmma|matmul|splitk"),
-    ("attention", r"fmha|attention|flash|efficient_attention|sdpa|softmax_warp"),
+    ("attention", r"fmha|attention|flash|flex|triton_tem|sdpa|softmax_warp"),
     ("sampling", r"exponential|argmax|logsumexp|topk|sort|cumsum|philox|distribution"),
     ("copies", r"memcpy|memset|copy|index_put|indexing|scatter|gather|cat"),
     ("norm / rotary / elementwise", r"."),
@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--new", type=int, default=64, help="new tokens per row, profiled")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
     p.add_argument("--fused-kernels", action="store_true",
                    help="Liger's fused RMSNorm and SwiGLU in the served model")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
@@ -69,7 +70,8 @@ def main() -> None:
     engine = RolloutEngine(path, dtype="bfloat16", device=device, decode="loop" if not args.cpu
                            else "auto", decode_rows=rows, decode_max_len=prompt_len + 2 * args.new
                            + 64, cuda_graphs=not args.no_cuda_graphs,
-                           fused_kernels=args.fused_kernels)
+                           fused_kernels=args.fused_kernels,
+                           decode_attention=args.decode_attention)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape["vocab_size"], (rows // 8, prompt_len), generator=g).tolist()
     sp = SamplingParams(n=8, max_new_tokens=args.new, temperature=1.0)
@@ -92,7 +94,8 @@ def main() -> None:
     steps = args.new - 1  # the first token of each row comes from the prefill
     print(f"# {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch "
           f"{torch.__version__}: {rows} rows, prompts of {prompt_len}, {args.new} new tokens, "
-          f"graphs {'off' if args.no_cuda_graphs else 'on'}, fused modules {engine.fused}; "
+          f"graphs {'off' if args.no_cuda_graphs else 'on'}, fused modules {engine.fused}, "
+          f"{args.decode_attention} attention; "
           f"wall {wall:.3f} s = "
           f"{wall / steps * 1e3:.2f} ms per step (prefill included)")
     top = [{"kernel": e.key[:90], "category": category(e.key), "calls": e.count,

@@ -70,9 +70,10 @@ recheck_gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   item rollout 120 python benchmarks/rollout.py --rows 512 --no-concurrent
   item rollout_fused 120 python benchmarks/rollout.py --rows 512 --no-concurrent --fused-kernels
+  item rollout_flex 130 python benchmarks/rollout.py --rows 512 --no-concurrent \
+    --decode-attention flex
   item decode_profile 80 python benchmarks/decode_profile.py --rows 512 --new 64
-  item tests_decode 100 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
-  item defaults 150 python benchmarks/defaults.py
+  item tests_decode 120 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
 }
 
 recheck_gpu1() {
@@ -87,6 +88,7 @@ rest_gpu0() {
   export CUDA_VISIBLE_DEVICES=0
   item checkpoint 180 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
   item mem_cost 220 python benchmarks/memory.py cost --shape 1.5B --steps 2 --timeout 100
+  item defaults 150 python benchmarks/defaults.py
 }
 
 rest_gpu1() {

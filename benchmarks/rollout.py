@@ -100,6 +100,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="*", default=None, help="only these shapes")
     p.add_argument("--no-concurrent", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
     p.add_argument("--fused-kernels", action="store_true",
                    help="the server with Liger's fused RMSNorm and SwiGLU")
     args = p.parse_args()
@@ -113,6 +114,7 @@ def main() -> None:
                  str(PROMPT + max(n for _, n in shapes)), "--no-channel")
         extra += ("--no-cuda-graphs",) if args.no_cuda_graphs else ()
         extra += ("--fused-kernels",) if args.fused_kernels else ()
+        extra += ("--decode-attention", args.decode_attention)
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:

@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt plus new tokens of a row, at most (KV cache positions per slot)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode loop without CUDA graphs (eager steps)")
+    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"),
+                   help="the decode loop's attention: SDPA with a mask, or FlexAttention "
+                        "(compiled once; a split-KV decoding kernel)")
     p.add_argument("--fused-kernels", action="store_true",
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
                         "default kernels), when liger_kernel is installed")
@@ -68,7 +71,8 @@ def main(argv=None) -> None:
                            decode=args.decode, decode_rows=args.decode_rows,
                            decode_max_len=args.decode_max_len,
                            cuda_graphs=not args.no_cuda_graphs,
-                           fused_kernels=args.fused_kernels)
+                           fused_kernels=args.fused_kernels,
+                           decode_attention=args.decode_attention)
     if not args.no_channel:
         from fsdpfn.rollout.channel import UpdateChannel
 

@@ -22,15 +22,18 @@ __all__ = ["build_decoder", "check_decode", "hf_generate"]
 
 
 def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs: bool, *,
-                  device: torch.device, lock: threading.Lock, version: Callable[[], int]):
+                  device: torch.device, lock: threading.Lock, version: Callable[[], int],
+                  attention: str = "sdpa"):
     """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
     None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
     not serve, logged). ``lock`` and ``version``: the engine's model lock and served version."""
     from fsdpfn.rollout import decode
-    from fsdpfn.rollout.slot_model import SlotModel
+    from fsdpfn.rollout.slot_model import ATTENTION, SlotModel
 
     if mode not in ("auto", "hf", "loop"):
         raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
+    if attention not in ATTENTION:
+        raise UpdateError(f"decode_attention: must be one of {ATTENTION}, got {attention!r}")
     if mode == "hf" or (mode == "auto" and device.type != "cuda"):
         return None
     reason = decode.unsupported_reason(model)
@@ -45,10 +48,10 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 64 * per_slot
         rows = max(8, min(1024, int(0.5 * free // per_slot) // 8 * 8))
     decoder = decode.Decoder(model, lock=lock, version=version, slots=int(rows),
-                             max_len=max_len, cuda_graphs=cuda_graphs)
+                             max_len=max_len, cuda_graphs=cuda_graphs, attention=attention)
     decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
-                       "graphs %s", rows, max_len, rows * per_slot / 1e9,
-                       "on" if decoder.use_graphs else "off")
+                       "graphs %s, %s attention", rows, max_len, rows * per_slot / 1e9,
+                       "on" if decoder.use_graphs else "off", attention)
     return decoder
 
 

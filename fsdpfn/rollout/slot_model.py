@@ -6,7 +6,10 @@ re-points the parameters is what the next step reads. What is ours: the KV cache
 D] per layer, one row per slot) and attention. Prefill runs whole right-padded prompts with causal
 SDPA and copies each prompt's KV into its slots; decode runs one token per slot, GQA attended as
 G "positions" of each kv head (q [R, kv, G, D] against the cache [R, kv, L, D]), so the cache is
-read once and never repeated per query head. See fsdpfn/rollout/decode.py for the scheduling.
+read once and never repeated per query head. ``attention="flex"`` runs the decode attention
+through torch's FlexAttention instead (compiled once with dynamic shapes; its decoding kernel
+splits each row's cache over blocks; the causal limit is a score_mod on the rows' positions, no
+mask tensor). See fsdpfn/rollout/decode.py for the scheduling.
 """
 
 from __future__ import annotations
@@ -14,9 +17,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED"]
+__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+ATTENTION = ("sdpa", "flex")
+_FLEX = []  # the compiled flex_attention, built on first use
+
+
+def _flex_attention():
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=True))
+    return _FLEX[0]
+
+
+def _flex_decode(q, k, v, pos, scale: float):
+    """q [R, heads, D] of one new token per row, the cache k/v [R, kv, Lb, D]; row b attends
+    columns <= pos[b]. Returns [R, heads, D]."""
+    def causal(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx <= pos[b], score, -float("inf"))
+
+    out = _flex_attention()(q[:, :, None], k, v, score_mod=causal, enable_gqa=True, scale=scale)
+    return out[:, :, 0]
 
 
 def unsupported_reason(model) -> str | None:
@@ -45,7 +68,10 @@ def _rotate(x, cos, sin):
 class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
-    def __init__(self, model, slots: int, max_len: int):
+    def __init__(self, model, slots: int, max_len: int, attention: str = "sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
+        self.attention = attention
         cfg = model.config
         self.model, self.base = model, model.model
         self.layers = list(self.base.layers)
@@ -115,7 +141,8 @@ class SlotModel:
         the first Lb), returns logits[R, V]."""
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, D)
-        mask = torch.zeros((R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
+        mask = None if self.attention == "flex" else torch.zeros(
+            (R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
             self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
         where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
         for i, layer in enumerate(self.layers):
@@ -124,9 +151,13 @@ class SlotModel:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.k[i].index_put_(where, k)
             self.v[i].index_put_(where, v)
-            out = F.scaled_dot_product_attention(
-                q.view(R, self.kv_heads, self.group, self.head_dim), self.k[i][:R, :, :Lb],
-                self.v[i][:R, :, :Lb], attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
+            k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
+            if mask is None:
+                out = _flex_decode(q, k_rows, v_rows, pos, self.scaling)  # (R, heads, D)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q.view(R, self.kv_heads, self.group, self.head_dim), k_rows, v_rows,
+                    attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
             x = x + attn.o_proj(out.reshape(R, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.logits(x)

@@ -144,28 +144,34 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
 
 
 @pytest.mark.timeout(900)
-def test_loop_with_fused_kernels_matches_forward_logp_in_bf16(engines, model_dir):
-    """The server with Liger's fused RMSNorm and SwiGLU (the trainer's default kernels): its
-    log-probs are as close to forward_logp as the plain loop's (or within fixed bounds)."""
+@pytest.mark.parametrize("option", [{"fused_kernels": True}, {"decode_attention": "flex"},
+                                    {"fused_kernels": True, "decode_attention": "flex"}])
+def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
+    """The server with Liger's fused RMSNorm and SwiGLU (the trainer's default kernels) and/or
+    FlexAttention in the decode step: its log-probs are as close to forward_logp as the plain
+    loop's (or within fixed bounds), and it captures CUDA graphs."""
     import fsdpfn as ff
     from fsdpfn.rollout import RolloutEngine, SamplingParams
 
-    pytest.importorskip("liger_kernel")
-    fused = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
-                          decode_rows=64, decode_max_len=512, fused_kernels=True)
-    assert fused.fused == 3 * SHAPE["num_hidden_layers"] + 1  # 2 norms and the MLP a layer
+    if option.get("fused_kernels"):
+        pytest.importorskip("liger_kernel")
+    engine = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
+                           decode_rows=64, decode_max_len=512, **option)
+    if option.get("fused_kernels"):
+        assert engine.fused == 3 * SHAPE["num_hidden_layers"] + 1  # 2 norms and the MLP a layer
     prompts = _prompts(6, 40)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
     state = ff.shard_model(ff.EngineConfig(model_path=str(model_dir), optimizer=None), mesh)
     gaps = {}
-    for name, engine in (("fused loop", fused), ("loop", engines[0])):
-        outputs = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=64,
+    for name, served in (("option", engine), ("loop", engines[0])):
+        outputs = served.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=64,
                                                           n=4))["outputs"]
         batch, loss = _batch(prompts, outputs)
         ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
         got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
         diff = (got - ref).abs()
         gaps[name] = (float(diff.max()), float(diff.mean()))
-    print(f"\nlog-prob gaps to forward_logp (max, mean): {gaps}")
-    (f_max, f_mean), (l_max, l_mean) = gaps["fused loop"], gaps["loop"]
-    assert f_mean < max(BF16_MEAN, 1.5 * l_mean) and f_max < max(BF16_MAX, 1.5 * l_max), gaps
+    print(f"\n{option}: log-prob gaps to forward_logp (max, mean): {gaps}")
+    (o_max, o_mean), (l_max, l_mean) = gaps["option"], gaps["loop"]
+    assert o_mean < max(BF16_MEAN, 1.5 * l_mean) and o_max < max(BF16_MAX, 1.5 * l_max), gaps
+    assert engine.info()["decode_stats"]["graphs"] > 0, "no CUDA graph was captured (see the log)"
