@@ -93,9 +93,11 @@ rest_gpu0() {
 
 rest_gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  item lora 200 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3
-  item mem_longest 200 python benchmarks/memory.py longest --options per_layer_bf16 \
-    --steps 1 --seq 32768 --max-seq 262144 --timeout 90
+  item lora 200 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3 --ac
+  item lora_large 200 torchrun --nproc-per-node 1 benchmarks/lora.py --model 32B --modes r16 \
+    --steps 2 --ac
+  item mem_longest 180 python benchmarks/memory.py longest --options per_layer_bf16 \
+    --steps 1 --seq 32768 --max-seq 131072 --timeout 60
 }
 
 long() {

@@ -3,6 +3,10 @@
     torchrun --nproc-per-node 8 benchmarks/lora.py                    # rank 16 and 64 vs full
     torchrun --nproc-per-node 1 benchmarks/lora.py --layers 8         # one GPU: a shorter stack
     torchrun --nproc-per-node 8 benchmarks/lora.py --modes r16 --tokens 32768
+    torchrun --nproc-per-node 1 benchmarks/lora.py --model 32B --modes r16 --ac   # larger shapes
+
+``--model`` 14B or 32B takes the Qwen2.5 shape of that size instead; a mode that runs out of
+memory is a row of the table (its error), not a failed run.
 
 A Qwen2-7B-shaped model (hidden 3584, 28 layers, 28/4 heads, MLP 18944, vocabulary 152064),
 randomly initialised (nothing is downloaded), bfloat16 compute, float32 master weights and Adam
@@ -37,6 +41,11 @@ QWEN2_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                 intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
                 rope_theta=1_000_000.0, tie_word_embeddings=False)
+MODELS = {"7B": QWEN2_7B,
+          "14B": dict(QWEN2_7B, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                      num_attention_heads=40, num_key_value_heads=8),
+          "32B": dict(QWEN2_7B, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                      num_attention_heads=40, num_key_value_heads=8)}
 
 
 def _batch(tokens: int, seq_len: int, vocab: int, seed: int) -> TensorDict:
@@ -60,7 +69,8 @@ def _lora_of(mode: str):
 def run_mode(mode: str, args, mesh) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = dict(QWEN2_7B, num_hidden_layers=args.layers)
+    base = MODELS[args.model]
+    model = dict(base, num_hidden_layers=args.layers or base["num_hidden_layers"])
     cfg = ff.EngineConfig(model_config=model, dtype="bfloat16", optimizer=ff.OptimizerConfig(
         lr=1e-5), lora=_lora_of(mode), gradient_checkpointing=args.ac,
         mb_spec=ff.MicroBatchSpec(max_tokens_per_mb=args.mb_tokens))
@@ -85,7 +95,7 @@ def run_mode(mode: str, args, mesh) -> dict:
     seconds = time.perf_counter() - t0
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=mesh.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    row = {"mode": mode, "layers": args.layers, "gpus": dist.get_world_size(), "tp": args.tp,
+    row = {"mode": mode, "model": args.model, "layers": model["num_hidden_layers"], "gpus": dist.get_world_size(), "tp": args.tp,
            "trained params (M)": round(float(n_trained) / 1e6, 1),
            "build peak GiB": round(build_peak, 2), "peak GiB (max rank)": round(float(peak), 2),
            "tokens/s": round(tokens / seconds), "s/step": round(seconds / args.steps, 3),
@@ -99,7 +109,8 @@ def run_mode(mode: str, args, mesh) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", nargs="+", default=["full", "r16", "r64"])
-    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--model", default="7B", choices=list(MODELS))
+    p.add_argument("--layers", type=int, default=None, help="default: the model's")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -114,8 +125,14 @@ def main() -> None:
     dist.init_process_group("nccl")
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=args.tp))
     rows = []
-    for mode in args.modes:  # an out-of-memory mode fails the run: lower --tokens or --layers
-        rows.append(run_mode(mode, args, mesh))
+    for mode in args.modes:
+        try:
+            rows.append(run_mode(mode, args, mesh))
+        except torch.OutOfMemoryError as exc:  # a result of the table: this mode does not fit
+            rows.append({"mode": mode, "model": args.model,
+                         "error": f"out of memory: {str(exc).splitlines()[0][:100]}"})
+            gc.collect()
+            torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         print_markdown_table(rows, first=("mode",))
     dist.destroy_process_group()
