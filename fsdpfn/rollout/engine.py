@@ -58,6 +58,7 @@ class RolloutEngine:
 
             self.fused = apply_fused_kernels(self.model, self.model.config, self.device.type,
                                              keep_weights=True)
+            self.model.eval().requires_grad_(False)  # the swapped-in modules too
         else:
             self.fused = 0
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
