@@ -2,7 +2,7 @@
 rollout server subprocess, weights pushed every step, checkpoints, --resume, metrics, PNG, and a
 clean stop on SIGINT.
 
-Shortened with command-line overrides: a 30-step SFT warm-up (no early stop), 8 problems x 8
+Shortened with command-line overrides: a 10-step SFT warm-up (no early stop), 8 problems x 8
 answers per GRPO step, a checkpoint every 2 steps.
 """
 
@@ -25,7 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.dist
 
-SHORT = ["warmup.steps=30", "warmup.target_reward=null", "prompts_per_step=8",
+SHORT = ["warmup.steps=10", "warmup.target_reward=null", "prompts_per_step=8",
          "checkpoint.every=2", "eval.every=2", "eval.n_prompts=16", "log.every=1"]
 
 
@@ -88,7 +88,7 @@ def test_demo_runs_resumes_and_plots(tmp_path):
     check_rows(rows)
     assert all(r["behav_gap"] < 1e-3 for r in rows), [r["behav_gap"] for r in rows]
     assert checkpoint_steps(run_dir) == [2, 4]  # keep_last=2
-    assert len(metrics(run_dir, "warmup")) == 30
+    assert len(metrics(run_dir, "warmup")) == 10
     assert read_png(run_dir / "metrics.png")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["exit_code"] == 0
