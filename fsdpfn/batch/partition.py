@@ -177,7 +177,7 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     1/cp of it, so a micro-batch may hold up to cp * max_tokens_per_mb real tokens.
 
     Raises ConfigError for n_mbs/min_n_mbs/group_size/cp < 1, max_tokens_per_mb <= 0 or an
-    unknown algo; BatchError when one unit is longer than the budget.
+    unknown algo; BatchError when one unit is longer than a strict budget.
     """
     _config_int("n_mbs", n_mbs)
     _config_int("min_n_mbs", min_n_mbs)

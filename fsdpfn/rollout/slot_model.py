@@ -14,6 +14,8 @@ mask tensor). See fsdpfn/rollout/decode.py for the scheduling.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -21,15 +23,14 @@ __all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = ("sdpa", "flex")
-_FLEX = []  # the compiled flex_attention, built on first use
 
 
+@functools.cache
 def _flex_attention():
-    if not _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
+    """flex_attention compiled once, with dynamic shapes (built on first use)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX.append(torch.compile(flex_attention, dynamic=True))
-    return _FLEX[0]
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _flex_decode(q, k, v, pos, scale: float):
@@ -152,7 +153,7 @@ class SlotModel:
             self.k[i].index_put_(where, k)
             self.v[i].index_put_(where, v)
             k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
-            if mask is None:
+            if self.attention == "flex":
                 out = _flex_decode(q, k_rows, v_rows, pos, self.scaling)  # (R, heads, D)
             else:
                 out = F.scaled_dot_product_attention(

@@ -2,6 +2,7 @@
 (fsdpfn.rollout) import this package, never each other.
 
 protocol  dtype names, the flat-bucket layout, checksums, the disk manifest, the process group
+fused     the checksums' one-pass CUDA kernel (Triton; the portable path gives the same numbers)
 frames    frames of the update channel (length-prefixed JSON over TCP)
 http      the JSON-over-HTTP client and a thread runner with a deadline
 ipc       CUDA IPC handles as plain JSON

@@ -39,6 +39,8 @@ from typing import Sequence
 
 import torch
 
+from fsdpfn.wire import fused
+
 __all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", "tensor_checksum",
            "tensor_checksums", "word_sums", "padded_size", "flat_checksums", "zero_padding",
            "combine_checksums", "checksum_ranks", "combine_on_device", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
@@ -97,8 +99,6 @@ def _row_terms(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (sum over a) are two reductions in wrapping int32 (memory speed), and
     sum(col * w) = 32 * sum(a * p[a]) + sum(b * q[b]) is taken on them (1/32 of the data).
     On CUDA, one fused pass gives the same numbers (fsdpfn.wire.fused)."""
-    from fsdpfn.wire import fused
-
     done = fused.row_terms(rows)
     if done is not None:
         return done
