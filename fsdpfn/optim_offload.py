@@ -212,9 +212,8 @@ class PerLayerAdamW(torch.optim.Optimizer):
         for i in range(len(work)):
             if i == issued:  # not prefetched: the first unit, or prefetch_layers=0
                 load_next()
-            unit = loaded.pop(i)
-            self._compute(unit)
-            writing.append(self._store(unit))
+            # no local name keeps the unit alive: once released, its device copies are freed
+            writing.append(self._store(self._compute(loaded.pop(i))))
             while issued < min(len(work), i + 1 + self.prefetch_layers):
                 load_next()
         while writing:  # host state (and offloaded parameters) complete before step() returns
@@ -250,7 +249,7 @@ class PerLayerAdamW(torch.optim.Optimizer):
             event = self._streams[0].record_event() if self._streams else None
         return _Loaded(parts, event)
 
-    def _compute(self, unit: _Loaded) -> None:
+    def _compute(self, unit: _Loaded) -> _Loaded:
         """Stage 2: the optimizer math on the device (the current stream)."""
         if unit.event is not None:
             torch.cuda.current_stream(self.device).wait_event(unit.event)
@@ -258,6 +257,7 @@ class PerLayerAdamW(torch.optim.Optimizer):
             self._kernel(part)
         if self._streams:
             unit.event = torch.cuda.current_stream(self.device).record_event()
+        return unit
 
     def _kernel(self, part: _Part) -> None:
         group, dev = part.group, part.states_dev

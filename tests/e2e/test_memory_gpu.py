@@ -123,7 +123,9 @@ def test_per_layer_step_equals_the_default_optimizer_on_cuda(optimizer_dtype):
     states = [v for s in ours.optimizer.state.values() for k, v in s.items() if k != "step"]
     assert states and all(v.to_local().device.type == "cpu" and v.to_local().is_pinned()
                           for v in states)
-    ours, _ = _train(ours, 2)  # and grad_step trains with it
+    # and grad_step trains with it (a fresh state: the steps above ran outside fsdpfn, which
+    # the stale-state check refuses by design)
+    _train(_state(optimizer_dtype, per_layer_optim_step=True), 2)
 
 
 @pytest.mark.timeout(600)
