@@ -27,7 +27,7 @@ from fsdpfn.config import LoRAConfig
 from fsdpfn.errors import ConfigError
 
 __all__ = ["ALL_LINEAR", "ADAPTER", "target_names", "apply_lora", "is_adapter", "hf_name",
-           "peft_key", "initial_state", "adapters_disabled", "tp_plan", "MergedWeight",
+           "peft_key", "adapter_init", "adapters_disabled", "tp_plan", "MergedWeight",
            "merged_params", "merge_full_state", "adapter_params", "gather_adapters", "peft_config",
            "write_adapter_dir", "scale_of"]
 
@@ -111,16 +111,14 @@ def apply_lora(lm: nn.Module, cfg: LoRAConfig, *, base_dtype: torch.dtype,
             module._parameters[key] = cast[id(p)]  # noqa: SLF001
 
 
-def initial_state(lm: nn.Module, state: dict, *, seed: int) -> dict:
-    """An HF state dict renamed to the engine's names, plus the adapters' initial values
-    (peft's: A ~ kaiming-uniform(a=sqrt 5), i.e. U(±1/sqrt(in)); B = 0, so the adapted model
-    starts equal to the base). Drawn from ``seed``, the same on any mesh."""
-    out = dict(state)
+def adapter_init(lm: nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
+    """The adapters' initial values by engine name (peft's: A ~ kaiming-uniform(a=sqrt 5), i.e.
+    U(±1/sqrt(in)); B = 0, so the adapted model starts equal to the base), drawn from ``seed`` in
+    the model's order: the same on any mesh."""
+    out = {}
     gen = torch.Generator().manual_seed(seed)
     for key, value in lm.state_dict(keep_vars=True).items():
-        if ".base_layer." in key and hf_name(key) in out:
-            out[key] = out.pop(hf_name(key))
-        elif _A in key:
+        if _A in key:
             bound = 1.0 / math.sqrt(value.shape[1])
             out[key] = (torch.rand(tuple(value.shape), generator=gen) * 2 - 1) * bound
         elif _B in key:

@@ -2,9 +2,9 @@
 
 Every rank builds the model on the meta device; parallelism is applied to that skeleton in a
 visible order (apply_tp of fsdpfn.tp, apply_ac, apply_fsdp, in place); the shards are then
-materialised and filled from a full state dict. With ``memory_efficient_load`` only rank 0 reads
-the checkpoint (or draws the random init) and the full state is broadcast into the shards;
-otherwise every rank reads it. Master weights live in ``optimizer_dtype``; FSDP2 casts to the
+materialised and filled one tensor at a time by fsdpfn.load_weights (from the checkpoint, or HF's
+random init drawn piece by piece: no rank ever holds a full copy). With ``memory_efficient_load``
+only rank 0 reads and broadcasts; otherwise every rank reads. Master weights live in ``optimizer_dtype``; FSDP2 casts to the
 compute ``dtype`` for forward and backward and reduces gradients in ``grad_reduce_dtype``. The
 optimizer and its schedule come from fsdpfn.optim_build.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdpfn import cp, lora
 from fsdpfn.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
+from fsdpfn.load_weights import load_weights
 from fsdpfn.mesh import Mesh
 from fsdpfn.ops.logprobs import vocab_shard_range
 from fsdpfn.optim_build import build_optimizer, build_scheduler, lr_factor
@@ -32,7 +32,7 @@ from fsdpfn.tp import apply_tp, base_model, kv_heads_of_rank
 # (fsdpfn.optim_build) are re-exported: their home was this module
 __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
            "kv_heads_of_rank", "build_optimizer", "build_scheduler", "lr_factor", "base_model",
-           "torch_dtype", "full_state_dict_from_disk"]
+           "torch_dtype", "build_skeleton"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -107,7 +107,7 @@ def _check_divisibility(hf_config, mesh: Mesh) -> None:
                           f"and vocab_size={vocab}, which leaves the last rank none")
 
 
-def _build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -> nn.Module:
+def build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     auto = AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
@@ -208,51 +208,6 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, config: EngineConfig) -> None:
 # ---------------------------------------------------------------- weights
 
 
-def full_state_dict_from_disk(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files in an HF directory, cast to ``dtype`` on CPU."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model_path: must hold *.safetensors weights, got none in {str(path)!r}")
-    state = {}
-    for file in files:
-        for key, value in load_file(str(file), device="cpu").items():
-            state[key] = value.to(dtype) if value.is_floating_point() else value
-    return state
-
-
-def _random_init_state(hf_config, config: EngineConfig, dtype, device) -> dict[str, torch.Tensor]:
-    """HF's own random init under ``config.seed``, drawn on ``device`` (the GPU draws a 7B model
-    in seconds; the values depend on the device type, not on the mesh shape)."""
-    torch.manual_seed(config.seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(config.seed)
-    model = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device=device)
-    return {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def _complete_state(model: nn.Module, state: dict, config: EngineConfig) -> dict:
-    """Fill what a causal-LM checkpoint lacks for this HF model: a tied lm_head, a critic's head."""
-    expected = model.state_dict().keys()
-    if "lm_head.weight" in expected and "lm_head.weight" not in state:
-        embed_key = next((k for k in state if k.endswith("embed_tokens.weight")), None)
-        if embed_key is not None and getattr(model.config, "tie_word_embeddings", False):
-            state["lm_head.weight"] = state[embed_key]
-    if config.is_critic:
-        for key in [k for k in expected if k.startswith("score.") and k not in state]:
-            shape = model.state_dict()[key].shape
-            gen = torch.Generator().manual_seed(config.seed)
-            # a fresh value head: small weights, so initial values are near zero
-            state[key] = torch.randn(shape, generator=gen) * 0.02
-        state.pop("lm_head.weight", None)
-    missing = sorted(k for k in expected if k not in state)
-    if missing:
-        raise ConfigError(f"model_path: the checkpoint lacks weights the model needs, got none "
-                          f"for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    return {k: state[k] for k in expected}
-
-
 def _restore_buffers(model: nn.Module, device) -> None:
     """Non-persistent buffers (rotary inv_freq) are not in checkpoints: rebuild them."""
     for module in model.modules():
@@ -262,23 +217,6 @@ def _restore_buffers(model: nn.Module, device) -> None:
                 setattr(module, name, buf.to(device))
             if hasattr(fresh, "attention_scaling"):
                 module.attention_scaling = fresh.attention_scaling
-
-
-def _load_weights(model: nn.Module, hf_config, config: EngineConfig, mesh: Mesh) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    dtype = torch_dtype(config.optimizer_dtype)
-    rank0_only = config.fsdp.memory_efficient_load and dist.get_world_size() > 1
-    state: dict = {}
-    if not rank0_only or dist.get_rank() == 0:
-        state = (full_state_dict_from_disk(config.model_path, dtype) if config.model_path
-                 else _random_init_state(hf_config, config, dtype, mesh.device))
-        if config.lora is not None:  # engine names (base_layer) and the adapters' init
-            state = lora.initial_state(model.lm, state, seed=config.seed)
-        state = {f"lm.{k}": v for k, v in _complete_state(model.lm, state, config).items()}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only,
-                               cpu_offload=config.fsdp.offload_params)
-    set_model_state_dict(model, state, options=options)
 
 
 # ---------------------------------------------------------------- the public function
@@ -299,7 +237,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     cp.register()
     hf_config._attn_implementation = cp.attn_name(mesh.cp)
     dtype = torch_dtype(config.optimizer_dtype)
-    lm = _build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
+    lm = build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
     if config.disable_dropout:
         _disable_dropout(lm)
     if config.fused_kernels:
@@ -319,12 +257,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     apply_fsdp(model, mesh, config)
     model.to_empty(device="cpu" if config.fsdp.offload_params else mesh.device)
     _restore_buffers(model, mesh.device)
-    error = None
-    try:
-        _load_weights(model, hf_config, config, mesh)
-    except ConfigError as exc:
-        error = exc
-    agree_on_error(mesh, error)
+    load_weights(model, hf_config, config, mesh)  # checks, agrees, then fills the shards
     optimizer = scheduler = None
     if config.optimizer is not None:
         optimizer = build_optimizer(model, config.optimizer, master_dtype=config.optimizer_dtype,
