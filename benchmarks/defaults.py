@@ -5,7 +5,7 @@ Qwen3-1.7B shape (about 160k tokens).
     python benchmarks/defaults.py              # Qwen3-1.7B shape, 96 sequences in [256, 3072]
     python benchmarks/defaults.py --cpu        # a smoke run (tiny model, CPU)
 
-Per setting: forward_logp seconds, ppo_step seconds (median of --steps after a warm-up), tokens/s
+Per setting: forward_logp seconds (the second call), ppo_step seconds (median of --steps after a warm-up), tokens/s
 and the step's peak device memory. A setting that fails reports its error's first line (an
 out-of-memory error is a result: the defaults must not produce one).
 """
@@ -56,6 +56,7 @@ def measure(name: str, extra: dict, model: dict, batch, device: str, steps: int)
                                  **extra)
         state = ff.shard_model(config, mesh)
         row["dtype / mb tokens"] = f"{config.dtype} / {config.mb_spec.max_tokens_per_mb}"
+        ff.forward_logp(state, batch, out_key=K.OLD_LOGP)  # warm-up: the process's first call
         _sync(device)
         start = time.perf_counter()
         batch = ff.forward_logp(state, batch, out_key=K.OLD_LOGP)

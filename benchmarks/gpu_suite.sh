@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in groups that fit one device call each.
-# Usage: bash benchmarks/gpu_suite.sh OUTDIR GROUP...   (groups: pair, single, memory, recheck,
-#        long)
+# Usage: bash benchmarks/gpu_suite.sh OUTDIR GROUP...   (groups below)
 #   pair    both GPUs, one item at a time: the demo on two GPUs, the push benchmark (update
 #           channel and SGLang protocol), the two-GPU tests, context parallelism
 #   single  two streams at once, one per GPU: the one-GPU tests and benchmarks, the largest shape
@@ -10,9 +9,9 @@
 #   recheck two streams: the items the previous runs found defects in (per-layer state on the
 #           device, the decode loop's seeded draw), the defaults on a 160k-token batch, timing
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
-#   solo1/2/3  one GPU, in sequence: the decode profile, the memory tests, the demo on one GPU;
-#           the 14B shape with the per-layer step, LoRA on the 7B shape, the defaults; timing,
-#           checkpoints, the decode loop, the longest sequence
+#   decode  one GPU, in sequence: where a decode step's time goes, the decode loop at 512 rows
+#   large   one GPU: the 14B shape with the per-layer bf16 step, LoRA on the 32B shape
+#   longest one GPU: the longest sequence of the 7B shape, default and per-layer bf16
 #   rest    the push benchmark, then two streams: checkpoints, the memory options' cost, LoRA
 #           on the full 7B shape, the longest sequence with the per-layer step
 # Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
@@ -103,37 +102,25 @@ rest_gpu1() {
     --steps 1 --seq 32768 --max-seq 131072 --timeout 60
 }
 
-# one GPU, items in sequence (the one-GPU kind)
-solo1() {
-  item decode_profile 70 python benchmarks/decode_profile.py --rows 512 --new 64
-  item decode_profile_opts 90 python benchmarks/decode_profile.py --rows 512 --new 64 \
+# one GPU, items in sequence (the one-GPU kind): what the last one-GPU runs left owed
+decode() {
+  item decode_profile 150 python benchmarks/decode_profile.py --rows 512 --new 64
+  item decode_profile_opts 150 python benchmarks/decode_profile.py --rows 512 --new 64 \
     --decode-attention flex --fused-kernels
-  item tests_memory 150 python -m pytest -q -p no:cacheprovider tests/e2e/test_memory_gpu.py
-  item demo1 200 env LAYOUTS=one DEMO_TIMEOUT=190 bash benchmarks/gpu_demo.sh "$out/demo"
+  item rollout 130 python benchmarks/rollout.py --rows 512 --no-concurrent
+  item tests_decode 110 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
 }
 
-solo2() {
-  item tests_memory 100 python -m pytest -q -p no:cacheprovider tests/e2e/test_memory_gpu.py
-  item mem_largest 150 python benchmarks/memory.py largest --shapes 14B \
-    --options per_layer_bf16 --steps 1 --timeout 140
-  item lora 170 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3 --ac
-  item defaults 110 python benchmarks/defaults.py
-}
-
-solo3() {
-  item timing 100 python benchmarks/timing.py --out "$out/timing" --steps 3
-  item checkpoint 140 python benchmarks/checkpoint.py --rounds 1 --dir /tmp/fsdpfn-ckpt-bench
-  item mem_cost 160 python benchmarks/memory.py cost --shape 1.5B --steps 2 --timeout 70 \
-    --options default bf16 per_layer per_layer_bf16
-  item mem_longest 170 python benchmarks/memory.py longest --options default per_layer_bf16 \
-    --steps 1 --seq 32768 --max-seq 131072 --timeout 55
-}
-
-solo4() {
-  item lora_large 150 torchrun --nproc-per-node 1 benchmarks/lora.py --model 32B --modes r16 \
+large() {
+  item mem_largest 300 python benchmarks/memory.py largest --shapes 14B \
+    --options per_layer_bf16 --steps 1 --timeout 290
+  item lora_large 250 torchrun --nproc-per-node 1 benchmarks/lora.py --model 32B --modes r16 \
     --steps 2 --ac
-  item mem_largest_7b 100 python benchmarks/memory.py largest --shapes 7B --options per_layer \
-    --steps 1 --timeout 95
+}
+
+longest() {
+  item mem_longest 580 python benchmarks/memory.py longest --options default per_layer_bf16 \
+    --steps 1 --seq 32768 --max-seq 131072 --timeout 150
 }
 
 long() {
@@ -150,10 +137,9 @@ for group in "$@"; do
     memory) memory_gpu0 & memory_gpu1 & wait ;;
     recheck) recheck_gpu0 & recheck_gpu1 & wait ;;
     long) long ;;
-    solo1) solo1 ;;
-    solo2) solo2 ;;
-    solo3) solo3 ;;
-    solo4) solo4 ;;
+    decode) decode ;;
+    large) large ;;
+    longest) longest ;;
     rest) item push 150 python benchmarks/push.py --quick --pushes 6 --sglang
           rest_gpu0 & rest_gpu1 & wait ;;
     *) echo "unknown group $group"; exit 2 ;;

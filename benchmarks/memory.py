@@ -103,6 +103,13 @@ def trial(spec: dict) -> dict:
     device = "cpu" if spec["cpu"] else "cuda"
     out = dict(shape=spec["shape"], option=spec["option"], seq=spec["seq"], ok=False,
                stage="build")
+    began = time.perf_counter()
+
+    def reach(stage: str) -> None:  # the parent names the last stage reached if time runs out
+        out["stage"] = stage
+        print(f"# stage {stage} at {time.perf_counter() - began:.1f} s", flush=True)
+
+    reach("build")
     try:
         config = _engine_config(spec["shape"], spec["option"], spec["seq"], spec["rows"],
                                 spec["prefetch"])
@@ -110,9 +117,10 @@ def trial(spec: dict) -> dict:
         state = ff.shard_model(config, mesh)
         out["params_B"] = round(sum(p.numel() for p in state.model.parameters()) / 1e9, 2)
         vocab = config.model_config["vocab_size"]
-        out["stage"] = "step"
+        reach("step")
         batch = _batch(spec["rows"], spec["seq"], vocab)
         state, _ = ff.sft_step(state, batch, ff.SFTConfig())  # warm-up
+        reach("timed steps")
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -136,8 +144,12 @@ def _run_trial(spec: dict, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "_trial", json.dumps(spec)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(spec, ok=False, stage="?", error=f"timed out after {timeout:.0f} s")
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        marks = [line[len("# stage "):] for line in partial.splitlines()
+                 if line.startswith("# stage ")]
+        return dict(spec, ok=False, stage=marks[-1] if marks else "?",
+                    error=f"timed out after {timeout:.0f} s")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
