@@ -74,6 +74,30 @@ def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
     return units + ([rest] if rest else [])
 
 
+def _carve(requests: Sequence[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
+    """Zeroed host tensors of the requested shapes and dtypes, pinned when ``pin``, carved from
+    blocks whose sizes are powers of two. torch's pinned allocator rounds every request up to a
+    power of two, so pinning the state tensor by tensor took up to twice its bytes (a 7B model's
+    61 GB of fp32 moments asked for 116 GB). Here the tensors are placed largest first into the
+    first block with room (blocks of the smallest power of two that holds the largest tensor; the
+    last ones cut to the power of two their contents need), 512-byte aligned."""
+    align = 512
+    sizes = [-(-max(1, shape.numel()) * torch.empty((), dtype=dtype).element_size() // align)
+             * align for shape, dtype in requests]
+    block = 1 << max(20, (max(sizes, default=1) - 1).bit_length())
+    used: list[int] = []
+    where = [(0, 0)] * len(requests)
+    for i in sorted(range(len(requests)), key=lambda i: -sizes[i]):
+        b = next((j for j, u in enumerate(used) if u + sizes[i] <= block), len(used))
+        if b == len(used):
+            used.append(0)
+        where[i], used[b] = (b, used[b]), used[b] + sizes[i]
+    blocks = [torch.zeros(1 << max(20, (u - 1).bit_length()), dtype=torch.uint8, pin_memory=pin)
+              for u in used]
+    return [blocks[b][off:off + shape.numel() * torch.empty((), dtype=dtype).element_size()]
+            .view(dtype).view(shape) for (b, off), (shape, dtype) in zip(where, requests)]
+
+
 @attrs.define
 class _Part:
     """One parameter group's share of one unit, as the kernel sees it (device tensors)."""
@@ -113,6 +137,13 @@ class PerLayerAdamW(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self._pin = self.device.type == "cuda"
         self._units = self._order(units)
+        params = [p for unit in self._units for _, p in unit]
+        carved = iter(_carve([(_local(p).shape, _local(p).dtype) for p in params
+                              for _ in self.state_names], self._pin))
+        # every parameter's state, reserved in host memory up front (a host short of memory
+        # fails here, at build time, not in the first step)
+        self._reserved = {id(p): {name: next(carved) for name in self.state_names}
+                          for p in params}
         self._streams = ((torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
                          if self.device.type == "cuda" else None)
 
@@ -136,30 +167,23 @@ class PerLayerAdamW(torch.optim.Optimizer):
     def state_names(self) -> tuple[str, ...]:
         return _MOMENTS + (("compensation",) if self.kahan else ())
 
-    def _host_zeros(self, param: torch.Tensor) -> torch.Tensor:
-        local = _local(param)
-        host = torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=self._pin)
-        return _like_param(host, param)
-
-    def _host_copy(self, value, param: torch.Tensor, *, step: bool) -> torch.Tensor:
-        if step:
-            out = torch.as_tensor(value).detach().to("cpu", torch.float32).reshape(()).clone()
-            return out.pin_memory() if self._pin else out
-        local = _local(value).detach().to("cpu", _local(param).dtype, copy=True)
-        return _like_param(local.pin_memory() if self._pin else local, param)
+    def _step_tensor(self, value) -> torch.Tensor:
+        out = torch.as_tensor(value).detach().to("cpu", torch.float32).reshape(()).clone()
+        return out.pin_memory() if self._pin else out
 
     def empty_state_like(self, param: torch.Tensor) -> torch.Tensor:
-        """A host buffer for one state tensor of ``param`` (checkpoint loads read into it)."""
+        """A host buffer for one state tensor of ``param``: checkpoint loads read into it, then
+        load_state_dict copies it into the reserved state (plain memory: it is never sent to
+        the device)."""
         local = _local(param)
-        host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self._pin)
-        return _like_param(host, param)
+        return _like_param(torch.empty(local.shape, dtype=local.dtype), param)
 
     def _state_of(self, param: torch.Tensor) -> dict:
         state = self.state[param]
         if not state:
-            state["step"] = self._host_copy(0.0, param, step=True)
+            state["step"] = self._step_tensor(0.0)
             for name in self.state_names:
-                state[name] = self._host_zeros(param)
+                state[name] = _like_param(self._reserved[id(param)][name].zero_(), param)
         return state
 
     # ------------------------------------------------------------ checkpoints
@@ -168,12 +192,29 @@ class PerLayerAdamW(torch.optim.Optimizer):
         """torch's load, with every state tensor copied to host memory (never to the device)."""
         saved = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         live = [p for g in self.param_groups for p in g["params"]]
-        super().load_state_dict({**state_dict, "state": {}})  # validates, restores the groups
         entries = state_dict["state"]
+        for pid, param in zip(saved, live):  # every shape checked before anything is copied
+            for key, value in entries.get(pid, {}).items():
+                if key != "step" and key not in self.state_names:
+                    raise ValueError(f"optimizer state {key!r} of parameter {pid}: must be one "
+                                     f"of {('step',) + self.state_names}, got {key!r}")
+                if key != "step" and _local(value).numel() != _local(param).numel():
+                    raise ValueError(f"optimizer state {key!r} of parameter {pid}: must have "
+                                     f"{_local(param).numel()} elements (this rank's shard), "
+                                     f"got {_local(value).numel()}")
+        super().load_state_dict({**state_dict, "state": {}})  # validates, restores the groups
         for pid, param in zip(saved, live):
-            if pid in entries:
-                self.state[param] = {k: self._host_copy(v, param, step=k == "step")
-                                     for k, v in entries[pid].items()}
+            if pid not in entries:
+                continue
+            state = {}
+            for key, value in entries[pid].items():
+                if key == "step":
+                    state[key] = self._step_tensor(value)
+                    continue
+                host = self._reserved[id(param)][key]
+                host.copy_(_local(value).detach().reshape(host.shape))
+                state[key] = _like_param(host, param)
+            self.state[param] = state
 
     # ------------------------------------------------------------ the step
 
