@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64, help="new tokens per row, profiled")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
+    p.add_argument("--decode-compile", action="store_true",
+                   help="the decode step through torch.compile")
     p.add_argument("--fused-kernels", action="store_true",
                    help="Liger's fused RMSNorm and SwiGLU in the served model")
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
@@ -71,7 +73,8 @@ def main() -> None:
                            else "auto", decode_rows=rows, decode_max_len=prompt_len + 2 * args.new
                            + 64, cuda_graphs=not args.no_cuda_graphs,
                            fused_kernels=args.fused_kernels,
-                           decode_attention=args.decode_attention)
+                           decode_attention=args.decode_attention,
+                           decode_compile=args.decode_compile)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape["vocab_size"], (rows // 8, prompt_len), generator=g).tolist()
     sp = SamplingParams(n=8, max_new_tokens=args.new, temperature=1.0)
@@ -95,7 +98,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch "
           f"{torch.__version__}: {rows} rows, prompts of {prompt_len}, {args.new} new tokens, "
           f"graphs {'off' if args.no_cuda_graphs else 'on'}, fused modules {engine.fused}, "
-          f"{args.decode_attention} attention; "
+          f"{args.decode_attention} attention{', compiled' if args.decode_compile else ''}; "
           f"wall {wall:.3f} s = "
           f"{wall / steps * 1e3:.2f} ms per step (prefill included)")
     top = [{"kernel": e.key[:90], "category": category(e.key), "calls": e.count,

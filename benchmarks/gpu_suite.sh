@@ -9,7 +9,10 @@
 #   recheck two streams: the items the previous runs found defects in (per-layer state on the
 #           device, the decode loop's seeded draw), the defaults on a 160k-token batch, timing
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
-#   decode  one GPU, in sequence: where a decode step's time goes, the decode loop at 512 rows
+#   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
+#           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
+#   decode_opts  one GPU: the decode loop at 512 rows as it is, with flex attention, with
+#           Liger's fused modules
 #   large   one GPU: the 14B shape with the per-layer bf16 step, LoRA on the 32B shape
 #   longest one GPU: the longest sequence of the 7B shape, default and per-layer bf16
 #   rest    the push benchmark, then two streams: checkpoints, the memory options' cost, LoRA
@@ -104,11 +107,21 @@ rest_gpu1() {
 
 # one GPU, items in sequence (the one-GPU kind): what the last one-GPU runs left owed
 decode() {
-  item decode_profile 150 python benchmarks/decode_profile.py --rows 512 --new 64
+  item decode_profile 140 python benchmarks/decode_profile.py --rows 512 --new 64
+  item decode_profile_compile 160 python benchmarks/decode_profile.py --rows 512 --new 64 \
+    --decode-compile
+  item rollout_compile 150 python benchmarks/rollout.py --rows 512 1024 --no-concurrent \
+    --decode-compile
+  item tests_decode 110 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+}
+
+decode_opts() {
   item decode_profile_opts 150 python benchmarks/decode_profile.py --rows 512 --new 64 \
     --decode-attention flex --fused-kernels
   item rollout 130 python benchmarks/rollout.py --rows 512 --no-concurrent
-  item tests_decode 110 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+  item rollout_flex 130 python benchmarks/rollout.py --rows 512 --no-concurrent \
+    --decode-attention flex
+  item rollout_fused 130 python benchmarks/rollout.py --rows 512 --no-concurrent --fused-kernels
 }
 
 large() {
@@ -138,6 +151,7 @@ for group in "$@"; do
     recheck) recheck_gpu0 & recheck_gpu1 & wait ;;
     long) long ;;
     decode) decode ;;
+    decode_opts) decode_opts ;;
     large) large ;;
     longest) longest ;;
     rest) item push 150 python benchmarks/push.py --quick --pushes 6 --sglang

@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
     p.add_argument("--fused-kernels", action="store_true",
                    help="the server with Liger's fused RMSNorm and SwiGLU")
+    p.add_argument("--decode-compile", action="store_true",
+                   help="the server's decode step through torch.compile")
     args = p.parse_args()
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
@@ -115,6 +117,7 @@ def main() -> None:
         extra += ("--no-cuda-graphs",) if args.no_cuda_graphs else ()
         extra += ("--fused-kernels",) if args.fused_kernels else ()
         extra += ("--decode-attention", args.decode_attention)
+        extra += ("--decode-compile",) if args.decode_compile else ()
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:

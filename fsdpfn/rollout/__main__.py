@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"),
                    help="the decode loop's attention: SDPA with a mask, or FlexAttention "
                         "(compiled once; a split-KV decoding kernel)")
+    p.add_argument("--decode-compile", action="store_true",
+                   help="run the decode loop's step through torch.compile (dynamic shapes, "
+                        "compiled once on first use; inductor fuses the elementwise work)")
     p.add_argument("--fused-kernels", action="store_true",
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
                         "default kernels), when liger_kernel is installed")
@@ -72,7 +75,8 @@ def main(argv=None) -> None:
                            decode_max_len=args.decode_max_len,
                            cuda_graphs=not args.no_cuda_graphs,
                            fused_kernels=args.fused_kernels,
-                           decode_attention=args.decode_attention)
+                           decode_attention=args.decode_attention,
+                           decode_compile=args.decode_compile)
     if not args.no_channel:
         from fsdpfn.rollout.channel import UpdateChannel
 

@@ -119,8 +119,8 @@ class Decoder:
 
     def __init__(self, model, *, lock: threading.Lock, version: Callable[[], int],
                  slots: int, max_len: int, cuda_graphs: bool = True, sync_every: int = 16,
-                 prefill_tokens: int = 16384, attention: str = "sdpa"):
-        self.net = SlotModel(model, slots, max_len, attention)
+                 prefill_tokens: int = 16384, attention: str = "sdpa", compile: bool = False):
+        self.net = SlotModel(model, slots, max_len, attention, compile)
         self.state = _State(slots, max_len, self.net.device)
         self.params = [p for _, p in model.named_parameters()]
         self.lock, self.version = lock, version
@@ -353,7 +353,7 @@ class Decoder:
         """One token for slots [0, R): forward, sampling, bookkeeping (device only)."""
         st = self.state
         tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
-        logits = self.net.decode(tok, pos, R, Lb)
+        logits = self.net.decode(tok, pos, Lb)
         token, logp = sample(logits, st.temperature[:R], st.top_p[:R], st.top_k[:R],
                              truncate=truncate, seeds=st.seed[:R] if seeded else None,
                              steps=gen)

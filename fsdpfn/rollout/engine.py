@@ -42,7 +42,7 @@ class RolloutEngine:
                  weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
                  decode_rows: int | None = None, decode_max_len: int = 2048,
                  cuda_graphs: bool = True, fused_kernels: bool = False,
-                 decode_attention: str = "sdpa"):
+                 decode_attention: str = "sdpa", decode_compile: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -93,7 +93,8 @@ class RolloutEngine:
         self.hold_s = 2.0
         self._decoder = generation.build_decoder(
             self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
-            lock=self._model_lock, version=lambda: self.version, attention=decode_attention)
+            lock=self._model_lock, version=lambda: self.version, attention=decode_attention,
+            compile=decode_compile)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
 

@@ -6,7 +6,8 @@ re-points the parameters is what the next step reads. What is ours: the KV cache
 D] per layer, one row per slot) and attention. Prefill runs whole right-padded prompts with causal
 SDPA and copies each prompt's KV into its slots; decode runs one token per slot, GQA attended as
 G "positions" of each kv head (q [R, kv, G, D] against the cache [R, kv, L, D]), so the cache is
-read once and never repeated per query head. ``attention="flex"`` runs the decode attention
+read once and never repeated per query head. ``compile=True`` runs the decode step through
+torch.compile (dynamic shapes: compiled once, on first use). ``attention="flex"`` runs the decode attention
 through torch's FlexAttention instead (compiled once with dynamic shapes; its decoding kernel
 splits each row's cache over blocks; the causal limit is a score_mod on the rows' positions, no
 mask tensor). See fsdpfn/rollout/decode.py for the scheduling.
@@ -69,10 +70,14 @@ def _rotate(x, cos, sin):
 class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
-    def __init__(self, model, slots: int, max_len: int, attention: str = "sdpa"):
+    def __init__(self, model, slots: int, max_len: int, attention: str = "sdpa",
+                 compile: bool = False):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         self.attention = attention
+        # torch.compile of the decode step, dynamic shapes (one compile serves every bucket of
+        # rows and length): inductor fuses the norms, rotary, residual adds, SwiGLU and the mask
+        self.decode = torch.compile(self._decode, dynamic=True) if compile else self._decode
         cfg = model.config
         self.model, self.base = model, model.model
         self.layers = list(self.base.layers)
@@ -137,9 +142,10 @@ class SlotModel:
         last = x[torch.arange(P, device=ids.device), lengths - 1]  # (P, H)
         return self.logits(last)
 
-    def decode(self, tok, pos, R: int, Lb: int):
+    def _decode(self, tok, pos, Lb: int):
         """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
         the first Lb), returns logits[R, V]."""
+        R = tok.shape[0]
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, D)
         mask = None if self.attention == "flex" else torch.zeros(

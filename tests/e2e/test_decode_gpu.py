@@ -145,10 +145,11 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("option", [{"fused_kernels": True}, {"decode_attention": "flex"},
-                                    {"fused_kernels": True, "decode_attention": "flex"}])
+                                    {"fused_kernels": True, "decode_attention": "flex"},
+                                    {"decode_compile": True}])
 def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
     """The server with Liger's fused RMSNorm and SwiGLU (the trainer's default kernels) and/or
-    FlexAttention in the decode step: its log-probs are as close to forward_logp as the plain
+    FlexAttention in the decode step, or its step through torch.compile: its log-probs are as close to forward_logp as the plain
     loop's (or within fixed bounds), and it captures CUDA graphs."""
     import fsdpfn as ff
     from fsdpfn.rollout import RolloutEngine, SamplingParams

@@ -83,6 +83,22 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
                       decode_rows=8, decode_max_len=96, decode_attention="flash")
 
 
+@pytest.mark.timeout(400)
+def test_compiled_decode_step_equals_hf_generate(model_dir):
+    """decode_compile=True (the decode step through torch.compile with dynamic shapes: one
+    compile for every bucket) gives HF generate's greedy tokens and the forward's log-probs,
+    rows of several lengths sharing steps."""
+    compiled = RolloutEngine(str(model_dir), dtype="float32", device="cpu", max_pause_s=30,
+                             decode="loop", decode_rows=8, decode_max_len=96, cuda_graphs=False,
+                             decode_compile=True)
+    hf = _engine(model_dir, decode="hf")
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, n=2)
+    got, want = compiled.generate(PROMPTS, sp), hf.generate(PROMPTS, sp)
+    assert [o["output_ids"] for o in got["outputs"]] == \
+        [o["output_ids"] for o in want["outputs"]]
+    _assert_logps(compiled, PROMPTS, got, 0.0)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.9, 0), (1.3, 1.0, 5),
                                                      (1.0, 1.0, 0)])
