@@ -31,7 +31,20 @@ from fsdpfn import lora
 from fsdpfn.agree import agree_on_error
 from fsdpfn.errors import ConfigError
 
-__all__ = ["load_weights", "DiskWeights", "RandomWeights"]
+__all__ = ["load_weights", "build_skeleton", "torch_dtype", "DiskWeights", "RandomWeights"]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -> nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
+    with torch.device(device):
+        model = auto.from_config(hf_config, dtype=dtype)
+    return model
 
 
 class DiskWeights:
@@ -67,8 +80,6 @@ class RandomWeights:
     kept until that name is read)."""
 
     def __init__(self, hf_config, *, is_critic: bool, dtype: torch.dtype, device, seed: int):
-        from fsdpfn.shard import build_skeleton
-
         torch.manual_seed(seed)
         if torch.device(device).type == "cuda":
             torch.cuda.manual_seed(seed)
@@ -222,8 +233,6 @@ def _copy_in(target: torch.Tensor, full: torch.Tensor | None, device, broadcast:
 def load_weights(model: nn.Module, hf_config, config, mesh) -> None:
     """Fill ``model`` (a PackedModel whose shards are materialised) with the weights of
     ``config.model_path``, or HF's random init under ``config.seed``; see the module doc."""
-    from fsdpfn.shard import torch_dtype
-
     lm = model.lm
     broadcast = config.fsdp.memory_efficient_load and dist.get_world_size() > 1
     reads = not broadcast or dist.get_rank() == 0

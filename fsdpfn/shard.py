@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from fsdpfn import cp, lora
 from fsdpfn.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
-from fsdpfn.load_weights import load_weights
+from fsdpfn.load_weights import build_skeleton, load_weights, torch_dtype
 from fsdpfn.mesh import Mesh
 from fsdpfn.ops.logprobs import vocab_shard_range
 from fsdpfn.optim_build import build_optimizer, build_scheduler, lr_factor
@@ -34,9 +33,6 @@ __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp"
            "kv_heads_of_rank", "build_optimizer", "build_scheduler", "lr_factor", "base_model",
            "torch_dtype", "build_skeleton"]
 
-
-def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 # ---------------------------------------------------------------- config and skeleton
@@ -105,15 +101,6 @@ def _check_divisibility(hf_config, mesh: Mesh) -> None:
         raise ConfigError(f"ParallelStrategy.tp: every tensor-parallel rank must hold at least "
                           f"one vocabulary row (ceil(vocab_size / tp) rows each), got tp={tp} "
                           f"and vocab_size={vocab}, which leaves the last rank none")
-
-
-def build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) -> nn.Module:
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    auto = AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
-    with torch.device(device):
-        model = auto.from_config(hf_config, dtype=dtype)
-    return model
 
 
 def apply_fused_kernels(model: nn.Module, hf_config, device_type: str, *,
