@@ -85,6 +85,8 @@ class RandomWeights:
             torch.cuda.manual_seed(seed)
         self._model = build_skeleton(hf_config, is_critic=is_critic, dtype=dtype, device="meta")
         self._device = device
+        self._shapes = {k: tuple(t.shape) for k, t in
+                        self._model.state_dict(keep_vars=True).items()}
         self._pieces = list(_pieces(self._model))
         self._piece_of, first = {}, {}
         for index, (prefix, module, recurse) in enumerate(self._pieces):
@@ -103,7 +105,7 @@ class RandomWeights:
         return self._alias.get(key, key) in self._piece_of
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._model.state_dict(keep_vars=True)[key].shape)
+        return self._shapes[key]
 
     def get(self, key: str) -> torch.Tensor:
         key = self._alias.get(key, key)
