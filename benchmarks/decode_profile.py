@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _table import print_markdown_table  # noqa: E402
-from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py: the model shape
+from rollout import QWEN2_1_5B, add_decode_options  # noqa: E402 - benchmarks/rollout.py
 
 CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("matmul", r"gemm|cutlass|nvjet|cublas|sm90_xmma|matmul|splitk"),
@@ -48,11 +48,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--new", type=int, default=64, help="new tokens per row, profiled")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
-    p.add_argument("--decode-compile", action="store_true",
-                   help="the decode step through torch.compile")
-    p.add_argument("--fused-kernels", action="store_true",
-                   help="Liger's fused RMSNorm and SwiGLU in the served model")
+    add_decode_options(p)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
     p.add_argument("--cpu", action="store_true", help="a smoke run: tiny model on CPU")
     args = p.parse_args()

@@ -94,17 +94,22 @@ def run(url: str, rows: int, new: int, concurrent: bool) -> float:
     return wall
 
 
+def add_decode_options(p: argparse.ArgumentParser) -> None:
+    """The decode loop's opt-in options (the server's flags of the same names)."""
+    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
+    p.add_argument("--decode-compile", action="store_true",
+                   help="the decode step through torch.compile")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="Liger's fused RMSNorm and SwiGLU in the served model")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--decode", default="loop", choices=("loop", "hf"))
     p.add_argument("--rows", type=int, nargs="*", default=None, help="only these shapes")
     p.add_argument("--no-concurrent", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
-    p.add_argument("--fused-kernels", action="store_true",
-                   help="the server with Liger's fused RMSNorm and SwiGLU")
-    p.add_argument("--decode-compile", action="store_true",
-                   help="the server's decode step through torch.compile")
+    add_decode_options(p)
     args = p.parse_args()
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth: {bandwidth:.0f} GB/s", flush=True)

@@ -64,20 +64,24 @@ def test_greedy_tokens_equal_hf_generate_and_logps_equal_forward(tmp_path, confi
     assert loop.info()["decode"].startswith("loop") and hf.info()["decode"] == "hf"
 
 
-@pytest.mark.timeout(300)
-def test_flex_attention_decode_equals_hf_generate(model_dir):
-    """decode_attention="flex" (FlexAttention, compiled with dynamic shapes, causal limit as a
-    score_mod) gives HF generate's greedy tokens and the forward's log-probs, rows of several
-    lengths sharing steps."""
-    flex = RolloutEngine(str(model_dir), dtype="float32", device="cpu", max_pause_s=30,
+def _loop_equals_hf_generate(model_dir, **option):
+    """The loop with ``option`` gives HF generate's greedy tokens and the forward's log-probs,
+    rows of several lengths sharing steps."""
+    loop = RolloutEngine(str(model_dir), dtype="float32", device="cpu", max_pause_s=30,
                          decode="loop", decode_rows=8, decode_max_len=96, cuda_graphs=False,
-                         decode_attention="flex")
-    hf = _engine(model_dir, decode="hf")
+                         **option)
     sp = SamplingParams(temperature=0.0, max_new_tokens=12, n=2)
-    got, want = flex.generate(PROMPTS, sp), hf.generate(PROMPTS, sp)
+    got, want = loop.generate(PROMPTS, sp), _engine(model_dir, decode="hf").generate(PROMPTS, sp)
     assert [o["output_ids"] for o in got["outputs"]] == \
         [o["output_ids"] for o in want["outputs"]]
-    _assert_logps(flex, PROMPTS, got, 0.0)
+    _assert_logps(loop, PROMPTS, got, 0.0)
+
+
+@pytest.mark.timeout(300)
+def test_flex_attention_decode_equals_hf_generate(model_dir):
+    """decode_attention="flex": FlexAttention, compiled with dynamic shapes, causal limit as a
+    score_mod; an unknown attention is refused by name."""
+    _loop_equals_hf_generate(model_dir, decode_attention="flex")
     with pytest.raises(UpdateError, match="decode_attention: must be one of"):
         RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
                       decode_rows=8, decode_max_len=96, decode_attention="flash")
@@ -85,18 +89,9 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
 
 @pytest.mark.timeout(400)
 def test_compiled_decode_step_equals_hf_generate(model_dir):
-    """decode_compile=True (the decode step through torch.compile with dynamic shapes: one
-    compile for every bucket) gives HF generate's greedy tokens and the forward's log-probs,
-    rows of several lengths sharing steps."""
-    compiled = RolloutEngine(str(model_dir), dtype="float32", device="cpu", max_pause_s=30,
-                             decode="loop", decode_rows=8, decode_max_len=96, cuda_graphs=False,
-                             decode_compile=True)
-    hf = _engine(model_dir, decode="hf")
-    sp = SamplingParams(temperature=0.0, max_new_tokens=12, n=2)
-    got, want = compiled.generate(PROMPTS, sp), hf.generate(PROMPTS, sp)
-    assert [o["output_ids"] for o in got["outputs"]] == \
-        [o["output_ids"] for o in want["outputs"]]
-    _assert_logps(compiled, PROMPTS, got, 0.0)
+    """decode_compile=True: the decode step through torch.compile with dynamic shapes (one
+    compile for every bucket)."""
+    _loop_equals_hf_generate(model_dir, decode_compile=True)
 
 
 @pytest.mark.timeout(120)
