@@ -5,8 +5,8 @@ Qwen3-1.7B shape (about 160k tokens).
     python benchmarks/defaults.py              # Qwen3-1.7B shape, 96 sequences in [256, 3072]
     python benchmarks/defaults.py --cpu        # a smoke run (tiny model, CPU)
 
-Per setting: forward_logp seconds (the second call), ppo_step seconds (median of --steps after a warm-up), tokens/s
-and the step's peak device memory. A setting that fails reports its error's first line (an
+Per setting: forward_logp seconds (the second call), ppo_step seconds (median of --steps after a
+warm-up), tokens/s and the step's peak device memory. A setting that fails reports its error's first line (an
 out-of-memory error is a result: the defaults must not produce one).
 """
 

@@ -64,6 +64,9 @@ class DiskWeights:
     def __contains__(self, key: str) -> bool:
         return key in self._where
 
+    def keys(self):
+        return self._where.keys()
+
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._where[key].get_slice(key).get_shape())
 
@@ -103,6 +106,9 @@ class RandomWeights:
 
     def __contains__(self, key: str) -> bool:
         return self._alias.get(key, key) in self._piece_of
+
+    def keys(self):
+        return self._piece_of.keys()
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
@@ -172,14 +178,10 @@ def _source_key(key: str, source, hf_config) -> str | None:
     if name in source:
         return name
     if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
-        embed = next((k for k in _keys(source) if k.endswith("embed_tokens.weight")), None)
+        embed = next((k for k in source.keys() if k.endswith("embed_tokens.weight")), None)
         if embed is not None:
             return embed
     return None
-
-
-def _keys(source):
-    return source._where if isinstance(source, DiskWeights) else source._piece_of  # noqa: SLF001
 
 
 def _plan(lm: nn.Module, source, adapters: dict, config, hf_config) -> dict[str, object]:

@@ -4,9 +4,9 @@ Every rank builds the model on the meta device; parallelism is applied to that s
 visible order (apply_tp of fsdpfn.tp, apply_ac, apply_fsdp, in place); the shards are then
 materialised and filled one tensor at a time by fsdpfn.load_weights (from the checkpoint, or HF's
 random init drawn piece by piece: no rank ever holds a full copy). With ``memory_efficient_load``
-only rank 0 reads and broadcasts; otherwise every rank reads. Master weights live in ``optimizer_dtype``; FSDP2 casts to the
-compute ``dtype`` for forward and backward and reduces gradients in ``grad_reduce_dtype``. The
-optimizer and its schedule come from fsdpfn.optim_build.
+only rank 0 reads and broadcasts; otherwise every rank reads. Master weights live in
+``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and backward and reduces
+gradients in ``grad_reduce_dtype``. The optimizer and its schedule come from fsdpfn.optim_build.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ D] per layer, one row per slot) and attention. Prefill runs whole right-padded p
 SDPA and copies each prompt's KV into its slots; decode runs one token per slot, GQA attended as
 G "positions" of each kv head (q [R, kv, G, D] against the cache [R, kv, L, D]), so the cache is
 read once and never repeated per query head. ``compile=True`` runs the decode step through
-torch.compile (dynamic shapes: compiled once, on first use). ``attention="flex"`` runs the decode attention
-through torch's FlexAttention instead (compiled once with dynamic shapes; its decoding kernel
-splits each row's cache over blocks; the causal limit is a score_mod on the rows' positions, no
-mask tensor). See fsdpfn/rollout/decode.py for the scheduling.
+torch.compile (dynamic shapes: compiled once, on first use). ``attention="flex"`` runs the decode
+attention through torch's FlexAttention instead (compiled once with dynamic shapes; its decoding
+kernel splits each row's cache over blocks; the causal limit is a score_mod on the rows'
+positions, no mask tensor). See fsdpfn/rollout/decode.py for the scheduling.
 """
 
 from __future__ import annotations

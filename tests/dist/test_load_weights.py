@@ -98,8 +98,8 @@ def test_a_bad_checkpoint_is_refused_on_every_rank(tmp_path, spmd2, fault):
     save_file(tensors, str(file), metadata={"format": "pt"})
     for efficient in (True, False):
         errors = spmd2.run(_load_error, args=(str(path), efficient), timeout=120)
-        assert all(e is not None and key in e for e in errors[:1]), errors
         assert all(e is not None for e in errors), errors  # every rank raised, none waits
+        assert key in errors[0], errors  # the rank that read the checkpoint names the weight
         if fault == "shape":
             assert "must have shape" in errors[0]
 
