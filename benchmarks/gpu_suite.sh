@@ -8,6 +8,8 @@
 #   memory  two streams at once: the memory options' cost and longest sequence
 #   recheck two streams: the items the previous runs found defects in (per-layer state on the
 #           device, the decode loop's seeded draw), the defaults on a 160k-token batch, timing
+#   first   two streams: decode profiles and the compiled loop (GPU 0), 14B per-layer bf16 and
+#           LoRA 32B (GPU 1)
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -136,6 +138,26 @@ longest() {
     --steps 1 --seq 32768 --max-seq 131072 --timeout 150
 }
 
+# two streams on the two-GPU kind: the decode profile (eager, compiled) and compiled loop on GPU 0,
+# the largest shapes (14B per-layer bf16, LoRA 32B) on GPU 1
+first_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item decode_profile 130 python benchmarks/decode_profile.py --rows 512 --new 64
+  item decode_profile_compile 150 python benchmarks/decode_profile.py --rows 512 --new 64 \
+    --decode-compile
+  item rollout_compile 140 python benchmarks/rollout.py --rows 512 --no-concurrent \
+    --decode-compile
+  item tests_decode 100 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+}
+
+first_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item mem_largest 290 python benchmarks/memory.py largest --shapes 14B \
+    --options per_layer_bf16 --steps 1 --timeout 280
+  item lora_large 230 torchrun --nproc-per-node 1 benchmarks/lora.py --model 32B --modes r16 \
+    --steps 2 --ac
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -149,6 +171,7 @@ for group in "$@"; do
     single) single_gpu0 & single_gpu1 & wait ;;
     memory) memory_gpu0 & memory_gpu1 & wait ;;
     recheck) recheck_gpu0 & recheck_gpu1 & wait ;;
+    first) first_gpu0 & first_gpu1 & wait ;;
     long) long ;;
     decode) decode ;;
     decode_opts) decode_opts ;;
