@@ -8,7 +8,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 for layout in ${LAYOUTS:-two one}; do
   dir=/tmp/runs/demo_$layout
-  if [ $layout = one ]; then vis=0; else vis=0,1; fi
+  if [ $layout = one ]; then vis=${DEMO_GPU:-0}; else vis=0,1; fi
   start=$(date +%s)
   CUDA_VISIBLE_DEVICES=$vis timeout ${DEMO_TIMEOUT:-280} python3 -m fsdpfn demo run_dir=$dir "$@" --overwrite 2>&1 \
     | grep -v -E "^(warm-up|grpo) .*\|" | tail -25

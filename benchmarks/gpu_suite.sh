@@ -10,6 +10,9 @@
 #           device, the decode loop's seeded draw), the defaults on a 160k-token batch, timing
 #   first   two streams: decode profiles and the compiled loop (GPU 0), 14B per-layer bf16 and
 #           LoRA 32B (GPU 1)
+#   third   Qwen3-1.7B cp=2 at 262k; then the decode step per kernel option and the loop with
+#           the fastest (GPU 0) beside the 7B shape's longest sequence, per-layer bf16 (GPU 1)
+#   fourth  the two-GPU tests; then the decode GPU tests (GPU 0) beside the demo (GPU 1)
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -158,6 +161,35 @@ first_gpu1() {
     --steps 2 --ac
 }
 
+# the two-GPU kind: Qwen3-1.7B at 262k tokens on both GPUs, then two streams: the decode step per
+# kernel option and the whole loop with the fastest (GPU 0), the 7B shape's longest sequence with
+# the per-layer bf16 step (GPU 1)
+third_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item decode_step 150 python benchmarks/decode_step.py
+  local flags
+  flags=$(grep '^best:' "$out/decode_step.txt" | cut -d: -f2)
+  echo "rollout flags:$flags" >> "$out/items.txt"
+  item rollout_best 170 python benchmarks/rollout.py --no-concurrent $flags
+}
+
+third_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item mem_longest 300 python benchmarks/memory.py longest --options per_layer_bf16 \
+    --steps 1 --seq 32768 --max-seq 131072 --timeout 130
+}
+
+# the two-GPU kind: the two-GPU tests, then the decode GPU tests (GPU 0) beside the demo (GPU 1)
+fourth_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item tests_decode 150 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+}
+
+fourth_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item demo1 160 env LAYOUTS=one DEMO_GPU=1 DEMO_TIMEOUT=150 bash benchmarks/gpu_demo.sh "$out/demo"
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -172,6 +204,12 @@ for group in "$@"; do
     memory) memory_gpu0 & memory_gpu1 & wait ;;
     recheck) recheck_gpu0 & recheck_gpu1 & wait ;;
     first) first_gpu0 & first_gpu1 & wait ;;
+    third) item cp262k 220 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
+             --model qwen3-1.7B --cells cp2:262144
+           third_gpu0 & third_gpu1 & wait ;;
+    fourth) item tests_pair 150 python -m pytest -q -x -p no:cacheprovider \
+              tests/e2e/test_cp_gpu.py tests/e2e/test_weights_gpu.py
+            fourth_gpu0 & fourth_gpu1 & wait ;;
     long) long ;;
     decode) decode ;;
     decode_opts) decode_opts ;;

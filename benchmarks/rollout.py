@@ -96,7 +96,7 @@ def run(url: str, rows: int, new: int, concurrent: bool) -> float:
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
     """The decode loop's opt-in options (the server's flags of the same names)."""
-    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex"))
+    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex", "matmul"))
     p.add_argument("--decode-compile", action="store_true",
                    help="the decode step through torch.compile")
     p.add_argument("--fused-kernels", action="store_true",

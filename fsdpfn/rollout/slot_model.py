@@ -10,7 +10,12 @@ read once and never repeated per query head. ``compile=True`` runs the decode st
 torch.compile (dynamic shapes: compiled once, on first use). ``attention="flex"`` runs the decode
 attention through torch's FlexAttention instead (compiled once with dynamic shapes; its decoding
 kernel splits each row's cache over blocks; the causal limit is a score_mod on the rows'
-positions, no mask tensor). See fsdpfn/rollout/decode.py for the scheduling.
+positions, no mask tensor). ``attention="matmul"`` runs it as two batched matmuls over the cache
+(scores with fp32 output, softmax in fp32, probabilities in the model dtype times V): each reads
+the cache once, with no query tiles wasted on the G rows of a kv head. ``fused_rope=True``
+applies the rotary embedding to q and k with Liger-Kernel's one Triton kernel (in place) instead
+of the dozen elementwise kernels of the torch formula. See fsdpfn/rollout/decode.py for the
+scheduling.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch.nn.functional as F
 __all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-ATTENTION = ("sdpa", "flex")
+ATTENTION = ("sdpa", "flex", "matmul")
 
 
 @functools.cache
@@ -42,6 +47,40 @@ def _flex_decode(q, k, v, pos, scale: float):
 
     out = _flex_attention()(q[:, :, None], k, v, score_mod=causal, enable_gqa=True, scale=scale)
     return out[:, :, 0]
+
+
+def _scores_fp32(device) -> bool:
+    """torch.bmm with ``out_dtype=float32`` from bf16/fp16 inputs runs here (CUDA, torch >= 2.8)."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.zeros(1, 1, 8, dtype=torch.bfloat16, device=device)
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+def _matmul_decode(q, k, v, mask, kv: int, scale: float, fp32_scores: bool):
+    """q [R, heads, D] of one new token per row, the cache k/v [R, kv, Lb, D] (a slice: rows
+    and kv heads merge into one batch without a copy), mask [R, 1, 1, Lb] additive. Query head
+    h reads kv head h // G, as HF's repeat_kv. Returns [R, heads * D]."""
+    R, heads, D = q.shape
+    Lb = k.shape[2]
+    qg = q.reshape(R * kv, heads // kv, D)
+    kt = k.reshape(R * kv, Lb, D).transpose(1, 2)
+    if fp32_scores:
+        s = torch.bmm(qg, kt, out_dtype=torch.float32)
+    else:
+        s = torch.bmm(qg.float(), kt.float())
+    s = s.view(R, kv, heads // kv, Lb) * scale + mask
+    p = torch.softmax(s, dim=-1).to(v.dtype).view(R * kv, heads // kv, Lb)
+    return torch.bmm(p, v.reshape(R * kv, Lb, D)).view(R, heads * D)
+
+
+def _liger_rope():
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    return liger_rotary_pos_emb
 
 
 def unsupported_reason(model) -> str | None:
@@ -71,10 +110,11 @@ class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "sdpa",
-                 compile: bool = False):
+                 compile: bool = False, fused_rope: bool = False):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         self.attention = attention
+        self.rope = _liger_rope() if fused_rope else None
         # torch.compile of the decode step, dynamic shapes (one compile serves every bucket of
         # rows and length): inductor fuses the norms, rotary, residual adds, SwiGLU and the mask
         self.decode = torch.compile(self._decode, dynamic=True) if compile else self._decode
@@ -90,6 +130,7 @@ class SlotModel:
         self.slots, self.max_len = slots, max_len
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.fp32_scores = attention == "matmul" and _scores_fp32(self.device)
         with torch.no_grad():  # rotary tables for every position, from the model's own module
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
                                             torch.arange(max_len, device=self.device)[None])
@@ -155,12 +196,20 @@ class SlotModel:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(attn, layer.input_layernorm(x), (R,))  # (R, heads, D)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if self.rope is not None:  # the rows as one sequence: (1, heads, R, D), cos (R, D)
+                q, k = self.rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, 0],
+                                 sin[:, 0])
+                q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+            else:
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.k[i].index_put_(where, k)
             self.v[i].index_put_(where, v)
             k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
             if self.attention == "flex":
                 out = _flex_decode(q, k_rows, v_rows, pos, self.scaling)  # (R, heads, D)
+            elif self.attention == "matmul":
+                out = _matmul_decode(q, k_rows, v_rows, mask, self.kv_heads, self.scaling,
+                                     self.fp32_scores)
             else:
                 out = F.scaled_dot_product_attention(
                     q.view(R, self.kv_heads, self.group, self.head_dim), k_rows, v_rows,

@@ -87,6 +87,13 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
                       decode_rows=8, decode_max_len=96, decode_attention="flash")
 
 
+@pytest.mark.timeout(120)
+def test_matmul_attention_decode_equals_hf_generate(model_dir):
+    """decode_attention="matmul": scores and probabilities as two batched matmuls over the slot
+    cache (GQA groups as rows of one kv head), the mask added in fp32."""
+    _loop_equals_hf_generate(model_dir, decode_attention="matmul")
+
+
 @pytest.mark.timeout(400)
 def test_compiled_decode_step_equals_hf_generate(model_dir):
     """decode_compile=True: the decode step through torch.compile with dynamic shapes (one

@@ -1,0 +1,176 @@
+"""The decode loop's network step per kernel option (one GPU): the step of the built-in server's
+decode loop (fsdpfn/rollout/slot_model.py), captured in a CUDA graph and replayed, for each
+attention kernel and with or without Liger's fused RMSNorm, SwiGLU and rotary kernels.
+
+    python benchmarks/decode_step.py                     # Qwen2-1.5B shape, 512 and 1,024 rows
+    python benchmarks/decode_step.py --cpu               # a smoke run (tiny model, CPU, eager)
+
+Each row: rows R, each at a random position in [--min-pos, --max-len), attending the first
+--max-len columns (the loop's largest length bucket); milliseconds per step (the network and the
+lm_head; sampling not included), the logits' gap to the first option's (a kernel that computes
+something else shows here), against the floor of reading the weights and every row's KV
+cache once at the copy bandwidth measured in the same run. The last line names the fastest
+option as server flags (``best: ...``), for the benchmark that runs the whole loop next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _table import print_markdown_table  # noqa: E402
+from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py
+
+from fsdpfn.rollout.slot_model import SlotModel  # noqa: E402
+
+# (name, attention, fused modules, Liger rotary); the fused rows run after the model's modules
+# are swapped for Liger's, so they come last
+OPTIONS = (("sdpa", "sdpa", False, False), ("matmul", "matmul", False, False),
+           ("flex", "flex", False, False), ("fused, sdpa", "sdpa", True, False),
+           ("fused + rope, sdpa", "sdpa", True, True),
+           ("fused + rope, matmul", "matmul", True, True),
+           ("fused + rope, flex", "flex", True, True))
+FLAGS = {"sdpa": [], "matmul": ["--decode-attention", "matmul"],
+         "flex": ["--decode-attention", "flex"]}
+
+
+def copy_bandwidth(device) -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * x.numel() / (start.elapsed_time(end) / 1e3)  # read + write, bytes/s
+
+
+def time_step(model, rows: int, max_len: int, min_pos: int, attention: str, rope: bool,
+              graphs: bool, iters: int) -> tuple[float, torch.Tensor]:
+    net = SlotModel(model, rows, max_len, attention, fused_rope=rope)
+    g = torch.Generator(device=net.device).manual_seed(0)
+    for k, v in zip(net.k, net.v):
+        k.normal_(generator=g)
+        v.normal_(generator=g)
+    tok = torch.randint(0, model.config.vocab_size, (rows,), device=net.device, generator=g)
+    pos = torch.randint(min_pos, max_len, (rows,), device=net.device, generator=g)
+    step = functools.partial(net.decode, tok, pos, max_len)
+    with torch.no_grad():
+        logits = step()[:, :4096].clone()  # eager, before any capture: compared across options
+        if graphs:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run = graph.replay
+        else:
+            run = step
+        run()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    del net, step, run
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ms, logits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--max-len", type=int, default=1280)
+    p.add_argument("--min-pos", type=int, default=256)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--options", nargs="+", default=[o[0] for o in OPTIONS],
+                   choices=[o[0] for o in OPTIONS])
+    p.add_argument("--cpu", action="store_true", help="a smoke run: tiny model on CPU")
+    args = p.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.cpu:
+        shape = dict(QWEN2_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        device, dtype = torch.device("cpu"), torch.float32
+        args.rows, args.max_len, args.min_pos, args.iters = [4], 64, 8, 2
+    else:
+        shape, device, dtype = QWEN2_1_5B, torch.device("cuda"), torch.bfloat16
+    shape = dict(shape)
+    config = AutoConfig.for_model(shape.pop("model_type", "qwen2"), **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    bw = copy_bandwidth(device) if device.type == "cuda" else None
+    if bw:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: copy bandwidth "
+              f"{bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
+    results, fused_on, reference = [], False, {}
+    for name, attention, fused, rope in OPTIONS:
+        if name not in args.options:
+            continue
+        if fused and not fused_on:
+            if device.type != "cuda":
+                break
+            from fsdpfn.shard import apply_fused_kernels
+
+            if not apply_fused_kernels(model, config, "cuda", keep_weights=True):
+                print("# liger_kernel not installed: the fused rows are skipped")
+                break
+            model.eval().requires_grad_(False)
+            fused_on = True
+        for rows in args.rows:
+            kv_bytes = SlotModel.kv_bytes_per_slot(model, args.max_len) * rows * \
+                (args.max_len + args.min_pos) / 2 / args.max_len  # the columns each row reads
+            row = {"option": name, "rows": rows}
+            if device.type == "cuda":
+                ms, logits = time_step(model, rows, args.max_len, args.min_pos, attention, rope,
+                                       True, args.iters)
+                want = reference.setdefault(rows, logits.float())  # the first option's
+                gap = (logits.float() - want).abs()
+                floor = (weight_bytes + kv_bytes) / bw * 1e3
+                row.update({"max |dlogit|": round(float(gap.max()), 3),
+                            "mean |dlogit|": round(float(gap.mean()), 4),
+                            "step ms": round(ms, 3), "floor ms": round(floor, 3),
+                            "of floor": f"{ms / floor:.1f}x",
+                            "tokens/s": round(rows / ms * 1e3)})
+            else:
+                SlotModel(model, rows, args.max_len, attention,
+                          fused_rope=rope).decode(torch.zeros(rows, dtype=torch.long),
+                                                  torch.full((rows,), 9), args.max_len)
+                row["step ms"] = "ran"
+            print(row, flush=True)
+            results.append(row)
+    print_markdown_table(results, ("option", "rows"))
+    served = {o[0] for o in OPTIONS if o[2] == o[3]}  # --fused-kernels brings the rotary too
+    timed = [r for r in results if isinstance(r["step ms"], float) and r["rows"] == args.rows[0]
+             and r["option"] in served]
+    if timed:
+        best = min(timed, key=lambda r: r["step ms"])
+        name, attention, fused, rope = next(o for o in OPTIONS if o[0] == best["option"])
+        flags = FLAGS[attention] + (["--fused-kernels"] if fused else [])
+        print("best:", " ".join(flags))
+
+
+if __name__ == "__main__":
+    main()
