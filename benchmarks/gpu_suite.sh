@@ -12,7 +12,7 @@
 #           LoRA 32B (GPU 1)
 #   third   Qwen3-1.7B cp=2 at 262k; then the decode step per kernel option and the loop with
 #           the fastest (GPU 0) beside the 7B shape's longest sequence, per-layer bf16 (GPU 1)
-#   fourth  the two-GPU tests; then the decode GPU tests (GPU 0) beside the demo (GPU 1)
+#   fourth  the decode GPU tests (GPU 0) beside the demo (GPU 1); then the two-GPU tests
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -207,9 +207,9 @@ for group in "$@"; do
     third) item cp262k 220 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
              --model qwen3-1.7B --cells cp2:262144
            third_gpu0 & third_gpu1 & wait ;;
-    fourth) item tests_pair 150 python -m pytest -q -x -p no:cacheprovider \
-              tests/e2e/test_cp_gpu.py tests/e2e/test_weights_gpu.py
-            fourth_gpu0 & fourth_gpu1 & wait ;;
+    fourth) fourth_gpu0 & fourth_gpu1 & wait
+            item tests_pair 125 python -m pytest -q -p no:cacheprovider \
+              tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
     long) long ;;
     decode) decode ;;
     decode_opts) decode_opts ;;
