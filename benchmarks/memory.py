@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,7 +108,11 @@ def trial(spec: dict) -> dict:
 
     def reach(stage: str) -> None:  # the parent names the last stage reached if time runs out
         out["stage"] = stage
-        print(f"# stage {stage} at {time.perf_counter() - began:.1f} s", flush=True)
+        mark = f"# stage {stage} at {time.perf_counter() - began:.1f} s"
+        print(mark, flush=True)
+        if spec.get("marks"):  # a file too: it outlives a pipe the parent stops reading
+            with open(spec["marks"], "a") as f:
+                f.write(mark + "\n")
 
     reach("build")
     try:
@@ -141,15 +146,25 @@ def trial(spec: dict) -> dict:
 
 def _run_trial(spec: dict, timeout: float) -> dict:
     """One trial in a fresh process (its last stdout line is the result)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "_trial", json.dumps(spec)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        marks = [line[len("# stage "):] for line in partial.splitlines()
-                 if line.startswith("# stage ")]
-        return dict(spec, ok=False, stage=marks[-1] if marks else "?",
-                    error=f"timed out after {timeout:.0f} s")
+    with tempfile.NamedTemporaryFile("r", suffix=".marks") as marks_file:
+        spec = dict(spec, marks=marks_file.name)
+        cmd = [sys.executable, os.path.abspath(__file__), "_trial", json.dumps(spec)]
+        began = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            lines = partial.splitlines() + marks_file.read().splitlines()
+            marks = [line[len("# stage "):] for line in lines if line.startswith("# stage ")]
+            tail = (exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes)
+                    else (exc.stderr or "")).strip().splitlines()
+            return dict(spec, ok=False,
+                        stage=marks[-1] if marks else "before build (no stage reached)",
+                        error=f"timed out after {timeout:.0f} s" +
+                              (f"; last stderr line: {tail[-1][:120]}" if tail else ""))
+        finally:
+            print(f"# trial {spec['option']} seq {spec['seq']} shape {spec['shape']}: "
+                  f"{time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -47,8 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "compiled once on first use; inductor fuses the elementwise work)")
     p.add_argument("--fused-kernels", action="store_true",
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
-                        "default kernels), and its rotary kernel in the decode loop, when "
-                        "liger_kernel is installed")
+                        "default kernels), when liger_kernel is installed")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when the process with this pid exits (the launcher that started "

@@ -94,7 +94,7 @@ class RolloutEngine:
         self._decoder = generation.build_decoder(
             self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
             lock=self._model_lock, version=lambda: self.version, attention=decode_attention,
-            compile=decode_compile, fused_rope=self.fused > 0)
+            compile=decode_compile)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
 

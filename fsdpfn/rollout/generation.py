@@ -23,7 +23,7 @@ __all__ = ["build_decoder", "check_decode", "hf_generate"]
 
 def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs: bool, *,
                   device: torch.device, lock: threading.Lock, version: Callable[[], int],
-                  attention: str = "sdpa", compile: bool = False, fused_rope: bool = False):
+                  attention: str = "sdpa", compile: bool = False):
     """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
     None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
     not serve, logged). ``lock`` and ``version``: the engine's model lock and served version."""
@@ -49,12 +49,11 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
         rows = max(8, min(1024, int(0.5 * free // per_slot) // 8 * 8))
     decoder = decode.Decoder(model, lock=lock, version=version, slots=int(rows),
                              max_len=max_len, cuda_graphs=cuda_graphs, attention=attention,
-                             compile=compile, fused_rope=fused_rope)
+                             compile=compile)
     decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
-                       "graphs %s, %s attention%s%s", rows, max_len, rows * per_slot / 1e9,
+                       "graphs %s, %s attention%s", rows, max_len, rows * per_slot / 1e9,
                        "on" if decoder.use_graphs else "off", attention,
-                       ", compiled step" if compile else "",
-                       ", Liger rotary" if fused_rope else "")
+                       ", compiled step" if compile else "")
     return decoder
 
 

@@ -148,12 +148,13 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
     {"fused_kernels": True}, {"decode_attention": "flex"}, {"decode_attention": "matmul"},
     {"fused_kernels": True, "decode_attention": "flex"},
     {"fused_kernels": True, "decode_attention": "matmul"},
-    # measured on the H200 (2026-11-30): mean gap 0.116 against the plain loop's 0.055, and the
-    # 1.5B shape's compile outlasted 140 s; the option stays opt-in and off every default
+    # measured on the H200 (2026-11-30): mean gap 0.116 against the plain loop's 0.055 (inductor
+    # fuses the rotary in fp32, unlike the trainer's), and the 1.5B shape's compile outlasted
+    # 140 s; the option stays opt-in and off every default
     pytest.param({"decode_compile": True}, marks=pytest.mark.xfail(
         reason="the compiled step's log-probs are twice as far from forward_logp's", strict=False))])
 def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
-    """The server with Liger's fused RMSNorm, SwiGLU and rotary kernels and/or FlexAttention or
+    """The server with Liger's fused RMSNorm and SwiGLU kernels and/or FlexAttention or
     the two-matmul attention in the decode step, or its step through torch.compile: its
     log-probs are as close to forward_logp as the plain loop's (or within fixed bounds), and it
     captures CUDA graphs."""
@@ -166,7 +167,6 @@ def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
                            decode_rows=64, decode_max_len=512, **option)
     if option.get("fused_kernels"):
         assert engine.fused == 3 * SHAPE["num_hidden_layers"] + 1  # 2 norms and the MLP a layer
-        assert engine._decoder.net.rope is not None  # and the rotary kernel
     prompts = _prompts(6, 40)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
     state = ff.shard_model(ff.EngineConfig(model_path=str(model_dir), optimizer=None), mesh)
