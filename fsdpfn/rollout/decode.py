@@ -187,6 +187,7 @@ class Decoder:
             self.graph_key = key
         if (version, key) != self.weights:  # rows in flight continue on the new weights only
             self.weights = (version, key)
+            self.net.refresh_weights()  # the fused q/k/v buffers read the served weights
             self._refresh([s for s in range(self.slots) if self.table[s] is not None], version)
         self._admit(version)
         live = [s for s in range(self.slots) if self.table[s] is not None]

@@ -109,6 +109,25 @@ def _rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def _rotate_rolled(x, cos, sin_signed):
+    """``_rotate`` bit for bit in four kernels instead of five: rotate_half(x) * sin equals
+    roll(x) * sin_signed (sin with its first half negated) element by element, since IEEE
+    products are symmetric in sign; the products and the sum round as HF's formula does."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _fusable(layers) -> bool:
+    """Every layer's q, k, v projections are plain Linears, all with a bias or all without."""
+    for layer in layers:
+        attn = layer.self_attn
+        mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if not all(type(m) is torch.nn.Linear for m in mods):
+            return False
+        if len({m.bias is None for m in mods}) != 1:
+            return False
+    return True
+
+
 class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
@@ -138,6 +157,19 @@ class SlotModel:
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
                                             torch.arange(max_len, device=self.device)[None])
         self.cos, self.sin = cos[0], sin[0]  # (L, D)
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        # one q/k/v matmul a layer in the decode step: the three weights (and biases) copied
+        # into one buffer, again whenever the weights change (refresh_weights; the buffers keep
+        # their addresses, so captured graphs stay valid)
+        self.qkv = None
+        if _fusable(self.layers):
+            width = (self.q_heads + 2 * self.kv_heads) * self.head_dim
+            bias = self.layers[0].self_attn.q_proj.bias is not None
+            self.qkv = [(torch.empty(width, cfg.hidden_size, dtype=self.dtype, device=self.device),
+                         torch.empty(width, dtype=self.dtype, device=self.device) if bias else None)
+                        for _ in self.layers]
+            self.refresh_weights()
         shape = (slots, self.kv_heads, max_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -151,6 +183,33 @@ class SlotModel:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         itemsize = next(model.parameters()).element_size()
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * max_len * itemsize
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Copy the served q/k/v weights into the fused buffers (after any weight change)."""
+        if self.qkv is None:
+            return
+        for layer, (w, b) in zip(self.layers, self.qkv):
+            attn = layer.self_attn
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], out=w)
+            if b is not None:
+                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=b)
+
+    def _decode_qkv(self, i, attn, a, cos, sin_signed):
+        """q [R, heads, D], k and v [R, kv, D] of one token per row, q and k rotated. With the
+        fused buffers: one matmul, and q and k rotated together when no q/k norm sits between."""
+        if self.qkv is None:
+            q, k, v = self._qkv(attn, a, (a.shape[0],))
+            return _rotate_rolled(q, cos, sin_signed), _rotate_rolled(k, cos, sin_signed), v
+        w, b = self.qkv[i]
+        qkv = torch.nn.functional.linear(a, w, b).view(a.shape[0], -1, self.head_dim)
+        nq, nk = self.q_heads, self.kv_heads
+        v = qkv[:, nq + nk:]
+        if hasattr(attn, "q_norm"):  # qwen3: per-head norms before the rotary
+            q, k = attn.q_norm(qkv[:, :nq]), attn.k_norm(qkv[:, nq:nq + nk])
+            return _rotate_rolled(q, cos, sin_signed), _rotate_rolled(k, cos, sin_signed), v
+        qk = _rotate_rolled(qkv[:, :nq + nk], cos, sin_signed)
+        return qk[:, :nq], qk[:, nq:], v
 
     def _qkv(self, attn, a, shape):
         q = attn.q_proj(a).view(*shape, self.q_heads, self.head_dim)
@@ -192,24 +251,25 @@ class SlotModel:
         R = tok.shape[0]
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, D)
+        sin_signed = self.sin_signed[pos][:, None]
         mask = None if self.attention == "flex" else torch.zeros(
             (R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
             self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
         where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x), (R,))  # (R, heads, D)
             if self.rope is not None:  # the rows as one sequence: (1, heads, R, D), cos (R, D)
+                q, k, v = self._qkv(attn, layer.input_layernorm(x), (R,))  # (R, heads, D)
                 q, k = self.rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, 0],
                                  sin[:, 0])
                 q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
             else:
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q, k, v = self._decode_qkv(i, attn, layer.input_layernorm(x), cos, sin_signed)
             self.k[i].index_put_(where, k)
             self.v[i].index_put_(where, v)
             k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
             if self.attention == "flex":
-                out = _flex_decode(q, k_rows, v_rows, pos, self.scaling)  # (R, heads, D)
+                out = _flex_decode(q.contiguous(), k_rows, v_rows, pos, self.scaling)
             elif self.attention == "matmul":
                 out = _matmul_decode(q, k_rows, v_rows, mask, self.kv_heads, self.scaling,
                                      self.fp32_scores)

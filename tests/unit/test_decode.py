@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
 from fsdpfn.rollout.decode import Decoder, _bucket, sample
-from fsdpfn.testing import save_tiny_model, tiny_llama_config, tiny_qwen2_config
+from fsdpfn.testing import save_tiny_model, tiny_llama_config, tiny_qwen2_config, tiny_qwen3_config
 
 # float32 on both sides, different summation orders (see tests/unit/test_rollout.py)
 LOGP_ATOL = 1e-5
@@ -51,7 +51,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15]]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("config", [tiny_qwen2_config, tiny_llama_config])
+@pytest.mark.parametrize("config", [tiny_qwen2_config, tiny_llama_config, tiny_qwen3_config])
 def test_greedy_tokens_equal_hf_generate_and_logps_equal_forward(tmp_path, config):
     path = save_tiny_model(tmp_path / "m", config(), seed=1)
     loop, hf = _engine(path), _engine(path, decode="hf")
@@ -212,6 +212,26 @@ def test_pause_drains_the_loop_and_limits_are_named(model_dir):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=30))
     with pytest.raises(UpdateError, match="stop_token_ids: must hold at most 32 ids, got 33"):
         engine.generate([[1]], SamplingParams(stop_token_ids=list(range(33))))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rolled_rotary_equals_hf_formula_bit_for_bit(dtype):
+    """The decode step's rotary (roll and a sign-folded sin table) equals HF's rotate_half
+    formula exactly, in bf16 as in fp32, so the server's q and k round as the trainer's do."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from fsdpfn.rollout.slot_model import _rotate_rolled
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 6, 16, generator=g).to(dtype)
+    k = torch.randn(5, 2, 16, generator=g).to(dtype)
+    angle = torch.rand(5, 8, generator=g) * 100  # a position per row
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(dtype)
+    sin = torch.cat([angle.sin(), angle.sin()], -1).to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    signed = torch.cat([-sin[..., :8], sin[..., 8:]], -1)
+    assert torch.equal(_rotate_rolled(q, cos[:, None], signed[:, None]), want_q)
+    assert torch.equal(_rotate_rolled(k, cos[:, None], signed[:, None]), want_k)
 
 
 def test_decode_step_never_reads_the_device_on_the_host():
