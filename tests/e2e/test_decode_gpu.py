@@ -41,8 +41,9 @@ def engines(model_dir):
     from fsdpfn.rollout import RolloutEngine
 
     loop = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
-                         decode_rows=64, decode_max_len=512)
-    hf = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="hf")
+                         decode_rows=64, decode_max_len=512, fused_kernels=False)
+    hf = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="hf",
+                       fused_kernels=False)
     return loop, hf
 
 
@@ -164,7 +165,8 @@ def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
     if option.get("fused_kernels"):
         pytest.importorskip("liger_kernel")
     engine = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
-                           decode_rows=64, decode_max_len=512, **option)
+                           decode_rows=64, decode_max_len=512,
+                           **{"fused_kernels": False, **option})
     if option.get("fused_kernels"):
         assert engine.fused == 3 * SHAPE["num_hidden_layers"] + 1  # 2 norms and the MLP a layer
     prompts = _prompts(6, 40)
