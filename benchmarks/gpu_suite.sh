@@ -13,6 +13,11 @@
 #   third   Qwen3-1.7B cp=2 at 262k; then the decode step per kernel option and the loop with
 #           the fastest (GPU 0) beside the 7B shape's longest sequence, per-layer bf16 (GPU 1)
 #   fourth  the decode GPU tests (GPU 0) beside the demo (GPU 1); then the two-GPU tests
+#   owed_a  two streams: decode step per option, the loop by default, decode tests (GPU 0);
+#           the 7B shape's longest sequence with the bf16 options (GPU 1)
+#   owed_b  the demo on two GPUs and on one, then the two-GPU tests
+#   owed_c  the 7B shape at 262,144 tokens with cp=2 (the limit past 131,072)
+#   owed_d  one GPU: the fp32 options' longest sequence, the per-layer step at 14B
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -190,6 +195,27 @@ fourth_gpu1() {
   item demo1 160 env LAYOUTS=one DEMO_GPU=1 DEMO_TIMEOUT=150 bash benchmarks/gpu_demo.sh "$out/demo"
 }
 
+# what the night's runs left owed (BENCHMARKS.md, 2026-11-30 night)
+owed_a_gpu0() {  # the decode step after the fused q/k/v and rotary, the loop by default, tests
+  export CUDA_VISIBLE_DEVICES=0
+  item decode_step 200 python benchmarks/decode_step.py
+  item rollout 250 python benchmarks/rollout.py --no-concurrent
+  item tests_decode 150 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+}
+
+owed_a_gpu1() {  # the 7B shape's longest sequence, bf16 options (trials name their stage)
+  export CUDA_VISIBLE_DEVICES=1
+  item mem_longest_bf16 590 python benchmarks/memory.py longest \
+    --options per_layer_bf16 bf16 --steps 1 --seq 16384 --max-seq 131072 --timeout 150
+}
+
+owed_d() {  # one GPU: the fp32 options' longest sequence and the per-layer step's largest shape
+  item mem_longest_fp32 330 python benchmarks/memory.py longest --options default per_layer \
+    --steps 1 --seq 16384 --max-seq 65536 --timeout 110
+  item mem_largest 250 python benchmarks/memory.py largest --shapes 14B --options per_layer \
+    --steps 1 --timeout 240
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -210,6 +236,13 @@ for group in "$@"; do
     fourth) fourth_gpu0 & fourth_gpu1 & wait
             item tests_pair 125 python -m pytest -q -p no:cacheprovider \
               tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
+    owed_a) owed_a_gpu0 & owed_a_gpu1 & wait ;;
+    owed_b) item demo 330 env DEMO_TIMEOUT=160 bash benchmarks/gpu_demo.sh "$out/demo"
+            item tests_pair 240 python -m pytest -q -p no:cacheprovider \
+              tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
+    owed_c) item cp7b_262k 590 torchrun --nproc-per-node 2 benchmarks/cp.py \
+              --out "$out/cp.jsonl" --cells cp2:262144 ;;
+    owed_d) owed_d ;;
     long) long ;;
     decode) decode ;;
     decode_opts) decode_opts ;;
