@@ -11,14 +11,15 @@ torch.compile (dynamic shapes: compiled once, on first use). ``attention="flex"`
 attention through torch's FlexAttention instead (compiled once with dynamic shapes; its decoding
 kernel splits each row's cache over blocks; the causal limit is a score_mod on the rows'
 positions, no mask tensor). ``attention="matmul"`` runs it as two batched matmuls over the cache
-(scores with fp32 output, softmax in fp32, probabilities in the model dtype times V): each reads
-the cache once, with no query tiles wasted on the G rows of a kv head. ``fused_rope=True``
-applies the rotary embedding to q and k with Liger-Kernel's one Triton kernel (in place) instead
-of the torch formula's elementwise kernels. The server does not use it: on the H200 it saved 0.8
-of 11.7 ms a step but doubled the served log-probs' mean gap to the trainer's forward_logp (0.104
-against 0.055), whose rotary rounds like the torch formula (benchmarks/decode_step.py measures
-it). See fsdpfn/rollout/decode.py for the
-scheduling.
+(scores with fp32 output, softmax in fp32, probabilities in the model dtype times V), each
+reading the cache once; on the H200 it was slower than SDPA (14.1 against 13.1 ms a step at 512
+rows). The decode step projects q, k and v with one matmul from fused buffers (refresh_weights
+copies the served weights in after every change) and rotates q and k together with a rolled
+formula, bit-identical to HF's. ``fused_rope=True`` applies the rotary with Liger-Kernel's
+Triton kernel instead. The server does not use it: on the H200 it saved 0.8 of 11.7 ms a step
+but doubled the served log-probs' mean gap to the trainer's forward_logp (0.104 against 0.055),
+whose rotary rounds like HF's formula (benchmarks/decode_step.py measures both). See
+fsdpfn/rollout/decode.py for the scheduling.
 """
 
 from __future__ import annotations
