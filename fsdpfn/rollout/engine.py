@@ -41,7 +41,7 @@ class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
                  weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
                  decode_rows: int | None = None, decode_max_len: int = 2048,
-                 cuda_graphs: bool = True, fused_kernels: bool | None = None,
+                 cuda_graphs: bool = True, fused_kernels: bool = False,
                  decode_attention: str = "sdpa", decode_compile: bool = False):
         from transformers import AutoModelForCausalLM
 
@@ -53,8 +53,6 @@ class RolloutEngine:
         kwargs["dtype"] = "auto" if dtype == "auto" else dtype_from_name(dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
-        if fused_kernels is None:  # as the trainer: on CUDA (a no-op without liger_kernel)
-            fused_kernels = self.device.type == "cuda"
         if fused_kernels:  # Liger's fused RMSNorm and SwiGLU, as the trainer runs by default
             from fsdpfn.shard import apply_fused_kernels
 

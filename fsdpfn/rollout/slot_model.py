@@ -210,7 +210,7 @@ class SlotModel:
             q, k = attn.q_norm(qkv[:, :nq]), attn.k_norm(qkv[:, nq:nq + nk])
             return _rotate_rolled(q, cos, sin_signed), _rotate_rolled(k, cos, sin_signed), v
         qk = _rotate_rolled(qkv[:, :nq + nk], cos, sin_signed)
-        return qk[:, :nq], qk[:, nq:], v
+        return qk[:, :nq].contiguous(), qk[:, nq:], v  # q in the layout attention always had
 
     def _qkv(self, attn, a, shape):
         q = attn.q_proj(a).view(*shape, self.q_heads, self.head_dim)
