@@ -1,6 +1,6 @@
 """The decode loop's network step per kernel option (one GPU): the step of the built-in server's
 decode loop (fsdpfn/rollout/slot_model.py), captured in a CUDA graph and replayed, for each
-attention kernel and with or without Liger's fused RMSNorm, SwiGLU and rotary kernels.
+attention kernel and with or without Liger's fused RMSNorm and SwiGLU (``--fused-kernels``).
 
     python benchmarks/decode_step.py                     # Qwen2-1.5B shape, 512 and 1,024 rows
     python benchmarks/decode_step.py --cpu               # a smoke run (tiny model, CPU, eager)
@@ -31,13 +31,11 @@ from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py
 
 from fsdpfn.rollout.slot_model import SlotModel  # noqa: E402
 
-# (name, attention, fused modules, Liger rotary); the fused rows run after the model's modules
-# are swapped for Liger's, so they come last
-OPTIONS = (("sdpa", "sdpa", False, False), ("matmul", "matmul", False, False),
-           ("flex", "flex", False, False), ("fused, sdpa", "sdpa", True, False),
-           ("fused + rope, sdpa", "sdpa", True, True),
-           ("fused + rope, matmul", "matmul", True, True),
-           ("fused + rope, flex", "flex", True, True))
+# (name, attention, fused modules); the fused rows run after the model's modules are swapped
+# for Liger's, so they come last
+OPTIONS = (("sdpa", "sdpa", False), ("matmul", "matmul", False), ("flex", "flex", False),
+           ("fused, sdpa", "sdpa", True), ("fused, matmul", "matmul", True),
+           ("fused, flex", "flex", True))
 FLAGS = {"sdpa": [], "matmul": ["--decode-attention", "matmul"],
          "flex": ["--decode-attention", "flex"]}
 
@@ -56,9 +54,9 @@ def copy_bandwidth(device) -> float:
     return 2 * 10 * x.numel() / (start.elapsed_time(end) / 1e3)  # read + write, bytes/s
 
 
-def time_step(model, rows: int, max_len: int, min_pos: int, attention: str, rope: bool,
+def time_step(model, rows: int, max_len: int, min_pos: int, attention: str,
               graphs: bool, iters: int) -> tuple[float, torch.Tensor]:
-    net = SlotModel(model, rows, max_len, attention, fused_rope=rope)
+    net = SlotModel(model, rows, max_len, attention)
     g = torch.Generator(device=net.device).manual_seed(0)
     for k, v in zip(net.k, net.v):
         k.normal_(generator=g)
@@ -126,7 +124,7 @@ def main() -> None:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: copy bandwidth "
               f"{bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     results, fused_on, reference = [], False, {}
-    for name, attention, fused, rope in OPTIONS:
+    for name, attention, fused in OPTIONS:
         if name not in args.options:
             continue
         if fused and not fused_on:
@@ -144,8 +142,8 @@ def main() -> None:
                 (args.max_len + args.min_pos) / 2 / args.max_len  # the columns each row reads
             row = {"option": name, "rows": rows}
             if device.type == "cuda":
-                ms, logits = time_step(model, rows, args.max_len, args.min_pos, attention, rope,
-                                       True, args.iters)
+                ms, logits = time_step(model, rows, args.max_len, args.min_pos, attention, True,
+                                       args.iters)
                 want = reference.setdefault(rows, logits.float())  # the first option's
                 gap = (logits.float() - want).abs()
                 floor = (weight_bytes + kv_bytes) / bw * 1e3
@@ -155,19 +153,16 @@ def main() -> None:
                             "of floor": f"{ms / floor:.1f}x",
                             "tokens/s": round(rows / ms * 1e3)})
             else:
-                SlotModel(model, rows, args.max_len, attention,
-                          fused_rope=rope).decode(torch.zeros(rows, dtype=torch.long),
-                                                  torch.full((rows,), 9), args.max_len)
+                SlotModel(model, rows, args.max_len, attention).decode(
+                    torch.zeros(rows, dtype=torch.long), torch.full((rows,), 9), args.max_len)
                 row["step ms"] = "ran"
             print(row, flush=True)
             results.append(row)
     print_markdown_table(results, ("option", "rows"))
-    served = {o[0] for o in OPTIONS if o[2] == o[3]}  # --fused-kernels brings the rotary too
-    timed = [r for r in results if isinstance(r["step ms"], float) and r["rows"] == args.rows[0]
-             and r["option"] in served]
+    timed = [r for r in results if isinstance(r["step ms"], float) and r["rows"] == args.rows[0]]
     if timed:
         best = min(timed, key=lambda r: r["step ms"])
-        name, attention, fused, rope = next(o for o in OPTIONS if o[0] == best["option"])
+        name, attention, fused = next(o for o in OPTIONS if o[0] == best["option"])
         flags = FLAGS[attention] + (["--fused-kernels"] if fused else [])
         print("best:", " ".join(flags))
 

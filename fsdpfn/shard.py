@@ -34,7 +34,6 @@ __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp"
            "torch_dtype", "build_skeleton"]
 
 
-
 # ---------------------------------------------------------------- config and skeleton
 
 

@@ -15,11 +15,9 @@ positions, no mask tensor). ``attention="matmul"`` runs it as two batched matmul
 reading the cache once; on the H200 it was slower than SDPA (14.1 against 13.1 ms a step at 512
 rows). The decode step projects q, k and v with one matmul from fused buffers (refresh_weights
 copies the served weights in after every change) and rotates q and k together with a rolled
-formula, bit-identical to HF's. ``fused_rope=True`` applies the rotary with Liger-Kernel's
-Triton kernel instead. The server does not use it: on the H200 it saved 0.8 of 11.7 ms a step
-but doubled the served log-probs' mean gap to the trainer's forward_logp (0.104 against 0.055),
-whose rotary rounds like HF's formula (benchmarks/decode_step.py measures both). See
-fsdpfn/rollout/decode.py for the scheduling.
+formula, bit-identical to HF's. (Liger-Kernel's rotary kernel was measured in its place on the
+H200: 0.8 of 11.7 ms a step saved, the served log-probs' mean gap to the trainer's forward_logp
+doubled, 0.104 against 0.055; it is not used.) See fsdpfn/rollout/decode.py for the scheduling.
 """
 
 from __future__ import annotations
@@ -81,12 +79,6 @@ def _matmul_decode(q, k, v, mask, kv: int, scale: float, fp32_scores: bool):
     return torch.bmm(p, v.reshape(R * kv, Lb, D)).view(R, heads * D)
 
 
-def _liger_rope():
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb
-
-    return liger_rotary_pos_emb
-
-
 def unsupported_reason(model) -> str | None:
     """Why the decode loop cannot serve ``model`` (None: it can)."""
     config = model.config
@@ -133,11 +125,10 @@ class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "sdpa",
-                 compile: bool = False, fused_rope: bool = False):
+                 compile: bool = False):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         self.attention = attention
-        self.rope = _liger_rope() if fused_rope else None
         # torch.compile of the decode step, dynamic shapes (one compile serves every bucket of
         # rows and length): inductor fuses the norms, rotary, residual adds, SwiGLU and the mask
         self.decode = torch.compile(self._decode, dynamic=True) if compile else self._decode
@@ -251,21 +242,14 @@ class SlotModel:
         the first Lb), returns logits[R, V]."""
         R = tok.shape[0]
         x = self.base.embed_tokens(tok)  # (R, H)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, D)
-        sin_signed = self.sin_signed[pos][:, None]
+        cos, sin_signed = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # (R, 1, D)
         mask = None if self.attention == "flex" else torch.zeros(
             (R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
             self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
         where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            if self.rope is not None:  # the rows as one sequence: (1, heads, R, D), cos (R, D)
-                q, k, v = self._qkv(attn, layer.input_layernorm(x), (R,))  # (R, heads, D)
-                q, k = self.rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, 0],
-                                 sin[:, 0])
-                q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
-            else:
-                q, k, v = self._decode_qkv(i, attn, layer.input_layernorm(x), cos, sin_signed)
+            q, k, v = self._decode_qkv(i, attn, layer.input_layernorm(x), cos, sin_signed)
             self.k[i].index_put_(where, k)
             self.v[i].index_put_(where, v)
             k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
