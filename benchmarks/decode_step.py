@@ -33,11 +33,9 @@ from fsdpfn.rollout.slot_model import SlotModel  # noqa: E402
 
 # (name, attention, fused modules); the fused rows run after the model's modules are swapped
 # for Liger's, so they come last
-OPTIONS = (("sdpa", "sdpa", False), ("matmul", "matmul", False), ("flex", "flex", False),
-           ("fused, sdpa", "sdpa", True), ("fused, matmul", "matmul", True),
-           ("fused, flex", "flex", True))
-FLAGS = {"sdpa": [], "matmul": ["--decode-attention", "matmul"],
-         "flex": ["--decode-attention", "flex"]}
+OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("matmul", "matmul", False),
+           ("flex", "flex", False), ("fused, sdpa", "sdpa", True), ("fused, flash", "flash", True),
+           ("fused, matmul", "matmul", True), ("fused, flex", "flex", True))
 
 
 def copy_bandwidth(device) -> float:
@@ -125,8 +123,8 @@ def main() -> None:
               f"{bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     results, fused_on, reference = [], False, {}
     for name, attention, fused in OPTIONS:
-        if name not in args.options:
-            continue
+        if name not in args.options or (attention == "flash" and device.type != "cuda"):
+            continue  # flash attention runs on CUDA only
         if fused and not fused_on:
             if device.type != "cuda":
                 break
@@ -163,7 +161,8 @@ def main() -> None:
     if timed:
         best = min(timed, key=lambda r: r["step ms"])
         name, attention, fused = next(o for o in OPTIONS if o[0] == best["option"])
-        flags = FLAGS[attention] + (["--fused-kernels"] if fused else [])
+        flags = ["--decode-attention", attention,
+                 "--fused-kernels" if fused else "--no-fused-kernels"]
         print("best:", " ".join(flags))
 
 

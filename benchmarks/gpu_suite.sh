@@ -216,6 +216,23 @@ owed_d() {  # one GPU: the fp32 options' longest sequence and the per-layer step
     --steps 1 --timeout 240
 }
 
+# this session's groups: flash decode attention and the server's new defaults (GPU 0) beside the
+# demo on one GPU and the 7B shape's longest sequences in one process per option (GPU 1)
+s1_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item tests_decode 230 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+  item decode_step 130 python benchmarks/decode_step.py --options sdpa flash "fused, sdpa" \
+    "fused, flash"
+  item rollout 190 python benchmarks/rollout.py --no-concurrent
+}
+
+s1_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item demo1 170 env LAYOUTS=one DEMO_GPU=1 DEMO_TIMEOUT=160 bash benchmarks/gpu_demo.sh "$out/demo"
+  item mem_longest_plbf16 380 python benchmarks/memory.py longest --options per_layer_bf16 \
+    --steps 1 --seq 16384 --max-seq 131072 --timeout 370
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -237,6 +254,11 @@ for group in "$@"; do
             item tests_pair 125 python -m pytest -q -p no:cacheprovider \
               tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
     owed_a) owed_a_gpu0 & owed_a_gpu1 & wait ;;
+    s1) s1_gpu0 & s1_gpu1 & wait ;;
+    s2) item tests_pair 240 python -m pytest -q -p no:cacheprovider \
+          tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py
+        item cp7b_196k 330 torchrun --nproc-per-node 2 benchmarks/cp.py \
+          --out "$out/cp.jsonl" --cells cp2:196608 ;;
     owed_b) item demo 330 env DEMO_TIMEOUT=160 bash benchmarks/gpu_demo.sh "$out/demo"
             item tests_pair 240 python -m pytest -q -p no:cacheprovider \
               tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;

@@ -14,12 +14,13 @@ host) and ``per_layer_offload`` (weights and moments on the host, the step on th
 Every model is a random init of a Qwen2.5 shape, bf16 compute, activation checkpointing, one
 rank. Each trial runs in a fresh process (an out-of-memory error leaves nothing behind): build
 the state, one warm-up SFT step, then ``--steps`` timed steps on ``--rows`` rows of ``--seq``
-tokens. A trial that fails reports the stage (build, step) and the error's first line.
+tokens (``longest``: then the longer lengths in the same process, one timed step each). A trial that fails reports the stage (build, step) and the error's first line.
 
 * ``largest``: for each option, the shapes from 0.5B upward until one fails; the table gives the
   largest that trained, its peak device memory and tokens/s.
-* ``longest``: the 7B shape, one row per step, sequence lengths doubling from 4096 until one
-  fails, for each option; micro-batches hold the whole row.
+* ``longest``: the 7B shape, one row per step, sequence lengths doubling from ``--seq`` until
+  one fails, for each option, all lengths in one process (one build per option; ``--timeout``
+  is for all of them); micro-batches hold the whole row.
 * ``cost``: one shape, each option's tokens/s, seconds per step and peak memory, relative to
   ``default``.
 """
@@ -95,90 +96,114 @@ def _engine_config(shape: str, option: str, seq: int, rows: int, prefetch: int):
                            optimizer=ff.OptimizerConfig(lr=1e-6))
 
 
-def trial(spec: dict) -> dict:
-    """Build one state and time its SFT steps; every failure is reported, never raised."""
+def trial(spec: dict) -> list[dict]:
+    """Build one state, then for each length in ``spec["seqs"]`` (increasing) time SFT steps
+    of ``spec["rows"]`` rows, until one fails; every failure is reported, never raised. The
+    first length gets a warm-up step, the later ones none (their one timed step includes the
+    allocator's growth). Each result is printed, and written to the marks file, as it lands."""
     import torch
 
     import fsdpfn as ff
 
     device = "cpu" if spec["cpu"] else "cuda"
-    out = dict(shape=spec["shape"], option=spec["option"], seq=spec["seq"], ok=False,
-               stage="build")
     began = time.perf_counter()
 
-    def reach(stage: str) -> None:  # the parent names the last stage reached if time runs out
-        out["stage"] = stage
-        mark = f"# stage {stage} at {time.perf_counter() - began:.1f} s"
-        print(mark, flush=True)
+    def note(line: str) -> None:  # the parent reads these if time runs out
+        print(line, flush=True)
         if spec.get("marks"):  # a file too: it outlives a pipe the parent stops reading
             with open(spec["marks"], "a") as f:
-                f.write(mark + "\n")
+                f.write(line + "\n")
 
-    reach("build")
+    def reach(stage: str, out: dict) -> None:
+        out["stage"] = stage
+        note(f"# stage {stage} at {time.perf_counter() - began:.1f} s")
+
+    results = []
+    seqs = spec["seqs"]
+    out = dict(shape=spec["shape"], option=spec["option"], seq=seqs[0], ok=False)
+    reach("build", out)
     try:
-        config = _engine_config(spec["shape"], spec["option"], spec["seq"], spec["rows"],
+        config = _engine_config(spec["shape"], spec["option"], max(seqs), spec["rows"],
                                 spec["prefetch"])
         mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type=device)
         state = ff.shard_model(config, mesh)
-        out["params_B"] = round(sum(p.numel() for p in state.model.parameters()) / 1e9, 2)
+        params_B = round(sum(p.numel() for p in state.model.parameters()) / 1e9, 2)
         vocab = config.model_config["vocab_size"]
-        reach("step")
-        batch = _batch(spec["rows"], spec["seq"], vocab)
-        state, _ = ff.sft_step(state, batch, ff.SFTConfig())  # warm-up
-        reach("timed steps")
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(spec["steps"]):
-            state, stats = ff.sft_step(state, batch, ff.SFTConfig())
-        if device == "cuda":
-            torch.cuda.synchronize()
-            out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GiB, 1)
-        seconds = (time.perf_counter() - start) / spec["steps"]
-        out.update(ok=True, stage="done", s_per_step=round(seconds, 3),
-                   tokens_per_s=round(spec["rows"] * spec["seq"] / seconds),
-                   loss=round(float(stats["loss"]), 4))
+        for k, seq in enumerate(seqs):
+            out = dict(shape=spec["shape"], option=spec["option"], seq=seq, ok=False,
+                       params_B=params_B)
+            batch = _batch(spec["rows"], seq, vocab)
+            if k == 0:
+                reach(f"warm-up step at {seq}", out)
+                state, _ = ff.sft_step(state, batch, ff.SFTConfig())
+            reach(f"timed steps at {seq}", out)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            for _ in range(spec["steps"]):
+                state, stats = ff.sft_step(state, batch, ff.SFTConfig())
+            if device == "cuda":
+                torch.cuda.synchronize()
+                out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GiB, 1)
+            seconds = (time.perf_counter() - start) / spec["steps"]
+            out.update(ok=True, stage="done", s_per_step=round(seconds, 3),
+                       tokens_per_s=round(spec["rows"] * seq / seconds),
+                       loss=round(float(stats["loss"]), 4))
+            results.append(out)
+            note(RESULT + json.dumps(out))
     except BaseException as exc:  # noqa: BLE001 - out of memory, or anything else: report it
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-    return out
+        results.append(out)
+        note(RESULT + json.dumps(out))
+    return results
 
 
-def _run_trial(spec: dict, timeout: float) -> dict:
-    """One trial in a fresh process (its last stdout line is the result)."""
+RESULT = "# result "
+
+
+def _run_trial(spec: dict, timeout: float) -> list[dict]:
+    """One state in a fresh process, one result per length reached (the last may be a
+    failure). A timeout keeps the lengths that finished and names the stage it stopped in."""
     with tempfile.NamedTemporaryFile("r", suffix=".marks") as marks_file:
         spec = dict(spec, marks=marks_file.name)
         cmd = [sys.executable, os.path.abspath(__file__), "_trial", json.dumps(spec)]
         began = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            lines, stderr, error = done.stdout.splitlines(), done.stderr, None
+            if done.returncode:
+                error = f"exit {done.returncode}"
         except subprocess.TimeoutExpired as exc:
             partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            lines = partial.splitlines() + marks_file.read().splitlines()
-            marks = [line[len("# stage "):] for line in lines if line.startswith("# stage ")]
-            tail = (exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes)
-                    else (exc.stderr or "")).strip().splitlines()
-            return dict(spec, ok=False,
-                        stage=marks[-1] if marks else "before build (no stage reached)",
-                        error=f"timed out after {timeout:.0f} s" +
-                              (f"; last stderr line: {tail[-1][:120]}" if tail else ""))
+            lines = partial.splitlines()
+            stderr = (exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes)
+                      else (exc.stderr or ""))
+            error = f"timed out after {timeout:.0f} s"
         finally:
-            print(f"# trial {spec['option']} seq {spec['seq']} shape {spec['shape']}: "
+            print(f"# trial {spec['option']} seqs {spec['seqs']} shape {spec['shape']}: "
                   f"{time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return dict(spec, ok=False, stage="?", error=f"exit {done.returncode}: {tail[:160]}")
-    result = json.loads(lines[-1])
-    print(json.dumps(result), file=sys.stderr, flush=True)  # progress
-    return result
+        lines = list(dict.fromkeys(lines + marks_file.read().splitlines()))  # both, once
+    results = [json.loads(line[len(RESULT):]) for line in lines if line.startswith(RESULT)]
+    for r in results:
+        print(json.dumps(r), file=sys.stderr, flush=True)  # progress
+    if error and (not results or results[-1]["ok"]):  # it stopped inside a length
+        marks = [line[len("# stage "):] for line in lines if line.startswith("# stage ")]
+        tail = stderr.strip().splitlines()
+        reached = {r["seq"] for r in results}
+        seq = next((s for s in spec["seqs"] if s not in reached), spec["seqs"][-1])
+        results.append(dict(shape=spec["shape"], option=spec["option"], seq=seq, ok=False,
+                            stage=marks[-1] if marks else "before build (no stage reached)",
+                            error=error + (f"; last stderr line: {tail[-1][:120]}"
+                                           if tail else "")))
+    return results
 
 
 # ---------------------------------------------------------------- the three measurements
 
 
-def _spec(args, shape, option, seq=None, rows=None) -> dict:
-    return dict(shape=shape, option=option, seq=seq or args.seq, rows=rows or args.rows,
+def _spec(args, shape, option, seqs=None, rows=None) -> dict:
+    return dict(shape=shape, option=option, seqs=seqs or [args.seq], rows=rows or args.rows,
                 steps=args.steps, prefetch=args.prefetch, cpu=args.cpu)
 
 
@@ -188,7 +213,7 @@ def largest(args) -> None:
     for option in args.options:
         best, failed = None, None
         for shape in shapes:
-            result = _run_trial(_spec(args, shape, option), args.timeout)
+            result = _run_trial(_spec(args, shape, option), args.timeout)[-1]
             if not result["ok"]:
                 failed = result
                 break
@@ -207,13 +232,13 @@ def longest(args) -> None:
     shape = "tiny" if args.cpu else "7B"
     rows = []
     for option in args.options:
-        seq, best, failed = args.seq, None, None
+        seqs, seq = [], args.seq
         while seq <= args.max_seq:
-            result = _run_trial(_spec(args, shape, option, seq=seq, rows=1), args.timeout)
-            if not result["ok"]:
-                failed = result
-                break
-            best, seq = result, seq * 2
+            seqs.append(seq)
+            seq *= 2
+        results = _run_trial(_spec(args, shape, option, seqs=seqs, rows=1), args.timeout)
+        best = next((r for r in reversed(results) if r["ok"]), None)
+        failed = None if results[-1]["ok"] else results[-1]
         rows.append({"option": option, "longest sequence": best["seq"] if best else "none",
                      "peak GiB": best.get("peak_GiB", "") if best else "",
                      "tokens/s": best["tokens_per_s"] if best else "",
@@ -226,7 +251,7 @@ def longest(args) -> None:
 
 def cost(args) -> None:
     shape = "tiny" if args.cpu else args.shape
-    results = {o: _run_trial(_spec(args, shape, o), args.timeout) for o in args.options}
+    results = {o: _run_trial(_spec(args, shape, o), args.timeout)[-1] for o in args.options}
     base = results.get("default")
     rows = []
     for option, r in results.items():
@@ -244,7 +269,7 @@ def cost(args) -> None:
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "_trial":
-        print(json.dumps(trial(json.loads(sys.argv[2]))), flush=True)
+        trial(json.loads(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["largest", "longest", "cost", "all"])

@@ -96,11 +96,12 @@ def run(url: str, rows: int, new: int, concurrent: bool) -> float:
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
     """The decode loop's opt-in options (the server's flags of the same names)."""
-    p.add_argument("--decode-attention", default="sdpa", choices=("sdpa", "flex", "matmul"))
+    p.add_argument("--decode-attention", default="auto",
+                   choices=("auto", "flash", "sdpa", "flex", "matmul"))
     p.add_argument("--decode-compile", action="store_true",
                    help="the decode step through torch.compile")
-    p.add_argument("--fused-kernels", action="store_true",
-                   help="Liger's fused RMSNorm and SwiGLU in the served model")
+    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="Liger's fused RMSNorm and SwiGLU in the served model (the default)")
 
 
 def main() -> None:
@@ -120,7 +121,7 @@ def main() -> None:
         extra = ("--decode", args.decode, "--decode-rows", "1024", "--decode-max-len",
                  str(PROMPT + max(n for _, n in shapes)), "--no-channel")
         extra += ("--no-cuda-graphs",) if args.no_cuda_graphs else ()
-        extra += ("--fused-kernels",) if args.fused_kernels else ()
+        extra += ("--fused-kernels",) if args.fused_kernels else ("--no-fused-kernels",)
         extra += ("--decode-attention", args.decode_attention)
         extra += ("--decode-compile",) if args.decode_compile else ()
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,

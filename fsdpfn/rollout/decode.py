@@ -119,7 +119,7 @@ class Decoder:
 
     def __init__(self, model, *, lock: threading.Lock, version: Callable[[], int],
                  slots: int, max_len: int, cuda_graphs: bool = True, sync_every: int = 16,
-                 prefill_tokens: int = 16384, attention: str = "sdpa", compile: bool = False):
+                 prefill_tokens: int = 16384, attention: str = "auto", compile: bool = False):
         self.net = SlotModel(model, slots, max_len, attention, compile)
         self.state = _State(slots, max_len, self.net.device)
         self.params = [p for _, p in model.named_parameters()]

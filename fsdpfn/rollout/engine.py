@@ -41,8 +41,8 @@ class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
                  weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
                  decode_rows: int | None = None, decode_max_len: int = 2048,
-                 cuda_graphs: bool = True, fused_kernels: bool = False,
-                 decode_attention: str = "sdpa", decode_compile: bool = False):
+                 cuda_graphs: bool = True, fused_kernels: bool = True,
+                 decode_attention: str = "auto", decode_compile: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -118,7 +118,8 @@ class RolloutEngine:
                 "paused": self._paused,
                 "decode": "hf" if self._decoder is None else (
                     f"loop ({self._decoder.slots} rows x {self._decoder.max_len}, CUDA graphs "
-                    f"{'on' if self._decoder.use_graphs else 'off'})"),
+                    f"{'on' if self._decoder.use_graphs else 'off'}, "
+                    f"{self._decoder.net.attention} attention)"),
                 "decode_stats": None if self._decoder is None else {
                     "steps": self._decoder.steps, "seconds": self._decoder.step_seconds,
                     "graphs": len(self._decoder.graphs)},

@@ -23,7 +23,7 @@ __all__ = ["build_decoder", "check_decode", "hf_generate"]
 
 def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs: bool, *,
                   device: torch.device, lock: threading.Lock, version: Callable[[], int],
-                  attention: str = "sdpa", compile: bool = False):
+                  attention: str = "auto", compile: bool = False):
     """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
     None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
     not serve, logged). ``lock`` and ``version``: the engine's model lock and served version."""
@@ -34,6 +34,14 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
         raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
     if attention not in ATTENTION:
         raise UpdateError(f"decode_attention: must be one of {ATTENTION}, got {attention!r}")
+    if attention == "flash":
+        from fsdpfn.rollout.slot_model import flash_refusal
+
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        reason = flash_refusal(device, next(model.parameters()).dtype, head_dim)
+        if reason:
+            raise UpdateError(f"decode_attention: {reason}")
     if mode == "hf" or (mode == "auto" and device.type != "cuda"):
         return None
     reason = decode.unsupported_reason(model)
@@ -52,7 +60,7 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
                              compile=compile)
     decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
                        "graphs %s, %s attention%s", rows, max_len, rows * per_slot / 1e9,
-                       "on" if decoder.use_graphs else "off", attention,
+                       "on" if decoder.use_graphs else "off", decoder.net.attention,
                        ", compiled step" if compile else "")
     return decoder
 

@@ -30,7 +30,48 @@ import torch.nn.functional as F
 __all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-ATTENTION = ("sdpa", "flex", "matmul")
+ATTENTION = ("auto", "flash", "sdpa", "flex", "matmul")
+
+
+def flash_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why torch's flash attention forward (variable lengths, ``seqused_k``) cannot serve this
+    decode step (None: it can). It needs CUDA, a half dtype, a head size flash supports."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) \
+            or head_dim % 8 or head_dim > 256:
+        return (f"'flash' needs CUDA, bfloat16 or float16 and a head size that is a multiple "
+                f"of 8 up to 256, got {device.type}, {str(dtype).removeprefix('torch.')} and "
+                f"{head_dim}")
+    return None
+
+
+def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return flash_refusal(device, dtype, head_dim) is None
+
+
+def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype,
+                      head_dim: int) -> str:
+    """"auto": flash where it runs (CUDA, bf16/fp16), else SDPA with a mask."""
+    if attention == "auto":
+        return "flash" if flash_available(device, dtype, head_dim) else "sdpa"
+    return attention
+
+
+def _flash_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, used):
+    """torch's flash attention forward over variable lengths, non-causal: [total, heads, D]."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=used)[0]
+
+
+def _flash_decode(q, k_cache, v_cache, cu_q, cu_k, used, max_k: int, scale: float):
+    """Attention of one new token per row over each row's own cache length, no mask, no padded
+    column read. The cache [S, kv, L, D] is read in place as S * kv sequences of L positions
+    (cu_k: their starts), of which ``used`` are live; each sequence is attended by the G query
+    heads of its kv head, handed to flash as G query positions of one head (cu_q: steps of G;
+    non-causal: the G positions are one token). q [R, heads, D] -> [R, heads * D]."""
+    R, heads, D = q.shape
+    out = _flash_forward(q.reshape(-1, 1, D), k_cache.view(-1, 1, D), v_cache.view(-1, 1, D), cu_q,
+                  cu_k, heads // k_cache.shape[1], max_k, scale, used)
+    return out.view(R, heads * D)
 
 
 @functools.cache
@@ -124,11 +165,10 @@ def _fusable(layers) -> bool:
 class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
-    def __init__(self, model, slots: int, max_len: int, attention: str = "sdpa",
+    def __init__(self, model, slots: int, max_len: int, attention: str = "auto",
                  compile: bool = False):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
-        self.attention = attention
         # torch.compile of the decode step, dynamic shapes (one compile serves every bucket of
         # rows and length): inductor fuses the norms, rotary, residual adds, SwiGLU and the mask
         self.decode = torch.compile(self._decode, dynamic=True) if compile else self._decode
@@ -144,6 +184,11 @@ class SlotModel:
         self.slots, self.max_len = slots, max_len
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.attention = resolve_attention(attention, self.device, self.dtype, self.head_dim)
+        if self.attention == "flash":
+            reason = flash_refusal(self.device, self.dtype, self.head_dim)
+            if reason:
+                raise ValueError(f"attention: {reason}")
         self.fp32_scores = attention == "matmul" and _scores_fp32(self.device)
         with torch.no_grad():  # rotary tables for every position, from the model's own module
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
@@ -168,6 +213,10 @@ class SlotModel:
         self.rows = torch.arange(slots, device=self.device)
         self.heads = torch.arange(self.kv_heads, device=self.device)
         self.cols = torch.arange(max_len, device=self.device)
+        # flash: each (slot, kv head) is a sequence of max_len positions in the cache, attended
+        # by G query positions (the kv head's query heads); slices of these serve every R
+        seqs = torch.arange(slots * self.kv_heads + 1, dtype=torch.int32, device=self.device)
+        self.cu_q, self.cu_k = seqs * self.group, seqs * max_len
 
     @staticmethod
     def kv_bytes_per_slot(model, max_len: int) -> int:
@@ -243,7 +292,11 @@ class SlotModel:
         R = tok.shape[0]
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin_signed = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # (R, 1, D)
-        mask = None if self.attention == "flex" else torch.zeros(
+        if self.attention == "flash":  # each sequence's live length: pos + 1, per kv head
+            n = R * self.kv_heads
+            cu_q, cu_k = self.cu_q[:n + 1], self.cu_k[:n + 1]
+            used = (pos + 1).to(torch.int32).repeat_interleave(self.kv_heads)
+        mask = None if self.attention in ("flex", "flash") else torch.zeros(
             (R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
             self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
         where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
@@ -253,7 +306,10 @@ class SlotModel:
             self.k[i].index_put_(where, k)
             self.v[i].index_put_(where, v)
             k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
-            if self.attention == "flex":
+            if self.attention == "flash":
+                out = _flash_decode(q, self.k[i], self.v[i], cu_q, cu_k, used, Lb,
+                                    self.scaling)
+            elif self.attention == "flex":
                 out = _flex_decode(q.contiguous(), k_rows, v_rows, pos, self.scaling)
             elif self.attention == "matmul":
                 out = _matmul_decode(q, k_rows, v_rows, mask, self.kv_heads, self.scaling,

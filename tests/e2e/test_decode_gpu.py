@@ -41,7 +41,8 @@ def engines(model_dir):
     from fsdpfn.rollout import RolloutEngine
 
     loop = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
-                         decode_rows=64, decode_max_len=512, fused_kernels=False)
+                         decode_rows=64, decode_max_len=512, fused_kernels=False,
+                         decode_attention="sdpa")
     hf = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="hf",
                        fused_kernels=False)
     return loop, hf
@@ -146,6 +147,8 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("option", [
+    None,  # the server's defaults (on CUDA: flash attention, Liger's norm and SwiGLU)
+    {"decode_attention": "flash"}, {"fused_kernels": True, "decode_attention": "flash"},
     {"fused_kernels": True}, {"decode_attention": "flex"}, {"decode_attention": "matmul"},
     {"fused_kernels": True, "decode_attention": "flex"},
     {"fused_kernels": True, "decode_attention": "matmul"},
@@ -154,18 +157,24 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
     # and its bound below is 3x the loop's instead of 1.5x
     {"decode_compile": True}])
 def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
-    """The server with Liger's fused RMSNorm and SwiGLU kernels and/or FlexAttention or
-    the two-matmul attention in the decode step, or its step through torch.compile: its
+    """The server with its defaults, or with Liger's fused RMSNorm and SwiGLU kernels and/or
+    flash attention over each row's length, FlexAttention or the two-matmul attention in the
+    decode step, or its step through torch.compile: its
     log-probs are as close to forward_logp as the plain loop's (or within fixed bounds), and it
     captures CUDA graphs."""
     import fsdpfn as ff
     from fsdpfn.rollout import RolloutEngine, SamplingParams
 
+    defaults = option is None
+    option = option or {}
     if option.get("fused_kernels"):
         pytest.importorskip("liger_kernel")
     engine = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
                            decode_rows=64, decode_max_len=512,
-                           **{"fused_kernels": False, **option})
+                           **({} if defaults else {"fused_kernels": False,
+                                                   "decode_attention": "sdpa", **option}))
+    if defaults:
+        assert "flash attention" in engine.info()["decode"], engine.info()["decode"]
     if option.get("fused_kernels"):
         assert engine.fused == 3 * SHAPE["num_hidden_layers"] + 1  # 2 norms and the MLP a layer
     prompts = _prompts(6, 40)

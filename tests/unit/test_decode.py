@@ -84,6 +84,9 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
     _loop_equals_hf_generate(model_dir, decode_attention="flex")
     with pytest.raises(UpdateError, match="decode_attention: must be one of"):
         RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
+                      decode_rows=8, decode_max_len=96, decode_attention="paged")
+    with pytest.raises(UpdateError, match="decode_attention: 'flash' needs CUDA"):
+        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
                       decode_rows=8, decode_max_len=96, decode_attention="flash")
 
 
@@ -232,6 +235,54 @@ def test_rolled_rotary_equals_hf_formula_bit_for_bit(dtype):
     signed = torch.cat([-sin[..., :8], sin[..., 8:]], -1)
     assert torch.equal(_rotate_rolled(q, cos[:, None], signed[:, None]), want_q)
     assert torch.equal(_rotate_rolled(k, cos[:, None], signed[:, None]), want_k)
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, used):
+    """Variable-length attention as flash's forward defines it, in float64: sequence b's
+    queries q[cu_q[b]:cu_q[b+1]] attend keys k[cu_k[b]:cu_k[b] + used[b]] (non-causal)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(len(cu_q) - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].double().transpose(0, 1)  # [heads, n, D]
+        start, n = int(cu_k[b]), int(used[b])
+        ks = k[start:start + n].double().transpose(0, 1)
+        vs = v[start:start + n].double().transpose(0, 1)
+        p = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+        out[cu_q[b]:cu_q[b + 1]] = (p @ vs).transpose(0, 1)
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("config", [tiny_qwen2_config, tiny_qwen3_config])
+def test_flash_decode_layout_equals_masked_attention(config, monkeypatch):
+    """The flash step's arguments (the cache read in place as slots x kv heads sequences, each
+    kv head's G query heads as G query positions, seqused_k = pos + 1) give the masked SDPA
+    step's logits, with flash's forward replaced by a float64 reference of its definition (the
+    kernel itself runs on CUDA only: tests/e2e/test_decode_gpu.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdpfn.rollout import slot_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(), dtype=torch.float32).eval()
+    R, L = 6, 40
+    sdpa = slot_model.SlotModel(model, R, L, "sdpa")
+    flash = slot_model.SlotModel(model, R, L, "sdpa")
+    flash.attention = "flash"  # the CUDA path's arithmetic, on the CPU
+    seqs = torch.arange(R * flash.kv_heads + 1, dtype=torch.int32)
+    flash.cu_q, flash.cu_k = seqs * flash.group, seqs * L
+    for i in range(len(sdpa.k)):
+        kv = torch.randn(2, *sdpa.k[i].shape)
+        for net in (sdpa, flash):
+            net.k[i].copy_(kv[0]), net.v[i].copy_(kv[1])
+    tok = torch.randint(0, model.config.vocab_size, (R,))
+    pos = torch.tensor([0, 5, 17, 39, 23, 1])
+    monkeypatch.setattr(slot_model, "_flash_forward", _varlen_reference)
+    with torch.no_grad():
+        want = sdpa.decode(tok, pos, L)
+        got = flash.decode(tok, pos, L)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for i in range(len(sdpa.k)):  # the new token's KV written at pos, the same in both
+        torch.testing.assert_close(flash.k[i], sdpa.k[i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(flash.v[i], sdpa.v[i], atol=1e-5, rtol=1e-5)
 
 
 def test_decode_step_never_reads_the_device_on_the_host():
