@@ -233,6 +233,22 @@ s1_gpu1() {
     --steps 1 --seq 16384 --max-seq 131072 --timeout 370
 }
 
+# after s1: the one-pass draw (GPU 0: tests, the loop, a profile) beside the demo and the 7B
+# shape's longest sequence for the other memory options (GPU 1)
+s2_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item tests_decode 200 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+  item rollout 200 python benchmarks/rollout.py --no-concurrent
+  item decode_profile 130 python benchmarks/decode_profile.py --rows 512 --new 64
+}
+
+s2_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item demo1 150 env LAYOUTS=one DEMO_GPU=1 DEMO_TIMEOUT=140 bash benchmarks/gpu_demo.sh "$out/demo"
+  item mem_longest 395 python benchmarks/memory.py longest --options bf16 default per_layer \
+    --steps 1 --seq 16384 --max-seq 131072 --timeout 130
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -255,7 +271,8 @@ for group in "$@"; do
               tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
     owed_a) owed_a_gpu0 & owed_a_gpu1 & wait ;;
     s1) s1_gpu0 & s1_gpu1 & wait ;;
-    s2) item tests_pair 240 python -m pytest -q -p no:cacheprovider \
+    s2) s2_gpu0 & s2_gpu1 & wait ;;
+    s3) item tests_pair 240 python -m pytest -q -p no:cacheprovider \
           tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py
         item cp7b_196k 330 torchrun --nproc-per-node 2 benchmarks/cp.py \
           --out "$out/cp.jsonl" --cells cp2:196608 ;;

@@ -286,9 +286,9 @@ class SlotModel:
         last = x[torch.arange(P, device=ids.device), lengths - 1]  # (P, H)
         return self.logits(last)
 
-    def _decode(self, tok, pos, Lb: int):
+    def _decode(self, tok, pos, Lb: int, raw: bool = False):
         """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
-        the first Lb), returns logits[R, V]."""
+        the first Lb), returns logits[R, V] float32 (``raw``: in the model's dtype)."""
         R = tok.shape[0]
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin_signed = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # (R, 1, D)
@@ -320,4 +320,6 @@ class SlotModel:
                     attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
             x = x + attn.o_proj(out.reshape(R, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if raw:
+            return self.model.get_output_embeddings()(self.base.norm(x))
         return self.logits(x)

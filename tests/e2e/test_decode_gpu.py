@@ -195,3 +195,34 @@ def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
     assert o_mean < max(BF16_MEAN, factor * l_mean) and o_max < max(BF16_MAX, factor * l_max), \
         gaps
     assert engine.info()["decode_stats"]["graphs"] > 0, "no CUDA graph was captured (see the log)"
+
+
+def test_one_pass_draw_on_cuda():
+    """The decode loop's one-pass draw (race_kernel.py) compiled for the GPU: log-probs equal a
+    float64 log_softmax(logits / T) at the drawn token, greedy rows take the first argmax, and
+    draws over many noise keys follow softmax(logits / T) (chi-square at 5 categories, critical
+    value 18.5 for p = 0.001), at the vocabulary size of the Qwen2 family."""
+    from fsdpfn.rollout import race_kernel
+
+    if not race_kernel.available(torch.device("cuda")):
+        pytest.skip("triton is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(64, 151936, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    logits[4, 10] = logits[4, 90000] = logits[4].max() + 1
+    temperature = torch.rand(64, generator=g, device="cuda") + 0.3
+    temperature[[0, 4]] = 0.0
+    token, logp = race_kernel.race(logits, temperature, torch.tensor([7], device="cuda"))
+    scaled = logits.double() / torch.where(temperature <= 0, 1.0, temperature).double()[:, None]
+    want = scaled.log_softmax(-1).gather(1, token[:, None])[:, 0]
+    torch.testing.assert_close(logp.double(), want, atol=1e-5, rtol=0)
+    assert token[0] == logits[0].float().argmax() and token[4] == 10, token[:5]
+    small = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]], device="cuda").repeat(4000, 1)
+    p = torch.softmax(small[0] / 0.8, -1).double().cpu()
+    counts = torch.zeros(5, dtype=torch.float64)
+    for key in range(5):  # 20,000 draws: 4,000 rows (distinct noise offsets) x 5 keys
+        t, _ = race_kernel.race(small, torch.full((4000,), 0.8, device="cuda"),
+                                torch.tensor([key], device="cuda"))
+        counts += torch.bincount(t.cpu(), minlength=5).double()
+    n = counts.sum()
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 18.5, (chi2, counts / n, p)

@@ -326,3 +326,52 @@ def test_sampled_tokens_lie_in_the_top_k_top_p_set(seed, top_p, top_k, temperatu
     mass_before = (kept / kept.sum(-1, keepdim=True)).cumsum(-1) - kept / kept.sum(
         -1, keepdim=True)
     assert bool((mass_before.gather(-1, rank[:, None]) < top_p + 1e-5).all())
+
+
+_RACE_CHECKS = r"""
+import torch
+from fsdpfn.rollout import race_kernel
+
+# log-probs equal a float64 log_softmax(logits / T) at the drawn token; greedy rows (T <= 0)
+# take torch's argmax (the first column on ties) and report log_softmax(logits); bf16 logits
+# are read in their dtype
+g = torch.Generator().manual_seed(0)
+logits = (torch.randn(6, 1000, generator=g) * 3).to(torch.bfloat16)
+logits[4, 10] = logits[4, 900] = logits[4].max() + 1
+temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 1.0])
+token, logp = race_kernel.race(logits, temperature, torch.tensor([7]), block=256)
+scaled = logits.double() / torch.where(temperature <= 0, 1.0, temperature).double()[:, None]
+want = scaled.log_softmax(-1).gather(1, token[:, None])[:, 0]
+torch.testing.assert_close(logp.double(), want, atol=2e-6, rtol=0)
+assert token[0] == logits[0].float().argmax() and token[4] == 10, token
+
+# draws over many noise keys follow softmax(logits / T): chi-square at 5 categories (critical
+# value 18.5 for p = 0.001 at 4 degrees of freedom)
+logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]])
+p = torch.softmax(logits / 0.8, -1)[0].double()
+n = 1500
+counts = torch.zeros(5, dtype=torch.float64)
+for key in range(n):
+    token, _ = race_kernel.race(logits, torch.tensor([0.8]), torch.tensor([key]), block=8)
+    counts[token] += 1
+chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+assert chi2 < 18.5, (chi2, counts / n, p)
+print("checked")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_one_pass_draw_reports_log_softmax_greedy_argmax_and_follows_the_softmax():
+    """race_kernel.race (the decode loop's one-pass draw on CUDA) under Triton's interpreter,
+    in a fresh process (the interpreter is chosen when Triton is imported): see _RACE_CHECKS.
+    Skipped where Triton is not installed; the kernel itself runs in test_decode_gpu.py."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", _RACE_CHECKS], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=500)
+    if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
+        pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
