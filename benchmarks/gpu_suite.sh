@@ -249,6 +249,20 @@ s2_gpu1() {
     --steps 1 --seq 16384 --max-seq 131072 --timeout 130
 }
 
+# after s2: the chunked one-pass draw (GPU 0) beside the bf16 option at 131,072 tokens (GPU 1),
+# then the two-GPU tests
+s3_gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  item tests_decode 130 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+  item rollout 150 python benchmarks/rollout.py --no-concurrent --rows 512 1024
+}
+
+s3_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  item mem_longest_bf16 270 python benchmarks/memory.py longest --options bf16 \
+    --steps 1 --seq 131072 --max-seq 131072 --timeout 260
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -272,9 +286,10 @@ for group in "$@"; do
     owed_a) owed_a_gpu0 & owed_a_gpu1 & wait ;;
     s1) s1_gpu0 & s1_gpu1 & wait ;;
     s2) s2_gpu0 & s2_gpu1 & wait ;;
-    s3) item tests_pair 240 python -m pytest -q -p no:cacheprovider \
-          tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py
-        item cp7b_196k 330 torchrun --nproc-per-node 2 benchmarks/cp.py \
+    s3) s3_gpu0 & s3_gpu1 & wait
+        item tests_pair 240 python -m pytest -q -p no:cacheprovider \
+          tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
+    s4) item cp7b_196k 330 torchrun --nproc-per-node 2 benchmarks/cp.py \
           --out "$out/cp.jsonl" --cells cp2:196608 ;;
     owed_b) item demo 330 env DEMO_TIMEOUT=160 bash benchmarks/gpu_demo.sh "$out/demo"
             item tests_pair 240 python -m pytest -q -p no:cacheprovider \

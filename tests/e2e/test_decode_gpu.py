@@ -80,8 +80,10 @@ def test_loop_logprobs_equal_forward_logp_in_bf16(engines, model_dir):
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
     state = ff.shard_model(ff.EngineConfig(model_path=str(model_dir), optimizer=None), mesh)
     gaps = {}
-    for name, engine in (("loop", loop), ("hf generate", hf)):
-        outputs = engine.generate(prompts, SamplingParams(**sp))["outputs"]
+    # "loop, one pass": no top-p, so the loop's rows draw with the one-pass kernel
+    for name, engine, params in (("loop", loop, sp), ("hf generate", hf, sp),
+                                 ("loop, one pass", loop, {**sp, "top_p": 1.0})):
+        outputs = engine.generate(prompts, SamplingParams(**params))["outputs"]
         batch, loss = _batch(prompts, outputs)
         ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
         got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
@@ -89,15 +91,16 @@ def test_loop_logprobs_equal_forward_logp_in_bf16(engines, model_dir):
         gaps[name] = (float(diff.max()), float(diff.mean()))
         print(f"\nlog-prob |{name} - forward_logp|: max {diff.max():.4f} mean "
               f"{diff.mean():.5f} over {diff.numel()} tokens (logp mean {ref.mean():.2f})")
-        if name == "loop":
+        if name.startswith("loop"):  # both draws apply the temperature
             wrong_t = ff.forward_logp(state, batch, temperature=1.0)["logp"].cpu()[loss]
             assert (got - wrong_t).abs().mean() > 5 * BF16_MEAN, \
                 "the check cannot tell temperatures"
     assert loop.info()["decode_stats"]["graphs"] > 0, "no CUDA graph was captured (see the log)"
     # bf16 tolerance: as close to the trainer as HF's own generate is (or within fixed bounds)
-    (loop_max, loop_mean), (hf_max, hf_mean) = gaps["loop"], gaps["hf generate"]
-    assert loop_mean < max(BF16_MEAN, 1.5 * hf_mean), gaps
-    assert loop_max < max(BF16_MAX, 1.5 * hf_max), gaps
+    hf_max, hf_mean = gaps["hf generate"]
+    for loop_max, loop_mean in (gaps["loop"], gaps["loop, one pass"]):
+        assert loop_mean < max(BF16_MEAN, 1.5 * hf_mean), gaps
+        assert loop_max < max(BF16_MAX, 1.5 * hf_max), gaps
 
 
 @pytest.mark.timeout(900)
@@ -182,8 +185,11 @@ def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
     state = ff.shard_model(ff.EngineConfig(model_path=str(model_dir), optimizer=None), mesh)
     gaps = {}
     for name, served in (("option", engine), ("loop", engines[0])):
+        # seeded: both draw from the same noise, so the gaps are taken over (nearly) the same
+        # tokens; unseeded, the maximum over two different samples decided the test (an opt-in
+        # option failed the 1.5x bound on its max alone, 0.42 against 0.25, on the H200)
         outputs = served.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=64,
-                                                          n=4))["outputs"]
+                                                          n=4, seed=11))["outputs"]
         batch, loss = _batch(prompts, outputs)
         ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
         got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
