@@ -259,8 +259,9 @@ s3_gpu0() {
 
 s3_gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  item mem_longest_bf16 270 python benchmarks/memory.py longest --options bf16 \
-    --steps 1 --seq 131072 --max-seq 131072 --timeout 260
+  item demo1 140 env LAYOUTS=one DEMO_GPU=1 DEMO_TIMEOUT=130 bash benchmarks/gpu_demo.sh "$out/demo"
+  item mem_longest_bf16 150 python benchmarks/memory.py longest --options bf16 --no-warmup \
+    --steps 1 --seq 131072 --max-seq 131072 --timeout 145
 }
 
 long() {

@@ -133,7 +133,7 @@ def trial(spec: dict) -> list[dict]:
             out = dict(shape=spec["shape"], option=spec["option"], seq=seq, ok=False,
                        params_B=params_B)
             batch = _batch(spec["rows"], seq, vocab)
-            if k == 0:
+            if k == 0 and spec.get("warmup", True):
                 reach(f"warm-up step at {seq}", out)
                 state, _ = ff.sft_step(state, batch, ff.SFTConfig())
             reach(f"timed steps at {seq}", out)
@@ -204,7 +204,8 @@ def _run_trial(spec: dict, timeout: float) -> list[dict]:
 
 def _spec(args, shape, option, seqs=None, rows=None) -> dict:
     return dict(shape=shape, option=option, seqs=seqs or [args.seq], rows=rows or args.rows,
-                steps=args.steps, prefetch=args.prefetch, cpu=args.cpu)
+                steps=args.steps, prefetch=args.prefetch, cpu=args.cpu,
+                warmup=not args.no_warmup)
 
 
 def largest(args) -> None:
@@ -284,6 +285,8 @@ def main() -> None:
     parser.add_argument("--max-seq", type=int, default=131072, help="for longest")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per trial")
     parser.add_argument("--cpu", action="store_true", help="a smoke run: tiny model on CPU")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="no warm-up step: the first timed step includes CUDA's warm-up")
     args = parser.parse_args()
     if args.cpu:
         args.rows, args.seq, args.max_seq = 2, 64, 128
