@@ -18,6 +18,13 @@
 #   owed_b  the demo on two GPUs and on one, then the two-GPU tests
 #   owed_c  the 7B shape at 262,144 tokens with cp=2 (the limit past 131,072)
 #   owed_d  one GPU: the fp32 options' longest sequence, the per-layer step at 14B
+#   s1      two streams: decode tests, step per option, the loop (GPU 0); the demo and the 7B
+#           shape's longest sequence with per_layer_bf16 (GPU 1)
+#   s2      two streams: decode tests, the loop, a profile (GPU 0); the demo and the longest
+#           sequence of the other memory options (GPU 1)
+#   s3      two streams: decode tests and the loop (GPU 0), the demo and bf16 at 131,072 (GPU 1);
+#           then the two-GPU tests
+#   s4      the 7B shape at 196,608 tokens with cp=2 (issue 17, owed)
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
