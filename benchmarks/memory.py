@@ -14,7 +14,9 @@ host) and ``per_layer_offload`` (weights and moments on the host, the step on th
 Every model is a random init of a Qwen2.5 shape, bf16 compute, activation checkpointing, one
 rank. Each trial runs in a fresh process (an out-of-memory error leaves nothing behind): build
 the state, one warm-up SFT step, then ``--steps`` timed steps on ``--rows`` rows of ``--seq``
-tokens (``longest``: then the longer lengths in the same process, one timed step each). A trial that fails reports the stage (build, step) and the error's first line.
+tokens (``longest``: then the longer lengths in the same process, one timed step each). A trial
+that fails reports the stage (build, step) and the error's first line. The optimizer state is
+created in the first step, so a first step's peak (``--no-warmup``) leaves it out.
 
 * ``largest``: for each option, the shapes from 0.5B upward until one fails; the table gives the
   largest that trained, its peak device memory and tokens/s.

@@ -74,8 +74,8 @@ def _flash_decode(q, k_cache, v_cache, cu_q, cu_k, used, max_k: int, scale: floa
     heads of its kv head, handed to flash as G query positions of one head (cu_q: steps of G;
     non-causal: the G positions are one token). q [R, heads, D] -> [R, heads * D]."""
     R, heads, D = q.shape
-    out = _flash_forward(q.reshape(-1, 1, D), k_cache.view(-1, 1, D), v_cache.view(-1, 1, D), cu_q,
-                  cu_k, heads // k_cache.shape[1], max_k, scale, used)
+    out = _flash_forward(q.reshape(-1, 1, D), k_cache.view(-1, 1, D), v_cache.view(-1, 1, D),
+                         cu_q, cu_k, heads // k_cache.shape[1], max_k, scale, used)
     return out.view(R, heads * D)
 
 
