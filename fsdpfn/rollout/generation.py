@@ -35,11 +35,10 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
     if attention not in ATTENTION:
         raise UpdateError(f"decode_attention: must be one of {ATTENTION}, got {attention!r}")
     if attention == "flash":
-        from fsdpfn.rollout.slot_model import flash_refusal
+        from fsdpfn.rollout.slot_model import config_head_dim, flash_refusal
 
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        reason = flash_refusal(device, next(model.parameters()).dtype, head_dim)
+        reason = flash_refusal(device, next(model.parameters()).dtype,
+                               config_head_dim(model.config))
         if reason:
             raise UpdateError(f"decode_attention: {reason}")
     if mode == "hf" or (mode == "auto" and device.type != "cuda"):

@@ -38,6 +38,11 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = ("auto", "flash", "sdpa", "flex", "matmul")
 
 
+def config_head_dim(config) -> int:
+    """The attention head size a transformers config gives (its head_dim, or hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def flash_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why torch's flash attention forward (variable lengths, ``seqused_k``) cannot serve this
     decode step (None: it can). It needs CUDA, a half dtype, a head size flash supports."""
@@ -226,7 +231,7 @@ class SlotModel:
     @staticmethod
     def kv_bytes_per_slot(model, max_len: int) -> int:
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = config_head_dim(cfg)
         itemsize = next(model.parameters()).element_size()
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * max_len * itemsize
 

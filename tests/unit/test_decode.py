@@ -267,8 +267,6 @@ def test_flash_decode_layout_equals_masked_attention(config, monkeypatch):
     sdpa = slot_model.SlotModel(model, R, L, "sdpa")
     flash = slot_model.SlotModel(model, R, L, "sdpa")
     flash.attention = "flash"  # the CUDA path's arithmetic, on the CPU
-    seqs = torch.arange(R * flash.kv_heads + 1, dtype=torch.int32)
-    flash.cu_q, flash.cu_k = seqs * flash.group, seqs * L
     for i in range(len(sdpa.k)):
         kv = torch.randn(2, *sdpa.k[i].shape)
         for net in (sdpa, flash):
