@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _table import print_markdown_table  # noqa: E402
-from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py
+from rollout import QWEN2_1_5B, copy_bandwidth  # noqa: E402 - benchmarks/rollout.py
 
 from fsdpfn.rollout.slot_model import SlotModel  # noqa: E402
 
@@ -36,20 +36,6 @@ from fsdpfn.rollout.slot_model import SlotModel  # noqa: E402
 OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("matmul", "matmul", False),
            ("flex", "flex", False), ("fused, sdpa", "sdpa", True), ("fused, flash", "flash", True),
            ("fused, matmul", "matmul", True), ("fused, flex", "flex", True))
-
-
-def copy_bandwidth(device) -> float:
-    x = torch.empty(2**30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 10 * x.numel() / (start.elapsed_time(end) / 1e3)  # read + write, bytes/s
 
 
 def time_step(model, rows: int, max_len: int, min_pos: int, attention: str,
@@ -117,7 +103,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    bw = copy_bandwidth(device) if device.type == "cuda" else None
+    bw = copy_bandwidth() * 1e9 if device.type == "cuda" else None  # bytes/s
     if bw:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: copy bandwidth "
               f"{bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")

@@ -127,7 +127,7 @@ class Decoder:
         self.state = _State(slots, max_len, self.net.device)
         # unseeded, untruncated rows draw in one pass over the logits (race_kernel.py, CUDA);
         # the kernel's noise key, advanced by every step (in the graphs too)
-        self.one_pass = self.net.device.type == "cuda" and race_kernel.available(self.net.device)
+        self.one_pass = race_kernel.available(self.net.device)
         self.noise_key = torch.randint(0, 2**31 - 1, (1,), device=self.net.device)
         self.params = [p for _, p in model.named_parameters()]
         self.lock, self.version = lock, version
