@@ -32,7 +32,7 @@ from rollout import QWEN2_1_5B, add_decode_options  # noqa: E402 - benchmarks/ro
 CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("matmul", r"gemm|cutlass|nvjet|cublas|sm90_xmma|matmul|splitk"),
     ("attention", r"fmha|attention|flash|flex|triton_tem|sdpa|softmax_warp"),
-    ("sampling", r"race_kernel|exponential|argmax|logsumexp|topk|sort|cumsum|philox|distribution"),
+    ("sampling", r"chunk_kernel|pick_kernel|exponential|argmax|logsumexp|topk|sort|cumsum|philox|distribution"),
     ("copies", r"memcpy|memset|copy|index_put|indexing|scatter|gather|cat"),
     ("norm / rotary / elementwise", r"."),
 )

@@ -33,8 +33,9 @@ from fsdpfn.rollout.slot_model import SlotModel  # noqa: E402
 
 # (name, attention, fused modules); the fused rows run after the model's modules are swapped
 # for Liger's, so they come last
-OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("matmul", "matmul", False),
-           ("flex", "flex", False), ("fused, sdpa", "sdpa", True), ("fused, flash", "flash", True),
+OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("triton", "triton", False),
+           ("matmul", "matmul", False), ("flex", "flex", False), ("fused, sdpa", "sdpa", True),
+           ("fused, flash", "flash", True), ("fused, triton", "triton", True),
            ("fused, matmul", "matmul", True), ("fused, flex", "flex", True))
 
 

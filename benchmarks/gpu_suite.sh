@@ -25,6 +25,8 @@
 #   s3      two streams: decode tests and the loop (GPU 0), the demo and bf16 at 131,072 (GPU 1);
 #           then the two-GPU tests
 #   s4      the 7B shape at 196,608 tokens with cp=2 (issue 17, owed)
+#   s5      one GPU: the decode attention kernels, the decode tests, the loop with each attention
+#   s6      one GPU: the decode tests, the loop at every shape, the demo, a profile
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -271,6 +273,27 @@ s3_gpu1() {
     --steps 1 --seq 131072 --max-seq 131072 --timeout 145
 }
 
+# one GPU: the decode attention kernels alone, the decode GPU tests, the loop at 512 rows with
+# the defaults and with the Triton attention, the network step per attention (issue 22)
+s5() {
+  item attn_bench 60 python benchmarks/decode_attention.py
+  item tests_decode 200 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+  item rollout 120 python benchmarks/rollout.py --no-concurrent --rows 512
+  item rollout_triton 120 python benchmarks/rollout.py --no-concurrent --rows 512 \
+    --decode-attention triton
+  item decode_step 90 python benchmarks/decode_step.py --rows 512 --options "fused, flash" \
+    "fused, triton"
+}
+
+# one GPU, after s5 made the Triton attention the default: the decode tests, the loop at every
+# shape, a profile of the step, the demo (issue 22)
+s6() {
+  item tests_decode 150 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+  item rollout 200 python benchmarks/rollout.py --no-concurrent
+  item demo1 150 env LAYOUTS=one DEMO_TIMEOUT=140 bash benchmarks/gpu_demo.sh "$out/demo"
+  item decode_profile 80 python benchmarks/decode_profile.py --rows 512 --new 64
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -297,6 +320,8 @@ for group in "$@"; do
     s3) s3_gpu0 & s3_gpu1 & wait
         item tests_pair 240 python -m pytest -q -p no:cacheprovider \
           tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
+    s5) s5 ;;
+    s6) s6 ;;
     s4) item cp7b_196k 330 torchrun --nproc-per-node 2 benchmarks/cp.py \
           --out "$out/cp.jsonl" --cells cp2:196608 ;;
     owed_b) item demo 330 env DEMO_TIMEOUT=160 bash benchmarks/gpu_demo.sh "$out/demo"

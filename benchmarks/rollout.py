@@ -97,7 +97,7 @@ def run(url: str, rows: int, new: int, concurrent: bool) -> float:
 def add_decode_options(p: argparse.ArgumentParser) -> None:
     """The decode loop's opt-in options (the server's flags of the same names)."""
     p.add_argument("--decode-attention", default="auto",
-                   choices=("auto", "flash", "sdpa", "flex", "matmul"))
+                   choices=("auto", "flash", "triton", "sdpa", "flex", "matmul"))
     p.add_argument("--decode-compile", action="store_true",
                    help="the decode step through torch.compile")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,

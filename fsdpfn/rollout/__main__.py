@@ -39,9 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode loop without CUDA graphs (eager steps)")
     p.add_argument("--decode-attention", default="auto",
-                   choices=("auto", "flash", "sdpa", "flex", "matmul"),
+                   choices=("auto", "flash", "triton", "sdpa", "flex", "matmul"),
                    help="the decode loop's attention: flash attention over each row's own "
-                        "length (torch's flash forward with seqused_k; CUDA, bf16/fp16), SDPA "
+                        "length (torch's flash forward with seqused_k; CUDA, bf16/fp16), "
+                        "fsdpfn's split-KV Triton kernel over each row's own length, SDPA "
                         "with a mask over the length bucket, FlexAttention (compiled once; a "
                         "split-KV decoding kernel), or two batched matmuls over the cache (fp32 "
                         "scores and softmax); auto: flash where it runs, else sdpa")

@@ -31,8 +31,9 @@ dropped and captured again. A trainer that pauses before an update (drains) pays
 
 Log-probs: log_softmax(logits / T) at the sampled token in float32, temperature applied, top-p /
 top-k not (T = 1 for greedy rows), as in the engine's HF path. On CUDA, rows without a seed,
-top-p or top-k draw in one pass over the model-dtype logits (fsdpfn/rollout/race_kernel.py, the
-same race and log-prob), instead of the float32 passes of device_sampling.sample.
+top-p or top-k draw from the model-dtype logits with two small kernels
+(fsdpfn/rollout/draw_kernel.py: the inverse CDF, one uniform per row, the same log-prob), instead
+of the float32 passes of device_sampling.sample.
 
 Sampling options: temperature, top-p, top-k, stop token ids and a per-request seed (each row's
 exponential race then draws from a hash of its seed, step and token id) run inside the step; stop
@@ -49,7 +50,7 @@ from typing import Callable
 
 import torch
 
-from fsdpfn.rollout import race_kernel
+from fsdpfn.rollout import draw_kernel
 from fsdpfn.rollout.device_sampling import row_seed, sample
 from fsdpfn.rollout.slot_model import SUPPORTED, SlotModel, unsupported_reason
 
@@ -125,9 +126,9 @@ class Decoder:
                  prefill_tokens: int = 16384, attention: str = "auto", compile: bool = False):
         self.net = SlotModel(model, slots, max_len, attention, compile)
         self.state = _State(slots, max_len, self.net.device)
-        # unseeded, untruncated rows draw in one pass over the logits (race_kernel.py, CUDA);
-        # the kernel's noise key, advanced by every step (in the graphs too)
-        self.one_pass = race_kernel.available(self.net.device)
+        # unseeded, untruncated rows draw with draw_kernel.py (CUDA); the key of its uniforms,
+        # advanced by every step (in the graphs too)
+        self.fused_draw = draw_kernel.available(self.net.device)
         self.noise_key = torch.randint(0, 2**31 - 1, (1,), device=self.net.device)
         self.params = [p for _, p in model.named_parameters()]
         self.lock, self.version = lock, version
@@ -361,8 +362,8 @@ class Decoder:
         """One token for slots [0, R): forward, sampling, bookkeeping (device only)."""
         st = self.state
         tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
-        if self.one_pass and not truncate and not seeded:
-            token, logp = race_kernel.race(self.net.decode(tok, pos, Lb, raw=True),
+        if self.fused_draw and not truncate and not seeded:
+            token, logp = draw_kernel.draw(self.net.decode(tok, pos, Lb, raw=True),
                                            st.temperature[:R], self.noise_key)
             self.noise_key.add_(1)
         else:

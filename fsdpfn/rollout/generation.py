@@ -34,11 +34,11 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
         raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
     if attention not in ATTENTION:
         raise UpdateError(f"decode_attention: must be one of {ATTENTION}, got {attention!r}")
-    if attention == "flash":
-        from fsdpfn.rollout.slot_model import config_head_dim, flash_refusal
+    if attention in ("flash", "triton"):
+        from fsdpfn.rollout.slot_model import attention_refusal, config_head_dim
 
-        reason = flash_refusal(device, next(model.parameters()).dtype,
-                               config_head_dim(model.config))
+        reason = attention_refusal(attention, device, next(model.parameters()).dtype,
+                                   config_head_dim(model.config))
         if reason:
             raise UpdateError(f"decode_attention: {reason}")
     if mode == "hf" or (mode == "auto" and device.type != "cuda"):

@@ -32,10 +32,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from fsdpfn.rollout import attention_kernel
+
 __all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-ATTENTION = ("auto", "flash", "sdpa", "flex", "matmul")
+ATTENTION = ("auto", "flash", "triton", "sdpa", "flex", "matmul")
 
 
 def config_head_dim(config) -> int:
@@ -58,10 +60,25 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return flash_refusal(device, dtype, head_dim) is None
 
 
+def attention_refusal(attention: str, device: torch.device, dtype: torch.dtype,
+                      head_dim: int) -> str | None:
+    """Why ``attention`` cannot serve this decode step (None: it can, or it is not checked
+    ahead: sdpa, flex and matmul run wherever torch runs them)."""
+    if attention == "flash":
+        return flash_refusal(device, dtype, head_dim)
+    if attention == "triton":
+        return attention_kernel.refusal(device, head_dim)
+    return None
+
+
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype,
                       head_dim: int) -> str:
-    """"auto": flash where it runs (CUDA, bf16/fp16), else SDPA with a mask."""
+    """"auto": the Triton kernel where it runs in bf16/fp16, else flash where it runs, else
+    SDPA with a mask."""
     if attention == "auto":
+        if dtype in (torch.bfloat16, torch.float16) \
+                and attention_kernel.refusal(device, head_dim) is None:
+            return "triton"
         return "flash" if flash_available(device, dtype, head_dim) else "sdpa"
     return attention
 
@@ -195,10 +212,9 @@ class SlotModel:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.attention = resolve_attention(attention, self.device, self.dtype, self.head_dim)
-        if self.attention == "flash":
-            reason = flash_refusal(self.device, self.dtype, self.head_dim)
-            if reason:
-                raise ValueError(f"attention: {reason}")
+        reason = attention_refusal(self.attention, self.device, self.dtype, self.head_dim)
+        if reason:
+            raise ValueError(f"attention: {reason}")
         self.fp32_scores = attention == "matmul" and _scores_fp32(self.device)
         with torch.no_grad():  # rotary tables for every position, from the model's own module
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
@@ -306,7 +322,9 @@ class SlotModel:
             n = R * self.kv_heads
             cu_q, cu_k = self.cu_q[:n + 1], self.cu_k[:n + 1]
             used = (pos + 1).to(torch.int32).repeat_interleave(self.kv_heads)
-        mask = None if self.attention in ("flex", "flash") else torch.zeros(
+        elif self.attention == "triton":  # each row's live length
+            used = (pos + 1).to(torch.int32)
+        mask = None if self.attention in ("flex", "flash", "triton") else torch.zeros(
             (R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
             self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
         where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
@@ -319,6 +337,8 @@ class SlotModel:
             if self.attention == "flash":
                 out = _flash_decode(q, self.k[i], self.v[i], cu_q, cu_k, used, Lb,
                                     self.scaling)
+            elif self.attention == "triton":
+                out = attention_kernel.decode(q, self.k[i], self.v[i], used, Lb, self.scaling)
             elif self.attention == "flex":
                 out = _flex_decode(q.contiguous(), k_rows, v_rows, pos, self.scaling)
             elif self.attention == "matmul":

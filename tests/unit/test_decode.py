@@ -88,6 +88,9 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
     with pytest.raises(UpdateError, match="decode_attention: 'flash' needs CUDA"):
         RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
                       decode_rows=8, decode_max_len=96, decode_attention="flash")
+    with pytest.raises(UpdateError, match="decode_attention: 'triton' needs CUDA"):
+        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
+                      decode_rows=8, decode_max_len=96, decode_attention="triton")
 
 
 @pytest.mark.timeout(120)
@@ -326,50 +329,129 @@ def test_sampled_tokens_lie_in_the_top_k_top_p_set(seed, top_p, top_k, temperatu
     assert bool((mass_before.gather(-1, rank[:, None]) < top_p + 1e-5).all())
 
 
-_RACE_CHECKS = r"""
+_DRAW_CHECKS = r"""
 import torch
-from fsdpfn.rollout import race_kernel
+from fsdpfn.rollout import draw_kernel
 
 # log-probs equal a float64 log_softmax(logits / T) at the drawn token; greedy rows (T <= 0)
-# take torch's argmax (the first column on ties) and report log_softmax(logits); bf16 logits
-# are read in their dtype
+# take torch's argmax (the first column on ties, across chunks too) and report
+# log_softmax(logits); bf16 logits are read in their dtype
 g = torch.Generator().manual_seed(0)
 logits = (torch.randn(6, 1000, generator=g) * 3).to(torch.bfloat16)
 logits[4, 10] = logits[4, 900] = logits[4].max() + 1
 temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 1.0])
-token, logp = race_kernel.race(logits, temperature, torch.tensor([7]), block=256)
+token, logp = draw_kernel.draw(logits, temperature, torch.tensor([7]), block=256)
 scaled = logits.double() / torch.where(temperature <= 0, 1.0, temperature).double()[:, None]
 want = scaled.log_softmax(-1).gather(1, token[:, None])[:, 0]
 torch.testing.assert_close(logp.double(), want, atol=2e-6, rtol=0)
 assert token[0] == logits[0].float().argmax() and token[4] == 10, token
 
-# draws over many noise keys follow softmax(logits / T): chi-square at 5 categories (critical
-# value 18.5 for p = 0.001 at 4 degrees of freedom)
-logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]])
-p = torch.softmax(logits / 0.8, -1)[0].double()
-n = 1500
-counts = torch.zeros(5, dtype=torch.float64)
-for key in range(n):
-    token, _ = race_kernel.race(logits, torch.tensor([0.8]), torch.tensor([key]), block=8)
-    counts[token] += 1
-chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
-assert chi2 < 18.5, (chi2, counts / n, p)
+# draws over many keys follow softmax(logits / T), the columns spread over 5 chunks of 8 (the
+# last one partial) with chunks of very different mass, -inf logits and a chunk of them:
+# chi-square over the 28 columns of nonzero probability (critical value 55.5 for p = 0.001 at 27
+# degrees of freedom);
+# a column of zero probability is never drawn
+logits = torch.linspace(-3, 3, 38)[torch.randperm(38, generator=g)][None].clone()
+logits[0, [3, 20]] = float("-inf")
+logits[0, 24:32] = float("-inf")  # a whole chunk without mass
+p = torch.softmax(logits.double() / 0.8, -1)[0]
+rows, keys = 64, 60
+counts = torch.zeros(38, dtype=torch.float64)
+for key in range(keys):
+    token, _ = draw_kernel.draw(logits.expand(rows, 38).contiguous(), torch.full((rows,), 0.8),
+                                torch.tensor([key]), block=8)
+    counts += torch.bincount(token, minlength=38).double()
+n = rows * keys
+assert counts[3] == 0 and counts[20] == 0 and counts[24:32].sum() == 0, counts
+live = p > 0
+chi2 = float(((counts[live] - n * p[live]) ** 2 / (n * p[live])).sum())
+assert chi2 < 55.5, (chi2, counts / n, p)
 print("checked")
 """
 
 
 @pytest.mark.timeout(600)
-def test_one_pass_draw_reports_log_softmax_greedy_argmax_and_follows_the_softmax():
-    """race_kernel.race (the decode loop's one-pass draw on CUDA) under Triton's interpreter,
-    in a fresh process (the interpreter is chosen when Triton is imported): see _RACE_CHECKS.
-    Skipped where Triton is not installed; the kernel itself runs in test_decode_gpu.py."""
+def test_fused_draw_reports_log_softmax_greedy_argmax_and_follows_the_softmax():
+    """draw_kernel.draw (the decode loop's draw on CUDA) under Triton's interpreter, in a fresh
+    process (the interpreter is chosen when Triton is imported): see _DRAW_CHECKS. Skipped where
+    Triton is not installed; the kernels themselves run in test_decode_gpu.py."""
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-c", _RACE_CHECKS], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _DRAW_CHECKS], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=500)
+    if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
+        pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+_ATTENTION_CHECKS = r"""
+import torch
+from fsdpfn.rollout import attention_kernel, slot_model
+from fsdpfn.testing.models import tiny_qwen2_config
+
+# the kernel against a float64 softmax(q k^T * scale) v over each row's first used[r] positions,
+# query head h reading kv head h // G: GQA (G = 3, not a power of two) and MHA (G = 1), one
+# split and several (blocks of 16 positions, the last one partial), rows of length 1 and L
+g = torch.Generator().manual_seed(0)
+S, L, D, R = 7, 40, 16, 5
+used = torch.tensor([1, 40, 17, 33, 2])
+for kv, heads in ((2, 6), (2, 2)):
+    q = torch.randn(R, heads, D, generator=g)
+    k, v = torch.randn(2, S, kv, L, D, generator=g)
+    want = torch.empty(R, heads, D, dtype=torch.float64)
+    for r in range(R):
+        for h in range(heads):
+            kr, vr = k[r, h * kv // heads, :used[r]].double(), v[r, h * kv // heads, :used[r]].double()
+            w = torch.softmax(q[r, h].double() @ kr.T * 0.3, -1)
+            want[r, h] = w @ vr
+    for splits in (None, 1, 3):
+        got = attention_kernel.decode(q, k, v, used, L, 0.3, block_n=16, splits=splits)
+        torch.testing.assert_close(got.view(R, heads, D).double(), want, atol=1e-5, rtol=1e-5)
+    # positions at or past a row's length are never read: poison them
+    k2, v2 = k.clone(), v.clone()
+    for r in range(R):
+        k2[r, :, used[r]:], v2[r, :, used[r]:] = float("nan"), float("nan")
+    got = attention_kernel.decode(q, k2, v2, used, L, 0.3, block_n=16, splits=3)
+    torch.testing.assert_close(got.view(R, heads, D).double(), want, atol=1e-5, rtol=1e-5)
+
+# the whole decode step with it equals the masked-SDPA step (logits and the KV written)
+torch.manual_seed(0)
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32).eval()
+R, L = 6, 40
+sdpa = slot_model.SlotModel(model, R, L, "sdpa")
+tri = slot_model.SlotModel(model, R, L, "sdpa")
+tri.attention = "triton"  # the CUDA path, under the interpreter
+for i in range(len(sdpa.k)):
+    kv = torch.randn(2, *sdpa.k[i].shape)
+    for net in (sdpa, tri):
+        net.k[i].copy_(kv[0]), net.v[i].copy_(kv[1])
+tok = torch.randint(0, model.config.vocab_size, (R,))
+pos = torch.tensor([0, 5, 17, 39, 23, 1])
+with torch.no_grad():
+    want, got = sdpa.decode(tok, pos, L), tri.decode(tok, pos, L)
+torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+for i in range(len(sdpa.k)):
+    torch.testing.assert_close(tri.k[i], sdpa.k[i]), torch.testing.assert_close(tri.v[i], sdpa.v[i])
+print("checked")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_triton_decode_attention_equals_float64_attention_over_each_rows_length():
+    """attention_kernel.decode (``attention="triton"``, CUDA) under Triton's interpreter, in a
+    fresh process: see _ATTENTION_CHECKS. Skipped where Triton is not installed; the kernel
+    itself runs in test_decode_gpu.py."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", _ATTENTION_CHECKS], capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=500)
     if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
         pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]

@@ -1,0 +1,111 @@
+"""The decode step's attention alone (one GPU): torch's flash forward (``attention="flash"``)
+against fsdpfn's split-KV Triton kernel (``attention="triton"``, fsdpfn/rollout/attention_kernel.py)
+in several tile settings, on one layer's slot cache of the Qwen2-1.5B shape.
+
+    python benchmarks/decode_attention.py                  # 512 and 1,024 rows, bf16
+    python benchmarks/decode_attention.py --rows 64 512
+
+Each row sits at a random position in [--min-pos, --max-len): the cache positions a step reads
+are the rows' lengths summed. Per setting: microseconds per call (a CUDA graph of --iters calls,
+replayed), the KV bytes read over that time (GB/s; the copy bandwidth of the same run is the
+ceiling), and the largest gap to the flash output. The step runs this 28 times (one per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _table import print_markdown_table  # noqa: E402
+from rollout import copy_bandwidth  # noqa: E402 - benchmarks/rollout.py
+
+from fsdpfn.rollout import attention_kernel  # noqa: E402
+from fsdpfn.rollout.slot_model import _flash_decode  # noqa: E402
+
+SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
+    ("triton (default)", {}),
+    ("triton, block 32", dict(block_n=32)),
+    ("triton, block 128", dict(block_n=128)),
+    ("triton, 8 warps", dict(num_warps=8)),
+    ("triton, 3 stages", dict(num_stages=3)),
+    ("triton, 4 splits", dict(splits=4)),
+    ("triton, 128 block, 8 warps, 3 stages", dict(block_n=128, num_warps=8, num_stages=3)),
+]
+
+
+def timed(fn, iters: int) -> float:
+    """Microseconds per call of fn, from a CUDA graph of iters calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / iters)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--max-len", type=int, default=1280)
+    p.add_argument("--min-pos", type=int, default=256)
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args()
+    kv, heads, D = 2, 12, 128
+    bandwidth = copy_bandwidth()
+    table = []
+    for R in args.rows:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
+        k, v = torch.randn(2, R, kv, args.max_len, D, generator=g,
+                           device="cuda").to(torch.bfloat16)
+        pos = torch.randint(args.min_pos, args.max_len, (R,), generator=g, device="cuda")
+        used = (pos + 1).to(torch.int32)
+        nbytes = 2 * int(used.sum()) * kv * D * 2
+        seqs = torch.arange(R * kv + 1, dtype=torch.int32, device="cuda")
+        cu_q, cu_k = seqs * (heads // kv), seqs * args.max_len
+        used_kv = used.repeat_interleave(kv)
+        scale = D ** -0.5
+        runs = [("flash", lambda: _flash_decode(q, k, v, cu_q, cu_k, used_kv, args.max_len,
+                                                 scale))]
+        runs += [(name, lambda kw=kw: attention_kernel.decode(q, k, v, used, args.max_len, scale,
+                                                              **kw))
+                 for name, kw in SETTINGS]
+        ref = runs[0][1]().float()
+        for name, fn in runs:
+            try:
+                gap = float((fn().float() - ref).abs().max())
+                us = timed(fn, args.iters)
+            except Exception as e:  # a setting that does not compile here: say so, go on
+                table.append({"rows": R, "kernel": name, "us / call": "failed",
+                              "KV GB/s": f"{type(e).__name__}: {str(e)[:80]}"})
+                continue
+            table.append({"rows": R, "kernel": name, "us / call": f"{us:.1f}",
+                          "KV GB/s": f"{nbytes / us / 1e3:.0f}", "max |Δ| to flash": f"{gap:.4f}",
+                          "28 layers ms": f"{28 * us / 1e3:.2f}"})
+    print(f"copy bandwidth (read + write): {bandwidth:.0f} GB/s")
+    print_markdown_table(table, ("rows", "kernel"))
+
+
+if __name__ == "__main__":
+    main()
