@@ -27,6 +27,7 @@
 #   s4      the 7B shape at 196,608 tokens with cp=2 (issue 17, owed)
 #   s5      one GPU: the decode attention kernels, the decode tests, the loop with each attention
 #   s6      one GPU: the decode tests, the loop at every shape, the demo, a profile
+#   s7      both GPUs: the demo on two GPUs, then s4
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -322,6 +323,9 @@ for group in "$@"; do
           tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
     s5) s5 ;;
     s6) s6 ;;
+    s7) item demo2 200 env LAYOUTS=two DEMO_TIMEOUT=190 bash benchmarks/gpu_demo.sh "$out/demo"
+        item cp7b_196k 340 torchrun --nproc-per-node 2 benchmarks/cp.py \
+          --out "$out/cp.jsonl" --cells cp2:196608 ;;
     s4) item cp7b_196k 330 torchrun --nproc-per-node 2 benchmarks/cp.py \
           --out "$out/cp.jsonl" --cells cp2:196608 ;;
     owed_b) item demo 330 env DEMO_TIMEOUT=160 bash benchmarks/gpu_demo.sh "$out/demo"
