@@ -121,7 +121,22 @@ def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
     return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
             str(port), "--host", "127.0.0.1", "--device", placement.server_device, "--dtype",
             placement.dtype, "--threads", str(cfg.rollout.threads),
-            "--parent-pid", str(os.getpid())]
+            "--parent-pid", str(os.getpid()), *_decode_cache(cfg)]
+
+
+def _decode_cache(cfg) -> list[str]:
+    """The server's decode cache sized to the run: a slot for each of one step's answers
+    (prompts_per_step x group_size, in multiples of 8, at most 1,024), and, for data files,
+    positions for the longest prompt plus answer the data allows. Left to its default (half of
+    the free memory at start), a server that shares its GPU with the trainer takes memory the
+    trainer needs later (the 1.5B GRPO run: 60 GB of cache for 128 rows, then out of memory
+    in the first push)."""
+    rows = cfg.prompts_per_step * cfg.advantage.group_size
+    args = ["--decode-rows", str(min(1024, max(8, -(-rows // 8) * 8)))]
+    if cfg.data.from_files:
+        args += ["--decode-max-len",
+                 str(cfg.data.max_prompt_tokens + cfg.data.max_response_tokens)]
+    return args
 
 
 class _Signals:

@@ -84,3 +84,24 @@ def test_env_names_the_launchers_own_gpus(monkeypatch):
     assert p.env(p.trainer_gpus) == {"CUDA_VISIBLE_DEVICES": "4,5"}
     assert p.env(p.server_gpus) == {"CUDA_VISIBLE_DEVICES": "6"}
     assert p.env(()) == {}
+
+
+def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
+    """The server `fsdpfn run` starts gets a slot per answer of one step (prompts_per_step x
+    group_size, in multiples of 8, at most 1,024) and, for data files, the positions of the
+    longest prompt plus answer the data allows (its default, half the free GPU memory, took
+    60 GB beside the trainer on one H200 and ran the trainer out of memory)."""
+    from fsdpfn.launcher import _server_cmd
+
+    def flags(recipe, *overrides):
+        cfg = default_config(recipe, list(overrides))
+        cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 1, needs_rollout=True))
+        return cmd[cmd.index("--parent-pid") + 2:]
+
+    assert flags("grpo", "prompts_per_step=3", "advantage.group_size=5") == ["--decode-rows",
+                                                                            "16"]
+    assert flags("ppo", "prompts_per_step=7") == ["--decode-rows", "8"]
+    assert flags("grpo", "prompts_per_step=1000") == ["--decode-rows", "1024"]
+    assert flags("grpo", "model.path=/m", "data.train_files=[/d.jsonl]",
+                 "data.max_prompt_tokens=700", "data.max_response_tokens=3000",
+                 "prompts_per_step=16") == ["--decode-rows", "128", "--decode-max-len", "3700"]
