@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "fsdpfn's split-KV Triton kernel over each row's own length, SDPA "
                         "with a mask over the length bucket, FlexAttention (compiled once; a "
                         "split-KV decoding kernel), or two batched matmuls over the cache (fp32 "
-                        "scores and softmax); auto: flash where it runs, else sdpa")
+                        "scores and softmax); auto: triton where it runs (CUDA with Triton, bf16/fp16), "
+                        "else flash where it runs, else sdpa")
     p.add_argument("--decode-compile", action="store_true",
                    help="run the decode loop's step through torch.compile (dynamic shapes, "
                         "compiled once on first use; inductor fuses the elementwise work)")
