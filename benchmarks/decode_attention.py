@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _table import print_markdown_table  # noqa: E402
+from decode_step import capture  # noqa: E402 - benchmarks/decode_step.py
 from rollout import copy_bandwidth  # noqa: E402 - benchmarks/rollout.py
 
 from fsdpfn.rollout import attention_kernel  # noqa: E402
@@ -40,17 +41,8 @@ SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
 
 
 def timed(fn, iters: int) -> float:
-    """Microseconds per call of fn, from a CUDA graph of iters calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
+    """Microseconds per call of fn, from a CUDA graph of iters calls (best of 5 replays)."""
+    graph = capture(fn, iters)
     graph.replay()
     torch.cuda.synchronize()
     best = float("inf")

@@ -39,6 +39,21 @@ OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("triton", "trito
            ("fused, matmul", "matmul", True), ("fused, flex", "flex", True))
 
 
+def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of fn, after two warm-up calls on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def time_step(model, rows: int, max_len: int, min_pos: int, attention: str,
               graphs: bool, iters: int) -> tuple[float, torch.Tensor]:
     net = SlotModel(model, rows, max_len, attention)
@@ -52,16 +67,7 @@ def time_step(model, rows: int, max_len: int, min_pos: int, attention: str,
     with torch.no_grad():
         logits = step()[:, :4096].clone()  # eager, before any capture: compared across options
         if graphs:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            run = graph.replay
+            run = capture(step).replay
         else:
             run = step
         run()
@@ -110,8 +116,9 @@ def main() -> None:
               f"{bw / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     results, fused_on, reference = [], False, {}
     for name, attention, fused in OPTIONS:
-        if name not in args.options or (attention == "flash" and device.type != "cuda"):
-            continue  # flash attention runs on CUDA only
+        if name not in args.options or (attention in ("flash", "triton")
+                                         and device.type != "cuda"):
+            continue  # flash and the Triton attention run on CUDA only
         if fused and not fused_on:
             if device.type != "cuda":
                 break

@@ -28,19 +28,17 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
     None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
     not serve, logged). ``lock`` and ``version``: the engine's model lock and served version."""
     from fsdpfn.rollout import decode
-    from fsdpfn.rollout.slot_model import ATTENTION, SlotModel
+    from fsdpfn.rollout.slot_model import (ATTENTION, SlotModel, attention_refusal,
+                                           config_head_dim)
 
     if mode not in ("auto", "hf", "loop"):
         raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
     if attention not in ATTENTION:
         raise UpdateError(f"decode_attention: must be one of {ATTENTION}, got {attention!r}")
-    if attention in ("flash", "triton"):
-        from fsdpfn.rollout.slot_model import attention_refusal, config_head_dim
-
-        reason = attention_refusal(attention, device, next(model.parameters()).dtype,
-                                   config_head_dim(model.config))
-        if reason:
-            raise UpdateError(f"decode_attention: {reason}")
+    reason = attention_refusal(attention, device, next(model.parameters()).dtype,
+                               config_head_dim(model.config))
+    if reason:
+        raise UpdateError(f"decode_attention: {reason}")
     if mode == "hf" or (mode == "auto" and device.type != "cuda"):
         return None
     reason = decode.unsupported_reason(model)
