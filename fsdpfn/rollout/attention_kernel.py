@@ -108,19 +108,22 @@ def refusal(device: torch.device, head_dim: int) -> str | None:
     and a head size that is a power of two from 16 to 256."""
     import importlib.util
 
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None \
-            or head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+    triton = importlib.util.find_spec("triton") is not None
+    if device.type != "cuda" or not triton or head_dim < 16 or head_dim > 256 \
+            or head_dim & (head_dim - 1):
         return (f"'triton' needs CUDA with Triton installed and a head size that is a power of "
-                f"two from 16 to 256, got {device.type}"
-                f"{'' if importlib.util.find_spec('triton') else ' without Triton'} and "
-                f"{head_dim}")
+                f"two from 16 to 256, got {device.type}{'' if triton else ' without Triton'} "
+                f"and {head_dim}")
     return None
 
 
-def splits_for(rows: int, kv: int, length: int, block_n: int = BLOCK_N) -> tuple[int, int]:
+def splits_for(rows: int, kv: int, length: int, block_n: int = BLOCK_N,
+               want: int | None = None) -> tuple[int, int]:
     """(splits, positions per split, a multiple of block_n) for ``rows`` rows of ``kv`` heads
-    attending up to ``length`` positions."""
-    want = max(1, min(-(-TARGET_PROGRAMS // (rows * kv)), -(-length // block_n)))
+    attending up to ``length`` positions; about ``want`` splits if given, else enough for
+    TARGET_PROGRAMS programs."""
+    if want is None:
+        want = max(1, min(-(-TARGET_PROGRAMS // (rows * kv)), -(-length // block_n)))
     per = -(-length // want)
     per = -(-per // block_n) * block_n
     return -(-length // per), per
@@ -136,11 +139,8 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
     R, heads, D = q.shape
     kv = k_cache.shape[1]
     G = heads // kv
-    if splits is None:
-        splits, per = splits_for(R, kv, length, block_n)
-    else:
-        per = -(-(-(-length // splits)) // block_n) * block_n
-        splits = -(-length // per)
+    assert v_cache.stride() == k_cache.stride(), "k and v caches share one layout"
+    splits, per = splits_for(R, kv, length, block_n, splits)
     out = torch.empty(R, heads, D, dtype=q.dtype, device=q.device)
     direct = splits == 1
     if direct:
