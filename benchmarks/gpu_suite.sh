@@ -30,6 +30,8 @@
 #   s7      both GPUs: the demo on two GPUs, then s4
 #   s8      one GPU: GRPO from YAML on the 1.5B shape with its stage split (issue 22, owed), then
 #           a profile of the decode step
+#   s9      one GPU: the demo, then GRPO from YAML on the 1.5B shape with its stage split
+#   s10     one GPU: a profile of the decode step, the decode loop at every shape
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -329,6 +331,12 @@ for group in "$@"; do
         item grpo_1p5b 300 python -m fsdpfn run examples/gpu/grpo_qwen2_1p5b.yaml steps=5
         item grpo_stages 30 python benchmarks/stages.py /tmp/runs/grpo_1p5b
         item decode_profile 150 python benchmarks/decode_profile.py --rows 512 --new 64 ;;
+    s9) item demo1 200 env LAYOUTS=one DEMO_TIMEOUT=190 bash benchmarks/gpu_demo.sh "$out/demo"
+        item grpo_prep 60 python benchmarks/grpo_1p5b.py --root /tmp/fsdpfn_1p5b
+        item grpo_1p5b 280 python -m fsdpfn run examples/gpu/grpo_qwen2_1p5b.yaml steps=5
+        item grpo_stages 30 python benchmarks/stages.py /tmp/runs/grpo_1p5b ;;
+    s10) item decode_profile 200 python benchmarks/decode_profile.py --rows 512 --new 64
+         item rollout 300 python benchmarks/rollout.py ;;
     s7) item demo2 200 env LAYOUTS=two DEMO_TIMEOUT=190 bash benchmarks/gpu_demo.sh "$out/demo"
         item cp7b_196k 340 torchrun --nproc-per-node 2 benchmarks/cp.py \
           --out "$out/cp.jsonl" --cells cp2:196608 ;;
