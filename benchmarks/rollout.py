@@ -4,6 +4,7 @@ fsdpfn.rollout.generate, and the decode step time against its memory-bandwidth f
     python benchmarks/rollout.py                    # decode loop (CUDA graphs), Qwen2-1.5B shape
     python benchmarks/rollout.py --decode hf        # the HF generate path, for comparison
     python benchmarks/rollout.py --rows 512 --no-concurrent
+    python benchmarks/rollout.py --seeded           # every request seeded, as the RL recipes send
 
 A random Qwen2-1.5B-shaped model in bf16 is served by ``python -m fsdpfn.rollout`` on the GPU.
 Prompts of 256 random tokens, 8 samples each, temperature 1, no stop token. Each shape runs once
@@ -73,10 +74,11 @@ def floor_ms(rows: int, new: int, bandwidth: float) -> float:
     return (weights + kv) / (bandwidth * 1e9) * 1e3
 
 
-def run(url: str, rows: int, new: int, concurrent: bool) -> float:
+def run(url: str, rows: int, new: int, concurrent: bool, seeded: bool = False) -> float:
     g = torch.Generator().manual_seed(rows + new)
     prompts = torch.randint(0, QWEN2_1_5B["vocab_size"], (rows // N, PROMPT), generator=g).tolist()
-    kwargs = dict(n=N, max_new_tokens=new, temperature=1.0, timeout=3600)
+    kwargs = dict(n=N, max_new_tokens=new, temperature=1.0, timeout=3600,
+                  seed=rows + new if seeded else None)
     clock = time.perf_counter()
     if not concurrent:
         out = generate(url, prompts, **kwargs)["outputs"]
@@ -110,6 +112,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="*", default=None, help="only these shapes")
     p.add_argument("--no-concurrent", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--seeded", action="store_true",
+                   help="seed every request (the RL recipes do: reproducible runs)")
     add_decode_options(p)
     args = p.parse_args()
     bandwidth = copy_bandwidth()
@@ -127,16 +131,17 @@ def main() -> None:
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:
-                first = run(server.url, rows, new, False)
+                first = run(server.url, rows, new, False, args.seeded)
                 for concurrent in ([False] if args.no_concurrent else [False, True]):
                     before = server.get("/get_model_info").get("decode_stats") or {}
-                    wall = run(server.url, rows, new, concurrent)
+                    wall = run(server.url, rows, new, concurrent, args.seeded)
                     after = server.get("/get_model_info").get("decode_stats") or {}
                     steps = after.get("steps", 0) - before.get("steps", 0)
                     step_ms = (after.get("seconds", 0) - before.get("seconds", 0)) / steps * 1e3 \
                         if steps else float("nan")
                     row = {"rows in flight": f"{rows} ({rows // N} x {N})", "new tokens": new,
                            "clients": rows // N if concurrent else 1,
+                           "seeded": "yes" if args.seeded else "no",
                            "first wall (s)": f"{first:.1f}", "wall (s)": f"{wall:.1f}",
                            "generated tokens/s": f"{rows * new / wall:,.0f}",
                            "decode steps": steps, "step (ms)": f"{step_ms:.2f}",

@@ -30,13 +30,16 @@ The parameters also live elsewhere after a swap: the graphs (which captured thei
 dropped and captured again. A trainer that pauses before an update (drains) pays neither.
 
 Log-probs: log_softmax(logits / T) at the sampled token in float32, temperature applied, top-p /
-top-k not (T = 1 for greedy rows), as in the engine's HF path. On CUDA, rows without a seed,
-top-p or top-k draw from the model-dtype logits with two small kernels
-(fsdpfn/rollout/draw_kernel.py: the inverse CDF, one uniform per row, the same log-prob), instead
-of the float32 passes of device_sampling.sample.
+top-k not (T = 1 for greedy rows), as in the engine's HF path. On CUDA, rows without top-p or
+top-k draw from the model-dtype logits with two small kernels (fsdpfn/rollout/draw_kernel.py: the
+inverse CDF, one uniform per row, the same log-prob), instead of the float32 passes of
+device_sampling.sample.
 
-Sampling options: temperature, top-p, top-k, stop token ids and a per-request seed (each row's
-exponential race then draws from a hash of its seed, step and token id) run inside the step; stop
+Sampling options: temperature, top-p, top-k, stop token ids and a per-request seed run inside the
+step. A seeded row's draws depend only on its seed, the token's index and its logits, never on
+what else is batched: the exponential race from a hash of (seed, step, token id) on the CPU and
+for the first token, the inverse CDF at a Philox uniform keyed by (seed, step) in the CUDA loop
+(so a seed reproduces on the same kind of device, not across CPU and CUDA). Stop
 strings are matched on the finished rows by the engine. Penalties, min_new_tokens and min_p are
 refused by name (the engine checks before queueing); HF generate (--decode hf) serves them.
 """
@@ -126,8 +129,8 @@ class Decoder:
                  prefill_tokens: int = 16384, attention: str = "auto", compile: bool = False):
         self.net = SlotModel(model, slots, max_len, attention, compile)
         self.state = _State(slots, max_len, self.net.device)
-        # unseeded, untruncated rows draw with draw_kernel.py (CUDA); the key of its uniforms,
-        # advanced by every step (in the graphs too)
+        # untruncated rows draw with draw_kernel.py (CUDA); the key of the unseeded rows'
+        # uniforms, advanced by every step (in the graphs too)
         self.fused_draw = draw_kernel.available(self.net.device)
         self.noise_key = torch.randint(0, 2**31 - 1, (1,), device=self.net.device)
         self.params = [p for _, p in model.named_parameters()]
@@ -362,9 +365,10 @@ class Decoder:
         """One token for slots [0, R): forward, sampling, bookkeeping (device only)."""
         st = self.state
         tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
-        if self.fused_draw and not truncate and not seeded:
+        if self.fused_draw and not truncate:
             token, logp = draw_kernel.draw(self.net.decode(tok, pos, Lb, raw=True),
-                                           st.temperature[:R], self.noise_key)
+                                           st.temperature[:R], self.noise_key,
+                                           seeds=st.seed[:R] if seeded else None, steps=gen)
             self.noise_key.add_(1)
         else:
             logits = self.net.decode(tok, pos, Lb)

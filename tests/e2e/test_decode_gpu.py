@@ -209,7 +209,8 @@ def test_fused_draw_on_cuda():
     """The decode loop's draw (draw_kernel.py) compiled for the GPU: log-probs equal a
     float64 log_softmax(logits / T) at the drawn token, greedy rows take the first argmax, and
     draws over many keys follow softmax(logits / T) (chi-square at 6 categories in different
-    chunks, critical value 20.5 for p = 0.001), at the vocabulary size of the Qwen2 family."""
+    chunks, critical value 20.5 for p = 0.001), at the vocabulary size of the Qwen2 family;
+    seeded rows too, whose tokens depend on their seed and step alone."""
     from fsdpfn.rollout import draw_kernel
 
     if not draw_kernel.available(torch.device("cuda")):
@@ -240,6 +241,40 @@ def test_fused_draw_on_cuda():
     counts = counts[hot]
     chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
     assert chi2 < 20.5, (chi2, counts / n, p)
+    # seeded rows (the RL recipes seed every request): the same chi-square over (seed, step)
+    # pairs, and a row's token does not depend on its slot, the other rows or the unseeded key
+    seeds = torch.arange(2000, device="cuda") * 1000003 % 2**31
+    counts = torch.zeros(151936, dtype=torch.float64)
+    for step in range(10):
+        steps = torch.full((2000,), step, device="cuda")
+        t, lp = draw_kernel.draw(small, torch.full((2000,), 0.8, device="cuda"),
+                                 torch.tensor([step], device="cuda"), seeds=seeds, steps=steps)
+        counts += torch.bincount(t.cpu(), minlength=151936).double()
+        order = torch.randperm(2000, device="cuda")
+        again, lp2 = draw_kernel.draw(small, torch.full((2000,), 0.8, device="cuda"),
+                                      torch.tensor([step + 50], device="cuda"),
+                                      seeds=seeds[order], steps=steps[order])
+        assert torch.equal(again, t[order]) and torch.equal(lp2, lp[order])
+    n = counts.sum()
+    assert counts[hot].sum() == n, "a column of zero probability was drawn"
+    counts = counts[hot]
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 20.5, (chi2, counts / n, p)
+
+
+def test_seeded_loop_reproduces_its_tokens(engines):
+    """A seeded request through the CUDA decode loop (graphs, the Triton draw) gives the same
+    tokens and log-probs when sent again, and a different seed gives different tokens."""
+    from fsdpfn.rollout import SamplingParams
+
+    prompts = _prompts(8, 30, seed=5)
+    sp = dict(temperature=1.0, max_new_tokens=48, n=4)
+    first = engines[0].generate(prompts, SamplingParams(**sp, seed=3))["outputs"]
+    again = engines[0].generate(prompts, SamplingParams(**sp, seed=3))["outputs"]
+    other = engines[0].generate(prompts, SamplingParams(**sp, seed=4))["outputs"]
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
+    assert [o["output_logprobs"] for o in again] == [o["output_logprobs"] for o in first]
+    assert [o["output_ids"] for o in other] != [o["output_ids"] for o in first]
 
 
 @pytest.mark.parametrize("splits", [None, 1, 5])

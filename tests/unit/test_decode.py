@@ -366,6 +366,41 @@ assert counts[3] == 0 and counts[20] == 0 and counts[24:32].sum() == 0, counts
 live = p > 0
 chi2 = float(((counts[live] - n * p[live]) ** 2 / (n * p[live])).sum())
 assert chi2 < 55.5, (chi2, counts / n, p)
+
+# seeded rows: the token depends only on (seed, step, logits), not on the row's slot, the other
+# rows or the unseeded rows' key; over many (seed, step) pairs the draws follow the softmax
+# (the same chi-square); log-probs as above
+rows = 64
+seeds = torch.arange(rows) * 1000003 % 2**31
+seeds[5] = -1  # an unseeded row among them
+base = logits.expand(rows, 38).contiguous()
+counts = torch.zeros(38, dtype=torch.float64)
+for step in range(30):
+    steps = torch.full((rows,), step)
+    token, logp = draw_kernel.draw(base, torch.full((rows,), 0.8), torch.tensor([step]),
+                                   block=8, seeds=seeds, steps=steps)
+    keep = seeds >= 0
+    counts += torch.bincount(token[keep], minlength=38).double()
+    if step < 2:
+        order = torch.randperm(rows, generator=g)
+        again, lp2 = draw_kernel.draw(base[order], torch.full((rows,), 0.8),
+                                      torch.tensor([step + 99]), block=8, seeds=seeds[order],
+                                      steps=steps[order])
+        kept = keep[order]
+        assert torch.equal(again[kept], token[order][kept]), (again, token[order])
+        torch.testing.assert_close(lp2[kept], logp[order][kept])
+        want = (logits.double() / 0.8).log_softmax(-1)[0, token]
+        torch.testing.assert_close(logp.double(), want, atol=2e-6, rtol=0)
+n = counts.sum()
+assert counts[3] == 0 and counts[20] == 0 and counts[24:32].sum() == 0, counts
+chi2 = float(((counts[live] - n * p[live]) ** 2 / (n * p[live])).sum())
+assert chi2 < 55.5, (chi2, counts / n, p)
+# a different step or seed gives a different uniform: not every row repeats its token
+a, _ = draw_kernel.draw(base, torch.full((rows,), 0.8), torch.tensor([0]), block=8,
+                        seeds=seeds, steps=torch.zeros(rows, dtype=torch.long))
+b, _ = draw_kernel.draw(base, torch.full((rows,), 0.8), torch.tensor([0]), block=8,
+                        seeds=seeds, steps=torch.ones(rows, dtype=torch.long))
+assert not torch.equal(a, b)
 print("checked")
 """
 
