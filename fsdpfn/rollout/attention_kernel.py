@@ -8,11 +8,11 @@ holds the G query heads of one (row, kv head) in a tile of 16 and streams a rang
 cache positions through it, so the step reads each live key and value once, with a tile that is
 mostly real:
 
-1. ``split_kernel``, one program per (row, kv head, split of the positions): online softmax over
-   blocks of BLOCK_N positions below the row's length; it writes the split's output and log-sum-exp
-   (or, with one split, the final output in the model's dtype).
-2. ``merge_kernel``, one program per (row, query head), only with several splits: the splits'
-   outputs weighted by their share of the row's softmax mass.
+1. ``attention_split_kernel``, one program per (row, kv head, split of the positions): online
+   softmax over blocks of BLOCK_N positions below the row's length; it writes the split's output
+   and log-sum-exp (or, with one split, the final output in the model's dtype).
+2. ``attention_merge_kernel``, one program per (row, query head), only with several splits: the
+   splits' outputs weighted by their share of the row's softmax mass.
 
 Splits are chosen per launch so that rows x kv heads x splits fills the GPU; at 512 rows of a
 2-kv-head model one split is enough. Positions at or past a row's length are never read.
@@ -40,10 +40,10 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(q, k, v, used, out, part_o, part_l, scale, sq_r, sq_h, sk_s, sk_h, sk_l,
-                     so_r, so_h, G, KV, SPLITS, SPLIT_LEN, BLOCK_G: tl.constexpr,
-                     BLOCK_N: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
-                     PRECISION: tl.constexpr):
+    def attention_split_kernel(q, k, v, used, out, part_o, part_l, scale, sq_r, sq_h, sk_s, sk_h,
+                               sk_l, so_r, so_h, G, KV, SPLITS, SPLIT_LEN, BLOCK_G: tl.constexpr,
+                               BLOCK_N: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
+                               PRECISION: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -87,8 +87,8 @@ def _kernels():
                                            -float("inf")), mask=real)
 
     @triton.jit
-    def merge_kernel(part_o, part_l, out, so_r, so_h, HEADS, SPLITS, SP: tl.constexpr,
-                     D: tl.constexpr):
+    def attention_merge_kernel(part_o, part_l, out, so_r, so_h, HEADS, SPLITS,
+                               SP: tl.constexpr, D: tl.constexpr):
         r = tl.program_id(0)
         hq = tl.program_id(1)
         s = tl.arange(0, SP)
@@ -100,7 +100,7 @@ def _kernels():
         merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         tl.store(out + r.to(tl.int64) * so_r + hq * so_h + d, merged.to(out.dtype.element_ty))
 
-    return split_kernel, merge_kernel
+    return attention_split_kernel, attention_merge_kernel
 
 
 def refusal(device: torch.device, head_dim: int) -> str | None:
@@ -148,15 +148,16 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
     else:
         part_o = torch.empty(R, heads, splits, D, dtype=torch.float32, device=q.device)
         part_l = torch.empty(R, heads, splits, dtype=torch.float32, device=q.device)
-    split_kernel, merge_kernel = _kernels()
+    attention_split_kernel, attention_merge_kernel = _kernels()
     used = used.to(torch.int32)
-    split_kernel[(R, kv, splits)](
+    attention_split_kernel[(R, kv, splits)](
         q, k_cache, v_cache, used, out, part_o, part_l, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         G, kv, splits, per, BLOCK_G=max(16, 1 << (G - 1).bit_length()), BLOCK_N=block_n, D=D,
         DIRECT=direct, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)  # fp32: no TF32 rounding
     if not direct:
-        merge_kernel[(R, heads)](part_o, part_l, out, out.stride(0), out.stride(1), heads,
-                                 splits, SP=max(2, 1 << (splits - 1).bit_length()), D=D)
+        attention_merge_kernel[(R, heads)](part_o, part_l, out, out.stride(0), out.stride(1),
+                                           heads, splits,
+                                           SP=max(2, 1 << (splits - 1).bit_length()), D=D)
     return out.view(R, heads * D)
