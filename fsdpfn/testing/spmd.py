@@ -13,6 +13,9 @@ SpmdTimeout names the ranks still running.
 
 ``SpmdPool`` keeps the ranks alive across calls (a test session saves the start-up of torch in every
 process); a call that fails or times out tears the pool down, and the next call starts fresh ranks.
+After each call that succeeds on every rank, the ranks meet at a barrier and destroy the process
+groups the call created (every ``build_mesh`` makes four): gloo keeps two polling threads per group,
+and a test session's thousand leftover groups held both cores of a CI host in system time.
 """
 
 from __future__ import annotations
@@ -53,11 +56,36 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout: float, conn) -> N
         if msg is None:
             break
         fn, args, kwargs = msg
+        before = set(_groups())
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            _destroy_new_groups(before)
+            conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
             conn.send(("err", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _groups() -> list:
+    """This rank's process groups other than the default one."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return []
+    return [pg for pg in list(c10d._world.pg_map) if pg is not dist.group.WORLD]
+
+
+def _destroy_new_groups(before: set) -> None:
+    """Every rank has returned (the barrier), so none of the call's groups is in use."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    for pg in _groups():
+        if pg not in before:
+            dist.destroy_process_group(pg)
 
 
 class SpmdPool:

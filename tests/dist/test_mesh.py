@@ -79,3 +79,20 @@ def test_resolve_strategy_arithmetic():
         resolve_strategy(ff.ParallelStrategy(tp=4), 6)
     with pytest.raises(ff.ConfigError, match="tp: must be >= 1, got 0"):
         ff.ParallelStrategy(tp=0)
+
+
+def _group_count():
+    from fsdpfn.testing.spmd import _groups
+
+    ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    return len(_groups())
+
+
+@pytest.mark.timeout(120)
+def test_pooled_calls_do_not_keep_their_process_groups(spmd2):
+    """Each build_mesh creates process groups (gloo: two polling threads each); a pooled rank
+    destroys the ones a call created once every rank has returned, so a long session does not
+    pile them up (a thousand of them held a CI host's two cores in system time)."""
+    first = spmd2.run(_group_count, timeout=60)
+    assert first[0] >= 1  # the call itself sees the mesh's groups
+    assert spmd2.run(_group_count, timeout=60) == first  # not first + the previous call's
