@@ -13,9 +13,11 @@ SpmdTimeout names the ranks still running.
 
 ``SpmdPool`` keeps the ranks alive across calls (a test session saves the start-up of torch in every
 process); a call that fails or times out tears the pool down, and the next call starts fresh ranks.
-After each call that succeeds on every rank, the ranks meet at a barrier and destroy the process
-groups the call created (every ``build_mesh`` makes four): gloo keeps two polling threads per group,
-and a test session's thousand leftover groups held both cores of a CI host in system time.
+Every ``build_mesh`` makes process groups (four), and gloo keeps two polling threads per group;
+a test session's thousand leftover groups held both cores of a CI host in system time. Groups
+cannot simply be destroyed after a call: DTensor caches sharding decisions by value, and a new
+DeviceMesh equals an earlier one of the same layout, so a cached spec would name a destroyed group.
+So a pool restarts its ranks after a call that leaves them more than ``max_groups`` groups.
 """
 
 from __future__ import annotations
@@ -56,11 +58,9 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout: float, conn) -> N
         if msg is None:
             break
         fn, args, kwargs = msg
-        before = set(_groups())
         try:
             result = fn(*args, **kwargs)
-            _destroy_new_groups(before)
-            conn.send(("ok", result))
+            conn.send(("ok", (result, len(_groups()))))
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
             conn.send(("err", traceback.format_exc()))
     dist.destroy_process_group()
@@ -76,25 +76,16 @@ def _groups() -> list:
     return [pg for pg in list(c10d._world.pg_map) if pg is not dist.group.WORLD]
 
 
-def _destroy_new_groups(before: set) -> None:
-    """Every rank has returned (the barrier), so none of the call's groups is in use."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    dist.barrier()
-    for pg in _groups():
-        if pg not in before:
-            dist.destroy_process_group(pg)
-
-
 class SpmdPool:
     """world_size long-lived CPU ranks over gloo. Use as a context manager or call close()."""
 
-    def __init__(self, world_size: int, *, pg_timeout: float = 120.0, start_timeout: float = 120.0):
+    def __init__(self, world_size: int, *, pg_timeout: float = 120.0, start_timeout: float = 120.0,
+                 max_groups: int = 32):
         if world_size < 1:
             raise ValueError(f"world_size: must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.max_groups = max_groups
+        self.restarts = 0  # times the ranks were restarted for their leftover groups
         self.pg_timeout = pg_timeout
         self.start_timeout = start_timeout
         self._procs: list = []
@@ -159,7 +150,11 @@ class SpmdPool:
             self._start()
         for conn in self._conns:
             conn.send((fn, args, kwargs or {}))
-        return self._collect(timeout, getattr(fn, "__name__", repr(fn)))
+        answers = self._collect(timeout, getattr(fn, "__name__", repr(fn)))
+        if max(groups for _, groups in answers) > self.max_groups:
+            self.close()  # the next call starts fresh ranks
+            self.restarts += 1
+        return [result for result, _ in answers]
 
     def close(self) -> None:
         for conn, proc in zip(self._conns, self._procs):
