@@ -33,6 +33,7 @@
 #   s9      one GPU: the demo, then GRPO from YAML on the 1.5B shape with its stage split
 #   s10     one GPU: the decode tests, then the 1.5B GRPO run again (seeded draws in the kernel)
 #   s11     one GPU: the decode loop at every shape with seeded requests, a decode step profile
+#   s12     one GPU: the decode tests and the decode step profile
 #   long    both GPUs: the long cp cells alone (7B at 131k, Qwen3-1.7B at 262k)
 #   decode  one GPU, in sequence: where a decode step's time goes, eager and compiled; the
 #           compiled decode loop at 512 and 1,024 rows; the decode GPU tests
@@ -342,6 +343,8 @@ for group in "$@"; do
          item grpo_stages 30 python benchmarks/stages.py /tmp/runs/grpo_1p5b ;;
     s11) item rollout_seeded 220 python benchmarks/rollout.py --no-concurrent --seeded
          item decode_profile 200 python benchmarks/decode_profile.py --rows 512 --new 64 ;;
+    s12) item tests_decode 180 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
+         item decode_profile 150 python benchmarks/decode_profile.py --rows 512 --new 64 ;;
     s7) item demo2 200 env LAYOUTS=two DEMO_TIMEOUT=190 bash benchmarks/gpu_demo.sh "$out/demo"
         item cp7b_196k 340 torchrun --nproc-per-node 2 benchmarks/cp.py \
           --out "$out/cp.jsonl" --cells cp2:196608 ;;
