@@ -33,8 +33,8 @@ token. Rows with top-p / top-k keep ``sample`` (their graphs are captured separa
 
 Why seeded rows have their own path here: the RL recipes seed every request (reproducible
 runs), and ``sample``'s hashed noise costs a dozen int64 passes over [R, V] a step. On the H200
-the 1.5B GRPO example generated at 19,250 tokens/s at 128 rows with it (BENCHMARKS.md,
-2026-12-01 afternoon).
+the 1.5B GRPO example generated at 19,251 tokens/s at 128 rows with it, and at 29,226 with
+this draw (BENCHMARKS.md, 2026-12-01 afternoon).
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def _kernels():
         u = tl.rand(tl.load(counter), row)  # in [0, 1)
         if SEEDED:  # a seeded row: Philox at (its seed, the index of the token drawn)
             seed = tl.load(seeds + row)
-            u = tl.where(seed >= 0, tl.rand(tl.maximum(seed, 0), tl.load(steps + row).to(tl.int32)),
-                         u)
+            step = tl.load(steps + row).to(tl.int32)
+            u = tl.where(seed >= 0, tl.rand(tl.maximum(seed, 0), step), u)
         target = u * total
         # the first chunk whose running sum exceeds the target (rounding: the last with mass)
         k = tl.minimum(tl.sum((run <= target).to(tl.int32), 0),

@@ -13,11 +13,11 @@ SpmdTimeout names the ranks still running.
 
 ``SpmdPool`` keeps the ranks alive across calls (a test session saves the start-up of torch in every
 process); a call that fails or times out tears the pool down, and the next call starts fresh ranks.
-Every ``build_mesh`` makes process groups (four), and gloo keeps two polling threads per group;
-a test session's thousand leftover groups held both cores of a CI host in system time. Groups
-cannot simply be destroyed after a call: DTensor caches sharding decisions by value, and a new
-DeviceMesh equals an earlier one of the same layout, so a cached spec would name a destroyed group.
-So a pool restarts its ranks after a call that leaves them more than ``max_groups`` groups.
+Every ``build_mesh`` makes process groups (up to four), and gloo keeps two polling threads per
+group; a test session's thousand leftover groups held both cores of a CI host in system time.
+Groups cannot simply be destroyed after a call: DTensor caches sharding decisions by value, and a
+new DeviceMesh equals an earlier one of the same layout, so a cached spec would name a destroyed
+group. So a pool restarts its ranks after a call that leaves them more than ``max_groups`` groups.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def _groups() -> list:
 
     if not dist.is_initialized():
         return []
-    return [pg for pg in list(c10d._world.pg_map) if pg is not dist.group.WORLD]
+    registry = getattr(getattr(c10d, "_world", None), "pg_map", {})  # torch's own registry
+    return [pg for pg in list(registry) if pg is not dist.group.WORLD]
 
 
 class SpmdPool:
