@@ -301,6 +301,12 @@ s6() {
   item decode_profile 80 python benchmarks/decode_profile.py --rows 512 --new 64
 }
 
+grpo_1p5b() {  # GRPO from YAML on the 1.5B shape (model dir and data first), its stage split
+  item grpo_prep 60 python benchmarks/grpo_1p5b.py --root /tmp/fsdpfn_1p5b
+  item grpo_1p5b 280 python -m fsdpfn run examples/gpu/grpo_qwen2_1p5b.yaml steps=5
+  item grpo_stages 30 python benchmarks/stages.py /tmp/runs/grpo_1p5b
+}
+
 long() {
   item cp131k 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells cp2:131072
@@ -329,18 +335,12 @@ for group in "$@"; do
           tests/e2e/test_weights_gpu.py tests/e2e/test_cp_gpu.py ;;
     s5) s5 ;;
     s6) s6 ;;
-    s8) item grpo_prep 60 python benchmarks/grpo_1p5b.py --root /tmp/fsdpfn_1p5b
-        item grpo_1p5b 300 python -m fsdpfn run examples/gpu/grpo_qwen2_1p5b.yaml steps=5
-        item grpo_stages 30 python benchmarks/stages.py /tmp/runs/grpo_1p5b
+    s8) grpo_1p5b
         item decode_profile 150 python benchmarks/decode_profile.py --rows 512 --new 64 ;;
     s9) item demo1 200 env LAYOUTS=one DEMO_TIMEOUT=190 bash benchmarks/gpu_demo.sh "$out/demo"
-        item grpo_prep 60 python benchmarks/grpo_1p5b.py --root /tmp/fsdpfn_1p5b
-        item grpo_1p5b 280 python -m fsdpfn run examples/gpu/grpo_qwen2_1p5b.yaml steps=5
-        item grpo_stages 30 python benchmarks/stages.py /tmp/runs/grpo_1p5b ;;
+        grpo_1p5b ;;
     s10) item tests_decode 180 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
-         item grpo_prep 60 python benchmarks/grpo_1p5b.py --root /tmp/fsdpfn_1p5b
-         item grpo_1p5b 280 python -m fsdpfn run examples/gpu/grpo_qwen2_1p5b.yaml steps=5
-         item grpo_stages 30 python benchmarks/stages.py /tmp/runs/grpo_1p5b ;;
+         grpo_1p5b ;;
     s11) item rollout_seeded 220 python benchmarks/rollout.py --no-concurrent --seeded
          item decode_profile 200 python benchmarks/decode_profile.py --rows 512 --new 64 ;;
     s12) item tests_decode 180 python -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py
