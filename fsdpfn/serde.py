@@ -6,6 +6,7 @@ Errors are ConfigError with the dotted path, the rule and the value:
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, TypeVar
@@ -91,10 +92,7 @@ def _first_error(exc: BaseException, path: str) -> tuple[str, BaseException]:
 def _config_error(exc: BaseException, root: str = "") -> ConfigError:
     path, leaf = _first_error(exc, root)
     if isinstance(leaf, ForbiddenExtraKeysError):
-        keys = sorted(leaf.extra_fields)
-        where = f"{path}: " if path else ""
-        return ConfigError(f"{where}unknown key(s) {keys} (allowed: "
-                           f"{sorted(a.name for a in leaf.cl.__attrs_attrs__)})")
+        return _unknown_keys(leaf, path)
     msg = str(leaf)
     if isinstance(leaf, _NotAMapping):
         return ConfigError(f"{path or 'config'}: {msg}")
@@ -102,6 +100,23 @@ def _config_error(exc: BaseException, root: str = "") -> ConfigError:
         # the leaf names its own field; prefix the path of the enclosing config
         return ConfigError(f"{path}.{msg}" if path else msg)
     return ConfigError(f"{path or 'config'}: {type(leaf).__name__}: {msg}")
+
+
+def _unknown_keys(leaf: ForbiddenExtraKeysError, path: str) -> ConfigError:
+    """An unknown key named with the closest valid one; a key that moved (a class's
+    ``__fsdpfn_moved__``: {key: where it lives now}) is named with its new home."""
+    keys = sorted(leaf.extra_fields)
+    allowed = sorted(a.name for a in leaf.cl.__attrs_attrs__)
+    moved = getattr(leaf.cl, "__fsdpfn_moved__", {})
+    dotted = [f"{path}.{k}" if path else k for k in keys]
+    for key, full in zip(keys, dotted):
+        if key in moved:
+            return ConfigError(f"{full}: not a key here, {moved[key]}")
+    where = f"{path}: " if path else ""
+    close = difflib.get_close_matches(keys[0], allowed, n=1, cutoff=0.6) if len(keys) == 1 \
+        else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{where}unknown key(s) {keys}{hint} (allowed: {allowed})")
 
 
 def structure(data: Any, cls: type[T]) -> T:

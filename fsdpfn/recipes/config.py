@@ -1,20 +1,26 @@
 """Recipe configs: one frozen attrs class per recipe, composed of fsdpfn's own configs.
 
 A YAML file names its recipe (``recipe: grpo``) and is validated by fsdpfn's one cattrs converter
-(``fsdpfn.serde``): unknown keys are rejected, and errors name the dotted path, the rule and the
-value (``ppo.clip_low: must be < 1, got 1.5``). Print any recipe's full default config with
-``fsdpfn config NAME``.
+(``fsdpfn.serde``): unknown keys are rejected (naming the closest valid one), and errors name the
+dotted path, the rule and the value (``ppo.clip_low: must be < 1, got 1.5``). Print any recipe's
+full default config with ``fsdpfn config NAME``.
+
+``engine:`` is the policy's EngineConfig (precision, micro-batch budget, checkpointing, FSDP
+offload, LoRA, kernels: fsdpfn.recipes.engine); ``ref_engine:`` and ``critic_engine:`` override
+it for the reference model and ppo's critic. An explicit micro-batch budget below the longest row
+the data allows is refused here, before anything starts.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, LoRAConfig, MicroBatchSpec,
-                           OptimizerConfig, ParallelStrategy, PPOConfig, RWConfig, SFTConfig,
-                           _bool, _float, _float_conv, _int, _one_of)
+from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
+                           ParallelStrategy, PPOConfig, RWConfig, SFTConfig, _bool, _float,
+                           _float_conv, _int, _one_of)
 from fsdpfn.errors import ConfigError
 from fsdpfn.recipes.data import DataConfig
+from fsdpfn.recipes.engine import MOVED, EngineSection, check_recipe_engines
 from fsdpfn.recipes.model import ModelConfig
 from fsdpfn.recipes.reward import RewardConfig
 from fsdpfn.recipes.task import AdditionTask
@@ -160,6 +166,7 @@ def _check_rl_data(cfg) -> None:
 
 
 def _check_model_data(cfg) -> None:
+    check_recipe_engines(cfg)
     if cfg.data.from_files and cfg.model.embedded:
         raise ConfigError("model.path: data files need the model's own tokenizer; set "
                           "model.path to an HF model directory, got None (the embedded "
@@ -171,7 +178,7 @@ class GRPORecipe:
     """GRPO on the addition task: SFT warm-up, then per step: the rollout server samples
     ``advantage.group_size`` answers for each of ``prompts_per_step`` problems; rewards; ref and
     old log-probs (forward_logp); group advantages; ppo_step (decoupled PPO with the server's
-    behav_logp); push_weights; checkpoint on schedule. ``lora``: train adapters only (the
+    behav_logp); push_weights; checkpoint on schedule. ``engine.lora``: train adapters only (the
     warm-up too, exported merged); ref_logp is then the actor with its adapters disabled (one
     model in memory) and pushes carry the merged weights."""
 
@@ -180,17 +187,16 @@ class GRPORecipe:
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=80, validator=_int(1))
     prompts_per_step: int = attrs.field(default=64, validator=_int(1))
-    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=AdditionTask)
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    ref_engine: dict = attrs.field(factory=dict, hash=False)
     warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
     advantage: AdvantageConfig = attrs.field(
         factory=lambda: AdvantageConfig(estimator="grpo", group_size=8))
-    lora: LoRAConfig | None = attrs.field(default=None)
     ppo: PPOConfig = attrs.field(
         factory=lambda: PPOConfig(clip_low=0.2, clip_high=0.28, n_minibatches=8, kl_coef=0.01))
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
@@ -220,23 +226,23 @@ class GRPORecipe:
 class PPORecipe:
     """PPO with a critic and GAE on the addition task: like grpo, plus a critic (value head on
     the same tiny model) trained by critic_step; advantages from compute_values + GAE.
-    ``lora`` applies to the actor (as in grpo); the critic is trained in full."""
+    ``engine.lora`` applies to the actor (as in grpo); the critic is trained in full."""
 
     recipe: str = attrs.field(default="ppo", validator=_recipe_name("ppo"))
     run_dir: str = attrs.field(default="runs/ppo", validator=_path)
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=20, validator=_int(1))
     prompts_per_step: int = attrs.field(default=128, validator=_int(1))
-    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=AdditionTask)
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    ref_engine: dict = attrs.field(factory=dict, hash=False)
+    critic_engine: dict = attrs.field(factory=dict, hash=False)
     warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
     critic_optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
-    lora: LoRAConfig | None = attrs.field(default=None)
     advantage: AdvantageConfig = attrs.field(
         factory=lambda: AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
     ppo: PPOConfig = attrs.field(factory=lambda: PPOConfig(n_minibatches=4, kl_coef=0.01))
@@ -264,7 +270,7 @@ class PPORecipe:
 @attrs.frozen
 class SFTRecipe:
     """Supervised fine-tuning on solved addition problems (sft_step), held-out loss with
-    evaluate, export_hf of the result to run_dir/model (with ``lora``: adapters trained, the
+    evaluate, export_hf of the result to run_dir/model (with ``engine.lora``: adapters trained, the
     model exported merged)."""
 
     recipe: str = attrs.field(default="sft", validator=_recipe_name("sft"))
@@ -274,14 +280,12 @@ class SFTRecipe:
     batch_size: int = attrs.field(default=64, validator=_int(1))
     eval_every: int = attrs.field(default=20, validator=_int(0))
     export: bool = attrs.field(default=True, validator=_bool)
-    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=AdditionTask)
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    engine: EngineSection = attrs.field(factory=EngineSection)
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=3e-3))
-    lora: LoRAConfig | None = attrs.field(default=None)
     sft: SFTConfig = attrs.field(factory=SFTConfig)
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
@@ -301,12 +305,11 @@ class RWRecipe:
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=60, validator=_int(1))
     pairs_per_step: int = attrs.field(default=32, validator=_int(1))
-    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    engine: EngineSection = attrs.field(factory=EngineSection)
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-3))
     rw: RWConfig = attrs.field(factory=RWConfig)
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
@@ -320,7 +323,7 @@ class RWRecipe:
 @attrs.frozen
 class DPORecipe:
     """DPO (dpo_step) on the same pairs, against a frozen reference copy of the initial model
-    (forward_logp gives ref_logp). With ``lora`` the reference is the policy with its adapters
+    (forward_logp gives ref_logp). With ``engine.lora`` the reference is the policy with its adapters
     disabled (forward_logp(..., adapters=False)): one model in memory."""
 
     recipe: str = attrs.field(default="dpo", validator=_recipe_name("dpo"))
@@ -328,14 +331,13 @@ class DPORecipe:
     seed: int = attrs.field(default=0, validator=_int(0))
     steps: int = attrs.field(default=60, validator=_int(1))
     pairs_per_step: int = attrs.field(default=32, validator=_int(1))
-    dtype: str = attrs.field(default="auto", validator=_one_of("auto", "float32", "bfloat16"))
     task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
     parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    mb_spec: MicroBatchSpec = attrs.field(factory=lambda: MicroBatchSpec(max_tokens_per_mb=512))
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    ref_engine: dict = attrs.field(factory=dict, hash=False)
     optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
-    lora: LoRAConfig | None = attrs.field(default=None)
     dpo: DPOConfig = attrs.field(factory=lambda: DPOConfig(beta=0.1))
     launch: LaunchConfig = attrs.field(factory=LaunchConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
@@ -347,3 +349,6 @@ class DPORecipe:
 
 RECIPE_CONFIGS = {"grpo": GRPORecipe, "ppo": PPORecipe, "sft": SFTRecipe, "rw": RWRecipe,
                   "dpo": DPORecipe}
+for _cls in RECIPE_CONFIGS.values():  # fsdpfn.serde names the new home of a moved key
+    _cls.__fsdpfn_moved__ = {k: f"moved to {v} (one home per setting; fsdpfn config "
+                                f"{_cls().recipe} prints every key)" for k, v in MOVED.items()}

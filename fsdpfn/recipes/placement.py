@@ -144,7 +144,7 @@ def _check_layout(cfg, nproc: int) -> None:
 
 
 def resolve_dtype(cfg, device: str) -> str:
-    """A recipe's ``dtype: auto``: float32 on the CPU, bfloat16 on CUDA."""
-    if cfg.dtype != "auto":
-        return cfg.dtype
+    """A recipe's ``engine.dtype: auto``: float32 on the CPU, bfloat16 on CUDA."""
+    if cfg.engine.dtype != "auto":
+        return cfg.engine.dtype
     return "bfloat16" if device == "cuda" else "float32"

@@ -37,6 +37,7 @@ from tensordict import TensorDict
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.recipes.data import AdditionSource, load_source
+from fsdpfn.recipes.engine import build_engine, engines
 from fsdpfn.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.recipes.reward import build_reward_pool
 from fsdpfn.recipes.runtime import (Metrics, Progress, RunContext, all_reduce_sum,
@@ -55,10 +56,11 @@ DEFAULT_REWARDS = {"embedded": "fsdpfn.recipes.rewards:addition",
 
 
 def _engine(cfg, ctx: RunContext, model_path: Path, *, optimizer,
-            critic: bool = False) -> ff.EngineConfig:
-    return ff.EngineConfig(model_path=str(model_path), dtype=ctx.dtype, mb_spec=cfg.mb_spec,
-                           optimizer=optimizer, is_critic=critic, seed=cfg.seed,
-                           lora=None if critic else cfg.lora)
+            role: str = "engine") -> ff.EngineConfig:
+    """The EngineConfig of the policy (``engine``), the reference (``ref_engine``) or the
+    critic (``critic_engine``): the YAML's section plus what the recipe owns."""
+    return build_engine(engines(cfg)[role], model_path=model_path, device=ctx.device,
+                        optimizer=optimizer, seed=cfg.seed, critic=role == "critic_engine")
 
 
 def _is_model_dir(path: Path) -> bool:
@@ -301,12 +303,12 @@ def run(cfg, ctx: RunContext) -> int:
 def _states(cfg, ctx: RunContext, mesh, source: Path, latest, start: int):
     actor = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.optimizer), mesh)
     ref = None  # with lora: the actor with its adapters disabled (forward_logp adapters=False)
-    if cfg.lora is None:
-        ref = ff.shard_model(_engine(cfg, ctx, source, optimizer=None), mesh)
+    if cfg.engine.lora is None:
+        ref = ff.shard_model(_engine(cfg, ctx, source, optimizer=None, role="ref_engine"), mesh)
     critic = None
     if cfg.recipe == "ppo":
         critic = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.critic_optimizer,
-                                        critic=True), mesh)
+                                        role="critic_engine"), mesh)
     if latest is not None:
         actor, _ = ff.load_checkpoint(actor, latest)
         if critic is not None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.recipes.data import load_source
+from fsdpfn.recipes.engine import build_engine, engines
 from fsdpfn.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.recipes.runtime import Metrics, Progress, RunContext, is_main, log, \
     mean_sequence_prob
@@ -34,11 +35,13 @@ __all__ = ["run_sft", "run_rw", "run_dpo", "nll_loss", "pairwise_loss"]
 HELD_OUT_SEED = 987_654_321
 
 
-def _engine(cfg, ctx: RunContext, *, optimizer, critic: bool = False) -> ff.EngineConfig:
-    return ff.EngineConfig(model_path=str(initial_model_dir(cfg.model, ctx.run_dir)),
-                           dtype=ctx.dtype, mb_spec=cfg.mb_spec, optimizer=optimizer,
-                           is_critic=critic, seed=cfg.model.seed,
-                           lora=None if critic else getattr(cfg, "lora", None))
+def _engine(cfg, ctx: RunContext, *, optimizer, critic: bool = False,
+            role: str = "engine") -> ff.EngineConfig:
+    """The YAML's ``engine`` (or ``ref_engine``) section plus what the recipe owns; the rw
+    model is a critic."""
+    return build_engine(engines(cfg)[role], model_path=initial_model_dir(cfg.model, ctx.run_dir),
+                        device=ctx.device, optimizer=optimizer, seed=cfg.model.seed,
+                        critic=critic)
 
 
 def _sft_batch(examples):
@@ -191,8 +194,8 @@ def run_dpo(cfg, ctx: RunContext):
     tok = load_tokenizer(cfg.model)
     state = ff.shard_model(_engine(cfg, ctx, optimizer=cfg.optimizer), mesh)
     ref = None  # with lora: the policy with its adapters disabled, no second model
-    if cfg.lora is None:
-        ref = ff.shard_model(_engine(cfg, ctx, optimizer=None), mesh)  # the same initial weights
+    if cfg.engine.lora is None:
+        ref = ff.shard_model(_engine(cfg, ctx, optimizer=None, role="ref_engine"), mesh)  # the same initial weights
     held = _held_out(cfg, ctx, tok, 256)
 
     def step_fn(s, local):

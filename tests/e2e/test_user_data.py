@@ -59,7 +59,7 @@ def ws(tmp_path_factory):
               "data": {"train_files": [str(root / "train.jsonl")],
                        "eval_files": [str(root / "eval.jsonl")],
                        "max_prompt_tokens": 64, "max_response_tokens": 8},
-              "launch": {"nproc": 1}, "mb_spec": {"max_tokens_per_mb": 2048}}
+              "launch": {"nproc": 1}, "engine": {"mb_spec": {"max_tokens_per_mb": 2048}}}
     configs = {
         "grpo": {"recipe": "grpo", "steps": 2, "prompts_per_step": 4,
                  "reward": {"fn": "myrewards:score", "workers": 2, "timeout_s": 20},

@@ -45,19 +45,22 @@ def test_engine_config_refuses_lora_on_a_critic():
 @pytest.mark.parametrize("cls, name", [(GRPORecipe, "grpo"), (SFTRecipe, "sft"),
                                        (DPORecipe, "dpo")])
 def test_recipes_accept_lora_in_yaml(cls, name):
-    cfg = serde.from_yaml(f"recipe: {name}\nlora:\n  rank: 16\n  alpha: 32\n"
-                          f"  target_modules: [q_proj, v_proj]\n", cls)
-    assert cfg.lora == ff.LoRAConfig(rank=16, alpha=32.0, target_modules=("q_proj", "v_proj"))
+    cfg = serde.from_yaml(f"recipe: {name}\nengine:\n  lora:\n    rank: 16\n    alpha: 32\n"
+                          f"    target_modules: [q_proj, v_proj]\n", cls)
+    assert cfg.engine.lora == ff.LoRAConfig(rank=16, alpha=32.0,
+                                            target_modules=("q_proj", "v_proj"))
     assert serde.from_yaml(serde.to_yaml(cfg), cls) == cfg
-    assert serde.from_yaml(f"recipe: {name}\n", cls).lora is None
+    assert serde.from_yaml(f"recipe: {name}\n", cls).engine.lora is None
 
 
 def test_yaml_string_target_modules_is_one_name_not_its_characters():
-    cfg = serde.from_yaml("recipe: grpo\nlora:\n  target_modules: all-linear\n", GRPORecipe)
-    assert cfg.lora.target_modules == ("all-linear",)
-    with pytest.raises(ConfigError, match="lora.target_modules: 'all-linear' must stand alone"):
-        serde.from_yaml("recipe: grpo\nlora:\n  target_modules: [all-linear, q_proj]\n",
-                        GRPORecipe)
+    cfg = serde.from_yaml("recipe: grpo\nengine:\n  lora:\n    target_modules: all-linear\n",
+                          GRPORecipe)
+    assert cfg.engine.lora.target_modules == ("all-linear",)
+    with pytest.raises(ConfigError,
+                       match="engine.lora.target_modules: 'all-linear' must stand alone"):
+        serde.from_yaml("recipe: grpo\nengine:\n  lora:\n    target_modules: [all-linear, "
+                        "q_proj]\n", GRPORecipe)
 
 
 def test_target_names_all_linear_and_unknown_names():

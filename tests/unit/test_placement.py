@@ -65,7 +65,7 @@ def test_explicit_gpus_and_their_errors():
 def test_cpu_trainer_with_a_gpu_server_and_float32_on_request():
     p = place("grpo", 2, "launch.device=cpu", "rollout.device=cuda")
     assert p.device == "cpu" and p.server_gpus == (1,) and p.transport == "broadcast"
-    assert place("grpo", 1, "dtype=float32").dtype == "float32"
+    assert place("grpo", 1, "engine.dtype=float32").dtype == "float32"
 
 
 def test_parallel_layout_must_fill_the_ranks():
