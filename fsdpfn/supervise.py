@@ -6,6 +6,9 @@ on Linux the kernel sends them SIGKILL when the launcher dies, even by SIGKILL. 
 children (the trainer ranks) are not the launcher's, so each rank runs ``watch_launcher()``: a
 daemon thread that exits the process within about a second of the launcher's pid going away
 (the pid comes in the environment as FSDPFN_LAUNCHER_PID; the server takes ``--parent-pid``).
+Processes that a rank starts itself (the reward workers) call ``exit_with_parent()`` first thing:
+the same kernel signal, set by the child (no ``preexec_fn`` in a threaded parent), and a watch
+of its own; so a worker dies with rank 0 even in the middle of a call that never returns.
 
 ``run_dir/run_state.json`` holds the launcher's record of the run:
 
@@ -29,7 +32,8 @@ import time
 from pathlib import Path
 
 __all__ = ["LAUNCHER_PID_ENV", "RUN_STATE", "die_with_parent", "watch_launcher", "watch_pid",
-           "pid_alive", "write_run_state", "read_run_state", "last_run", "describe_last_run"]
+           "exit_with_parent", "pid_alive", "write_run_state", "read_run_state", "last_run",
+           "describe_last_run"]
 
 LAUNCHER_PID_ENV = "FSDPFN_LAUNCHER_PID"
 RUN_STATE = "run_state.json"
@@ -94,6 +98,19 @@ def watch_pid(pid: int, on_gone, *, interval: float = 0.5, name: str = "fsdpfn-w
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def exit_with_parent(parent: int, *, kernel: bool = True, interval: float = 0.5) -> None:
+    """Called by a child process itself: end it when ``parent`` (its parent's pid, handed over
+    by the parent) exits. ``kernel``: PR_SET_PDEATHSIG SIGKILL too, which works even while the
+    child's own code holds the GIL; pass it only when the parent started this process from its
+    main thread, since the kernel sends the signal when the forking thread ends. A watchdog
+    thread on the parent's pid covers the other case (and systems without prctl)."""
+    if kernel and sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # it died before this process could watch it
+        os._exit(1)
+    watch_pid(parent, lambda: os._exit(1), interval=interval, name="fsdpfn-parent-watch")
 
 
 def watch_launcher(what: str, pid: int | None = None, *, interval: float = 0.5):

@@ -1,9 +1,11 @@
 """The reward worker process, and what both ends of its pipe share (stdlib only).
 
 fsdpfn.recipes.reward starts this file as a script in a fresh interpreter
-(``python -P _reward_worker.py FD``): it never imports fsdpfn (nor torch), so a worker starts in
-tens of milliseconds and a hung one is replaced at once. Over the socket FD it speaks
-multiprocessing.connection messages:
+(``python -P _reward_worker.py FD PARENT_PID main|thread``): it never imports fsdpfn (nor torch),
+so a worker starts in tens of milliseconds and a hung one is replaced at once. It dies with its
+parent, mid-call too (fsdpfn/supervise.py's ``exit_with_parent``, loaded from its file; the
+kernel's parent-death signal only when the parent started it from its main thread). Over the
+socket FD it speaks multiprocessing.connection messages:
 
     parent -> worker   {"sys_path": [...], "spec": "pkg.mod:fn", "kwargs": {...}}   once, first
     worker -> parent   ("ready", pid) | ("init_error", "ImportError: ...")
@@ -30,6 +32,7 @@ import traceback
 # built-in reward modules that need only the stdlib: a worker loads them from their file, under
 # their own name, instead of importing the fsdpfn package (and torch) first
 _LIGHT_MODULES = {"fsdpfn.recipes.rewards": os.path.join(os.path.dirname(__file__), "rewards.py")}
+_SUPERVISE_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "supervise.py")
 
 
 FORMAT_RULE = "must be 'package.module:function' or 'path/to/file.py:function'"
@@ -187,6 +190,8 @@ def _serve(conn) -> None:
 def main(argv: list[str]) -> None:
     from multiprocessing.connection import Connection
 
+    supervise = _load_from_file("_fsdpfn_supervise", _SUPERVISE_FILE)  # stdlib only
+    supervise.exit_with_parent(int(argv[2]), kernel=argv[3] == "main")
     # Ctrl-C reaches the whole process group: the parent decides, the workers go on
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _serve(Connection(int(argv[1])))

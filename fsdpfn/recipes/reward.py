@@ -29,7 +29,8 @@ Failures never stop the run. RewardPool calls the function in worker processes, 
 timeout; a call that raises (``exception``), exceeds ``timeout_s`` (``timeout``) or returns a
 non-number (``invalid``) scores ``on_error`` and is reported in RewardResult.errors with its index,
 message, prompt and completion (truncated), and counted. A timed-out or dead worker is killed and
-replaced by a fresh one at once, so the next calls run at full speed.
+replaced by a fresh one at once, so the next calls run at full speed. A worker dies with the
+process that started it, even in the middle of a call (fsdpfn.supervise.exit_with_parent).
 
 Batched failures: an exception or a timeout fails the whole batch (every sample scores
 ``on_error`` and carries the batch's error); there is no retry, since retrying a hang multiplies
@@ -45,9 +46,11 @@ calling process: exceptions and invalid values are still caught, but a hang hang
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -415,7 +418,11 @@ class RewardPool:
     def _spawn(self) -> _Worker:
         parent, child = socket.socketpair()
         try:
-            proc = subprocess.Popen([sys.executable, "-P", _WORKER_FILE, str(child.fileno())],
+            # the worker ties itself to this process (the kernel's parent-death signal is
+            # bound to the forking thread: only safe from the main thread)
+            forker = "main" if threading.current_thread() is threading.main_thread() else "thread"
+            proc = subprocess.Popen([sys.executable, "-P", _WORKER_FILE, str(child.fileno()),
+                                     str(os.getpid()), forker],
                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
