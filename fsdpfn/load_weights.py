@@ -31,7 +31,8 @@ from fsdpfn import lora
 from fsdpfn.agree import agree_on_error
 from fsdpfn.errors import ConfigError
 
-__all__ = ["load_weights", "build_skeleton", "torch_dtype", "DiskWeights", "RandomWeights"]
+__all__ = ["load_weights", "build_skeleton", "restore_buffers", "torch_dtype", "DiskWeights",
+           "RandomWeights"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -45,6 +46,46 @@ def build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) ->
     with torch.device(device):
         model = auto.from_config(hf_config, dtype=dtype)
     return model
+
+
+def _computed_buffers(hf_config, *, is_critic: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """name -> value of every non-persistent buffer of ``hf_config``'s model, computed by HF's
+    own ``_init_weights`` (what ``from_pretrained`` runs for them) on a meta skeleton whose
+    buffer-owning modules alone get real (CPU) buffers; parameters stay on meta, untouched."""
+    ref = build_skeleton(hf_config, is_critic=is_critic, dtype=dtype, device="meta")
+    names = [name for name, _ in ref.named_non_persistent_buffers()]
+    for prefix in sorted({name.rpartition(".")[0] for name in names}):
+        module = ref.get_submodule(prefix)
+        for name in module._non_persistent_buffers_set:  # noqa: SLF001 - torch's own record
+            if module._buffers.get(name) is not None:  # noqa: SLF001
+                module._buffers[name] = torch.full_like(module._buffers[name], float("nan"),
+                                                        device="cpu")
+        for param in module.parameters(recurse=False):
+            param._is_hf_initialized = True  # HF's init functions skip it
+        with torch.no_grad():
+            ref._init_weights(module)  # noqa: SLF001 - HF's own init, per module
+    return {name: ref.get_buffer(name) for name in names}
+
+
+def restore_buffers(lm: nn.Module, hf_config, *, is_critic: bool, dtype: torch.dtype,
+                    device) -> None:
+    """Fill the non-persistent buffers of ``lm`` (rotary frequencies of every layer type,
+    embedding scales, ...: in no checkpoint, garbage after the meta build) with the values the
+    model's own loading gives them; see _computed_buffers. A buffer HF's init leaves unset is
+    refused by name rather than left holding garbage."""
+    for name, value in _computed_buffers(hf_config, is_critic=is_critic, dtype=dtype).items():
+        if value.is_floating_point() and torch.isnan(value).any():
+            raise ConfigError(f"model_config.model_type: {hf_config.model_type!r} keeps buffer "
+                              f"{name!r} outside its checkpoint and its init does not compute "
+                              f"it; this family is not supported")
+        prefix, _, leaf = name.rpartition(".")
+        try:
+            owner = lm.get_submodule(prefix)
+        except AttributeError:
+            continue
+        old = owner._buffers.get(leaf)  # noqa: SLF001
+        if old is not None:
+            owner._buffers[leaf] = value.to(device=device, dtype=old.dtype)  # noqa: SLF001
 
 
 class DiskWeights:

@@ -84,10 +84,14 @@ class PackedModel(nn.Module):
         if self.is_critic:
             # a fresh tensor, not a view: FSDP2 hooks the module's outputs for backward
             return self.lm.score(hidden).float().flatten().clone()
+        head = self.lm.get_output_embeddings()
+        softcap = getattr(self.lm.config, "final_logit_softcapping", None) or None
         if full_logits:
-            logits = self.lm.get_output_embeddings()(hidden)
-            return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-        weight = self.lm.get_output_embeddings().weight  # (V, H), DTensor Shard(0) under tp
+            logits = head(hidden)
+            logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+            return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+        weight = head.weight  # (V, H), DTensor Shard(0) under tp
+        bias = getattr(head, "bias", None)  # (V,) or None, sharded like the weight
         if self.tp_group is not None:
             local = weight.to_local()
             # uneven vocabularies: Shard(0) splits like torch.chunk (the last shards are shorter)
@@ -96,11 +100,14 @@ class PackedModel(nn.Module):
             assert local.shape[0] == stop - start, (tuple(local.shape), start, stop)
             logp, entropy = vocab_parallel_logprobs(
                 hidden, local, targets, group=self.tp_group, vocab_start=start,
-                chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy)
-        elif self.logprobs_impl == "liger" and not with_entropy:
+                chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
+                bias=None if bias is None else bias.to_local(), softcap=softcap)
+        elif self.logprobs_impl == "liger" and not with_entropy and bias is None \
+                and softcap is None:
             logp, entropy = liger_logprobs(hidden, weight, targets, temperature=temperature), None
         else:
             logp, entropy = chunked_logprobs(hidden, weight, targets, chunk_size=chunk_size,
-                                             temperature=temperature, with_entropy=with_entropy)
+                                             temperature=temperature, with_entropy=with_entropy,
+                                             bias=bias, softcap=softcap)
         # fresh tensors, not views: FSDP2 hooks the module's outputs for backward
         return logp.clone(), (None if entropy is None else entropy.clone())

@@ -19,7 +19,7 @@ from fsdpfn import cp, lora
 from fsdpfn.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
-from fsdpfn.load_weights import build_skeleton, load_weights, torch_dtype
+from fsdpfn.load_weights import build_skeleton, load_weights, restore_buffers, torch_dtype
 from fsdpfn.mesh import Mesh
 from fsdpfn.ops.logprobs import vocab_shard_range
 from fsdpfn.optim_build import build_optimizer, build_scheduler, lr_factor
@@ -191,20 +191,6 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, config: EngineConfig) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-# ---------------------------------------------------------------- weights
-
-
-def _restore_buffers(model: nn.Module, device) -> None:
-    """Non-persistent buffers (rotary inv_freq) are not in checkpoints: rebuild them."""
-    for module in model.modules():
-        if "inv_freq" in dict(module.named_buffers(recurse=False)):
-            fresh = type(module)(module.config)
-            for name, buf in fresh.named_buffers(recurse=False):
-                setattr(module, name, buf.to(device))
-            if hasattr(fresh, "attention_scaling"):
-                module.attention_scaling = fresh.attention_scaling
-
-
 # ---------------------------------------------------------------- the public function
 
 
@@ -242,7 +228,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
         model.cp_group = mesh.group("cp")
     apply_fsdp(model, mesh, config)
     model.to_empty(device="cpu" if config.fsdp.offload_params else mesh.device)
-    _restore_buffers(model, mesh.device)
+    restore_buffers(lm, hf_config, is_critic=config.is_critic, dtype=dtype, device=mesh.device)
     load_weights(model, hf_config, config, mesh)  # checks, agrees, then fills the shards
     optimizer = scheduler = None
     if config.optimizer is not None:

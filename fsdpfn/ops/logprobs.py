@@ -100,8 +100,14 @@ def _half_dtype(weight: torch.Tensor) -> torch.dtype | None:
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, temperature: float,
-                  half: torch.dtype | None) -> torch.Tensor:
+                  half: torch.dtype | None, bias=None, softcap=None) -> torch.Tensor:
+    """The head's logits of one chunk as the model computes them, then / temperature:
+    h @ w.T (+ bias), softcapped as softcap * tanh(z / softcap) when the model caps them."""
     z = _mm32(h, w.t(), half)  # (c, V_local) fp32, a fresh buffer we may overwrite
+    if bias is not None:
+        z.add_(bias.float())
+    if softcap is not None:
+        z = z.div_(softcap).tanh_().mul_(softcap)
     return z if temperature == 1.0 else z.div_(temperature)
 
 
@@ -153,7 +159,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """hidden[N, H], weight[V_local, H], targets[N] -> (logp[N], entropy[N] or empty)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, temperature, with_entropy, group, vocab_start):
+    def forward(ctx, hidden, weight, targets, chunk_size, temperature, with_entropy, group,
+                vocab_start, bias, softcap):
         n = hidden.shape[0]
         half = _half_dtype(weight)
         w_mm = weight if half is not None else weight.float()
@@ -162,13 +169,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z = _chunk_logits(hidden[s:e], w_mm, temperature, half)
+            z = _chunk_logits(hidden[s:e], w_mm, temperature, half, bias, softcap)
             lse[s:e], logp[s:e], ent = _chunk_forward(z, targets[s:e], vocab_start, group, with_entropy)
             if with_entropy:
                 entropy[s:e] = ent
             del z
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.cfg = (chunk_size, temperature, with_entropy, group, vocab_start)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, bias)
+        ctx.cfg = (chunk_size, temperature, with_entropy, group, vocab_start, softcap)
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -177,9 +184,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        chunk_size, temperature, with_entropy, group, vocab_start = ctx.cfg
+        hidden, weight, targets, lse, entropy, bias = ctx.saved_tensors
+        chunk_size, temperature, with_entropy, group, vocab_start, softcap = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[8]
         if not with_entropy:
             grad_entropy = None
         n = hidden.shape[0]
@@ -187,32 +195,42 @@ class _ChunkedLogprobs(torch.autograd.Function):
         w_mm = weight if half is not None else weight.float()
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         if grad_logp is not None or grad_entropy is not None:
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
                 h = hidden[s:e] if half is not None else hidden[s:e].float()
-                z = _chunk_logits(h, w_mm, temperature, half)
+                z = _chunk_logits(h, w_mm, temperature, half, bias, softcap)
+                # d softcap*tanh(x/softcap) / dx = 1 - tanh², tanh = z * temperature / softcap
+                cap_grad = None if softcap is None else \
+                    1.0 - (z * (temperature / softcap)).square_()
                 gz = _chunk_grad_logits(
                     z, lse[s:e], entropy[s:e] if grad_entropy is not None else None,
                     None if grad_logp is None else grad_logp[s:e].float(),
                     None if grad_entropy is None else grad_entropy[s:e].float(),
                     targets[s:e], vocab_start, temperature)
+                if cap_grad is not None:
+                    gz.mul_(cap_grad)
+                if need_b:
+                    grad_b.add_(gz.sum(0))
                 if need_h:
                     grad_h[s:e] = _mm32(gz, w_mm, half)
                 if need_w and half is not None:
                     grad_w.add_(_mm32(gz.t(), h, half))
                 elif need_w:
                     grad_w.addmm_(gz.t(), h)
-                del z, gz
+                del z, gz, cap_grad
         if need_h and n > 0:
             # each rank only saw its vocab rows: the hidden grad is the sum over the group
             _all_reduce(grad_h, dist.ReduceOp.SUM, group)
         return (None if grad_h is None else grad_h.to(hidden.dtype),
                 None if grad_w is None else grad_w.to(weight.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None,
+                None if grad_b is None else grad_b.to(bias.dtype), None)
 
 
-def _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, group, vocab_start):
+def _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, group, vocab_start,
+             bias=None, softcap=None):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     temperature = _check_temperature(temperature)
@@ -226,23 +244,33 @@ def _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, gro
                          f"got {tuple(targets.shape)}")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise BatchError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    if bias is not None and tuple(bias.shape) != tuple(weight.shape[:1]):
+        raise BatchError(f"bias must be [V] with V = weight.shape[0] = {weight.shape[0]}, got "
+                         f"shape {tuple(bias.shape)}")
+    if softcap is not None and not float(softcap) > 0:
+        raise ConfigError(f"softcap must be > 0 or None, got {softcap!r}")
     lead = targets.shape
     logp, entropy = _ChunkedLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(),
-        chunk_size, temperature, bool(with_entropy), group, int(vocab_start))
+        chunk_size, temperature, bool(with_entropy), group, int(vocab_start), bias,
+        None if softcap is None else float(softcap))
     return logp.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                     chunk_size: int = 1024, temperature: float = 1.0, with_entropy: bool = False):
-    """Log-probabilities of targets under softmax((hidden @ weight.T) / temperature), chunked.
+                     chunk_size: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
+                     bias: torch.Tensor | None = None, softcap: float | None = None):
+    """Log-probabilities of targets under softmax(z / temperature), chunked, with the head's
+    logits z = hidden @ weight.T (+ ``bias`` [V]), capped as softcap * tanh(z / softcap) when
+    ``softcap`` is given (Gemma-2/3's final_logit_softcapping).
 
     hidden[N, H] (or [..., H]), weight[V, H] (lm_head), targets[N] int -> (logp[N] float32,
     entropy[N] float32 or None). At most chunk_size x V float32 logits exist at a time (a small
     constant number of such buffers), in the forward and in the backward, which recomputes each
     chunk's logits from the saved hidden and weight. Grads flow to hidden and weight, in their dtypes.
     """
-    return _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, None, 0)
+    return _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, None, 0,
+                    bias, softcap)
 
 
 def vocab_shard_range(vocab_size: int, n_shards: int, index: int) -> tuple[int, int]:
@@ -258,7 +286,8 @@ def vocab_shard_range(vocab_size: int, n_shards: int, index: int) -> tuple[int, 
 
 def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *,
                             group, vocab_start: int, chunk_size: int = 1024, temperature: float = 1.0,
-                            with_entropy: bool = False):
+                            with_entropy: bool = False, bias: torch.Tensor | None = None,
+                            softcap: float | None = None):
     """`chunked_logprobs` with the lm_head rows split over the ranks of `group`.
 
     weight_shard[V_local, H] holds rows vocab_start .. vocab_start + V_local of the full [V, H]
@@ -273,7 +302,8 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, ta
                           "(use chunked_logprobs for an unsharded lm_head)")
     if int(vocab_start) < 0:
         raise ConfigError(f"vocab_start must be >= 0, got {vocab_start!r}")
-    return _chunked(hidden, weight_shard, targets, chunk_size, temperature, with_entropy, group, vocab_start)
+    return _chunked(hidden, weight_shard, targets, chunk_size, temperature, with_entropy, group,
+                    vocab_start, bias, softcap)
 
 
 # --------------------------------------------------------------------------------------------

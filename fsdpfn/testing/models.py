@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["tiny_qwen2_config", "tiny_llama_config", "tiny_qwen3_config", "save_tiny_model",
-           "sharded_logits"]
+           "sharded_logits", "tiny_family_configs", "FAMILY_WINDOW", "hf_config_of",
+           "save_family_model", "hf_reference_logp"]
 
 
 def _common(overrides: dict) -> dict:
@@ -39,6 +40,56 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**_common({"head_dim": 16, **overrides}))
 
 
+# the sliding window of the tiny family configs: shorter than their test rows (40-64 tokens)
+FAMILY_WINDOW = 12
+
+
+def _family_specs() -> dict[str, dict]:
+    """model_type and overrides of each tiny family variant (3 layers, odd vocabulary 131)."""
+    w = FAMILY_WINDOW
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    gemma2 = dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                  final_logit_softcapping=3.0, sliding_window=w, hidden_activation="gelu_pytorch_tanh",
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    return {
+        "llama": dict(model_type="llama"),
+        "llama-rope-llama3": dict(model_type="llama", rope_scaling=llama3),
+        "llama-rope-linear": dict(model_type="llama",
+                                  rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        # dynamic NTK rescales once positions pass max_position_embeddings (rows reach 64)
+        "llama-rope-dynamic": dict(model_type="llama", max_position_embeddings=32,
+                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "llama-rope-yarn": dict(model_type="llama", max_position_embeddings=64,
+                                rope_scaling=yarn),
+        "qwen2": dict(model_type="qwen2"),
+        "qwen2-sliding": dict(model_type="qwen2", use_sliding_window=True, sliding_window=w,
+                              max_window_layers=1),
+        "qwen3": dict(model_type="qwen3", head_dim=16),
+        "mistral": dict(model_type="mistral", head_dim=16, sliding_window=w),
+        "gemma": dict(model_type="gemma", head_dim=16, tie_word_embeddings=True),
+        "gemma2": dict(model_type="gemma2", tie_word_embeddings=True, **gemma2),
+        "gemma3_text": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=20,
+                            sliding_window=w, tie_word_embeddings=True,
+                            layer_types=["sliding_attention", "sliding_attention",
+                                         "full_attention"],
+                            rope_parameters={
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                   "rope_theta": 1e6}}),
+        "phi3": dict(model_type="phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "olmo2": dict(model_type="olmo2", pad_token_id=0, eos_token_id=2),
+    }
+
+
+def tiny_family_configs() -> dict[str, dict]:
+    """name -> a tiny model config dict (``EngineConfig.model_config``) of every verified family
+    and variant: 3 layers, GQA 4:2 heads, vocabulary 131, windows of FAMILY_WINDOW tokens."""
+    return {name: _common({"vocab_size": 131, "num_hidden_layers": 3, **spec})
+            for name, spec in _family_specs().items()}
+
+
 def save_tiny_model(path: str | Path, config, *, seed: int = 0, critic: bool = False) -> Path:
     """Build ``config`` with random init under ``seed`` and save it as a HF safetensors directory."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -52,6 +103,37 @@ def save_tiny_model(path: str | Path, config, *, seed: int = 0, critic: bool = F
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def hf_config_of(spec: dict):
+    """A transformers config from a model_config dict (``{"model_type": ..., **fields}``)."""
+    from transformers import AutoConfig
+
+    spec = dict(spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def save_family_model(path: str | Path, spec: dict, *, seed: int = 0, noise: float = 0.05) -> Path:
+    """A tiny causal LM of ``spec`` saved as an HF directory, every parameter perturbed by
+    N(0, noise²) after HF's init, so norm weights, norm offsets and biases matter."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config_of(spec), dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * noise)
+    model.save_pretrained(Path(path), safe_serialization=True)
+    return Path(path)
+
+
+def hf_reference_logp(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The model's own forward on the right-padded batch: logp[B, T] float32 of token t given
+    the tokens before it (0 at t = 0 and on padding), and the logits [B, T, V]."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+    return torch.where(attention_mask.bool(), logp, torch.zeros(())), logits
 
 
 @torch.no_grad()
