@@ -339,6 +339,12 @@ class PPOConfig:
     [1 − cispo_clip_low (None: none), 1 + cispo_clip_high (None: the PPO upper clip)].
     ``check_on_policy``: warn when the first minibatch's mean |logp − old_logp| exceeds
     ``on_policy_tol`` (on-policy data must have ratio 1 before the first update).
+    ``old_logp_from``: where the ratio's denominator (the proximal policy) comes from. 'batch':
+    the batch's ``old_logp`` (required). 'forward': the training forward itself, detached: with
+    one minibatch the update starts at the weights old_logp would be computed with, so the ratio
+    is 1 by construction and the separate ``forward_logp`` pass is saved (needs n_minibatches=1).
+    'auto' (default): the batch's ``old_logp`` when present, else the training forward when
+    n_minibatches=1 (else ``old_logp`` is required).
     """
 
     clip_low: float = attrs.field(default=0.2, converter=_float_conv, validator=_float(gt=0, lt=1))
@@ -373,10 +379,15 @@ class PPOConfig:
                                                 validator=_float(gt=0, optional=True))
     check_on_policy: bool = attrs.field(default=False, validator=_bool)
     on_policy_tol: float = attrs.field(default=1e-3, converter=_float_conv, validator=_float(gt=0))
+    old_logp_from: str = attrs.field(default="auto", validator=_one_of("auto", "batch", "forward"))
 
     def __attrs_post_init__(self):
         _check_ppo_behav(self)
         _check_ppo_cispo(self)
+        if self.old_logp_from == "forward" and self.n_minibatches != 1:
+            raise ConfigError(f"old_logp_from: 'forward' needs n_minibatches=1 (after the first "
+                              f"optimizer step the training forward is no longer the policy that "
+                              f"old_logp stands for), got n_minibatches={self.n_minibatches}")
 
     @property
     def behav_bounds(self) -> tuple[float | None, float | None]:

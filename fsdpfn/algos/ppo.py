@@ -35,9 +35,9 @@ def _behav_weight_stats(behav, mask, ctx) -> dict:
             "behav_seq_mask_frac": _seq_mean_stat(behav.seq_masked, rows, ctx)}
 
 
-def _behav_gap_stats(mb, mask, ctx) -> dict:
+def _behav_gap_stats(old_logp, mb, mask, ctx) -> dict:
     """Trainer vs rollout over loss tokens: mean and max |old_logp − behav_logp|, k3 KL."""
-    gap, k3 = behav_gap_terms(mb[K.OLD_LOGP], mb[K.BEHAV_LOGP], mask)
+    gap, k3 = behav_gap_terms(old_logp, mb[K.BEHAV_LOGP], mask)
     return {"behav_gap_mean": token_mean_stat(gap, mask, ctx),
             "behav_gap_max": masked_max(gap, mask),
             "behav_kl": token_mean_stat(k3, mask, ctx)}
@@ -52,11 +52,19 @@ def _on_policy_gap(logp, old_logp, mask, ctx) -> torch.Tensor:
     return token_mean_stat(gap, mask, ctx) * ctx.n_minibatches
 
 
-def _policy_terms(config: PPOConfig, logp, mb, mask, behav):
+def _old_logp(config: PPOConfig, logp, mb) -> torch.Tensor:
+    """The ratio's denominator: the batch's old_logp, or (old_logp_from 'forward', or 'auto'
+    without it) the training forward itself, detached, so the ratio is exactly 1."""
+    if config.old_logp_from == "forward" or not present(mb, K.OLD_LOGP):
+        return logp.detach()
+    return mb[K.OLD_LOGP]
+
+
+def _policy_terms(config: PPOConfig, logp, old_logp, mb, mask, behav):
     clip_low, clip_high = ((config.clip_low, config.clip_high) if config.policy_loss == "ppo"
                            else config.cispo_bounds)
     low, high = config.behav_bounds
-    return policy_loss_terms(logp, mb[K.OLD_LOGP], mb[K.ADVANTAGES], mask,
+    return policy_loss_terms(logp, old_logp, mb[K.ADVANTAGES], mask,
                              clip_low=clip_low, clip_high=clip_high,
                              dual_clip=config.dual_clip, behav_logp=behav,
                              behav_cap=config.behav_cap, ratio_level=config.ratio_level,
@@ -73,7 +81,8 @@ def ppo_loss_fn(config: PPOConfig):
         logp = outputs[K.LOGP]
         has_behav = present(mb, K.BEHAV_LOGP)
         behav = mb[K.BEHAV_LOGP] if config.use_behav_logp and has_behav else None
-        terms = _policy_terms(config, logp, mb, mask, behav)
+        old_logp = _old_logp(config, logp, mb)
+        terms = _policy_terms(config, logp, old_logp, mb, mask, behav)
         pg_sum, _ = aggregate_sum(terms.loss, mask, config.agg)
         loss = pg_sum
         stats = {"pg_loss": pg_sum.detach(),
@@ -83,11 +92,11 @@ def ppo_loss_fn(config: PPOConfig):
                  "ratio_mean": token_mean_stat(terms.ratio, mask, ctx),
                  "ratio_max": masked_max(terms.ratio, mask)}
         if has_behav:
-            stats.update(_behav_gap_stats(mb, mask, ctx))
+            stats.update(_behav_gap_stats(old_logp, mb, mask, ctx))
         if terms.behav is not None:
             stats.update(_behav_weight_stats(terms.behav, mask, ctx))
         if config.check_on_policy:
-            stats["on_policy_gap"] = _on_policy_gap(logp, mb[K.OLD_LOGP], mask, ctx)
+            stats["on_policy_gap"] = _on_policy_gap(logp, old_logp, mask, ctx)
         if K.ENTROPY in outputs.keys():
             ent_sum, _ = aggregate_sum(outputs[K.ENTROPY], mask, config.agg)
             loss = loss - config.entropy_coef * ent_sum
@@ -106,8 +115,12 @@ ppo_loss = ppo_loss_fn  # the factory's former name, kept for callers
 
 
 def _requirements(config: PPOConfig) -> tuple[tuple[str, ...], dict]:
-    require = (K.LOSS_MASK, K.OLD_LOGP, K.ADVANTAGES) + ((K.REF_LOGP,) if config.kl_coef else ())
-    why = {K.OLD_LOGP: "the PPO ratio; compute it with forward_logp(..., out_key='old_logp')",
+    needs_old = config.old_logp_from == "batch" or config.n_minibatches > 1
+    require = ((K.LOSS_MASK,) + ((K.OLD_LOGP,) if needs_old else ()) + (K.ADVANTAGES,)
+               + ((K.REF_LOGP,) if config.kl_coef else ()))
+    why = {K.OLD_LOGP: (f"the PPO ratio (n_minibatches={config.n_minibatches}, old_logp_from="
+                        f"{config.old_logp_from!r}); compute it with forward_logp(..., "
+                        f"out_key='old_logp')"),
            K.ADVANTAGES: "the policy gradient; compute it with compute_advantages",
            K.REF_LOGP: f"the KL term (kl_coef={config.kl_coef})"}
     correction = (f"behav_correction={config.behav_correction!r}" if config.behav_correction
@@ -147,8 +160,9 @@ def ppo_objective(config: PPOConfig) -> Objective:
 
 
 def ppo_step(state, batch, config: PPOConfig, *, mb_spec=None):
-    """Actor update: ``config.n_minibatches`` optimizer steps. Needs old_logp and advantages
-    (ref_logp when kl_coef > 0; behav_logp is used when present and use_behav_logp, and required
+    """Actor update: ``config.n_minibatches`` optimizer steps. Needs advantages, and old_logp
+    unless one minibatch lets the training forward stand in for it (``old_logp_from``);
+    ref_logp when kl_coef > 0; behav_logp is used when present and use_behav_logp, and required
     by behav_cap or behav_correction). ``mb_spec`` overrides the state's micro-batch spec for
     this call."""
     objective = ppo_objective(config)
