@@ -5,11 +5,14 @@
     fsdpfn run examples/ppo.yaml launch.nproc=1    # any recipe config
     fsdpfn run runs/demo/config.yaml --resume      # continue from the latest checkpoint
     fsdpfn config grpo > my.yaml                   # a recipe's full default config
+    fsdpfn config my.yaml engine.dtype=float32     # a config file, resolved
 
 ``run`` and ``demo`` validate the config (fsdpfn.serde; unknown keys and bad values are errors
 naming the dotted key) and hand it to the launcher (fsdpfn/launcher.py: the run_dir, the rollout
 server, the trainer ranks, Ctrl-C and supervision). Exit status: 0 done, 130 stopped by a signal,
-2 bad config or command line, else the trainer's.
+2 bad config or command line, else the trainer's (a rank's error is one line:
+``fsdpfn: error: <Type>: <message> (trace in run_dir/trainer.log)``). Overrides may come before
+or after the flags.
 """
 
 from __future__ import annotations
@@ -78,10 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     config = sub.add_parser(
-        "config", help="print a recipe's full default config as YAML",
-        description="Print the full default config of a recipe (every key, with its default), "
-                    "a starting point for your own YAML.")
-    config.add_argument("recipe", nargs="?", help="grpo, ppo, sft, rw or dpo (omit to list)")
+        "config", help="print a recipe's full config as YAML (defaults, or a file resolved)",
+        description="Print the full config of a recipe (every key, engine: included, with its "
+                    "default), a starting point for your own YAML; or a config file resolved "
+                    "with its overrides, as `fsdpfn run` would use it.")
+    config.add_argument("recipe", nargs="?", help="grpo, ppo, sft, rw or dpo (omit to list), "
+                                                  "or a config file")
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     config.set_defaults(func=_cmd_config)
     return parser
@@ -89,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, sys.argv[1:] if argv is None else list(argv))
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
@@ -100,6 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fsdpfn: error: {exc}", file=sys.stderr)
         return 2
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse with KEY=VALUE overrides accepted anywhere (``run cfg.yaml --resume steps=5`` as
+    well as ``run cfg.yaml steps=5 --resume``): argparse's positional list stops at the first
+    flag, so what it leaves over that looks like an override joins the others."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*(args.overrides or []), *extra]
+    return args
 
 
 # ---------------------------------------------------------------- commands
@@ -113,17 +131,21 @@ def _cmd_config(args) -> int:
         for name, cls in RECIPE_CONFIGS.items():
             print(f"{name:5s} {(cls.__doc__ or '').strip().splitlines()[0]}")
         return 0
-    print(serde.to_yaml(default_config(args.recipe, args.overrides)), end="")
+    print(serde.to_yaml(_resolve(args.recipe, args.overrides)), end="")
     return 0
 
 
-def _cmd_run(args) -> int:
+def _resolve(config: str, overrides):
+    """A recipe name's defaults, or a config file, with the overrides applied and validated."""
     from fsdpfn.recipes import RECIPE_CONFIGS, default_config, load_recipe_config
 
-    if args.config in RECIPE_CONFIGS and not Path(args.config).exists():
-        cfg = default_config(args.config, args.overrides)
-    else:
-        cfg = load_recipe_config(args.config, args.overrides)
+    if config in RECIPE_CONFIGS and not Path(config).exists():
+        return default_config(config, overrides)
+    return load_recipe_config(config, overrides)
+
+
+def _cmd_run(args) -> int:
+    cfg = _resolve(args.config, args.overrides)
     return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
 
 

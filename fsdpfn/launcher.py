@@ -36,7 +36,10 @@ from pathlib import Path
 
 __all__ = ["launch"]
 
-_OWNED = ("config.yaml", "model0", "model0.tmp", "sft", "checkpoints", "critic_checkpoints",
+TRAINER_LOG = "trainer.log"  # under run_dir: everything the trainer ranks and torchrun printed
+TTY_ENV = "FSDPFN_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe)
+_OWNED = ("config.yaml", "trainer.log", "model0", "model0.tmp", "sft", "checkpoints",
+          "critic_checkpoints",
           "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks",
           "data", "tensorboard", "reward_errors.jsonl", "run_state.json")
 
@@ -194,16 +197,12 @@ class _Signals:
                 self._kill(proc.pid, signal.SIGKILL)
 
 
-def _check_inputs(cfg, needs_rollout: bool) -> None:
-    """What can fail before any rank starts: the model directory, the reward function, the
-    TensorBoard writer (the data files are read by _prepare_data)."""
+def _check_inputs(cfg) -> None:
+    """What can fail before any rank starts: the model directory and the loggers (the data,
+    the reward and the memory: fsdpfn.recipes.preflight)."""
     from fsdpfn.recipes.model import check_model_dir
 
     check_model_dir(cfg.model)
-    if needs_rollout and cfg.reward.fn is not None:
-        from fsdpfn.recipes.reward import load_reward
-
-        load_reward(cfg.reward.fn)
     if cfg.log.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -239,6 +238,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     from fsdpfn.recipes import NEEDS_ROLLOUT
     from fsdpfn.recipes.model import initial_model_dir
     from fsdpfn.recipes.placement import count_gpus, place
+    from fsdpfn.recipes.preflight import preflight
     from fsdpfn.supervise import write_run_state
 
     run_dir = Path(cfg.run_dir)
@@ -249,6 +249,9 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     placement = place(cfg, count_gpus(), needs_rollout=needs_rollout)
     model_dir = initial_model_dir(cfg.model, run_dir)
     url = cfg.rollout.url if needs_rollout else None
+    _check_inputs(cfg)
+    for note in preflight(cfg, placement, data=dry_run):  # a real run reads the data below
+        _say(note)
     if dry_run:
         print(serde.to_yaml(cfg), end="")
         _say(f"placement: {_describe(placement)}")
@@ -257,7 +260,6 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         _say("trainer: " + " ".join(_torchrun_cmd(cfg, config_path, placement, resume=resume,
                                                   url=url)))
         return 0
-    _check_inputs(cfg, needs_rollout)
     _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
     _prepare_data(cfg, run_dir, resume=resume)
     config_path.write_text(serde.to_yaml(cfg))
@@ -271,9 +273,23 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         raise
     _summarize(cfg, run_dir, seconds, rc, interrupted)
     status = 130 if interrupted else rc
+    failure = {}
+    if rc != 0 and not interrupted:
+        failure["error"] = _report_failure(run_dir, rc)
     write_run_state(run_dir, "interrupted" if interrupted else ("done" if rc == 0 else "failed"),
-                    exit_code=status)
+                    exit_code=status, **failure)
     return status
+
+
+def _report_failure(run_dir: Path, rc: int) -> str:
+    """The one line a failed trainer leaves on the terminal: the first rank's error, typed,
+    and where its trace is (run_dir/trainer.log, with torchrun's report)."""
+    error = rank_error(run_dir)
+    what = f"{error['type']}: {error['message']}" if error else \
+        f"the trainer exited with status {rc}"
+    print(f"fsdpfn: error: {what} (trace in {run_dir / TRAINER_LOG})", file=sys.stderr,
+          flush=True)
+    return what[:2000]
 
 
 def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, own_server: bool,
@@ -295,6 +311,7 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
             url = server.url
         cmd = _torchrun_cmd(cfg, config_path, placement, resume=resume, url=url)
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
+               TTY_ENV: "1" if sys.stderr.isatty() else "0",
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                LAUNCHER_PID_ENV: str(os.getpid()), **placement.env(placement.trainer_gpus)}
         _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}"
@@ -303,14 +320,58 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
             return 130, True, time.monotonic() - t0
         # its own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
         trainer = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    preexec_fn=die_with_parent())
         signals.trainer = trainer
+        relay = _Relay(trainer.stdout, run_dir)
         rc = _wait(trainer, server, signals)
+        relay.join()
     finally:
         if server is not None:
             server.close()
         signals.restore()
     return rc, signals.count > 0, time.monotonic() - t0
+
+
+class _Relay:
+    """The trainer's output (torchrun and its ranks, one pipe) copied to run_dir/trainer.log
+    and to the terminal as it comes (progress bars redraw), until a rank reports a failure
+    (run_dir/.ranks/error_rank*.json): what follows, the rank's traceback and torchrun's
+    failure report, goes to the log only, and the launcher prints the one-line error."""
+
+    def __init__(self, pipe, run_dir: Path):
+        import threading
+
+        self.pipe, self.ranks_dir = pipe, run_dir / ".ranks"
+        self.log_path = run_dir / TRAINER_LOG
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        fd = self.pipe.fileno()
+        quiet = False
+        with open(self.log_path, "ab") as log:
+            while chunk := os.read(fd, 65536):
+                log.write(chunk)
+                log.flush()
+                quiet = quiet or any(self.ranks_dir.glob("error_rank*.json"))
+                if not quiet:
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.flush()
+
+    def join(self) -> None:
+        self.thread.join(timeout=30)
+
+
+def rank_error(run_dir: Path) -> dict | None:
+    """The first failure a trainer rank reported (fsdpfn.recipes.worker.report_error)."""
+    records = []
+    for path in (run_dir / ".ranks").glob("error_rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    return min(records, key=lambda r: (r.get("time", 0), r.get("rank", 0))) if records else None
 
 
 def _describe(p) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -153,7 +154,8 @@ class Progress:
     def __init__(self, desc: str, total: int, *, start: int = 0, every: int = 1,
                  enabled: bool = True):
         self.start, self.every, self.total = start, every, total
-        self.tty = sys.stderr.isatty()
+        # under `fsdpfn run` stderr is the launcher's pipe; it says whether its own is a terminal
+        self.tty = sys.stderr.isatty() or os.environ.get("FSDPFN_STDERR_TTY") == "1"
         self.bar = None
         if enabled and is_main():
             from tqdm import tqdm

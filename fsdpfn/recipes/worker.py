@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from fsdpfn.supervise import watch_launcher
@@ -58,11 +59,38 @@ def main(argv=None) -> int:
     pid_file.write_text(str(os.getpid()))
     try:
         run_recipe(cfg, ctx)
+    except Exception as exc:  # noqa: BLE001 - reported as one line by the launcher
+        pid_file.unlink(missing_ok=True)
+        report_error(ctx.run_dir, rank, exc)
+        os._exit(1)  # peers may wait in a collective: no process-group teardown
     finally:
         pid_file.unlink(missing_ok=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
+
+
+def report_error(run_dir: Path, rank: str, exc: BaseException) -> None:
+    """The failure of this rank for the launcher: run_dir/.ranks/error_rankN.json (type, one-line
+    message, time), written before the traceback goes to stderr (the launcher's trainer.log),
+    so the launcher knows what follows is the failure's trace and not for the terminal."""
+    import json
+    import time
+    import traceback
+
+    record = {"type": type(exc).__name__, "message": " ".join(str(exc).split())[:2000],
+              "rank": int(rank), "time": time.time()}
+    path = run_dir / ".ranks" / f"error_rank{rank}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.rename(path)
+    except OSError:
+        pass
+    print(f"[fsdpfn] trainer rank {rank} failed:", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
