@@ -1,33 +1,26 @@
 """Checkpoint integrity: a checksum of every chunk DCP saves, verified when it is loaded.
 
-Chunk checksum. A DCP chunk is a box of a tensor (a rank's local shard). Its elements, read as
-signed integers of their own width (float32 -> int32, bfloat16 -> int16, float64 -> int64, ...)
-and numbered i = 0..n-1 in the chunk's row-major order, give two integers modulo 2**32::
+Chunk checksum. A DCP chunk is a box of a tensor (a rank's local shard). Its checksum is the
+content checksum of fsdpfn.wire.checksum (the one the weights push uses): the chunk's bytes in
+row-major order, read as 16-bit units (bytes for 1-byte dtypes), as a polynomial in a fixed root
+R modulo the prime 2**61 - 1. It detects every 1- and 2-bit error, every error within one unit
+and every burst of up to 32 bits (see that module for the reasons), and it is exact: a chunk
+hashed on a GPU at save matches the same chunk hashed on a CPU at load. The weight of each unit
+splits along the box's dims, so the share of any sub-box of a chunk is computed from the box
+alone and the shares of disjoint boxes add up (modulo the prime) to the chunk's checksum: a load
+at another world size, where a rank reads parts of saved chunks, completes each chunk's checksum
+with one all-reduce.
 
-    sum      = Σ e_i
-    weighted = Σ (i + 1) · e_i
-
-A changed element changes ``sum`` (unless several changes cancel exactly); swapping two unequal
-neighbours changes ``weighted``. Both are exact (integer additions wrap, and every reduction
-order gives the same value modulo 2**32), so a chunk summed on a GPU at save matches the same
-chunk summed on a CPU at load. ``weighted`` needs no position tensor: with q_d the coordinate
-along dim d and s_d the chunk's row-major strides, i = Σ_d q_d·s_d, hence
-``weighted = sum + Σ_d s_d · Σ_k k·M_d[k]``, where M_d[k] sums the elements whose coordinate
-along d is k: one reduction per dim, accumulated in wrapping int32 (memory speed on a GPU), and a
-few small vectors. The same formula gives the share of any sub-box of a chunk (its coordinates
-shifted by the box's offset in the chunk), and shares add up, so a load at another world size,
-where a rank reads parts of saved chunks, completes each chunk's checksum with one all-reduce.
-
-Where it runs. Save: every rank sums the chunks it hands to DCP, on the device, before DCP stages
-or writes anything (``local_checksums``); rank 0 gathers them and records them in the manifest
-with a CRC32 of the small items DCP pickles (optimizer hyper-parameters), of ``.metadata`` and of
-the RNG files (``record``). Load: DCP copies every saved chunk (or the part of it a rank needs)
-into the staging buffers; ``VerifyingPlanner.commit_tensor`` sums each such box there, on the
-device, as it lands, and ``load_bytes`` checks the pickled items' CRC before unpickling them.
-After the read, ``verify`` adds the shares of every saved chunk over the ranks (each box counted
-once, replicas skipped) and compares them with the record. So every byte the load uses is checked,
-at any world size, without reading any file twice. A chunk DCP cannot even deserialise (a
-truncated or zeroed file) is reported by ``NamingReader`` with the file's name.
+Where it runs. Save: every rank hashes the chunks it hands to DCP, on the device, before DCP
+stages or writes anything (``local_checksums``); rank 0 gathers them and records them in the
+manifest with a CRC32 of the small items DCP pickles (optimizer hyper-parameters), of
+``.metadata`` and of the RNG files (``record``). Load: DCP copies every saved chunk (or the part
+of it a rank needs) into the staging buffers; ``VerifyingPlanner.commit_tensor`` hashes each such
+box there, on the device, as it lands, and ``load_bytes`` checks the pickled items' CRC before
+unpickling them. After the read, ``verify`` adds the shares of every saved chunk over the ranks
+(each box counted once, replicas skipped) and compares them with the record. So every byte the
+load uses is checked, at any world size, without reading any file twice. A chunk DCP cannot even
+deserialise (a truncated or zeroed file) is reported by ``NamingReader`` with the file's name.
 """
 
 from __future__ import annotations
@@ -48,59 +41,28 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
 from fsdpfn.errors import CheckpointError
+from fsdpfn.wire import checksum
 
-__all__ = ["ALGORITHM", "box_sums", "local_checksums", "record", "file_crc", "check_file",
+__all__ = ["ALGORITHM", "box_hash", "local_checksums", "record", "file_crc", "check_file",
            "VerifyingPlanner", "NamingReader", "local_shares", "verify"]
 
-ALGORITHM = "int-sum-and-position-weighted-sum-mod-2**32"
-_WRAP = 1 << 32
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ALGORITHM = checksum.ALGORITHM
 _FN = "load_checkpoint"
+_M31 = (1 << 31) - 1
 
 
 # ---------------------------------------------------------------- the checksum
 
 
-def _as_ints(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    width = t.element_size()
-    if width not in _INTS or t.is_complex():
-        raise CheckpointError(f"save_checkpoint: tensor dtype: must have 1, 2, 4 or 8-byte real "
-                              f"elements to be checksummed, got {t.dtype}")
-    return t if t.dtype == _INTS[width] else t.view(_INTS[width])
-
-
-def _strides(sizes: Sequence[int]) -> list[int]:
-    out, step = [], 1
-    for size in reversed(list(sizes)):
-        out.append(step)
-        step *= int(size)
-    return out[::-1]
-
-
-def box_sums(box: torch.Tensor, chunk_sizes: Sequence[int],
+def box_hash(box: torch.Tensor, chunk_sizes: Sequence[int],
              box_offsets: Sequence[int] | None = None) -> torch.Tensor:
-    """(sum, weighted) int64[2] modulo 2**32 of ``box``, a sub-box at ``box_offsets`` of a chunk
-    of ``chunk_sizes`` (the whole chunk by default), on ``box``'s device, not read (no sync)."""
-    ints = _as_ints(box)
-    if ints.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=ints.device)
-    if ints.dim() == 0:
-        value = ints.to(torch.int64).reshape(1) % _WRAP
-        return torch.cat([value, value])
-    acc = torch.int64 if ints.element_size() == 8 else torch.int32
-    strides = _strides(chunk_sizes)
-    offsets = list(box_offsets) if box_offsets is not None else [0] * ints.dim()
-    base = (1 + sum(int(o) * s for o, s in zip(offsets, strides))) % _WRAP
-    total, weighted = None, torch.zeros((), dtype=torch.int64, device=ints.device)
-    for dim in range(ints.dim()):
-        others = [d for d in range(ints.dim()) if d != dim]
-        marginal = (ints.sum(dim=others, dtype=acc) if others else ints.to(acc)).to(torch.int64)
-        if total is None:
-            total = marginal.sum()
-        position = torch.arange(marginal.numel(), dtype=torch.int64, device=ints.device)
-        weighted = weighted + (position * marginal).sum() * (strides[dim] % _WRAP)
-    return torch.stack([total, total * base + weighted]) % _WRAP  # int64 wraps: exact mod 2**32
+    """The checksum's share (int64, 0-d, in [0, 2**61 - 1)) of ``box``, a sub-box at
+    ``box_offsets`` of a chunk of ``chunk_sizes`` (the whole chunk by default), on ``box``'s
+    device, not read (no sync)."""
+    if box.is_complex() or box.element_size() not in (1, 2, 4, 8):
+        raise CheckpointError(f"save_checkpoint: tensor dtype: must have 1, 2, 4 or 8-byte real "
+                              f"elements to be checksummed, got {box.dtype}")
+    return checksum.box_hash(box, list(chunk_sizes), box_offsets)
 
 
 def _to_lists(sums: list[torch.Tensor]) -> list[list[int]]:
@@ -119,17 +81,16 @@ def _to_lists(sums: list[torch.Tensor]) -> list[list[int]]:
 # ---------------------------------------------------------------- save
 
 
-def local_checksums(state_dict: dict) -> list[tuple[str, list[int], int, int]]:
-    """``(key, chunk offsets, sum, weighted)`` of every tensor chunk this rank hands to DCP for
+def local_checksums(state_dict: dict) -> list[tuple[str, list[int], int]]:
+    """``(key, chunk offsets, checksum)`` of every tensor chunk this rank hands to DCP for
     ``state_dict`` (the chunks DCP's own planner makes: DTensors' local shards, whole plain
-    tensors), summed where they live."""
+    tensors), hashed where they live."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, None, True)
     items = [i for i in planner.create_local_plan().items if i.type != WriteItemType.BYTE_IO]
-    sums = [box_sums(planner.resolve_data(i), i.tensor_data.chunk.sizes) for i in items]
+    sums = [box_hash(planner.resolve_data(i), i.tensor_data.chunk.sizes) for i in items]
     values = _to_lists(sums)
-    return [(i.index.fqn, [int(o) for o in i.index.offset], a, b)
-            for i, (a, b) in zip(items, values)]
+    return [(i.index.fqn, [int(o) for o in i.index.offset], h) for i, h in zip(items, values)]
 
 
 def file_crc(path: Path, offset: int = 0, length: int | None = None) -> int:
@@ -168,18 +129,18 @@ def _pickled_crcs(root: Path, metadata) -> dict[str, int]:
 
 
 def record(root: Path, gathered: Sequence[Sequence], small_files: Iterable[str]) -> dict:
-    """The manifest's ``checksums`` (rank 0, once every rank's data is written): the chunk sums
-    of every rank (``gathered[r]`` from rank r's local_checksums; of replicated chunks, the
+    """The manifest's ``checksums`` (rank 0, once every rank's data is written): the chunk
+    checksums of every rank (``gathered[r]`` from rank r's local_checksums; of replicated chunks, the
     writer's), the CRC32 of every pickled item in the .distcp files, and of ``small_files``."""
     metadata = FileSystemReader(str(root)).read_metadata()
     sums: dict = {}
     for rank, entries in enumerate(gathered):
-        for key, offsets, a, b in entries:
+        for key, offsets, value in entries:
             where = (key, tuple(offsets))
             info = metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
             if where not in sums or (info is not None
                                      and _writer_rank(info.relative_path) == rank):
-                sums[where] = (a, b)
+                sums[where] = value
     chunks: dict = {}
     pickled = _pickled_crcs(root, metadata)
     for index, info in metadata.storage_data.items():
@@ -190,7 +151,7 @@ def record(root: Path, gathered: Sequence[Sequence], small_files: Iterable[str])
             raise CheckpointError(f"save_checkpoint: {index.fqn!r}: every saved chunk must have "
                                   f"been checksummed, got none for the chunk at offsets "
                                   f"{list(where[1])} in {info.relative_path!r}")
-        chunks.setdefault(index.fqn, []).append([list(where[1]), *sums[where]])
+        chunks.setdefault(index.fqn, []).append([list(where[1]), sums[where]])
     files = {rel: file_crc(root / rel) for rel in sorted(small_files)}
     return {"algorithm": ALGORITHM, "chunks": dict(sorted(chunks.items())),
             "bytes": dict(sorted(pickled.items())), "files": files}
@@ -217,7 +178,7 @@ def _chunk_file(metadata, key: str, offsets) -> str:
 
 class VerifyingPlanner(DefaultLoadPlanner):
     """DCP's default load planner that checks every pickled item's CRC before unpickling it and
-    sums every tensor box right after DCP copied it into the staging buffer (``shares``)."""
+    hashes every tensor box right after DCP copied it into the staging buffer (``shares``)."""
 
     def __init__(self, root: Path, checksums: dict):
         super().__init__()
@@ -241,7 +202,7 @@ class VerifyingPlanner(DefaultLoadPlanner):
         box = (index.fqn, tuple(int(o) for o in index.offset),
                tuple(int(o) for o in read_item.storage_offsets),
                tuple(int(n) for n in read_item.lengths))
-        self.shares[box] = box_sums(tensor, sizes, read_item.storage_offsets)
+        self.shares[box] = box_hash(tensor, sizes, read_item.storage_offsets)
 
     def _sizes(self, index) -> Sequence[int]:
         for chunk in self.metadata.state_dict_metadata[index.fqn].chunks:
@@ -290,13 +251,13 @@ class NamingReader(FileSystemReader):
 
 
 def _expected(checksums: dict) -> dict:
-    return {(key, tuple(offsets)): (a, b)
+    return {(key, tuple(offsets)): value
             for key, entries in checksums.get("chunks", {}).items()
-            for offsets, a, b in entries}
+            for offsets, value in entries}
 
 
 def local_shares(planner: VerifyingPlanner) -> tuple[list, list]:
-    """This rank's boxes (sorted) and their (sum, weighted), read from the device at once."""
+    """This rank's boxes (sorted) and their checksum shares, read from the device at once."""
     mine = sorted(planner.shares)
     return mine, _to_lists([planner.shares[b] for b in mine])
 
@@ -320,10 +281,10 @@ def verify(local: tuple[list, list], planner: VerifyingPlanner, root: Path
             owner.setdefault(box, r)
     chunks = sorted({box[:2] for box in owner})
     row = {chunk: i for i, chunk in enumerate(chunks)}
-    acc = torch.zeros(len(chunks), 3, dtype=torch.int64)
-    for box, (a, b) in zip(mine, values):
+    acc = torch.zeros(len(chunks), 3, dtype=torch.int64)  # low 31 bits, high 30 bits, volume
+    for box, value in zip(mine, values):
         if owner[box] == rank:
-            acc[row[box[:2]]] += torch.tensor([a, b, math.prod(box[3])])
+            acc[row[box[:2]]] += torch.tensor([value & _M31, value >> 31, math.prod(box[3])])
     if world > 1:
         dist.all_reduce(acc)
     unread = _unread(planner, set(chunks))
@@ -351,7 +312,8 @@ def _unread(planner: VerifyingPlanner, read: set) -> list[tuple]:
 
 def _compare(chunks, acc, expected, metadata, root) -> CheckpointError | None:
     bad = []
-    for (key, offsets), (a, b, volume) in zip(chunks, acc.tolist()):
+    for (key, offsets), (low, high, volume) in zip(chunks, acc.tolist()):
+        value = (low + (high << 31)) % checksum.P
         sizes = next(c.sizes for c in metadata.state_dict_metadata[key].chunks
                      if tuple(c.offsets) == offsets)
         if volume != math.prod(sizes):
@@ -359,9 +321,9 @@ def _compare(chunks, acc, expected, metadata, root) -> CheckpointError | None:
                                       f"{volume}"))
         elif (key, offsets) not in expected:
             bad.append((key, offsets, "a checksum recorded at save, got none"))
-        elif expected[(key, offsets)] != (a % _WRAP, b % _WRAP):
-            bad.append((key, offsets, f"the checksum {list(expected[(key, offsets)])} recorded "
-                                      f"at save, got {[a % _WRAP, b % _WRAP]}"))
+        elif expected[(key, offsets)] != value:
+            bad.append((key, offsets, f"the checksum {expected[(key, offsets)]} recorded at "
+                                      f"save, got {value}"))
     if not bad:
         return None
     key, offsets, rule = bad[0]

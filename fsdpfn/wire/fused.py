@@ -1,11 +1,13 @@
-"""One pass over a flat bucket's words on a CUDA device: the per-row sum and column-weighted sum
-of the push checksum (fsdpfn.wire.protocol._row_terms) in a single Triton kernel.
+"""One pass over a flat bucket's 4 KiB rows on a CUDA device: each row's share of the push
+checksum (fsdpfn.wire.checksum.row_hashes) in a single Triton kernel.
 
-The portable path takes two reductions of the whole buffer (row marginals p and q) and a dozen
-small kernels; on a GPU that halves the checks' speed, and the checks share the memory with the
-broadcast they run beside. Here each program reads a tile of rows once and sums ``w`` and
-``col * w`` in int32, whose two's-complement wrapping is exact modulo 2**32: the same numbers as
-the portable path, bit for bit (tests/e2e/test_checksum_gpu.py).
+The portable path converts the rows' halfwords to float64 and takes a matrix product against the
+powers' limbs: several passes over a copy four times the data. Here each program reads a tile of
+rows once, splits every int32 word into its two halfwords u (unsigned, below 2**16) and sums
+u * c over the row in int64, for the 31-bit low and the 30-bit high limb c of each position's
+power R**j: every product is below 2**47, a row's 2048 of them below 2**58, so the sums are
+exact, and ``row_hashes`` folds them modulo P: the same numbers as the portable path, bit for bit
+(tests/e2e/test_checksum_gpu.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import functools
 
 import torch
 
-_WRAP = 1 << 32
-_TILE_ROWS = 8
+_TILE_ROWS = 4
 
 
 @functools.cache
@@ -28,29 +29,55 @@ def _kernel():
         return None
 
     @triton.jit
-    def row_terms(words, sums, weighted, n_rows, ROW: tl.constexpr, TILE: tl.constexpr):
+    def row_limb_sums(words, even_lo, even_hi, odd_lo, odd_hi, out_lo, out_hi, n_rows,
+                      ROW: tl.constexpr, TILE: tl.constexpr):
         rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
         cols = tl.arange(0, ROW)
         live = rows < n_rows
         index = rows.to(tl.int64)[:, None] * ROW + cols[None, :]
         w = tl.load(words + index, mask=live[:, None], other=0)
-        tl.store(sums + rows, tl.sum(w, axis=1), mask=live)
-        tl.store(weighted + rows, tl.sum(w * cols[None, :], axis=1), mask=live)
+        lo = (w & 0xFFFF).to(tl.int64)
+        hi = ((w >> 16) & 0xFFFF).to(tl.int64)
+        e_lo = tl.load(even_lo + cols)[None, :]
+        e_hi = tl.load(even_hi + cols)[None, :]
+        o_lo = tl.load(odd_lo + cols)[None, :]
+        o_hi = tl.load(odd_hi + cols)[None, :]
+        tl.store(out_lo + rows, tl.sum(lo * e_lo + hi * o_lo, axis=1), mask=live)
+        tl.store(out_hi + rows, tl.sum(lo * e_hi + hi * o_hi, axis=1), mask=live)
 
-    return row_terms, triton.cdiv
+    return row_limb_sums, triton.cdiv
 
 
-def row_terms(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(sum, column-weighted sum) of each row of int32 CUDA ``rows`` [R, C], int64 [R] in
-    [0, 2**32); None where the kernel cannot run (no Triton, not CUDA, not contiguous)."""
-    found = _kernel() if rows.is_cuda and rows.is_contiguous() else None
+@functools.lru_cache(maxsize=16)
+def _coefficients(width: int, device: str) -> tuple[torch.Tensor, ...]:
+    """The limbs of R**(2b) and R**(2b+1) for the words b of a row of ``width`` halfwords."""
+    from fsdpfn.wire.checksum import powers, ROOT
+
+    pw = powers(ROOT, width, device)
+    even, odd = pw[0::2], pw[1::2]
+    mask = (1 << 31) - 1
+    return (even & mask).contiguous(), (even >> 31).contiguous(), \
+        (odd & mask).contiguous(), (odd >> 31).contiguous()
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def row_limb_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(sum of u * low limb, sum of u * high limb) of each row of the int16 CUDA unit matrix
+    ``rows`` [A, C] (C even), int64 [A] each; None where the kernel cannot run (no Triton, not
+    CUDA, not contiguous, a width that is not twice a power of two up to 4096)."""
+    found = _kernel() if rows.is_cuda and rows.is_contiguous() and rows.dtype == torch.int16 \
+        and _power_of_two(rows.shape[1] // 2) and rows.shape[1] <= 4096 else None
     if found is None:
         return None
     kernel, cdiv = found
     n_rows, width = rows.shape
-    sums = torch.empty(n_rows, dtype=torch.int32, device=rows.device)
-    weighted = torch.empty_like(sums)
+    words = rows.view(torch.int32)
+    lo = torch.empty(n_rows, dtype=torch.int64, device=rows.device)
+    hi = torch.empty_like(lo)
     if n_rows:
-        kernel[(cdiv(n_rows, _TILE_ROWS),)](rows, sums, weighted, n_rows, ROW=width,
-                                             TILE=_TILE_ROWS)
-    return sums.to(torch.int64) % _WRAP, weighted.to(torch.int64) % _WRAP
+        kernel[(cdiv(n_rows, _TILE_ROWS),)](words, *_coefficients(width, str(rows.device)), lo,
+                                             hi, n_rows, ROW=width // 2, TILE=_TILE_ROWS)
+    return lo, hi

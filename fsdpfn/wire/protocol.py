@@ -7,22 +7,15 @@ receivers build from a TCPStore (outside the trainer's default world).
 Flat bucket ("load_format": "flattened_bucket"): one uint8 buffer per bucket; tensor i occupies
 ``nbytes_i`` bytes at ``offset_i``, offsets rounded up to ALIGN (4096) bytes so every slice can be
 viewed as its dtype and every 4 KiB row of the buffer belongs to one tensor (the bucket checksum
-sums rows). Both ends compute the layout from the advertised (names, dtypes, shapes) alone.
+hashes rows). Both ends compute the layout from the advertised (names, dtypes, shapes) alone.
 
-Weights checksum (order-sensitive). The bytes of a tensor, read as little-endian int32 words
-w_0..w_{n-1} (uint8 bytes when the byte count is not a multiple of 4), give two sums modulo 2**32::
-
-    S = sum(w_j)            W = sum((j + 1) * w_j)
-
-and the tensor's checksum is the 64-bit integer S + 2**32 * W (an int64 bit pattern on a device).
-A changed word changes S; a permutation of unequal words inside the tensor keeps S and changes W
-(the position weights see the order). Integer sums modulo 2**32 are associative (int32 additions
-wrap), so the value is bit-exact whatever the device or reduction order. W needs no position
-tensor: each 4 KiB row of 1024 words is read as a [32, 32] block, and its two marginals (sums
-over each axis, two reductions at memory speed, both 1/32 of the data) give the row's sum and its
-column-weighted sum; the row weights are applied to those small vectors (see ``_row_terms``).
-The checksums of all tensors combine over names in sorted order as sum(rank * c) mod 2**61 - 1.
-The trainer computes it from what it sends, the receiver from what it serves after the swap, and
+Weights checksum: each tensor's bytes hashed by fsdpfn.wire.checksum (the checkpoints' content
+checksum: a polynomial over 16-bit units modulo 2**61 - 1 that detects every 1- and 2-bit error
+and every burst of up to 32 bits, and sees the order of the words), bit-exact on any device. A
+flat bucket is hashed row by row (each 4 KiB row against the powers of its positions, one Triton
+pass on CUDA), the rows weighted by their position and summed per tensor with a prefix sum. The
+checksums of all tensors combine over names in sorted order as sum(rank * c) mod 2**61 - 1. The
+trainer computes it from what it sends, the receiver from what it serves after the swap, and
 equality shows the server really holds the pushed weights, in the pushed order.
 """
 
@@ -39,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from fsdpfn.wire import fused
+from fsdpfn.wire import checksum
 
 __all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", "tensor_checksum",
            "tensor_checksums", "word_sums", "padded_size", "flat_checksums", "zero_padding",
@@ -51,6 +44,8 @@ DEFAULT_BUCKET_BYTES = 1 << 30
 DEFAULT_EDGE_BYTES = 256 << 20  # the first and last buckets of a push (see plan_buckets)
 MANIFEST = "fsdpfn_manifest.json"
 _MOD = (1 << 61) - 1
+_WRAP = 1 << 32
+_M31 = (1 << 31) - 1
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -82,64 +77,13 @@ def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tup
     return offsets, cursor
 
 
-_WRAP = 1 << 32
-_ROW = ALIGN // 4  # int32 words in a row of a flat bucket
-_SIDE = 32  # a row read as a [_SIDE, _SIDE] block: _SIDE ** 2 == _ROW
+_ROW = ALIGN // 2  # 16-bit units in a row of a flat bucket
 
 
-def _mulmod32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x * y mod 2**32 for int64 tensors in [0, 2**32), without int64 overflow."""
-    return ((x * (y >> 16) % _WRAP) * 65536 + x * (y & 0xFFFF)) % _WRAP
-
-
-def _row_terms(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, column-weighted sum) of each row of int32 ``rows`` [R, _ROW], int64 [R] mod 2**32.
-
-    A row is a [32, 32] block (col = 32 * a + b): its two marginals p[a] (sum over b) and q[b]
-    (sum over a) are two reductions in wrapping int32 (memory speed), and
-    sum(col * w) = 32 * sum(a * p[a]) + sum(b * q[b]) is taken on them (1/32 of the data).
-    On CUDA, one fused pass gives the same numbers (fsdpfn.wire.fused)."""
-    done = fused.row_terms(rows)
-    if done is not None:
-        return done
-    block = rows.view(-1, _SIDE, _SIDE)
-    p = block.sum(2, dtype=torch.int32).to(torch.int64)
-    q = block.sum(1, dtype=torch.int32).to(torch.int64)
-    position = torch.arange(_SIDE, dtype=torch.int64, device=rows.device)
-    sums = p.sum(1) % _WRAP
-    weighted = (_SIDE * (p * position).sum(1) + (q * position).sum(1)) % _WRAP
-    return sums, weighted
-
-
-def _direct(words: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, W) of 1-D integer ``words`` whose first one has position ``first`` (0-based), with an
-    explicit position tensor (short tails and byte-summed tensors only)."""
-    w = words.to(torch.int64) % _WRAP
-    weights = torch.arange(first + 1, first + 1 + w.numel(), dtype=torch.int64,
-                           device=w.device) % _WRAP
-    return w.sum() % _WRAP, _mulmod32(w, weights).sum() % _WRAP
-
-
-def _pack(sums: torch.Tensor, weighted: torch.Tensor) -> torch.Tensor:
-    """S + 2**32 * W as the bit pattern of an int64 (S, W in [0, 2**32))."""
-    high = torch.where(weighted >= 1 << 31, weighted - _WRAP, weighted)
-    return sums + high * _WRAP
-
-
-def _word_sum(t: torch.Tensor) -> torch.Tensor:
-    """The checksum of one tensor (module doc) as a packed int64 0-d tensor, not read."""
+def _byte_units(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as 16-bit units (bytes when their count is odd), 1-D."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
-    if raw.numel() % 4:
-        return _pack(*_direct(raw, 0))
-    words = raw.view(torch.int32)
-    full = words.numel() // _ROW * _ROW
-    sums, weighted = _direct(words[full:], full)
-    if full:
-        row_sums, row_weighted = _row_terms(words[:full].view(-1, _ROW))
-        bases = torch.arange(full // _ROW, dtype=torch.int64, device=words.device) * _ROW + 1
-        sums = (sums + row_sums.sum()) % _WRAP
-        weighted = (weighted + (_mulmod32(bases % _WRAP, row_sums) + row_weighted).sum()) % _WRAP
-    return _pack(sums, weighted)
+    return raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
 
 
 def _unsigned(value: int) -> int:
@@ -147,19 +91,20 @@ def _unsigned(value: int) -> int:
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
-    """Order-sensitive, bit-exact checksum S + 2**32 * W of the bytes of ``t`` (any device)."""
-    return _unsigned(_word_sum(t).item())
+    """The checksum (fsdpfn.wire.checksum) of the bytes of ``t`` (any device), in [0, 2**61-1)."""
+    return int(checksum.box_hash(_byte_units(t)).item())
 
 
 def word_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """tensor_checksum of each, as one int64 tensor (bit patterns) on the first one's device,
-    not read (no synchronisation)."""
-    return torch.stack([_word_sum(t).to(tensors[0].device) for t in tensors])
+    """tensor_checksum of each, as one int64 tensor on the first one's device, not read (no
+    synchronisation)."""
+    return torch.stack([checksum.box_hash(_byte_units(t)).to(tensors[0].device)
+                        for t in tensors])
 
 
 def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     """tensor_checksum of each, with one device synchronisation for all of them."""
-    return [_unsigned(v) for v in word_sums(tensors).tolist()] if tensors else []
+    return [int(v) for v in word_sums(tensors).tolist()] if tensors else []
 
 
 def padded_size(nbytes: int) -> int:
@@ -170,43 +115,47 @@ def padded_size(nbytes: int) -> int:
 
 def flat_checksums(buf: torch.Tensor, offsets: Sequence[int],
                    sizes: Sequence[int]) -> torch.Tensor:
-    """tensor_checksum of every tensor of a flat bucket at once: an int64 tensor (bit patterns)
-    on buf's device (no synchronisation). ``buf`` is the padded uint8 buffer (``padded_size``
-    bytes) whose padding bytes are zero. Offsets are ALIGN-aligned, so every ALIGN-byte row
-    belongs to one tensor: per row, its sum and its sum weighted by the global word position
-    (two reductions of the whole buffer in wrapping int32, at the memory's speed; _row_terms),
-    then one prefix sum each and a difference per tensor; a tensor's own positions are the
-    global ones shifted by its first word. Tensors whose size is not a multiple of 4 bytes are
-    summed as uint8 (as tensor_checksum does), one by one."""
+    """tensor_checksum of every tensor of a flat bucket at once: an int64 tensor on buf's device
+    (no synchronisation). ``buf`` is the padded uint8 buffer (``padded_size`` bytes) whose padding
+    bytes are zero. Offsets are ALIGN-aligned, so every ALIGN-byte row belongs to one tensor: each
+    row hashed against the powers R**j of its own positions (one pass; checksum.row_hashes), then
+    weighted by R**(row * units per row) and summed with a prefix sum; a tensor's value is its
+    rows' range, shifted back to its first row (times R**-(first unit), from the cached layout).
+    Tensors whose size is odd are hashed as bytes (as tensor_checksum does), one by one."""
     if buf.numel() % ALIGN:
         raise ValueError(f"buf: must hold a multiple of {ALIGN} bytes, got {buf.numel()}")
-    row_sums, row_weighted = _row_terms(buf.view(torch.int32).view(-1, _ROW))
-    firsts = torch.arange(row_sums.numel(), dtype=torch.int64, device=buf.device) * _ROW
-    global_weighted = (_mulmod32(firsts % _WRAP, row_sums) + row_weighted) % _WRAP
-    zero = row_sums.new_zeros(1)
-    prefix_s = torch.cat([zero, row_sums.cumsum(0)])
-    prefix_g = torch.cat([zero, global_weighted.cumsum(0)])
-    del row_sums, row_weighted, global_weighted
-    starts, ends = _row_bounds(tuple(offsets), tuple(sizes), str(buf.device))
-    sums = (prefix_s[ends] - prefix_s[starts]) % _WRAP
-    shift = (starts * _ROW - 1) % _WRAP  # position j + 1 = global word - (first word - 1)
-    weighted = (prefix_g[ends] - prefix_g[starts] - _mulmod32(shift, sums)) % _WRAP
-    packed = _pack(sums, weighted)
+    rows = checksum.row_hashes(buf.view(torch.int16).view(-1, _ROW))
+    weighted = checksum.mulmod(rows, checksum.powers(pow(checksum.ROOT, _ROW, checksum.P),
+                                                     rows.numel(), buf.device))
+    zero = rows.new_zeros(1)
+    prefix_low = torch.cat([zero, (weighted & _M31).cumsum(0)])
+    prefix_high = torch.cat([zero, (weighted >> 31).cumsum(0)])
+    del rows, weighted
+    starts, ends, unshift = _row_bounds(tuple(offsets), tuple(sizes), str(buf.device))
+    packed = checksum.mulmod(_join(prefix_low[ends] - prefix_low[starts],
+                                   prefix_high[ends] - prefix_high[starts]), unshift)
     for i, (o, n) in enumerate(zip(offsets, sizes)):
-        if n % 4:
-            packed[i] = _pack(*_direct(buf[o:o + n], 0))
+        if n % 2:
+            packed[i] = checksum.box_hash(buf[o:o + n])
     return packed
 
 
+def _join(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """(low + high * 2**31) modulo P for sums of 31-bit and 30-bit halves (each below 2**63)."""
+    shifted = checksum.mulmod(high % checksum.P, torch.tensor(1 << 31, device=high.device))
+    return (low % checksum.P + shifted) % checksum.P
+
+
 @functools.lru_cache(maxsize=256)
-def _row_bounds(offsets: tuple, sizes: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and one-past-last checksum row of each tensor, on ``device``, cached per layout: a
-    push repeats the same layouts, and building them anew would cost a host-device copy (and a
-    synchronisation) per bucket."""
-    starts = torch.tensor([o // ALIGN for o in offsets], dtype=torch.int64)
-    ends = torch.tensor([-(-(o + n) // ALIGN) for o, n in zip(offsets, sizes)],
-                        dtype=torch.int64)
-    return starts.to(device), ends.to(device)
+def _row_bounds(offsets: tuple, sizes: tuple, device: str) -> tuple[torch.Tensor, ...]:
+    """First and one-past-last checksum row of each tensor, and R**-(its first unit), on
+    ``device``, cached per layout: a push repeats the same layouts, and building them anew would
+    cost a host-device copy (and a synchronisation) per bucket."""
+    starts = [o // ALIGN for o in offsets]
+    ends = [-(-(o + n) // ALIGN) for o, n in zip(offsets, sizes)]
+    inverse = pow(checksum.ROOT, checksum.P - 2, checksum.P)
+    unshift = [pow(inverse, s * _ROW, checksum.P) for s in starts]
+    return tuple(torch.tensor(v, dtype=torch.int64).to(device) for v in (starts, ends, unshift))
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,39 +1,31 @@
-"""The fused CUDA checksum pass (fsdpfn.wire.fused) equals the portable one bit for bit, on the
-words a push can carry: random int32 (both signs, the extremes), bf16 weights, NaN bit patterns.
+"""The content checksum on a CUDA device equals the CPU's bit for bit: the fused Triton pass over
+a push's 4 KiB rows (fsdpfn.wire.fused) against the portable float64 product, on the words a push
+can carry (random int32 of both signs, the extremes, bf16 weights, NaN bit patterns); a flat
+bucket's per-tensor values; and a checkpoint chunk's boxes (the portable path on the device).
 
-Skipped without CUDA or Triton."""
+Skipped without CUDA (the fused test also without Triton)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fsdpfn.wire import fused, protocol
+from fsdpfn.wire import checksum, fused
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or fused._kernel() is None,  # noqa: SLF001
-    reason="needs a CUDA device and Triton")]
-
-
-def _portable(rows: torch.Tensor):
-    """The two-reduction path of protocol._row_terms, run on the CPU."""
-    block = rows.cpu().view(-1, protocol._SIDE, protocol._SIDE)  # noqa: SLF001
-    p = block.sum(2, dtype=torch.int32).to(torch.int64)
-    q = block.sum(1, dtype=torch.int32).to(torch.int64)
-    pos = torch.arange(protocol._SIDE, dtype=torch.int64)  # noqa: SLF001
-    wrap = 1 << 32
-    return p.sum(1) % wrap, (protocol._SIDE * (p * pos).sum(1) + (q * pos).sum(1)) % wrap  # noqa: SLF001
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("n_rows", [1, 7, 8, 9, 1000, 4099])
-def test_fused_row_terms_equal_the_portable_ones(n_rows):
+@pytest.mark.skipif(fused._kernel() is None, reason="needs Triton")  # noqa: SLF001
+@pytest.mark.parametrize("n_rows", [1, 3, 4, 5, 1000, 4099])
+def test_fused_row_hashes_equal_the_portable_ones(n_rows):
     g = torch.Generator().manual_seed(n_rows)
-    words = torch.randint(-2**31, 2**31 - 1, (n_rows, protocol._ROW), generator=g,  # noqa: SLF001
+    words = torch.randint(-2**31, 2**31 - 1, (n_rows, 1024), generator=g,
                           dtype=torch.int64).to(torch.int32)
     words[0, :4] = torch.tensor([2**31 - 1, -2**31, -1, 0], dtype=torch.int32)
-    sums, weighted = fused.row_terms(words.cuda())
-    want_s, want_w = _portable(words)
-    assert torch.equal(sums.cpu(), want_s) and torch.equal(weighted.cpu(), want_w)
+    rows = words.view(torch.int16)
+    assert fused.row_limb_sums(rows.cuda()) is not None
+    assert torch.equal(checksum.row_hashes(rows.cuda()).cpu(), checksum.row_hashes(rows))
 
 
 def test_flat_checksums_on_cuda_equal_the_cpu_ones():
@@ -49,3 +41,11 @@ def test_flat_checksums_on_cuda_equal_the_cpu_ones():
     sizes = [t.numel() * 2 for t in tensors]
     assert torch.equal(flat_checksums(buf.cuda(), offsets, sizes).cpu(),
                        flat_checksums(buf, offsets, sizes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_chunk_boxes_on_cuda_equal_the_cpu_ones(dtype):
+    t = (torch.randn(300, 70001, generator=torch.Generator().manual_seed(1)) * 1e3).to(dtype)
+    for box, offsets in ((t, [0, 0]), (t[100:250, 5:60000], [100, 5])):
+        assert int(checksum.box_hash(box.cuda(), t.shape, offsets)) == \
+            int(checksum.box_hash(box, t.shape, offsets))

@@ -1,6 +1,7 @@
-"""The push checksum (fsdpfn.wire.protocol) sees order: against an independent reference in
-Python integers, as a whole-tensor sum and as a flat bucket's per-tensor sums, and as hypothesis
-properties (a transposition of unequal words changes it; a flat bucket agrees with each tensor)."""
+"""The push checksum (fsdpfn.wire.protocol, on fsdpfn.wire.checksum) against an independent
+reference in Python integers, for a whole tensor and for a flat bucket's per-tensor values; as
+hypothesis properties (a transposition of unequal words changes it; a flat bucket agrees with
+each tensor); and the errors it must catch: the sign-bit pair that fooled the earlier sums."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from fsdpfn.wire.protocol import (bucket_layout, combine_checksums, combine_on_d
                                      tensor_checksums)
 from fsdpfn.weights.sglang import pack
 
-W = 2**32
+P = 2**61 - 1
+ROOT = 0x1F0E5C2B3A49D68A
 
 
 def reference(t: torch.Tensor) -> int:
-    """S + 2**32 W in Python integers: int32 words (bytes when not a multiple of 4)."""
+    """sum_j u_j * ROOT**j modulo 2**61 - 1 in Python integers: u_j the little-endian unsigned
+    16-bit halfwords of the bytes (the bytes themselves when their count is odd)."""
     raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    words = list(raw) if len(raw) % 4 else [int(v) for v in np.frombuffer(raw, dtype="<i4")]
-    s = sum(words) % W
-    w = sum((j + 1) * v for j, v in enumerate(words)) % W
-    return s + W * w
+    units = list(raw) if len(raw) % 2 else [int(v) for v in np.frombuffer(raw, dtype="<u2")]
+    return sum(u * pow(ROOT, j, P) for j, u in enumerate(units)) % P
 
 
 def _bucket(tensors):
@@ -39,6 +40,7 @@ def _bucket(tensors):
 
 @pytest.mark.parametrize("numel,dtype", [(1, torch.float32), (1023, torch.float32),
                                          (1024, torch.float32), (5000, torch.float32),
+                                         (2049, torch.float32),
                                          (3000, torch.bfloat16), (4097, torch.bfloat16),
                                          (7, torch.float64)])
 def test_checksum_equals_reference_whole_and_in_a_bucket(numel, dtype):
@@ -47,7 +49,7 @@ def test_checksum_equals_reference_whole_and_in_a_bucket(numel, dtype):
     assert tensor_checksum(t) == reference(t)
     other = torch.randn(333, generator=g)
     buf, offsets, sizes = _bucket([other, t, other])
-    got = [v % 2**64 for v in flat_checksums(buf, offsets, sizes).tolist()]
+    got = flat_checksums(buf, offsets, sizes).tolist()
     assert got == [reference(other), reference(t), reference(other)]
 
 
@@ -59,9 +61,7 @@ def test_a_transposition_of_unequal_words_changes_the_checksum(n, data):
     t = torch.randn(n, generator=torch.Generator().manual_seed(n))
     swapped = t.clone()
     swapped[i], swapped[j] = t[j], t[i]
-    words = t.view(torch.int32)
-    # a swap moves W by (i - j)(w_j - w_i) modulo 2**32: nonzero for random float words
-    assert ((i - j) * (int(words[j]) - int(words[i]))) % W != 0
+    assert not torch.equal(t[i], t[j])  # random floats: a swap changes the bytes
     assert tensor_checksum(swapped) != tensor_checksum(t)
     buf, offsets, sizes = _bucket([t])
     buf2, _, _ = _bucket([swapped])
@@ -76,7 +76,7 @@ def test_flat_bucket_agrees_with_each_tensor_and_combines_on_device(sizes, seed)
     tensors = [torch.randn(n, generator=g) for n in sizes]
     buf, offsets, nbytes = _bucket(tensors)
     flat = flat_checksums(buf, offsets, nbytes)
-    assert [v % 2**64 for v in flat.tolist()] == tensor_checksums(tensors)
+    assert flat.tolist() == tensor_checksums(tensors)
     names = [f"t{(k * 7) % len(tensors)}.{k}" for k in range(len(tensors))]
     assert int(combine_on_device(flat, names)) == \
         combine_checksums(dict(zip(names, tensor_checksums(tensors))))
@@ -102,3 +102,28 @@ def test_pack_is_sglang_flattened_bucket_layout():
     packed = pack(buf, bucket)
     assert packed.dtype == torch.float32
     assert torch.equal(packed, torch.cat([p.flatten() for _, p in params]))
+
+
+def test_two_negated_q_proj_weights_change_the_push_checksum():
+    """Two weights of a q_proj negated (their sign bits flipped, positions i and i + 2): the
+    earlier sum and position-weighted sum modulo 2**32 both moved by multiples of 2**32 and
+    missed it; the checksum of the tensor, of its flat bucket and the combined one all differ."""
+    from fsdpfn.testing import tiny_qwen2_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config())
+    q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    bad = q.clone()
+    bad.view(-1)[[10, 12]] *= -1
+    old = [(lambda w: (sum(w) % 2**32, sum((j + 1) * v for j, v in enumerate(w)) % 2**32))(
+        [int(v) for v in x.view(-1).view(torch.int32).tolist()]) for x in (q, bad)]
+    assert old[0] == old[1]  # the earlier scheme cannot see it
+    assert tensor_checksum(bad) != tensor_checksum(q)
+    assert reference(bad) == tensor_checksum(bad)
+    buf, offsets, sizes = _bucket([q])
+    buf2, _, _ = _bucket([bad])
+    assert flat_checksums(buf, offsets, sizes).tolist() != \
+        flat_checksums(buf2, offsets, sizes).tolist()
+    assert combine_checksums({"q": tensor_checksum(q)}) != \
+        combine_checksums({"q": tensor_checksum(bad)})

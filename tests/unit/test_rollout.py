@@ -330,16 +330,15 @@ def test_checksum_is_exact_and_detects_a_flipped_bit():
     flipped = t.clone()
     flipped.view(torch.int32)[17] ^= 1
     assert tensor_checksum(flipped) != tensor_checksum(t)
-    # the definition, computed independently: the bytes as little-endian int32 words w_j,
-    # S = sum(w_j), W = sum((j + 1) w_j) modulo 2**32, checksum S + 2**32 W
+    # the definition, computed independently (fsdpfn.wire.checksum): the bytes as little-endian
+    # unsigned 16-bit units u_j, checksum sum(u_j * R**j) modulo 2**61 - 1
+    p, r = 2**61 - 1, 0x1F0E5C2B3A49D68A
     big = torch.tensor([2**31 - 1, 2**31 - 5, -7, 2**30], dtype=torch.int32).view(torch.float32)
     for x in (t, big):
-        words = [int(w) for w in np.frombuffer(x.numpy().tobytes(), dtype="<i4")]
-        s = sum(words) % 2**32
-        w = sum((j + 1) * v for j, v in enumerate(words)) % 2**32
-        assert tensor_checksum(x) == s + 2**32 * w
-    odd = torch.arange(3, dtype=torch.uint8)  # 3 bytes: summed as bytes
-    assert tensor_checksum(odd) == 3 + 2**32 * (0 * 1 + 1 * 2 + 2 * 3)
+        units = [int(u) for u in np.frombuffer(x.numpy().tobytes(), dtype="<u2")]
+        assert tensor_checksum(x) == sum(u * pow(r, j, p) for j, u in enumerate(units)) % p
+    odd = torch.arange(3, dtype=torch.uint8)  # 3 bytes: hashed as bytes
+    assert tensor_checksum(odd) == (1 * r + 2 * r * r) % p
     a, b = {"x": 1, "y": 2}, {"y": 2, "x": 1}
     assert combine_checksums(a) == combine_checksums(b) != combine_checksums({"x": 2, "y": 1})
     many = {f"t{(i * 7919) % 1000}": (i * 2654435761) % 2**64 - 2**63 for i in range(1000)}
