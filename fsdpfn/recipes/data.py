@@ -1,5 +1,5 @@
-"""The recipes' data: the user's JSONL / Parquet files (read with ``datasets``), or the embedded
-addition task, behind one interface.
+"""The recipes' data: the user's JSONL / Parquet files (read and checked row by row in
+fsdpfn.recipes.data_rows), or the embedded addition task, behind one interface.
 
     data:
       train_files: [data/train.jsonl]          # .jsonl / .json / .parquet, local files
@@ -15,6 +15,10 @@ last assistant turn is the prompt) and ``answer_key`` when present; sft reads ``
 rw/dpo read ``prompt_key`` + ``chosen_key`` + ``rejected_key``. String prompts are tokenized as
 they are, or rendered as one user turn with the chat template when ``chat_template: true``; chat
 messages always go through the tokenizer's chat template.
+
+A bad file or a bad row (a prompt missing, null or not a string, a line that is not JSON, a
+file that is not UTF-8 or is empty) refuses the split with one ConfigError naming the file, the
+line or row, the column and its key, before anything is tokenized (fsdpfn.recipes.data_rows).
 
 Samples that do not fit (a prompt over ``max_prompt_tokens``; for sft/rw/dpo a response over
 ``max_response_tokens``) are dropped when the data is prepared, never cut, and counted: the launcher
@@ -36,12 +40,12 @@ import attrs
 
 from fsdpfn.config import _bool, _int
 from fsdpfn.errors import ConfigError
+from fsdpfn.recipes.data_rows import check_rows, read_rows
 
 __all__ = ["DataConfig", "FileSource", "AdditionSource", "prepare_files", "load_source",
            "DATA_DIR"]
 
 DATA_DIR = "data"   # under run_dir: the prepared (tokenized, filtered) splits
-SUFFIX_FORMAT = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def _files(value):
@@ -88,27 +92,6 @@ class DataConfig:
 
 
 # ---------------------------------------------------------------- reading and preparing files
-
-
-def _read(files: tuple[str, ...], key: str):
-    """A ``datasets.Dataset`` of the files (one format), with typed errors."""
-    for f in files:
-        if not Path(f).is_file():
-            raise ConfigError(f"data.{key}: file does not exist, got {f!r}")
-        if Path(f).suffix not in SUFFIX_FORMAT:
-            raise ConfigError(f"data.{key}: must be .jsonl, .json or .parquet files, got {f!r}")
-    formats = {SUFFIX_FORMAT[Path(f).suffix] for f in files}
-    if len(formats) > 1:
-        raise ConfigError(f"data.{key}: files of one format only (json or parquet), got "
-                          f"{list(files)}")
-    import datasets
-
-    datasets.disable_progress_bars()
-    try:
-        return datasets.load_dataset(formats.pop(), data_files=list(files), split="train")
-    except Exception as exc:  # noqa: BLE001 - a malformed file is the user's input error
-        raise ConfigError(f"data.{key}: cannot read {list(files)} "
-                          f"({type(exc).__name__}: {str(exc)[:300]})") from None
 
 
 def _columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str) -> dict:
@@ -223,36 +206,45 @@ def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
 
 def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path) -> dict:
     """Read, check, tokenize and filter the train and eval files into ``out_dir`` (JSON lines,
-    one example per line); returns {split: {"kept", "dropped": {reason: count}}}. Runs in the
-    launcher, so a missing file or column fails before any rank starts."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {}
+    one example per line); returns {split: {"rows", "kept", "dropped": {reason: count}}}. Runs
+    in the launcher, so a missing file, column or a bad row fails before any rank starts; every
+    split is read and checked before anything is tokenized or written."""
+    splits = []
     for split, files, key in (("train", cfg.train_files, "train_files"),
                               ("eval", cfg.eval_files, "eval_files")):
-        if not files:
-            continue
-        ds = _read(files, key)
-        cols = _columns_for(cfg, recipe, list(ds.column_names), key)
-        kept, dropped = 0, {}
-        tmp = out_dir / f"{split}.jsonl.tmp"
-        with open(tmp, "w") as fh:
-            for i, row in enumerate(ds):
-                ex, reason = _prepare_row(cfg, tok, recipe, cols, row)
-                if ex is None:
-                    dropped[reason] = dropped.get(reason, 0) + 1
-                    continue
-                ex["index"] = i
-                fh.write(json.dumps(ex, default=str) + "\n")
-                kept += 1
-        if kept == 0:
-            raise ConfigError(f"data.{key}: no sample fits the limits (max_prompt_tokens="
-                              f"{cfg.max_prompt_tokens}, max_response_tokens="
-                              f"{cfg.max_response_tokens}); dropped {dropped}")
-        tmp.rename(out_dir / f"{split}.jsonl")
-        report[split] = {"rows": len(ds), "kept": kept, "dropped": dropped}
+        if files:
+            data = read_rows(files, key)
+            cols = _columns_for(cfg, recipe, list(data.columns), key)
+            check_rows(data, cols, recipe)
+            splits.append((split, key, data, cols))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {split: _write_split(cfg, tok, recipe, data, cols, out_dir / f"{split}.jsonl", key)
+              for split, key, data, cols in splits}
     (out_dir / "stats.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _write_split(cfg: DataConfig, tok, recipe: str, data, cols: dict, path: Path, key: str):
+    """Tokenize and filter one split's checked rows into ``path``; its report."""
+    kept, dropped = 0, {}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        for i in range(len(data.rows)):
+            ex, reason = _prepare_row(cfg, tok, recipe, cols, data.full(i))
+            if ex is None:
+                dropped[reason] = dropped.get(reason, 0) + 1
+                continue
+            ex["index"] = i
+            fh.write(json.dumps(ex, default=str) + "\n")
+            kept += 1
+    if kept == 0:
+        tmp.unlink()
+        raise ConfigError(f"data.{key}: no sample fits the limits (max_prompt_tokens="
+                          f"{cfg.max_prompt_tokens}, max_response_tokens="
+                          f"{cfg.max_response_tokens}); dropped {dropped}")
+    tmp.rename(path)
+    return {"rows": len(data.rows), "kept": kept, "dropped": dropped}
 
 
 # ---------------------------------------------------------------- sources
