@@ -41,7 +41,7 @@ TTY_ENV = "FSDPFN_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the r
 _OWNED = ("config.yaml", "trainer.log", "model0", "model0.tmp", "sft", "checkpoints",
           "critic_checkpoints",
           "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks",
-          "data", "tensorboard", "reward_errors.jsonl", "run_state.json")
+          "data", "tensorboard", "wandb", "reward_errors.jsonl", "run_state.json")
 
 
 def _say(message: str) -> None:
@@ -203,6 +203,14 @@ def _check_inputs(cfg) -> None:
     from fsdpfn.recipes.model import check_model_dir
 
     check_model_dir(cfg.model)
+    if cfg.log.wandb is not None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            from fsdpfn.errors import ConfigError
+
+            raise ConfigError("log.wandb: needs the wandb package (pip install 'fsdpfn[wandb]'), "
+                              f"got {cfg.log.wandb!r}") from None
     if cfg.log.tensorboard:
         try:
             import tensorboard  # noqa: F401

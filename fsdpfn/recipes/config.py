@@ -25,9 +25,9 @@ from fsdpfn.recipes.model import ModelConfig
 from fsdpfn.recipes.reward import RewardConfig
 from fsdpfn.recipes.task import AdditionTask
 
-__all__ = ["ModelConfig", "DataConfig", "RewardConfig", "LaunchConfig", "RolloutConfig", "CheckpointConfig", "LogConfig", "WarmupConfig",
-           "EvalConfig", "GRPORecipe", "PPORecipe", "SFTRecipe", "RWRecipe", "DPORecipe",
-           "RECIPE_CONFIGS"]
+__all__ = ["ModelConfig", "DataConfig", "RewardConfig", "LaunchConfig", "RolloutConfig",
+           "CheckpointConfig", "LogConfig", "WandbConfig", "WarmupConfig", "EvalConfig",
+           "GRPORecipe", "PPORecipe", "SFTRecipe", "RWRecipe", "DPORecipe", "RECIPE_CONFIGS"]
 
 
 def _recipe_name(name: str):
@@ -116,17 +116,35 @@ class CheckpointConfig:
     keep_last: int = attrs.field(default=2, validator=_int(1))
 
 
+def _opt_str(_, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{attribute.name}: must be null or a non-empty string, got {value!r}")
+
+
+@attrs.frozen
+class WandbConfig:
+    """Weights & Biases: every metrics row logged to ``project`` as run ``name`` (null: the
+    run_dir's name), files under run_dir/wandb. ``mode``: online, offline (no network; sync
+    later with ``wandb sync run_dir/wandb/offline-run-*``) or disabled. A resumed run continues
+    the same W&B run."""
+
+    project: str = attrs.field(default="fsdpfn", validator=_path)
+    name: str | None = attrs.field(default=None, validator=_opt_str)
+    mode: str = attrs.field(default="online", validator=_one_of("online", "offline", "disabled"))
+
+
 @attrs.frozen
 class LogConfig:
     """Progress bar on stderr (a line every ``every`` steps when stderr is not a terminal),
-    metrics as JSON lines in run_dir/metrics.jsonl, a PNG plot at the end, and TensorBoard
-    event files in run_dir/tensorboard with ``tensorboard: true`` (needs the tensorboard
-    package)."""
+    metrics as JSON lines in run_dir/metrics.jsonl, a PNG plot at the end, TensorBoard event
+    files in run_dir/tensorboard with ``tensorboard: true`` (needs the tensorboard package),
+    and Weights & Biases with ``wandb: {project, name, mode}`` (needs the wandb package)."""
 
     progress: bool = attrs.field(default=True, validator=_bool)
     every: int = attrs.field(default=1, validator=_int(1))
     plot: bool = attrs.field(default=True, validator=_bool)
     tensorboard: bool = attrs.field(default=False, validator=_bool)
+    wandb: WandbConfig | None = attrs.field(default=None)
 
 
 @attrs.frozen

@@ -56,15 +56,18 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
 
 
 def check_data(cfg) -> None:
-    """Each split's files exist, read, and have the columns this recipe needs (data.py's own
-    readers; the rows are tokenized and filtered when the run starts)."""
-    from fsdpfn.recipes import data as D
+    """Each split's files exist, read, have the columns this recipe needs and rows of the
+    right types: the checks prepare_files makes before it tokenizes (which it does when the
+    run starts)."""
+    from fsdpfn.recipes.data import _columns_for
+    from fsdpfn.recipes.data_rows import check_rows, read_rows
 
     for files, key in ((cfg.data.train_files, "train_files"), (cfg.data.eval_files,
                                                                  "eval_files")):
         if files:
-            ds = D._read(files, key)
-            D._columns_for(cfg.data, cfg.recipe, list(ds.column_names), key)
+            data = read_rows(files, key)
+            check_rows(data, _columns_for(cfg.data, cfg.recipe, list(data.columns), key),
+                       cfg.recipe)
 
 
 def _reward_call(cfg) -> tuple[tuple, dict, str]:

@@ -275,7 +275,8 @@ def run(cfg, ctx: RunContext) -> int:
     metrics = Metrics(ctx.run_dir / "metrics.jsonl",
                       keep_until=({cfg.recipe: start, "warmup": 10**9 if warm_done else 0}
                                   if ctx.resume else None),
-                      tensorboard=ctx.run_dir / "tensorboard" if cfg.log.tensorboard else None)
+                      tensorboard=ctx.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                      wandb=cfg.log.wandb)
     # 1. supervised warm-up on the embedded task (its result is reused on --resume)
     if steps > 0 and not warm_done:
         if not warmup(cfg, ctx, mesh, tok, metrics):

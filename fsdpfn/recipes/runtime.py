@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import secrets
 import os
 import signal
 import sys
@@ -20,7 +21,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "log", "is_main",
+__all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "log", "is_main", "wandb_run",
            "broadcast_from_main", "all_reduce_sum", "mean_sequence_prob"]
 
 
@@ -102,12 +103,14 @@ class Metrics:
     (they belong to steps that will run again)."""
 
     def __init__(self, path: Path, *, keep_until: dict[str, int] | None = None,
-                 tensorboard: Path | None = None):
+                 tensorboard: Path | None = None, wandb=None):
         self.path = Path(path)
         self.enabled = is_main()
-        self.writer = None
+        self.writer = self.wandb = None
         if not self.enabled:
             return
+        if wandb is not None:  # a WandbConfig: the run in path's directory
+            self.wandb = wandb_run(wandb, self.path.parent, resume=keep_until is not None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep_until is not None and self.path.is_file():
             kept = []
@@ -141,10 +144,36 @@ class Metrics:
                         and key != "step":
                     self.writer.add_scalar(f"{phase}/{key}", value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            phase = row.get("phase", "run")
+            self.wandb.log({f"{phase}/{k}": v for k, v in clean.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def wandb_run(cfg, run_dir: Path, *, resume: bool):
+    """A W&B run for ``cfg`` (a WandbConfig) with its files under run_dir/wandb; its id is kept
+    in run_dir/wandb/run_id so that --resume continues the same run. Each phase's metrics are
+    plotted against that phase's own step (``grpo/step``, ``warmup/step``)."""
+    import wandb
+
+    root = Path(run_dir) / "wandb"
+    root.mkdir(parents=True, exist_ok=True)
+    id_file = root / "run_id"
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+    run = wandb.init(project=cfg.project, name=cfg.name or Path(run_dir).resolve().name,
+                     mode=cfg.mode, dir=str(run_dir), id=run_id or secrets.token_hex(4),
+                     resume="allow", settings=wandb.Settings(silent=True))
+    id_file.write_text(run.id)
+    for phase in ("warmup", "grpo", "ppo", "sft", "rw", "dpo"):
+        run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
+    return run
 
 
 class Progress:

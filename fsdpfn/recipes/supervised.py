@@ -87,7 +87,8 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
         log(f"resumed from {latest} at step {start}")
     metrics = Metrics(ctx.run_dir / "metrics.jsonl",
                       keep_until={phase: start} if ctx.resume else None,
-                      tensorboard=ctx.run_dir / "tensorboard" if cfg.log.tensorboard else None)
+                      tensorboard=ctx.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                      wandb=cfg.log.wandb)
     bar = Progress(phase, cfg.steps, start=start, every=cfg.log.every, enabled=cfg.log.progress)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
