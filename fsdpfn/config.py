@@ -284,6 +284,13 @@ class EngineConfig:
     # entropy, tp) or "liger" (Liger-Kernel's fused linear cross-entropy: CUDA, tp=1; a call that
     # asks for entropy takes the chunked head)
     logprobs_impl: str = attrs.field(default="chunked", validator=_one_of("chunked", "liger"))
+    # the model guard (fsdpfn.families): "unverified" checks, when the model is built, that the
+    # engine's packed forward equals the model's own eager forward for a family outside the
+    # verified list (a small random instance of the same architecture, float32, two short rows),
+    # refusing the model with the gap on disagreement; "always" checks verified families too;
+    # "never" skips the check
+    verify_model: str = attrs.field(default="unverified",
+                                    validator=_one_of("unverified", "always", "never"))
     # per-call stage times, peak memory, tokens/s and MFU in the stats (fsdpfn.timing): CUDA
     # events read once at the end of a call, no host synchronisation per micro-batch
     timing: bool = attrs.field(default=True, validator=_bool)

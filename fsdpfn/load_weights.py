@@ -213,15 +213,34 @@ def _pieces(module: nn.Module, prefix: str = ""):
 # ---------------------------------------------------------------- the plan
 
 
-def _source_key(key: str, source, hf_config) -> str | None:
-    """The source's name for the engine's parameter ``key`` (None: drawn here, not read)."""
+def _module_key(lm: nn.Module, module: nn.Module | None) -> str | None:
+    """The state-dict name of ``module``'s weight inside ``lm`` (None: no such module)."""
+    name = next((n for n, m in lm.named_modules() if m is module), None) if module else None
+    return None if name is None else lora.hf_name(f"{name}.weight" if name else "weight")
+
+
+def _tied_names(lm: nn.Module) -> tuple[str | None, str | None]:
+    """(head weight, input embedding weight) names, found from the model (``lm_head``,
+    ``embed_out``, ...), not assumed."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    return _module_key(lm, head), _module_key(lm, embed)
+
+
+def _source_key(key: str, source, hf_config, tied: tuple = (None, None)) -> str | None:
+    """The source's name for the engine's parameter ``key`` (None: drawn here, not read).
+    A tied head that the source leaves out reads the input embedding (``tied``: their names)."""
     name = lora.hf_name(key)
     if name in source:
         return name
-    if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
-        embed = next((k for k in source.keys() if k.endswith("embed_tokens.weight")), None)
-        if embed is not None:
+    head, embed = tied
+    if head is not None and name == head and getattr(hf_config, "tie_word_embeddings", False):
+        if embed is not None and embed in source:
             return embed
+        suffix = embed.rpartition(".")[0].rpartition(".")[2] if embed else "embed_tokens"
+        found = next((k for k in source.keys() if k.endswith(f"{suffix}.weight")), None)
+        if found is not None:
+            return found
     return None
 
 
@@ -229,11 +248,12 @@ def _plan(lm: nn.Module, source, adapters: dict, config, hf_config) -> dict[str,
     """Engine name -> the source's name, or a tensor drawn here (adapters, a fresh value head).
     Raises ConfigError for a weight the source lacks or has in another shape."""
     plan, missing = {}, []
+    tied = _tied_names(lm)
     for key, target in lm.state_dict(keep_vars=True).items():
         if key in adapters:
             plan[key] = adapters[key]
             continue
-        name = _source_key(key, source, hf_config)
+        name = _source_key(key, source, hf_config, tied)
         if name is None and config.is_critic and key.startswith("score."):
             gen = torch.Generator().manual_seed(config.seed)
             # a fresh value head: small weights, so initial values are near zero

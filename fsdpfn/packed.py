@@ -40,7 +40,8 @@ class PackedModel(nn.Module):
 
     @property
     def base(self) -> nn.Module:
-        return self.lm.model
+        """The decoder stack (whatever the family names it: model, gpt_neox, transformer)."""
+        return self.lm.base_model
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int, targets: torch.Tensor | None = None,

@@ -17,12 +17,42 @@ from torch import nn
 from fsdpfn import lora
 from fsdpfn.mesh import Mesh
 
-__all__ = ["apply_tp", "kv_heads_of_rank", "base_model"]
+__all__ = ["apply_tp", "kv_heads_of_rank", "base_model", "check_tp_plan"]
 
 
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack (embeddings, layers, final norm) of an HF causal or token-class model."""
-    return model.model
+    return model.base_model
+
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _linear(module) -> bool:
+    """A linear, or a LoRA-wrapped one (its base under ``base_layer``)."""
+    return isinstance(getattr(module, "base_layer", module), nn.Linear)
+
+
+def check_tp_plan(model: nn.Module) -> None:
+    """ConfigError unless every decoder layer has the projections the plan splits (separate
+    q/k/v/o and gate/up/down linears): a fused projection (Phi-3's qkv_proj, gate_up_proj)
+    split column-wise would hand each rank a slice across q, k and v, so such a model is
+    refused under tp rather than computed wrongly."""
+    from fsdpfn.errors import ConfigError
+
+    layers = getattr(base_model(model), "layers", None)
+    for layer in layers if layers is not None else [None]:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        missing = [f"self_attn.{n}" for n in _ATTN if not _linear(getattr(attn, n, None))]
+        missing += [f"mlp.{n}" for n in _MLP if not _linear(getattr(mlp, n, None))]
+        if layer is None or missing:
+            have = sorted({n for n, m in (layer or model).named_modules()
+                           if isinstance(m, nn.Linear)})[:6]
+            raise ConfigError(f"ParallelStrategy.tp: model_type {model.config.model_type!r} "
+                              f"lacks the separate projections the tensor-parallel plan splits "
+                              f"({', '.join(missing) or 'decoder layers'}; it has {have}, e.g. "
+                              f"fused ones); use tp=1 (dp and cp work)")
 
 
 def kv_heads_of_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
@@ -136,6 +166,7 @@ def apply_tp(model: nn.Module, mesh: Mesh) -> None:
     query heads use (see kv_heads_of_rank)."""
     if mesh.tp == 1:
         return
+    check_tp_plan(model)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
@@ -145,16 +176,18 @@ def apply_tp(model: nn.Module, mesh: Mesh) -> None:
     config = model.config
     n_heads = config.num_attention_heads
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
-    tied = getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head")
-    parallelize_module(base.embed_tokens, tp_mesh,
+    head = model.get_output_embeddings()
+    embed = base.get_input_embeddings()
+    tied = getattr(config, "tie_word_embeddings", False) and head is not None
+    parallelize_module(embed, tp_mesh,
                        RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for layer in base.layers:
         plan = {**_attention_plan(layer, n_heads, n_kv_heads, tp_mesh),
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel()}
         parallelize_module(layer, tp_mesh, lora.tp_plan(layer, plan))
-    if hasattr(model, "lm_head"):
-        parallelize_module(model.lm_head, tp_mesh,
+    if head is not None:
+        parallelize_module(head, tp_mesh,
                            ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
         if tied:  # one parameter, sharded over V in both roles
-            model.lm_head.weight = base.embed_tokens.weight
+            head.weight = embed.weight

@@ -1,0 +1,146 @@
+"""What the engine cannot compute exactly is refused by name; what it does not know is checked.
+
+- shard_model refuses mixture-of-experts, encoder-decoder, multimodal and logit-scaling models
+  with a ConfigError naming the model_type and the reason.
+- The guard (EngineConfig.verify_model) refuses an unlisted architecture whose attention applies
+  an option the packed attention ignores (a logit scale passed to its attention function), with
+  the measured gap; a correct unlisted architecture builds and equals its own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fsdpfn as ff
+from fsdpfn import keys as K
+from fsdpfn.errors import ConfigError
+from fsdpfn.families import VERIFIED, verify_architecture
+from fsdpfn.testing.models import _common, hf_config_of, hf_reference_logp
+
+
+def _build(spec: dict, **kwargs):
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    cfg = ff.EngineConfig(model_config=spec, dtype="float32", optimizer=None, **kwargs)
+    return ff.shard_model(cfg, mesh)
+
+
+@pytest.mark.parametrize("spec,reason", [
+    (dict(model_type="mixtral", num_local_experts=4), "mixture-of-experts"),
+    (dict(model_type="qwen2_moe", num_experts=4), "mixture-of-experts"),
+    (dict(model_type="llama", num_experts=2), "mixture-of-experts"),
+    (dict(model_type="t5"), "encoder-decoder"),
+    (dict(model_type="gemma3"), "multimodal"),
+    (dict(model_type="cohere", logit_scale=0.25), "logit_scale"),
+], ids=["mixtral", "qwen2_moe", "llama-with-experts", "t5", "gemma3-multimodal", "cohere"])
+def test_unsupported_models_are_refused_by_model_type_and_reason(spec, reason):
+    model_type = spec["model_type"]
+    if model_type in ("t5", "gemma3"):
+        spec = dict(spec)
+    else:
+        spec = _common({"vocab_size": 131, **spec})
+    with pytest.raises(ConfigError) as err:
+        _build(spec)
+    assert repr(model_type) in str(err.value) and reason in str(err.value)
+    assert "verified families" in str(err.value)
+
+
+# ---------------------------------------------------------------- unlisted architectures
+
+
+def _register_scaled_family(model_type: str, logit_scale: float):
+    """A Llama whose attention passes ``logit_scale`` to its attention function (its eager
+    function applies it; the engine's packed attention does not know the option)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama import modeling_llama as ml
+
+    def scaled_eager(module, query, key, value, attention_mask, scaling=None, logit_scale=1.0,
+                     **kwargs):
+        return ml.eager_attention_forward(module, query, key, value, attention_mask,
+                                          scaling=scaling * logit_scale, **kwargs)
+
+    class ScaledAttention(ml.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                    **kwargs):
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            q, k, v = (p(hidden_states).view(shape).transpose(1, 2)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, k = ml.apply_rotary_pos_emb(q, k, *position_embeddings)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                           scaled_eager)
+            out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
+                                  dropout=0.0, logit_scale=logit_scale, **kwargs)
+            return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+
+    config_cls = type(f"{model_type}Config", (LlamaConfig,), {"model_type": model_type})
+
+    class ScaledForCausalLM(LlamaForCausalLM):
+        config_class = config_cls
+
+        def __init__(self, config):
+            super().__init__(config)
+            for layer in self.model.layers:
+                layer.self_attn.__class__ = ScaledAttention
+
+    AutoConfig.register(model_type, config_cls, exist_ok=True)
+    AutoModelForCausalLM.register(config_cls, ScaledForCausalLM, exist_ok=True)
+    return _common({"model_type": model_type, "vocab_size": 131})
+
+
+def test_guard_refuses_an_unlisted_architecture_the_packed_path_computes_wrongly():
+    spec = _register_scaled_family("fsdpfn_test_scaled", logit_scale=3.0)
+    with pytest.raises(ConfigError) as err:
+        _build(spec)
+    message = str(err.value)
+    assert "'fsdpfn_test_scaled'" in message and "differs from the model's own forward" in message
+    assert all(name in message for name in VERIFIED)
+    gap = float(message.split("forward by ")[1].split(" ")[0])
+    assert gap > 1e-3
+    # the user may take the risk: the same model builds with the guard off
+    assert _build(spec, verify_model="never").model is not None
+
+
+def test_guard_lets_a_correct_unlisted_architecture_run_and_says_so(caplog):
+    from transformers import AutoModelForCausalLM
+
+    spec = _register_scaled_family("fsdpfn_test_plain", logit_scale=1.0)
+    with caplog.at_level(logging.INFO, logger="fsdpfn"):
+        state = _build(spec)
+    assert any("'fsdpfn_test_plain'" in r.getMessage() and "checked" in r.getMessage()
+               for r in caplog.records)
+    # and it is right: forward_logp equals the model's own forward with the state's weights
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True))
+    config = hf_config_of(spec)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict({k[len("lm."):]: v for k, v in sd.items()})
+    batch = ff.testing.random_batch(3, 30, vocab_size=131, seed=2, min_len=10)
+    with torch.no_grad():
+        ref, _ = hf_reference_logp(model, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
+    got = ff.forward_logp(state, batch)[K.LOGP]
+    assert float((got - ref).abs().max()) <= 1e-5
+
+
+def test_guard_runs_on_verified_families_when_asked_always(caplog):
+    spec = _common({"model_type": "qwen2", "vocab_size": 131})
+    with caplog.at_level(logging.INFO, logger="fsdpfn"):
+        _build(spec, verify_model="always")
+    assert any("checked" in r.getMessage() for r in caplog.records)
+
+
+def test_verify_model_rejects_unknown_values():
+    with pytest.raises(ConfigError, match="verify_model"):
+        ff.EngineConfig(model_config={"model_type": "llama"}, verify_model="sometimes")
+
+
+def test_guard_probe_measures_exactly_the_gap_of_the_scaled_attention():
+    # independent of shard_model: the architecture check itself, with and without the defect
+    assert verify_architecture(hf_config_of(_register_scaled_family("fsdpfn_test_plain",
+                                                                      1.0))) < 1e-5
+    assert verify_architecture(hf_config_of(_register_scaled_family("fsdpfn_test_scaled",
+                                                                      3.0))) > 1e-3
