@@ -1,0 +1,135 @@
+"""Windowed, softcapped and fused-projection families under tp=2 and cp=2 (two CPU ranks, gloo,
+float32) equal the model's own eager forward, as dp=1 does (tests/unit/test_families.py):
+forward_logp, one sft_step's loss and its update. Phi-3's fused projections are refused under
+tp with a ConfigError on every rank. export_hf of every family variant reloads in plain
+transformers with identical logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import fsdpfn as ff
+from fsdpfn import keys as K
+from fsdpfn.errors import ConfigError
+from fsdpfn.testing.models import hf_reference_logp, save_family_model, tiny_family_configs
+
+FAMILIES = tiny_family_configs()
+LENGTHS = (64, 41, 53, 47)
+OPT = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0, max_grad_norm=None)
+
+
+def family_batch(seed: int = 0):
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    T = max(LENGTHS)
+    attn = torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]
+    ids = torch.where(attn, torch.randint(0, 131, (len(LENGTHS), T), generator=g), 0)
+    loss = attn.clone()
+    loss[:, :3] = False
+    return TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss},
+                      batch_size=[len(LENGTHS)])
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families_dist")
+    return {name: str(save_family_model(root / name, FAMILIES[name], seed=4))
+            for name in ("gemma2", "mistral", "phi3", "gemma3_text", "qwen2-sliding")}
+
+
+def reference(model_dir: str, batch):
+    """The model's own eager float32 forward: logp [B, T], mean NLL, expected update per name."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    logp, _ = hf_reference_logp(model, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
+    mask = batch[K.LOSS_MASK]
+    nll = -(logp * mask).sum() / mask.sum()
+    nll.backward()
+    deltas = {n: -p.grad / (p.grad.abs() + 1.0) for n, p in model.named_parameters()}
+    return logp.detach(), float(nll.detach()), deltas
+
+
+def _full(state):
+    sd = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+    return {k[len("lm."):]: v.clone() for k, v in sd.items()}
+
+
+def run_on_ranks(model_dir, tp, cp, batch):
+    """forward_logp, then one sft_step: (logp, loss, parameter deltas) on rank 0."""
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=tp, cp=cp), device_type="cpu")
+    cfg = ff.EngineConfig(model_path=model_dir, dtype="float32",
+                          optimizer=ff.OptimizerConfig(**OPT))
+    state = ff.shard_model(cfg, mesh)
+    local = ff.shard_batch(batch, mesh)
+    logp = ff.gather_batch(ff.forward_logp(state, local), mesh)[K.LOGP]
+    before = _full(state)
+    state, stats = ff.sft_step(state, local)
+    after = _full(state)
+    if dist.get_rank() != 0:
+        return None
+    return logp, float(stats["loss"]), {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("family,tp,cp", [
+    ("gemma2", 2, 1), ("gemma2", 1, 2), ("mistral", 2, 1), ("mistral", 1, 2),
+    ("gemma3_text", 1, 2), ("qwen2-sliding", 2, 1), ("phi3", 1, 2)])
+def test_tp_and_cp_equal_the_models_own_forward(family, tp, cp, dirs, spmd2):
+    batch = family_batch()
+    ref_logp, ref_nll, ref_deltas = reference(dirs[family], batch)
+    logp, loss, deltas = spmd2.run(run_on_ranks, args=(dirs[family], tp, cp, batch),
+                                   timeout=400)[0]
+    gap = float((logp - ref_logp).abs().max())
+    assert gap <= 1e-5, f"{family} tp={tp} cp={cp}: logp gap {gap:.3g}"
+    assert abs(loss - ref_nll) <= 1e-5
+    for name, want in ref_deltas.items():
+        torch.testing.assert_close(deltas[name], want, rtol=1e-4, atol=5e-6,
+                                   msg=lambda m, name=name: f"{family} {name}: {m}")
+
+
+def build_tp(model_dir):
+    mesh = ff.build_mesh(ff.ParallelStrategy(tp=2), device_type="cpu")
+    try:
+        ff.shard_model(ff.EngineConfig(model_path=model_dir, dtype="float32", optimizer=None),
+                       mesh)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_fused_projections_are_refused_under_tp_on_every_rank(dirs, spmd2):
+    messages = spmd2.run(build_tp, args=(dirs["phi3"],), timeout=200)
+    assert all(m is not None and "ParallelStrategy.tp" in m and "'phi3'" in m
+               and "qkv_proj" in m for m in messages), messages
+
+
+def export_and_reload(model_dir, out_dir):
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(model_path=model_dir, dtype="float32",
+                                           optimizer=None), mesh)
+    ff.export_hf(state, out_dir, dtype="float32")
+
+
+@pytest.mark.timeout(500)
+def test_export_hf_reloads_with_identical_logits(tmp_path, spmd1):
+    batch = family_batch(seed=2)
+    for name, spec in FAMILIES.items():
+        src = str(save_family_model(tmp_path / f"{name}-src", spec, seed=5))
+        out = str(tmp_path / f"{name}-out")
+        spmd1.run(export_and_reload, args=(src, out), timeout=200)
+        from transformers import AutoModelForCausalLM
+
+        with torch.no_grad():
+            logits = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                           attn_implementation="eager")(
+                input_ids=batch[K.INPUT_IDS],
+                attention_mask=batch[K.ATTENTION_MASK].long()).logits for d in (src, out)]
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0, msg=name)
