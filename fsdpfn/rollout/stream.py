@@ -1,0 +1,274 @@
+"""RolloutStream: generation that runs ahead of training, within a staleness bound.
+
+For asynchronous RL in a custom loop (rank 0 of the trainer holds the stream):
+
+    stream = RolloutStream(urls, prompt_at, group_size=8, groups_per_step=64, max_staleness=2,
+                           sampling={"max_new_tokens": 512}, version=actor.version)
+    for step in range(steps):
+        batch = stream.next_batch()            # the step's groups, in data order; waits for them
+        ...                                    # log-probs, advantages, ppo_step: actor.version + 1
+        receipt = push_weights(actor, target)  # the servers serve the new weights
+        stream.advance(receipt.version)        # generation may run one more step ahead
+    stream.close()
+
+Admission control (AReaL's rule). The groups are numbered in data order from ``start``; group m
+belongs to step s(m) = (m - start) // groups_per_step. It is sent to a server only once s(m) <=
+advances + max_staleness, where advances counts ``advance`` calls (one push per step). Groups are
+handed to the trainer in data order, so the trainer of step s holds the weights of advance s; a
+group admitted after advance a (a >= s - max_staleness) carries tokens of version >= that
+advance's, so its staleness (the version trained minus the oldest version among its tokens) is at
+most ``max_staleness``. Nothing is thrown away: generation that would exceed the bound waits.
+With ``max_staleness=0`` a step's groups are sent only after the previous step's push: the
+synchronous loop. In order of data also means a resumed run's data cursor is a prefix: the groups
+handed out, no more (groups in flight at a stop are generated again).
+
+Servers. ``urls`` may name several servers: each request goes to the one with the fewest rows in
+flight; the samples of one prompt (a group) always share one request, so one server. A server's
+in-flight requests continue across a weight update when the trainer does not pause generation
+(``PushConfig(pause_generation=False)``): the server's decode loop swaps the weights between two
+decode steps and tags every token with the version that produced it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.rollout.client import generate
+
+__all__ = ["RolloutStream", "Group", "StreamBatch"]
+
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "timeout")
+
+
+@attrs.frozen
+class Group:
+    """The ``n`` samples of one prompt. ``index``: the prompt's position in the data order;
+    ``outputs``: the server's answers ({output_ids, output_logprobs, weight_versions, ...});
+    ``admitted_after``: how many advances the stream had seen when it sent the group;
+    ``score``: what the stream's ``score`` callable returned for it (None without one)."""
+
+    index: int
+    prompt_ids: list
+    outputs: list
+    server: str
+    admitted_after: int
+    score: Any = None
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weights version among the group's tokens (None: no token generated)."""
+        versions = [min(o["weight_versions"]) for o in self.outputs if o.get("weight_versions")]
+        return min(versions) if versions else None
+
+
+@attrs.frozen
+class StreamBatch:
+    """One step's groups (data order), the version they are trained at, and the step's stream
+    statistics: staleness_mean / staleness_max (over samples), off_policy_token_frac (tokens of
+    an older version than the one trained), trainer_wait_seconds (next_batch blocked),
+    rollout_wait_seconds (generation held back by the bound since the last batch)."""
+
+    groups: list
+    version: int
+    stats: dict
+
+
+def _check_args(group_size, groups_per_step, max_staleness, start, sampling) -> None:
+    for name, value, low in (("group_size", group_size, 1), ("groups_per_step", groups_per_step, 1),
+                             ("max_staleness", max_staleness, 0), ("start", start, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name}: must be an integer >= {low}, got {value!r}")
+    unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ConfigError(f"sampling: unknown key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
+
+
+class RolloutStream:
+    """Keeps up to (max_staleness + 1) steps of groups in flight against rollout servers (module
+    doc). ``prompt_at(i)``: the token ids of the i-th prompt of the data order (None or
+    IndexError: the data ended). ``score(groups) -> list``: called once per finished request on
+    the stream's own thread (one call at a time), its results stored on the groups."""
+
+    def __init__(self, urls: str | Sequence[str], prompt_at: Callable[[int], Sequence[int] | None],
+                 *, group_size: int, groups_per_step: int, max_staleness: int = 0,
+                 start: int = 0, version: int = 0, sampling: dict | None = None,
+                 score: Callable[[list], list] | None = None, seed: int | None = None):
+        sampling = dict(sampling or {})
+        _check_args(group_size, groups_per_step, max_staleness, start, sampling)
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ConfigError("urls: must name at least one rollout server, got []")
+        self.prompt_at, self.score, self.sampling, self.seed = prompt_at, score, sampling, seed
+        self.G, self.B, self.N = group_size, groups_per_step, max_staleness
+        self.start = self.next_index = self.consumed = start
+        self.version, self.advances = int(version), 0
+        self.cond = threading.Condition()
+        self.finished: dict[int, Group] = {}
+        self.rows_in_flight = {u: 0 for u in self.urls}
+        self.error: BaseException | None = None
+        self.ended_at: int | None = None  # first index with no prompt
+        self.closed = False
+        self.held_since: float | None = None  # when the bound began holding generation back
+        self.held_seconds = 0.0
+        self.score_lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=(max_staleness + 1) * len(self.urls) + 1,
+                                       thread_name_prefix="fsdpfn-stream")
+        self.scheduler = threading.Thread(target=self._schedule, daemon=True,
+                                          name="fsdpfn-stream-admit")
+        self.scheduler.start()
+
+    # ------------------------------------------------------------ the trainer's side
+
+    def next_batch(self, timeout: float | None = None) -> StreamBatch:
+        """The next step's ``groups_per_step`` groups in data order, once all are generated
+        (and scored). Raises what a request raised (WeightSyncError), StopIteration when the
+        data ended before a whole step, TimeoutError after ``timeout`` seconds."""
+        t0 = time.perf_counter()
+        want = range(self.consumed, self.consumed + self.B)
+        with self.cond:
+            while not all(i in self.finished for i in want):
+                if self.error is not None:
+                    raise self.error
+                if self.ended_at is not None and self.ended_at < want.stop:
+                    raise StopIteration(f"the data ended at prompt {self.ended_at}")
+                left = None if timeout is None else timeout - (time.perf_counter() - t0)
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"next_batch: groups {want.start}..{want.stop - 1} not "
+                                       f"generated within {timeout} s")
+                self.cond.wait(left)
+            groups = [self.finished.pop(i) for i in want]
+            self.consumed = want.stop
+            held = self._take_held_seconds()
+        return StreamBatch(groups, self.version,
+                           _stats(groups, self.version, time.perf_counter() - t0, held))
+
+    def advance(self, version: int) -> None:
+        """The servers now serve ``version`` (call it after each step's push): generation may
+        run one step further ahead."""
+        with self.cond:
+            if int(version) < self.version:
+                raise ConfigError(f"version: must not go backwards, got {version} after "
+                                  f"{self.version}")
+            self.version = int(version)
+            self.advances += 1
+            self.cond.notify_all()
+
+    @property
+    def cursor(self) -> int:
+        """How many prompts of the data order were handed to the trainer (a resume starts here)."""
+        return self.consumed
+
+    def close(self) -> None:
+        """Stop admitting; requests in flight are abandoned (their answers are dropped)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "RolloutStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ admission
+
+    def _admissible(self) -> int:
+        """How many groups may be sent now: up to the end of step advances + N (lock held)."""
+        limit = self.start + (self.advances + self.N + 1) * self.B
+        return max(0, limit - self.next_index)
+
+    def _take_held_seconds(self) -> float:
+        now = time.perf_counter()
+        held = self.held_seconds + (now - self.held_since if self.held_since is not None else 0)
+        self.held_seconds = 0.0
+        self.held_since = now if self.held_since is not None else None
+        return held
+
+    def _schedule(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and self.error is None and self.ended_at is None \
+                        and self._admissible() == 0:
+                    if self.held_since is None:
+                        self.held_since = time.perf_counter()
+                    self.cond.wait()
+                if self.held_since is not None:
+                    self.held_seconds += time.perf_counter() - self.held_since
+                    self.held_since = None
+                if self.closed or self.error is not None or self.ended_at is not None:
+                    return
+                first = self.next_index
+                count = min(self._admissible(), self.B - (first - self.start) % self.B)
+                prompts = self._prompts(first, count)
+                self.next_index = first + len(prompts)
+                admitted, url = self.advances, self._least_loaded()
+                self.rows_in_flight[url] += len(prompts) * self.G
+            if prompts:
+                self.pool.submit(self._request, url, first, prompts, admitted)
+
+    def _prompts(self, first: int, count: int) -> list:
+        """Up to ``count`` prompts from ``first``; marks the end of the data (lock held)."""
+        out = []
+        for i in range(first, first + count):
+            try:
+                ids = self.prompt_at(i)
+            except IndexError:
+                ids = None
+            if ids is None:
+                self.ended_at = i
+                break
+            out.append([int(t) for t in ids])
+        return out
+
+    def _least_loaded(self) -> str:
+        return min(self.urls, key=lambda u: self.rows_in_flight[u])
+
+    # ------------------------------------------------------------ requests
+
+    def _request(self, url: str, first: int, prompts: list, admitted: int) -> None:
+        try:
+            kwargs = {k: v for k, v in self.sampling.items()}
+            seed = None if self.seed is None else self.seed * 1_000_003 + first
+            answer = generate(url, prompts, n=self.G, seed=seed, **kwargs)
+            groups = [Group(first + i, prompts[i], answer["outputs"][i * self.G:(i + 1) * self.G],
+                            url, admitted) for i in range(len(prompts))]
+            if self.score is not None:
+                with self.score_lock:
+                    scores = self.score(groups)
+                groups = [attrs.evolve(g, score=s) for g, s in zip(groups, scores)]
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer by next_batch
+            error = exc if isinstance(exc, (WeightSyncError, ConfigError)) else WeightSyncError(
+                f"rollout stream: request for prompts {first}..{first + len(prompts) - 1} to "
+                f"{url} failed: {type(exc).__name__}: {exc}")
+            with self.cond:
+                self.error = self.error or error
+                self.cond.notify_all()
+            return
+        with self.cond:
+            self.rows_in_flight[url] -= len(prompts) * self.G
+            for g in groups:
+                self.finished[g.index] = g
+            self.cond.notify_all()
+
+
+def _stats(groups: list, version: int, waited: float, held: float) -> dict:
+    """A step's stream statistics (StreamBatch)."""
+    stale, tokens, off = [], 0, 0
+    for g in groups:
+        for o in g.outputs:
+            versions = o.get("weight_versions") or []
+            if versions:
+                stale.append(version - min(versions))
+            tokens += len(versions)
+            off += sum(v < version for v in versions)
+    return {"staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+            "staleness_max": max(stale) if stale else 0,
+            "off_policy_token_frac": off / tokens if tokens else 0.0,
+            "trainer_wait_seconds": waited, "rollout_wait_seconds": held}
