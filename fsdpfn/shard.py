@@ -11,6 +11,7 @@ gradients in ``grad_reduce_dtype``. The optimizer and its schedule come from fsd
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from torch import nn
@@ -26,6 +27,8 @@ from fsdpfn.optim_build import build_optimizer, build_scheduler, lr_factor
 from fsdpfn.packed import PackedModel
 from fsdpfn.state import EngineState
 from fsdpfn.tp import apply_tp, base_model, kv_heads_of_rank
+
+log = logging.getLogger("fsdpfn")
 
 # apply_tp, kv_heads_of_rank, base_model (fsdpfn.tp) and the optimizer builders
 # (fsdpfn.optim_build) are re-exported: their home was this module
@@ -163,6 +166,18 @@ def apply_fused_kernels(model: nn.Module, hf_config, device_type: str, *,
     return swapped
 
 
+def _note_head_fallback(lm: nn.Module, hf_config, config: EngineConfig) -> None:
+    """Liger's fused head computes plain h @ W.T: a model whose head caps its logits or adds a
+    bias takes the chunked head (which applies both); say so once."""
+    head = lm.get_output_embeddings()
+    capped = getattr(hf_config, "final_logit_softcapping", None)
+    biased = head is not None and getattr(head, "bias", None) is not None
+    if config.logprobs_impl == "liger" and not config.is_critic and (capped or biased):
+        log.info("logprobs_impl 'liger': %r's head %s, which Liger's fused head does not "
+                 "compute; the chunked head runs instead", hf_config.model_type,
+                 "caps its logits" if capped else "adds a bias")
+
+
 def _disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
@@ -247,6 +262,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     model.compute_dtype = torch_dtype(config.dtype)
     model.use_varlen = config.attn_impl != "sdpa"
     model.logprobs_impl = config.logprobs_impl
+    _note_head_fallback(lm, hf_config, config)
     if mesh.tp > 1:
         model.tp_group = mesh.group("tp")
     if mesh.cp > 1:
