@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 
 class BatchError(ValueError):
-    """A batch breaks the public layout of API.md (key, rule and value are in the message)."""
+    """A batch breaks the public layout of docs/api.md (key, rule and value are in the message)."""
 
 
 class StaleStateError(RuntimeError):

@@ -1,6 +1,7 @@
 """The public batch: validation, packing, micro-batch planning and data-parallel sharding.
 
-Public layout (API.md "Batch layout"): a TensorDict with batch_size [B], rows right-padded to T.
+Public layout (docs/api.md "Batch layout"): a TensorDict with batch_size [B], rows right-padded
+to T.
 Internally rows are *packed*: the real tokens of every row concatenated into one stream of N tokens,
 with `cu_seqlens` marking where each sequence starts (the varlen / flash-attention convention).
 

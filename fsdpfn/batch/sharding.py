@@ -1,7 +1,7 @@
 """Data-parallel sharding of a global batch and the group checks of grouped estimators.
 
 Units (groups by ``group_id``, or ``group_size`` consecutive rows) stay on one rank; tokens are
-balanced over ranks with balanced_partition. shard_batch / gather_batch are public (API.md).
+balanced over ranks with balanced_partition. shard_batch / gather_batch are public (docs/api.md).
 """
 
 from __future__ import annotations

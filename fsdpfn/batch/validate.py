@@ -1,4 +1,4 @@
-"""Validation of the public batch layout (API.md "Batch layout") and row selection.
+"""Validation of the public batch layout (docs/api.md "Batch layout") and row selection.
 
 validate_batch runs once, at the public entry point; every check is vectorized and names the key,
 the rule and the value received.

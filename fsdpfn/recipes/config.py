@@ -341,8 +341,8 @@ class RWRecipe:
 @attrs.frozen
 class DPORecipe:
     """DPO (dpo_step) on the same pairs, against a frozen reference copy of the initial model
-    (forward_logp gives ref_logp). With ``engine.lora`` the reference is the policy with its adapters
-    disabled (forward_logp(..., adapters=False)): one model in memory."""
+    (forward_logp gives ref_logp). With ``engine.lora`` the reference is the policy with its
+    adapters disabled (forward_logp(..., adapters=False)): one model in memory."""
 
     recipe: str = attrs.field(default="dpo", validator=_recipe_name("dpo"))
     run_dir: str = attrs.field(default="runs/dpo", validator=_path)

@@ -196,7 +196,8 @@ def run_dpo(cfg, ctx: RunContext):
     state = ff.shard_model(_engine(cfg, ctx, optimizer=cfg.optimizer), mesh)
     ref = None  # with lora: the policy with its adapters disabled, no second model
     if cfg.engine.lora is None:
-        ref = ff.shard_model(_engine(cfg, ctx, optimizer=None, role="ref_engine"), mesh)  # the same initial weights
+        # the same initial weights
+        ref = ff.shard_model(_engine(cfg, ctx, optimizer=None, role="ref_engine"), mesh)
     held = _held_out(cfg, ctx, tok, 256)
 
     def step_fn(s, local):

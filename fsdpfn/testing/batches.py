@@ -1,4 +1,4 @@
-"""Random batches in the public layout of API.md, for tests of algorithms."""
+"""Random batches in the public layout of docs/api.md, for tests of algorithms."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
         batch, group_size = drawn
         ...
 
-Every batch is a right-padded TensorDict in API.md's layout (input_ids, attention_mask,
+Every batch is a right-padded TensorDict in docs/api.md's layout (input_ids, attention_mask,
 loss_mask never at t=0, rewards, and on request group_id or chosen/rejected pairs), drawn from a
 seed so a failing example shrinks to small, readable sizes. Inside ranks of a run_spmd test use
 ``settings(derandomize=True, database=None)`` so every rank draws the same examples.

@@ -46,6 +46,38 @@ def test_every_example_yaml_is_valid_and_headed():
         assert cfg.recipe == name.removesuffix(".yaml")
 
 
+@pytest.fixture(scope="module")
+def tiny_user(tmp_path_factory):
+    """A tiny model directory (room for 512 + 1,024 positions) and math data in its place."""
+    from fsdpfn.testing.hf_dir import write_tiny_hf_dir
+
+    root = tmp_path_factory.mktemp("gpu_examples")
+    rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(8)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = write_tiny_hf_dir(root / "model", texts=[r["prompt"] for r in rows], vocab_size=300)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (model / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", sorted((EXAMPLES / "gpu").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_gpu_example_passes_a_dry_run(path, tiny_user, tmp_path):
+    """A GPU example as written, its model directory and data swapped for tiny local ones:
+    the config validates and the preflight (data columns, reward, positions) passes."""
+    text = path.read_text()
+    assert text.startswith("#") and f"fsdpfn run examples/gpu/{path.name}" in text
+    proc = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(path), "--dry-run",
+                           f"model.path={tiny_user / 'model'}",
+                           f"data.train_files=[{tiny_user / 'train.jsonl'}]",
+                           f"run_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=100, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[fsdpfn] trainer:" in proc.stderr and not (tmp_path / "run").exists()
+
+
 @pytest.mark.timeout(60)
 def test_cli_help_config_and_errors(capsys, tmp_path):
     for argv in (["--help"], ["run", "--help"], ["demo", "--help"], ["config", "--help"]):

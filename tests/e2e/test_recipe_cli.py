@@ -1,0 +1,148 @@
+"""`fsdpfn run` as a user meets it: engine options from YAML, refusals before launch in one line,
+a rank's failure in one line, overrides after flags, and a GRPO run with 1,024-token responses
+on default settings (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdpfn import serde
+from fsdpfn.recipes import RECIPE_CONFIGS, load_recipe_config
+from fsdpfn.testing.hf_dir import write_tiny_hf_dir
+
+pytestmark = pytest.mark.dist
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _fsdpfn(*args, timeout=120, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdpfn", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("fsdpfn: error:")]
+
+
+@pytest.mark.timeout(120)
+def test_overrides_after_flags_and_config_prints_a_file_resolved(tmp_path):
+    run_dir = tmp_path / "r"
+    for args in (["--dry-run", "steps=7", f"run_dir={run_dir}"],
+                 [f"run_dir={run_dir}", "--dry-run", "steps=7", "--overwrite"]):
+        proc = _fsdpfn("run", EXAMPLES / "sft.yaml", *args)
+        assert proc.returncode == 0, proc.stderr
+        cfg = serde.from_yaml(proc.stdout, RECIPE_CONFIGS["sft"])
+        assert cfg.steps == 7 and cfg.run_dir == str(run_dir)
+    assert not run_dir.exists()
+    proc = _fsdpfn("config", EXAMPLES / "sft.yaml", "engine.gradient_checkpointing=true",
+                   "engine.fsdp.offload_params=true")
+    assert proc.returncode == 0, proc.stderr
+    data = yaml.safe_load(proc.stdout)
+    assert data["engine"]["gradient_checkpointing"] is True
+    assert data["engine"]["fsdp"]["offload_params"] is True
+    assert data["batch_size"] == 128  # the file's own value
+    expected = load_recipe_config(EXAMPLES / "sft.yaml", ["engine.gradient_checkpointing=true",
+                                                          "engine.fsdp.offload_params=true"])
+    assert serde.structure(data, RECIPE_CONFIGS["sft"]) == expected
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides,message", [
+    (["engine.gradient_checkpoint=true"],
+     "engine: unknown key(s) ['gradient_checkpoint']; did you mean 'gradient_checkpointing'?"),
+    (["mb_spec.max_tokens_per_mb=512"], "mb_spec: not a key here, moved to engine.mb_spec"),
+    (["model.path=/nowhere", "data.train_files=[x.jsonl]", "warmup.steps=0",
+      "engine.mb_spec.max_tokens_per_mb=512"],
+     "engine.mb_spec.max_tokens_per_mb: must be >= data.max_prompt_tokens + "
+     "data.max_response_tokens = 1024 + 1024 = 2048 tokens"),
+], ids=["misspelt", "moved", "budget"])
+def test_refused_before_launch_in_one_line(overrides, message, tmp_path):
+    run_dir = tmp_path / "r"
+    proc = _fsdpfn("run", EXAMPLES / "grpo.yaml", f"run_dir={run_dir}", "--dry-run", *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and _error_lines(proc.stderr), proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_failure_is_one_line_with_the_log_path(tmp_path):
+    """A typed error raised inside the trainer rank (attn_impl 'varlen' needs CUDA) reaches
+    the terminal as one line; the traceback and torchrun's report are in trainer.log."""
+    run_dir = tmp_path / "r"
+    proc = _fsdpfn("run", EXAMPLES / "sft.yaml", f"run_dir={run_dir}", "launch.nproc=1",
+                   "steps=2", "engine.attn_impl=varlen", timeout=140)
+    assert proc.returncode not in (0, 2), proc.stderr
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    log = run_dir / "trainer.log"
+    assert lines[0].startswith("fsdpfn: error: ConfigError: attn_impl: 'varlen' needs CUDA")
+    assert lines[0].endswith(f"(trace in {log})"), lines[0]
+    for noise in ("Traceback", "ChildFailedError", "torch.distributed", "===="):
+        assert noise not in proc.stderr, proc.stderr
+    text = log.read_text()
+    assert "Traceback" in text and "ChildFailedError" in text and "needs CUDA" in text
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["status"] == "failed" and state["error"].startswith("ConfigError: attn_impl")
+
+
+@pytest.mark.timeout(200)
+def test_resume_with_an_override_after_the_flag(tmp_path):
+    run_dir = tmp_path / "r"
+    first = _fsdpfn("run", EXAMPLES / "sft.yaml", f"run_dir={run_dir}", "launch.nproc=1",
+                    "steps=2", "checkpoint.every=1", "eval_every=0", "export=false",
+                    timeout=90)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _fsdpfn("run", run_dir / "config.yaml", "--resume", "steps=4", timeout=90)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "sft"] == [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def long_grpo(tmp_path_factory):
+    """A user's setup: a model directory with its own tokenizer, JSONL with custom column
+    names, responses up to 1,024 tokens, every engine option at its default."""
+    root = tmp_path_factory.mktemp("long_grpo")
+    rows = [{"question": f"What is {i}+{i + 1}?", "solution": str(2 * i + 1)} for i in range(8)]
+    model = write_tiny_hf_dir(root / "model", texts=[r["question"] for r in rows],
+                              vocab_size=300, hidden_size=32)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 2048  # room for 64 + 1,024 tokens
+    (model / "config.json").write_text(json.dumps(config))
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"recipe": "grpo", "run_dir": str(root / "run"), "steps": 2, "prompts_per_step": 2,
+           "model": {"path": str(model)},
+           "data": {"train_files": [str(root / "train.jsonl")], "prompt_key": "question",
+                    "answer_key": "solution", "max_prompt_tokens": 64,
+                    "max_response_tokens": 1024},
+           "advantage": {"group_size": 2}, "reward": {"workers": 1},
+           "launch": {"nproc": 1}, "eval": {"every": 0}}
+    (root / "grpo.yaml").write_text(yaml.safe_dump(cfg))
+    return root
+
+
+@pytest.mark.timeout(200)
+def test_grpo_with_1024_token_responses_on_default_settings(long_grpo):
+    """The issue's bar: the random model rarely stops, so answers run to the 1,024-token limit;
+    the default (automatic) budget takes rows of 1,000+ tokens, which the old 512-token
+    default refused."""
+    run_dir = long_grpo / "run"
+    proc = _fsdpfn("run", long_grpo / "grpo.yaml", timeout=190)
+    assert proc.returncode == 0, proc.stderr[-5000:] + (run_dir / "trainer.log").read_text()[-3000:] \
+        if (run_dir / "trainer.log").is_file() else proc.stderr[-5000:]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["engine"]["mb_spec"]["max_tokens_per_mb"] is None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    assert [r["step"] for r in grpo] == [1, 2]
+    assert max(r["response_len_max"] for r in grpo) > 512, grpo
