@@ -130,7 +130,8 @@ def save_family_model(path: str | Path, spec: dict, *, seed: int = 0, noise: flo
 def hf_reference_logp(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """The model's own forward on the right-padded batch: logp[B, T] float32 of token t given
     the tokens before it (0 at t = 0 and on padding), and the logits [B, T, V]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits.float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long(),
+                   use_cache=False).logits.float()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
     logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
     return torch.where(attention_mask.bool(), logp, torch.zeros(())), logits

@@ -34,11 +34,11 @@ FAMILIES = tiny_family_configs()
 GPU_FAMILIES = ("mistral", "qwen2-sliding", "gemma2", "gemma3_text")
 LENGTHS = (64, 41, 53, 47)
 # what each family's options are, removed: the "wrong" model a dropped option would compute
-WITHOUT = {"mistral": dict(sliding_window=None),
+WITHOUT = {"mistral": dict(sliding_window=4096),
            "qwen2-sliding": dict(use_sliding_window=False),
-           "gemma2": dict(sliding_window=None, attn_logit_softcapping=None,
+           "gemma2": dict(sliding_window=4096, attn_logit_softcapping=None,
                           final_logit_softcapping=None),
-           "gemma3_text": dict(sliding_window=None)}
+           "gemma3_text": dict(sliding_window=4096)}
 
 
 def _reference(q, k, v, lens, scale, window, softcap):
