@@ -351,7 +351,10 @@ class PPOConfig:
     one minibatch the update starts at the weights old_logp would be computed with, so the ratio
     is 1 by construction and the separate ``forward_logp`` pass is saved (needs n_minibatches=1).
     'auto' (default): the batch's ``old_logp`` when present, else the training forward when
-    n_minibatches=1 (else ``old_logp`` is required).
+    n_minibatches=1 (else ``old_logp`` is required). 'behav': the batch's ``behav_logp`` (no
+    proximal pass at any n_minibatches; an approximation when the sampler's weights are older
+    than the trainer's: the ratio is then anchored at the sampling policy, and the stat
+    ``on_policy_gap`` with check_on_policy measures how far that is from the proximal policy).
     """
 
     clip_low: float = attrs.field(default=0.2, converter=_float_conv, validator=_float(gt=0, lt=1))
@@ -386,7 +389,8 @@ class PPOConfig:
                                                 validator=_float(gt=0, optional=True))
     check_on_policy: bool = attrs.field(default=False, validator=_bool)
     on_policy_tol: float = attrs.field(default=1e-3, converter=_float_conv, validator=_float(gt=0))
-    old_logp_from: str = attrs.field(default="auto", validator=_one_of("auto", "batch", "forward"))
+    old_logp_from: str = attrs.field(default="auto",
+                                  validator=_one_of("auto", "batch", "forward", "behav"))
 
     def __attrs_post_init__(self):
         _check_ppo_behav(self)

@@ -55,6 +55,8 @@ def _on_policy_gap(logp, old_logp, mask, ctx) -> torch.Tensor:
 def _old_logp(config: PPOConfig, logp, mb) -> torch.Tensor:
     """The ratio's denominator: the batch's old_logp, or (old_logp_from 'forward', or 'auto'
     without it) the training forward itself, detached, so the ratio is exactly 1."""
+    if config.old_logp_from == "behav":
+        return mb[K.BEHAV_LOGP]
     if config.old_logp_from == "forward" or not present(mb, K.OLD_LOGP):
         return logp.detach()
     return mb[K.OLD_LOGP]
@@ -115,17 +117,21 @@ ppo_loss = ppo_loss_fn  # the factory's former name, kept for callers
 
 
 def _requirements(config: PPOConfig) -> tuple[tuple[str, ...], dict]:
-    needs_old = config.old_logp_from == "batch" or config.n_minibatches > 1
+    needs_old = config.old_logp_from == "batch" or (config.old_logp_from == "auto"
+                                                    and config.n_minibatches > 1)
     require = ((K.LOSS_MASK,) + ((K.OLD_LOGP,) if needs_old else ()) + (K.ADVANTAGES,)
-               + ((K.REF_LOGP,) if config.kl_coef else ()))
+               + ((K.REF_LOGP,) if config.kl_coef else ())
+               + ((K.BEHAV_LOGP,) if config.old_logp_from == "behav" else ()))
     why = {K.OLD_LOGP: (f"the PPO ratio (n_minibatches={config.n_minibatches}, old_logp_from="
                         f"{config.old_logp_from!r}); compute it with forward_logp(..., "
                         f"out_key='old_logp')"),
            K.ADVANTAGES: "the policy gradient; compute it with compute_advantages",
-           K.REF_LOGP: f"the KL term (kl_coef={config.kl_coef})"}
+           K.REF_LOGP: f"the KL term (kl_coef={config.kl_coef})",
+           K.BEHAV_LOGP: "old_logp_from='behav': the rollout engine's log-probs of the sampled "
+                         "tokens stand in for old_logp"}
     correction = (f"behav_correction={config.behav_correction!r}" if config.behav_correction
                   else f"behav_cap={config.behav_cap}" if config.behav_cap is not None else None)
-    if correction and config.use_behav_logp:
+    if correction and config.use_behav_logp and K.BEHAV_LOGP not in require:
         require += (K.BEHAV_LOGP,)
         why[K.BEHAV_LOGP] = (f"the rollout correction ({correction}): the rollout engine's "
                              f"log-probs of the sampled tokens")

@@ -78,3 +78,32 @@ def test_forward_needs_one_minibatch():
         ff.PPOConfig(old_logp_from="forward", n_minibatches=2)
     with pytest.raises(ff.ConfigError, match="old_logp_from"):
         ff.PPOConfig(old_logp_from="never")
+
+
+def old_logp_from_behav():
+    state = _state()
+    _, batch = _batch(state.mesh)
+    logp = ff.forward_logp(state, batch, out_key=K.LOGP)[K.LOGP]
+    behav = torch.where(batch[K.LOSS_MASK], logp + 0.01, torch.zeros(()))    # a sampler 0.01 off
+    batch = batch.copy().set(K.BEHAV_LOGP, behav)
+    config = ff.PPOConfig(n_minibatches=2, old_logp_from="behav", check_on_policy=True,
+                          on_policy_tol=1.0)
+    _, approx = ff.ppo_step(state, batch, config)
+    as_old = batch.copy().set(K.OLD_LOGP, behav)
+    _, given = ff.ppo_step(_state(), as_old, ff.PPOConfig(n_minibatches=2))
+    try:
+        ff.ppo_step(_state(), batch.exclude(K.BEHAV_LOGP), config)
+        refused = None
+    except ff.BatchError as exc:
+        refused = str(exc)
+    return ({k: float(approx[k]) for k in ("on_policy_gap", "grad_norm", "loss")},
+            {k: float(given[k]) for k in ("grad_norm", "loss")}, refused)
+
+
+@pytest.mark.timeout(240)
+def test_behav_stands_in_for_old_logp_and_its_gap_is_measured(spmd2):
+    approx, given, refused = spmd2.run(old_logp_from_behav, timeout=200)[0]
+    assert abs(approx["on_policy_gap"] - 0.01) <= 1e-4, approx  # |proximal - behav| measured
+    assert approx["grad_norm"] == pytest.approx(given["grad_norm"], rel=1e-6), (approx, given)
+    assert approx["loss"] == pytest.approx(given["loss"], rel=1e-6, abs=1e-7), (approx, given)
+    assert refused is not None and "behav_logp" in refused and "old_logp_from='behav'" in refused
