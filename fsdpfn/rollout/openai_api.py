@@ -10,7 +10,9 @@ text_offset}). Chat: ``messages`` rendered by the model's chat template; ``max_t
 ``top_logprobs``): choices[].logprobs.content [{token, logprob, bytes, top_logprobs}]. As in
 SGLang and vLLM, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids`` and ``skip_special_tokens`` are accepted (the openai client's ``extra_body``).
-Every choice also carries fsdpfn's ``token_ids`` and ``weight_version``. A key this server does
+Every choice also carries fsdpfn's ``prompt_token_ids`` (the prompt as rendered), ``token_ids``,
+``token_logprobs`` (their behav_logp), ``weight_versions`` (per token) and ``weight_version``
+(the oldest), so a trainer records episodes without re-tokenizing (fsdpfn.rollout.agent). A key this server does
 not implement (stream, tools, response_format other than text, logit_bias, echo, suffix, ...)
 is refused by name: 400 {"error": {"message", "type", "param", "code"}}.
 
@@ -76,7 +78,7 @@ def completions(engine, body: dict) -> dict:
             choice = {"index": len(choices), "text": text, "finish_reason": o["finish_reason"],
                       "logprobs": None if logprobs is None else
                       _completion_logprobs(engine, o, logprobs),
-                      **_ours(o)}
+                      **_ours(o, prompt)}
             choices.append(choice)
             usage[1] += len(o["output_ids"])
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -103,7 +105,7 @@ def chat_completions(engine, body: dict) -> dict:
         choices.append({"index": i, "message": {"role": "assistant", "content": text},
                         "finish_reason": o["finish_reason"],
                         "logprobs": {"content": _chat_logprobs(engine, o, top or 0)}
-                        if body.get("logprobs") else None, **_ours(o)})
+                        if body.get("logprobs") else None, **_ours(o, prompt)})
     completion = sum(len(o["output_ids"]) for o in answer["outputs"])
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.get("model") or engine.model_path,
@@ -183,9 +185,12 @@ def _context(engine) -> int:
 # ---------------------------------------------------------------- answers
 
 
-def _ours(o: dict) -> dict:
+def _ours(o: dict, prompt: list[int]) -> dict:
+    """fsdpfn's fields of a choice: what a trainer needs to train on it without re-tokenizing
+    (the prompt as rendered, the sampled ids, their behav_logp, each token's weights version)."""
     versions = o.get("weight_versions") or []
-    return {"token_ids": o["output_ids"],
+    return {"prompt_token_ids": prompt, "token_ids": o["output_ids"],
+            "token_logprobs": o["output_logprobs"], "weight_versions": versions,
             "weight_version": str(min(versions)) if versions else None}
 
 

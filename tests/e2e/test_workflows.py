@@ -1,0 +1,136 @@
+"""Rollout workflows against a real rollout server: episodes recorded through the openai
+package's clients, joined into rows exactly, failures scored and described.
+
+References: the server's own answers (token ids it returned, the prompt ids it rendered, checked
+against the tokenizer's chat template) and the Hugging Face model's own forward for behav_logp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdpfn as ff
+from fsdpfn import keys as K
+from fsdpfn.batch import validate_batch
+from fsdpfn.recipes.workflow import episodes_batch, load_workflow, run_episodes
+from fsdpfn.rollout import launch_server
+from fsdpfn.rollout.episode import episode_rows
+from fsdpfn.testing import write_tiny_hf_dir
+
+pytestmark = pytest.mark.dist
+WF = str(Path(__file__).with_name("workflows_for_tests.py"))
+TEXTS = ["what is two plus two", "the answer is four", "wrong, try again", "again please",
+         "a tool returned seven"] * 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_hf_dir(tmp_path_factory.mktemp("wf") / "tiny", texts=TEXTS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    proc = launch_server(model_dir, log_dir=tmp_path_factory.mktemp("logs"), health_timeout=120)
+    try:
+        yield proc
+    finally:
+        proc.close()
+
+
+def _hf_logp(model_dir, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.mark.timeout(180)
+def test_a_retry_episode_joins_into_one_row_with_loss_on_sampled_tokens_only(server, model_dir,
+                                                                            tok):
+    row = {"prompt_ids": tok.encode("what is two plus two"),
+           "feedback_ids": tok.encode(" wrong, try again: ")}
+    results = run_episodes(server.url, load_workflow(f"{WF}:retry"), [row], 2, timeout_s=60)
+    assert [r.error for r in results] == [None, None] and [r.index for r in results] == [0, 0]
+    for result in results:
+        first, second = result.turns
+        assert first.prompt_ids == row["prompt_ids"]  # the ids sent, as the server saw them
+        assert second.prompt_ids == first.context + row["feedback_ids"]
+        (joined,) = episode_rows(result.turns)
+        assert joined.input_ids == second.context
+        sampled = [t for t, m in zip(joined.input_ids, joined.loss_mask) if m]
+        assert sampled == first.output_ids + second.output_ids  # nothing else has loss
+        mask = torch.tensor(joined.loss_mask)
+        assert not mask[:len(first.prompt_ids)].any()
+        assert not mask[len(first.context):len(second.prompt_ids)].any()  # the feedback
+        # behav_logp is the sampling distribution: the HF model's own log-probs (temperature 1)
+        ref = _hf_logp(model_dir, joined.input_ids)
+        behav = torch.tensor(joined.behav_logp, dtype=torch.float64)[1:]
+        assert torch.allclose(behav[mask[1:]], ref[mask[1:]], atol=1e-4), (behav, ref)
+        assert result.reward == float(len(second.output_ids) > 0)  # per-turn rewards summed
+    batch, stats = episodes_batch(results, 2, max_tokens=1024)
+    assert batch[K.LOSS_MASK].sum() == sum(len(t.output_ids) for r in results for t in r.turns)
+    assert stats["episode_rows"] == 2 and stats["episode_errors"] == 0
+    validate_batch(batch, require=(K.LOSS_MASK, K.BEHAV_LOGP, K.ADVANTAGES))
+
+
+@pytest.mark.timeout(180)
+def test_the_openai_package_drives_the_server_and_every_turn_is_recorded(server, tok):
+    rows = [{"question": "what is two plus two"}, {"question": "a tool returned seven"}]
+    results = run_episodes(server.url, load_workflow(f"{WF}:chat_twice"), rows, 2, timeout_s=60)
+    assert [r.index for r in results] == [0, 0, 1, 1] and all(r.error is None for r in results)
+    for result in results:
+        first, second = result.turns
+        rendered = tok.apply_chat_template([{"role": "user", "content": rows[result.index]
+                                             ["question"]}], add_generation_prompt=True,
+                                           tokenize=False)
+        assert first.prompt_ids == tok.encode(rendered)  # the server's own rendering
+        rows_of = episode_rows(result.turns)
+        joined = second.prompt_ids[:len(first.context)] == first.context
+        assert len(rows_of) == (1 if joined else 2)  # joined exactly when the context extends
+
+
+@pytest.mark.timeout(180)
+def test_a_turn_that_does_not_extend_the_context_becomes_its_own_row(server, tok):
+    row = {"prompt_ids": tok.encode("what is two plus two"),
+           "other_ids": tok.encode("a tool returned seven")}
+    (result,) = run_episodes(server.url, load_workflow(f"{WF}:summarise"), [row], 1)
+    rows = episode_rows(result.turns)
+    assert [r.turns for r in rows] == [(0,), (1,)]
+    assert [r.input_ids for r in rows] == [t.context for t in result.turns]
+
+
+@pytest.mark.timeout(180)
+def test_failing_workflows_score_on_error_are_described_and_keep_their_turns(server, tok):
+    row = {"prompt_ids": tok.encode("what is two plus two")}
+    for name, is_timeout, words in (("raises", False, "raised RuntimeError: tool crashed"),
+                                    ("hangs", True, "timeout: no result within 2.0 s"),
+                                    ("sleeps", True, "timeout: no result within 2.0 s"),
+                                    ("not_a_reward", False, "must return a finite number")):
+        (result,) = run_episodes(server.url, load_workflow(f"{WF}:{name}"), [row], 1,
+                                 timeout_s=2.0, on_error=-1.0)
+        assert result.reward == -1.0 and words in result.error, (name, result.error)
+        assert result.seconds < 10
+    (raised,) = run_episodes(server.url, load_workflow(f"{WF}:raises"), [row], 1, on_error=-1.0)
+    batch, stats = episodes_batch([raised], 1, max_tokens=1024)
+    assert stats["episode_errors"] == 1 and batch[K.REWARDS].tolist() == [-1.0]
+    assert episodes_batch([raised], 1, max_tokens=3)[1]["episode_rows_dropped"] == 1
+
+
+def test_workflows_that_cannot_be_called_are_refused_before_launch():
+    for spec, words in (("no_such_module_here:fn", "cannot import"),
+                        (f"{WF}:missing", "has no attribute"),
+                        (f"{WF}:wrong_signature", "fn(client, row)"),
+                        ("not a spec", "rollout.workflow")):
+        with pytest.raises(ff.ConfigError, match="rollout.workflow") as info:
+            load_workflow(spec)
+        assert words in str(info.value), (spec, str(info.value))

@@ -1,0 +1,62 @@
+"""Workflows the workflow tests name by spec (tests/e2e/test_workflows.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+FEEDBACK = " wrong, try again: "
+
+
+def retry(client, row):
+    """Two turns on token ids: answer, then (whatever the answer) feedback and a second answer
+    that extends the first turn's context. Reward 1 when the second answer is non-empty."""
+    ids = row["prompt_ids"]
+    first = client.completions.create(model="policy", prompt=ids, max_tokens=5, temperature=1.0)
+    context = first.choices[0].prompt_token_ids + first.choices[0].token_ids
+    follow = context + row["feedback_ids"]
+    second = client.completions.create(model="policy", prompt=follow, max_tokens=4,
+                                       temperature=1.0)
+    return [0.0, float(len(second.choices[0].token_ids) > 0)]
+
+
+async def chat_twice(client, row):
+    """The openai package's async chat API directly: ask, then ask again with the answer in the
+    history (re-rendered by the template: joined when it re-tokenizes the same, else split)."""
+    messages = [{"role": "user", "content": row["question"]}]
+    reply = await client.chat.completions.create(model="policy", messages=messages,
+                                                 max_tokens=6, temperature=1.0)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    return 0.5
+
+
+def summarise(client, row):
+    """Two calls on unrelated prompts: the second does not extend the first (two rows)."""
+    client.completions.create(model="policy", prompt=row["prompt_ids"], max_tokens=4)
+    client.completions.create(model="policy", prompt=row["other_ids"], max_tokens=4)
+    return 1.0
+
+
+def raises(client, row):
+    client.completions.create(model="policy", prompt=row["prompt_ids"], max_tokens=3)
+    raise RuntimeError("tool crashed")
+
+
+async def hangs(client, row):
+    await asyncio.sleep(60)
+    return 1.0
+
+
+def sleeps(client, row):
+    time.sleep(30)
+    return 1.0
+
+
+def not_a_reward(client, row):
+    return "great"
+
+
+def wrong_signature(row):
+    return 1.0

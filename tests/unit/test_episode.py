@@ -1,0 +1,75 @@
+"""episode_rows: every sampled token trained exactly once, nothing else, in rows built from the
+server's ids alone (properties over random episodes of extending and fresh turns)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdpfn.rollout.episode import Turn, episode_rows
+
+ids = st.lists(st.integers(0, 50), min_size=1, max_size=6)
+
+
+@st.composite
+def episodes(draw):
+    """Turns where each either extends the previous context (plus framing tokens) or starts
+    fresh; returns the turns and, per turn, whether it extends the one before."""
+    turns, extends = [], []
+    for i in range(draw(st.integers(1, 6))):
+        extend = bool(turns) and draw(st.booleans())
+        prompt = (turns[-1].context + draw(st.lists(st.integers(0, 50), max_size=4))
+                  if extend else [100 + i] + draw(ids))  # a fresh prompt never extends
+        out = draw(st.lists(st.integers(0, 50), max_size=5))
+        turns.append(Turn(prompt, out, [-0.5 - 0.1 * k for k in range(len(out))],
+                          [i] * len(out)))
+        extends.append(extend)
+    return turns, extends
+
+
+@settings(max_examples=200, deadline=None)
+@given(episodes())
+def test_every_sampled_token_is_trained_once_with_its_own_logprob_and_version(episode):
+    turns, extends = episode
+    rows = episode_rows(turns)
+    # a chain starts at every turn that does not extend its predecessor
+    chains, current = [], []
+    for turn, ext in zip(turns, extends):
+        if not ext and current:
+            chains.append(current)
+            current = []
+        current.append(turn)
+    chains.append(current)
+    expected = [c for c in chains if any(t.output_ids for t in c)]
+    assert len(rows) == len(expected)
+    for row, chain in zip(rows, expected):
+        assert row.input_ids == chain[-1].context
+        assert [t for t, m in zip(row.input_ids, row.loss_mask) if m] == \
+            [t for turn in chain for t in turn.output_ids]
+        assert [lp for lp, m in zip(row.behav_logp, row.loss_mask) if m] == \
+            [lp for turn in chain for lp in turn.logprobs]
+        assert [v for v, m in zip(row.versions, row.loss_mask) if m] == \
+            [v for turn in chain for v in turn.versions]
+        assert all(lp == 0.0 and v == -1 for lp, v, m in
+                   zip(row.behav_logp, row.versions, row.loss_mask) if not m)
+        assert not row.loss_mask[0]
+        if row.oldest_version is not None:
+            assert row.oldest_version == min(v for t in chain for v in t.versions)
+
+
+def test_a_turn_extends_the_longest_open_row_and_branches_start_their_own():
+    a = Turn([1, 2], [3], [-1.0], [0])
+    b = Turn([1, 2], [4, 5], [-1.0, -2.0], [0, 0])        # a second sample of the same prompt
+    c = Turn([1, 2, 4, 5, 9], [6], [-3.0], [1])           # continues b, not a
+    rows = episode_rows([a, b, c])
+    assert [r.turns for r in rows] == [(0,), (1, 2)]
+    assert rows[1].loss_mask == [False, False, True, True, False, True]
+    assert rows[1].versions == [-1, -1, 0, 0, -1, 1] and rows[1].oldest_version == 0
+
+
+def test_a_turn_needs_one_logprob_and_version_per_sampled_token():
+    with pytest.raises(ValueError, match="one per output token"):
+        Turn([1], [2, 3], [-1.0], [0, 0])
+    with pytest.raises(ValueError, match="prompt_ids"):
+        Turn([], [2], [-1.0], [0])
