@@ -34,10 +34,27 @@ def _linear(module) -> bool:
     return isinstance(getattr(module, "base_layer", module), nn.Linear)
 
 
+def _check_qk_norms(model: nn.Module, attn: nn.Module) -> None:
+    """q/k norms must be per head (Qwen3's, Gemma-3's: a weight of head_dim): a norm over the
+    whole projection (OLMo-2's) takes its statistic across heads that tp splits over ranks."""
+    from fsdpfn.errors import ConfigError
+
+    head_dim = getattr(attn, "head_dim", None)
+    for name in ("q_norm", "k_norm"):
+        weight = getattr(getattr(attn, name, None), "weight", None)
+        if weight is not None and head_dim and weight.shape[-1] != head_dim:
+            raise ConfigError(f"ParallelStrategy.tp: model_type {model.config.model_type!r} "
+                              f"normalises its whole {name[0]} projection across heads "
+                              f"(self_attn.{name}, {weight.shape[-1]} wide, head_dim "
+                              f"{head_dim}), which the tensor-parallel plan would split over "
+                              f"ranks; use tp=1 (dp and cp work)")
+
+
 def check_tp_plan(model: nn.Module) -> None:
     """ConfigError unless every decoder layer has the projections the plan splits (separate
-    q/k/v/o and gate/up/down linears): a fused projection (Phi-3's qkv_proj, gate_up_proj)
-    split column-wise would hand each rank a slice across q, k and v, so such a model is
+    q/k/v/o and gate/up/down linears) and per-head q/k norms: a fused projection (Phi-3's
+    qkv_proj, gate_up_proj) split column-wise would hand each rank a slice across q, k and v,
+    a whole-projection norm (OLMo-2's) would normalise each rank's heads alone; such a model is
     refused under tp rather than computed wrongly."""
     from fsdpfn.errors import ConfigError
 
@@ -46,6 +63,8 @@ def check_tp_plan(model: nn.Module) -> None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         missing = [f"self_attn.{n}" for n in _ATTN if not _linear(getattr(attn, n, None))]
         missing += [f"mlp.{n}" for n in _MLP if not _linear(getattr(mlp, n, None))]
+        if layer is not None and not missing:
+            _check_qk_norms(model, attn)
         if layer is None or missing:
             have = sorted({n for n, m in (layer or model).named_modules()
                            if isinstance(m, nn.Linear)})[:6]

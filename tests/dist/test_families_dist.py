@@ -1,7 +1,7 @@
 """Windowed, softcapped and fused-projection families under tp=2 and cp=2 (two CPU ranks, gloo,
 float32) equal the model's own eager forward, as dp=1 does (tests/unit/test_families.py):
-forward_logp, one sft_step's loss and its update. Phi-3's fused projections are refused under
-tp with a ConfigError on every rank. export_hf of every family variant reloads in plain
+forward_logp, one sft_step's loss and its update. Phi-3's fused projections and OLMo-2's
+whole-projection q/k norms are refused under tp with a ConfigError on every rank. export_hf of every family variant reloads in plain
 transformers with identical logits."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def family_batch(seed: int = 0):
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families_dist")
     return {name: str(save_family_model(root / name, FAMILIES[name], seed=4))
-            for name in ("gemma2", "mistral", "phi3", "gemma3_text", "qwen2-sliding")}
+            for name in ("gemma2", "mistral", "phi3", "gemma3_text", "qwen2-sliding", "olmo2",
+                         "gemma")}
 
 
 def reference(model_dir: str, batch):
@@ -80,7 +81,8 @@ def run_on_ranks(model_dir, tp, cp, batch):
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("family,tp,cp", [
     ("gemma2", 2, 1), ("gemma2", 1, 2), ("mistral", 2, 1), ("mistral", 1, 2),
-    ("gemma3_text", 1, 2), ("qwen2-sliding", 2, 1), ("phi3", 1, 2)])
+    ("gemma3_text", 1, 2), ("gemma3_text", 2, 1), ("qwen2-sliding", 2, 1), ("phi3", 1, 2),
+    ("olmo2", 1, 2), ("gemma", 2, 1)])
 def test_tp_and_cp_equal_the_models_own_forward(family, tp, cp, dirs, spmd2):
     batch = family_batch()
     ref_logp, ref_nll, ref_deltas = reference(dirs[family], batch)
@@ -105,10 +107,11 @@ def build_tp(model_dir):
 
 
 @pytest.mark.timeout(300)
-def test_fused_projections_are_refused_under_tp_on_every_rank(dirs, spmd2):
-    messages = spmd2.run(build_tp, args=(dirs["phi3"],), timeout=200)
-    assert all(m is not None and "ParallelStrategy.tp" in m and "'phi3'" in m
-               and "qkv_proj" in m for m in messages), messages
+@pytest.mark.parametrize("family,named", [("phi3", "qkv_proj"), ("olmo2", "self_attn.q_norm")])
+def test_what_tp_would_split_wrongly_is_refused_on_every_rank(family, named, dirs, spmd2):
+    messages = spmd2.run(build_tp, args=(dirs[family],), timeout=200)
+    assert all(m is not None and "ParallelStrategy.tp" in m and f"'{family}'" in m
+               and named in m for m in messages), messages
 
 
 def export_and_reload(model_dir, out_dir):
