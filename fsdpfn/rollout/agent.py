@@ -14,6 +14,8 @@ endpoint) is refused on the first call: its text cannot be trained on exactly.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 
@@ -40,6 +42,19 @@ def turns_of(url: str, body: dict) -> list[Turn]:
     return out
 
 
+def _answer(response) -> dict:
+    """The JSON answer, or a streamed one's choices gathered from its chunks (fsdpfn's fields
+    ride on each choice's last chunk)."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return response.json()
+    choices = []
+    for line in response.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[len("data: "):])
+            choices += [c for c in chunk.get("choices") or [] if "token_ids" in c]
+    return {"choices": choices}
+
+
 def _base(url: str) -> str:
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
@@ -63,7 +78,7 @@ class EpisodeClient(openai.OpenAI):
     def _record(self, response: httpx.Response) -> None:
         if _recorded(response.request) and response.status_code == 200:
             response.read()
-            self.turns.extend(turns_of(self.server_url, response.json()))
+            self.turns.extend(turns_of(self.server_url, _answer(response)))
 
 
 class AsyncEpisodeClient(openai.AsyncOpenAI):
@@ -79,4 +94,4 @@ class AsyncEpisodeClient(openai.AsyncOpenAI):
     async def _record(self, response: httpx.Response) -> None:
         if _recorded(response.request) and response.status_code == 200:
             await response.aread()
-            self.turns.extend(turns_of(self.server_url, response.json()))
+            self.turns.extend(turns_of(self.server_url, _answer(response)))

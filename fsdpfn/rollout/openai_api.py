@@ -10,11 +10,20 @@ text_offset}). Chat: ``messages`` rendered by the model's chat template; ``max_t
 ``top_logprobs``): choices[].logprobs.content [{token, logprob, bytes, top_logprobs}]. As in
 SGLang and vLLM, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids`` and ``skip_special_tokens`` are accepted (the openai client's ``extra_body``).
+Tools: ``tools`` (OpenAI's function tools) are rendered by the model's own chat template and the
+calls read back from the answer in the model's own format (fsdpfn.rollout.tool_calls): the
+choice's message gets ``tool_calls`` and finish_reason "tool_calls". ``tool_choice`` "auto" or
+"none"; "required" and a named function (constrained decoding) are refused by name.
+``stream: true`` (chat): the answer as OpenAI's server-sent chunks once it is generated (one
+content delta per choice, then the finish reason; ``stream_options.include_usage`` adds the usage
+chunk): clients and agent frameworks that only stream work, but tokens are not sent as they are
+sampled.
 Every choice also carries fsdpfn's ``prompt_token_ids`` (the prompt as rendered), ``token_ids``,
 ``token_logprobs`` (their behav_logp), ``weight_versions`` (per token) and ``weight_version``
 (the oldest), so a trainer records episodes without re-tokenizing (fsdpfn.rollout.agent). A key this server does
 not implement (stream, tools, response_format other than text, logit_bias, echo, suffix, ...)
-is refused by name: 400 {"error": {"message", "type", "param", "code"}}.
+is refused by name: 400 {"error": {"message", "type", "param", "code"}}; so are ``stream`` on
+/v1/completions and ``tools`` for a model whose chat template has no tool-call format.
 
 Log-probs follow fsdpfn's behav_logp convention: log_softmax(logits / temperature) of the
 sampled token, before penalties and top-p / top-k truncation.
@@ -22,14 +31,16 @@ sampled token, before penalties and top-p / top-k truncation.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 from fsdpfn.rollout import sglang_api
 from fsdpfn.rollout.errors import UpdateError
 from fsdpfn.rollout.sampling import SamplingParams
+from fsdpfn.rollout.tool_calls import parse_tool_calls, tool_format
 
-__all__ = ["models", "completions", "chat_completions", "error_body"]
+__all__ = ["models", "completions", "chat_completions", "chat_chunks", "error_body"]
 
 # accepted and without effect here
 IGNORED = {"user", "metadata", "store", "stream_options", "service_tier", "model",
@@ -42,8 +53,7 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "s
             "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
             "skip_special_tokens": "skip_special_tokens"}
 OFF = {"stream": (None, False), "echo": (None, False), "suffix": (None, ""),
-       "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-       "functions": (None, []), "function_call": (None, "none"),
+       "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none"),
        "response_format": (None, {"type": "text"}), "best_of": (None, 1),
        "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
        "reasoning_effort": (None,), "web_search_options": (None,)}
@@ -88,8 +98,9 @@ def completions(engine, body: dict) -> dict:
 
 def chat_completions(engine, body: dict) -> dict:
     _refuse(body, {"messages", "max_tokens", "max_completion_tokens", "logprobs",
-                   "top_logprobs"})
-    prompt = _render(engine, body.get("messages"))
+                   "top_logprobs", "tools", "tool_choice"}, stream_ok=True)
+    tools, fmt = _tools(engine, body)
+    prompt = _render(engine, body.get("messages"), tools)
     top = body.get("top_logprobs")
     if top is not None and (not isinstance(top, int) or not 0 <= top <= 20):
         raise UpdateError(f"top_logprobs: must be null or an int in [0, 20], got {top!r}")
@@ -101,9 +112,10 @@ def chat_completions(engine, body: dict) -> dict:
     answer = engine.generate([prompt], sp, top_logprobs=top or 0)
     choices = []
     for i, o in enumerate(answer["outputs"]):
-        text = sglang_api.completion_text(engine, o, sp)
-        choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                        "finish_reason": o["finish_reason"],
+        message, reason = _message(engine, o, sp, fmt), o["finish_reason"]
+        if message.get("tool_calls"):
+            reason = "tool_calls"
+        choices.append({"index": i, "message": message, "finish_reason": reason,
                         "logprobs": {"content": _chat_logprobs(engine, o, top or 0)}
                         if body.get("logprobs") else None, **_ours(o, prompt)})
     completion = sum(len(o["output_ids"]) for o in answer["outputs"])
@@ -115,10 +127,12 @@ def chat_completions(engine, body: dict) -> dict:
 # ---------------------------------------------------------------- requests
 
 
-def _refuse(body: dict, own: set[str]) -> None:
+def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
     if not isinstance(body, dict):
         raise UpdateError(f"body: must be a JSON object, got {type(body).__name__}")
     for key, off in OFF.items():
+        if key == "stream" and stream_ok and body.get(key) in (None, False, True):
+            continue
         if key in body and body[key] not in off:
             raise UpdateError(f"{key}: not supported by this server, got "
                               f"{str(body[key])[:80]!r}")
@@ -147,7 +161,64 @@ def _prompts(engine, prompt) -> list[list[int]]:
     return out
 
 
-def _render(engine, messages) -> list[int]:
+def _tools(engine, body: dict) -> tuple[list | None, str | None]:
+    """The request's tools (None: none) and the model's tool-call format; refusals by name."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise UpdateError(f"tool_choice: only 'auto' and 'none' (a forced or named call needs "
+                          f"constrained decoding, which this server does not do), got "
+                          f"{str(choice)[:80]!r}")
+    if not tools:
+        return None, None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(
+                t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools):
+        raise UpdateError(f"tools: must be a list of {{type: 'function', function: {{name, "
+                          f"description, parameters}}}}, got {str(tools)[:80]!r}")
+    fmt = tool_format(getattr(engine.tokenizer, "chat_template", None))
+    if fmt is None:
+        raise UpdateError(f"tools: the chat template of {engine.model_path!r} has no tool-call "
+                          f"format this server reads (hermes <tool_call>, mistral [TOOL_CALLS], "
+                          f"llama3 JSON); describe the tools in a message instead")
+    return tools, None if choice == "none" else fmt
+
+
+def _history(messages: list[dict]) -> list[dict]:
+    """OpenAI's messages as chat templates read them: a tool call's arguments (a JSON
+    string in OpenAI's format) as an object."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_call_object(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _call_object(call: dict) -> dict:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {**call, "function": fn}
+
+
+def _message(engine, o: dict, sp: SamplingParams, fmt: str | None) -> dict:
+    text = sglang_api.completion_text(engine, o, sp)
+    if fmt is None:
+        return {"role": "assistant", "content": text}
+    raw = engine.tokenizer.decode(o["output_ids"], skip_special_tokens=False) \
+        if fmt == "mistral" else text
+    content, calls = parse_tool_calls(raw, fmt)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+def _render(engine, messages, tools=None) -> list[int]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and "role" in m for m in messages):
         raise UpdateError(f"messages: must be a non-empty list of {{role, content}}, got "
@@ -157,7 +228,8 @@ def _render(engine, messages) -> list[int]:
         raise UpdateError(f"messages: need a chat template, and the model directory "
                           f"{engine.model_path!r} has none; use /v1/completions")
     try:
-        text = tok.render_chat(messages)
+        text = tok.render_chat(_history(messages), tools=tools) if tools else \
+            tok.render_chat(_history(messages))
     except Exception as exc:  # noqa: BLE001 - jinja errors of a user's template
         raise UpdateError(f"messages: the chat template failed: {type(exc).__name__}: "
                           f"{exc}") from None
@@ -227,3 +299,25 @@ def _chat_logprobs(engine, o: dict, top: int) -> list[dict]:
 def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def chat_chunks(completion: dict, *, include_usage: bool = False) -> list[str]:
+    """A chat completion as OpenAI's server-sent events: per choice a delta with the role,
+    content and tool calls, then one with the finish reason (and fsdpfn's fields); the usage
+    chunk when asked; ``[DONE]``."""
+    head = {"id": completion["id"], "object": "chat.completion.chunk",
+            "created": completion["created"], "model": completion["model"]}
+    events = []
+    for c in completion["choices"]:
+        delta = {"role": "assistant", "content": c["message"].get("content")}
+        if c["message"].get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call}
+                                   for k, call in enumerate(c["message"]["tool_calls"])]
+        first = {"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"),
+                 "finish_reason": None}
+        last = {k: v for k, v in c.items() if k not in ("message", "logprobs")}
+        last["delta"] = {}
+        events += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if include_usage:
+        events.append({**head, "choices": [], "usage": completion["usage"]})
+    return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]

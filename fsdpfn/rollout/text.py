@@ -58,8 +58,8 @@ class HFText:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False,
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                             add_generation_prompt=True)
 
 
