@@ -175,6 +175,14 @@ class EvalConfig:
 
 def _check_rl_data(cfg) -> None:
     """What an RL recipe needs beyond each section's own rules."""
+    rows = cfg.prompts_per_step * cfg.advantage.group_size
+    for name in ("ppo", "critic") if cfg.recipe == "ppo" else ("ppo",):
+        if getattr(cfg, name).n_minibatches > rows:
+            raise ConfigError(f"{name}.n_minibatches: must be <= the rows of a step "
+                              f"(prompts_per_step x advantage.group_size = "
+                              f"{cfg.prompts_per_step} x {cfg.advantage.group_size} = {rows}; "
+                              f"an empty minibatch trains on nothing), got "
+                              f"{getattr(cfg, name).n_minibatches}")
     if cfg.data.from_files and cfg.warmup.steps:
         raise ConfigError(f"warmup.steps: the supervised warm-up trains on solved problems of "
                           f"the embedded task; with data.train_files it must be 0 or null (run "

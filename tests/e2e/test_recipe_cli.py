@@ -125,7 +125,7 @@ def long_grpo(tmp_path_factory):
            "data": {"train_files": [str(root / "train.jsonl")], "prompt_key": "question",
                     "answer_key": "solution", "max_prompt_tokens": 64,
                     "max_response_tokens": 1024},
-           "advantage": {"group_size": 2}, "reward": {"workers": 1},
+           "advantage": {"group_size": 2}, "ppo": {"n_minibatches": 2}, "reward": {"workers": 1},
            "launch": {"nproc": 1}, "eval": {"every": 0}}
     (root / "grpo.yaml").write_text(yaml.safe_dump(cfg))
     return root
@@ -133,13 +133,13 @@ def long_grpo(tmp_path_factory):
 
 @pytest.mark.timeout(200)
 def test_grpo_with_1024_token_responses_on_default_settings(long_grpo):
-    """The issue's bar: the random model rarely stops, so answers run to the 1,024-token limit;
-    the default (automatic) budget takes rows of 1,000+ tokens, which the old 512-token
-    default refused."""
+    """The issue's bar: answers may run to the 1,024-token limit, and the default (automatic)
+    budget takes rows the old 512-token default refused. The random model stops rarely; its
+    weights, the tokenizer and the server's draws are seeded, so the first step's longest
+    answer (726 tokens here) is the same on every run."""
     run_dir = long_grpo / "run"
     proc = _fsdpfn("run", long_grpo / "grpo.yaml", timeout=190)
-    assert proc.returncode == 0, proc.stderr[-5000:] + (run_dir / "trainer.log").read_text()[-3000:] \
-        if (run_dir / "trainer.log").is_file() else proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stderr[-5000:]
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["engine"]["mb_spec"]["max_tokens_per_mb"] is None
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

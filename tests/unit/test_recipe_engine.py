@@ -126,6 +126,9 @@ REFUSALS = [
     ("dpo", ["engine.lora.rank=4", "ref_engine.dtype=float32"],
      "ref_engine: with engine.lora the reference is the policy"),
     ("grpo", ["engine.dtype=float16"], "engine.dtype: must be one of"),
+    ("grpo", ["prompts_per_step=2", "advantage.group_size=2"],
+     "ppo.n_minibatches: must be <= the rows of a step (prompts_per_step x "
+     "advantage.group_size = 2 x 2 = 4; an empty minibatch trains on nothing), got 8"),
     ("grpo", ["engine.fsdp.optim_step_prefetch_layers=2"],
      "engine.fsdp.optim_step_prefetch_layers: only used with per_layer_optim_step=True"),
 ]
