@@ -130,8 +130,8 @@ def _pickled_crcs(root: Path, metadata) -> dict[str, int]:
 
 def record(root: Path, gathered: Sequence[Sequence], small_files: Iterable[str]) -> dict:
     """The manifest's ``checksums`` (rank 0, once every rank's data is written): the chunk
-    checksums of every rank (``gathered[r]`` from rank r's local_checksums; of replicated chunks, the
-    writer's), the CRC32 of every pickled item in the .distcp files, and of ``small_files``."""
+    checksums of every rank (``gathered[r]`` from rank r's local_checksums; of replicated chunks,
+    the writer's), the CRC32 of every pickled item in the .distcp files, and of ``small_files``."""
     metadata = FileSystemReader(str(root)).read_metadata()
     sums: dict = {}
     for rank, entries in enumerate(gathered):

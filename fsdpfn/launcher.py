@@ -454,10 +454,11 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool) -
     evals = [r["greedy_accuracy"] for r in rows if r.get("greedy_accuracy") is not None]
     if evals:
         summary["greedy_accuracy"] = {"first": evals[0], "last": evals[-1]}
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*")) \
-        if (run_dir / "checkpoints").is_dir() else []
-    if checkpoints:
-        summary["checkpoint"] = str(checkpoints[-1])
+    from fsdpfn.checkpoint.files import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir / "checkpoints")  # published only: never a step_N.tmp-*
+    if latest is not None:
+        summary["checkpoint"] = str(latest)
     if rows and cfg.log.plot:
         png = plot_metrics(metrics, run_dir / "metrics.png", phase=cfg.recipe)
         if png is not None:

@@ -8,9 +8,11 @@ own shards, and any mesh shape can load it (dp=2 -> dp=1, dp=1 -> dp=2 x tp=2, .
       __<r>_<i>.distcp     DCP data: model and optimizer shards, written by rank r
       rng/rank_<r>.pt      rank r's RNG state (torch CPU, CUDA, python random, numpy)
       fsdpfn.json          manifest: step, version, architecture, optimizer status, LR scheduler
-                           state, ``extra``, the size of every file above, and ``checksums``:
-                           every saved chunk's (sum, position-weighted sum) and a CRC32 of the
-                           pickled items, .metadata and the RNG files (fsdpfn.integrity)
+                           state, ``extra``, the size of every file above, ``checksums``: every
+                           saved chunk's content checksum and a CRC32 of the pickled items,
+                           .metadata and the RNG files (fsdpfn.integrity), and
+                           ``manifest_crc32``: the CRC32 of the rest of the manifest (canonical
+                           JSON), checked before anything in it is trusted
       COMPLETE             the marker, written last; a directory without it is not a checkpoint
 
 DCP keys are ``model.<fqn>`` (fqn as in ``state.model.state_dict()``, prefix ``lm.``) and torch's
@@ -20,8 +22,9 @@ Adam moments (``optimizer_dtype``), saved as sharded DTensors.
 
 Atomic publication: every rank writes into ``<path>.tmp-<token>`` next to the target (rank 0 puts
 an OWNER file there naming its host and pid); rank 0 then records the file sizes in the manifest,
-writes COMPLETE, fsyncs and renames the directory to ``<path>``. An existing checkpoint at ``<path>`` is first renamed aside to ``<path>.old-<token>``
-and deleted after the new one is in place. A crash at any point leaves either the previous
+writes COMPLETE, fsyncs and renames the directory to ``<path>``. An existing checkpoint at
+``<path>`` is first renamed aside to ``<path>.old-<token>`` and deleted after the new one is in
+place. A crash at any point leaves either the previous
 checkpoint or the new one complete, and no directory that carries COMPLETE without all of its data;
 ``load_checkpoint`` of a ``<path>`` whose publication was interrupted between the two renames reads
 the complete sibling. Leftovers (``*.old-*``, ``*.tmp-*`` of processes that died) are removed by
@@ -63,9 +66,14 @@ Decisions (documented contract):
   ``config.model_path`` by shard_model. ``export_hf`` writes peft's adapter directory, or with
   ``merged=True`` the HF model with the adapters folded in.
 
+Resuming: ``latest_intact_checkpoint(root)`` is the newest complete checkpoint whose every byte
+checks out (``check_checkpoint``, from the files alone); a corrupted newer one is skipped with a
+warning naming it and why. The recipes resume from it.
+
 The package, by stage: ``files`` (layout, file-system helpers, atomic publication,
 ``latest_checkpoint``), ``save`` (manifest, RNG, ``save_checkpoint``, ``AsyncSave``), ``load``
-(``load_checkpoint``) and ``export`` (``export_hf``).
+(``load_checkpoint``), ``intact`` (``check_checkpoint``, ``latest_intact_checkpoint``) and
+``export`` (``export_hf``).
 """
 
 from __future__ import annotations
@@ -75,9 +83,11 @@ from fsdpfn.checkpoint.export import _check_export_target, _shard_bytes, export_
 from fsdpfn.checkpoint.files import (FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER, _cleanup,
                                      _discard, _file_sizes, _is_complete, _publish, _rotate,
                                      _side_path, latest_checkpoint)
+from fsdpfn.checkpoint.intact import check_checkpoint, latest_intact_checkpoint
 from fsdpfn.checkpoint.load import _check_files, _resolve, load_checkpoint
 from fsdpfn.checkpoint.save import (AsyncSave, _check_extra, _check_save_args, _to_save,
                                     save_checkpoint)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "AsyncSave",
-           "MARKER", "MANIFEST", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint",
+           "latest_intact_checkpoint", "check_checkpoint", "AsyncSave", "MARKER", "MANIFEST",
+           "FORMAT"]

@@ -15,6 +15,7 @@ import shutil
 import socket
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,7 +30,9 @@ MARKER = "COMPLETE"
 MANIFEST = "fsdpfn.json"
 OWNER = "OWNER"
 FORMAT = "fsdpfn-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries its own CRC32 (SEAL) and the checksums of
+# fsdpfn.wire.checksum; 1: no seal, the sums modulo 2**32 (refused unless verify=False)
+SEAL = "manifest_crc32"
 ARCH_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                "tie_word_embeddings")
@@ -73,7 +76,35 @@ def _side_path(target: Path, kind: str, token: str) -> Path:
     return target.parent / f"{target.name}.{kind}-{token}"
 
 
-def _read_manifest(path: Path, fn: str = "load_checkpoint") -> dict:
+def _canonical(manifest: dict) -> bytes:
+    """The manifest without its seal as canonical JSON (sorted keys, no spaces, ASCII): the bytes
+    its CRC32 covers, whatever the file's own layout."""
+    body = {k: v for k, v in manifest.items() if k != SEAL}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _seal(manifest: dict) -> dict:
+    """The manifest with its seal: the CRC32 of its canonical JSON."""
+    return dict(manifest, **{SEAL: zlib.crc32(_canonical(manifest))})
+
+
+def _check_seal(file: Path, manifest: dict, fn: str) -> None:
+    """A manifest is trusted only when its seal matches (any flipped bit of a step, of extra, of
+    a key name such as ``checksums``, or of the seal itself, is refused)."""
+    if SEAL not in manifest:
+        raise CheckpointError(
+            f"{fn}: {str(file)!r}: must carry {SEAL} (the manifest's own CRC32, written by fsdpfn "
+            f"with format_version {FORMAT_VERSION}), got none (format_version "
+            f"{manifest.get('format_version')!r}): an older fsdpfn's checkpoint or a corrupted "
+            f"manifest; pass verify=False to load_checkpoint to read it unverified")
+    actual = zlib.crc32(_canonical(manifest))
+    if manifest[SEAL] != actual:
+        raise CheckpointError(f"{fn}: {str(file)!r}: its CRC32 must be {manifest[SEAL]!r} as "
+                              f"recorded in {SEAL}, got {actual}: the manifest is corrupted")
+
+
+def _read_manifest(path: Path, fn: str = "load_checkpoint", verify: bool = True) -> dict:
+    """The manifest of the checkpoint at ``path``, its seal checked unless ``verify=False``."""
     file = path / MANIFEST
     try:
         manifest = json.loads(file.read_text())
@@ -90,6 +121,8 @@ def _read_manifest(path: Path, fn: str = "load_checkpoint") -> dict:
         raise CheckpointError(f"{fn}: {str(file)!r}: format_version must be <= "
                               f"{FORMAT_VERSION} (this fsdpfn), got "
                               f"{manifest.get('format_version')!r}; upgrade fsdpfn")
+    if verify:
+        _check_seal(file, manifest, fn)
     return manifest
 
 

@@ -194,16 +194,16 @@ class _LoadPlan:
         self.checksums = checksums  # the manifest's record to verify against; None: no check
 
 
-def _checksums_to_verify(root: Path, manifest: dict, verify) -> dict | None:
+def _checksums_to_verify(root: Path, manifest: dict, verify: bool) -> dict | None:
+    """The record to verify the data against (the manifest is sealed, so a record that is
+    absent was never written: a save with checksums=False)."""
     fn = "load_checkpoint"
-    if not isinstance(verify, bool):
-        raise CheckpointError(f"{fn}: verify: must be a bool, got {verify!r}")
     record = manifest.get("checksums")
     if not verify:
         return None
     if record is None:
-        log.warning("load_checkpoint: %s was saved without checksums (checksums=False or an "
-                    "older fsdpfn); its data are not verified", root)
+        log.warning("load_checkpoint: %s was saved with checksums=False; its data are not "
+                    "verified", root)
         return None
     if not isinstance(record, dict) or record.get("algorithm") != integrity.ALGORITHM:
         raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: checksums.algorithm must be "
@@ -216,8 +216,13 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
     fn = "load_checkpoint"
     if not isinstance(weights_only, bool):
         raise CheckpointError(f"{fn}: weights_only: must be a bool, got {weights_only!r}")
+    if not isinstance(verify, bool):
+        raise CheckpointError(f"{fn}: verify: must be a bool, got {verify!r}")
     root = _resolve(_as_path(path, fn))
-    manifest = _read_manifest(root)
+    manifest = _read_manifest(root, fn, verify)
+    if not verify:
+        log.warning("load_checkpoint: %s is loaded unverified (verify=False): neither its "
+                    "manifest nor its data are checked against the checksums saved", root)
     for key in ("step", "version"):
         if not isinstance(manifest.get(key), int) or manifest[key] < 0:
             raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: {key} must be an integer >= 0, "
@@ -325,11 +330,13 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     saved step and ``version = max(state.version, saved version) + 1``; model, optimizer (Adam
     moments and hyper-parameters), LR scheduler and RNG are those saved. ``weights_only=True``
     loads the model weights only (the successor keeps this state's optimizer, scheduler, step and
-    RNG). ``verify=True`` checks every chunk read against the checksums recorded at save
-    (fsdpfn.integrity; at any world size); a checkpoint saved without them loads unverified, with
-    a warning. Collective. Raises CheckpointError on every rank, with the state unchanged and live,
-    for a missing, incomplete, truncated, corrupted or mismatching checkpoint (the file and the
-    tensor named; see the module docstring).
+    RNG). ``verify=True`` first checks the manifest's own CRC32 (a manifest without it, from an
+    older fsdpfn, is refused), then every chunk read against the checksums recorded at save
+    (fsdpfn.integrity; at any world size); a checkpoint saved with checksums=False loads with a
+    warning; ``verify=False`` reads everything unverified. Collective. Raises CheckpointError
+    on every rank, with the state unchanged and live, for a missing, incomplete, truncated,
+    corrupted or mismatching checkpoint (the file and the tensor named; see the module
+    docstring).
     """
     fn = "load_checkpoint"
     error, plan = None, None

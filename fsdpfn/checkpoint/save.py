@@ -23,8 +23,8 @@ from fsdpfn.agree import agree_on_error, agree_on_error_in_group
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,
                                      _DCP_ERRORS, _OPTIM_FLAT, _as_path, _broadcast, _cleanup,
                                      _discard, _file_sizes, _fsync_dir, _is_fsdpfn_checkpoint,
-                                     _publish, _rank, _rotate, _side_path, _world, _wrap,
-                                     _write_file)
+                                     _publish, _rank, _rotate, _seal, _side_path, _world,
+                                     _wrap, _write_file)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.state import EngineState, check_live, stale_reason
 
@@ -253,7 +253,7 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
             if sums is not None:
                 small = [rel for rel in manifest["files"] if not rel.endswith(".distcp")]
                 manifest["checksums"] = integrity.record(tmp, sums, small)
-            _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _write_file(tmp / MANIFEST, json.dumps(_seal(manifest), indent=1).encode())
             (tmp / OWNER).unlink()  # from here on the directory is complete but for its marker
             _fsync_dir(tmp)
             _write_file(tmp / MARKER, f"{FORMAT} step {manifest['step']}\n".encode())

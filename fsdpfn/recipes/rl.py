@@ -267,7 +267,7 @@ def run(cfg, ctx: RunContext) -> int:
     """Train; returns the last RL step done (a stop saves a checkpoint of it)."""
     mesh = ff.build_mesh(cfg.parallel, device_type=ctx.device)
     tok = load_tokenizer(cfg.model)
-    latest = ff.latest_checkpoint(ctx.run_dir / "checkpoints") if ctx.resume else None
+    latest = ff.latest_intact_checkpoint(ctx.run_dir / "checkpoints") if ctx.resume else None
     start, cursor = read_progress(latest, cfg.prompts_per_step)
     warm_dir = ctx.run_dir / WARMUP_MODEL
     steps = warmup_steps(cfg)

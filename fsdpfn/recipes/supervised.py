@@ -79,7 +79,7 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
     mesh = state.mesh
     phase = cfg.recipe
     start, cursor = 0, 0
-    latest = ff.latest_checkpoint(ctx.run_dir / "checkpoints") if ctx.resume else None
+    latest = ff.latest_intact_checkpoint(ctx.run_dir / "checkpoints") if ctx.resume else None
     if latest is not None:
         state, extra = ff.load_checkpoint(state, latest)
         start = int(extra["step"])

@@ -1,8 +1,8 @@
 """The content checksum of tensors: what a checkpoint records and what a weights push compares.
 
 Definition. A tensor's bytes (little-endian, row-major) are read as a sequence of units u_0 ..
-u_{n-1}: unsigned 16-bit halfwords, or single bytes for 1-byte dtypes (and any odd byte count).
-Its checksum is the polynomial
+u_{n-1}: signed (two's complement) 16-bit halfwords, or unsigned bytes for 1-byte dtypes (and
+any odd byte count). Its checksum is the polynomial
 
     H = sum_i u_i * R**i   modulo the Mersenne prime P = 2**61 - 1,
 
@@ -13,7 +13,7 @@ chunk hashed on a CPU at load.
 What it detects, with the reasons (``tests/unit/test_checksum.py`` checks each premise):
 
 * every error confined to one unit: the change d of that unit satisfies 0 < |d| < 2**16 < P, and
-  d * R**i is then nonzero modulo the prime P;
+  d * R**i is then nonzero modulo the prime P (a flip of bit k changes the unit by ±2**k);
 * every 2-bit error in a tensor of fewer than 2**54 units: bits in units i < j change H by
   ±2**a R**i ± 2**b R**j, which vanishes only if R**(j-i) lies in {±2**m} (2 has order 61 modulo
   P, so that set is the subgroup of order 122); R is primitive, so R**d is in that subgroup only
@@ -46,14 +46,14 @@ import torch
 from fsdpfn.wire import fused
 
 __all__ = ["P", "ROOT", "ALGORITHM", "units", "box_hash", "tensor_hash", "tensor_hashes",
-           "mulmod", "sum_mod", "row_hashes", "powers"]
+           "mulmod", "sum_mod", "join_halves", "row_hashes", "powers"]
 
 P = (1 << 61) - 1
 ROOT = 0x1F0E5C2B3A49D68A  # a primitive root modulo P, chosen for the burst guarantee
 ALGORITHM = "poly-mod-2**61-1-r1f0e5c2b3a49d68a-u16"
 _M31 = (1 << 31) - 1
-_LIMB = 21  # float64 limbs of the powers: a unit (< 2**16) times a limb stays below 2**37
-_COLS = 1 << 16  # columns per matrix product: sums of 2**16 products < 2**37 stay below 2**53
+_LIMB = 21  # float64 limbs of the powers: a unit (|u| <= 2**15) times a limb is below 2**36
+_COLS = 1 << 16  # columns per matrix product: sums of 2**16 such products stay below 2**52
 
 
 # ---------------------------------------------------------------- arithmetic modulo P
@@ -85,6 +85,12 @@ def sum_mod(x: torch.Tensor, dim=None) -> torch.Tensor:
     terms: the 31-bit halves are summed apart."""
     low = (x & _M31).sum(dim) if dim is not None else (x & _M31).sum()
     high = (x >> 31).sum(dim) if dim is not None else (x >> 31).sum()
+    return join_halves(low, high)
+
+
+def join_halves(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """(low + high * 2**31) modulo P for int64 sums of 31-bit low and 30-bit high halves of
+    values (each sum in [0, 2**63)): how sums of many values modulo P are taken exactly."""
     return _fold(_fold(low) + _shift(_fold(high), 31))
 
 
@@ -121,7 +127,7 @@ def _limbs_on(n: int, device: str) -> torch.Tensor:
 
 def units(t: torch.Tensor) -> torch.Tensor:
     """The units of ``t`` (module doc) as a tensor of ``t``'s shape, the last dim multiplied by
-    the units per element: int16 halfwords (read unsigned later), or uint8 for 1-byte dtypes.
+    the units per element: int16 halfwords, or uint8 for 1-byte dtypes.
     A view where possible (the last dim contiguous)."""
     t = t.detach()
     if t.dim() == 0:
@@ -140,23 +146,23 @@ def units(t: torch.Tensor) -> torch.Tensor:
 
 def row_hashes(rows: torch.Tensor, first: int = 0) -> torch.Tensor:
     """sum_b u[a, b] * R**(first + b) modulo P for every row a of the unit matrix ``rows``
-    [A, C] (int16 read unsigned, or uint8): int64 [A] on rows' device, not read."""
+    [A, C] (int16 or uint8): int64 [A] on rows' device, not read."""
     n_rows, width = rows.shape
     out = torch.zeros(n_rows, dtype=torch.int64, device=rows.device)
     if n_rows == 0 or width == 0:
         return out
     done = fused.row_limb_sums(rows) if first == 0 else None
     if done is not None:
-        return _fold(_fold(done[0]) + _shift(_fold(done[1]), 31))
+        return _fold(done[0] % P + _shift(done[1] % P, 31))
     limbs = _limbs_on(first + width, str(rows.device))[first:]
     block = max(1, (1 << (24 if rows.is_cuda else 20)) // min(width, _COLS))
     for c0 in range(0, width, _COLS):
         c1 = min(width, c0 + _COLS)
         for r0 in range(0, n_rows, block):
-            part = rows[r0:r0 + block, c0:c1].to(torch.int32) & 0xFFFF
-            sums = (part.to(torch.float64) @ limbs[c0:c1]).to(torch.int64)  # exact, < 2**53
-            value = _fold(_fold(sums[:, 0]) + _shift(_fold(sums[:, 1]), _LIMB))
-            value = _fold(value + _shift(_fold(sums[:, 2]), 2 * _LIMB))
+            part = rows[r0:r0 + block, c0:c1].to(torch.float64)
+            sums = (part @ limbs[c0:c1]).to(torch.int64) % P  # exact: |sums| < 2**52
+            value = _fold(sums[:, 0] + _shift(sums[:, 1], _LIMB))
+            value = _fold(value + _shift(sums[:, 2], 2 * _LIMB))
             out[r0:r0 + block] = _fold(out[r0:r0 + block] + value)
     return out
 

@@ -118,44 +118,39 @@ def flat_checksums(buf: torch.Tensor, offsets: Sequence[int],
     """tensor_checksum of every tensor of a flat bucket at once: an int64 tensor on buf's device
     (no synchronisation). ``buf`` is the padded uint8 buffer (``padded_size`` bytes) whose padding
     bytes are zero. Offsets are ALIGN-aligned, so every ALIGN-byte row belongs to one tensor: each
-    row hashed against the powers R**j of its own positions (one pass; checksum.row_hashes), then
-    weighted by R**(row * units per row) and summed with a prefix sum; a tensor's value is its
-    rows' range, shifted back to its first row (times R**-(first unit), from the cached layout).
-    Tensors whose size is odd are hashed as bytes (as tensor_checksum does), one by one."""
+    row is hashed against the powers R**j of its own positions (one pass; checksum.row_hashes),
+    weighted by R**(units before it in its tensor) (cached per layout), and each tensor's rows
+    are summed as a difference of prefix sums. Tensors whose size is odd are hashed as
+    bytes (as tensor_checksum does), one by one."""
     if buf.numel() % ALIGN:
         raise ValueError(f"buf: must hold a multiple of {ALIGN} bytes, got {buf.numel()}")
-    rows = checksum.row_hashes(buf.view(torch.int16).view(-1, _ROW))
-    weighted = checksum.mulmod(rows, checksum.powers(pow(checksum.ROOT, _ROW, checksum.P),
-                                                     rows.numel(), buf.device))
-    zero = rows.new_zeros(1)
-    prefix_low = torch.cat([zero, (weighted & _M31).cumsum(0)])
-    prefix_high = torch.cat([zero, (weighted >> 31).cumsum(0)])
-    del rows, weighted
-    starts, ends, unshift = _row_bounds(tuple(offsets), tuple(sizes), str(buf.device))
-    packed = checksum.mulmod(_join(prefix_low[ends] - prefix_low[starts],
-                                   prefix_high[ends] - prefix_high[starts]), unshift)
+    weights, starts, ends = _row_layout(tuple(offsets), tuple(sizes), str(buf.device))
+    rows = buf[:weights.numel() * ALIGN].view(torch.int16).view(-1, _ROW)
+    weighted = checksum.mulmod(checksum.row_hashes(rows), weights)
+    zero = weighted.new_zeros(1)
+    low = torch.cat([zero, (weighted & _M31).cumsum(0)])  # prefix sums of the 31-bit halves
+    high = torch.cat([zero, (weighted >> 31).cumsum(0)])
+    packed = checksum.join_halves(low[ends] - low[starts], high[ends] - high[starts])
     for i, (o, n) in enumerate(zip(offsets, sizes)):
         if n % 2:
             packed[i] = checksum.box_hash(buf[o:o + n])
     return packed
 
 
-def _join(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """(low + high * 2**31) modulo P for sums of 31-bit and 30-bit halves (each below 2**63)."""
-    shifted = checksum.mulmod(high % checksum.P, torch.tensor(1 << 31, device=high.device))
-    return (low % checksum.P + shifted) % checksum.P
-
-
 @functools.lru_cache(maxsize=256)
-def _row_bounds(offsets: tuple, sizes: tuple, device: str) -> tuple[torch.Tensor, ...]:
-    """First and one-past-last checksum row of each tensor, and R**-(its first unit), on
-    ``device``, cached per layout: a push repeats the same layouts, and building them anew would
-    cost a host-device copy (and a synchronisation) per bucket."""
+def _row_layout(offsets: tuple, sizes: tuple, device: str) -> tuple[torch.Tensor, ...]:
+    """R**(the units of its tensor before it) for each ALIGN-byte row of a bucket, and the first
+    and one-past-last row of each tensor, on ``device``, cached per layout: a push repeats the
+    same layouts, and building them anew would cost a host-device copy (and a synchronisation)
+    per bucket; they take 1/512 of the bucket's bytes."""
     starts = [o // ALIGN for o in offsets]
     ends = [-(-(o + n) // ALIGN) for o, n in zip(offsets, sizes)]
-    inverse = pow(checksum.ROOT, checksum.P - 2, checksum.P)
-    unshift = [pow(inverse, s * _ROW, checksum.P) for s in starts]
-    return tuple(torch.tensor(v, dtype=torch.int64).to(device) for v in (starts, ends, unshift))
+    local = torch.zeros(max(ends, default=0), dtype=torch.int64)
+    for first, end in zip(starts, ends):
+        local[first:end] = torch.arange(end - first)
+    table = checksum.powers(pow(checksum.ROOT, _ROW, checksum.P), max(1, local.numel()), "cpu")
+    return tuple(t.to(device) for t in (table[local], torch.tensor(starts, dtype=torch.int64),
+                                         torch.tensor(ends, dtype=torch.int64)))
 
 
 @functools.lru_cache(maxsize=256)

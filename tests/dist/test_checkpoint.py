@@ -411,10 +411,12 @@ def _error_cases(root):
     def truncate(dst, fix_manifest):
         shard = dst / "__1_0.distcp"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-        if fix_manifest:  # only DCP's own read can notice now
+        if fix_manifest:  # sizes and the manifest's CRC fixed: only DCP's own read can notice
+            from fsdpfn.checkpoint.files import _seal
+
             m = json.loads((dst / MANIFEST).read_text())
             m["files"]["__1_0.distcp"] = shard.stat().st_size
-            (dst / MANIFEST).write_text(json.dumps(m))
+            (dst / MANIFEST).write_text(json.dumps(_seal(m)))
 
     cases = {
         "missing": (root / "nope", {}),
@@ -558,6 +560,29 @@ def _xor_largest_chunk(root: Path, rel: str, n=4096):
     return index.fqn
 
 
+def _negate_q_proj_pair(root: Path, rel: str):
+    """Negate two float32 weights of a q_proj chunk in ``root / rel`` (sign bits of words 4 and
+    6 of its data: positions adding to an even number, which the earlier sums modulo 2**32 could
+    not see). Returns the chunk's key."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(root)).read_metadata()
+    index, info = next((i, s) for i, s in sorted(md.storage_data.items(), key=lambda x: x[0].fqn)
+                       if s.relative_path == rel and i.fqn.startswith("model.")
+                       and i.fqn.endswith("q_proj.weight"))
+    file = root / rel
+    data = bytearray(file.read_bytes())
+    blob = bytes(data[info.offset:info.offset + info.length])
+    chunk = torch.load(io.BytesIO(blob), weights_only=True)
+    start = info.offset + blob.index(chunk.contiguous().view(-1)[:16].numpy().tobytes())
+    for word in (4, 6):
+        data[start + 4 * word + 3] ^= 0x80
+    file.write_bytes(bytes(data))
+    return index.fqn
+
+
 def _zero_tail(file: Path, n=4096):
     data = bytearray(file.read_bytes())
     data[-n:] = bytes(n)
@@ -595,8 +620,8 @@ def _load_each(paths, dp):
 
 @pytest.mark.timeout(300)
 def test_corrupted_shards_are_refused_naming_the_file_and_tensor(spmd1, spmd2, tmp_path):
-    """XOR-ed 4 KiB in the middle of a .distcp (same size), a zeroed tail, a flipped byte in a
-    pickled item and in .metadata: each load raises CheckpointError naming the file (and the
+    """XOR-ed 4 KiB in the middle of a .distcp (same size), two negated q_proj weights, a zeroed
+    tail, a flipped byte in a pickled item and in .metadata: each load raises CheckpointError naming the file (and the
     tensor or item), on every rank, with the state unchanged; at the saved world size and at
     another one (the saved chunks' checksums are completed over the ranks); for async saves
     too. Clean copies load; a checkpoint saved with checksums=False loads unverified."""
@@ -607,6 +632,8 @@ def test_corrupted_shards_are_refused_naming_the_file_and_tensor(spmd1, spmd2, t
                  "flip_data", _xor_largest_chunk(d, "__1_0.distcp"))),
              "flip_async": ("async", lambda d: keys.setdefault(
                  "flip_async", _xor_largest_chunk(d, "__0_0.distcp"))),
+             "negated": ("sync", lambda d: keys.setdefault(
+                 "negated", _negate_q_proj_pair(d, "__1_0.distcp"))),
              "tail": ("sync", lambda d: _zero_tail(d / "__1_0.distcp")),
              "metadata": ("sync", lambda d: _xor_middle(d / ".metadata", 1))}
     for name, (source, edit) in edits.items():
@@ -621,6 +648,8 @@ def test_corrupted_shards_are_refused_naming_the_file_and_tensor(spmd1, spmd2, t
                       f"the chunk of tensor {keys['flip_data']!r}", "must have the checksum"],
         "flip_async": [f"{tmp_path / 'flip_async' / '__0_0.distcp'}'",
                        f"the chunk of tensor {keys['flip_async']!r}", "must have the checksum"],
+        "negated": [f"{tmp_path / 'negated' / '__1_0.distcp'}'",
+                    f"the chunk of tensor {keys['negated']!r}", "must have the checksum"],
         "tail": [f"{tmp_path / 'tail' / '__1_0.distcp'}'", "corrupted"],
         "metadata": [f"{tmp_path / 'metadata' / '.metadata'}'", "CRC32 must be"],
         "item": [f"{tmp_path / 'item' / item_file}'", f"the item {item_key!r}"],

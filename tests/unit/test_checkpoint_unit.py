@@ -210,11 +210,11 @@ _P, _ROOT = 2**61 - 1, 0x1F0E5C2B3A49D68A
 
 
 def _reference(t: torch.Tensor) -> int:
-    """sum_j u_j * ROOT**j modulo 2**61 - 1 in Python integers, u_j the little-endian unsigned
+    """sum_j u_j * ROOT**j modulo 2**61 - 1 in Python integers, u_j the little-endian signed
     16-bit halfwords of the elements' bytes in row-major order (bytes for 1-byte dtypes)."""
     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     units = list(raw) if t.element_size() == 1 else [int(v) for v in
-                                                      np.frombuffer(raw, dtype="<u2")]
+                                                      np.frombuffer(raw, dtype="<i2")]
     return sum(u * pow(_ROOT, j, _P) for j, u in enumerate(units)) % _P
 
 

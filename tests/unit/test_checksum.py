@@ -66,7 +66,7 @@ def test_no_burst_over_two_or_three_units_cancels(unit_bits, burst):
 def _reference(t: torch.Tensor) -> int:
     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     units = list(raw) if t.element_size() == 1 else [int(v) for v in
-                                                      np.frombuffer(raw, dtype="<u2")]
+                                                      np.frombuffer(raw, dtype="<i2")]
     return sum(u * pow(C.ROOT, j, P) for j, u in enumerate(units)) % P
 
 

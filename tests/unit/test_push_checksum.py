@@ -21,10 +21,10 @@ ROOT = 0x1F0E5C2B3A49D68A
 
 
 def reference(t: torch.Tensor) -> int:
-    """sum_j u_j * ROOT**j modulo 2**61 - 1 in Python integers: u_j the little-endian unsigned
+    """sum_j u_j * ROOT**j modulo 2**61 - 1 in Python integers: u_j the little-endian signed
     16-bit halfwords of the bytes (the bytes themselves when their count is odd)."""
     raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    units = list(raw) if len(raw) % 2 else [int(v) for v in np.frombuffer(raw, dtype="<u2")]
+    units = list(raw) if len(raw) % 2 else [int(v) for v in np.frombuffer(raw, dtype="<i2")]
     return sum(u * pow(ROOT, j, P) for j, u in enumerate(units)) % P
 
 

@@ -331,11 +331,11 @@ def test_checksum_is_exact_and_detects_a_flipped_bit():
     flipped.view(torch.int32)[17] ^= 1
     assert tensor_checksum(flipped) != tensor_checksum(t)
     # the definition, computed independently (fsdpfn.wire.checksum): the bytes as little-endian
-    # unsigned 16-bit units u_j, checksum sum(u_j * R**j) modulo 2**61 - 1
+    # signed 16-bit units u_j, checksum sum(u_j * R**j) modulo 2**61 - 1
     p, r = 2**61 - 1, 0x1F0E5C2B3A49D68A
     big = torch.tensor([2**31 - 1, 2**31 - 5, -7, 2**30], dtype=torch.int32).view(torch.float32)
     for x in (t, big):
-        units = [int(u) for u in np.frombuffer(x.numpy().tobytes(), dtype="<u2")]
+        units = [int(u) for u in np.frombuffer(x.numpy().tobytes(), dtype="<i2")]
         assert tensor_checksum(x) == sum(u * pow(r, j, p) for j, u in enumerate(units)) % p
     odd = torch.arange(3, dtype=torch.uint8)  # 3 bytes: hashed as bytes
     assert tensor_checksum(odd) == (1 * r + 2 * r * r) % p
