@@ -82,7 +82,7 @@ def run_on_ranks(model_dir, tp, cp, batch):
 @pytest.mark.parametrize("family,tp,cp", [
     ("gemma2", 2, 1), ("gemma2", 1, 2), ("mistral", 2, 1), ("mistral", 1, 2),
     ("gemma3_text", 1, 2), ("gemma3_text", 2, 1), ("qwen2-sliding", 2, 1), ("phi3", 1, 2),
-    ("olmo2", 1, 2), ("gemma", 2, 1), ("llama-rope-yarn", 2, 1), ("llama-rope-yarn", 1, 2),
+    ("olmo2", 1, 2), ("gemma", 2, 1), ("gemma", 1, 2), ("qwen2-sliding", 1, 2), ("llama-rope-yarn", 2, 1), ("llama-rope-yarn", 1, 2),
     ("qwen3", 2, 1), ("qwen3", 1, 2)])
 def test_tp_and_cp_equal_the_models_own_forward(family, tp, cp, dirs, spmd2):
     batch = family_batch()
