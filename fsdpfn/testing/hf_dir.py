@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["CHATML_TEMPLATE", "train_tokenizer", "write_tiny_hf_dir"]
+__all__ = ["CHATML_TEMPLATE", "TOOLS_CHAT_TEMPLATE", "train_tokenizer", "write_tiny_hf_dir"]
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -37,6 +37,17 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 256):
                                    additional_special_tokens=SPECIALS[1:])
     fast.chat_template = CHATML_TEMPLATE
     return fast
+
+
+# ChatML with Hermes-style tools, as Qwen2.5 writes them: for testing tool calls (write it to a
+# tiny directory's chat_template.jinja)
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>\nFor each call return <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.content %}{{ m.content }}{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def write_tiny_hf_dir(path: str | Path, *, texts: Iterable[str], vocab_size: int = 256,

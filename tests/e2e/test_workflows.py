@@ -19,6 +19,7 @@ from fsdpfn.recipes.workflow import episodes_batch, load_workflow, run_episodes
 from fsdpfn.rollout import launch_server
 from fsdpfn.rollout.episode import episode_rows
 from fsdpfn.testing import write_tiny_hf_dir
+from fsdpfn.testing.hf_dir import TOOLS_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.dist
 WF = str(Path(__file__).with_name("workflows_for_tests.py"))
@@ -134,3 +135,45 @@ def test_workflows_that_cannot_be_called_are_refused_before_launch():
         with pytest.raises(ff.ConfigError, match="rollout.workflow") as info:
             load_workflow(spec)
         assert words in str(info.value), (spec, str(info.value))
+
+
+# ---------------------------------------------------------------- the examples
+
+
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples" / "workflows.py")
+
+
+@pytest.mark.timeout(180)
+def test_check_and_retry_on_the_embedded_task_trains_both_answers(tmp_path):
+    from fsdpfn.recipes.data import AdditionSource
+    from fsdpfn.recipes.task import AdditionTask, CharTokenizer, TinyModel, save_initial_model
+
+    tok, task = CharTokenizer(), AdditionTask(digits=1)
+    save_initial_model(tmp_path / "m", TinyModel(), tok)
+    rows = AdditionSource(task, tok, seed=0).take(0, 4)
+    with launch_server(tmp_path / "m", log_dir=tmp_path) as srv:
+        results = run_episodes(srv.url, load_workflow(f"{EXAMPLES}:check_and_retry"), rows, 4,
+                               timeout_s=60)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    for r in results:
+        first_right = tok.decode(r.turns[0].output_ids).strip() == rows[r.index]["answer"]
+        assert len(r.turns) == (1 if first_right else 2)
+        assert r.reward == 1.0 if first_right else r.reward in (0.0, 0.5)
+        (row,) = episode_rows(r.turns)  # the retry extends the first answer: one row
+        assert row.input_ids[:len(rows[r.index]["prompt_ids"])] == rows[r.index]["prompt_ids"]
+    assert any(len(r.turns) == 2 for r in results)  # an untrained model is wrong somewhere
+    batch, stats = episodes_batch(results, 4, max_tokens=64)
+    assert stats["episode_rows"] == 16 and batch.batch_size[0] == 16
+
+
+@pytest.mark.timeout(180)
+def test_calculator_and_chat_examples_run_on_a_chat_model(tmp_path):
+    model = write_tiny_hf_dir(tmp_path / "tools", texts=TEXTS, seed=0)
+    (model / "chat_template.jinja").write_text(TOOLS_CHAT_TEMPLATE)
+    rows = [{"prompt": "what is two plus two", "answer": "4"}]
+    with launch_server(model, log_dir=tmp_path) as srv:
+        for name in ("calculator", "chat_answer"):
+            results = run_episodes(srv.url, load_workflow(f"{EXAMPLES}:{name}"), rows, 2,
+                                   timeout_s=60)
+            assert all(r.error is None and r.turns for r in results), [r.error for r in results]
+            assert all(r.reward in (0.0, 1.0) for r in results)

@@ -15,15 +15,9 @@ from fsdpfn.rollout import RolloutEngine, UpdateError
 from fsdpfn.rollout import openai_api
 from fsdpfn.rollout.tool_calls import parse_tool_calls, tool_format
 from fsdpfn.testing import write_tiny_hf_dir
+from fsdpfn.testing.hf_dir import TOOLS_CHAT_TEMPLATE
 
-# a ChatML template with Hermes-style tools, as Qwen2.5 writes them
-HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
-    "{% endfor %}\n</tools>\nFor each call return <tool_call>{\"name\": ..., \"arguments\": ...}"
-    "</tool_call><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m.content %}{{ m.content }}{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
-    "<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HERMES_TEMPLATE = TOOLS_CHAT_TEMPLATE
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
                                            "parameters": {"type": "object", "properties": {
                                                "a": {"type": "integer"},
