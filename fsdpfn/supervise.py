@@ -123,9 +123,11 @@ def watch_launcher(what: str, pid: int | None = None, *, interval: float = 0.5):
         pid = int(value)
 
     def gone() -> None:
-        print(f"[fsdpfn] {what} (pid {os.getpid()}): its launcher (pid {pid}) is gone; "
-              f"exiting", file=sys.stderr, flush=True)
-        os._exit(1)
+        try:  # the output may be a pipe that the launcher read, broken now
+            print(f"[fsdpfn] {what} (pid {os.getpid()}): its launcher (pid {pid}) is gone; "
+                  f"exiting", file=sys.stderr, flush=True)
+        finally:
+            os._exit(1)
     return watch_pid(pid, gone, interval=interval)
 
 

@@ -118,3 +118,35 @@ def test_workers_started_from_an_ended_thread_live_until_the_parent_dies(rewards
     ended) and still lose them with the process."""
     alive = _kill_parent_mid_call(rewards_pkg, "sleepy", 2, "thread")
     assert alive == [], f"reward workers {alive} outlived their SIGKILLed parent"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_output_pipe_died_with_the_launcher_still_exits():
+    """The link above the workers: a rank exits when its launcher is gone, even though its
+    stdout and stderr were a pipe read by the launcher (the launcher keeps trainer.log), so
+    saying why it exits fails with a broken pipe."""
+    launcher_code = textwrap.dedent('''
+        import os, subprocess, sys, time
+        code = ("import time\\nfrom fsdpfn.supervise import watch_launcher\\n"
+                "watch_launcher('trainer rank 0', interval=0.1)\\ntime.sleep(120)\\n")
+        rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, "FSDPFN_LAUNCHER_PID": str(os.getpid())})
+        print(rank.pid, flush=True)
+        time.sleep(120)
+    ''')
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rank = None
+    try:
+        rank = int(launcher.stdout.readline())
+        time.sleep(1.0)  # the rank is up and watching
+        assert pid_alive(rank)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        _wait(lambda: not pid_alive(rank), 5)
+        assert not pid_alive(rank), "the rank outlived its launcher (its output pipe is broken)"
+    finally:
+        launcher.kill()
+        if rank is not None and pid_alive(rank):
+            os.kill(rank, 9)
