@@ -98,13 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    from fsdpfn.errors import ConfigError
+    from fsdpfn.errors import (BatchError, CheckpointError, ConfigError, StaleStateError,
+                               WeightSyncError)
 
     try:
         return args.func(args)
     except ConfigError as exc:
         print(f"fsdpfn: error: {exc}", file=sys.stderr)
         return 2
+    except (BatchError, CheckpointError, StaleStateError, WeightSyncError) as exc:
+        print(f"fsdpfn: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
