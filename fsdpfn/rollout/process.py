@@ -109,7 +109,8 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
     log_path = log_dir / f"rollout-{port}.log"
     cmd = [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model), "--port", str(port),
            "--host", "127.0.0.1", "--device", device, "--dtype", dtype,
-           "--weight-version", str(weight_version), *extra_args]
+           "--weight-version", str(weight_version), "--parent-pid", str(os.getpid()),
+           *extra_args]  # it exits when this process does, even by SIGKILL
     if threads:
         cmd += ["--threads", str(threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.environ.get("OMP_NUM_THREADS", 1)),

@@ -150,3 +150,33 @@ def test_a_rank_whose_output_pipe_died_with_the_launcher_still_exits():
         launcher.kill()
         if rank is not None and pid_alive(rank):
             os.kill(rank, 9)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_from_launch_server_dies_with_the_script_that_started_it(tmp_path):
+    """A custom loop's rollout server (fsdpfn.rollout.launch_server) is a process of that run
+    too: kill -9 of the script must not leave it serving."""
+    from fsdpfn.testing.hf_dir import write_tiny_hf_dir
+
+    model = write_tiny_hf_dir(tmp_path / "model", texts=["a b c"], num_layers=1)
+    script = textwrap.dedent(f'''
+        import time
+        from fsdpfn.rollout.process import launch_server
+        server = launch_server({str(model)!r}, log_dir={str(tmp_path)!r}, health_timeout=90)
+        print(server.proc.pid, flush=True)
+        time.sleep(120)
+    ''')
+    loop = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = None
+    try:
+        server = int(loop.stdout.readline())
+        assert pid_alive(server)
+        loop.kill()
+        loop.wait(timeout=10)
+        _wait(lambda: not pid_alive(server), 5)
+        assert not pid_alive(server), "the rollout server outlived the script that started it"
+    finally:
+        loop.kill()
+        if server is not None and pid_alive(server):
+            os.kill(server, 9)
