@@ -353,10 +353,20 @@ def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
 
 
 def _device_bytes(placement) -> float:
-    import torch
+    """The host's smallest GPU memory, from nvidia-smi: asking torch would start CUDA in the
+    launcher, which then holds device memory for the whole run."""
+    import subprocess
 
-    gpu = placement.trainer_gpus[0] if placement.trainer_gpus else 0
-    return float(torch.cuda.get_device_properties(gpu).total_memory)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        return min(float(v) * 2 ** 20 for v in out.split())  # MiB; the host's smallest GPU
+    except (OSError, subprocess.SubprocessError, ValueError):
+        import torch
+
+        gpu = placement.trainer_gpus[0] if placement.trainer_gpus else 0
+        return float(torch.cuda.get_device_properties(gpu).total_memory)
 
 
 def _shares_gpu(placement) -> bool:
