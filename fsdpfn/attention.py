@@ -125,7 +125,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                            window), None
         _log_fallback(module, window, softcap)
     if attention_mask is None and cu_seqlens is None:
-        raise RuntimeError("fsdpfn_packed attention needs a mask or cu_seq_lens_q")
+        raise RuntimeError("fsdpfn_packed attention needs cu_seq_lens_q (the packed "
+                           "sequences' boundaries), which this model's attention layer did not "
+                           "pass on to its attention function")
     if key.shape[1] != query.shape[1]:
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)

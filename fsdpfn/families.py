@@ -27,7 +27,7 @@ import torch
 from fsdpfn.errors import ConfigError
 
 __all__ = ["VERIFIED", "VERIFY_TOL", "refusal", "check_refusals", "verify_architecture",
-           "check_model", "probe_config"]
+           "check_model", "check_structure", "probe_config"]
 
 log = logging.getLogger("fsdpfn")
 
@@ -89,6 +89,21 @@ def check_refusals(hf_config, *, is_critic: bool = False) -> None:
     if why is not None:
         raise ConfigError(f"model_type: {hf_config.model_type!r} is not supported: {why} "
                           f"(verified families: {', '.join(VERIFIED)})")
+
+
+def check_structure(lm, *, model_type: str, is_critic: bool, lora: bool) -> None:
+    """What the engine reads by name from the built (meta) model, present: a critic's value head
+    ``score`` and, for LoRA, the decoder layers at ``model.layers``. ConfigError otherwise, the
+    same on every rank (every rank builds the same skeleton), before any weight moves."""
+    if is_critic and not hasattr(lm, "score"):
+        heads = [n for n, _ in lm.named_children() if n != lm.base_model_prefix]
+        raise ConfigError(f"is_critic: model_type {model_type!r} names its token-classification "
+                          f"head {heads}, not 'score', which the engine's value head reads; "
+                          f"this family is not supported as a critic")
+    if lora and not hasattr(getattr(lm, "model", None), "layers"):
+        raise ConfigError(f"lora: model_type {model_type!r} keeps its decoder layers elsewhere "
+                          f"than model.layers, where LoRA's targets are found; this family is "
+                          f"not supported with LoRA")
 
 
 # ---------------------------------------------------------------- the guard
@@ -209,6 +224,12 @@ def check_model(hf_config, *, verify_model: str, is_critic: bool, device,
     model_type = hf_config.model_type
     if not _wants_check(verify_model, model_type):
         return None
+    if is_critic:  # a critic head the engine cannot read is refused by check_structure
+        from transformers import AutoModelForTokenClassification
+
+        with torch.device("meta"):
+            check_structure(AutoModelForTokenClassification.from_config(hf_config),
+                            model_type=model_type, is_critic=True, lora=False)
     try:
         gap = verify_architecture(hf_config, is_critic=is_critic, device=device,
                                   fused_kernels=fused_kernels)

@@ -250,6 +250,8 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     hf_config._attn_implementation = cp.attn_name(mesh.cp)
     dtype = torch_dtype(config.optimizer_dtype)
     lm = build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
+    families.check_structure(lm, model_type=hf_config.model_type, is_critic=config.is_critic,
+                             lora=config.lora is not None)
     if config.disable_dropout:
         _disable_dropout(lm)
     if config.fused_kernels:

@@ -144,3 +144,23 @@ def test_guard_probe_measures_exactly_the_gap_of_the_scaled_attention():
                                                                       1.0))) < 1e-5
     assert verify_architecture(hf_config_of(_register_scaled_family("fsdpfn_test_scaled",
                                                                       3.0))) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(is_critic=True), "is_critic"),
+                                          (dict(lora=ff.LoRAConfig()), "lora")])
+def test_what_the_engine_reads_by_name_is_refused_when_the_family_names_it_otherwise(kwargs,
+                                                                                      field):
+    # GPT-NeoX: its token-classification head is 'classifier', its layers 'gpt_neox.layers'
+    with pytest.raises(ConfigError) as err:
+        _build(_common({"model_type": "gpt_neox", "vocab_size": 131}), **kwargs)
+    assert str(err.value).startswith(f"{field}:") and "'gpt_neox'" in str(err.value)
+
+
+def test_guard_checks_a_critic_against_its_own_token_classification_forward(caplog):
+    spec = _common({"model_type": "qwen2", "vocab_size": 131})
+    with caplog.at_level(logging.INFO, logger="fsdpfn"):
+        _build(spec, is_critic=True, verify_model="always")
+    assert any("checked" in r.getMessage() for r in caplog.records)
+    config = hf_config_of(spec)
+    config.num_labels = 1
+    assert verify_architecture(config, is_critic=True) < 1e-5
