@@ -163,6 +163,10 @@ def unsupported_reason(model) -> str | None:
         return f"rope_type {rope.get('rope_type')!r} depends on the sequence length"
     if not hasattr(getattr(model, "model", None), "layers"):
         return "model has no .model.layers"
+    # softcaps the loop's attention and head do not compute, wherever a config carries them
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            return f"{name} is not computed by the decode loop"
     return None
 
 

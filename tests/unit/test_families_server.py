@@ -99,3 +99,14 @@ def test_decode_loop_logprobs_equal_forward_logp_or_refused_by_name(family, fami
     served, trained = _trainer_logp(family_dirs[family], result)
     gap = float((served - trained).abs().max())
     assert gap <= 1e-5, f"{family}: the decode loop's log-probs differ by {gap:.3g}"
+
+
+def test_decode_loop_refuses_softcaps_wherever_a_config_has_them():
+    from transformers import AutoModelForCausalLM
+
+    from fsdpfn.rollout.slot_model import unsupported_reason
+    from fsdpfn.testing.models import hf_config_of
+
+    spec = {**FAMILIES["llama"], "final_logit_softcapping": 5.0}
+    model = AutoModelForCausalLM.from_config(hf_config_of(spec))
+    assert "final_logit_softcapping" in (unsupported_reason(model) or "")
