@@ -7,9 +7,11 @@ NCCL broadcast of the same bytes, measured in the same run.
 The trainer is this process, a one-rank fsdpfn state on GPU 0 (fp32 master weights, pushed as
 bf16). The rollout server is ``python -m fsdpfn.rollout`` on GPU 1. The limit is measured by two
 fresh processes on GPU 0 and GPU 1 that broadcast uint8 buffers of exactly the push's bucket
-sizes (the default plan's, ramped at both ends, and the whole model as one buffer), best of
-several rounds. Prints one table; the ratio
-is the push's GB/s over the limit's.
+sizes (the default plan's, ramped at both ends, and the whole model as one buffer), over several
+rounds. Prints one table: each push variant's best and median seconds, and ``of_limit``, the
+median raw broadcast of the default plan's buckets over the median push (the update channel's
+share of what NCCL alone does with the same bytes). Finer timing comes from ``--profile``
+(torch.profiler on the trainer), not from the product.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdpfn as ff  # noqa: E402
 from _table import print_markdown_table  # noqa: E402 - benchmarks/ is this script's folder
-from fsdpfn.weights import RolloutTarget, push_weights  # noqa: E402
+from fsdpfn.weights import PushConfig, RolloutTarget, push_weights  # noqa: E402
 from fsdpfn.weights.gather import plan_buckets, weight_params  # noqa: E402
-from fsdpfn.weights.protocol import DEFAULT_EDGE_BYTES  # noqa: E402
+from fsdpfn.wire.protocol import DEFAULT_EDGE_BYTES  # noqa: E402
 
 QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -103,20 +105,37 @@ def profile_push(state, model_dir, tmp, device, trace):
                            health_timeout=600,
                            env={"CUDA_VISIBLE_DEVICES": "1"} if device == "cuda" else None)
     try:
-        target = RolloutTarget(server.url, timeout_s=120)
+        target = RolloutTarget(server.url, config=PushConfig(timeout_s=120))
         for _ in range(4):
             push_weights(state, target)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda"
                                                else [])
         with profile(activities=activities, with_stack=True) as prof:
             receipt = push_weights(state, target)
-        print(f"profiled push: {receipt.seconds * 1e3:.2f} ms, phases "
-              f"{ {k: round(v * 1e3, 2) for k, v in target.last_timings.items()} }")
+        print(f"profiled push: {receipt.seconds * 1e3:.2f} ms (gather {receipt.gather_s}, "
+              f"server apply {receipt.apply_s} s)")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
                                         max_name_column_width=60))
         prof.export_chrome_trace(trace)
     finally:
         server.close()
+
+
+def measure(state, target, pushes: int) -> tuple[float, list]:
+    """(the first push's seconds, the receipts of ``pushes`` more, sorted by seconds)."""
+    first = push_weights(state, target).seconds
+    return first, sorted((push_weights(state, target) for _ in range(pushes)),
+                         key=lambda r: r.seconds)
+
+
+def record_pushes(name: str, first: float, receipts: list, limit: float) -> None:
+    best, median = receipts[0], receipts[len(receipts) // 2]
+    apply = median.apply_s
+    record(name, bytes=best.n_bytes, first_s=round(first, 3), ms=round(best.seconds * 1e3, 2),
+           median_ms=round(median.seconds * 1e3, 2),
+           gb_s_median=round(best.n_bytes / median.seconds / 1e9, 1),
+           of_limit=round(limit / median.seconds, 3),
+           apply_ms_median=None if apply is None else round(apply * 1e3, 2))
 
 
 def sglang_push(state, model_dir: str, limit: float, pushes: int, device: str) -> None:
@@ -147,20 +166,11 @@ def sglang_push(state, model_dir: str, limit: float, pushes: int, device: str) -
                     raise RuntimeError(f"the SGLang stand-in did not start (exit {proc.poll()})")
                 time.sleep(1)
         for bucket_bytes in (1 << 30, 256 << 20):
-            target = RolloutTarget(url, timeout_s=120, bucket_bytes=bucket_bytes)
-            first = push_weights(state, target).seconds
-            runs = []
-            for _ in range(pushes):
-                receipt = push_weights(state, target)
-                runs.append((receipt.seconds, dict(target.last_timings)))
-            runs.sort(key=lambda r: r[0])
-            best, median = runs[0], runs[len(runs) // 2]
-            record(f"push, SGLang protocol (stand-in), {bucket_bytes >> 20} MiB buckets",
-                   bytes=receipt.n_bytes, first_s=round(first, 3), ms=round(best[0] * 1e3, 2),
-                   median_ms=round(median[0] * 1e3, 2),
-                   gb_s=round(receipt.n_bytes / best[0] / 1e9, 1),
-                   of_limit=round(limit / best[0], 3),
-                   phases_ms_median={k: round(v * 1e3, 2) for k, v in median[1].items()})
+            target = RolloutTarget(url, config=PushConfig(timeout_s=120,
+                                                          bucket_bytes=bucket_bytes))
+            first, receipts = measure(state, target, pushes)
+            record_pushes(f"push, SGLang protocol (stand-in), {bucket_bytes >> 20} MiB buckets",
+                          first, receipts, limit)
             target.close()
     finally:
         proc.kill()
@@ -175,7 +185,7 @@ def main():
                         help="skip the table: profile one warm default push (torch.profiler on "
                              "the trainer), print its top operations, write a Chrome trace")
     parser.add_argument("--quick", action="store_true",
-                        help="the limit in 1 GiB buckets only; the first four push variants")
+                        help="the limit in 1 GiB buckets only; the first two push variants")
     parser.add_argument("--sglang", action="store_true",
                         help="also push to the SGLang-protocol stand-in of tests/ (GPU 1)")
     parser.add_argument("--cpu", action="store_true",
@@ -221,18 +231,17 @@ def main():
                 continue
             best = min(times)
             key = f"{bucket_bytes >> 20} MiB" if label == "buckets" else "one buffer"
-            limits[key] = best
+            limits[key] = statistics.median(times)
             record(f"raw {'NCCL' if device == 'cuda' else 'gloo'} broadcast, {label}"
                    + (f" of {bucket_bytes >> 20} MiB ({len(sizes)})" if label == "buckets"
                       else ""), bytes=n_bytes, ms=round(best * 1e3, 2),
                    median_ms=round(statistics.median(times) * 1e3, 2),
                    gb_s=round(n_bytes / best / 1e9, 1))
-    limit = min(limits.values())
+    limit = limits["1024 MiB"]  # the median raw broadcast of the default plan's buckets
 
     server = launch_server(model_dir, device=device, dtype="bfloat16", threads=4,
                            log_dir=tmp, health_timeout=600,
                            env={"CUDA_VISIBLE_DEVICES": "1"} if not args.cpu else None)
-    timelines = []
     try:
         variants = [
             ("push, defaults (update channel, 1 GiB buckets, 256 MiB at both ends)", {}),
@@ -240,59 +249,19 @@ def main():
              {"edge_bucket_bytes": None}),
             ("push, update channel, ramp from 32 MiB (edge_bucket_bytes=32 MiB)",
              {"edge_bucket_bytes": 32 << 20}),
-            ("push, HTTP: the whole update in one request (channel=False)", {"channel": False}),
-            ("push, update channel, 256 MiB buckets", {"bucket_bytes": 256 << 20}),
-            ("push, HTTP: a request per bucket in turn (SGLang's way; pipeline=False)",
-             {"channel": False, "pipeline": False})]
+            ("push, update channel, 256 MiB buckets", {"bucket_bytes": 256 << 20})]
         if args.quick:
-            variants = variants[:4]
+            variants = variants[:2]
         for name, kw in variants:
-            target = RolloutTarget(server.url, timeout_s=120, **kw)
-            first = push_weights(state, target).seconds
-            runs = []
-            for _ in range(args.pushes):
-                receipt = push_weights(state, target)
-                runs.append((receipt.seconds, dict(target.last_timings)))
-            runs.sort(key=lambda r: r[0])
-            if device == "cuda" and kw.get("channel", True):
-                # a few more pushes with per-bucket GPU events (a little host time of their
-                # own), for the timeline table only
-                target.timeline = True
-                traced = sorted(((push_weights(state, target).seconds, target.last_timeline)
-                                 for _ in range(3)), key=lambda r: r[0])
-                timelines.append((name, traced[0][1]))
-            best, median = runs[0][0], runs[len(runs) // 2]
-            record(name, bytes=receipt.n_bytes, first_s=round(first, 3),
-                   ms=round(best * 1e3, 2), median_ms=round(median[0] * 1e3, 2),
-                   gb_s=round(receipt.n_bytes / best / 1e9, 1),
-                   of_limit=round(limit / best, 3),
-                   phases_ms_median={k: round(v * 1e3, 2) for k, v in median[1].items()})
+            target = RolloutTarget(server.url, config=PushConfig(timeout_s=120, **kw))
+            first, receipts = measure(state, target, args.pushes)
+            record_pushes(name, first, receipts, limit)
             target.close()
     finally:
         server.close()
     if args.sglang:
         sglang_push(state, model_dir, limit, args.pushes, device)
     print_markdown_table(ROWS, ("name",))
-    for name, tl in timelines:
-        print_timeline(name, tl)
-
-
-def print_timeline(name: str, tl: dict) -> None:
-    """The best push's buckets: when the trainer launched each broadcast (host), when its
-    gather and its send finished (trainer GPU, from the sender's start), and when the server had
-    its bytes and had checked them (server GPU, from posting its receives)."""
-    server = next(iter(tl["servers"].values())) or {}
-    rows = []
-    for i, n in enumerate(tl["bucket_bytes"]):
-        rows.append({"bucket": i, "MB": round(n / 1e6, 1),
-                     "launch (host ms)": round(tl["launch_ms"][i], 2),
-                     "gathered (GPU ms)": round(tl["gathered_ms"][i], 2),
-                     "sent (GPU ms)": round(tl["sent_ms"][i], 2),
-                     "server arrived": round(server.get("arrived_ms", [0] * 99)[i], 2),
-                     "server checked": round(server.get("checked_ms", [0] * 99)[i], 2)})
-    print(f"\n{name}: per-bucket timeline of the best push (sender start at host "
-          f"{tl['t0_ms']:.2f} ms)")
-    print_markdown_table(rows, ("bucket",))
 
 
 if __name__ == "__main__":

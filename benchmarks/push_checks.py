@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _table import print_markdown_table  # noqa: E402
 from fsdpfn.weights.gather import plan_buckets  # noqa: E402
-from fsdpfn.weights.protocol import flat_checksums, padded_size, zero_padding  # noqa: E402
+from fsdpfn.wire.protocol import flat_checksums, padded_size, zero_padding  # noqa: E402
 
 
 def shapes_1_5b():

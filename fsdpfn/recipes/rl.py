@@ -326,8 +326,9 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
                              "`fsdpfn run` (which starts one) or set rollout.url")
     broadcast_from_main(lambda: wait_for_server(url, cfg.rollout.health_timeout_s))
     disk = ctx.transport == "disk"
-    target = RolloutTarget(url, transport=ctx.transport, timeout_s=cfg.rollout.timeout_s,
-                           disk_root=ctx.run_dir / "push" if disk else None)
+    target = RolloutTarget(url, config=ff.PushConfig(
+        transport=ctx.transport, timeout_s=cfg.rollout.timeout_s,
+        disk_root=ctx.run_dir / "push" if disk else None))
     receipt = push_weights(actor, target)
     log(f"pushed weights version {receipt.version} to {url} by {ctx.transport} "
         f"({receipt.n_tensors} tensors, {receipt.n_bytes / 1e6:.1f} MB, "

@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="port of the update channel, the fast control path of weight pushes "
                         "(default 0: a free port, advertised in /get_model_info)")
     p.add_argument("--no-channel", action="store_true",
-                   help="no update channel: pushes use HTTP only")
+                   help="no update channel: trainers then push in SGLang's protocol")
     p.add_argument("--decode", default="auto", choices=("auto", "hf", "loop"),
                    help="generation: 'loop' is the decode loop (slot KV cache, continuous "
                         "batching, CUDA graphs), 'hf' is HF generate; auto: loop on CUDA, hf on "
@@ -85,11 +85,11 @@ def main(argv=None) -> None:
                            decode_attention=args.decode_attention,
                            decode_compile=args.decode_compile)
     if not args.no_channel:
-        from fsdpfn.rollout.channel import UpdateChannel
+        from fsdpfn.rollout.receiver import UpdateChannel
 
-        UpdateChannel(engine, args.host, args.channel_port)
+        UpdateChannel(engine.receiver, args.host, args.channel_port)
     print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}) on "
-          f"http://{args.host}:{args.port} (update channel: {engine.channel_port}) pid "
+          f"http://{args.host}:{args.port} (update channel: {engine.receiver.channel_port}) pid "
           f"{os.getpid()}", flush=True)
     uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
 

@@ -2,15 +2,21 @@
 
 Everything here is plain Python (no HTTP), so it can be tested and embedded directly.
 
-Concurrency. ``_model_lock`` is held by every generation or forward while it runs, and by the swap
-of an update; so a request sees one weights version from start to end (its response names it).
+Concurrency. ``_model_lock`` is held by every generation or forward while it runs, and by
+``swap``, the one way the served weights change; so a request sees one weights version from start
+to end (its response names it).
 ``pause()`` makes new generation requests wait and returns once none is running;
 ``resume()`` lets them go. A pause expires by itself after ``max_pause_s`` (a trainer that died
 between pause and continue cannot stall the server), and a failed update resumes generation.
 
 Generation runs the decode loop or HF generate (fsdpfn.rollout.generation picks, sizes and checks
-them); weight updates (groups, staging, swap, verify, commit) live in fsdpfn.rollout.updates and
-its stages (groups.py, staging.py); the methods below only delegate to them.
+them). Weight updates are the receiver's (``engine.receiver``, fsdpfn.rollout.receiver): it owns
+the groups, channels, turns and failures, checks what arrives, and hands finished tensors to
+``swap``.
+
+Versions. ``version`` is fsdpfn's integer count of weight changes; an update may also name its
+weights with any string (SGLang's ``weight_version``), reported back as given by
+``version_label`` (the integer as a string when none was given).
 
 behav_logp convention: the log-prob of each sampled token is log_softmax(logits / temperature)
 at that token: temperature applied, top-p / top-k truncation not (it is what the trainer's
@@ -26,11 +32,10 @@ from typing import Any, Sequence
 
 import torch
 
-from fsdpfn.rollout import generation, groups, updates
-from fsdpfn.rollout import staging as stages
+from fsdpfn.rollout import generation
 from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.receiver import Receiver
 from fsdpfn.rollout.sampling import SamplingParams, find_stop
-from fsdpfn.rollout.staging import Staging
 from fsdpfn.rollout.text import eos_ids, load_tokenizer
 from fsdpfn.wire.protocol import combine_checksums, dtype_from_name, dtype_name, tensor_checksums
 
@@ -54,7 +59,7 @@ class RolloutEngine:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
         if fused_kernels:  # Liger's fused RMSNorm and SwiGLU, as the trainer runs by default
-            from fsdpfn.shard import apply_fused_kernels
+            from fsdpfn.wire.kernels import apply_fused_kernels
 
             self.fused = apply_fused_kernels(self.model, self.model.config, self.device.type,
                                              keep_weights=True)
@@ -75,47 +80,36 @@ class RolloutEngine:
         self._paused = False
         self._pause_timer: threading.Timer | None = None
         self._active = 0
-        self._groups: dict[str, tuple] = {}  # name -> (store, pg, backend, timeout_s)
-        self._retired: list = []  # groups left mid-operation: kept alive, never destroyed here
-        self._staging: Staging | None = None
-        self._turn = threading.Condition()  # orders the buckets of one update (see module doc)
-        self._busy = False
-        self._failed: set[str] = set()  # update ids that failed: their later buckets are refused
-        self.last_error: str | None = None
-        self.lora_slot = None  # the adapter merged in, if any (fsdpfn.rollout.lora)
+        self._labels: dict[int, str] = {}  # version -> the label an update gave it (recent)
         self.server_id = uuid.uuid4().hex  # changes when the server restarts
-        self.channel_port: int | None = None  # the update channel's port, when one listens
-        self._channels: dict[str, list] = {}  # group name -> update channel sockets bound to it
-        self._channels_lock = threading.Lock()
-        self._stream = None  # the CUDA stream that checks received buckets (lazily)
-        # a whole update holds the model lock while its bytes arrive for at most this long; a
-        # slower sender lets generation run meanwhile (the swap then waits for the last byte)
-        self.hold_s = 2.0
         self._decoder = generation.build_decoder(
             self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
             lock=self._model_lock, version=lambda: self.version, attention=decode_attention,
             compile=decode_compile)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
+        self.receiver = Receiver(self)  # the update state (groups, channels, turns, failures)
 
     # ------------------------------------------------------------ info
-
-    @property
-    def group_names(self) -> list[str]:
-        return sorted(self._groups)
 
     @property
     def dtype(self) -> torch.dtype:
         return next(iter(self.params.values())).dtype
 
+    def version_label(self, version: int | None = None) -> str:
+        """The name of weights ``version`` (default: the served one): the string an update gave
+        it, else the integer as a string."""
+        version = self.version if version is None else version
+        return self._labels.get(version, str(version))
+
     def info(self) -> dict:
+        """SGLang's model info (weight_version: the label), then fsdpfn's (version: the int)."""
         return {"model_path": self.model_path, "server_id": self.server_id,
-                "dtype": dtype_name(self.dtype),
-                "device": str(self.device), "weight_version": self.version,
+                "dtype": dtype_name(self.dtype), "device": str(self.device),
+                "weight_version": self.version_label(), "version": self.version,
                 "ipc": self.device.type == "cuda", "fused_modules": self.fused,
-                "is_generation": True, "vocab_size": self.vocab_size, "multi_bucket": True,
-                "update_channel": self.channel_port,
-                "paused": self._paused,
+                "is_generation": True, "vocab_size": self.vocab_size,
+                "paused": self._paused, **self.receiver.info(),
                 "decode": "hf" if self._decoder is None else (
                     f"loop ({self._decoder.slots} rows x {self._decoder.max_len}, CUDA graphs "
                     f"{'on' if self._decoder.use_graphs else 'off'}, "
@@ -125,7 +119,6 @@ class RolloutEngine:
                     "graphs": len(self._decoder.graphs)},
                 "tokenizer_path": self.model_path if self.tokenizer is not None else None,
                 "preferred_sampling_params": None, "eos_token_ids": self.eos_ids,
-                "groups": self.group_names, "last_error": self.last_error,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}
                            for n, p in self.params.items()}}
 
@@ -259,44 +252,34 @@ class RolloutEngine:
             out["logits"] = [logits[i, :len(r)].tolist() for i, r in enumerate(rows)]
         return out
 
-    # ------------------------------------------------------------ weight updates (updates.py)
+    # ------------------------------------------------------------ the one swap
 
-    def init_group(self, payload: dict) -> dict:
-        """/init_weights_update_group (see fsdpfn.rollout.groups.init_group)."""
-        return groups.init_group(self, payload)
-
-    def destroy_group(self, name: str) -> dict:
-        return groups.destroy_group(self, name)
-
-    def attach_channel(self, group_name: str, sock) -> None:
-        groups.attach_channel(self, group_name, sock)
-
-    def detach_channel(self, sock) -> None:
-        groups.detach_channel(self, sock)
-
-    def update_from_distributed(self, payload: dict, *, layout=None, ack=None) -> dict:
-        """/update_weights_from_distributed (see fsdpfn.rollout.updates)."""
-        return updates.update_from_distributed(self, payload, layout=layout, ack=ack)
-
-    def update_from_ipc(self, payload: dict) -> dict:
-        """/update_weights_from_ipc (see fsdpfn.rollout.updates)."""
-        return updates.update_from_ipc(self, payload)
-
-    def update_from_disk(self, payload: dict) -> dict:
-        """/update_weights_from_disk (see fsdpfn.rollout.updates)."""
-        return updates.update_from_disk(self, payload)
-
-    def load_lora_adapter(self, payload: dict) -> dict:
-        """/load_lora_adapter (SGLang's payload): see fsdpfn.rollout.lora."""
-        return updates.load_lora_adapter(self, payload)
-
-    def unload_lora_adapter(self, payload: dict) -> dict:
-        """/unload_lora_adapter (SGLang's payload): see fsdpfn.rollout.lora."""
-        return updates.unload_lora_adapter(self, payload)
+    def swap(self, tensors: dict[str, torch.Tensor], version: int, *, label: str | None = None,
+             timeout_s: float = 300.0) -> None:
+        """The one way the served weights change: under the model lock (no generation or
+        forward runs meanwhile; the decode loop swaps between two steps), each served parameter
+        named in ``tensors`` (served names) is pointed at its tensor, no copy, and the version
+        (with its ``label``, if any) moves. The caller has checked the tensors."""
+        if not self._model_lock.acquire(timeout=timeout_s):
+            raise UpdateError(f"update: a generation held the model for longer than "
+                              f"{timeout_s:g} s; previous weights kept", 503)
+        try:
+            self._swap_in(tensors, {})
+            self.version = int(version)
+            self._labels.pop(self.version, None)
+            if label is not None:
+                self._labels = {v: k for v, k in self._labels.items() if v > version - 64}
+                self._labels[self.version] = str(label)
+        finally:
+            self._model_lock.release()
 
     def _swap_in(self, tensors: dict[str, torch.Tensor], previous: dict) -> None:
-        """Point each served parameter at its tensor (model lock held); see staging.swap_in."""
-        stages.swap_in(self, tensors, previous)
+        """Point each served parameter at its tensor (model lock held); ``previous`` gets what
+        they pointed at."""
+        for name, t in tensors.items():
+            param = self.params[name]
+            previous[name] = param.data
+            param.data = t
 
 
 def _load_text(model_path: str):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load_adapter", "unload_adapter", "forget", "read_adapter", "merged_tensors"]
+__all__ = ["load_adapter", "unload_adapter", "answer", "read_adapter", "merged_tensors"]
 
 _PREFIX = "base_model.model."
 
@@ -109,8 +109,8 @@ def merged_tensors(params: dict[str, torch.Tensor], base: dict[str, torch.Tensor
     return out
 
 
-def _answer(engine, message: str) -> dict:
-    slot = getattr(engine, "lora_slot", None)
+def answer(engine, slot, message: str) -> dict:
+    """SGLang's LoRAUpdateOutput, plus the served version and weights checksum."""
     return {"success": True, "error_message": None, "message": message,
             "loaded_adapters": {} if slot is None else {slot.name: slot.path},
             "weight_version": engine.version, "weights_checksum": engine.weights_checksum()}
@@ -125,45 +125,30 @@ def _version(engine, payload: dict) -> int:
     return version
 
 
-def load_adapter(engine, payload: dict) -> dict:
-    """/load_lora_adapter on ``engine`` (a RolloutEngine): merge the adapter at ``lora_path``
-    into the served weights (replacing the adapter in, if any). Atomic: any failure leaves the
-    served weights, version and adapter unchanged."""
+def load_adapter(engine, slot, payload: dict) -> tuple[dict, _Slot, int]:
+    """/load_lora_adapter on ``engine`` (a RolloutEngine) with ``slot`` the adapter in now (or
+    None): (tensors to swap in, the new slot, the version they make). The merge is into the
+    base (the kept base tensors of ``slot`` where it changed them), never into a previous
+    merge; parameters the old adapter changed and the new one does not get their base back.
+    Nothing is changed here: a failure leaves weights, version and adapter as they were."""
     name, path = payload.get("lora_name"), payload.get("lora_path")
     if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
         raise _error(f"lora_name, lora_path: must be non-empty strings, got {name!r}, {path!r}")
     version = _version(engine, payload)
     config, tensors = read_adapter(Path(path), engine.device)
-    slot = getattr(engine, "lora_slot", None)
     base = dict(slot.base) if slot is not None else {}
     merged = merged_tensors(engine.params, base, _pairs(tensors), _scale(config))
-    with engine._model_lock:  # noqa: SLF001 - the engine's one swap path
-        restore = {n: t for n, t in base.items() if n not in merged}
-        for n in merged:
-            base.setdefault(n, engine.params[n].data)
-        engine._swap_in({**restore, **merged}, {})  # noqa: SLF001
-        engine.lora_slot = _Slot(name, path, {n: base[n] for n in merged})
-        engine.version = version
-    engine.last_error = None
-    return _answer(engine, f"adapter {name!r} merged into {len(merged)} weights, version "
-                           f"{version}")
+    restore = {n: t for n, t in base.items() if n not in merged}
+    for n in merged:
+        base.setdefault(n, engine.params[n].data)
+    return {**restore, **merged}, _Slot(name, path, {n: base[n] for n in merged}), version
 
 
-def unload_adapter(engine, payload: dict) -> dict:
-    """/unload_lora_adapter: serve the base weights again (404 when ``lora_name`` is not in)."""
+def unload_adapter(engine, slot, payload: dict) -> tuple[dict, int]:
+    """/unload_lora_adapter: (the base tensors to swap back in, the version they make); 404
+    when ``lora_name`` is not the adapter in."""
     name = payload.get("lora_name")
-    slot = getattr(engine, "lora_slot", None)
     if slot is None or slot.name != name:
         raise _error(f"lora_name: must name the loaded adapter "
                      f"({None if slot is None else slot.name!r}), got {name!r}", 404)
-    version = _version(engine, payload)
-    with engine._model_lock:  # noqa: SLF001
-        engine._swap_in(dict(slot.base), {})  # noqa: SLF001
-        engine.lora_slot = None
-        engine.version = version
-    return _answer(engine, f"adapter {name!r} unloaded, version {version}")
-
-
-def forget(engine) -> None:
-    """A full weight update replaced the base: the adapter (and its kept base) is dropped."""
-    engine.lora_slot = None
+    return dict(slot.base), _version(engine, payload)

@@ -3,23 +3,24 @@
 | endpoint | payload | answer |
 | --- | --- | --- |
 | GET /health | | {status, weight_version, server_id, groups} |
-| GET /weight_version | | {weight_version} (an int) |
-| GET /get_weight_version | | {weight_version} (a string, as SGLang's) |
-| GET /get_model_info | | SGLang's {model_path, tokenizer_path (null without a tokenizer), is_generation, preferred_sampling_params, weight_version (a string)}, then ours: {dtype, device, eos_token_ids, params: {name: {dtype, shape}}, groups, paused, last_error, multi_bucket, update_channel (the port of the update channel, or null)} |
+| GET /weight_version | | {weight_version} (fsdpfn's integer version) |
+| GET /get_weight_version | | {weight_version} (a string, as SGLang's: the label the last update gave, else the integer version) |
+| GET /get_model_info | | SGLang's {model_path, tokenizer_path (null without a tokenizer), is_generation, preferred_sampling_params, weight_version (the label)}, then ours: {version (the int), dtype, device, eos_token_ids, params: {name: {dtype, shape}}, groups, paused, last_error, update_channel (the port of the update channel, or null)} |
 | POST, PUT /generate | SGLang's GenerateReqInput (fsdpfn/rollout/sglang_api.py) | SGLang's {text, output_ids, meta_info} (a list for several outputs); fsdpfn's {weight_version, outputs} with "return_format": "fsdpfn" |
 | GET /v1/models, POST /v1/completions, POST /v1/chat/completions | OpenAI's (fsdpfn/rollout/openai_api.py) | OpenAI's, with log-probs |
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
-| POST /init_weights_update_group | {master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s} | {success, message} |
-| POST /destroy_weights_update_group | {group_name} | {success} |
-| POST /update_weights_from_distributed | {names, dtypes, shapes, group_name, flush_cache, load_format, weight_version, update_id, bucket_index, commit}, or the whole update at once: {buckets: [{names, dtypes, shapes}], group_name, weight_version, update_id, pause_generation, load_format} | {success, weight_version, weights_checksum (on commit), message, seconds} |
-| POST /update_weights_from_disk | {model_path, weight_version (an int, or a string of one), flush_cache, verify_checksums} | same, plus SGLang's num_paused_requests |
+| POST /init_weights_update_group | SGLang's {master_address, master_port, rank_offset, world_size, group_name, backend}, plus timeout_s: the group formed as SGLang forms it | {success, message} |
+| POST /destroy_weights_update_group | {group_name} | {success, message} |
+| POST /update_weights_from_distributed | SGLang's {names, dtypes, shapes, group_name, flush_cache, load_format ("flattened_bucket": one packed broadcast), weight_version (any string)} | {success, message, weight_version (the int), seconds} |
+| POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests |
 | POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: tensors in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | same |
 | POST /pause_generation, POST /continue_generation | {mode} | SGLang's {message, status: "ok"}, plus success; a pause drains (nothing is aborted) |
 | POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py) |
 | POST /unload_lora_adapter | {lora_name} | same: the base weights served again |
 
 Beside the HTTP port, ``python -m fsdpfn.rollout`` listens for update channels
-(fsdpfn/rollout/channel.py): the fast path of a weight push, the same whole update without HTTP.
+(fsdpfn/rollout/receiver.py): fsdpfn's own push, a whole update per message. Every update is the
+receiver's (``engine.receiver``).
 
 Failures answer 4xx (the request breaks a rule) or 5xx (the transfer failed) with
 {"success": false, "message": ...} (/generate adds SGLang's "object": "error" and "code"; /v1
@@ -46,6 +47,7 @@ def build_app(engine: RolloutEngine):
     from fastapi.responses import JSONResponse
 
     app = FastAPI(title="fsdpfn rollout server")
+    receiver = engine.receiver
 
     def answer(fn: Callable[[], Any]):
         try:
@@ -60,19 +62,19 @@ def build_app(engine: RolloutEngine):
     @app.get("/health")
     async def health():
         return {"status": "ok", "weight_version": engine.version, "server_id": engine.server_id,
-                "groups": engine.group_names}
+                "groups": sorted(engine.receiver.groups)}
 
     @app.get("/weight_version")
     async def weight_version():
         return {"weight_version": engine.version}
 
     @app.get("/get_weight_version")
-    async def get_weight_version():  # SGLang's: a string
-        return {"weight_version": str(engine.version)}
+    async def get_weight_version():  # SGLang's: a string, the label as given
+        return {"weight_version": engine.version_label()}
 
     @app.get("/get_model_info")
-    def model_info():  # SGLang's fields (weight_version a string), then fsdpfn's
-        return {**engine.info(), "weight_version": str(engine.version)}
+    def model_info():  # SGLang's fields (weight_version the label), then fsdpfn's
+        return engine.info()
 
     # generation requests wait in their own threads (the decode loop batches them), beyond
     # FastAPI's shared pool of 40: many clients neither queue nor block the update handlers
@@ -124,23 +126,23 @@ def build_app(engine: RolloutEngine):
 
     @app.post("/init_weights_update_group")
     def init_group(payload: dict = Body(...)):
-        return answer(lambda: engine.init_group(payload))
+        return answer(lambda: receiver.init_group(payload))
 
     @app.post("/destroy_weights_update_group")
     def destroy_group(payload: dict = Body(...)):
-        return answer(lambda: engine.destroy_group(str(payload.get("group_name"))))
+        return answer(lambda: receiver.destroy_group(payload))
 
     @app.post("/update_weights_from_distributed")
     def update_distributed(payload: dict = Body(...)):
-        return answer(lambda: engine.update_from_distributed(payload))
+        return answer(lambda: receiver.update_from_distributed(payload))
 
     @app.post("/update_weights_from_ipc")
     def update_ipc(payload: dict = Body(...)):
-        return answer(lambda: engine.update_from_ipc(payload))
+        return answer(lambda: receiver.update_from_ipc(payload))
 
     @app.post("/update_weights_from_disk")
     def update_disk(payload: dict = Body(...)):
-        out = answer(lambda: {**engine.update_from_disk(payload), "num_paused_requests": 0})
+        out = answer(lambda: {**receiver.update_from_disk(payload), "num_paused_requests": 0})
         if isinstance(out, JSONResponse):  # SGLang's UpdateWeightFromDiskReqOutput fields
             return JSONResponse(status_code=out.status_code,
                                 content={**json.loads(out.body), "num_paused_requests": 0})
@@ -156,11 +158,11 @@ def build_app(engine: RolloutEngine):
 
     @app.post("/load_lora_adapter")
     def load_lora(payload: dict = Body(...)):
-        return lora_answer(lambda: engine.load_lora_adapter(payload))
+        return lora_answer(lambda: receiver.load_lora_adapter(payload))
 
     @app.post("/unload_lora_adapter")
     def unload_lora(payload: dict = Body(...)):
-        return lora_answer(lambda: engine.unload_lora_adapter(payload))
+        return lora_answer(lambda: receiver.unload_lora_adapter(payload))
 
     # SGLang's answers; a pause drains (requests in flight finish, new ones wait), whatever
     # the mode ("abort", "retract", "in_place"): nothing is aborted

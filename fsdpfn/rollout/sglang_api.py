@@ -11,7 +11,8 @@ top-level keys are ignored, as SGLang ignores them.
 
 Answer, per output: {"text" (when the model has a tokenizer), "output_ids", "meta_info": {"id",
 "finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"}, "prompt_tokens",
-"completion_tokens", "cached_tokens", "weight_version" (a string, as SGLang's),
+"completion_tokens", "cached_tokens", "weight_version" (a string, as SGLang's: the label an
+update gave those weights, else the integer version),
 "weight_versions" (fsdpfn: the version of each token, ints), "e2e_latency", and with
 return_logprob "input_token_logprobs" ([]), "output_token_logprobs" [[logprob, id, text|null]],
 with top_logprobs_num "output_top_logprobs"}}: one object for one prompt with n == 1, else a list
@@ -75,7 +76,7 @@ def _refuse(engine, payload: dict) -> None:
                               f"{off[-1]!r} or absent), got {str(payload[key])[:80]!r}")
     lora = payload.get("lora_path")
     if lora not in (None, "", []):
-        slot = getattr(engine, "lora_slot", None)
+        slot = engine.receiver.adapter
         names = {getattr(slot, "name", None), getattr(slot, "path", None)} - {None}
         wanted = lora if isinstance(lora, list) else [lora]
         if not all(w in names for w in wanted):
@@ -171,7 +172,7 @@ def output(engine, o: dict, sp: SamplingParams, prompt_tokens: int, *, rid=None,
     versions = o.get("weight_versions") or []
     meta = {"id": rid or uuid.uuid4().hex, "finish_reason": reason,
             "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "cached_tokens": 0,
-            "weight_version": str(min(versions) if versions else engine.version),
+            "weight_version": engine.version_label(min(versions) if versions else None),
             "weight_versions": versions, "e2e_latency": seconds}
     piece = (lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)) \
         if text_in_logprobs and engine.tokenizer is not None else (lambda t: None)

@@ -1,11 +1,12 @@
-"""The stages of a weight update on the server, each small: post the receives and unpack what
-arrived (checks queued on the device), validate against the served model, swap the parameters in
-(and back), wait for the checks. fsdpfn.rollout.updates composes them and commits.
+"""The stages of a weight update on the server, each a plain function of what it is given (the
+served parameters, a process group, the received bytes): parse and validate the layout, receive
+the bytes (SGLang's packed buckets or per-tensor broadcasts; fsdpfn's aligned buckets, their
+checks queued on the device), read a version, load and verify files. fsdpfn.rollout.receiver
+composes them; nothing here holds state.
 
-Updates are staged: received tensors go into a staging dict (a second copy of the weights), are
-validated against the served model (name known, shape, dtype, not given twice; at commit: every
-parameter present, all finite), and only then swapped in under the model lock: each served
-parameter is pointed at its received tensor (no copy; the old storage is freed).
+Received tensors are a second copy of the weights, validated against the served model (name
+known, shape, dtype, not given twice; for a whole update: every parameter present, all finite)
+before the engine swaps them in (RolloutEngine.swap).
 """
 
 from __future__ import annotations
@@ -18,39 +19,32 @@ from pathlib import Path
 import torch
 
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.rollout.groups import retire_group
-from fsdpfn.wire.protocol import (MANIFEST, broadcast, bucket_layout, dtype_from_name,
-                                  dtype_name, flat_checksums, padded_size, sha256_of, wait_work,
-                                  word_sums, zero_padding)
+from fsdpfn.wire.protocol import (bucket_layout, broadcast, dtype_from_name, dtype_name,
+                                  flat_checksums, padded_size, sha256_of, wait_work,
+                                  zero_padding)
 
-__all__ = ["Staging", "BucketLayout", "Layout", "validate", "staging_for", "torch_dtypes",
-           "receive", "post_flat", "unpack_flat", "check_stream", "swap_in", "swap_back",
-           "events_done", "wait_events", "version_of", "record_event", "read_json",
-           "load_safetensors", "check_manifest", "MANIFEST"]
+__all__ = ["BucketLayout", "Layout", "validate", "torch_dtypes", "receive_sglang", "post_flat",
+           "unpack_flat", "events_done", "wait_events", "parse_version", "record_event",
+           "read_json", "load_safetensors", "check_manifest", "first_non_finite"]
 
 
-class Staging:
-    def __init__(self, update_id: str | None):
-        self.update_id = update_id
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.next_bucket = 0
-        self.order_error: str | None = None
-        # queued on the device per bucket, read at commit: (names, int64 checksums), bool flags
-        self.sums: list[tuple[list[str], torch.Tensor]] = []
-        self.finite: list[torch.Tensor] = []
+def torch_dtypes(dtypes: list[str]) -> list[torch.dtype]:
+    """The torch dtypes of dtype names; an UpdateError marked ``unsized`` (the bytes on the wire
+    cannot be sized, so the group is out of step) for an unknown one."""
+    try:
+        return [dtype_from_name(d) for d in dtypes]
+    except ValueError as exc:
+        error = UpdateError(f"dtypes: {exc}")
+        error.unsized = True
+        raise error from None
 
 
 class BucketLayout:
-    """One flat bucket of a whole update: names, dtypes, shapes, and where each tensor lies."""
+    """One aligned flat bucket of a whole update: names, dtypes, shapes, where each tensor lies."""
 
     def __init__(self, names: list[str], dtypes: list[str], shapes: list[list[int]]):
         self.names, self.dtypes, self.shapes = names, dtypes, shapes
-        try:
-            self.torch_dtypes = [dtype_from_name(d) for d in dtypes]
-        except ValueError as exc:
-            error = UpdateError(f"dtypes: {exc}")
-            error.unsized = True  # the bytes on the wire cannot be sized
-            raise error from None
+        self.torch_dtypes = torch_dtypes(dtypes)
         self.offsets, self.total = bucket_layout(dtypes, shapes)
         self.sizes = [math.prod(s) * d.itemsize for d, s in zip(self.torch_dtypes, shapes)]
         self.strides = self.elements = None
@@ -61,43 +55,35 @@ class BucketLayout:
 
 
 class Layout:
-    """A whole update's buckets, parsed and checked against the served model once (the update
-    channel keeps it per connection and layout id, so a repeated push re-parses nothing).
-    ``problems``: why it cannot be committed (unknown names, shapes, dtypes, a tensor twice, a
-    served parameter missing), empty when it can."""
+    """A whole update's buckets, parsed and checked against the served model (``params``,
+    ``aliases``) once (the update channel keeps it per connection and layout id).
+    ``problems``: why it cannot be committed, empty when it can."""
 
-    def __init__(self, engine, buckets_json):
+    def __init__(self, params: dict, aliases: dict, buckets_json):
         try:
             parsed = [([str(n) for n in b["names"]], [str(d) for d in b["dtypes"]],
                        [[int(x) for x in s] for s in b["shapes"]]) for b in buckets_json]
         except (KeyError, TypeError, ValueError) as exc:
-            raise UpdateError(f"update_weights_from_distributed: buckets must be a list of "
-                              f"{{names, dtypes, shapes}}; got {str(buckets_json)[:120]} "
-                              f"({type(exc).__name__}: {exc})") from None
+            raise UpdateError(f"buckets: must be a list of {{names, dtypes, shapes}}; got "
+                              f"{str(buckets_json)[:120]} ({type(exc).__name__}: {exc})") from None
         if not parsed or any(not (len(n) == len(d) == len(s)) for n, d, s in parsed):
             raise UpdateError("buckets: must be a non-empty list, with names, dtypes, shapes of "
                               "equal lengths in every bucket")
         self.buckets = [BucketLayout(*b) for b in parsed]
         names = [n for b in self.buckets for n in b.names]
-        self.problems = validate(
-            engine, names, [d for b in self.buckets for d in b.torch_dtypes],
-            [s for b in self.buckets for s in b.shapes], Staging(None))
-        sent = {engine.aliases.get(n, n) for n in names}
-        missing = [n for n in engine.params if n not in sent]
-        if missing:
-            self.problems.append(f"every parameter of the served model must be sent, got none "
-                                 f"for {len(missing)} (e.g. {missing[:3]})")
-        self.canonical = [[engine.aliases.get(n, n) for n in b.names] for b in self.buckets]
-        self.nbytes = sum(b.total for b in self.buckets)
+        self.problems = validate(params, aliases, names,
+                                 [d for b in self.buckets for d in b.torch_dtypes],
+                                 [s for b in self.buckets for s in b.shapes], whole=True)
+        self.canonical = [[aliases.get(n, n) for n in b.names] for b in self.buckets]
 
 
-def validate(engine, names, dtypes, shapes, staging: Staging) -> list[str]:
-    problems = [staging.order_error] if staging.order_error else []
-    seen = set(staging.tensors)
-    unknown = []
+def validate(params: dict, aliases: dict, names, dtypes, shapes, *, whole: bool) -> list[str]:
+    """Why these tensors cannot replace served ones (empty: they can): unknown names, shapes or
+    dtypes unlike the served, a tensor twice, and with ``whole`` a served parameter missing."""
+    problems, seen, unknown = [], set(), []
     for name, dtype, shape in zip(names, dtypes, shapes):
-        canonical = engine.aliases.get(name, name)
-        param = engine.params.get(canonical)
+        canonical = aliases.get(name, name)
+        param = params.get(canonical)
         if param is None:
             unknown.append(name)
         elif list(param.shape) != list(shape):
@@ -113,74 +99,43 @@ def validate(engine, names, dtypes, shapes, staging: Staging) -> list[str]:
         problems.insert(0, f"tensor {unknown[0]!r}: name must be a parameter of the served "
                            f"model, got {len(unknown)} unknown name(s) {unknown[:4]}"
                            f"{' ...' if len(unknown) > 4 else ''} (served names look like "
-                           f"{next(iter(engine.params))!r})")
+                           f"{next(iter(params))!r})")
+    missing = [n for n in params if n not in seen] if whole else []
+    if missing:
+        problems.append(f"every parameter of the served model must be sent, got none for "
+                        f"{len(missing)} (e.g. {missing[:3]})")
     return problems[:8] + ([f"... {len(problems) - 8} more"] if len(problems) > 8 else [])
 
 
-def staging_for(engine, update_id, bucket_index: int) -> Staging:
-    current = engine._staging
-    if update_id is None:
-        return Staging(None)
-    if current is None or current.update_id != update_id:
-        current = engine._staging = Staging(update_id)  # a new update drops an abandoned one
-    if bucket_index != current.next_bucket:
-        engine._staging = None
-        # still receive the bytes (keeps the group in step), then reject
-        bad = Staging(update_id)
-        bad.order_error = (f"bucket_index: must be {current.next_bucket} (the next bucket "
-                           f"of update {update_id!r}), got {bucket_index}")
-        return bad
-    return current
-
-
-def torch_dtypes(engine, dtypes: list[str], group_name: str) -> list[torch.dtype]:
-    try:
-        return [dtype_from_name(d) for d in dtypes]
-    except ValueError as exc:
-        # the bytes on the wire cannot be sized: the group is out of step, drop it
-        retire_group(engine, group_name)
-        raise UpdateError(f"dtypes: {exc}; group {group_name!r} dropped, "
-                          f"re-initialise it") from None
-
-
-def receive(engine, group_name, flat, dtypes, torch_dtypes, shapes):
-    """(tensors, their int64 checksums, a bool "all finite"), the checks queued on the
-    device, not read."""
-    store, pg, backend, timeout_s = engine._groups[group_name]
-    device = engine.device if backend == "nccl" else torch.device("cpu")
-    try:
-        if flat:
-            bucket = BucketLayout([""] * len(dtypes), list(dtypes), shapes)
-            buf, work = post_flat(pg, device, bucket.total)
-            wait_work(work, backend, timeout_s)
-            return unpack_flat(buf.to(engine.device), bucket)
-        out = []
-        for d, s in zip(torch_dtypes, shapes):
-            t = torch.empty(s, dtype=d, device=device)
-            wait_work(broadcast(pg, t), backend, timeout_s)
-            out.append(t)
-    except Exception as exc:  # noqa: BLE001 - a dead or stalled sender: gloo/nccl errors
-        retire_group(engine, group_name)
-        raise UpdateError(f"receiving over group {group_name!r} failed: "
-                          f"{type(exc).__name__}: {exc}; group dropped, previous weights "
-                          f"kept", 500) from None
-    out = [t.to(engine.device) for t in out]
-    sums = word_sums(out) if out else \
-        torch.zeros(0, dtype=torch.int64, device=engine.device)
-    finite = torch.stack([torch.isfinite(t).all() for t in out]).all() if out else \
-        torch.ones((), dtype=torch.bool, device=engine.device)
-    return out, sums, finite
+def receive_sglang(pg, backend: str, timeout_s: float, device: torch.device, packed: bool,
+                   dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """The tensors of one /update_weights_from_distributed request as SGLang sends them: with
+    ``packed`` (load_format "flattened_bucket") ONE broadcast of the tensors flattened and
+    concatenated, no padding (SGLang's FlattenedTensorBucket), else one broadcast per tensor,
+    in order. Over gloo the bytes land on the CPU and are moved to ``device``."""
+    wire = device if backend == "nccl" else torch.device("cpu")
+    if packed:
+        numels = [math.prod(s) for s in shapes]
+        flat = torch.empty(sum(numels), dtype=dtypes[0], device=wire)
+        wait_work(broadcast(pg, flat), backend, timeout_s)
+        return [part.view(s).to(device) for part, s in zip(flat.split(numels), shapes)]
+    out = []
+    for dtype, shape in zip(dtypes, shapes):
+        t = torch.empty(shape, dtype=dtype, device=wire)
+        wait_work(broadcast(pg, t), backend, timeout_s)
+        out.append(t.to(device))
+    return out
 
 
 def post_flat(pg, device, total: int):
-    """Allocate a padded flat bucket of ``total`` bytes and post its receive; (buffer,
+    """Allocate a padded aligned bucket of ``total`` bytes and post its receive; (buffer,
     work)."""
     buf = torch.empty(padded_size(total), dtype=torch.uint8, device=device)
     return buf, broadcast(pg, buf[:total])
 
 
-def unpack_flat(buf, b: "BucketLayout"):
-    """A received flat bucket -> (tensor views, int64 checksums, bool "all finite"); the
+def unpack_flat(buf, b: BucketLayout):
+    """A received aligned bucket -> (tensor views, int64 checksums, bool "all finite"); the
     checks are queued on the device (on the current stream), not read."""
     buf[b.total:].zero_()
     zero_padding(buf, b.offsets, b.sizes)
@@ -204,25 +159,12 @@ def unpack_flat(buf, b: "BucketLayout"):
     return out, sums, finite
 
 
-def check_stream(engine):
-    if engine._stream is None:
-        engine._stream = torch.cuda.Stream(engine.device)
-    return engine._stream
-
-
-def swap_in(engine, tensors: dict[str, torch.Tensor], previous: dict) -> None:
-    """Point each served parameter at its received tensor (model lock held); ``previous``
-    gets what they pointed at."""
-    for name, t in tensors.items():
-        param = engine.params[name]
-        previous[name] = param.data
-        param.data = t
-
-
-def swap_back(engine, previous: dict) -> None:
-    for name, t in previous.items():
-        engine.params[name].data = t
-    previous.clear()
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names (up to 3) of tensors holding NaN or inf (one device read for all)."""
+    if not tensors:
+        return []
+    flags = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()
+    return [n for n, ok in zip(tensors, flags) if not ok][:3]
 
 
 def events_done(events, until: float) -> bool:
@@ -235,34 +177,37 @@ def events_done(events, until: float) -> bool:
     return True
 
 
-def wait_events(events, timeout_s: float, *, quiet: bool = False) -> None:
+def wait_events(events, timeout_s: float) -> None:
     """Poll each bucket's "checked" event in turn, each within ``timeout_s`` of the one before
-    (the host is free meanwhile); TimeoutError after that, or nothing when ``quiet``."""
+    (the host is free meanwhile); TimeoutError after that."""
     for event in events:
         if not events_done([event], time.monotonic() + timeout_s):
-            if quiet:
-                return
             raise TimeoutError(f"a bucket did not arrive within {timeout_s:g} s")
 
 
-def version_of(payload: dict, default):
-    """``weight_version`` of an update request as an int: an int, or (SGLang sends strings) a
-    string of one; ``default`` when absent."""
-    value = payload.get("weight_version")
-    if value is None:
-        return default
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UpdateError(f"weight_version: must be an int or a string of one (fsdpfn "
-                          f"versions count weight changes), got {value!r}")
-    return value
-
-
-def record_event(stream, timing: bool):
-    event = torch.cuda.Event(enable_timing=timing)
+def record_event(stream):
+    event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def parse_version(value, current: int, current_label: str) -> tuple[int, str | None]:
+    """(fsdpfn's integer version, the label to report) of an update's ``weight_version``.
+
+    fsdpfn counts weight changes with an int; SGLang takes any string as a label. An int, or a
+    string of one, is the version itself (no label of its own). Any other string is a label:
+    the version moves on by one, unless the label is the one served now (a trainer sending the
+    buckets of one version in several requests, each naming it). None: one more, no label."""
+    if value is None:
+        return current + 1, None
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value), None
+    if isinstance(value, str) and value:
+        return (current if value == current_label else current + 1), value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UpdateError(f"weight_version: must be an int or a non-empty string, got "
+                          f"{value!r}")
+    return value, None
 
 
 def read_json(path: Path) -> dict | None:

@@ -29,7 +29,7 @@ import torch
 from fsdpfn.errors import ConfigError
 from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.state import EngineState
-from fsdpfn.weights.gather import Bucket, gather_and_send, plan_buckets, weight_params
+from fsdpfn.weights.gather import Bucket, plan_buckets, send, weight_params
 from fsdpfn.wire.protocol import (DEFAULT_BUCKET_BYTES, MANIFEST, combine_checksums,
                                      dtype_from_name, dtype_name, sha256_of,
                                      tensor_checksum, write_manifest)
@@ -80,15 +80,21 @@ class DiskTarget:
 
 
 class _Writer:
-    """Rank 0: one safetensors file per bucket, written by a worker thread (overlaps gathering)."""
+    """Rank 0's side of a disk push (a fsdpfn.weights.gather.Sender): one safetensors file per
+    bucket, written by a worker thread (overlapping the gathers); ``conclude`` writes the index
+    and the manifest (fsynced, the commit) and renames the directory into place."""
 
-    def __init__(self, tmp: Path, n_buckets: int):
-        self.tmp = tmp
-        self.n_buckets = n_buckets
+    flat = False
+    start_before_finish = False
+
+    def __init__(self, tmp: Path, final: Path, version: int, n_buckets: int, n_bytes: int):
+        self.tmp, self.final, self.version = tmp, final, version
+        self.n_buckets, self.n_bytes = n_buckets, n_bytes
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fsdpfn-disk")
         self.entries: dict[str, dict] = {}
         self.checksums: dict[str, int] = {}
         self.files: dict[str, str] = {}
+        self.checksum = 0  # the weights checksum of what was published
 
     def file_name(self, index: int) -> str:
         if self.n_buckets == 1:
@@ -112,6 +118,16 @@ class _Writer:
 
     def finish(self, future) -> None:
         future.result()
+
+    def conclude(self) -> None:
+        _write_index(self.tmp, self, self.n_bytes)
+        self.checksum = combine_checksums(self.checksums)
+        write_manifest(self.tmp, version=self.version, entries=self.entries,
+                       files=sorted(set(self.files.values())), weights_checksum=self.checksum)
+        _publish(self.tmp, self.final)
+
+    def abandon(self) -> None:
+        return None  # write_version removes the unpublished directory
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -153,30 +169,17 @@ def write_version(state: EngineState, root: Path, *, dtype: torch.dtype,
         def prepare():
             tmp.mkdir(parents=True)
             _write_config(state, tmp, dtype)
-            return _Writer(tmp, len(buckets))
+            return _Writer(tmp, final, state.version, len(buckets), n_bytes)
         writer, error = capture_error(prepare, f"creating {str(tmp)!r}")
     agree_on_error(state.mesh, error)
-    checksum = 0
     try:
-        gather_and_send(state, dict(params), buckets, writer, gather_device=state.mesh.device,
-                        out_device=torch.device("cpu"), flat=False)
-        error = None
-        if writer is not None:
-            def commit():
-                _write_index(tmp, writer, n_bytes)
-                write_manifest(tmp, version=state.version, entries=writer.entries,
-                               files=sorted(set(writer.files.values())),
-                               weights_checksum=combine_checksums(writer.checksums))
-                _publish(tmp, final)
-                return combine_checksums(writer.checksums)
-            checksum, error = capture_error(commit, f"publishing {str(final)!r}")
-        agree_on_error(state.mesh, error)
+        send(state, params, buckets, writer, out_device=torch.device("cpu"))
     finally:
         if writer is not None:
             writer.close()
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-    return final, n_tensors, n_bytes, checksum
+    return final, n_tensors, n_bytes, writer.checksum if writer is not None else 0
 
 
 def _write_index(tmp: Path, writer: _Writer, n_bytes: int) -> None:

@@ -21,14 +21,15 @@ from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.state import EngineState
 from fsdpfn.weights.disk import rotate, write_version
-from fsdpfn.weights.servers import Servers, check_commit
+from fsdpfn.weights.channel import check_commit
+from fsdpfn.weights.servers import Servers
 from fsdpfn.weights.sglang import check_versions, disk_request, probe
 from fsdpfn.wire.http import Call, call
 
 __all__ = ["push_disk"]
 
 
-def push_disk(state: EngineState, servers: Servers, dtype: torch.dtype,
+def push_disk(state: EngineState, servers: Servers, dtype: torch.dtype, *,
               sglang: bool) -> tuple[int, int]:
     """Collective: write, load (rank 0), rotate (rank 0), agree; returns (n_tensors, n_bytes)."""
     cfg = servers.config

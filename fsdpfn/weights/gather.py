@@ -27,7 +27,7 @@ from fsdpfn.state import EngineState, param_index
 from fsdpfn.wire.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
 
 __all__ = ["TensorSpec", "Bucket", "weight_params", "weights_and_layout", "plan_buckets",
-           "gather_bucket", "Sender", "gather_and_send"]
+           "gather_bucket", "Sender", "send", "gather_and_send"]
 
 
 @attrs.frozen
@@ -302,13 +302,48 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
 
 
 class Sender(Protocol):
-    """What a transport does on rank 0: start a bucket (returns a handle), finish it (raises
-    WeightSyncError). Only rank 0 calls these. With ``start_before_finish`` the driver starts
-    buckets before finishing the ones before them (see gather_and_send); else after."""
+    """What a transport does on trainer rank 0 (the only rank that calls these); the update
+    channel, SGLang's protocol, CUDA IPC and disk each implement it.
+
+    ``flat``: whether a bucket arrives as its flat uint8 buffer (ALIGN-padded, see
+    fsdpfn.wire.protocol), else as a list of its tensors. ``start(bucket, data)`` puts one
+    gathered bucket on its way and returns a handle; ``finish(handle)`` waits until that bucket
+    is done (raises WeightSyncError). With ``start_before_finish`` the driver starts buckets
+    before finishing the ones before them (see gather_and_send); else after. ``conclude()``,
+    after the last bucket, completes the update and checks it (the servers' answers, versions,
+    checksums); ``abandon()``, after any failure, leaves nothing half done (the group retired,
+    generation resumed, buffers or files released)."""
+
+    flat: bool
+    start_before_finish: bool
 
     def start(self, bucket: Bucket, data: Any) -> Any: ...
 
     def finish(self, handle: Any) -> None: ...
+
+    def conclude(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+def send(state: EngineState, params, buckets: list[Bucket], sender: Sender | None, *,
+         out_device: torch.device) -> tuple[int, int]:
+    """Collective, the one driver of every transport: every rank gathers the buckets in order,
+    rank 0's ``sender`` (None on the other ranks) sends each, then concludes; every rank agrees
+    on the verdict, and on any failure the sender abandons. Returns (n_tensors, n_bytes)."""
+    flat = bool(getattr(sender, "flat", True)) if sender is not None else True
+    try:
+        gather_and_send(state, dict(params), buckets, sender,
+                        gather_device=state.mesh.device, out_device=out_device, flat=flat)
+        error = None
+        if sender is not None:
+            _, error = capture_error(sender.conclude, "concluding the push")
+        agree_on_error(state.mesh, error)
+    except BaseException:
+        if sender is not None:
+            sender.abandon()
+        raise
+    return sum(len(b.specs) for b in buckets), sum(sum(b.sizes) for b in buckets)
 
 
 def gather_and_send(state: EngineState, params: dict[str, torch.Tensor],
@@ -348,10 +383,11 @@ def gather_and_send(state: EngineState, params: dict[str, torch.Tensor],
             data = buf.to(out_device) if flat else [
                 buf[o:o + s.nbytes].view(s.dtype).view(s.shape).to(out_device, copy=True)
                 for s, o in zip(bucket.specs, bucket.offsets)]
-            handle, error = capture_error(lambda: sender.start(bucket, data), f"bucket {bucket.index}")
-            if error is None:
-                pending.append((handle, bucket))
+            try:
+                pending.append((sender.start(bucket, data), bucket))
                 in_flight += bucket.nbytes
+            except Exception as exc:  # noqa: BLE001 - a verdict the other ranks learn
+                error = _as_sync_error(exc, f"bucket {bucket.index}")
             del data
         del buf
         agree_on_error(state.mesh, error)
@@ -359,3 +395,11 @@ def gather_and_send(state: EngineState, params: dict[str, torch.Tensor],
     while pusher and pending and error is None:
         error = finish_oldest()
     agree_on_error(state.mesh, error)
+
+
+def _as_sync_error(exc: Exception, what: str) -> WeightSyncError:
+    """``exc`` as the WeightSyncError every rank raises (agree.capture_error's wording)."""
+    if isinstance(exc, WeightSyncError):
+        return exc
+    return WeightSyncError(f"push_weights: {what} failed on trainer rank 0: "
+                           f"{type(exc).__name__}: {exc}")

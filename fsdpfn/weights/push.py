@@ -1,18 +1,58 @@
-"""push_weights: copy a live state's weights to a rollout engine or a directory; read-only."""
+"""push_weights: copy a live state's weights to rollout servers (RolloutTarget) or a directory
+(fsdpfn.weights.disk.DiskTarget); read-only.
+
+A RolloutTarget pushes by one of four transports, each one path, each a Sender
+(fsdpfn.weights.gather) driven by the same gather schedule:
+
+- the update channel (``transport="broadcast"`` to fsdpfn.rollout servers that offer one;
+  fsdpfn.weights.channel): trainer rank 0 and the servers share a process group (NCCL between
+  GPUs, else gloo) formed once as SGLang forms it and reused across pushes; a TCP connection per
+  server carries the update (its bucket layout the first time, then its id), each server
+  answers "accepted" before any byte is broadcast, checks each bucket as it lands, swaps, and
+  answers with the version and the checksum of what it holds.
+- SGLang's protocol (``transport="broadcast"`` to any other server: stock SGLang, or an
+  fsdpfn.rollout server without a channel; fsdpfn.weights.sglang): per bucket, SGLang's
+  /update_weights_from_distributed and one packed broadcast, generation paused throughout; then
+  /get_weight_version and a log-prob probe against the trainer's forward_logp.
+- CUDA IPC (``transport="ipc"``, servers on trainer rank 0's own GPU; fsdpfn.weights.ipc).
+- disk (``transport="disk"``, ``disk_root`` shared with the servers; fsdpfn.weights.disk_push).
+
+Per push: trainer rank 0 checks the servers (with an update channel open to every server and a
+layout seen before, this costs nothing; else /health and, after a restart or a layout change,
+/get_model_info: the push dtype, and with ``precheck`` names and shapes), builds the group when
+needed; its verdict reaches every rank before any gather. Then every rank gathers the buckets
+(``bucket_bytes`` in the middle, ``edge_bucket_bytes`` at both ends) while rank 0 sends. Every
+request and transfer is bounded by ``timeout_s`` (group set-up by ``init_timeout_s``); any
+failure raises WeightSyncError on every rank, and each server keeps its previous weights (with
+several servers, those that swapped before the failure keep the new version; the message says
+which failed). Timing detail beyond PushReceipt comes from the profiler (``fsdpfn.push_weights``
+and ``gather`` ranges).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
+import uuid
+from typing import Sequence
 
 import attrs
 import torch
 
 from fsdpfn import timing
+from fsdpfn.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.state import EngineState, check_live
+from fsdpfn.weights.channel import ChannelSender
+from fsdpfn.weights.disk_push import push_disk
+from fsdpfn.weights.gather import Bucket, plan_buckets, send, weights_and_layout
+from fsdpfn.weights.ipc import push_ipc
+from fsdpfn.weights.push_config import PushConfig
+from fsdpfn.weights.servers import Servers
+from fsdpfn.weights.sglang import SGLangSender, probe
+from fsdpfn.wire.protocol import dtype_from_name
 
-__all__ = ["push_weights", "PushReceipt"]
+__all__ = ["push_weights", "PushReceipt", "RolloutTarget"]
 
 
 @attrs.frozen
@@ -23,7 +63,7 @@ class PushReceipt:
     Where the time went (None where not measured: ``EngineConfig.timing=False``, or a target
     whose servers report no seconds): ``gather_s``, this rank's time making the parameters
     whole (all-gathers and casts, device time on CUDA; it overlaps sending the bucket before);
-    ``apply_s``, the servers' own time putting the received weights in place and checking them
+    ``apply_s``, the servers' own time from the last byte received to the new weights served
     (summed over servers); ``transfer_s``, the rest of ``seconds``: preparing, sending, waiting
     for the wire and the servers' answers (disk: writing the files).
     """
@@ -61,27 +101,86 @@ def push_weights(state: EngineState, target) -> PushReceipt:
                               ranges=profiling) as clock:
             n_tensors, n_bytes = target.push(state)
     seconds = time.perf_counter() - start
+    split = {}
+    if clock.result is not None:
+        gather = clock.result.get("gather", 0.0)
+        apply = getattr(target, "last_apply_s", None)
+        split = dict(gather_s=gather, apply_s=apply,
+                     transfer_s=max(seconds - gather - (apply or 0.0), 0.0))
     return PushReceipt(version=state.version, n_tensors=n_tensors, n_bytes=n_bytes,
-                       seconds=seconds, **_split(clock.result, target, seconds))
+                       seconds=seconds, **split)
 
 
-def _split(measured: dict | None, target, seconds: float) -> dict:
-    """gather_s, transfer_s, apply_s of one push (empty when not measured)."""
-    if measured is None:
-        return {}
-    gather = measured.get("gather", 0.0)
-    apply = _apply_seconds(getattr(target, "last_timings", None) or {})
-    return dict(gather_s=gather, apply_s=apply,
-                transfer_s=max(seconds - gather - (apply or 0.0), 0.0))
+class RolloutTarget:
+    """Push to rollout servers at ``urls`` (see the module doc), with the options of ``config``
+    (a PushConfig; its doc gives each). ``config`` is the PushConfig in use, ``group_name``
+    filled in when it was None. After a push, ``last_apply_s`` holds the servers' own seconds
+    applying it (None when they did not say)."""
+
+    def __init__(self, urls: str | Sequence[str], *, config: PushConfig | None = None):
+        self.urls = _check_urls(urls)
+        config = PushConfig() if config is None else config
+        if not isinstance(config, PushConfig):
+            raise ConfigError(f"config: must be a PushConfig, got {type(config).__name__}")
+        if config.group_name is None:
+            config = attrs.evolve(config, group_name=f"fsdpfn-{uuid.uuid4().hex[:8]}")
+        self.config = config
+        self._servers = Servers(self.urls, config)  # used on rank 0 only
+        self._plans: dict[tuple, tuple[int, list[Bucket]]] = {}  # (layout, dtype) -> (id, plan)
+
+    def __repr__(self) -> str:
+        return f"RolloutTarget({self.urls!r}, transport={self.config.transport!r})"
+
+    @property
+    def last_apply_s(self) -> float | None:
+        return self._servers.last_apply_s
+
+    def push(self, state: EngineState) -> tuple[int, int]:
+        """Collective over the trainer ranks; returns (n_tensors, n_bytes). Rank 0 prepares
+        (its verdict reaches every rank before any gather), then one transport sends."""
+        params, layout = weights_and_layout(state)
+        plan, error = (capture_error(lambda: self._servers.prepare(state, params, layout),
+                                     "preparing the push")
+                       if is_rank_zero() else (None, None))
+        dtype_name, backend, sglang = share_from_rank_zero(plan, error)
+        dtype = dtype_from_name(dtype_name)
+        if self.config.transport == "disk":
+            return push_disk(state, self._servers, dtype, sglang=sglang)
+        layout_id, buckets = self._plan(params, layout, dtype)
+        if self.config.transport == "ipc":
+            return push_ipc(state, params, buckets, self._servers)
+        sender = None
+        if is_rank_zero():
+            sender = SGLangSender(self._servers, buckets, state.version) if sglang else \
+                ChannelSender(self._servers, buckets, state.version, layout_id)
+        sent = send(state, params, buckets, sender,
+                    out_device=state.mesh.device if backend == "nccl" else torch.device("cpu"))
+        if sglang:
+            probe(state, self.urls, dtype, probe_tol=self.config.probe_tol,
+                  timeout_s=self.config.timeout_s)
+        return sent
+
+    def _plan(self, params, layout: tuple, dtype: torch.dtype) -> tuple[int, list[Bucket]]:
+        """(layout id, buckets), planned once per trainer layout and dtype."""
+        key = (layout, dtype)
+        if key not in self._plans:
+            self._plans[key] = (len(self._plans), plan_buckets(
+                params, dtype, self.config.bucket_bytes, self.config.edge_bucket_bytes))
+        return self._plans[key]
+
+    def retire(self) -> None:
+        """Rank 0: stop using the current group (the next push builds a new one)."""
+        self._servers.retire()
+
+    def close(self) -> None:
+        """Rank 0: ask the servers to drop the group (best effort) and forget it."""
+        if is_rank_zero():
+            self._servers.close()
 
 
-def _apply_seconds(timings: dict) -> float | None:
-    """The servers' seconds applying an update, from their answers (RolloutTarget.last_timings,
-    ``server_<phase>`` summed over servers). An update in one request reports clocks from its
-    start: queue (receives posted), swap (weights pointed at the new tensors), wait (every byte
-    arrived), commit (checked and done); applying is swap - queue plus commit - wait. A
-    bucket-by-bucket update reports the commit's own duration."""
-    if "server_post" in timings and "server_commit" in timings:
-        swap = max(timings.get("server_swap", 0.0) - timings.get("server_queue", 0.0), 0.0)
-        return swap + max(timings["server_commit"] - timings.get("server_wait", 0.0), 0.0)
-    return timings.get("server_commit")
+def _check_urls(urls) -> list[str]:
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                           for u in urls):
+        raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
+    return [u.rstrip("/") for u in urls]

@@ -1,6 +1,5 @@
 """PushConfig: every option of a RolloutTarget push but the servers' urls, as one frozen,
-validated value (``RolloutTarget(urls, config=PushConfig(...))``, or the same options as
-keywords: ``RolloutTarget(urls, transport="disk", disk_root=...)``).
+validated value (``RolloutTarget(urls, config=PushConfig(...))``).
 
 Each field is checked when the value is built; a bad one raises ConfigError naming the field, the
 rule and the value (``timeout_s: must be a number > 0, got 0.0``).
@@ -95,9 +94,10 @@ def _to_path(value):
 
 @attrs.frozen
 class PushConfig:
-    """How a RolloutTarget pushes (the protocol: fsdpfn.weights.rollout_target).
+    """How a RolloutTarget pushes (the transports: fsdpfn.weights.push).
 
-    transport: "broadcast", "disk" (needs ``disk_root``, shared with the servers) or "ipc"
+    transport: "broadcast" (over the update channel to fsdpfn.rollout servers that offer one,
+    else in SGLang's protocol), "disk" (needs ``disk_root``, shared with the servers) or "ipc"
     (servers on trainer rank 0's GPU: CUDA IPC handles to device buffers, see
     fsdpfn.weights.ipc).
     dtype: the dtype sent (None: the servers' served dtype).
@@ -111,10 +111,9 @@ class PushConfig:
     first server; a free port). group_name: the update group's name (None: a fresh
     ``fsdpfn-<hex>`` per RolloutTarget). on_bucket(index, n_buckets): called on rank 0 once each
     bucket is on the wire (progress reports). bucket_bytes / edge_bucket_bytes: the size of the
-    middle buckets and of the first and last ones (None: no ramp). channel: use the servers'
-    update channels when every server offers one (else HTTP). one_request / pipeline: over
-    HTTP, the whole update in one request (fsdpfn.rollout), or a request per bucket posted
-    ahead (pipeline) or in turn. pause_mode: SGLang's /pause_generation mode ("abort",
+    middle buckets and of the first and last ones (None: no ramp). pause_generation applies to
+    SGLang's protocol, IPC and disk (over the update channel the server swaps between two decode
+    steps without a pause). pause_mode: SGLang's /pause_generation mode ("abort",
     "retract", "in_place"). probe_tol: after a push to SGLang, the largest gap allowed between
     the server's greedy log-probs on a fixed prompt and the trainer's forward_logp (None: 1e-3
     for a float32 push, 0.1 for 16-bit dtypes).
@@ -137,9 +136,6 @@ class PushConfig:
     master_port: int | None = None
     group_name: str | None = None
     on_bucket: Callable[[int, int], None] | None = None
-    pipeline: bool = attrs.field(default=True, converter=bool)
-    one_request: bool = attrs.field(default=True, converter=bool)
-    channel: bool = attrs.field(default=True, converter=bool)
     edge_bucket_bytes: int | None = attrs.field(default=DEFAULT_EDGE_BYTES,
                                                 validator=_int_at_least_1(optional=True))
     pause_mode: str = attrs.field(default="abort", validator=_pause_mode)

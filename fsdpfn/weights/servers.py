@@ -1,7 +1,10 @@
 """What trainer rank 0 knows of a RolloutTarget's servers, and its talk with them outside the
-bytes of a push: which protocol they speak (fsdpfn.rollout or SGLang), what they serve (cached per
-server process and trainer layout), the update group and the update channels bound to it, pausing
-and resuming generation, and the checks of a server's answer after an update.
+bytes of a push: which protocol they take (fsdpfn's update channel, or SGLang's), what they serve
+(cached per server process and trainer layout), the update group and the update channels bound
+to it, pausing and resuming generation.
+
+fsdpfn.rollout servers that offer an update channel are pushed to over it; every other server
+(SGLang, or an fsdpfn.rollout server started without a channel) in SGLang's protocol.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from fsdpfn.weights.sglang import is_sglang
 from fsdpfn.weights.update_group import UpdateGroup
 from fsdpfn.wire.http import call
 
-__all__ = ["Servers", "check_commit", "precheck"]
+__all__ = ["Servers", "precheck"]
 
 
 class Servers:
@@ -29,19 +32,20 @@ class Servers:
         self.urls = list(urls)
         self.config = config
         self.group = UpdateGroup(self.urls, config)
-        self.sglang: bool | None = None  # whether they speak SGLang's protocol (None: not asked)
+        self.sglang: bool | None = None  # whether they are SGLang's servers (None: not asked)
         # url -> (server_id, trainer layout hash, /get_model_info answer)
         self.infos: dict[str, tuple[Any, int, dict]] = {}
         # url -> its update channel (bound to the live group)
         self.channels: dict[str, Channel] = {}
         self._unreachable: set[tuple] = set()  # (url, server_id, port) whose channel failed
         self._prepared: tuple[str, str, bool] | None = None  # the last push's preparation
+        self.last_apply_s: float | None = None  # the servers' own seconds applying the last push
 
     # ------------------------------------------------------------ before a push
 
     def prepare(self, state: EngineState, params, layout: tuple) -> tuple[str, str, bool]:
-        """(push dtype name, backend, whether the servers are SGLang's); checks names/shapes;
-        (re)builds the group if needed.
+        """(push dtype name, backend, whether the push goes in SGLang's protocol); checks
+        names/shapes; (re)builds the group if needed.
 
         The servers' model info (and the precheck against it) is cached per server_id and
         trainer layout. With an update channel to every server (fsdpfn.rollout), a push whose
@@ -53,7 +57,7 @@ class Servers:
         layout = hash(layout)
         if self._ready(layout):
             return self._prepared
-        self._prepared = None
+        self._prepared, self.last_apply_s = None, None
         for url in [u for u, ch in self.channels.items() if ch.stale()]:
             self.channels.pop(url).close()
         health = {url: call(url, "/health", timeout=self.config.timeout_s) for url in self.urls}
@@ -73,9 +77,13 @@ class Servers:
             if stale:
                 self._build_group(backend, state.mesh.device)
             self.open_channels(infos)
-            if all(url in self.channels for url in self.urls):
+            if self.over_channels():
                 self._prepared = (dtype, backend, False)
-        return dtype, backend, False
+            elif self.channels:
+                raise WeightSyncError(f"urls: the servers must all offer an update channel or "
+                                      f"none, got channels to {sorted(self.channels)} of "
+                                      f"{self.urls}")
+        return dtype, backend, self.config.transport == "broadcast" and not self.over_channels()
 
     def _ready(self, layout: int) -> bool:
         """Whether the last preparation still holds: an open channel to every server, bound to
@@ -135,9 +143,7 @@ class Servers:
 
     def open_channels(self, infos: dict[str, dict]) -> None:
         """An update channel to every server that offers one (bound to the live group). A server
-        whose channel cannot be reached is pushed to over HTTP (all servers then are)."""
-        if not self.config.channel:
-            return
+        whose channel cannot be reached is pushed to in SGLang's protocol."""
         for url, info in infos.items():
             port = info.get("update_channel")
             unreachable = (url, info.get("server_id"), port)
@@ -147,7 +153,7 @@ class Servers:
             try:
                 self.channels[url] = Channel(url, host, int(port), self.config.group_name,
                                              min(self.config.timeout_s, 10.0))
-            except WeightSyncError as exc:  # this push goes over HTTP
+            except WeightSyncError as exc:  # this push goes in SGLang's protocol
                 if getattr(exc, "unreachable", False):
                     # not tried again for this server process (a firewalled port would cost a
                     # connection timeout per push)
@@ -156,10 +162,6 @@ class Servers:
     def over_channels(self) -> bool:
         """Whether this push goes over an update channel to every server."""
         return bool(self.channels) and all(url in self.channels for url in self.urls)
-
-    def take_one_request(self) -> bool:
-        """Whether every server takes a whole update in one HTTP request (multi_bucket)."""
-        return all(self.infos[url][2].get("multi_bucket") for url in self.urls)
 
     # ------------------------------------------------------------ generation
 
@@ -233,16 +235,3 @@ def precheck(url: str, info: dict, params, dtype: str) -> None:
         raise WeightSyncError(f"server {url}: the trainer's weights do not match the served "
                               f"model ({info.get('model_path')}): " + "; ".join(problems[:4])
                               + more)
-
-
-def check_commit(url: str, answer: dict, version: int, checksum: int) -> None:
-    """A server's answer after an update must carry the pushed version and the checksum of what
-    was sent."""
-    if answer.get("weight_version") != version:
-        raise WeightSyncError(f"server {url}: weight_version after the update must be {version}, "
-                              f"got {answer.get('weight_version')!r}")
-    if answer.get("weights_checksum") != checksum:
-        raise WeightSyncError(f"server {url}: weights_checksum after the update must equal the "
-                              f"checksum of the pushed weights {checksum}, got "
-                              f"{answer.get('weights_checksum')!r} (the server does not hold "
-                              f"what was sent)")

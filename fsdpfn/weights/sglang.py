@@ -22,17 +22,14 @@ Per push, on trainer rank 0 (the other ranks only gather):
      runs the forward). SGLang has no staging: a failed check means the server holds
      something else, and the WeightSyncError says so.
 
-The group is formed as SGLang's ``init_custom_process_group`` forms it: a TCPStore from
-``rendezvous("tcp://addr:port", rank, world_size)`` (rank 0, the trainer, hosts it and waits for
-every server rank to check in), ``PrefixStore(group_name, store)``, and below it the prefixes that
-torch's ``_new_process_group_helper`` adds (``"{group_name}/"``, then ``"{device}/"``); the
-trainer's end is built from those stores directly, outside torch's group registry. A server with
-``tp_size`` ranks (its /get_server_info) joins as ``tp_size`` members.
+The group is formed as SGLang's ``init_custom_process_group`` forms it (fsdpfn.wire.protocol
+.make_group, the same for every server); a server with ``tp_size`` ranks (its /get_server_info)
+joins as ``tp_size`` members. fsdpfn.rollout servers without an update channel are pushed to in
+this protocol too (their /update_weights_from_distributed is SGLang's).
 """
 
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Any, Sequence
 
@@ -43,7 +40,7 @@ from fsdpfn.weights.gather import Bucket
 from fsdpfn.wire.http import Call, call
 from fsdpfn.wire.protocol import broadcast, dtype_name, wait_work
 
-__all__ = ["is_sglang", "server_ranks", "make_sglang_group", "SGLangSender", "pack",
+__all__ = ["is_sglang", "server_ranks", "SGLangSender", "pack",
            "probe_request", "probe_tokens", "compare_probe", "update_request", "disk_request",
            "check_versions", "run_probes", "probe"]
 
@@ -64,41 +61,6 @@ def server_ranks(url: str, timeout: float) -> int:
         return 1
     size = info.get("tp_size", 1) if isinstance(info, dict) else 1
     return int(size) if isinstance(size, int) and size >= 1 else 1
-
-
-def make_sglang_group(*, master_address: str, master_port: int, world_size: int,
-                      group_name: str, backend: str, timeout_s: float,
-                      device: torch.device | None = None):
-    """Member 0 (the trainer) of a group that SGLang servers join with init_custom_process_group.
-    Blocks until every member has checked in to the store or ``timeout_s`` passes. Returns
-    (store, backend object)."""
-    from torch.distributed import PrefixStore, rendezvous
-
-    timeout = datetime.timedelta(seconds=float(timeout_s))
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", 0,
-                                  int(world_size), timeout=timeout))
-    store.set_timeout(timeout)
-    named = PrefixStore(group_name, store)  # init_custom_process_group's own prefix
-    helper = PrefixStore(f"{group_name}/", named)  # _new_process_group_helper's prefix
-    if backend == "gloo":
-        from torch.distributed import ProcessGroupGloo
-
-        opts = ProcessGroupGloo._Options()  # noqa: SLF001 - the only way to pass both options
-        opts._timeout = timeout  # noqa: SLF001
-        opts._devices = [ProcessGroupGloo.create_device(hostname=master_address)]  # noqa: SLF001
-        pg = ProcessGroupGloo(PrefixStore("cpu/", helper), 0, int(world_size), opts)
-    elif backend == "nccl":
-        from torch.distributed import ProcessGroupNCCL
-
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device.index if device.index is not None
-                                  else torch.cuda.current_device())
-        opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout + datetime.timedelta(seconds=60)  # noqa: SLF001 - see make_group
-        pg = ProcessGroupNCCL(PrefixStore("cuda/", helper), 0, int(world_size), opts)
-    else:
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    return store, pg
 
 
 def pack(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
@@ -128,10 +90,12 @@ def disk_request(model_path: str, *, version: int, flush_cache: bool) -> dict:
 
 
 class SGLangSender:
-    """Rank 0's side of gather_and_send() for SGLang servers: one bucket in flight at a time
-    (the driver gathers the next one meanwhile), generation paused from the first bucket to the
-    end. ``servers``: a fsdpfn.weights.servers.Servers (its config, group, pause and resume)."""
+    """Rank 0's side of a push in SGLang's protocol (a fsdpfn.weights.gather.Sender): one bucket
+    in flight at a time (the driver gathers the next one meanwhile), generation paused from the
+    first bucket to the end. ``servers``: a fsdpfn.weights.servers.Servers (its config, group,
+    pause and resume)."""
 
+    flat = True
     start_before_finish = False
 
     def __init__(self, servers, buckets: list[Bucket], version: int):

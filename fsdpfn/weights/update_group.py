@@ -1,16 +1,14 @@
 """The weights-update group of a RolloutTarget (trainer rank 0 only): a process group that trainer
-rank 0 and the servers form from a TCPStore hosted by rank 0 (NCCL when trainer and servers are
-on CUDA, else gloo), built once and reused across pushes, retired after a failure.
-
-fsdpfn.rollout servers join with /init_weights_update_group (one member each); SGLang servers
-join as SGLang's init_custom_process_group forms a group (fsdpfn.weights.sglang), one member per
-tensor-parallel rank, and a name SGLang has seen is never reused.
+rank 0 and the servers form as SGLang's init_custom_process_group forms it
+(fsdpfn.wire.protocol.make_group: a TCPStore hosted by rank 0, SGLang's prefixes; NCCL when
+trainer and servers are on CUDA, else gloo), built once and reused across pushes, retired after a
+failure. Every server joins with /init_weights_update_group; an SGLang server as one member per
+tensor-parallel rank, under a name it has never seen (SGLang keeps a dropped group's name).
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import socket
 import time
 import urllib.parse
@@ -21,7 +19,7 @@ import torch
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.ports import free_port
 from fsdpfn.weights.push_config import PushConfig
-from fsdpfn.weights.sglang import make_sglang_group, server_ranks
+from fsdpfn.weights.sglang import server_ranks
 from fsdpfn.wire.http import Call, call
 from fsdpfn.wire.protocol import make_group
 
@@ -85,11 +83,10 @@ class UpdateGroup:
                                            timeout=cfg.init_timeout_s),
                       f"server {url}: /init_weights_update_group")
                  for url in self.urls]
-        make = make_sglang_group if sglang else functools.partial(make_group, rank=0)
         try:
-            group = make(master_address=address, master_port=port, world_size=world,
-                         group_name=self.wire_name, backend=backend,
-                         timeout_s=cfg.init_timeout_s, device=device)
+            group = make_group(master_address=address, master_port=port, rank=0,
+                               world_size=world, group_name=self.wire_name, backend=backend,
+                               timeout_s=cfg.init_timeout_s, device=device)
         except Exception as exc:  # noqa: BLE001 - the servers' answers say more: prefer them
             for c in calls:
                 c.result(min(deadline, time.monotonic() + 5.0))

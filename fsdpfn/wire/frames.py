@@ -1,5 +1,5 @@
 """Frames of the update channel, spoken by both ends (fsdpfn.weights.channel on the trainer,
-fsdpfn.rollout.channel on the server).
+fsdpfn.rollout.receiver on the server).
 
 Why: a push of a few GB over NVLink takes milliseconds, and an HTTP request through the server's
 web stack costs about as much as a millisecond or more each way. Over the channel a push costs
@@ -11,8 +11,9 @@ Frames: 4-byte big-endian length, then a UTF-8 JSON object. Trainer -> server:
 
     {"op": "attach", "group_name": g}                       -> {"success", "server_id"}
     {"op": "update", "layout_id": k, "buckets": [...]?,     -> {"accepted": true} or a failure,
-     "group_name", "weight_version", "update_id",              then (when accepted) the answer
-     "pause_generation", "flush_cache", "load_format"}         of /update_weights_from_distributed
+     "group_name", "weight_version"}                           then (when accepted) {"success",
+                                                               "weight_version",
+                                                               "weights_checksum", "seconds"}
 
 ``buckets`` ({names, dtypes, shapes} per bucket) comes with the first update that uses a layout id
 on a connection; later updates name it only. A failure is {"success": false, "message", "status"}.

@@ -45,7 +45,6 @@ DEFAULT_EDGE_BYTES = 256 << 20  # the first and last buckets of a push (see plan
 MANIFEST = "fsdpfn_manifest.json"
 _MOD = (1 << 61) - 1
 _WRAP = 1 << 32
-_M31 = (1 << 31) - 1
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -126,10 +125,10 @@ def flat_checksums(buf: torch.Tensor, offsets: Sequence[int],
         raise ValueError(f"buf: must hold a multiple of {ALIGN} bytes, got {buf.numel()}")
     weights, starts, ends = _row_layout(tuple(offsets), tuple(sizes), str(buf.device))
     rows = buf[:weights.numel() * ALIGN].view(torch.int16).view(-1, _ROW)
-    weighted = checksum.mulmod(checksum.row_hashes(rows), weights)
-    zero = weighted.new_zeros(1)
-    low = torch.cat([zero, (weighted & _M31).cumsum(0)])  # prefix sums of the 31-bit halves
-    high = torch.cat([zero, (weighted >> 31).cumsum(0)])
+    low, high = checksum.weighted_rows(rows, weights)
+    zero = low.new_zeros(1)
+    low = torch.cat([zero, low.cumsum(0)])  # prefix sums of the 31-bit and 30-bit halves
+    high = torch.cat([zero, high.cumsum(0)])
     packed = checksum.join_halves(low[ends] - low[starts], high[ends] - high[starts])
     for i, (o, n) in enumerate(zip(offsets, sizes)):
         if n % 2:
@@ -238,21 +237,24 @@ def _fsync(fh) -> None:
 
 
 def make_group(*, master_address: str, master_port: int, rank: int, world_size: int,
-               group_name: str, backend: str, timeout_s: float, device: torch.device | None = None,
-               store=None):
-    """A process group of ``world_size`` members built straight from a TCPStore.
-
-    Rank 0 hosts the store (pass ``store=None`` and it is created as master). It is not part of
-    torch.distributed's default world: no global registration, nothing to destroy but the object.
-    Returns (store, backend object). Blocks until every member has joined or ``timeout_s`` passes.
+               group_name: str, backend: str, timeout_s: float, device: torch.device | None = None):
+    """Member ``rank`` of a weights-update group formed as SGLang's ``init_custom_process_group``
+    forms it, so that a trainer and a server built either way meet: the TCPStore that torch's
+    ``rendezvous("tcp://addr:port", rank, world_size)`` builds (rank 0 hosts it, multi-tenant,
+    and waits for every member to check in), ``PrefixStore(group_name, store)``, then the
+    prefixes torch's ``_new_process_group_helper`` adds (``"{group_name}/"``, then ``"cpu/"``
+    for gloo or ``"cuda/"`` for NCCL). The store is built here rather than by ``rendezvous``,
+    which under torchrun makes every rank, rank 0 too, a client of the agent's store. The group
+    is built from those stores directly: not part of torch.distributed's default world, nothing
+    registered, nothing to destroy but the object. Returns (store, backend object). Blocks until
+    every member joined or ``timeout_s`` passes.
     """
     from torch.distributed import PrefixStore, TCPStore
 
     timeout = datetime.timedelta(seconds=float(timeout_s))
-    if store is None:
-        store = TCPStore(master_address, int(master_port), int(world_size),
-                         is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
-    prefixed = PrefixStore(f"fsdpfn/{group_name}", store)
+    store = TCPStore(master_address, int(master_port), int(world_size), is_master=(rank == 0),
+                     timeout=timeout, multi_tenant=True)
+    helper = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 
@@ -260,7 +262,7 @@ def make_group(*, master_address: str, master_port: int, rank: int, world_size: 
         opts._timeout = timeout  # noqa: SLF001
         host = master_address if rank == 0 else _local_address(master_address)
         opts._devices = [ProcessGroupGloo.create_device(hostname=host)]  # noqa: SLF001
-        pg = ProcessGroupGloo(prefixed, int(rank), int(world_size), opts)
+        pg = ProcessGroupGloo(PrefixStore("cpu/", helper), int(rank), int(world_size), opts)
     elif backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
@@ -274,7 +276,7 @@ def make_group(*, master_address: str, master_port: int, rank: int, world_size: 
         # the wire first: the block scheduler prefers NCCL's kernels to the gathers and checks
         # that run beside them on each end
         opts.is_high_priority_stream = True
-        pg = ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
+        pg = ProcessGroupNCCL(PrefixStore("cuda/", helper), int(rank), int(world_size), opts)
     else:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     return store, pg

@@ -258,7 +258,7 @@ def test_exports_peft_loads_adapters_and_merged_equals_base_plus_delta(model_dir
 
 def _push_adapters(model_dir, root, url):
     from fsdpfn.weights.adapter import AdapterTarget
-    from fsdpfn.weights.http import call
+    from fsdpfn.wire.http import call
 
     target = AdapterTarget(url, root=root, lora_name="policy")
     state = _state(model_dir)

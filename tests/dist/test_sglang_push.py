@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdpfn as ff
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
-from fsdpfn.weights import RolloutTarget, push_weights
+from fsdpfn.weights import PushConfig, RolloutTarget, push_weights
 from fsdpfn.weights.gather import weight_params
 
 pytestmark = pytest.mark.dist
@@ -77,14 +77,14 @@ def _catch(fn):
 
 def push_to_standin(path, url, root):
     state = _trained(path, 2, seed=5)
-    target = RolloutTarget(url, timeout_s=30, bucket_bytes=64 * 1024, edge_bucket_bytes=None,
-                           disk_root=root)
+    target = RolloutTarget(url, config=PushConfig(timeout_s=30, bucket_bytes=64 * 1024,
+                                                  edge_bucket_bytes=None, disk_root=root))
     receipt = push_weights(state, target)
-    group = target._group  # noqa: SLF001 - rank 0 holds it
+    group = target._servers.group.live  # noqa: SLF001 - rank 0 holds it
     again = push_weights(state, target)
-    reused = group is not None and target._group is group  # noqa: SLF001
+    reused = group is not None and target._servers.group.live is group  # noqa: SLF001
     weights = _full_weights(state)
-    disk = RolloutTarget(url, transport="disk", disk_root=root, timeout_s=30)
+    disk = RolloutTarget(url, config=PushConfig(transport="disk", disk_root=root, timeout_s=30))
     on_disk = push_weights(state, disk).version
     return receipt, again.version, reused, state.version, weights, on_disk
 
@@ -134,7 +134,7 @@ def test_push_to_sglang_lands_bit_exact_in_its_protocol(spmd2, standin, model_di
 
 def push_to_mangling_server(path, url):
     state = _trained(path, 1, seed=9)
-    target = RolloutTarget(url, timeout_s=30)
+    target = RolloutTarget(url, config=PushConfig(timeout_s=30))
     return _catch(lambda: push_weights(state, target))
 
 

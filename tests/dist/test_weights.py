@@ -22,7 +22,7 @@ from tensordict import TensorDict
 import fsdpfn as ff
 from fsdpfn.rollout import launch_server
 from fsdpfn.testing import save_tiny_model, sharded_logits, tiny_qwen2_config
-from fsdpfn.weights import DiskTarget, PushReceipt, RolloutTarget, push_weights
+from fsdpfn.weights import DiskTarget, PushConfig, PushReceipt, RolloutTarget, push_weights
 from fsdpfn.wire.http import call
 from fsdpfn.wire.protocol import MANIFEST, read_manifest
 
@@ -116,15 +116,15 @@ def _catch(fn):
 # ---------------------------------------------------------------- a push lands, exactly
 
 
-def push_and_compare(path, urls, tp, transport, root, steps, options):
+def push_and_compare(path, urls, tp, transport, root, steps):
     state = _trained(path, tp, steps, seed=10 * steps)
     before = _on_rank0(lambda: [_probe(url) for url in urls])
-    target = RolloutTarget(urls, transport=transport, disk_root=root, timeout_s=30,
-                           bucket_bytes=96 * 1024, **options)
+    target = RolloutTarget(urls, config=PushConfig(transport=transport, disk_root=root,
+                                                   timeout_s=30, bucket_bytes=96 * 1024))
     receipt = push_weights(state, target)
-    group = target._group  # noqa: SLF001 - rank 0 holds it; None elsewhere and for disk
+    group = target._servers.group.live  # noqa: SLF001 - rank 0 holds it; None elsewhere, disk
     again = push_weights(state, target)  # the group is reused, not rebuilt
-    reused = target._group is group  # noqa: SLF001
+    reused = target._servers.group.live is group  # noqa: SLF001
     ours = sharded_logits(state, torch.tensor(PROBE))
     after = _on_rank0(lambda: [_probe(url) for url in urls])
     target.close()
@@ -132,19 +132,17 @@ def push_and_compare(path, urls, tp, transport, root, steps, options):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp,transport,steps,n_servers,options",
-                         [(1, "broadcast", 1, 2, {}), (1, "disk", 2, 2, {}),
-                          (2, "broadcast", 3, 1, {"one_request": False}), (2, "disk", 4, 1, {}),
-                          (1, "broadcast", 5, 1, {"pipeline": False})],
-                         ids=["dp2-broadcast-2servers", "dp2-disk-2servers",
-                              "tp2-broadcast-per-bucket", "tp2-disk", "dp2-broadcast-sequential"])
+@pytest.mark.parametrize("tp,transport,steps,n_servers",
+                         [(1, "broadcast", 1, 2), (1, "disk", 2, 2), (2, "broadcast", 3, 1),
+                          (2, "disk", 4, 1)],
+                         ids=["dp2-broadcast-2servers", "dp2-disk-2servers", "tp2-broadcast",
+                              "tp2-disk"])
 def test_push_lands_and_server_logits_equal_trainer(spmd2, servers, model_dir, tmp_path, tp,
-                                                   transport, steps, n_servers, options):
-    """Over broadcast in its three modes: the whole update in one request (the default with
-    fsdpfn.rollout), a request per bucket posted ahead, a request per bucket in turn."""
+                                                   transport, steps, n_servers):
+    """Over the update channel and from disk, to one or two servers, from dp or tp ranks."""
     urls = [s.url for s in servers[:n_servers]]
     results = spmd2.run(push_and_compare, args=(model_dir, urls, tp, transport,
-                                                str(tmp_path / "push"), steps, options),
+                                                str(tmp_path / "push"), steps),
                         timeout=180)
     receipts = [r[0] for r in results] + [r[1] for r in results]
     receipt, _, reused, version, before, after, ours = results[0]
@@ -152,6 +150,8 @@ def test_push_lands_and_server_logits_equal_trainer(spmd2, servers, model_dir, t
     assert {(r.version, r.n_tensors, r.n_bytes) for r in receipts} == {(version, 27, 362752)}
     assert reused
     assert version == steps
+    if transport == "broadcast":  # the servers' own seconds, within the push's (rank 0)
+        assert all(0 <= r.apply_s <= r.seconds for r in results[0][:2])
     for (v_before, l_before), (v_after, l_after) in zip(before, after):
         assert v_before != version and v_after == receipt.version  # moved to the pushed version
         assert float((l_before - ours).abs().max()) > 1e-3  # the push had something to change
@@ -165,13 +165,13 @@ def test_push_lands_and_server_logits_equal_trainer(spmd2, servers, model_dir, t
 
 def push_over_channel(path, url, plain_url):
     """Pushes that make no HTTP request; a server that dropped the group; a server without a
-    channel (HTTP)."""
+    channel (SGLang's protocol, then its probe)."""
     import sys
 
     from fsdpfn.wire import http
 
     state = _trained(path, 1, 1, seed=3)
-    target = RolloutTarget(url, timeout_s=30)
+    target = RolloutTarget(url, config=PushConfig(timeout_s=30))
     push_weights(state, target)  # sets up: /health, /get_model_info, the group, the channel
     counted = []
     real_call = http.call
@@ -183,24 +183,24 @@ def push_over_channel(path, url, plain_url):
         m.call = lambda *a, **k: (counted.append(a[1]), real_call(*a, **k))[1]
     try:
         fast = [push_weights(state, target).version for _ in range(2)]
-        over_channel = bool(target._channels)  # noqa: SLF001 - rank 0 only
+        over_channel = bool(target._servers.channels)  # noqa: SLF001 - rank 0 only
         requests = list(counted)
         # the server drops the group: its channel closes, the next push sets up again
         _on_rank0(lambda: call(url, "/destroy_weights_update_group",
-                               {"group_name": target.group_name}, timeout=10))
+                               {"group_name": target.config.group_name}, timeout=10))
         again = push_weights(state, target).version
         recovered = list(counted[len(requests):])
     finally:
         for m in callers:
             m.call = real_call
-    plain = RolloutTarget(plain_url, timeout_s=30)
-    via_http = push_weights(state, plain).version
-    plain_channels = len(plain._channels)  # noqa: SLF001
+    plain = RolloutTarget(plain_url, config=PushConfig(timeout_s=30))
+    via_sglang = push_weights(state, plain).version
+    plain_channels = len(plain._servers.channels)  # noqa: SLF001
     after = [_on_rank0(lambda: _probe(u)) for u in (url, plain_url)]
     ours = sharded_logits(state, torch.tensor(PROBE))
     target.close()
     plain.close()
-    return (fast, over_channel, requests, again, recovered, via_http, plain_channels,
+    return (fast, over_channel, requests, again, recovered, via_sglang, plain_channels,
             state.version, after, ours)
 
 
@@ -213,12 +213,12 @@ def test_channel_pushes_make_no_http_request_and_recover(spmd2, servers, model_d
                             timeout=180)
     finally:
         plain.close()
-    (fast, over_channel, requests, again, recovered, via_http, plain_channels, version,
+    (fast, over_channel, requests, again, recovered, via_sglang, plain_channels, version,
      after, ours) = results[0]
-    assert fast == [version, version] and again == version == via_http
+    assert fast == [version, version] and again == version == via_sglang
     assert over_channel and requests == []  # no HTTP request at all on the fast path
     assert "/health" in recovered and "/init_weights_update_group" in recovered
-    assert plain_channels == 0  # --no-channel: the same push over HTTP
+    assert plain_channels == 0  # --no-channel: the push in SGLang's protocol
     for v, logits in after:
         assert v == version
         torch.testing.assert_close(logits, ours, atol=LOGITS_TOL, rtol=LOGITS_TOL)
@@ -229,7 +229,7 @@ def test_channel_pushes_make_no_http_request_and_recover(spmd2, servers, model_d
 
 def generate_and_score(path, url, temperature):
     state = _trained(path, 1, 1, seed=77)
-    push_weights(state, RolloutTarget(url, timeout_s=30))
+    push_weights(state, RolloutTarget(url, config=PushConfig(timeout_s=30)))
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]]
     out = _on_rank0(lambda: call(url, "/generate", {"input_ids": prompts, "sampling_params": {
         "temperature": temperature, "top_p": 0.9, "max_new_tokens": 8, "n": 2, "seed": 5},
@@ -272,15 +272,14 @@ def push_mismatched(url, root):
     errors = {
         # the server's own validation (the trainer does not look first)
         "names-broadcast": _catch(lambda: push_weights(names, RolloutTarget(
-            url, precheck=False, timeout_s=30))),
-        "names-broadcast-http": _catch(lambda: push_weights(names, RolloutTarget(
-            url, precheck=False, timeout_s=30, channel=False))),
+            url, config=PushConfig(precheck=False, timeout_s=30)))),
         "shapes-broadcast": _catch(lambda: push_weights(shapes, RolloutTarget(
-            url, precheck=False, timeout_s=30))),
-        "shapes-disk": _catch(lambda: push_weights(shapes, RolloutTarget(
-            url, transport="disk", disk_root=root, precheck=False, timeout_s=30))),
+            url, config=PushConfig(precheck=False, timeout_s=30)))),
+        "shapes-disk": _catch(lambda: push_weights(shapes, RolloutTarget(url, config=PushConfig(
+            transport="disk", disk_root=root, precheck=False, timeout_s=30)))),
         # the trainer's precheck, before any byte is sent
-        "names-precheck": _catch(lambda: push_weights(names, RolloutTarget(url, timeout_s=30))),
+        "names-precheck": _catch(lambda: push_weights(names, RolloutTarget(
+            url, config=PushConfig(timeout_s=30)))),
     }
     after = _on_rank0(lambda: _probe(url))
     health = _on_rank0(lambda: call(url, "/health", timeout=10))
@@ -299,12 +298,9 @@ def test_mismatched_push_fails_on_every_rank_and_server_keeps_serving(spmd2, ser
                 assert message.startswith("(raised on rank 0)"), message
         assert "tensor 'model.layers.2." in errors["names-broadcast"]
         assert "name must be a parameter of the served model" in errors["names-broadcast"]
-        # over the update channel the server refuses before any byte is sent; over HTTP it
-        # takes every byte (keeping the group in step), then refuses
+        # over the update channel the server refuses before any byte is sent
         assert "answered 400: update refused before any byte was sent" in \
             errors["names-broadcast"]
-        assert "HTTP 400" in errors["names-broadcast-http"]
-        assert "update rejected" in errors["names-broadcast-http"]
         assert ("tensor 'model.layers.0.mlp.gate_proj.weight': shape must equal the served "
                 "[128, 64], got [96, 64]") in errors["shapes-broadcast"]
         assert "shape must equal the served [128, 64], got [96, 64]" in errors["shapes-disk"]
@@ -326,8 +322,8 @@ def _signal_at(pid: int, sig: int, at: int, index: int, n_buckets: int) -> None:
 def push_to_dying(path, url, pid, sig, timeout_s):
     state = _trained(path, 1, 1)
     hook = functools.partial(_signal_at, pid, sig, 2)
-    target = RolloutTarget(url, timeout_s=timeout_s, init_timeout_s=60,
-                           bucket_bytes=32 * 1024, on_bucket=hook)
+    target = RolloutTarget(url, config=PushConfig(timeout_s=timeout_s, init_timeout_s=60,
+                                                  bucket_bytes=32 * 1024, on_bucket=hook))
     start = time.monotonic()
     message = _catch(lambda: push_weights(state, target))
     return message, time.monotonic() - start

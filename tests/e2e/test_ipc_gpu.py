@@ -35,8 +35,8 @@ def trainer(model_dir: str, url: str, disk_root: str, out: str):
     from tensordict import TensorDict
 
     import fsdpfn as ff
-    from fsdpfn.weights import RolloutTarget, push_weights
-    from fsdpfn.weights.http import call
+    from fsdpfn.weights import PushConfig, RolloutTarget, push_weights
+    from fsdpfn.wire.http import call
 
     torch.cuda.set_device(0)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
@@ -50,7 +50,7 @@ def trainer(model_dir: str, url: str, disk_root: str, out: str):
     batch = TensorDict({"input_ids": ids, "attention_mask": attn, "loss_mask": loss},
                        batch_size=[4]).to("cuda")
     state, _ = ff.sft_step(state, batch, ff.SFTConfig())
-    target = RolloutTarget(url, transport="ipc", timeout_s=120)
+    target = RolloutTarget(url, config=PushConfig(transport="ipc", timeout_s=120))
     seconds = [push_weights(state, target).seconds for _ in range(3)]
     probe = ids[:2, :32]
     served = call(url, "/forward", {"input_ids": probe.tolist()}, timeout=60)
@@ -73,8 +73,8 @@ def trainer(model_dir: str, url: str, disk_root: str, out: str):
     again = call(url, "/forward", {"input_ids": probe.tolist()}, timeout=60)
     unchanged = again["token_logprobs"] == served["token_logprobs"]
     receipt = push_weights(state, target)
-    disk = push_weights(state, RolloutTarget(url, transport="disk", disk_root=disk_root,
-                                             timeout_s=300))
+    disk = push_weights(state, RolloutTarget(url, config=PushConfig(
+        transport="disk", disk_root=disk_root, timeout_s=300)))
     version = call(url, "/weight_version", timeout=10)["weight_version"]
     Path(out).write_text(json.dumps({
         "ipc_seconds": seconds, "disk_seconds": disk.seconds, "n_bytes": receipt.n_bytes,

@@ -37,8 +37,8 @@ def trainer(model_dir: str, url: str, dtype: str, n_pushes: int, disk_root: str,
     from tensordict import TensorDict
 
     import fsdpfn as ff
-    from fsdpfn.weights import RolloutTarget, push_weights
-    from fsdpfn.weights.http import call
+    from fsdpfn.weights import PushConfig, RolloutTarget, push_weights
+    from fsdpfn.wire.http import call
 
     torch.cuda.set_device(0)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
@@ -53,7 +53,7 @@ def trainer(model_dir: str, url: str, dtype: str, n_pushes: int, disk_root: str,
     batch = TensorDict({"input_ids": ids, "attention_mask": attn, "loss_mask": loss},
                        batch_size=[4]).to("cuda")
     state, _ = ff.sft_step(state, batch, ff.SFTConfig())
-    target = RolloutTarget(url, timeout_s=120)
+    target = RolloutTarget(url, config=PushConfig(timeout_s=120))
     seconds = [push_weights(state, target).seconds for _ in range(n_pushes)]
     receipt = push_weights(state, target)
     probe = ids[:2, :32]
@@ -82,29 +82,29 @@ def trainer(model_dir: str, url: str, dtype: str, n_pushes: int, disk_root: str,
     unchanged = again["token_logprobs"] == served["token_logprobs"] and \
         again["weight_version"] == served["weight_version"]
     push_weights(state, target)  # and the next push goes through
-    disk = push_weights(state, RolloutTarget(url, transport="disk", disk_root=disk_root,
-                                             timeout_s=300))
+    disk = push_weights(state, RolloutTarget(url, config=PushConfig(
+        transport="disk", disk_root=disk_root, timeout_s=300)))
     version = call(url, "/weight_version", timeout=10)["weight_version"]
     result = {"broadcast_seconds": seconds, "n_bytes": receipt.n_bytes,
               "n_tensors": receipt.n_tensors, "version": state.version,
               "served_version": version, "logp_max_diff": diff, "disk_seconds": disk.seconds,
               "nan_error": nan_error, "unchanged_after_nan": unchanged,
-              "timings": target.last_timings}
+              "apply_s": target.last_apply_s}
     Path(out).write_text(json.dumps(result))
 
 
 def slow_trainer(model_dir: str, url: str, out: str):
-    """A push whose trainer stalls for 4 s after its first bucket: the server holds the model
-    for at most hold_s (2 s), then lets a generation run on the old weights; the push then
-    lands."""
+    """A push whose trainer stalls for 4 s after its first bucket: the server takes the model
+    only for the swap, once every byte arrived, so a generation meanwhile runs at once on the
+    old weights; the push then lands."""
     import threading
     import time
 
     from tensordict import TensorDict
 
     import fsdpfn as ff
-    from fsdpfn.weights import RolloutTarget, push_weights
-    from fsdpfn.weights.http import call
+    from fsdpfn.weights import PushConfig, RolloutTarget, push_weights
+    from fsdpfn.wire.http import call
 
     torch.cuda.set_device(0)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
@@ -127,12 +127,12 @@ def slow_trainer(model_dir: str, url: str, out: str):
 
     def on_bucket(index, n_buckets):
         if armed and index == 0:  # the other buckets stay outstanding for 4 s
-            time.sleep(0.3)  # by now the server holds the model, waiting for the bytes
+            time.sleep(0.3)  # by now the server waits for the bytes
             threading.Thread(target=generate, daemon=True).start()
             time.sleep(3.7)
 
-    target = RolloutTarget(url, timeout_s=60, bucket_bytes=64 << 10, edge_bucket_bytes=None,
-                           on_bucket=on_bucket)
+    target = RolloutTarget(url, config=PushConfig(timeout_s=60, bucket_bytes=64 << 10,
+                                                  edge_bucket_bytes=None, on_bucket=on_bucket))
     first = push_weights(state, target)  # sets up the group and the channel (version 0)
     call(url, "/generate", {"input_ids": [[1, 2, 3]], "sampling_params": {
         "max_new_tokens": 4, "temperature": 0}}, timeout=120)  # warm
@@ -202,10 +202,10 @@ def test_nccl_push_from_a_stalled_trainer_lets_generation_run(tmp_path):
     result = _against_server(tmp_path, tiny_qwen2_config(), "bfloat16", "slow_trainer")
     assert result["n_buckets"] > 1
     assert result["first_version"] == 0 and result["version"] == result["served_version"] == 1
-    # the generation asked 0.3 s into the stall waited for the rest of the server's hold (2 s),
-    # then ran on the weights it had before, and did not wait for the push to end
+    # the generation asked 0.3 s into the stall ran on the weights the server had before, and
+    # did not wait for the push to end
     assert result["gen_version"] == 0 and result["gen_done"] < result["push_done"]
-    assert 1.0 < result["gen_seconds"] < 3.5
+    assert result["gen_seconds"] < 3.0
 
 
 if __name__ == "__main__" and sys.argv[1] == "trainer":

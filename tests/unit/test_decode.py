@@ -187,8 +187,8 @@ def test_weight_swap_lands_between_steps_and_each_token_names_its_version(model_
     thread.start()
     while decoder.steps < 4:
         time.sleep(0.001)
-    assert engine.update_from_disk({"model_path": str(tmp_path / "v"),
-                                    "weight_version": 1})["weight_version"] == 1
+    assert engine.receiver.update_from_disk({"model_path": str(tmp_path / "v"),
+                                             "weight_version": 1})["weight_version"] == 1
     thread.join(60)
     out = result["outputs"][0]
     versions = out["weight_versions"]

@@ -1,5 +1,5 @@
 """PushConfig: RolloutTarget's push options as one validated frozen value; RolloutTarget takes it
-as ``config=`` or the same options as keywords, and reads them back as attributes."""
+as ``config=`` and nothing else (no keyword options, no options read back as attributes)."""
 
 from __future__ import annotations
 
@@ -14,46 +14,51 @@ from fsdpfn.weights.push_config import TRANSPORTS
 
 URL = "http://127.0.0.1:30000"
 
-# RolloutTarget's keyword defaults before the options became one value, written out by hand
-OLD_DEFAULTS = {"transport": "broadcast", "dtype": None, "bucket_bytes": 1 << 30,
-                "backend": None, "timeout_s": 300.0, "init_timeout_s": 120.0,
-                "pause_generation": True, "flush_cache": True, "precheck": True,
-                "disk_root": None, "keep_last": 2, "master_address": None, "master_port": None,
-                "on_bucket": None, "pipeline": True, "one_request": True, "channel": True,
-                "edge_bucket_bytes": 256 << 20, "pause_mode": "abort", "probe_tol": None}
+# the documented defaults, written out by hand
+DEFAULTS = {"transport": "broadcast", "dtype": None, "bucket_bytes": 1 << 30,
+            "backend": None, "timeout_s": 300.0, "init_timeout_s": 120.0,
+            "pause_generation": True, "flush_cache": True, "precheck": True,
+            "disk_root": None, "keep_last": 2, "master_address": None, "master_port": None,
+            "group_name": None, "on_bucket": None, "edge_bucket_bytes": 256 << 20,
+            "pause_mode": "abort", "probe_tol": None}
 
 SOME = {"transport": "disk", "disk_root": "/tmp/push", "dtype": "bfloat16",
         "bucket_bytes": 4096, "backend": "gloo", "timeout_s": 30, "init_timeout_s": 7,
         "pause_generation": False, "keep_last": 3, "master_port": 29555, "group_name": "g",
-        "pipeline": 0, "edge_bucket_bytes": None, "pause_mode": "retract", "probe_tol": 0.5}
+        "edge_bucket_bytes": None, "pause_mode": "retract", "probe_tol": 0.5}
 
 
-def test_defaults_are_the_keyword_defaults_of_before():
+def test_defaults_are_the_documented_ones():
+    assert set(attrs.fields_dict(PushConfig)) == set(DEFAULTS)
     cfg = RolloutTarget(URL).config
-    assert {k: getattr(cfg, k) for k in OLD_DEFAULTS} == OLD_DEFAULTS
-    assert set(attrs.fields_dict(PushConfig)) == set(OLD_DEFAULTS) | {"group_name"}
+    assert {k: getattr(cfg, k) for k in DEFAULTS if k != "group_name"} == \
+        {k: v for k, v in DEFAULTS.items() if k != "group_name"}
 
 
-def test_keywords_and_config_give_the_same_target():
-    by_keywords = RolloutTarget(URL, **SOME)
-    by_config = RolloutTarget(URL, config=PushConfig(**SOME))
-    assert by_keywords.config == by_config.config
-    for name, value in SOME.items():  # read back as attributes, normalised as before
-        normalise = {"disk_root": Path, "timeout_s": float, "init_timeout_s": float,
-                     "pipeline": bool}.get(name, lambda v: v)
-        expected = normalise(value)
-        assert getattr(by_keywords, name) == expected, name
-        assert type(getattr(by_keywords, name)) is type(expected), name
-    assert repr(by_config) == f"RolloutTarget(['{URL}'], transport='disk')"
+def test_the_config_is_the_one_way_to_give_options():
+    cfg = PushConfig(**SOME)
+    target = RolloutTarget(URL, config=cfg)
+    assert target.config == cfg
+    assert cfg.disk_root == Path("/tmp/push") and cfg.timeout_s == 30.0
+    assert type(cfg.timeout_s) is float and type(cfg.init_timeout_s) is float
+    assert repr(target) == f"RolloutTarget(['{URL}'], transport='disk')"
+    for name in SOME:  # not read back as attributes of the target
+        assert not hasattr(target, name), name
+    with pytest.raises(TypeError):
+        RolloutTarget(URL, timeout_s=30)  # keywords are not options
+    for removed in ("pipeline", "one_request", "channel"):  # switches of removed paths
+        with pytest.raises(TypeError):
+            PushConfig(**{removed: False})
 
 
 def test_group_name_is_filled_per_target_unless_given():
     shared = PushConfig()
     a, b = RolloutTarget(URL, config=shared), RolloutTarget(URL, config=shared)
     assert shared.group_name is None
-    assert a.group_name.startswith("fsdpfn-") and a.group_name != b.group_name
-    assert a.config == attrs.evolve(shared, group_name=a.group_name)
-    assert RolloutTarget(URL, group_name="mine").group_name == "mine"
+    assert a.config.group_name.startswith("fsdpfn-")
+    assert a.config.group_name != b.config.group_name
+    assert a.config == attrs.evolve(shared, group_name=a.config.group_name)
+    assert RolloutTarget(URL, config=PushConfig(group_name="mine")).config.group_name == "mine"
 
 
 @pytest.mark.parametrize("field,value,rule", [
@@ -74,13 +79,11 @@ def test_group_name_is_filled_per_target_unless_given():
     ("probe_tol", True, "must be None or a number >= 0"),
 ])
 def test_a_bad_option_is_a_config_error_naming_field_rule_and_value(field, value, rule):
-    for build in (lambda: PushConfig(**{field: value}),
-                  lambda: RolloutTarget(URL, **{field: value})):
-        with pytest.raises(ff.ConfigError) as info:
-            build()
-        message = str(info.value)
-        assert message.startswith(f"{field}: ") and rule in message, message
-        assert repr(value) in message or repr(float(value)) in message, message
+    with pytest.raises(ff.ConfigError) as info:
+        PushConfig(**{field: value})
+    message = str(info.value)
+    assert message.startswith(f"{field}: ") and rule in message, message
+    assert repr(value) in message or repr(float(value)) in message, message
 
 
 def test_transport_is_a_closed_choice_and_disk_needs_a_root():
@@ -90,33 +93,18 @@ def test_transport_is_a_closed_choice_and_disk_needs_a_root():
         assert PushConfig(transport=transport, disk_root=root).transport == transport
     with pytest.raises(ff.ConfigError, match=r"disk_root: must be set for transport='disk'.*"
                                              r"got None"):
-        RolloutTarget(URL, transport="disk")
+        PushConfig(transport="disk")
 
 
 def test_misuse_of_the_constructor_is_refused():
-    with pytest.raises(ff.ConfigError, match=r"config: pass the options either .* not both; "
-                                             r"got config and \['timeout_s'\]"):
-        RolloutTarget(URL, config=PushConfig(), timeout_s=3)
     with pytest.raises(ff.ConfigError, match="config: must be a PushConfig, got dict"):
         RolloutTarget(URL, config={"timeout_s": 3})
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['timeout'\]"):
-        RolloutTarget(URL, timeout=3)
     with pytest.raises(ff.ConfigError, match="urls: must be one or more"):
         RolloutTarget("127.0.0.1:30000")
     target = RolloutTarget(URL)
-    with pytest.raises(AttributeError, match="timeout_s: the options are fixed"):
-        target.timeout_s = 3
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         target.config.timeout_s = 3  # type: ignore[misc]
-    assert target.timeout_s == 300.0
-
-
-def test_measurements_start_empty_and_timeline_is_switchable():
-    target = RolloutTarget(URL)
-    assert target.last_timings == {} and target.last_timeline is None
-    assert target._group is None and target._channels == {}  # noqa: SLF001
-    target.timeline = True
-    assert target.timeline is True
+    assert target.last_apply_s is None  # nothing pushed yet
 
 
 def test_push_config_is_exported_at_the_top_level():

@@ -135,8 +135,8 @@ def test_update_waits_for_generation_in_flight(engine, tmp_path):
         time.sleep(0.001)
     engine.pause()  # returns once the request in flight is done
     assert result["weight_version"] == 0 and len(result["outputs"][0]["output_ids"]) == 48
-    assert engine.update_from_disk({"model_path": str(tmp_path / "v"),
-                                    "weight_version": 1})["weight_version"] == 1
+    assert engine.receiver.update_from_disk({"model_path": str(tmp_path / "v"),
+                                             "weight_version": 1})["weight_version"] == 1
     engine.resume()
     assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))["weight_version"] == 1
     thread.join(5)
@@ -146,12 +146,13 @@ def test_update_waits_for_generation_in_flight(engine, tmp_path):
 
 
 class _Pair:
-    """Member 0 (this thread) and the engine (member 1) in one gloo group."""
+    """Member 0 (this thread) and the engine's receiver (member 1) in one gloo group."""
 
     def __init__(self, engine, name="g"):
         port = free_port()
         answer = {}
-        t = threading.Thread(target=lambda: answer.update(engine.init_group({
+        self.receiver = engine.receiver
+        t = threading.Thread(target=lambda: answer.update(self.receiver.init_group({
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
             "world_size": 2, "group_name": name, "backend": "gloo", "timeout_s": 20})))
         t.start()
@@ -162,33 +163,33 @@ class _Pair:
         assert answer.get("success"), answer
         self.engine, self.name = engine, name
 
-    def _serve(self, payload: dict):
-        """The engine handles ``payload`` in a thread: (thread, {"ok": answer} or {"err": exc})."""
-        result = {}
+    def _serve(self, fn, *args):
+        """The receiver runs ``fn(*args)`` in a thread: (thread, {"ok": answer} or {"err": exc},
+        an event set by ack())."""
+        result, acked = {}, threading.Event()
 
         def serve():
             try:
-                result["ok"] = self.engine.update_from_distributed(payload)
+                result["ok"] = fn(*args)
             except UpdateError as exc:
                 result["err"] = exc
+            acked.set()  # an answer without an acceptance: nothing is to be sent
         t = threading.Thread(target=serve)
         t.start()
-        return t, result
+        return t, result, acked
 
-    def send(self, tensors: dict[str, torch.Tensor], *, flat=True, dtypes=None, **extra):
-        """Post one bucket's metadata to the engine (a thread) and broadcast its bytes."""
+    def send(self, tensors: dict[str, torch.Tensor], *, packed=True, dtypes=None, **extra):
+        """One SGLang request: its metadata to the receiver (a thread), then its bytes: ONE
+        broadcast of the tensors flattened and concatenated (SGLang's flattened_bucket), or one
+        broadcast per tensor."""
         names = list(tensors)
         dtypes = dtypes or [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
-        shapes = [list(t.shape) for t in tensors.values()]
-        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.name,
-                   "load_format": "flattened_bucket" if flat else None, **extra}
-        t, result = self._serve(payload)
-        if flat:
-            offsets, total = bucket_layout(dtypes, shapes)
-            buf = torch.zeros(total, dtype=torch.uint8)
-            for (o, t_), n in zip(zip(offsets, tensors.values()), names):
-                buf[o:o + t_.numel() * t_.element_size()].view(t_.dtype).copy_(t_.flatten())
-            broadcast(self.pg, buf).wait()
+        payload = {"names": names, "dtypes": dtypes,
+                   "shapes": [list(t.shape) for t in tensors.values()], "group_name": self.name,
+                   "load_format": "flattened_bucket" if packed else None, **extra}
+        t, result, _ = self._serve(self.receiver.update_from_distributed, payload)
+        if packed:
+            broadcast(self.pg, torch.cat([t_.flatten() for t_ in tensors.values()])).wait()
         else:
             for t_ in tensors.values():
                 broadcast(self.pg, t_.contiguous()).wait()
@@ -196,21 +197,25 @@ class _Pair:
         return result
 
     def send_update(self, buckets: list[dict[str, torch.Tensor]], **extra):
-        """The whole update in one request ({buckets: [...]}) and one flat broadcast per bucket,
-        with garbage in the padding (the receiver must not count it)."""
+        """A whole update ({buckets: [...]}): once accepted, one aligned flat broadcast per
+        bucket, with garbage in the padding (the receiver must not count it)."""
         metas = [{"names": list(b), "dtypes": [str(t.dtype).removeprefix("torch.")
                                                for t in b.values()],
                   "shapes": [list(t.shape) for t in b.values()]} for b in buckets]
-        payload = {"buckets": metas, "group_name": self.name,
-                   "load_format": "flattened_bucket", **extra}
-        t, result = self._serve(payload)
-        for bucket, meta in zip(buckets, metas):
+        accepted = threading.Event()
+        message = {"buckets": metas, "group_name": self.name, **extra}
+        t, result, answered = self._serve(lambda: self.receiver.update(
+            message, ack=accepted.set))
+        while not (accepted.is_set() or answered.is_set()):
+            time.sleep(0.001)
+        for bucket, meta in zip(buckets, metas) if accepted.is_set() else ():
             offsets, total = bucket_layout(meta["dtypes"], meta["shapes"])
             buf = torch.full((total,), 0xAB, dtype=torch.uint8)
             for o, t_ in zip(offsets, bucket.values()):
                 buf[o:o + t_.numel() * t_.element_size()].view(t_.dtype).copy_(t_.flatten())
             broadcast(self.pg, buf).wait()
         t.join(30)
+        result["accepted"] = accepted.is_set()
         return result
 
 
@@ -221,53 +226,59 @@ def _perturbed(engine, scale=0.01, seed=0) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(90)
-def test_distributed_update_is_staged_validated_and_atomic(engine):
+def test_sglang_request_is_checked_then_lands_at_once(engine):
+    """SGLang's /update_weights_from_distributed: each request a self-contained update of the
+    tensors it names, packed back to back (no padding) or one broadcast per tensor. A refused
+    request still takes its bytes (the group stays in step) and changes nothing."""
     pair = _Pair(engine)
     before = {n: p.detach().clone() for n, p in engine.params.items()}
     new = _perturbed(engine)
     names = list(new)
     half = len(names) // 2
 
-    # a bad shape in the first bucket: bytes drained, rejected, nothing served changes
     bad = {n: new[n] for n in names[:half]}
     bad[names[0]] = torch.zeros(3, 5)
-    r = pair.send(bad, update_id="u1", bucket_index=0, commit=False)
+    r = pair.send(bad)
     assert r["err"].status == 400 and f"tensor {names[0]!r}: shape must equal" in str(r["err"])
-    assert engine.version == 0 and engine.last_error
-    # a dtype unlike the served one, and an unknown name, in one self-contained call
-    r = pair.send({names[1]: new[names[1]].double(), "model.nope": torch.zeros(2)})
+    assert engine.version == 0 and engine.receiver.last_error
+    r = pair.send({names[1]: new[names[1]].double(), "model.nope": torch.zeros(2)},
+                  packed=False)
     assert "dtype must equal the served float32, got float64" in str(r["err"])
     assert "tensor 'model.nope': name must be a parameter" in str(r["err"])
-    # a commit that lacks parameters
-    r = pair.send({n: new[n] for n in names[:half]}, update_id="u2", bucket_index=0, commit=True,
-                  weight_version=5)
-    assert "every parameter of the served model must be sent" in str(r["err"])
-    # a bucket out of order
-    r = pair.send({n: new[n] for n in names[half:]}, update_id="u3", bucket_index=1, commit=True)
-    assert "bucket_index: must be 0" in str(r["err"])
-    # non-finite weights
-    nan = {n: new[n].clone() for n in names}
-    nan[names[2]][0] = float("nan")
-    r = pair.send(nan, update_id="u4", bucket_index=0, commit=True, weight_version=5)
-    assert "must be finite" in str(r["err"])
-    assert engine.version == 0
+    nan = {n: new[n].clone() for n in names[:half]}
+    nan[names[2]].view(-1)[0] = float("nan")
+    r = pair.send(nan, weight_version="rl-step-1")
+    assert "must be finite" in str(r["err"]) and names[2] in str(r["err"])
+    assert engine.version == 0 and engine.version_label() == "0"
     assert all(torch.equal(p, before[n]) for n, p in engine.params.items())
 
-    # the group is still in step: a good two-bucket update commits
-    r = pair.send({n: new[n] for n in names[:half]}, update_id="u5", bucket_index=0,
-                  commit=False)
-    assert r["ok"]["weight_version"] == 0 and engine.version == 0  # staged, not served yet
-    r = pair.send({n: new[n] for n in names[half:]}, update_id="u5", bucket_index=1,
-                  commit=True, weight_version=7)
-    assert r["ok"]["weight_version"] == 7 == engine.version
-    assert r["ok"]["weights_checksum"] == combine_checksums(
-        {n: tensor_checksum(t) for n, t in new.items()})
+    # the group is still in step: the buckets of one labelled version land, request by request
+    r = pair.send({n: new[n] for n in names[:half]}, weight_version="rl-step-1")
+    assert r["ok"]["weight_version"] == 1 == engine.version
+    assert engine.version_label() == "rl-step-1"
+    assert all(torch.equal(engine.params[n], new[n]) for n in names[:half])
+    assert all(torch.equal(engine.params[n], before[n]) for n in names[half:])
+    r = pair.send({n: new[n] for n in names[half:]}, weight_version="rl-step-1")
+    assert r["ok"]["weight_version"] == 1 == engine.version  # the same version, completed
     assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
-
-    # SGLang's per-tensor format: a self-contained partial update
+    assert engine.version_label(1) == "rl-step-1" and engine.receiver.last_error is None
+    # one broadcast per tensor; a numeric string is the version itself; none: one more
     one = {names[3]: torch.full_like(new[names[3]], 0.5)}
-    r = pair.send(one, flat=False, weight_version=8)
-    assert r["ok"]["weight_version"] == 8 and bool((engine.params[names[3]] == 0.5).all())
+    r = pair.send(one, packed=False, weight_version="8")
+    assert r["ok"]["weight_version"] == 8 == engine.version and engine.version_label() == "8"
+    assert bool((engine.params[names[3]] == 0.5).all())
+    assert pair.send(one)["ok"]["weight_version"] == 9
+    assert engine.info()["weight_version"] == "9" and engine.info()["version"] == 9
+
+
+@pytest.mark.timeout(60)
+def test_an_unsized_dtype_drops_the_group(engine):
+    pair = _Pair(engine, name="g-unsized")
+    name = next(iter(engine.params))
+    payload = {"names": [name], "dtypes": ["int4"], "shapes": [[2]], "group_name": pair.name}
+    with pytest.raises(UpdateError, match=r"dtypes: .*group 'g-unsized' dropped"):
+        engine.receiver.update_from_distributed(payload)
+    assert "g-unsized" not in engine.info()["groups"]
 
 
 @pytest.mark.timeout(60)
@@ -290,19 +301,19 @@ def test_update_from_disk_verifies_before_swapping(engine, tmp_path):
     before = {n: p.detach().clone() for n, p in engine.params.items()}
     bad_sha = write(tmp_path / "a", new, 3, corrupt=next(iter(new)))
     with pytest.raises(UpdateError, match="sha256 must equal the manifest's"):
-        engine.update_from_disk({"model_path": bad_sha})
+        engine.receiver.update_from_disk({"model_path": bad_sha})
     extra = write(tmp_path / "b", {**new, "model.extra": torch.zeros(2)}, 3)
     with pytest.raises(UpdateError, match="'model.extra': name must be a parameter"):
-        engine.update_from_disk({"model_path": extra})
+        engine.receiver.update_from_disk({"model_path": extra})
     good = write(tmp_path / "c", new, 3)
     with pytest.raises(UpdateError, match="weight_version: must equal the manifest's version 3"):
-        engine.update_from_disk({"model_path": good, "weight_version": 4})
+        engine.receiver.update_from_disk({"model_path": good, "weight_version": 4})
     with pytest.raises(UpdateError, match="model_path: must be a directory") as info:
-        engine.update_from_disk({"model_path": str(tmp_path / "missing")})
+        engine.receiver.update_from_disk({"model_path": str(tmp_path / "missing")})
     assert info.value.status == 404
     assert engine.version == 0
     assert all(torch.equal(p, before[n]) for n, p in engine.params.items())
-    answer = engine.update_from_disk({"model_path": good})
+    answer = engine.receiver.update_from_disk({"model_path": good})
     assert answer["weight_version"] == 3 == engine.version
     assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
 
@@ -347,15 +358,16 @@ def test_checksum_is_exact_and_detects_a_flipped_bit():
 
 
 @pytest.mark.timeout(90)
-def test_whole_update_in_one_request_is_checked_and_atomic(engine):
-    """{buckets: [...]}: every bucket received, then one commit. The checksum the engine reports
-    equals tensor_checksum of what was sent (padding garbage ignored); a NaN or an unknown name
-    anywhere rejects the whole update after all bytes are received, and the weights stay."""
+def test_whole_update_is_checked_and_atomic(engine):
+    """{buckets: [...]} (the update channel's message): every bucket received, then one swap.
+    The checksum the receiver reports equals tensor_checksum of what was sent (padding garbage
+    ignored); an unknown name is refused before any byte is sent, a NaN after the bytes, and
+    the weights stay."""
     pair = _Pair(engine, name="g-one")
     new = _perturbed(engine, seed=5)
     names = list(new)
     buckets = [{n: new[n] for n in names[:3]}, {n: new[n] for n in names[3:]}]
-    r = pair.send_update(buckets, weight_version=7, update_id="one-1", pause_generation=True)
+    r = pair.send_update(buckets, weight_version=7)
     assert r["ok"]["weight_version"] == 7 == engine.version
     sent = combine_checksums({n: tensor_checksum(t) for n, t in new.items()})
     assert r["ok"]["weights_checksum"] == sent == engine.weights_checksum()
@@ -365,22 +377,23 @@ def test_whole_update_in_one_request_is_checked_and_atomic(engine):
     bad = _perturbed(engine, seed=6)
     bad[names[-1]].view(-1)[0] = float("nan")
     r = pair.send_update([{n: bad[n] for n in names[:3]}, {n: bad[n] for n in names[3:]}],
-                         weight_version=8, update_id="one-2")
-    assert "must be finite" in str(r["err"]) and names[-1] in str(r["err"])
+                         weight_version=8)
+    assert r["accepted"] and "must be finite" in str(r["err"]) and names[-1] in str(r["err"])
     unknown = dict(list(bad.items())[:2])
     unknown["model.not_a_weight"] = torch.zeros(3)
-    r = pair.send_update([unknown], weight_version=8, update_id="one-3")
+    r = pair.send_update([unknown], weight_version=8)
+    assert not r["accepted"] and "update refused before any byte was sent" in str(r["err"])
     assert "name must be a parameter of the served model" in str(r["err"])
     assert engine.version == 7
     assert all(torch.equal(p, kept[n]) for n, p in engine.params.items())
-    assert "g-one" in engine.group_names  # the group stayed in step: usable again
-    r = pair.send_update([new], weight_version=9, update_id="one-4")
-    assert r["ok"]["weight_version"] == 9
+    assert "g-one" in engine.info()["groups"]  # the group stayed in step: usable again
+    r = pair.send_update([new], weight_version="rl-step-9")
+    assert r["ok"]["weight_version"] == 8 and engine.version_label() == "rl-step-9"
     # finite values whose float32 sum overflows: the fast bucket check flags them, the closer
     # look clears them, and the update lands
     huge = {n: t.clone() for n, t in new.items()}
     huge[names[0]].view(-1)[:4] = 3.0e38
-    r = pair.send_update([huge], weight_version=10, update_id="one-5")
+    r = pair.send_update([huge], weight_version=10)
     assert r["ok"]["weight_version"] == 10
     assert torch.equal(engine.params[names[0]], huge[names[0]])
 

@@ -209,12 +209,24 @@ def test_info_versions_pause_and_disk_update_speak_sglang(server, model_dir):
                       "success": True}  # the helper's HTTP status is overwritten by SGLang's
     assert resumed["message"] == "Generation continued successfully."
     bad = server.post("/update_weights_from_disk", {"model_path": str(model_dir),
-                                                    "weight_version": "v1"})
+                                                    "weight_version": 1.5})
     assert bad["status"] == 400 and "weight_version" in bad["message"]
     assert bad["num_paused_requests"] == 0 and bad["success"] is False
+    # any string labels the weights, as SGLang takes it; fsdpfn's own version moves by one
+    version = server.get("/weight_version")["weight_version"]
+    ok = server.post("/update_weights_from_disk", {"model_path": str(model_dir),
+                                                   "weight_version": "rl-step-1"})
+    assert ok["success"] is True and ok["num_paused_requests"] == 0
+    assert ok["weight_version"] == version + 1 == server.get("/weight_version")["weight_version"]
+    assert server.get("/get_weight_version") == {"weight_version": "rl-step-1"}
+    info = server.get("/get_model_info")
+    assert info["weight_version"] == "rl-step-1" and info["version"] == version + 1
+    out = server.post("/generate", {"input_ids": [1, 2], "sampling_params": {
+        "max_new_tokens": 2}})
+    assert out["meta_info"]["weight_version"] == "rl-step-1"
     ok = server.post("/update_weights_from_disk", {"model_path": str(model_dir),
                                                    "weight_version": "4"})
-    assert ok["success"] is True and ok["num_paused_requests"] == 0
+    assert ok["success"] is True and ok["weight_version"] == 4
     assert server.get("/get_weight_version") == {"weight_version": "4"}
 
 

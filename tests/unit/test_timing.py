@@ -221,14 +221,3 @@ def test_push_receipt_splits_gather_and_transfer_within_its_seconds(state_box, t
     assert receipt.gather_s > 0 and receipt.transfer_s >= 0
     assert receipt.apply_s is None  # a directory applies nothing
     assert receipt.gather_s + receipt.transfer_s == pytest.approx(receipt.seconds)
-
-
-def test_apply_seconds_read_from_the_servers_answers():
-    from fsdpfn.weights.push import _apply_seconds
-
-    # one request: clocks from its start
-    one = {"server_post": 0.01, "server_queue": 0.02, "server_swap": 0.05, "server_wait": 0.30,
-           "server_commit": 0.32, "server_wait_turn": 0.0, "server_total": 0.33}
-    assert _apply_seconds(one) == pytest.approx(0.03 + 0.02)
-    assert _apply_seconds({"server_receive": 0.2, "server_commit": 0.04}) == 0.04
-    assert _apply_seconds({}) is None

@@ -1,4 +1,4 @@
-"""The update channel (fsdpfn.rollout.channel, fsdpfn.weights.channel, fsdpfn.wire.frames)
+"""The update channel (fsdpfn.rollout.receiver, fsdpfn.weights.channel, fsdpfn.wire.frames)
 against a real RolloutEngine in this process: member 0 of a real gloo group is this test, the engine member 1.
 
 What it must show: an update is accepted before any byte moves and lands exactly (checksum of
@@ -21,7 +21,7 @@ import torch
 
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.rollout import RolloutEngine
-from fsdpfn.rollout.channel import UpdateChannel
+from fsdpfn.rollout.receiver import UpdateChannel
 from fsdpfn.rollout.process import free_port
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 from fsdpfn.weights.channel import Channel
@@ -39,10 +39,10 @@ def model_dir(tmp_path_factory):
 def served(model_dir):
     """(engine, its update channel, member 0's process group, group name)."""
     engine = RolloutEngine(str(model_dir), dtype="float32", device="cpu", max_pause_s=30)
-    channel = UpdateChannel(engine)
+    channel = UpdateChannel(engine.receiver)
     port, name = free_port(), "g-channel"
     answer = {}
-    t = threading.Thread(target=lambda: answer.update(engine.init_group({
+    t = threading.Thread(target=lambda: answer.update(engine.receiver.init_group({
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
         "world_size": 2, "group_name": name, "backend": "gloo", "timeout_s": 20})))
     t.start()
@@ -77,8 +77,7 @@ def _send_bytes(pg, buckets):
 
 def _update(ch: Channel, name, version, layout_id, buckets=None):
     message = {"op": "update", "layout_id": layout_id, "group_name": name,
-               "weight_version": version, "update_id": f"u{version}",
-               "pause_generation": True, "load_format": "flattened_bucket"}
+               "weight_version": version}
     if buckets is not None:
         message["buckets"] = _metadata(buckets)
     ch.send(message)
@@ -160,7 +159,7 @@ def test_dropping_the_group_closes_the_channel_and_bad_input_is_typed(served):
             answer["message"]
     ch = Channel("http://test", "127.0.0.1", channel.port, name, timeout_s=10)
     assert not ch.stale()
-    engine.destroy_group(name)
+    engine.receiver.destroy_group({"group_name": name})
     deadline = time.monotonic() + 10
     while not ch.stale() and time.monotonic() < deadline:
         time.sleep(0.01)

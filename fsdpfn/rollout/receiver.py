@@ -1,0 +1,481 @@
+"""The server's weight receiver: the one owner of a rollout server's update state (its
+weights-update groups, the update channels bound to them, the turn that lets one update run at a
+time, the last failure, the adapter merged in). It receives and checks weights and hands the
+engine finished tensors through one locked swap (RolloutEngine.swap); any failure leaves the
+served weights and version as they were.
+
+Two ways in, each the protocol of its owner:
+
+- SGLang's (/init_weights_update_group, /update_weights_from_distributed): the group is formed
+  as SGLang's init_custom_process_group forms it (fsdpfn.wire.protocol.make_group; the trainer
+  is rank 0, this server joins at ``rank_offset``); each request is a self-contained update of
+  the tensors it names, with ``load_format="flattened_bucket"`` ONE broadcast of the tensors
+  packed back to back (else one broadcast per tensor), loaded at once, as SGLang loads them.
+  ``weight_version`` may be any string: it is reported back as given (/get_weight_version),
+  beside fsdpfn's own integer version (staging.parse_version).
+- fsdpfn's update channel (UpdateChannel, below): a TCP connection per trainer, bound to a group,
+  carrying whole updates. The layout is checked before any byte is sent (the server answers
+  "accepted" first); every bucket's receive is posted at once, each bucket checked on the device
+  as it lands (zero padding, per-tensor checksums, finite); the checks are read once, and the
+  weights swapped in; the answer carries the version and the weights checksum.
+
+Besides: CUDA IPC handles (/update_weights_from_ipc), files (/update_weights_from_disk), and
+peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+from fsdpfn.rollout import lora as rollout_lora
+from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.staging import (Layout, check_manifest, first_non_finite,
+                                    load_safetensors, parse_version, post_flat, read_json,
+                                    receive_sglang, record_event, torch_dtypes, unpack_flat,
+                                    validate, wait_events)
+from fsdpfn.wire.frames import recv_frame, send_frame
+from fsdpfn.wire.protocol import MANIFEST, combine_on_device, make_group, wait_work
+
+__all__ = ["Receiver", "Group", "UpdateChannel"]
+
+
+@attrs.frozen
+class Group:
+    """A weights-update group this server joined: (store, process group, backend, timeout)."""
+
+    store: object
+    pg: object
+    backend: str
+    timeout_s: float
+
+
+class Receiver:
+    """The update state of ``engine`` (a RolloutEngine) and every way weights come in."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.groups: dict[str, Group] = {}
+        self.retired: list = []  # groups (and buffers) left mid-operation: kept alive
+        self.adapter = None  # the adapter merged in, if any (fsdpfn.rollout.lora)
+        self.last_error: str | None = None
+        self.channel_port: int | None = None  # the update channel's port, when one listens
+        self._channels: dict[str, list] = {}  # group name -> channel sockets bound to it
+        self._channels_lock = threading.Lock()
+        self._turn = threading.Lock()  # one update or group change at a time
+        self._stream = None  # the CUDA stream that checks received buckets (lazily)
+
+    def info(self) -> dict:
+        return {"groups": sorted(self.groups), "last_error": self.last_error,
+                "update_channel": self.channel_port}
+
+    # ------------------------------------------------------------ turns and failures
+
+    @contextlib.contextmanager
+    def _alone(self, wait_s: float):
+        """No other update or group change runs meanwhile (409 after ``wait_s``); an
+        UpdateError is recorded, and generation resumed, before it is raised."""
+        if not self._turn.acquire(timeout=max(wait_s, 0.0)):
+            raise UpdateError("update: another update is in progress", 409)
+        try:
+            yield
+        except UpdateError as exc:
+            self.last_error = str(exc)
+            self.engine.resume()  # a failed update never leaves generation paused
+            raise
+        finally:
+            self._turn.release()
+
+    def _group(self, name) -> Group:
+        group = self.groups.get(str(name))
+        if group is None:
+            raise UpdateError(f"group_name: no weights-update group {name!r} on this server "
+                              f"(groups: {sorted(self.groups)}); call /init_weights_update_group "
+                              f"first", 404)
+        return group
+
+    def _drop_group(self, name: str, *keep) -> None:
+        """Forget a group (kept alive with ``keep``: an operation may still use them) and close
+        the update channels bound to it, so their trainers learn they must set up again."""
+        group = self.groups.pop(name, None)
+        self.retired.extend([g for g in (group, *keep) if g is not None])
+        with self._channels_lock:
+            sockets = self._channels.pop(name, [])
+        for sock in sockets:
+            _shut(sock)
+
+    def _swap(self, tensors: dict, version: int, label, *, whole: bool) -> None:
+        """Hand the engine checked tensors (HF names, aliases resolved); a whole update
+        replaces the base weights, so the adapter merged in is dropped."""
+        canonical = {self.engine.aliases.get(n, n): t for n, t in tensors.items()}
+        self.engine.swap(canonical, version, label=label)
+        if whole:
+            self.adapter = None
+        self.last_error = None
+
+    def _version(self, value) -> tuple[int, str | None]:
+        return parse_version(value, self.engine.version, self.engine.version_label())
+
+    # ------------------------------------------------------------ groups (SGLang's request)
+
+    def init_group(self, payload: dict) -> dict:
+        """/init_weights_update_group: SGLang's {master_address, master_port, rank_offset,
+        world_size, group_name="weight_update_group", backend="nccl"}, plus fsdpfn's timeout_s
+        (default 300). Joins as rank ``rank_offset``; blocks until every member joined."""
+        try:
+            name = str(payload.get("group_name") or "weight_update_group")
+            backend = str(payload.get("backend") or "nccl")
+            args = dict(master_address=str(payload["master_address"]),
+                        master_port=int(payload["master_port"]),
+                        rank=int(payload["rank_offset"]), world_size=int(payload["world_size"]),
+                        group_name=name, backend=backend,
+                        timeout_s=float(payload.get("timeout_s") or 300.0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UpdateError(f"init_weights_update_group: payload must hold master_address, "
+                              f"master_port, rank_offset, world_size; got {sorted(payload)} "
+                              f"({type(exc).__name__}: {exc})") from None
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            raise UpdateError(f"backend: 'nccl' needs a server on cuda, this one serves on "
+                              f"{self.engine.device}; pass backend='gloo'")
+        with self._alone(args["timeout_s"]):
+            self._drop_group(name)
+            try:
+                store, pg = make_group(device=self.engine.device, **args)
+            except Exception as exc:  # noqa: BLE001 - rendezvous failures come in many types
+                raise UpdateError(f"init_weights_update_group {name!r}: joining "
+                                  f"{args['master_address']}:{args['master_port']} as rank "
+                                  f"{args['rank']} of {args['world_size']} failed: "
+                                  f"{type(exc).__name__}: {exc}", 500) from None
+            self.groups[name] = Group(store, pg, backend, args["timeout_s"])
+        return {"success": True, "message": f"joined group {name!r}"}
+
+    def destroy_group(self, payload: dict) -> dict:
+        """/destroy_weights_update_group: {group_name="weight_update_group"}."""
+        with self._alone(60.0):
+            self._drop_group(str(payload.get("group_name") or "weight_update_group"))
+        return {"success": True, "message": "group dropped"}
+
+    def attach_channel(self, group_name: str, sock) -> None:
+        """Bind an update channel connection to a group: it is closed when the group is
+        dropped."""
+        with self._channels_lock:
+            self._group(group_name)
+            self._channels.setdefault(group_name, []).append(sock)
+
+    def detach_channel(self, sock) -> None:
+        with self._channels_lock:
+            for sockets in self._channels.values():
+                if sock in sockets:
+                    sockets.remove(sock)
+
+    # ------------------------------------------------------------ SGLang's update request
+
+    def update_from_distributed(self, payload: dict) -> dict:
+        """/update_weights_from_distributed, SGLang's UpdateWeightsFromDistributedReqInput:
+        {names, dtypes, shapes, group_name="weight_update_group", flush_cache, weight_version
+        (any string), load_format ("flattened_bucket": one packed broadcast)}: the named tensors
+        received, checked (known, shapes, dtypes, finite) and swapped in at once. A request the
+        server refuses still takes its bytes, so the group stays in step."""
+        try:
+            names = [str(n) for n in payload["names"]]
+            dtypes = [str(d) for d in payload["dtypes"]]
+            shapes = [[int(d) for d in s] for s in payload["shapes"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UpdateError(f"update_weights_from_distributed: payload must hold names, "
+                              f"dtypes, shapes; got {sorted(payload)} "
+                              f"({type(exc).__name__}: {exc})") from None
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
+                              f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+        name = str(payload.get("group_name") or "weight_update_group")
+        group = self._group(name)
+        with self._alone(group.timeout_s):
+            clock = time.perf_counter()
+            tensors = self._receive_request(name, group, names, dtypes, shapes,
+                                            payload.get("load_format") == "flattened_bucket")
+            received = time.perf_counter()
+            version, label = self._version(payload.get("weight_version"))
+            self._swap(tensors, version, label, whole=False)
+        return {"success": True, "message": f"updated {len(names)} tensors",
+                "weight_version": version, "seconds": {
+                    "receive": received - clock, "apply": time.perf_counter() - received}}
+
+    def _receive_request(self, name: str, group: Group, names, dtypes, shapes, packed: bool):
+        """The tensors of one SGLang request, received then checked."""
+        try:
+            typed = torch_dtypes(dtypes)
+            if packed and len(set(typed)) > 1:
+                raise UpdateError(f"dtypes: a flattened_bucket packs one dtype, got "
+                                  f"{sorted(set(dtypes))}")
+        except UpdateError as exc:  # the bytes cannot be sized: the group is out of step
+            self._drop_group(name)
+            raise UpdateError(f"{exc}; group {name!r} dropped, re-initialise it") from None
+        params, aliases = self.engine.params, self.engine.aliases
+        problems = validate(params, aliases, names, typed, shapes, whole=False)
+        try:
+            received = receive_sglang(group.pg, group.backend, group.timeout_s,
+                                      self.engine.device, packed, typed, shapes)
+        except Exception as exc:  # noqa: BLE001 - a dead or stalled sender: gloo/nccl errors
+            self._drop_group(name)
+            raise UpdateError(f"receiving over group {name!r} failed: {type(exc).__name__}: "
+                              f"{exc}; group dropped, previous weights kept", 500) from None
+        tensors = dict(zip(names, received))
+        problems = problems or [f"tensors must be finite, got NaN/inf in {bad}"
+                                for bad in [first_non_finite(tensors)] if bad]
+        if problems:
+            raise UpdateError("update rejected, previous weights kept: " + "; ".join(problems))
+        return tensors
+
+    # ------------------------------------------------------------ a whole update (channel)
+
+    def update(self, message: dict, layout: Layout | None = None, ack=None) -> dict:
+        """A whole update: {buckets: [{names, dtypes, shapes}, ...] (or its parsed ``layout``),
+        group_name, weight_version}, one aligned flat broadcast per bucket (fsdpfn.wire
+        .protocol's layout). Refused before any byte is sent when it cannot be committed;
+        ``ack()`` is called once it is accepted (the sender then broadcasts)."""
+        name = str(message.get("group_name"))
+        group = self._group(name)
+        with self._alone(group.timeout_s):
+            if layout is None:
+                layout = Layout(self.engine.params, self.engine.aliases, message.get("buckets"))
+            if layout.problems:
+                raise UpdateError("update refused before any byte was sent, previous weights "
+                                  "kept: " + "; ".join(layout.problems))
+            version, label = self._version(message.get("weight_version"))
+            if ack is not None:
+                ack()
+            clock = time.perf_counter()
+            tensors, sums, finite = self._receive_whole(name, group, layout)
+            received = time.perf_counter()
+            checksum = self._verdict(tensors, sums, finite)
+            self._swap(tensors, version, label, whole=True)
+        return {"success": True, "weight_version": version, "weights_checksum": checksum,
+                "message": f"updated {len(tensors)} tensors to version {version}",
+                "seconds": {"receive": received - clock,
+                            "apply": time.perf_counter() - received}}
+
+    def _receive_whole(self, name: str, group: Group, layout: Layout):
+        """Every bucket's receive posted at once (the sender keeps several in flight), each
+        bucket unpacked and checked as it lands; over NCCL on a side stream (the host waits
+        once, for the last). Returns (tensors, [(names, checksums)], [finite flags])."""
+        nccl = group.backend == "nccl"
+        device = self.engine.device if nccl else torch.device("cpu")
+        tensors, sums, finite, done, posted = {}, [], [], [], []
+        try:
+            if nccl and self._stream is None:
+                self._stream = torch.cuda.Stream(self.engine.device)
+            posted = [post_flat(group.pg, device, b.total) for b in layout.buckets]
+            for b, names, (buf, work) in zip(layout.buckets, layout.canonical, posted):
+                if nccl:
+                    with torch.cuda.stream(self._stream):
+                        work.wait()  # the side stream waits for the bytes; the host does not
+                        out, s, f = unpack_flat(buf, b)
+                    done.append(record_event(self._stream))
+                else:
+                    wait_work(work, group.backend, group.timeout_s)
+                    out, s, f = unpack_flat(buf.to(self.engine.device), b)
+                tensors.update(zip(names, out))
+                sums.append((names, s))
+                finite.append(f)
+            wait_events(done, group.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a dead or stalled sender
+            self._drop_group(name, posted)  # buffers may still be written: keep them alive
+            raise UpdateError(f"receiving over group {name!r} failed: {type(exc).__name__}: "
+                              f"{exc}; group dropped, previous weights kept", 500) from None
+        return tensors, sums, finite
+
+    def _verdict(self, tensors: dict, sums: list, finite: list) -> int:
+        """The weights checksum of what arrived, after the finite flags (read at once)."""
+        flags = torch.stack(finite).to(torch.int64)
+        names = [n for batch, _ in sums for n in batch]
+        checksum = combine_on_device(torch.cat([v for _, v in sums]), names)
+        values = torch.cat([flags, checksum.view(1)]).tolist()  # one read
+        if not all(values[:len(flags)]):  # a bucket's sum is not finite: look closer
+            bad = first_non_finite(tensors)
+            if bad:
+                raise UpdateError(f"update rejected, previous weights kept: tensors must be "
+                                  f"finite, got NaN/inf in {bad}")
+        return values[-1]
+
+    # ------------------------------------------------------------ IPC, disk, adapters
+
+    def update_from_ipc(self, payload: dict) -> dict:
+        """/update_weights_from_ipc: {buckets: [{names, dtypes, shapes, handle}],
+        weight_version, flush_cache}: each bucket's tensors packed back to back in a device
+        buffer of a process on this GPU, named by its CUDA IPC handle (fsdpfn.wire.ipc); copied
+        out here, checked and swapped in like a whole update. The sender frees the buffers
+        after the answer."""
+        from fsdpfn.wire.ipc import open_shared, unpack
+
+        if self.engine.device.type != "cuda":
+            raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
+                              f"runs on {self.engine.device}")
+        with self._alone(0.0):
+            layout = Layout(self.engine.params, self.engine.aliases, payload.get("buckets"))
+            if layout.problems:
+                raise UpdateError("update rejected, previous weights kept: "
+                                  + "; ".join(layout.problems))
+            version, label = self._version(payload.get("weight_version"))
+            tensors = {}
+            for spec, b in zip(payload["buckets"], layout.buckets):
+                try:
+                    buffer = open_shared(spec.get("handle") or {}, self.engine.device)
+                    tensors.update(zip(b.names, unpack(buffer, b.torch_dtypes, b.shapes)))
+                except (ValueError, RuntimeError) as exc:
+                    raise UpdateError(f"update rejected, previous weights kept: {exc}") from None
+                del buffer
+            torch.cuda.synchronize(self.engine.device)  # copies done before the sender frees
+            return self._commit_loaded(tensors, version, label)
+
+    def update_from_disk(self, payload: dict) -> dict:
+        """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,
+        verify_checksums (default true: sha256 of each tensor against fsdpfn_manifest.json)}."""
+        with self._alone(0.0):
+            path = Path(str(payload.get("model_path") or ""))
+            if not path.is_dir():
+                raise UpdateError(f"model_path: must be a directory of safetensors files, got "
+                                  f"{str(path)!r}", 404)
+            manifest = read_json(path / MANIFEST)
+            given = payload.get("weight_version")
+            version, label = self._version(given)
+            if manifest is not None and given is not None and label is None and \
+                    int(manifest["version"]) != version:
+                raise UpdateError(f"weight_version: must equal the manifest's version "
+                                  f"{manifest['version']} in {str(path)!r}, got {given!r}")
+            if manifest is not None and label is None:
+                version = int(manifest["version"])
+            tensors = load_safetensors(path, self.engine.device)
+            problems = validate(self.engine.params, self.engine.aliases, list(tensors),
+                                [t.dtype for t in tensors.values()],
+                                [list(t.shape) for t in tensors.values()], whole=True)
+            if manifest is not None and payload.get("verify_checksums", True):
+                problems += check_manifest(manifest, tensors)
+            if problems:
+                raise UpdateError(f"update from {str(path)!r} rejected, previous weights kept: "
+                                  + "; ".join(problems[:8]))
+            return self._commit_loaded(tensors, version, label)
+
+    def _commit_loaded(self, tensors: dict, version: int, label) -> dict:
+        """Swap in a whole update that is already here (IPC, disk) once it is finite; the
+        answer's checksum is that of the weights served after the swap."""
+        bad = first_non_finite(tensors)
+        if bad:
+            raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
+                              f"got NaN/inf in {bad}")
+        self._swap(tensors, version, label, whole=True)
+        return {"success": True, "weight_version": version,
+                "weights_checksum": self.engine.weights_checksum(),
+                "message": f"updated {len(tensors)} tensors to version {version}"}
+
+    def load_lora_adapter(self, payload: dict) -> dict:
+        """/load_lora_adapter (SGLang's payload): see fsdpfn.rollout.lora."""
+        with self._alone(0.0):
+            tensors, slot, version = rollout_lora.load_adapter(self.engine, self.adapter,
+                                                               payload)
+            self.engine.swap(tensors, version)
+            self.adapter, self.last_error = slot, None
+            return rollout_lora.answer(self.engine, slot, f"adapter {slot.name!r} merged into "
+                                       f"{len(slot.base)} weights, version {version}")
+
+    def unload_lora_adapter(self, payload: dict) -> dict:
+        """/unload_lora_adapter (SGLang's payload): the base weights served again."""
+        with self._alone(0.0):
+            tensors, version = rollout_lora.unload_adapter(self.engine, self.adapter, payload)
+            name, self.adapter = self.adapter.name, None
+            self.engine.swap(tensors, version)
+            return rollout_lora.answer(self.engine, None, f"adapter {name!r} unloaded, version "
+                                       f"{version}")
+
+
+# ---------------------------------------------------------------- the update channel
+
+
+class UpdateChannel:
+    """Listen on ``host``:``port`` (0: a free port; see ``.port``) for trainers' update channels
+    (frames: fsdpfn.wire.frames) and serve them from ``receiver``, which then advertises the
+    port in the model info. A connection first attaches to a group (it is closed when the
+    server drops that group), then carries whole updates, the layout parsed once per connection
+    and layout id, "accepted" sent before any byte is broadcast."""
+
+    def __init__(self, receiver: Receiver, host: str = "127.0.0.1", port: int = 0):
+        self.receiver = receiver
+        self._listener = socket.create_server((host, int(port)), reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        receiver.channel_port = self.port
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="fsdpfn-update-channel").start()
+
+    def close(self) -> None:
+        self._closed = True
+        self.receiver.channel_port = None
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name="fsdpfn-update-channel-conn").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        layouts: dict = {}
+        state = {"group": None}  # the group this connection is attached to
+        try:
+            while True:
+                try:
+                    message = recv_frame(conn)
+                except (OSError, ValueError):
+                    return  # the trainer went away (or broke the protocol)
+                try:
+                    send_frame(conn, self._handle(conn, message, state, layouts))
+                except UpdateError as exc:
+                    send_frame(conn, {"success": False, "message": str(exc),
+                                      "status": exc.status})
+                except OSError:
+                    return
+                except Exception as exc:  # noqa: BLE001 - report, keep serving
+                    send_frame(conn, {"success": False, "status": 500,
+                                      "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            self.receiver.detach_channel(conn)
+            conn.close()
+
+    def _handle(self, conn, message: dict, state: dict, layouts: dict) -> dict:
+        op, group = message.get("op"), state["group"]
+        if op == "attach":
+            self.receiver.attach_channel(str(message.get("group_name")), conn)
+            state["group"] = str(message.get("group_name"))
+            return {"success": True, "server_id": self.receiver.engine.server_id}
+        if op != "update":
+            raise UpdateError(f"op: must be 'attach' or 'update', got {op!r}")
+        if group is None or message.get("group_name") != group:
+            raise UpdateError(f"group_name: must be the group this channel is attached to, got "
+                              f"{message.get('group_name')!r}", 409)
+        key = message.get("layout_id")
+        if message.get("buckets") is not None:
+            engine = self.receiver.engine
+            layouts[key] = Layout(engine.params, engine.aliases, message["buckets"])
+        if key not in layouts:
+            raise UpdateError(f"layout_id: must name a layout sent earlier on this connection "
+                              f"(with its buckets), got {key!r}")
+        return self.receiver.update(message, layouts[key], ack=lambda: send_frame(
+            conn, {"success": True, "accepted": True}))
+
+
+def _shut(sock) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
