@@ -178,35 +178,41 @@ def _probe_models(small, *, is_critic: bool, device, fused_kernels: bool):
     return ref, engine
 
 
-@torch.no_grad()
-def verify_architecture(hf_config, *, is_critic: bool = False, device="cpu",
-                        fused_kernels: bool = False) -> float:
-    """The largest gap (log-probs, or values for a critic) between the engine's packed forward
-    and the model's own eager forward on a small instance of ``hf_config``'s architecture."""
-    ref, engine = _probe_models(probe_config(hf_config), is_critic=is_critic, device=device,
-                                fused_kernels=fused_kernels)
+def _probe_rows(device):
+    """Two rows of _PROBE_LENGTHS tokens: padded ids and mask [2, T] for the model's own forward,
+    and the packed ids, positions, cu_seqlens and next-token targets [N] for the engine's."""
     gen = torch.Generator().manual_seed(1)
     T = max(_PROBE_LENGTHS)
     ids = torch.randint(3, 131, (len(_PROBE_LENGTHS), T), generator=gen).to(device)
     mask = (torch.arange(T)[None] < torch.tensor(_PROBE_LENGTHS)[:, None]).to(device)
-    out = ref(input_ids=ids, attention_mask=mask.long()).logits.float()
     packed = torch.cat([ids[b, :n] for b, n in enumerate(_PROBE_LENGTHS)])
     positions = torch.cat([torch.arange(n, device=device) for n in _PROBE_LENGTHS])
     cu = torch.tensor([0, *torch.tensor(_PROBE_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    gaps = []
-    if is_critic:
-        values = engine(packed, positions, cu, T)
-        for b, n in enumerate(_PROBE_LENGTHS):
-            start = int(cu[b])
-            gaps.append((values[start:start + n] - out[b, :n, 0]).abs().max())
-        return float(torch.stack(gaps).max())
     targets = torch.cat([torch.cat([ids[b, 1:n], ids.new_zeros(1)])
                          for b, n in enumerate(_PROBE_LENGTHS)])
-    logp, _ = engine(packed, positions, cu, T, targets)
-    for b, n in enumerate(_PROBE_LENGTHS):
-        start = int(cu[b])
-        want = torch.log_softmax(out[b, :n - 1], -1).gather(-1, ids[b, 1:n, None])[:, 0]
-        gaps.append((logp[start:start + n - 1] - want).abs().max())
+    return ids, mask, (packed, positions, cu, T), targets
+
+
+@torch.no_grad()
+def verify_architecture(hf_config, *, is_critic: bool = False, device="cpu",
+                        fused_kernels: bool = False) -> float:
+    """The largest gap (log-probs, or values for a critic) between the engine's packed forward
+    and the model's own eager forward on a small instance of ``hf_config``'s architecture.
+    The caller's random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        ref, engine = _probe_models(probe_config(hf_config), is_critic=is_critic,
+                                    device=device, fused_kernels=fused_kernels)
+    ids, mask, packed, targets = _probe_rows(device)
+    own = ref(input_ids=ids, attention_mask=mask.long()).logits.float()  # (2, T, V or 1)
+    cu = packed[2]
+    if is_critic:
+        got = engine(*packed)  # values [N]
+        want = [own[b, :n, 0] for b, n in enumerate(_PROBE_LENGTHS)]
+    else:  # log-probs of each row's next tokens (its last position predicts nothing)
+        got, _ = engine(*packed, targets)
+        want = [torch.log_softmax(own[b, :n - 1], -1).gather(-1, ids[b, 1:n, None])[:, 0]
+                for b, n in enumerate(_PROBE_LENGTHS)]
+    gaps = [(got[int(cu[b]):int(cu[b]) + len(w)] - w).abs().max() for b, w in enumerate(want)]
     return float(torch.stack(gaps).max())
 
 

@@ -164,3 +164,12 @@ def test_guard_checks_a_critic_against_its_own_token_classification_forward(capl
     config = hf_config_of(spec)
     config.num_labels = 1
     assert verify_architecture(config, is_critic=True) < 1e-5
+
+
+def test_guard_leaves_the_callers_random_state_as_it_was():
+    config = hf_config_of(_common({"model_type": "qwen2", "vocab_size": 131}))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    verify_architecture(config)
+    assert torch.equal(torch.rand(3), expected)
