@@ -153,7 +153,7 @@ def _probe_models(small, *, is_critic: bool, device, fused_kernels: bool):
     from fsdpfn import cp
     from fsdpfn.load_weights import build_skeleton, restore_buffers
     from fsdpfn.packed import PackedModel
-    from fsdpfn.shard import apply_fused_kernels
+    from fsdpfn.wire.kernels import apply_fused_kernels
 
     gen = torch.Generator().manual_seed(0)
     small._attn_implementation = "eager"

@@ -27,14 +27,16 @@ from fsdpfn.optim_build import build_optimizer, build_scheduler, lr_factor
 from fsdpfn.packed import PackedModel
 from fsdpfn.state import EngineState
 from fsdpfn.tp import apply_tp, base_model, kv_heads_of_rank
+from fsdpfn.wire.kernels import apply_fused_kernels
 
 log = logging.getLogger("fsdpfn")
 
-# apply_tp, kv_heads_of_rank, base_model (fsdpfn.tp) and the optimizer builders
-# (fsdpfn.optim_build) are re-exported: their home was this module
+# apply_tp, kv_heads_of_rank, base_model (fsdpfn.tp), the optimizer builders
+# (fsdpfn.optim_build) and apply_fused_kernels (fsdpfn.wire.kernels: the server runs the same
+# modules) are re-exported: their home was this module
 __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
            "kv_heads_of_rank", "build_optimizer", "build_scheduler", "lr_factor", "base_model",
-           "torch_dtype", "build_skeleton"]
+           "torch_dtype", "build_skeleton", "apply_fused_kernels"]
 
 
 # ---------------------------------------------------------------- config and skeleton
@@ -103,67 +105,6 @@ def _check_divisibility(hf_config, mesh: Mesh) -> None:
         raise ConfigError(f"ParallelStrategy.tp: every tensor-parallel rank must hold at least "
                           f"one vocabulary row (ceil(vocab_size / tp) rows each), got tp={tp} "
                           f"and vocab_size={vocab}, which leaves the last rank none")
-
-
-# RMSNorm classes whose forward Liger's LigerRMSNorm computes, with its (offset, casting_mode):
-# Llama's casts to the input dtype before the weight; OLMo-2's and Gemma's multiply in float32
-# ("gemma" mode); Gemma's scales by (1 + weight). Any other norm class keeps HF's module.
-LIGER_NORMS = {"LlamaRMSNorm": (0.0, "llama"), "Qwen2RMSNorm": (0.0, "llama"),
-               "Qwen3RMSNorm": (0.0, "llama"), "MistralRMSNorm": (0.0, "llama"),
-               "Phi3RMSNorm": (0.0, "llama"), "Olmo2RMSNorm": (0.0, "gemma"),
-               "GemmaRMSNorm": (1.0, "gemma"), "Gemma2RMSNorm": (1.0, "gemma"),
-               "Gemma3RMSNorm": (1.0, "gemma")}
-# MLP classes that are down(silu(gate(x)) * up(x)) with separate bias-free linears
-LIGER_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Olmo2MLP")
-
-
-def _fused_module(child: nn.Module, hf_config, *, mlp: bool):
-    """Liger's module computing what ``child`` computes, or None (keep HF's)."""
-    from liger_kernel.transformers.rms_norm import LigerRMSNorm
-    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-
-    kind = type(child).__name__
-    if kind in LIGER_NORMS and getattr(child, "weight", None) is not None \
-            and child.weight.ndim == 1:
-        offset, casting = LIGER_NORMS[kind]
-        eps = getattr(child, "variance_epsilon", getattr(child, "eps", None))
-        return LigerRMSNorm(child.weight.shape[0], eps=eps, offset=offset, casting_mode=casting,
-                            in_place=False)
-    if mlp and kind in LIGER_MLPS and getattr(hf_config, "hidden_act", "") in ("silu", "swish") \
-            and all(hasattr(child, p) for p in ("gate_proj", "up_proj", "down_proj")) \
-            and child.gate_proj.bias is None:
-        return LigerSwiGLUMLP(hf_config, intermediate_size=child.gate_proj.out_features)
-    return None
-
-
-def apply_fused_kernels(model: nn.Module, hf_config, device_type: str, *,
-                        mlp: bool = True, keep_weights: bool = False) -> int:
-    """Swap this model's RMSNorm and SwiGLU MLP modules for Liger-Kernel's fused Triton ones
-    (same parameter names, so checkpoints and the TP plan are unchanged), only where the module
-    class is one Liger computes exactly (LIGER_NORMS, LIGER_MLPS). Instance-level: no class of
-    transformers is patched. CUDA only; a no-op when liger_kernel is not installed.
-    ``mlp=False`` keeps HF's MLP modules (LoRA adapters on their linears need them called);
-    ``keep_weights``: the swapped modules take the loaded weights (a model already loaded).
-    Returns the number of modules swapped."""
-    if device_type != "cuda":
-        return 0
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError:
-        return 0
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            fused = _fused_module(child, hf_config, mlp=mlp)
-            if fused is None:
-                continue
-            fused.to(device=next(child.parameters()).device,
-                     dtype=next(child.parameters()).dtype)
-            if keep_weights:
-                fused.load_state_dict(child.state_dict())
-            setattr(module, name, fused)
-            swapped += 1
-    return swapped
 
 
 def _note_head_fallback(lm: nn.Module, hf_config, config: EngineConfig) -> None:
