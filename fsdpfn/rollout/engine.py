@@ -42,6 +42,16 @@ from fsdpfn.wire.protocol import combine_checksums, dtype_from_name, dtype_name,
 __all__ = ["RolloutEngine", "UpdateError", "SamplingParams"]
 
 
+def _attention_for(model_path: str) -> str:
+    """HF's SDPA attention, or its eager one for a family transformers refuses SDPA for
+    (Gemma-2: attention logit softcapping)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)  # noqa: SLF001
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
                  weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
@@ -54,7 +64,7 @@ class RolloutEngine:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+        kwargs: dict[str, Any] = {"attn_implementation": _attention_for(self.model_path)}
         kwargs["dtype"] = "auto" if dtype == "auto" else dtype_from_name(dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)

@@ -21,14 +21,12 @@ from fsdpfn.testing.models import save_family_model, tiny_family_configs
 FAMILIES = tiny_family_configs()
 PROMPTS = [list(range(3, 23)), list(range(40, 47))]  # 20 and 7 tokens, then 30 new ones
 NEW = 30
-# known, named exceptions (strict: each fails the suite once it no longer holds)
+# a known, named exception (strict: it fails the suite once it no longer holds)
 DYNAMIC = pytest.mark.xfail(strict=True, reason=(
     "dynamic NTK rope rescales with the sequence length: HF generate rotates each position with "
     "the length reached when it was cached, a full forward with the row's whole length, so the "
     "model's own generation and its own scoring differ once rows pass max_position_embeddings"))
-GEMMA2_SDPA = pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "the server loads models with attn_implementation='sdpa', which transformers refuses for "
-    "Gemma-2 (attention softcapping): fsdpfn/rollout/engine.py needs an eager fallback"))
+
 
 
 def _cases(marks: dict):
@@ -74,8 +72,7 @@ def _generate(model_dir: str, decode: str):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", _cases({"llama-rope-dynamic": DYNAMIC,
-                                           "gemma2": GEMMA2_SDPA}))
+@pytest.mark.parametrize("family", _cases({"llama-rope-dynamic": DYNAMIC}))
 def test_hf_generate_logprobs_equal_forward_logp(family, family_dirs):
     result = _generate(family_dirs[family], "hf")
     served, trained = _trainer_logp(family_dirs[family], result)
@@ -85,7 +82,7 @@ def test_hf_generate_logprobs_equal_forward_logp(family, family_dirs):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", _cases({"gemma2": GEMMA2_SDPA}))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_decode_loop_logprobs_equal_forward_logp_or_refused_by_name(family, family_dirs):
     from fsdpfn.rollout.slot_model import unsupported_reason
     from transformers import AutoModelForCausalLM
