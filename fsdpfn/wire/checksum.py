@@ -46,7 +46,7 @@ import torch
 from fsdpfn.wire import fused
 
 __all__ = ["P", "ROOT", "ALGORITHM", "units", "box_hash", "tensor_hash", "tensor_hashes",
-           "mulmod", "sum_mod", "join_halves", "row_hashes", "powers"]
+           "mulmod", "sum_mod", "join_halves", "row_hashes", "weighted_rows", "powers"]
 
 P = (1 << 61) - 1
 ROOT = 0x1F0E5C2B3A49D68A  # a primitive root modulo P, chosen for the burst guarantee
@@ -70,9 +70,9 @@ def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
     return _fold(((x & ((1 << (61 - k)) - 1)) << k) + (x >> (61 - k)))
 
 
-def mulmod(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x * y modulo P for int64 tensors in [0, P) (broadcasting), in 31-bit limbs so that no
-    product leaves int64."""
+def mulmod(x: torch.Tensor, y: torch.Tensor | int) -> torch.Tensor:
+    """x * y modulo P for int64 tensors in [0, P) (broadcasting; ``y`` may be a Python int, which
+    costs no copy to the device), in 31-bit limbs so that no product leaves int64."""
     x0, x1 = x & _M31, x >> 31
     y0, y1 = y & _M31, y >> 31
     mid = x1 * y0 + x0 * y1  # < 2**62
@@ -99,7 +99,7 @@ def _powers_cpu(base: int, n: int) -> torch.Tensor:
     out = torch.ones(1, dtype=torch.int64)
     step = base % P
     while out.numel() < n:  # doubling: [1, b, .., b**(k-1)] -> then times b**k
-        out = torch.cat([out, mulmod(out, torch.tensor(step))])
+        out = torch.cat([out, mulmod(out, step)])
         step = step * step % P
     return out[:n]
 
@@ -151,9 +151,9 @@ def row_hashes(rows: torch.Tensor, first: int = 0) -> torch.Tensor:
     out = torch.zeros(n_rows, dtype=torch.int64, device=rows.device)
     if n_rows == 0 or width == 0:
         return out
-    done = fused.row_limb_sums(rows) if first == 0 else None
+    done = fused.row_values(rows) if first == 0 else None
     if done is not None:
-        return _fold(done[0] % P + _shift(done[1] % P, 31))
+        return done[0] + (done[1] << 31)
     limbs = _limbs_on(first + width, str(rows.device))[first:]
     block = max(1, (1 << (24 if rows.is_cuda else 20)) // min(width, _COLS))
     for c0 in range(0, width, _COLS):
@@ -195,13 +195,13 @@ def box_hash(box: torch.Tensor, chunk_sizes: Sequence[int] | None = None,
         return torch.zeros((), dtype=torch.int64, device=u.device)
     strides = _strides(sizes)
     rows = u.reshape(-1, u.shape[-1])
-    if len(sizes) == 1:
-        return _long_hash(rows.reshape(-1), offsets[0])
+    if len(sizes) == 1 or (not any(offsets) and list(u.shape) == sizes):
+        return _long_hash(rows.reshape(-1), offsets[-1])  # a whole chunk: one run of units
     acc = row_hashes(rows, offsets[-1]).reshape(u.shape[:-1])
     for dim in range(len(sizes) - 2, -1, -1):  # weight and sum the outer dims, innermost first
         step = pow(ROOT, strides[dim], P)
         weights = mulmod(powers(step, acc.shape[-1], acc.device),
-                         torch.tensor(pow(step, offsets[dim], P), device=acc.device))
+                         pow(step, offsets[dim], P))
         acc = sum_mod(mulmod(acc, weights), -1)
     return acc
 
@@ -209,18 +209,29 @@ def box_hash(box: torch.Tensor, chunk_sizes: Sequence[int] | None = None,
 _ROW = 2048  # units per row when a long run of units is hashed
 
 
+def weighted_rows(rows: torch.Tensor, weights: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_hashes(rows) times ``weights`` (int64 [A] in [0, P)) modulo P, as 31-bit low and
+    30-bit high halves (int64 [A] each), ready to be summed: one fused pass on CUDA."""
+    done = fused.row_values(rows, weights)
+    if done is not None:
+        return done
+    value = mulmod(row_hashes(rows), weights)
+    return value & _M31, value >> 31
+
+
 def _long_hash(flat: torch.Tensor, first: int) -> torch.Tensor:
     """sum_i u_i * R**(first + i) modulo P of a 1-D run of units, in rows of _ROW units."""
     full = flat.numel() // _ROW * _ROW
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     if full:
-        rows = row_hashes(flat[:full].reshape(-1, _ROW))
-        weights = powers(pow(ROOT, _ROW, P), rows.numel(), flat.device)
-        total = sum_mod(mulmod(rows, weights))
+        weights = powers(pow(ROOT, _ROW, P), full // _ROW, flat.device)
+        low, high = weighted_rows(flat[:full].reshape(-1, _ROW), weights)
+        total = join_halves(low.sum(), high.sum())
     if flat.numel() > full:
         tail = row_hashes(flat[full:].reshape(1, -1))[0]
-        total = _fold(total + mulmod(tail, torch.tensor(pow(ROOT, full, P), device=flat.device)))
-    return mulmod(total, torch.tensor(pow(ROOT, first, P), device=flat.device))
+        total = _fold(total + mulmod(tail, pow(ROOT, full, P)))
+    return mulmod(total, pow(ROOT, first, P)) if first else total
 
 
 def tensor_hash(t: torch.Tensor) -> int:

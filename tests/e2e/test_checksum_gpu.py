@@ -18,14 +18,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.skipif(fused._kernel() is None, reason="needs Triton")  # noqa: SLF001
 @pytest.mark.parametrize("n_rows", [1, 3, 4, 5, 1000, 4099])
-def test_fused_row_hashes_equal_the_portable_ones(n_rows):
+def test_fused_row_values_equal_the_portable_ones(n_rows):
     g = torch.Generator().manual_seed(n_rows)
     words = torch.randint(-2**31, 2**31 - 1, (n_rows, 1024), generator=g,
                           dtype=torch.int64).to(torch.int32)
     words[0, :4] = torch.tensor([2**31 - 1, -2**31, -1, 0], dtype=torch.int32)
     rows = words.view(torch.int16)
-    assert fused.row_limb_sums(rows.cuda()) is not None
+    assert fused.row_values(rows.cuda()) is not None
     assert torch.equal(checksum.row_hashes(rows.cuda()).cpu(), checksum.row_hashes(rows))
+    weights = torch.randint(0, checksum.P, (n_rows,), generator=g, dtype=torch.int64)
+    weights[0] = checksum.P - 1
+    on_gpu = checksum.weighted_rows(rows.cuda(), weights.cuda())
+    on_cpu = checksum.weighted_rows(rows, weights)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(on_gpu, on_cpu))
 
 
 def test_flat_checksums_on_cuda_equal_the_cpu_ones():
