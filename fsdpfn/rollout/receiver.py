@@ -36,7 +36,7 @@ import torch
 
 from fsdpfn.rollout import lora as rollout_lora
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.rollout.staging import (Layout, check_manifest, first_non_finite,
+from fsdpfn.rollout.staging import (Layout, check_manifest, copy_shared, first_non_finite,
                                     load_safetensors, parse_version, post_flat, read_json,
                                     receive_sglang, record_event, torch_dtypes, unpack_flat,
                                     validate, wait_events)
@@ -307,12 +307,10 @@ class Receiver:
 
     def update_from_ipc(self, payload: dict) -> dict:
         """/update_weights_from_ipc: {buckets: [{names, dtypes, shapes, handle}],
-        weight_version, flush_cache}: each bucket's tensors packed back to back in a device
-        buffer of a process on this GPU, named by its CUDA IPC handle (fsdpfn.wire.ipc); copied
-        out here, checked and swapped in like a whole update. The sender frees the buffers
-        after the answer."""
-        from fsdpfn.wire.ipc import open_shared, unpack
-
+        weight_version, flush_cache}: each bucket an aligned flat bucket (the update channel's
+        layout) in a device buffer of a process on this GPU, named by its CUDA IPC handle
+        (fsdpfn.wire.ipc); copied into memory of this server, checked on the device and swapped
+        in like a whole update. The sender frees its buffers after the answer."""
         if self.engine.device.type != "cuda":
             raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
                               f"runs on {self.engine.device}")
@@ -322,16 +320,21 @@ class Receiver:
                 raise UpdateError("update rejected, previous weights kept: "
                                   + "; ".join(layout.problems))
             version, label = self._version(payload.get("weight_version"))
-            tensors = {}
-            for spec, b in zip(payload["buckets"], layout.buckets):
-                try:
-                    buffer = open_shared(spec.get("handle") or {}, self.engine.device)
-                    tensors.update(zip(b.names, unpack(buffer, b.torch_dtypes, b.shapes)))
-                except (ValueError, RuntimeError) as exc:
-                    raise UpdateError(f"update rejected, previous weights kept: {exc}") from None
-                del buffer
+            clock = time.perf_counter()
+            tensors, sums, finite = {}, [], []
+            for spec, b, names in zip(payload["buckets"], layout.buckets, layout.canonical):
+                out, s, f = copy_shared(spec.get("handle"), b, self.engine.device)
+                tensors.update(zip(names, out))
+                sums.append((names, s))
+                finite.append(f)
             torch.cuda.synchronize(self.engine.device)  # copies done before the sender frees
-            return self._commit_loaded(tensors, version, label)
+            received = time.perf_counter()
+            checksum = self._verdict(tensors, sums, finite)
+            self._swap(tensors, version, label, whole=True)
+        return {"success": True, "weight_version": version, "weights_checksum": checksum,
+                "message": f"updated {len(tensors)} tensors to version {version}",
+                "seconds": {"receive": received - clock,
+                            "apply": time.perf_counter() - received}}
 
     def update_from_disk(self, payload: dict) -> dict:
         """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,

@@ -13,7 +13,7 @@
 | POST /destroy_weights_update_group | {group_name} | {success, message} |
 | POST /update_weights_from_distributed | SGLang's {names, dtypes, shapes, group_name, flush_cache, load_format ("flattened_bucket": one packed broadcast), weight_version (any string)} | {success, message, weight_version (the int), seconds} |
 | POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests |
-| POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: tensors in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | same |
+| POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: each bucket an aligned flat bucket in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | {success, weight_version, weights_checksum, message, seconds} |
 | POST /pause_generation, POST /continue_generation | {mode} | SGLang's {message, status: "ok"}, plus success; a pause drains (nothing is aborted) |
 | POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py) |
 | POST /unload_lora_adapter | {lora_name} | same: the base weights served again |

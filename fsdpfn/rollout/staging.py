@@ -24,7 +24,7 @@ from fsdpfn.wire.protocol import (bucket_layout, broadcast, dtype_from_name, dty
                                   zero_padding)
 
 __all__ = ["BucketLayout", "Layout", "validate", "torch_dtypes", "receive_sglang", "post_flat",
-           "unpack_flat", "events_done", "wait_events", "parse_version", "record_event",
+           "unpack_flat", "copy_shared", "events_done", "wait_events", "parse_version", "record_event",
            "read_json", "load_safetensors", "check_manifest", "first_non_finite"]
 
 
@@ -157,6 +157,25 @@ def unpack_flat(buf, b: BucketLayout):
     else:
         finite = torch.stack([torch.isfinite(t).all() for t in out]).all()
     return out, sums, finite
+
+
+def copy_shared(handle, b: BucketLayout, device: torch.device):
+    """A shared aligned flat bucket (fsdpfn.wire.ipc handle) copied into a buffer of this
+    process, then unpacked and checked as unpack_flat does (views, checksums, finite), not
+    read."""
+    from fsdpfn.wire.ipc import open_shared
+
+    try:
+        shared = open_shared(handle or {}, device)
+    except (ValueError, RuntimeError) as exc:
+        raise UpdateError(f"update rejected, previous weights kept: {exc}") from None
+    if shared.numel() < b.total:
+        raise UpdateError(f"update rejected, previous weights kept: handle: the shared buffer "
+                          f"holds {shared.numel()} bytes and its bucket's tensors {b.total}")
+    own = torch.empty(padded_size(b.total), dtype=torch.uint8, device=device)
+    own[:b.total].copy_(shared[:b.total])
+    del shared
+    return unpack_flat(own, b)
 
 
 def first_non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -2,10 +2,9 @@
 two processes on one GPU.
 
 NCCL cannot connect two processes on the same device, and a round trip through disk costs
-seconds per push (a 1.5B model: 16 s on an H200 host). Instead trainer rank 0 packs each bucket
-of gathered weights into one device buffer and hands the server an IPC handle to it; the server
-maps the same memory, copies the tensors out on the device, and answers; then the trainer frees
-the buffer. What crosses the wire is a handle (torch's CUDA IPC fields, base64 for bytes), never
+seconds per push (a 1.5B model: 16 s on an H200 host). Instead trainer rank 0 hands the server
+an IPC handle to each gathered bucket (one device buffer); the server maps the same memory,
+copies it on the device, and answers; then the trainer frees the buffer. What crosses the wire is a handle (torch's CUDA IPC fields, base64 for bytes), never
 a pickle, so a request cannot run code in the server.
 
     handle = share(buffer)             # trainer: JSON-able dict; keep ``buffer`` alive until the
@@ -18,7 +17,7 @@ import base64
 
 import torch
 
-__all__ = ["share", "open_shared", "device_uuid", "unpack"]
+__all__ = ["share", "open_shared", "device_uuid"]
 
 
 def _b64(value) -> str | None:
@@ -32,23 +31,6 @@ def _bytes(value) -> bytes | None:
 def device_uuid(device: torch.device) -> str:
     """The physical GPU's UUID (the same in every process, whatever CUDA_VISIBLE_DEVICES)."""
     return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def unpack(buffer: torch.Tensor, dtypes: list[torch.dtype],
-           shapes: list[list[int]]) -> list[torch.Tensor]:
-    """Copies (on the buffer's device) of the tensors packed back to back in uint8 ``buffer``;
-    ValueError when the sizes do not add up to the buffer's."""
-    import math
-
-    sizes = [math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes)]
-    if sum(sizes) != buffer.numel():
-        raise ValueError(f"shapes: the tensors hold {sum(sizes)} bytes and the shared buffer "
-                         f"{buffer.numel()}")
-    out, offset = [], 0
-    for d, s, n in zip(dtypes, shapes, sizes):
-        out.append(buffer[offset:offset + n].view(d).view(s).clone())
-        offset += n
-    return out
 
 
 def share(buffer: torch.Tensor) -> dict:
