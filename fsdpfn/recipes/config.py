@@ -77,6 +77,11 @@ class LaunchConfig:
     master_port: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
 
 
+def _opt_str(_, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{attribute.name}: must be null or a non-empty string, got {value!r}")
+
+
 @attrs.frozen
 class RolloutConfig:
     """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
@@ -84,8 +89,17 @@ class RolloutConfig:
     (it must serve a model of the same architecture). Weights are pushed after every step over
     ``transport`` ("broadcast": a gloo/NCCL group; "ipc": CUDA IPC handles, for a server on
     trainer rank 0's GPU; "disk": safetensors under run_dir/push; "auto": broadcast, or ipc
-    when trainer and server share a GPU, where NCCL cannot connect two processes). ``device: auto`` follows the trainer; ``gpus``: the server's GPU (null: the
-    host's last GPU)."""
+    when trainer and server share a GPU, where NCCL cannot connect two processes). ``device:
+    auto`` follows the trainer; ``gpus``: the server's GPU (null: the host's last GPU).
+
+    ``max_staleness``: 0 is the synchronous loop (generate, then train, then push); N >= 1 lets
+    generation run up to N steps ahead of training (fsdpfn.rollout.stream: no trained sample is
+    more than N weight versions old, nothing is thrown away; pushes then land without pausing
+    generation). ``workflow``: "pkg.module:function" or "path.py:function", called once per
+    sample with an openai client and the data row, returning the episode's reward
+    (fsdpfn.recipes.workflow), each call bounded by ``workflow_timeout_s``; an episode's row
+    longer than ``max_episode_tokens`` (null: the model's max_position_embeddings) is dropped
+    and counted."""
 
     url: str | None = attrs.field(default=None)
     transport: str = attrs.field(default="auto",
@@ -99,6 +113,11 @@ class RolloutConfig:
     timeout_s: float = attrs.field(default=120.0, converter=_float_conv, validator=_float(gt=0))
     health_timeout_s: float = attrs.field(default=300.0, converter=_float_conv,
                                           validator=_float(gt=0))
+    max_staleness: int = attrs.field(default=0, validator=_int(0))
+    workflow: str | None = attrs.field(default=None, validator=_opt_str)
+    workflow_timeout_s: float = attrs.field(default=600.0, converter=_float_conv,
+                                            validator=_float(gt=0))
+    max_episode_tokens: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
 
     @url.validator
     def _check_url(self, attribute, value):
@@ -114,11 +133,6 @@ class CheckpointConfig:
 
     every: int = attrs.field(default=10, validator=_int(0))
     keep_last: int = attrs.field(default=2, validator=_int(1))
-
-
-def _opt_str(_, attribute, value):
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"{attribute.name}: must be null or a non-empty string, got {value!r}")
 
 
 @attrs.frozen

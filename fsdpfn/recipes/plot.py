@@ -19,6 +19,9 @@ _TOP = (("reward_mean", "tab:blue"), ("accuracy", "tab:blue"), ("reward_accuracy
         ("greedy_accuracy", "tab:green"), ("eval_accuracy", "tab:green"),
         ("eval_p_correct", "tab:purple"))
 _BOTTOM = (("loss", "tab:orange"), ("eval_loss", "tab:red"), ("critic_loss", "tab:green"))
+# drawn only when the rows carry it: generation ahead of training (rollout.max_staleness)
+_STALE = (("staleness_mean", "tab:blue"), ("staleness_max", "tab:red"),
+          ("trainer_wait_seconds", "tab:green"), ("rollout_wait_seconds", "tab:purple"))
 _TITLES = {"sft": "held-out p(correct)", "rw": "pair accuracy", "dpo": "preference accuracy"}
 
 
@@ -58,7 +61,9 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *,
 
     rows = [r for r in read_metrics(metrics_path) if r.get("phase") == phase]
     panels = ((f"{phase} {_TITLES.get(phase, 'reward')}", _TOP), (f"{phase} loss", _BOTTOM))
-    fig, axes = plt.subplots(2, 1, figsize=(9, 6.4), sharex=True)
+    if _series(rows, "staleness_max"):
+        panels += ((f"{phase} staleness (versions) and waits (s)", _STALE),)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), sharex=True)
     for ax, (title, keys) in zip(axes, panels):
         for key, color in keys:
             points = _series(rows, key)

@@ -28,7 +28,8 @@ from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB
 from fsdpfn.errors import ConfigError
 from fsdpfn.recipes.engine import engines, longest_row
 
-__all__ = ["preflight", "check_data", "check_reward", "check_positions", "ModelShape",
+__all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
+           "ModelShape",
            "estimate_memory", "check_memory", "HEADROOM", "GiB"]
 
 GiB = 1024 ** 3
@@ -44,6 +45,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
         check_data(cfg)
     if needs_rollout:
         check_reward(cfg)
+        check_rollout(cfg)
     hf = model_config(cfg)
     check_positions(cfg, hf)
     if placement.device != "cuda" or hf is None:
@@ -99,6 +101,48 @@ def check_reward(cfg) -> None:
         raise ConfigError(f"reward.fn: {spec!r} must accept {shape} (reward.batched="
                           f"{str(cfg.reward.batched).lower()}); its signature {sig} does not "
                           f"({exc}), got {spec!r}") from None
+
+
+def check_rollout(cfg) -> None:
+    """A workflow imports and takes (client, row), with an advantage estimator that groups its
+    episodes per data row; generation ahead of training needs a server that tags each token
+    with its weights version and takes updates mid-request (fsdpfn's own)."""
+    r, adv = cfg.rollout, cfg.advantage
+    if r.workflow:
+        from fsdpfn.recipes.workflow import load_workflow
+
+        load_workflow(r.workflow)
+        if adv.estimator not in ("grpo", "drgrpo", "rloo"):
+            raise ConfigError(f"rollout.workflow: episodes are grouped per data row; "
+                              f"advantage.estimator must be 'grpo', 'drgrpo' or 'rloo', got "
+                              f"{adv.estimator!r}")
+        for name in ("kl_coef", "whiten", "reward_clip"):
+            default = attrs.fields_dict(type(adv))[name].default
+            if getattr(adv, name) != default:
+                raise ConfigError(f"advantage.{name}: not applied to workflow episodes (their "
+                                  f"advantages are the group statistics alone), got "
+                                  f"{getattr(adv, name)!r}; use ppo.kl_coef for a KL term")
+    if r.max_staleness and r.url:
+        _check_external_server(r.url)
+
+
+def _check_external_server(url: str) -> None:
+    """rollout.max_staleness >= 1 with rollout.url: the server must be fsdpfn's (per-token
+    versions, in-flight updates); a stock SGLang server pauses or retracts requests around an
+    update and names one version per request, so staleness could not be bounded."""
+    from fsdpfn.wire.http import call
+
+    try:
+        info = call(url, "/get_model_info", None, timeout=10.0)
+    except Exception as exc:  # noqa: BLE001 - unreachable: say so, before launch
+        raise ConfigError(f"rollout.max_staleness: checking the server at rollout.url={url!r} "
+                          f"failed ({exc}); it must be reachable before launch") from None
+    if not isinstance(info, dict) or "server_id" not in info or "version" not in info:
+        raise ConfigError(f"rollout.max_staleness: the server at rollout.url={url!r} is not "
+                          f"fsdpfn's rollout server: generation ahead of training needs each "
+                          f"token's weights version and updates that land mid-request (SGLang "
+                          f"pauses or retracts requests around an update); use max_staleness: 0 "
+                          f"with it, or fsdpfn's server")
 
 
 def model_config(cfg) -> dict | None:

@@ -42,7 +42,8 @@ from fsdpfn.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.recipes.reward import build_reward_pool
 from fsdpfn.recipes.runtime import (Metrics, Progress, RunContext, all_reduce_sum,
                                     broadcast_from_main, is_main, log, mean_sequence_prob)
-from fsdpfn.recipes.task import rollout_batch, sequences_batch
+from fsdpfn.recipes.rollout_stage import build_rollout, max_new_tokens, score
+from fsdpfn.recipes.task import sequences_batch
 from fsdpfn.rollout import generate
 from fsdpfn.weights import RolloutTarget, push_weights
 
@@ -150,73 +151,14 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
 # ---------------------------------------------------------------- rollout (rank 0)
 
 
-def _max_new_tokens(cfg) -> int:
-    return cfg.data.max_response_tokens if cfg.data.from_files else cfg.task.max_answer_tokens
-
-
-def _prompt_text(example) -> str:
-    """What the reward sees as the prompt: the dataset's string, or the last user turn."""
-    prompt = example.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    users = [m.get("content", "") for m in prompt or () if m.get("role") == "user"]
-    return users[-1] if users else ""
-
-
-def _score(pool, tok, examples: list[dict], outputs: list[dict], group: int):
-    """Rank 0: rewards of the completions (outputs[i] answers examples[i // group])."""
-    rows = [examples[i // group] for i in range(len(outputs))]
-    return pool.score([_prompt_text(e) for e in rows],
-                      [tok.decode(o["output_ids"]) for o in outputs],
-                      answers=[e.get("answer") for e in rows],
-                      samples=[e.get("sample") or {} for e in rows])
-
-
-def _rollout(cfg, ctx: RunContext, tok, source, pool, step: int, cursor: int) -> dict:
-    """Rank 0: one step's global batch (as plain tensors) and its rollout statistics."""
-    G = cfg.advantage.group_size
-    examples = source.take(cursor, cfg.prompts_per_step)
-    prompts = [e["prompt_ids"] for e in examples]
-    t0 = time.perf_counter()
-    answer = generate(ctx.rollout_url, prompts, n=G, max_new_tokens=_max_new_tokens(cfg),
-                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                      seed=cfg.seed * 1_000_003 + step, stop_token_ids=tok.stop_ids,
-                      timeout=cfg.rollout.timeout_s)
-    t_gen = time.perf_counter()
-    outputs = answer["outputs"]
-    result = _score(pool, tok, examples, outputs, G)
-    if result.errors:
-        log(f"step {step}: {result.summary()}")
-        _record_errors(ctx, step, result)
-    batch = rollout_batch(prompts, outputs, G, result.rewards)
-    lengths = [len(o["output_ids"]) for o in outputs]
-    return {"batch": batch.to_dict(), "served_version": answer["weight_version"],
-            "stats": {"generate_seconds": t_gen - t0,
-                      **result.metrics(),
-                      "response_len_mean": sum(lengths) / len(lengths),
-                      "response_len_max": max(lengths),
-                      "response_clip_frac": sum(o.get("finish_reason") == "length"
-                                                for o in outputs) / len(outputs),
-                      "prompt_len_mean": sum(map(len, prompts)) / len(prompts),
-                      "generated_tokens": sum(lengths)}}
-
-
-def _record_errors(ctx: RunContext, step: int, result) -> None:
-    with open(ctx.run_dir / "reward_errors.jsonl", "a") as fh:
-        for e in result.errors:
-            fh.write(json.dumps({"step": step, "index": e.index, "kind": e.kind,
-                                 "message": e.message, "prompt": e.prompt,
-                                 "completion": e.completion}) + "\n")
-
-
 def greedy_reward(cfg, ctx: RunContext, tok, held_out, pool, n_prompts: int) -> float:
     """Rank 0: the mean reward of greedy answers to held-out prompts (a fixed set); the
     accuracy when rewards are 0/1."""
     examples = held_out.head(n_prompts)
     answer = generate(ctx.rollout_url, [e["prompt_ids"] for e in examples], n=1,
-                      max_new_tokens=_max_new_tokens(cfg), temperature=0.0,
+                      max_new_tokens=max_new_tokens(cfg), temperature=0.0,
                       stop_token_ids=tok.stop_ids, timeout=cfg.rollout.timeout_s)
-    rewards = _score(pool, tok, examples, answer["outputs"], 1).rewards
+    rewards = score(pool, tok, examples, answer["outputs"], 1).rewards
     return sum(rewards) / len(rewards)
 
 
@@ -288,14 +230,20 @@ def run(cfg, ctx: RunContext) -> int:
     target = _connect(cfg, ctx, actor)
     # 4. RL steps; rank 0 scores with the reward's worker processes
     pool = build_reward_pool(cfg.reward, default=reward_spec(cfg)) if is_main() else None
+    producer = None
     try:
         if pool is not None:
             pool.start()
         data = (load_source(cfg, tok, ctx.run_dir, "train"),
                 load_source(cfg, tok, ctx.run_dir, "eval"))
-        return _train(cfg, ctx, mesh, tok, metrics, actor, ref, critic, target, pool, data,
-                      start, cursor)
+        if is_main():  # generation (ahead of training with rollout.max_staleness)
+            producer = build_rollout(cfg, ctx, tok, data[0], pool, cursor=cursor,
+                                     version=actor.version)
+        return _train(cfg, ctx, mesh, tok, metrics, actor, ref, critic, target, pool,
+                      (*data, producer), start, cursor)
     finally:
+        if producer is not None:
+            producer.close()
         if pool is not None:
             pool.close()
         metrics.close()
@@ -328,6 +276,8 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
     disk = ctx.transport == "disk"
     target = RolloutTarget(url, config=ff.PushConfig(
         transport=ctx.transport, timeout_s=cfg.rollout.timeout_s,
+        # generation ahead of training: requests in flight continue on the new weights
+        pause_generation=cfg.rollout.max_staleness == 0,
         disk_root=ctx.run_dir / "push" if disk else None))
     receipt = push_weights(actor, target)
     log(f"pushed weights version {receipt.version} to {url} by {ctx.transport} "
@@ -338,7 +288,7 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
 
 def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target, pool, data,
            start: int, cursor: int) -> int:
-    source, held_out = data
+    source, held_out, producer = data
     held_out = held_out or (source if isinstance(source, AdditionSource) else None)
     bar = Progress(cfg.recipe, cfg.steps, start=start, every=cfg.log.every,
                    enabled=cfg.log.progress)
@@ -348,7 +298,7 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
         evaluate = held_out is not None and bool(cfg.eval.every) and (
             step == start + 1 or step % cfg.eval.every == 0 or step == cfg.steps)
         actor, critic, row = _rl_step(cfg, ctx, mesh, tok, actor, ref, critic, target, pool,
-                                      (source, held_out if evaluate else None), step, cursor)
+                                      (producer, held_out if evaluate else None), step, cursor)
         cursor += cfg.prompts_per_step
         row["data_cursor"] = cursor
         row["elapsed"] = time.perf_counter() - t_run
@@ -375,34 +325,35 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
 def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, data,
              step: int, cursor: int):
     """One RL step on every rank; returns (actor, critic, metrics row)."""
-    source, held_out = data
+    producer, held_out = data
     t0 = time.perf_counter()
-    rollout = broadcast_from_main(lambda: _rollout(cfg, ctx, tok, source, pool, step, cursor))
+    rollout = broadcast_from_main(lambda: producer.step(step, cursor))
     greedy = (broadcast_from_main(lambda: greedy_reward(cfg, ctx, tok, held_out, pool,
                                                         cfg.eval.n_prompts))
               if held_out is not None else None)
     clock = _Stages(ctx)
     clock.times["rollout_seconds"] = clock.t - t0  # generate + reward (+ eval), on rank 0
+    if rollout["batch"] is None:  # no episode left a trainable row: nothing to train on
+        log(f"step {step}: no trainable row ({rollout['stats']}); the weights stay")
+        return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times)
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
     batch = ff.shard_batch(full, mesh)  # (b, T): whole groups (group_id) on each rank
-    batch = (ff.forward_logp(ref, batch, out_key=K.REF_LOGP, temperature=cfg.ppo.temperature)
-             if ref is not None else
-             ff.forward_logp(actor, batch, out_key=K.REF_LOGP, temperature=cfg.ppo.temperature,
-                             adapters=False))
-    clock.lap("ref_logp")
-    batch = ff.forward_logp(actor, batch, out_key=K.OLD_LOGP, temperature=cfg.ppo.temperature)
-    clock.lap("old_logp")
+    batch = _logprob_passes(cfg, actor, ref, batch, clock)
     if critic is not None:
         batch = ff.compute_values(critic, batch)
         clock.lap("values")
-    batch = ff.compute_advantages(batch, cfg.advantage, mesh=mesh)  # dp-global statistics
+    if not rollout["advantages_done"]:  # episodes carry theirs (groups of unequal row counts)
+        batch = ff.compute_advantages(batch, cfg.advantage, mesh=mesh)  # dp-global statistics
     actor, stats = ff.ppo_step(actor, batch, cfg.ppo)
     cstats = None
     if critic is not None:
         critic, cstats = ff.critic_step(critic, batch, cfg.critic)
-    gap = _behav_gap(batch, mesh)
+    gap = (_behav_gap(batch, mesh) if K.OLD_LOGP in batch.keys()
+           else float(stats["behav_gap_mean"]) if "behav_gap_mean" in stats.keys() else None)
     clock.lap("train")
     receipt = push_weights(actor, target)
+    if producer is not None:  # rank 0: generation may run one step further ahead
+        producer.advance(receipt.version)
     clock.lap("push")
     times = clock.times
     seconds = time.perf_counter() - t0
@@ -411,6 +362,39 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     if greedy is not None:
         row["greedy_accuracy"] = greedy  # of the weights this step sampled with
     return actor, critic, row
+
+
+def needed_passes(cfg) -> tuple[bool, bool]:
+    """(reference pass, old log-prob pass): the reference only for a KL term (in the loss or
+    in the reward); old_logp only where the training forward cannot stand in for it (several
+    minibatches, old_logp_from 'batch', or a KL-in-reward that reads it)."""
+    ref = cfg.ppo.kl_coef > 0 or cfg.advantage.kl_coef > 0
+    forward_stands_in = cfg.ppo.old_logp_from in ("forward", "behav") or (
+        cfg.ppo.old_logp_from == "auto" and cfg.ppo.n_minibatches == 1)
+    return ref, not forward_stands_in or cfg.advantage.kl_coef > 0
+
+
+def _logprob_passes(cfg, actor, ref, batch, clock):
+    """The reference and old log-prob passes the update needs (needed_passes), timed."""
+    need_ref, need_old = needed_passes(cfg)
+    T = cfg.ppo.temperature
+    if need_ref:
+        batch = (ff.forward_logp(ref, batch, out_key=K.REF_LOGP, temperature=T)
+                 if ref is not None else
+                 ff.forward_logp(actor, batch, out_key=K.REF_LOGP, temperature=T,
+                                 adapters=False))
+    clock.lap("ref_logp")
+    if need_old:
+        batch = ff.forward_logp(actor, batch, out_key=K.OLD_LOGP, temperature=T)
+    clock.lap("old_logp")
+    return batch
+
+
+def _empty_row(phase, step, rollout, actor, times) -> dict:
+    return {"phase": phase, "step": step, "version": actor.version,
+            "served_version": rollout["served_version"], **rollout["stats"], **times,
+            "reward_mean": float("nan"), "loss": float("nan"), "tokens_per_s": 0.0,
+            "response_len_mean": rollout["stats"].get("response_len_mean", 0.0)}
 
 
 def _metrics_row(phase, step, full, rollout, stats, cstats, receipt, gap, seconds,

@@ -96,6 +96,11 @@ class RunContext:
     transport: str = "broadcast"
     stop: StopFlag = attrs.field(factory=StopFlag)
 
+    @property
+    def rollout_urls(self) -> list[str]:
+        """Every rollout server's URL (``rollout_url`` may name several, comma-separated)."""
+        return [u for u in (self.rollout_url or "").split(",") if u]
+
 
 class Metrics:
     """JSON lines in ``path`` (rank 0 writes), and TensorBoard scalars in ``tensorboard`` (a

@@ -167,13 +167,18 @@ def run_episodes(url: str, workflow: Workflow, rows: list[dict], group_size: int
 
 
 def episodes_batch(results: list[EpisodeResult], group_size: int, *, max_tokens: int,
-                   norm_std: bool = True) -> tuple[TensorDict | None, dict[str, Any]]:
+                   estimator: str = "grpo",
+                   eps: float = 1e-6) -> tuple[TensorDict | None, dict[str, Any]]:
     """The public batch of a step's episodes: their rows (fsdpfn.rollout.episode) with
-    ``behav_logp``, ``rewards`` (the episode's, per row), ``advantages`` (GRPO over each data
-    row's episodes, on the row's loss tokens) and ``group_id`` (the data row); None when no
+    ``behav_logp``, ``rewards`` (the episode's, per row), ``advantages`` (``estimator``, as
+    compute_advantages computes it, over each data row's episodes, on the row's loss tokens) and ``group_id`` (the data row); None when no
     episode left a row. Rows over ``max_tokens`` are dropped and counted in the stats."""
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
-    adv = group_advantages(rewards, group_size, norm_std=norm_std)
+    if estimator not in ("grpo", "drgrpo", "rloo"):
+        raise ConfigError(f"advantage.estimator: episodes are grouped per data row, so it must "
+                          f"be 'grpo', 'drgrpo' or 'rloo', got {estimator!r}")
+    adv = group_advantages(rewards, group_size, norm_std=estimator == "grpo",
+                           leave_one_out=estimator == "rloo", eps=eps)
     rows, owners, dropped = [], [], 0
     for k, result in enumerate(results):
         for row in episode_rows(result.turns):

@@ -41,7 +41,7 @@ import attrs
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout.client import generate
 
-__all__ = ["RolloutStream", "Group", "StreamBatch"]
+__all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
 
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "timeout")
 
@@ -63,8 +63,16 @@ class Group:
     @property
     def oldest_version(self) -> int | None:
         """The oldest weights version among the group's tokens (None: no token generated)."""
-        versions = [min(o["weight_versions"]) for o in self.outputs if o.get("weight_versions")]
+        versions = [min(v) for v in map(token_versions, self.outputs) if v]
         return min(versions) if versions else None
+
+
+def token_versions(output) -> list:
+    """The weights version of every sampled token of one sample: a server output's
+    ``weight_versions``, or every turn's versions of an episode (anything with ``turns``)."""
+    if isinstance(output, dict):
+        return list(output.get("weight_versions") or [])
+    return [v for turn in getattr(output, "turns", ()) for v in turn.versions]
 
 
 @attrs.frozen
@@ -93,18 +101,23 @@ class RolloutStream:
     """Keeps up to (max_staleness + 1) steps of groups in flight against rollout servers (module
     doc). ``prompt_at(i)``: the token ids of the i-th prompt of the data order (None or
     IndexError: the data ended). ``score(groups) -> list``: called once per finished request on
-    the stream's own thread (one call at a time), its results stored on the groups."""
+    the stream's own thread (one call at a time), its results stored on the groups.
+    ``runner(url, first, items) -> [outputs of each item]``: what a request is (default: one
+    ``generate`` of the items' token ids, ``group_size`` samples each; a workflow runner makes
+    episodes instead: then ``prompt_at`` may return any item, e.g. the data row)."""
 
-    def __init__(self, urls: str | Sequence[str], prompt_at: Callable[[int], Sequence[int] | None],
+    def __init__(self, urls: str | Sequence[str], prompt_at: Callable[[int], Any],
                  *, group_size: int, groups_per_step: int, max_staleness: int = 0,
                  start: int = 0, version: int = 0, sampling: dict | None = None,
-                 score: Callable[[list], list] | None = None, seed: int | None = None):
+                 score: Callable[[list], list] | None = None, seed: int | None = None,
+                 runner: Callable[[str, int, list], list] | None = None):
         sampling = dict(sampling or {})
         _check_args(group_size, groups_per_step, max_staleness, start, sampling)
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ConfigError("urls: must name at least one rollout server, got []")
         self.prompt_at, self.score, self.sampling, self.seed = prompt_at, score, sampling, seed
+        self.runner, self.token_items = runner or self._generate, runner is None
         self.G, self.B, self.N = group_size, groups_per_step, max_staleness
         self.start = self.next_index = self.consumed = start
         self.version, self.advances = int(version), 0
@@ -224,7 +237,7 @@ class RolloutStream:
             if ids is None:
                 self.ended_at = i
                 break
-            out.append([int(t) for t in ids])
+            out.append([int(t) for t in ids] if self.token_items else ids)
         return out
 
     def _least_loaded(self) -> str:
@@ -232,13 +245,17 @@ class RolloutStream:
 
     # ------------------------------------------------------------ requests
 
+    def _generate(self, url: str, first: int, prompts: list) -> list:
+        """The default runner: one generate of ``prompts``, their samples split per prompt."""
+        seed = None if self.seed is None else self.seed * 1_000_003 + first
+        answer = generate(url, prompts, n=self.G, seed=seed, **self.sampling)
+        return [answer["outputs"][i * self.G:(i + 1) * self.G] for i in range(len(prompts))]
+
     def _request(self, url: str, first: int, prompts: list, admitted: int) -> None:
         try:
-            kwargs = {k: v for k, v in self.sampling.items()}
-            seed = None if self.seed is None else self.seed * 1_000_003 + first
-            answer = generate(url, prompts, n=self.G, seed=seed, **kwargs)
-            groups = [Group(first + i, prompts[i], answer["outputs"][i * self.G:(i + 1) * self.G],
-                            url, admitted) for i in range(len(prompts))]
+            outputs = self.runner(url, first, prompts)
+            groups = [Group(first + i, prompts[i], outputs[i], url, admitted)
+                      for i in range(len(prompts))]
             if self.score is not None:
                 with self.score_lock:
                     scores = self.score(groups)
@@ -263,7 +280,7 @@ def _stats(groups: list, version: int, waited: float, held: float) -> dict:
     stale, tokens, off = [], 0, 0
     for g in groups:
         for o in g.outputs:
-            versions = o.get("weight_versions") or []
+            versions = token_versions(o)
             if versions:
                 stale.append(version - min(versions))
             tokens += len(versions)

@@ -1,0 +1,95 @@
+"""Asynchronous RL and workflows in the recipe, end to end through the CLI (CPU): generation
+ahead of training within rollout.max_staleness, the data cursor across --resume, a workflow run.
+
+The bound is read from the metrics rows the run wrote (staleness from the server's own per-token
+versions); the data order from the first and last data index each step trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+SHORT = ["warmup.steps=10", "warmup.target_reward=null", "prompts_per_step=8",
+         "checkpoint.every=2", "eval.every=0", "log.every=1"]
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def fsdpfn(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fsdpfn", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "grpo"]
+
+
+@pytest.mark.timeout(600)
+def test_generation_runs_ahead_within_the_bound_and_resume_trains_every_prompt_once(tmp_path):
+    run_dir = tmp_path / "async"
+    first = fsdpfn("demo", f"run_dir={run_dir}", "steps=4", "rollout.max_staleness=2", *SHORT)
+    assert first.returncode == 0, first.stderr[-4000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["staleness_max"] <= 2 for r in rows), [r["staleness_max"] for r in rows]
+    assert rows[0]["staleness_max"] == 0 and max(r["staleness_max"] for r in rows) >= 1
+    assert all(0.0 <= r["off_policy_token_frac"] <= 1.0 for r in rows)
+    second = fsdpfn("demo", f"run_dir={run_dir}", "steps=6", "rollout.max_staleness=2",
+                    *SHORT, "--resume")
+    assert second.returncode == 0, second.stderr[-4000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # each step trained the next 8 prompts of the data order: none twice, none skipped
+    assert [(r["data_first"], r["data_last"]) for r in rows] == \
+        [(8 * k, 8 * k + 7) for k in range(6)]
+    assert [r["data_cursor"] for r in rows] == [8 * (k + 1) for k in range(6)]
+
+
+@pytest.mark.timeout(400)
+def test_a_workflow_trains_multi_turn_episodes(tmp_path):
+    run_dir = tmp_path / "wf"
+    spec = f"rollout.workflow={EXAMPLES / 'workflows.py'}:check_and_retry"
+    done = fsdpfn("demo", f"run_dir={run_dir}", "steps=2", spec, *SHORT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["episodes"] == 64 and r["episode_errors"] == 0
+        assert 1.0 <= r["turns_per_episode"] <= 2.0 and r["episode_rows"] == 64
+        assert r["staleness_max"] == 0  # max_staleness 0: the synchronous schedule
+
+
+def test_bad_bounds_and_workflows_are_refused_before_launch(tmp_path):
+    for override, words in (("rollout.max_staleness=-1", "max_staleness: must be >= 0"),
+                            ("rollout.max_staleness=1.5", "max_staleness: must be an integer"),
+                            ("rollout.workflow=no_such_module_x:fn", "rollout.workflow")):
+        out = fsdpfn("demo", f"run_dir={tmp_path / 'bad'}", override, "--dry-run", timeout=60)
+        assert out.returncode != 0 and words in out.stderr, (override, out.stderr[-2000:])
+        assert len(out.stderr.strip().splitlines()) <= 2, out.stderr
+
+
+def test_a_bound_with_a_server_that_is_not_fsdpfns_is_refused(tmp_path):
+    """A stock SGLang server (here the test suite's stand-in speaking SGLang's protocol)
+    cannot bound staleness: it pauses around updates and names one version per request."""
+    from sglang_standin import serve  # tests/sglang_standin.py
+
+    from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+
+    model = save_tiny_model(tmp_path / "m", tiny_qwen2_config(), seed=0)
+    _, server, url = serve(model)
+    try:
+        out = fsdpfn("demo", f"run_dir={tmp_path / 'x'}", f"rollout.url={url}",
+                     "rollout.max_staleness=1", "--dry-run", timeout=60)
+    finally:
+        server.shutdown()
+    assert out.returncode != 0, out.stderr[-2000:]
+    assert "rollout.max_staleness" in out.stderr and "not fsdpfn's rollout server" in out.stderr
