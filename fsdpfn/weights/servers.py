@@ -79,10 +79,10 @@ class Servers:
             self.open_channels(infos)
             if self.over_channels():
                 self._prepared = (dtype, backend, False)
-            elif self.channels:
-                raise WeightSyncError(f"urls: the servers must all offer an update channel or "
-                                      f"none, got channels to {sorted(self.channels)} of "
-                                      f"{self.urls}")
+            else:  # a server without a (reachable) channel: all in SGLang's protocol
+                for ch in self.channels.values():
+                    ch.close()
+                self.channels.clear()
         return dtype, backend, self.config.transport == "broadcast" and not self.over_channels()
 
     def _ready(self, layout: int) -> bool:

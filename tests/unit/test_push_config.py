@@ -109,3 +109,24 @@ def test_misuse_of_the_constructor_is_refused():
 
 def test_push_config_is_exported_at_the_top_level():
     assert ff.PushConfig is PushConfig and "PushConfig" in ff.__all__
+
+
+def test_each_transport_implements_the_sender_protocol():
+    """The four transports are each a fsdpfn.weights.gather.Sender, driven by gather.send."""
+    import inspect
+
+    from fsdpfn.weights.channel import ChannelSender
+    from fsdpfn.weights.disk import _Writer
+    from fsdpfn.weights.gather import Sender
+    from fsdpfn.weights.ipc import IpcSender
+    from fsdpfn.weights.sglang import SGLangSender
+
+    methods = [n for n, v in vars(Sender).items() if inspect.isfunction(v) and n[0] != "_"]
+    fields = list(Sender.__annotations__)
+    assert sorted(methods) == ["abandon", "conclude", "finish", "start"]
+    assert sorted(fields) == ["flat", "start_before_finish"]
+    for cls in (ChannelSender, SGLangSender, IpcSender, _Writer):
+        for name in methods:
+            assert inspect.isfunction(getattr(cls, name, None)), (cls.__name__, name)
+        for name in fields:
+            assert isinstance(getattr(cls, name, None), bool), (cls.__name__, name)
