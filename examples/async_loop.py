@@ -48,7 +48,7 @@ def main() -> None:
     # 2. the server, the stream over the data order (problem i is drawn with seed i)
     problems = [task.sample(1, seed=10_000 + i)[0] for i in range(args.steps * args.prompts)]
     server = launch_server(run_dir / "model0", log_dir=run_dir)
-    target = RolloutTarget(server.url)
+    target = RolloutTarget(server.url, config=ff.PushConfig(pause_generation=False))
     version = push_weights(actor, target).version
     stream = RolloutStream(server.url, lambda i: task.prompt_ids(tok, *problems[i]),
                            group_size=G, groups_per_step=args.prompts,
