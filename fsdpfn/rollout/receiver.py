@@ -252,13 +252,7 @@ class Receiver:
                 ack()
             clock = time.perf_counter()
             tensors, sums, finite = self._receive_whole(name, group, layout)
-            received = time.perf_counter()
-            checksum = self._verdict(tensors, sums, finite)
-            self._swap(tensors, version, label, whole=True)
-        return {"success": True, "weight_version": version, "weights_checksum": checksum,
-                "message": f"updated {len(tensors)} tensors to version {version}",
-                "seconds": {"receive": received - clock,
-                            "apply": time.perf_counter() - received}}
+            return self._commit(tensors, sums, finite, version, label, clock)
 
     def _receive_whole(self, name: str, group: Group, layout: Layout):
         """Every bucket's receive posted at once (the sender keeps several in flight), each
@@ -328,9 +322,13 @@ class Receiver:
                 sums.append((names, s))
                 finite.append(f)
             torch.cuda.synchronize(self.engine.device)  # copies done before the sender frees
-            received = time.perf_counter()
-            checksum = self._verdict(tensors, sums, finite)
-            self._swap(tensors, version, label, whole=True)
+            return self._commit(tensors, sums, finite, version, label, clock)
+
+    def _commit(self, tensors, sums, finite, version, label, clock: float) -> dict:
+        """A whole update that arrived: checked, swapped in, answered with its timings."""
+        received = time.perf_counter()
+        checksum = self._verdict(tensors, sums, finite)
+        self._swap(tensors, version, label, whole=True)
         return {"success": True, "weight_version": version, "weights_checksum": checksum,
                 "message": f"updated {len(tensors)} tensors to version {version}",
                 "seconds": {"receive": received - clock,
