@@ -93,3 +93,37 @@ def test_a_bound_with_a_server_that_is_not_fsdpfns_is_refused(tmp_path):
         server.shutdown()
     assert out.returncode != 0, out.stderr[-2000:]
     assert "rollout.max_staleness" in out.stderr and "not fsdpfn's rollout server" in out.stderr
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "stop"
+    spec = f"rollout.workflow={EXAMPLES / 'workflows.py'}:check_and_retry"
+    args = ["demo", f"run_dir={run_dir}", spec, "rollout.max_staleness=1", *SHORT]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fsdpfn", *args, "steps=40"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "metrics.jsonl").is_file() and rows_of(run_dir):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        proc.send_signal(signal.SIGINT)  # the next step's episodes are in flight (staleness 1)
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-4000:]
+    stopped = rows_of(run_dir)[-1]["step"]
+    again = fsdpfn(*args, f"steps={stopped + 2}", "--resume")
+    assert again.returncode == 0, again.stderr[-4000:]
+    rows = rows_of(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, stopped + 3))
+    assert [(r["data_first"], r["data_last"]) for r in rows] == \
+        [(8 * k, 8 * k + 7) for k in range(stopped + 2)]
+    assert all(r["staleness_max"] <= 1 and r["episode_errors"] == 0 for r in rows)

@@ -177,3 +177,34 @@ def test_calculator_and_chat_examples_run_on_a_chat_model(tmp_path):
                                    timeout_s=60)
             assert all(r.error is None and r.turns for r in results), [r.error for r in results]
             assert all(r.reward in (0.0, 1.0) for r in results)
+
+
+@pytest.mark.timeout(120)
+def test_a_streamed_chat_reaches_the_openai_package_and_is_recorded(server, tok):
+    import asyncio
+
+    from fsdpfn.rollout.agent import AsyncEpisodeClient, EpisodeClient
+
+    client = EpisodeClient(server.url)
+    stream = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "what is two plus two"}],
+        max_tokens=5, stream=True, stream_options={"include_usage": True}, seed=1)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (turn,) = client.turns
+    assert text == tok.decode(turn.output_ids, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == len(turn.output_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+    async def streamed():
+        aclient = AsyncEpisodeClient(server.url)
+        got = await aclient.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "again please"}],
+            max_tokens=4, stream=True)
+        parts = [c async for c in got]
+        await aclient.close()
+        return parts, aclient.turns
+
+    parts, turns = asyncio.run(streamed())
+    assert len(turns) == 1 and len(turns[0].output_ids) == len(turns[0].logprobs) > 0
+    assert parts[-1].choices[0].finish_reason in ("stop", "length")
