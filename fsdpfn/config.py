@@ -346,12 +346,12 @@ class PPOConfig:
     [1 − cispo_clip_low (None: none), 1 + cispo_clip_high (None: the PPO upper clip)].
     ``check_on_policy``: warn when the first minibatch's mean |logp − old_logp| exceeds
     ``on_policy_tol`` (on-policy data must have ratio 1 before the first update).
-    ``old_logp_from``: where the ratio's denominator (the proximal policy) comes from. 'batch':
-    the batch's ``old_logp`` (required). 'forward': the training forward itself, detached: with
-    one minibatch the update starts at the weights old_logp would be computed with, so the ratio
-    is 1 by construction and the separate ``forward_logp`` pass is saved (needs n_minibatches=1).
-    'auto' (default): the batch's ``old_logp`` when present, else the training forward when
-    n_minibatches=1 (else ``old_logp`` is required). 'behav': the batch's ``behav_logp`` (no
+    ``old_logp_from``: where the ratio's denominator (the proximal policy) comes from. 'batch'
+    (default): the batch's ``old_logp`` (required). 'forward': the training forward itself,
+    detached: with one minibatch the update starts at the weights old_logp would be computed
+    with, so the ratio is 1 by construction and the separate ``forward_logp`` pass is saved
+    (needs n_minibatches=1). 'auto': the batch's ``old_logp`` when present, else the training
+    forward when n_minibatches=1 (else ``old_logp`` is required). 'behav': the batch's ``behav_logp`` (no
     proximal pass at any n_minibatches; an approximation when the sampler's weights are older
     than the trainer's: the ratio is then anchored at the sampling policy, and the stat
     ``on_policy_gap`` with check_on_policy measures how far that is from the proximal policy).
@@ -389,7 +389,7 @@ class PPOConfig:
                                                 validator=_float(gt=0, optional=True))
     check_on_policy: bool = attrs.field(default=False, validator=_bool)
     on_policy_tol: float = attrs.field(default=1e-3, converter=_float_conv, validator=_float(gt=0))
-    old_logp_from: str = attrs.field(default="auto",
+    old_logp_from: str = attrs.field(default="batch",
                                   validator=_one_of("auto", "batch", "forward", "behav"))
 
     def __attrs_post_init__(self):

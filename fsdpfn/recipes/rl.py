@@ -30,6 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import attrs
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -344,7 +345,7 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
         clock.lap("values")
     if not rollout["advantages_done"]:  # episodes carry theirs (groups of unequal row counts)
         batch = ff.compute_advantages(batch, cfg.advantage, mesh=mesh)  # dp-global statistics
-    actor, stats = ff.ppo_step(actor, batch, cfg.ppo)
+    actor, stats = ff.ppo_step(actor, batch, _ppo_config(cfg, batch))
     cstats = None
     if critic is not None:
         critic, cstats = ff.critic_step(critic, batch, cfg.critic)
@@ -366,17 +367,25 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
 
 def needed_passes(cfg) -> tuple[bool, bool]:
     """(reference pass, old log-prob pass): the reference only for a KL term (in the loss or
-    in the reward); old_logp only where the training forward cannot stand in for it (several
-    minibatches, old_logp_from 'batch', or a KL-in-reward that reads it)."""
+    in the reward); old_logp only where the training forward cannot stand in for it exactly
+    (several minibatches without old_logp_from 'behav', or a KL-in-reward that reads it)."""
     ref = cfg.ppo.kl_coef > 0 or cfg.advantage.kl_coef > 0
-    forward_stands_in = cfg.ppo.old_logp_from in ("forward", "behav") or (
-        cfg.ppo.old_logp_from == "auto" and cfg.ppo.n_minibatches == 1)
+    forward_stands_in = cfg.ppo.old_logp_from == "behav" or cfg.ppo.n_minibatches == 1
     return ref, not forward_stands_in or cfg.advantage.kl_coef > 0
+
+
+def _ppo_config(cfg, batch) -> ff.PPOConfig:
+    """cfg.ppo, told to take old_logp from the training forward when the recipe skipped that
+    pass (one minibatch: exact, the ratio is 1 by construction)."""
+    if K.OLD_LOGP in batch.keys() or cfg.ppo.old_logp_from != "batch":
+        return cfg.ppo
+    return attrs.evolve(cfg.ppo, old_logp_from="forward")
 
 
 def _logprob_passes(cfg, actor, ref, batch, clock):
     """The reference and old log-prob passes the update needs (needed_passes), timed."""
     need_ref, need_old = needed_passes(cfg)
+    clock.times.update(ref_logp_pass=int(need_ref), old_logp_pass=int(need_old))
     T = cfg.ppo.temperature
     if need_ref:
         batch = (ff.forward_logp(ref, batch, out_key=K.REF_LOGP, temperature=T)

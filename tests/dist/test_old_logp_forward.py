@@ -39,14 +39,15 @@ def old_logp_from_the_forward():
     full, batch = _batch(_state().mesh)
     with_old = ff.forward_logp(probe := _state(), batch, out_key=K.OLD_LOGP)
     _, given = ff.ppo_step(probe, with_old, ff.PPOConfig())                  # the batch's old_logp
-    _, auto = ff.ppo_step(_state(), batch, ff.PPOConfig())                   # no old_logp: auto
+    _, auto = ff.ppo_step(_state(), batch, ff.PPOConfig(old_logp_from="auto"))  # none given
     _, forced = ff.ppo_step(_state(), with_old, ff.PPOConfig(old_logp_from="forward"))
     _, pg = ff.grad_step(_state(), batch, _reinforce)
     mask = full[K.LOSS_MASK]
     expected = float(-(full[K.ADVANTAGES].double() * mask).sum() / mask.sum())  # ratio 1
     refused = []
     for call in (lambda: ff.ppo_step(_state(), batch, ff.PPOConfig(old_logp_from="batch")),
-                 lambda: ff.ppo_step(_state(), batch, ff.PPOConfig(n_minibatches=2))):
+                 lambda: ff.ppo_step(_state(), batch, ff.PPOConfig(n_minibatches=2,
+                                                                   old_logp_from="auto"))):
         try:
             call()
             refused.append(None)
@@ -70,6 +71,8 @@ def test_one_minibatch_takes_old_logp_from_the_training_forward(spmd2):
             assert abs(s["grad_norm"] - ref) <= 1e-5 * ref, (name, s, ref)
     assert all(r is not None and "old_logp" in r for r in refused), refused
     assert "old_logp_from='batch'" in refused[0] and "n_minibatches=2" in refused[1], refused
+    # the default is the contract's: ppo_step needs old_logp
+    assert ff.PPOConfig().old_logp_from == "batch"
 
 
 def test_forward_needs_one_minibatch():

@@ -127,3 +127,18 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
     assert [(r["data_first"], r["data_last"]) for r in rows] == \
         [(8 * k, 8 * k + 7) for k in range(stopped + 2)]
     assert all(r["staleness_max"] <= 1 and r["episode_errors"] == 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_one_minibatch_skips_the_old_logp_pass_and_no_kl_skips_the_reference(tmp_path):
+    run_dir = tmp_path / "passes"
+    done = fsdpfn("demo", f"run_dir={run_dir}", "steps=2", "ppo.n_minibatches=1",
+                  "ppo.kl_coef=0", *SHORT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = rows_of(run_dir)
+    assert [(r["ref_logp_pass"], r["old_logp_pass"]) for r in rows] == [(0, 0), (0, 0)]
+    assert all(r["ratio_max"] == 1.0 and r["clip_frac"] == 0.0 for r in rows), rows
+    default = fsdpfn("demo", f"run_dir={tmp_path / 'default'}", "steps=1", *SHORT)
+    assert default.returncode == 0, default.stderr[-4000:]
+    assert [(r["ref_logp_pass"], r["old_logp_pass"]) for r in rows_of(tmp_path / "default")] \
+        == [(1, 1)]  # 8 minibatches and a KL to the reference: both passes
