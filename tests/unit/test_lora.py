@@ -147,7 +147,7 @@ def test_engine_merges_replaces_and_unloads_adapters(engine_and_dir):
     base = {n: engine.params[n].data.clone() for n in (q, down)}
     one, t1 = _adapter_dir(root, "one", seed=1)
     # SGLang's LoadLoRAAdapterReqInput fields, as its client sends them
-    answer = engine.load_lora_adapter({"lora_name": "p", "lora_path": str(one), "pinned": False,
+    answer = engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(one), "pinned": False,
                                        "lora_id": None, "weight_version": 7})
     assert answer["success"] and answer["loaded_adapters"] == {"p": str(one)}
     assert engine.version == 7
@@ -157,14 +157,14 @@ def test_engine_merges_replaces_and_unloads_adapters(engine_and_dir):
                                atol=1e-5, rtol=1e-5)
     # a second adapter merges into the base (not into the first merge); down_proj is restored
     two, t2 = _adapter_dir(root, "two", seed=2, modules=("model.layers.0.self_attn.q_proj",))
-    engine.load_lora_adapter({"lora_name": "p", "lora_path": str(two)})
+    engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(two)})
     assert engine.version == 8
     a = t2["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].double()
     b = t2["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].double()
     torch.testing.assert_close(engine.params[q].data.double(), base[q].double() + 2.0 * b @ a,
                                atol=1e-5, rtol=1e-5)
     assert torch.equal(engine.params[down].data, base[down])
-    answer = engine.unload_lora_adapter({"lora_name": "p"})
+    answer = engine.receiver.unload_lora_adapter({"lora_name": "p"})
     assert answer["loaded_adapters"] == {} and torch.equal(engine.params[q].data, base[q])
 
 
@@ -183,9 +183,9 @@ def test_engine_refuses_a_bad_adapter_and_keeps_its_weights(engine_and_dir):
                    torch.zeros(2, 5),
                    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
                    torch.zeros(64, 2)}, str(bad / "adapter_model.safetensors"))
-        engine.load_lora_adapter({"lora_name": "p", "lora_path": str(bad)})
+        engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(bad)})
     with pytest.raises(UpdateError, match="lora_path: must be a peft adapter directory"):
-        engine.load_lora_adapter({"lora_name": "p", "lora_path": str(root / "missing")})
+        engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(root / "missing")})
     with pytest.raises(UpdateError, match="lora_name: must name the loaded adapter"):
-        engine.unload_lora_adapter({"lora_name": "nothing"})
+        engine.receiver.unload_lora_adapter({"lora_name": "nothing"})
     assert engine.version == version and engine.weights_checksum() == checksum
