@@ -220,6 +220,8 @@ class RolloutStream:
                 first = self.next_index
                 count = min(self._admissible(), self.B - (first - self.start) % self.B)
                 prompts = self._prompts(first, count)
+                if self.ended_at is not None:
+                    self.cond.notify_all()  # a trainer waiting past the end hears it now
                 self.next_index = first + len(prompts)
                 admitted, url = self.advances, self._least_loaded()
                 self.rows_in_flight[url] += len(prompts) * self.G

@@ -8,6 +8,8 @@ must stay <= max_staleness.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -71,8 +73,10 @@ def test_staleness_zero_is_the_synchronous_schedule_and_the_data_end_is_said(ser
         stream.advance(1)
         assert [g.index for g in stream.next_batch(timeout=60).groups] == [3, 4]
         stream.advance(2)
+        t0 = time.monotonic()
         with pytest.raises(StopIteration, match="prompt 5"):
             stream.next_batch(timeout=60)
+        assert time.monotonic() - t0 < 10  # said when known, not at the timeout
 
 
 def test_bad_arguments_are_refused_by_name():
