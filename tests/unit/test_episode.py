@@ -73,3 +73,46 @@ def test_a_turn_needs_one_logprob_and_version_per_sampled_token():
         Turn([1], [2, 3], [-1.0], [0, 0])
     with pytest.raises(ValueError, match="prompt_ids"):
         Turn([], [2], [-1.0], [0])
+
+
+def _result(index, reward, turns):
+    from fsdpfn.recipes.workflow import EpisodeResult
+    return EpisodeResult(index, turns, reward, None, 0.0)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+def test_each_row_carries_its_episodes_group_advantage(estimator):
+    """Two data rows x 3 episodes; one episode splits into two rows. Every row's advantage is
+    its episode's, from the episodes of its data row alone (float64 reference)."""
+    import torch
+
+    from fsdpfn import keys as K
+    from fsdpfn.recipes.workflow import episodes_batch
+
+    def t(prompt, out, v=0):
+        return Turn(prompt, out, [-1.0] * len(out), [v] * len(out))
+
+    results = [_result(0, 1.0, [t([1, 2], [3])]),
+               _result(0, 0.0, [t([1, 2], [4, 5]), t([9], [6])]),   # two rows
+               _result(0, 0.5, [t([1, 2], [7])]),
+               _result(1, 2.0, [t([8], [3, 3])]),
+               _result(1, 2.0, [t([8], [4])]),
+               _result(1, -1.0, [t([8], [5])])]
+    batch, stats = episodes_batch(results, 3, max_tokens=100, estimator=estimator)
+    assert stats["episode_rows"] == 7 and batch[K.GROUP_ID].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    rewards = torch.tensor([r.reward for r in results], dtype=torch.float64).view(2, 3)
+    if estimator == "rloo":
+        ref = rewards - (rewards.sum(1, keepdim=True) - rewards) / 2
+    else:
+        ref = rewards - rewards.mean(1, keepdim=True)
+        if estimator == "grpo":
+            ref = ref / (rewards.std(1, keepdim=True) + 1e-6)
+    per_episode = ref.flatten()
+    owners = [0, 1, 1, 2, 3, 4, 5]
+    mask = batch[K.LOSS_MASK]
+    for b, k in enumerate(owners):
+        assert batch[K.REWARDS][b] == results[k].reward
+        adv = batch[K.ADVANTAGES][b]
+        assert torch.allclose(adv[mask[b]].double(), per_episode[k].expand(int(mask[b].sum())),
+                              atol=1e-6)
+        assert (adv[~mask[b]] == 0).all()
