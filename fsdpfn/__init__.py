@@ -40,6 +40,7 @@ _SOURCES = {
     **dict.fromkeys(("push_weights", "PushReceipt", "DiskTarget", "RolloutTarget"),
                     "fsdpfn.weights"),
     "PushConfig": "fsdpfn.weights",
+    "RolloutStream": "fsdpfn.rollout.stream",
     # algorithms
     **dict.fromkeys(("compute_advantages", "ppo_step", "critic_step", "sft_step", "rw_step",
                      "dpo_step"), "fsdpfn.algos"),
