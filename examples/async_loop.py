@@ -55,7 +55,8 @@ def main() -> None:
                            max_staleness=args.max_staleness, version=version, seed=0,
                            sampling={"max_new_tokens": task.max_answer_tokens,
                                      "stop_token_ids": [tok.eos_id]})
-    config = ff.PPOConfig(clip_low=0.2, clip_high=0.28, behav_cap=5.0)
+    # one minibatch: the training forward is the proximal policy (old_logp_from="forward", exact)
+    config = ff.PPOConfig(clip_low=0.2, clip_high=0.28, behav_cap=5.0, old_logp_from="forward")
     try:
         for step in range(1, args.steps + 1):
             # 3. the step's groups; rewards; the public batch (behav_logp from the server)
