@@ -179,6 +179,9 @@ class StreamRollout:
                                       max_tokens=self.max_episode_tokens,
                                       estimator=cfg.advantage.estimator,
                                       eps=cfg.advantage.eps)
+        if stats["episode_rows_dropped"]:
+            log(f"step {step}: {stats['episode_rows_dropped']} episode rows longer than "
+                f"rollout.max_episode_tokens={self.max_episode_tokens} dropped")
         return {"batch": None if batch is None else batch.to_dict(), "served_version": served,
                 "advantages_done": True,
                 "stats": {**_episode_stats(results, stats, seconds), **got.stats}}
