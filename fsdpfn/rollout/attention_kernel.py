@@ -17,9 +17,9 @@ mostly real:
 Splits are chosen per launch so that rows x kv heads x splits fills the GPU; at 512 rows of a
 2-kv-head model one split is enough. Positions at or past a row's length are never read.
 
-Measured on the H200 (BENCHMARKS.md, 2026-12-01 morning; one layer of the 1.5B shape, rows at
-positions in [256, 1280)): 103 against flash's 186 µs at 512 rows, 193 against 343 at 1,024,
-reading the cache at 3.9-4.2 TB/s (the copy bandwidth: 4.2).
+Against torch's flash forward, which computes each row on a query tile of at least 64 rows of
+which only the kv head's query heads are real, this reads the cache near the copy bandwidth
+(per-layer times: BENCHMARKS.md, Decode attention kernel).
 """
 
 from __future__ import annotations

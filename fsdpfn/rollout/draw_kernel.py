@@ -20,8 +20,8 @@ softmax(logits / T), the method of FlashInfer's sampling kernels:
 
 The running sums are over at most BLOCK terms in float32 (about 4,096), so a token's chance is
 exact up to float32 rounding of its share of one chunk's mass; its log-prob is exact either way.
-With flash attention, the decode loop's step at 512 rows of the 1.5B shape went from 10.02 to
-9.43 ms on the H200 when this draw replaced the race (BENCHMARKS.md, 2026-12-01 morning).
+It reads each logit once, where the race it replaced drew noise and took two logarithms per logit
+(its cost: BENCHMARKS.md, Decode step per kernel).
 Greedy rows (T <= 0) take the first column of the row's max (torch's argmax on ties) and report
 log_softmax(logits), as ``sample`` does.
 
@@ -32,9 +32,9 @@ uniform whatever else is batched, in any slot, as ``sample``'s hashed noise does
 token. Rows with top-p / top-k keep ``sample`` (their graphs are captured separately).
 
 Why seeded rows have their own path here: the RL recipes seed every request (reproducible
-runs), and ``sample``'s hashed noise costs a dozen int64 passes over [R, V] a step. On the H200
-the 1.5B GRPO example generated at 19,251 tokens/s at 128 rows with it, and at 29,226 with
-this draw (BENCHMARKS.md, 2026-12-01 afternoon).
+runs), and ``sample``'s hashed noise costs a dozen int64 passes over [R, V] a step, where this
+draw costs one uniform per row (the main job's generation with each: BENCHMARKS.md, The main
+job).
 """
 
 from __future__ import annotations
