@@ -12,7 +12,7 @@ and loads that with ``verify=True`` (alternating which pair goes first), each lo
 state; the directory is deleted before every save, so only one checkpoint is on disk. Loads
 read what the saves just wrote, so they run from the page cache as far as it holds them (the same
 for both variants). Also measured: the device checksum pass alone
-(``fsdpfn.integrity.local_checksums``) and an async save's time to return and to publish.
+(``fsdpfn.checkpoint.integrity.local_checksums``) and an async save's time to return and to publish.
 Prints one table: median seconds per operation and the checksums' overhead.
 """
 

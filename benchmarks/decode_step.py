@@ -122,7 +122,7 @@ def main() -> None:
         if fused and not fused_on:
             if device.type != "cuda":
                 break
-            from fsdpfn.shard import apply_fused_kernels
+            from fsdpfn.engine.shard import apply_fused_kernels
 
             if not apply_fused_kernels(model, config, "cuda", keep_weights=True):
                 print("# liger_kernel not installed: the fused rows are skipped")

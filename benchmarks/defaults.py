@@ -28,7 +28,6 @@ from run import rl_batch  # noqa: E402 - benchmarks/run.py: the RL batch
 
 import fsdpfn as ff  # noqa: E402
 from fsdpfn import keys as K  # noqa: E402
-
 QWEN3_1_7B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,

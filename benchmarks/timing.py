@@ -37,7 +37,6 @@ from _table import print_markdown_table  # noqa: E402
 
 import fsdpfn as ff  # noqa: E402
 from fsdpfn import keys as K  # noqa: E402
-
 STAGES = ("time_plan", "time_forward", "time_backward", "time_optimizer", "time_comm")
 
 
@@ -78,7 +77,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="steps per setting (timing on / off)")
     p.add_argument("--budget", type=int, default=16384)
     p.add_argument("--rate", type=float, default=0.0,
-                   help="peak TFLOP/s for MFU (0: measured by fsdpfn.timing)")
+                   help="peak TFLOP/s for MFU (0: measured by fsdpfn.engine.timing)")
     p.add_argument("--memory", action="store_true", help="allocator snapshot of the traced step")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny model and batch (a check of this script, CPU or GPU)")

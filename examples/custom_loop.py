@@ -18,7 +18,7 @@ Run it (CPU, about 30 s):
         examples/custom_loop.py --steps 20                  # two ranks (gloo)
 
 It prints one line per step (reward, loss, kl, weights version) and leaves
-runs/custom_loop/ (model, checkpoints). Compare with fsdpfn/recipes/rl.py, the same loop
+runs/custom_loop/ (model, checkpoints). Compare with fsdpfn/app/recipes/rl.py, the same loop
 with ppo_step instead of a custom loss.
 """
 
@@ -35,7 +35,7 @@ from tensordict import TensorDict
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.recipes.task import (AdditionTask, CharTokenizer, TinyModel, rollout_batch,
+from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, rollout_batch,
                                  save_initial_model, sft_batch)
 from fsdpfn.rollout import generate, launch_server
 from fsdpfn.weights import RolloutTarget, push_weights

@@ -19,7 +19,7 @@ import ast
 import json
 import operator
 
-from fsdpfn.recipes.rewards import math as math_reward
+from fsdpfn.app.recipes.rewards import math as math_reward
 
 
 def check_and_retry(client, row):

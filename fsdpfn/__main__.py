@@ -1,5 +1,5 @@
-"""``python -m fsdpfn ...`` is the ``fsdpfn`` command (see fsdpfn/cli.py)."""
+"""``python -m fsdpfn ...`` is the ``fsdpfn`` command (see fsdpfn/app/cli.py)."""
 
-from fsdpfn.cli import main
+from fsdpfn.app.cli import main
 
 raise SystemExit(main())

@@ -156,7 +156,7 @@ class FSDPConfig:
     ``offload_params``: sharded parameters, gradients and the optimizer step live in (pinned)
     host memory; FSDP2 copies each unit's parameters to the device for its forward/backward.
     ``per_layer_optim_step``: the Adam state lives in pinned host memory and is streamed to the
-    device one FSDP unit at a time for the step (fsdpfn.optim_offload.PerLayerAdamW), with
+    device one FSDP unit at a time for the step (fsdpfn.engine.optim_offload.PerLayerAdamW), with
     ``optim_step_prefetch_layers`` units loaded ahead (the device holds at most 1 + that many
     units' state); with ``offload_params`` too, parameters and gradients travel with it. Ignored
     by inference-only engines.
@@ -284,14 +284,14 @@ class EngineConfig:
     # entropy, tp) or "liger" (Liger-Kernel's fused linear cross-entropy: CUDA, tp=1; a call that
     # asks for entropy takes the chunked head)
     logprobs_impl: str = attrs.field(default="chunked", validator=_one_of("chunked", "liger"))
-    # the model guard (fsdpfn.families): "unverified" checks, when the model is built, that the
+    # the model guard (fsdpfn.engine.families): "unverified" checks, when the model is built, that the
     # engine's packed forward equals the model's own eager forward for a family outside the
     # verified list (a small random instance of the same architecture, float32, two short rows),
     # refusing the model with the gap on disagreement; "always" checks verified families too;
     # "never" skips the check
     verify_model: str = attrs.field(default="unverified",
                                     validator=_one_of("unverified", "always", "never"))
-    # per-call stage times, peak memory, tokens/s and MFU in the stats (fsdpfn.timing): CUDA
+    # per-call stage times, peak memory, tokens/s and MFU in the stats (fsdpfn.engine.timing): CUDA
     # events read once at the end of a call, no host synchronisation per micro-batch
     timing: bool = attrs.field(default=True, validator=_bool)
     # the per-GPU dense matmul rate (TFLOP/s) MFU is quoted against; None: measured once per

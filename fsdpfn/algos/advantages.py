@@ -27,8 +27,8 @@ from fsdpfn import keys as K
 from fsdpfn.batch import check_groups, validate_batch
 from fsdpfn.config import AdvantageConfig
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.mesh import Mesh
-from fsdpfn.agree import agree_on_error
+from fsdpfn.engine.mesh import Mesh
+from fsdpfn.engine.agree import agree_on_error
 from fsdpfn.ops import gae, group_advantages, kl, kl_in_reward, scale_rewards, whiten
 
 __all__ = ["compute_advantages"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.step import StepContext
+from fsdpfn.engine.step import StepContext
 
 AGG_NORMALIZER = {"token-mean": "tokens", "seq-mean-token-sum": "sequences",
                   "seq-mean-token-mean": "sequences"}

@@ -7,8 +7,8 @@ from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_order, 
                                   token_mean_stat)
 from fsdpfn.config import CriticConfig
 from fsdpfn.ops import aggregate_sum, value_loss_terms
-from fsdpfn.objective import Objective
-from fsdpfn.step import StepContext, grad_step
+from fsdpfn.engine.objective import Objective
+from fsdpfn.engine.step import StepContext, grad_step
 
 __all__ = ["critic_loss_fn", "critic_loss", "critic_step", "critic_objective"]
 

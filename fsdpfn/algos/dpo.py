@@ -7,9 +7,9 @@ import torch
 from fsdpfn import keys as K
 from fsdpfn.algos.common import check_config
 from fsdpfn.config import DPOConfig
-from fsdpfn.objective import Objective
+from fsdpfn.engine.objective import Objective
 from fsdpfn.ops import dpo_loss_sum
-from fsdpfn.step import grad_step
+from fsdpfn.engine.step import grad_step
 
 __all__ = ["dpo_loss_fn", "dpo_objective", "dpo_step"]
 

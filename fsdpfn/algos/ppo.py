@@ -11,8 +11,8 @@ from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, masked_max, minib
                                  token_mean_stat)
 from fsdpfn.config import PPOConfig
 from fsdpfn.ops import aggregate_sum, behav_gap_terms, kl, masked_values, policy_loss_terms
-from fsdpfn.objective import Objective
-from fsdpfn.step import StepContext, grad_step
+from fsdpfn.engine.objective import Objective
+from fsdpfn.engine.step import StepContext, grad_step
 
 __all__ = ["ppo_loss_fn", "ppo_loss", "ppo_step", "ppo_objective"]
 

@@ -9,9 +9,9 @@ from fsdpfn import keys as K
 from fsdpfn.algos.common import check_config
 from fsdpfn.config import RWConfig
 from fsdpfn.errors import ConfigError
-from fsdpfn.objective import Objective
+from fsdpfn.engine.objective import Objective
 from fsdpfn.ops import bradley_terry_loss_sum
-from fsdpfn.step import grad_step
+from fsdpfn.engine.step import grad_step
 
 __all__ = ["rw_loss_fn", "rw_loss", "rw_step", "last_token_scores", "rw_objective"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fsdpfn import keys as K
 from fsdpfn.algos.common import AGG_NORMALIZER, check_config
 from fsdpfn.config import SFTConfig
-from fsdpfn.objective import Objective
+from fsdpfn.engine.objective import Objective
 from fsdpfn.ops import sft_loss_sum
-from fsdpfn.step import grad_step
+from fsdpfn.engine.step import grad_step
 
 __all__ = ["sft_loss_fn", "sft_objective", "sft_step"]
 

@@ -10,7 +10,7 @@ own shards, and any mesh shape can load it (dp=2 -> dp=1, dp=1 -> dp=2 x tp=2, .
       fsdpfn.json          manifest: step, version, architecture, optimizer status, LR scheduler
                            state, ``extra``, the size of every file above, ``checksums``: every
                            saved chunk's content checksum and a CRC32 of the pickled items,
-                           .metadata and the RNG files (fsdpfn.integrity), and
+                           .metadata and the RNG files (fsdpfn.checkpoint.integrity), and
                            ``manifest_crc32``: the CRC32 of the rest of the manifest (canonical
                            JSON), checked before anything in it is trusted
       COMPLETE             the marker, written last; a directory without it is not a checkpoint

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdpfn import lora
-from fsdpfn.agree import agree_on_error
+from fsdpfn.engine import lora
+from fsdpfn.engine.agree import agree_on_error
 from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, _as_path, _cleanup, _discard,
                                      _fsync_dir, _publish, _rank, _side_path, _wrap)
 from fsdpfn.errors import CheckpointError
-from fsdpfn.state import EngineState, check_live, stale_reason
+from fsdpfn.engine.state import EngineState, check_live, stale_reason
 
 
 # ---------------------------------------------------------------- HF export

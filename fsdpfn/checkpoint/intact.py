@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from fsdpfn import integrity
+from fsdpfn.checkpoint import integrity
 from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _broadcast, _get,
                                      _is_complete, _is_fsdpfn_checkpoint, _rank, _read_manifest,
                                      _saved_at)

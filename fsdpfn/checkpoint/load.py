@@ -12,13 +12,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from fsdpfn import integrity
-from fsdpfn.agree import agree_on_error
+from fsdpfn.checkpoint import integrity
+from fsdpfn.engine.agree import agree_on_error
 from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _DCP_ERRORS, _OPTIM_FLAT, _SIDE, _as_path,
                                      _get, _is_complete, _rank, _read_manifest, _saved_at, _wrap)
 from fsdpfn.checkpoint.save import _architecture, _model_state, _rng_file, _set_rng_state
 from fsdpfn.errors import CheckpointError
-from fsdpfn.state import EngineState, advance, check_live, stale_reason
+from fsdpfn.engine.state import EngineState, advance, check_live, stale_reason
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     loads the model weights only (the successor keeps this state's optimizer, scheduler, step and
     RNG). ``verify=True`` first checks the manifest's own CRC32 (a manifest without it, from an
     older fsdpfn, is refused), then every chunk read against the checksums recorded at save
-    (fsdpfn.integrity; at any world size); a checkpoint saved with checksums=False loads with a
+    (fsdpfn.checkpoint.integrity; at any world size); a checkpoint saved with checksums=False loads with a
     warning; ``verify=False`` reads everything unverified. Collective. Raises CheckpointError
     on every rank, with the state unchanged and live, for a missing, incomplete, truncated,
     corrupted or mismatching checkpoint (the file and the tensor named; see the module

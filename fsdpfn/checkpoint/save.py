@@ -18,15 +18,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from fsdpfn import integrity, lora
-from fsdpfn.agree import agree_on_error, agree_on_error_in_group
+from fsdpfn.checkpoint import integrity
+from fsdpfn.engine import lora
+from fsdpfn.engine.agree import agree_on_error, agree_on_error_in_group
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,
                                      _DCP_ERRORS, _OPTIM_FLAT, _as_path, _broadcast, _cleanup,
                                      _discard, _file_sizes, _fsync_dir, _is_fsdpfn_checkpoint,
                                      _publish, _rank, _rotate, _seal, _side_path, _world,
                                      _wrap, _write_file)
 from fsdpfn.errors import CheckpointError
-from fsdpfn.state import EngineState, check_live, stale_reason
+from fsdpfn.engine.state import EngineState, check_live, stale_reason
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     are never touched. ``async_save=True`` copies the state to CPU memory, returns an AsyncSave
     handle at once and writes in the background (publication when done; ``handle.wait()``).
     ``checksums=True`` records a checksum of every saved chunk, taken on the device before the
-    copy out, which load_checkpoint verifies (see fsdpfn.integrity); False saves that pass.
+    copy out, which load_checkpoint verifies (see fsdpfn.checkpoint.integrity); False saves that pass.
     Read-only: the state stays live. Raises CheckpointError (on every rank; nothing published).
     """
     fn = "save_checkpoint"

@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.parent_pid is not None:
-        from fsdpfn.supervise import watch_launcher
+        from fsdpfn.wire.lifeline import watch_launcher
 
         watch_launcher("the rollout server", args.parent_pid)
     import torch

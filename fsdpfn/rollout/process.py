@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from fsdpfn.ports import free_port
+from fsdpfn.wire.ports import free_port
 
 __all__ = ["RolloutProcess", "launch_server", "free_port"]
 

@@ -6,7 +6,6 @@ import torch
 from tensordict import TensorDict
 
 from fsdpfn import keys as K
-
 __all__ = ["random_batch"]
 
 

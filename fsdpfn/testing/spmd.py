@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from fsdpfn.ports import free_port
+from fsdpfn.wire.ports import free_port
 
 __all__ = ["run_spmd", "SpmdPool", "SpmdError", "SpmdTimeout"]
 

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from fsdpfn import keys as K
-
 __all__ = ["ragged_lengths", "public_batches", "grouped_batches", "paired_batches",
            "mesh_layouts", "batch_from_lengths"]
 

@@ -25,10 +25,10 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
-from fsdpfn import lora
+from fsdpfn.engine import lora
 from fsdpfn.errors import ConfigError, WeightSyncError
-from fsdpfn.state import EngineState
-from fsdpfn.agree import capture_error, is_rank_zero, share_from_rank_zero
+from fsdpfn.engine.state import EngineState
+from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.wire.http import call
 from fsdpfn.wire.protocol import dtype_from_name
 

@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
+from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.errors import WeightSyncError
-from fsdpfn.state import EngineState
+from fsdpfn.engine.state import EngineState
 from fsdpfn.weights.disk import rotate, write_version
 from fsdpfn.weights.channel import check_commit
 from fsdpfn.weights.servers import Servers

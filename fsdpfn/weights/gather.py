@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdpfn import lora
-from fsdpfn import timing
+from fsdpfn.engine import lora
+from fsdpfn.engine import timing
 from fsdpfn.errors import WeightSyncError
-from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
-from fsdpfn.state import EngineState, param_index
+from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
+from fsdpfn.engine.state import EngineState, param_index
 from fsdpfn.wire.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
 
 __all__ = ["TensorSpec", "Bucket", "weight_params", "weights_and_layout", "plan_buckets",

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from fsdpfn.agree import is_rank_zero
+from fsdpfn.engine.agree import is_rank_zero
 from fsdpfn.errors import ConfigError
-from fsdpfn.state import EngineState
+from fsdpfn.engine.state import EngineState
 from fsdpfn.weights.channel import SentChecksums, check_commit
 from fsdpfn.weights.gather import Bucket, send
 from fsdpfn.wire.http import call

@@ -39,10 +39,10 @@ from typing import Sequence
 import attrs
 import torch
 
-from fsdpfn import timing
-from fsdpfn.agree import capture_error, is_rank_zero, share_from_rank_zero
+from fsdpfn.engine import timing
+from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.errors import ConfigError, WeightSyncError
-from fsdpfn.state import EngineState, check_live
+from fsdpfn.engine.state import EngineState, check_live
 from fsdpfn.weights.channel import ChannelSender
 from fsdpfn.weights.disk_push import push_disk
 from fsdpfn.weights.gather import Bucket, plan_buckets, send, weights_and_layout

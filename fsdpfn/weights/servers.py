@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from fsdpfn.errors import WeightSyncError
-from fsdpfn.state import EngineState
+from fsdpfn.engine.state import EngineState
 from fsdpfn.weights.channel import Channel
 from fsdpfn.weights.push_config import PushConfig
 from fsdpfn.weights.sglang import is_sglang

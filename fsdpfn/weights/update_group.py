@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from fsdpfn.errors import WeightSyncError
-from fsdpfn.ports import free_port
+from fsdpfn.wire.ports import free_port
 from fsdpfn.weights.push_config import PushConfig
 from fsdpfn.weights.sglang import server_ranks
 from fsdpfn.wire.http import Call, call

@@ -1,4 +1,4 @@
-"""The fused modules both ends run: the trainer's model (fsdpfn.shard) and the served one
+"""The fused modules both ends run: the trainer's model (fsdpfn.engine.shard) and the served one
 (fsdpfn.rollout) swap the same HF modules for Liger-Kernel's, so the server's log-probs are the
 trainer's for the same weights. Here so that the rollout server needs nothing of the trainer.
 """

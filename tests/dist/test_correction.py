@@ -12,7 +12,7 @@ import torch
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn import timing
+from fsdpfn.engine import timing
 from fsdpfn.testing import random_batch, tiny_qwen2_config
 
 CONFIGS = [

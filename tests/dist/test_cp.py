@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.batch import pack, plan_microbatches
-from fsdpfn.cp import padded_len, replicate_kv, split_pack
+from fsdpfn.engine.cp import padded_len, replicate_kv, split_pack
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.testing import (assert_close_all_ranks, save_tiny_model, tiny_llama_config,
                             tiny_qwen2_config)

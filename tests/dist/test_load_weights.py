@@ -1,4 +1,4 @@
-"""Starting weights, one tensor at a time (fsdpfn.load_weights).
+"""Starting weights, one tensor at a time (fsdpfn.engine.load_weights).
 
 * HF's random init drawn piece by piece is HF's init: linear weights N(0, initializer_range²),
   zero biases, unit norms, a tied head equal to the embedding; the same seed gives the same

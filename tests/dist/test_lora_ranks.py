@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import fsdpfn as ff
-from fsdpfn import lora
+from fsdpfn.engine import lora
 from fsdpfn.testing import run_spmd, save_tiny_model, tiny_qwen2_config
 
 pytestmark = pytest.mark.dist

@@ -163,7 +163,7 @@ def host_state_stays_where_it_is():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from fsdpfn.optim_offload import _like_param
+    from fsdpfn.engine.optim_offload import _like_param
 
     mesh = init_device_mesh("cpu", (2,))
     param = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], run_check=False)

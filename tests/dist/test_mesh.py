@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 import fsdpfn as ff
-from fsdpfn.mesh import resolve_strategy
+from fsdpfn.engine.mesh import resolve_strategy
 from fsdpfn.testing import SpmdPool
 
 

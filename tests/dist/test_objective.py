@@ -8,7 +8,7 @@ import torch
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.objective import as_objective
+from fsdpfn.engine.objective import as_objective
 from fsdpfn.testing import random_batch, tiny_qwen2_config
 
 pytestmark = pytest.mark.dist

@@ -49,7 +49,7 @@ def _serve(model_dir: str):
     """A rollout server in this process: its engine, update channel and HTTP app (threads)."""
     import uvicorn
 
-    from fsdpfn.ports import free_port
+    from fsdpfn.wire.ports import free_port
     from fsdpfn.rollout import RolloutEngine
     from fsdpfn.rollout.receiver import UpdateChannel
     from fsdpfn.rollout.server import build_app

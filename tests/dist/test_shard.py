@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import fsdpfn as ff
-from fsdpfn.shard import kv_heads_of_rank
-from fsdpfn.state import local_tensor
+from fsdpfn.engine.shard import kv_heads_of_rank
+from fsdpfn.engine.state import local_tensor
 from fsdpfn.testing import (save_tiny_model, sharded_logits, tiny_llama_config,
                             tiny_qwen2_config)
 
@@ -153,7 +153,7 @@ def test_unsupported_options_fail_loudly(spmd1):
 
 
 def bf16_master_learns():
-    from fsdpfn.optim import KahanAdamW
+    from fsdpfn.engine.optim import KahanAdamW
     from fsdpfn.testing import random_batch
 
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.state import local_tensor
+from fsdpfn.engine.state import local_tensor
 from fsdpfn.testing import random_batch, tiny_qwen2_config
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn import timing
+from fsdpfn.engine import timing
 from fsdpfn.testing import random_batch, tiny_qwen2_config
 
 STAGE_KEYS = [f"time_{s}" for s in timing.STAGES]

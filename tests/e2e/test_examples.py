@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fsdpfn import serde
-from fsdpfn.cli import main
-from fsdpfn.recipes import RECIPE_CONFIGS, default_config, load_recipe_config
+from fsdpfn.app.cli import main
+from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config, load_recipe_config
 
 pytestmark = pytest.mark.dist
 

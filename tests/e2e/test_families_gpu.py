@@ -23,7 +23,7 @@ import torch
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.attention import packed_attention, varlen_available, varlen_honours
+from fsdpfn.engine.attention import packed_attention, varlen_available, varlen_honours
 from fsdpfn.testing.models import (hf_config_of, hf_reference_logp, save_family_model,
                                    tiny_family_configs)
 

@@ -94,7 +94,7 @@ def _assert_within_ulps(a: dict, b: dict, dtype: torch.dtype, ulps: float, what:
 def _synthetic_steps(state, steps):
     """Optimizer steps on gradients drawn from a seed (the same for every state, whatever the
     backward kernels' order of summation), clipped like grad_step clips."""
-    from fsdpfn.step import _clip_, global_grad_norm
+    from fsdpfn.engine.step import _clip_, global_grad_norm
 
     for i in range(steps):
         gen = torch.Generator().manual_seed(i)

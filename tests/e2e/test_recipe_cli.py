@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from fsdpfn import serde
-from fsdpfn.recipes import RECIPE_CONFIGS, load_recipe_config
+from fsdpfn.app.recipes import RECIPE_CONFIGS, load_recipe_config
 from fsdpfn.testing.hf_dir import write_tiny_hf_dir
 
 pytestmark = pytest.mark.dist

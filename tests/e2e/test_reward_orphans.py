@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpfn.supervise import pid_alive
+from fsdpfn.wire.lifeline import pid_alive
 
 REWARDS = '''
 import os, re, time
@@ -41,7 +41,7 @@ def backtracking(prompt, completion, **kwargs):
 # before scoring), print the worker pids, score, wait to be killed
 PARENT = textwrap.dedent('''
     import sys, threading
-    from fsdpfn.recipes.reward import RewardPool
+    from fsdpfn.app.recipes.reward import RewardPool
 
     spec, workers, in_thread = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "thread"
     pool = RewardPool(spec, workers=workers, timeout_s=300)
@@ -127,7 +127,7 @@ def test_a_rank_whose_output_pipe_died_with_the_launcher_still_exits():
     saying why it exits fails with a broken pipe."""
     launcher_code = textwrap.dedent('''
         import os, subprocess, sys, time
-        code = ("import time\\nfrom fsdpfn.supervise import watch_launcher\\n"
+        code = ("import time\\nfrom fsdpfn.wire.lifeline import watch_launcher\\n"
                 "watch_launcher('trainer rank 0', interval=0.1)\\ntime.sleep(120)\\n")
         rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT,

@@ -1,5 +1,5 @@
 """The processes of a run die with their launcher, and run_dir/run_state.json says how the last
-run ended (fsdpfn.supervise, fsdpfn/launcher.py).
+run ended (fsdpfn.app.supervise, fsdpfn/app/launcher.py).
 
 The end-to-end case: the GRPO demo's launcher killed with SIGKILL after its first metrics line
 leaves no process of the run (torchrun, the trainer ranks, the rollout server) alive within
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdpfn.cli import main
-from fsdpfn.supervise import (LAUNCHER_PID_ENV, describe_last_run, last_run, pid_alive,
-                              read_run_state, write_run_state)
+from fsdpfn.app.cli import main
+from fsdpfn.app.supervise import describe_last_run, last_run, read_run_state, write_run_state
+from fsdpfn.wire.lifeline import LAUNCHER_PID_ENV, pid_alive
 
 
 def _env(**extra) -> dict:
@@ -53,7 +53,7 @@ def test_die_with_parent_kills_the_child_when_its_parent_is_killed(tmp_path):
     """A child started with die_with_parent() dies when its parent is SIGKILLed."""
     parent_code = textwrap.dedent("""
         import subprocess, sys, time
-        from fsdpfn.supervise import die_with_parent
+        from fsdpfn.wire.lifeline import die_with_parent
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                  preexec_fn=die_with_parent(), start_new_session=True)
         print(child.pid, flush=True)
@@ -76,7 +76,7 @@ def test_watch_launcher_exits_the_process_when_the_launcher_is_gone():
     """A rank (any process with FSDPFN_LAUNCHER_PID) exits within about a second of its
     launcher, even when it is not the launcher's child."""
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    code = ("import time\nfrom fsdpfn.supervise import watch_launcher\n"
+    code = ("import time\nfrom fsdpfn.wire.lifeline import watch_launcher\n"
             "watch_launcher('trainer rank 0', interval=0.1)\nprint('up', flush=True)\n"
             "time.sleep(120)\n")
     rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

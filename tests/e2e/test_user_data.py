@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdpfn.cli import main
-from fsdpfn.recipes.data import DataConfig, prepare_files
-from fsdpfn.recipes.model import HFTokenizer
+from fsdpfn.app.cli import main
+from fsdpfn.app.recipes.data import DataConfig, prepare_files
+from fsdpfn.app.recipes.model import HFTokenizer
 from fsdpfn.testing.hf_dir import write_tiny_hf_dir
 
 pytestmark = pytest.mark.dist

@@ -15,7 +15,7 @@ import torch
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.batch import validate_batch
-from fsdpfn.recipes.workflow import episodes_batch, load_workflow, run_episodes
+from fsdpfn.app.recipes.workflow import episodes_batch, load_workflow, run_episodes
 from fsdpfn.rollout import launch_server
 from fsdpfn.rollout.episode import episode_rows
 from fsdpfn.testing import write_tiny_hf_dir
@@ -145,8 +145,8 @@ EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples" / "workflows.py"
 
 @pytest.mark.timeout(180)
 def test_check_and_retry_on_the_embedded_task_trains_both_answers(tmp_path):
-    from fsdpfn.recipes.data import AdditionSource
-    from fsdpfn.recipes.task import AdditionTask, CharTokenizer, TinyModel, save_initial_model
+    from fsdpfn.app.recipes.data import AdditionSource
+    from fsdpfn.app.recipes.task import AdditionTask, CharTokenizer, TinyModel, save_initial_model
 
     tok, task = CharTokenizer(), AdditionTask(digits=1)
     save_initial_model(tmp_path / "m", TinyModel(), tok)

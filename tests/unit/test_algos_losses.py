@@ -10,7 +10,6 @@ import torch
 import fsdpfn as ff
 import fsdpfn.algos as algos
 from fsdpfn import ops
-
 ALGOS = ("ppo", "critic", "sft", "rw", "dpo")
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fsdpfn.attention import block_causal_mask, packed_attention
+from fsdpfn.engine.attention import block_causal_mask, packed_attention
 
 
 def _reference(q, k, v, lens, scale):

@@ -565,7 +565,7 @@ def test_default_budget_splits_a_large_rl_batch():
     ~160k-token batch (Qwen3-1.7B RL shape) is never one micro-batch, and a row longer than the
     automatic budget goes alone where an explicit budget refuses it."""
     from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, EngineConfig, MicroBatchSpec
-    from fsdpfn.runner import budget_kwargs
+    from fsdpfn.engine.runner import budget_kwargs
     spec = EngineConfig(model_path="ckpt/").mb_spec
     assert spec == MicroBatchSpec(max_tokens_per_mb=None, n_mbs=1) == MicroBatchSpec()
     assert DEFAULT_MAX_TOKENS_PER_MB == 16384

@@ -202,8 +202,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fsdpfn import integrity as I  # noqa: E402
-
+from fsdpfn.checkpoint import integrity as I  # noqa: E402
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8,
            torch.bool]
 _P, _ROOT = 2**61 - 1, 0x1F0E5C2B3A49D68A

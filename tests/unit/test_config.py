@@ -227,10 +227,10 @@ def test_import_fsdpfn_is_lazy_and_complete():
     import subprocess
     import sys
 
-    code = ("import sys, fsdpfn, fsdpfn.cli, fsdpfn.serde, fsdpfn.recipes\n"
+    code = ("import sys, fsdpfn, fsdpfn.app.cli, fsdpfn.serde, fsdpfn.app.recipes\n"
             "from fsdpfn.errors import ConfigError\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
-            "rc = fsdpfn.cli.main(['run', 'sft', 'optimizer.lrr=1'])\n"
+            "rc = fsdpfn.app.cli.main(['run', 'sft', 'optimizer.lrr=1'])\n"
             "assert rc == 2 and 'torch' not in sys.modules, rc\n"
             "import fsdpfn as ff\n"
             "assert ff.build_mesh.__name__ == 'build_mesh' and 'torch' in sys.modules\n"

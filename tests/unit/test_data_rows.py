@@ -1,6 +1,6 @@
 """A bad data file or row is refused with one ConfigError line naming the config key, the file,
 the line (JSON lines, from 1) or row (Parquet, JSON arrays, from 0), the column with its key, the
-rule and the value, before anything is tokenized or written (fsdpfn.recipes.data_rows).
+rule and the value, before anything is tokenized or written (fsdpfn.app.recipes.data_rows).
 
 The refusals run prepare_files with no tokenizer at all (``tok=None``): any tokenization would
 fail with an AttributeError instead of the ConfigError expected. Where a file is accepted, the
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.recipes.data import DataConfig, prepare_files
+from fsdpfn.app.recipes.data import DataConfig, prepare_files
 
 GOOD = {"prompt": "What is 1+2?", "answer": "3", "response": "3", "chosen": "3",
         "rejected": "4", "messages": [{"role": "user", "content": "1+2?"},
@@ -186,7 +186,7 @@ def test_a_json_array_and_parquet_name_the_row_index(tmp_path):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from fsdpfn.recipes.model import HFTokenizer
+    from fsdpfn.app.recipes.model import HFTokenizer
     from fsdpfn.testing.hf_dir import write_tiny_hf_dir
 
     path = write_tiny_hf_dir(tmp_path_factory.mktemp("tok"), weights=False,

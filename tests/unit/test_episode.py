@@ -76,7 +76,7 @@ def test_a_turn_needs_one_logprob_and_version_per_sampled_token():
 
 
 def _result(index, reward, turns):
-    from fsdpfn.recipes.workflow import EpisodeResult
+    from fsdpfn.app.recipes.workflow import EpisodeResult
     return EpisodeResult(index, turns, reward, None, 0.0)
 
 
@@ -87,7 +87,7 @@ def test_each_row_carries_its_episodes_group_advantage(estimator):
     import torch
 
     from fsdpfn import keys as K
-    from fsdpfn.recipes.workflow import episodes_batch
+    from fsdpfn.app.recipes.workflow import episodes_batch
 
     def t(prompt, out, v=0):
         return Turn(prompt, out, [-1.0] * len(out), [v] * len(out))

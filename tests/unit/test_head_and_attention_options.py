@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from fsdpfn.attention import packed_attention
+from fsdpfn.engine.attention import packed_attention
 from fsdpfn.ops import chunked_logprobs
 
 

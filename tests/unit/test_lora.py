@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdpfn as ff
-from fsdpfn import lora, serde
+from fsdpfn.engine import lora
+from fsdpfn import serde
 from fsdpfn.errors import ConfigError
-from fsdpfn.recipes.config import DPORecipe, GRPORecipe, SFTRecipe
+from fsdpfn.app.recipes.config import DPORecipe, GRPORecipe, SFTRecipe
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 
 

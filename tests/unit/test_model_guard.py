@@ -17,7 +17,7 @@ import torch
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
-from fsdpfn.families import VERIFIED, verify_architecture
+from fsdpfn.engine.families import VERIFIED, verify_architecture
 from fsdpfn.testing.models import _common, hf_config_of, hf_reference_logp
 
 

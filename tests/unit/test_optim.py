@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdpfn.optim import KahanAdamW
+from fsdpfn.engine.optim import KahanAdamW
 
 
 def _run(opt_cls, dtype, lr=1e-4, steps=300, weight_decay=0.01):
@@ -124,7 +124,7 @@ def test_kahan_tracks_the_float32_trajectory_on_a_long_run():
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from fsdpfn.errors import ConfigError  # noqa: E402
-from fsdpfn.optim_offload import PerLayerAdamW  # noqa: E402
+from fsdpfn.engine.optim_offload import PerLayerAdamW  # noqa: E402
 
 
 def _layers(dtype=torch.float32, n=4):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.recipes import default_config
-from fsdpfn.recipes import placement as P
+from fsdpfn.app.recipes import default_config
+from fsdpfn.app.recipes import placement as P
 
 
 def place(recipe="grpo", n_gpus=0, *overrides):
@@ -91,7 +91,7 @@ def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
     group_size, in multiples of 8, at most 1,024) and, for data files, the positions of the
     longest prompt plus answer the data allows (its default, half the free GPU memory, took
     60 GB beside the trainer on one H200 and ran the trainer out of memory)."""
-    from fsdpfn.launcher import _server_cmd
+    from fsdpfn.app.launcher import _server_cmd
 
     def flags(recipe, *overrides):
         cfg = default_config(recipe, list(overrides))

@@ -11,9 +11,9 @@ import pytest
 import fsdpfn as ff
 from fsdpfn import serde
 from fsdpfn.errors import ConfigError
-from fsdpfn.recipes import RECIPE_CONFIGS, default_config
-from fsdpfn.recipes.engine import OWNED, EngineSection, build_engine, engines
-from fsdpfn.recipes.preflight import (HEADROOM, ModelShape, check_data, check_memory,
+from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config
+from fsdpfn.app.recipes.engine import OWNED, EngineSection, build_engine, engines
+from fsdpfn.app.recipes.preflight import (HEADROOM, ModelShape, check_data, check_memory,
                                       check_positions, check_reward, estimate_memory,
                                       run_estimate)
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from fsdpfn import serde
 from fsdpfn.errors import ConfigError
-from fsdpfn.recipes import rewards
-from fsdpfn.recipes.reward import (RewardConfig, RewardPool, build_reward_pool, load_reward)
+from fsdpfn.app.recipes import rewards
+from fsdpfn.app.recipes.reward import (RewardConfig, RewardPool, build_reward_pool, load_reward)
 
 # a user's reward package, written at test time into a directory that only sys.path names
 _SCORES = '''
@@ -296,7 +296,7 @@ def test_exact_match():
 
 
 def test_default_math_reward_runs_in_a_worker(user_pkg):
-    with RewardPool("fsdpfn.recipes.rewards:math", workers=1, timeout_s=30.0) as p:
+    with RewardPool("fsdpfn.app.recipes.rewards:math", workers=1, timeout_s=30.0) as p:
         result = p.score(["q", "q", "q"], [r"\boxed{6}", "5", r"\boxed{1}"],
                          answers=["6", "5", "2"])
     assert result.rewards == [1.0, 1.0, 0.0] and result.errors == []

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from sglang_standin import init_custom_process_group, validate
 
-from fsdpfn.ports import free_port
+from fsdpfn.wire.ports import free_port
 from fsdpfn.rollout import launch_server
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 from fsdpfn.wire.http import call

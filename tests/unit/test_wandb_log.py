@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.recipes import default_config
-from fsdpfn.recipes.config import WandbConfig
-from fsdpfn.recipes.runtime import Metrics
+from fsdpfn.app.recipes import default_config
+from fsdpfn.app.recipes.config import WandbConfig
+from fsdpfn.app.recipes.runtime import Metrics
 
 wandb = pytest.importorskip("wandb", reason="log.wandb needs the wandb package "
                                             "(pip install 'fsdpfn[wandb]')")

@@ -1,0 +1,484 @@
+"""The launcher behind ``fsdpfn run`` and ``fsdpfn demo`` (fsdpfn/app/cli.py parses their arguments).
+
+``launch`` takes a validated recipe config, writes it to ``run_dir/config.yaml``, writes the
+initial model for RL recipes and starts the rollout server (``python -m fsdpfn.rollout``) when
+``rollout.url`` is not set, then starts ``launch.nproc`` trainer ranks with ``python -m
+torch.distributed.run`` (OMP_NUM_THREADS=launch.threads_per_rank each). At the end it plots
+run_dir/metrics.jsonl to run_dir/metrics.png and prints a summary.
+
+Ctrl-C (SIGINT) is forwarded to the ranks, which finish the current step, save a checkpoint and
+exit; the rollout server is then shut down. A second Ctrl-C kills the ranks at once (the last
+published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done, 130 stopped by
+a signal, 2 bad config or command line, else the trainer's.
+
+The launcher's children die with it, even when it is killed with SIGKILL (fsdpfn.app.supervise):
+torchrun and the rollout server get a parent-death signal, and every trainer rank and the server
+watch the launcher's pid and exit within about a second of it going away. run_dir/run_state.json
+says how the last run ended: "running" (with the launcher's pid) from the start, then "done",
+"failed" or "interrupted"; a record still "running" whose launcher is gone is reported as
+"killed" by the next ``fsdpfn run``/``fsdpfn demo`` into that run_dir (``--resume`` continues
+from the latest checkpoint), and a run_dir whose launcher still runs is refused.
+
+Only the standard library is imported here at module level: the CLI's config path stays free of
+torch (placement, data and model helpers are imported when a run starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["launch"]
+
+TRAINER_LOG = "trainer.log"  # under run_dir: everything the trainer ranks and torchrun printed
+TTY_ENV = "FSDPFN_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe)
+_OWNED = ("config.yaml", "trainer.log", "model0", "model0.tmp", "sft", "checkpoints",
+          "critic_checkpoints",
+          "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks",
+          "data", "tensorboard", "wandb", "reward_errors.jsonl", "run_state.json")
+
+
+def _say(message: str) -> None:
+    print(f"[fsdpfn] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- run_dir and commands
+
+
+def _check_run_dir_path(run_dir: Path) -> None:
+    from fsdpfn.errors import ConfigError
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir: must be a directory (or a path to create), got "
+                          f"{str(run_dir)!r}, which is a file")
+
+
+def _last_run(run_dir: Path) -> str | None:
+    """How the last run in ``run_dir`` ended (None: no record); a run whose launcher is alive
+    on this host is refused: two launchers must not write one run_dir."""
+    import socket
+
+    from fsdpfn.errors import ConfigError
+    from fsdpfn.app.supervise import describe_last_run, last_run
+
+    state = last_run(run_dir)
+    if state is None:
+        return None
+    if state.get("status") == "running" and state.get("host") == socket.gethostname():
+        raise ConfigError(f"run_dir: must not be in use by another run, got {str(run_dir)!r}, "
+                          f"where {describe_last_run(state)}; stop it, wait for it, or set "
+                          f"run_dir=... to another directory")
+    return describe_last_run(state)
+
+
+def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    from fsdpfn.errors import ConfigError
+
+    _check_run_dir_path(run_dir)
+    last = _last_run(run_dir)
+    previous = [name for name in ("checkpoints", "metrics.jsonl", "sft")
+                if (run_dir / name).exists()]
+    if previous and not (resume or overwrite):
+        raise ConfigError(f"run_dir: {str(run_dir)!r} holds a previous run "
+                          f"({', '.join(previous)}" + (f"; {last}" if last else "") + "); pass "
+                          f"--resume to continue it, --overwrite to start over, or set "
+                          f"run_dir=... to another directory")
+    if last and "killed" in last:
+        _say(f"{run_dir}: {last}" + ("; resuming from its latest checkpoint" if resume
+                                     else "; starting over"))
+    if overwrite and not resume:
+        for name in _OWNED:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _torchrun_cmd(cfg, config_path: Path, placement, *, resume: bool,
+                  url: str | None) -> list[str]:
+    from fsdpfn.rollout.process import free_port
+
+    port = cfg.launch.master_port
+    while port is None or (url is not None and url.endswith(f":{port}")):
+        port = free_port()  # never the rollout server's port, which it may not have bound yet
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+           str(placement.nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "fsdpfn.app.recipes.worker", "--config", str(config_path), "--device",
+           placement.device, "--transport", placement.transport]
+    if resume:
+        cmd.append("--resume")
+    if url:
+        cmd += ["--rollout-url", url]
+    return cmd
+
+
+def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
+    return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
+            str(port), "--host", "127.0.0.1", "--device", placement.server_device, "--dtype",
+            placement.dtype, "--threads", str(cfg.rollout.threads),
+            "--parent-pid", str(os.getpid()), *_decode_cache(cfg)]
+
+
+def _decode_cache(cfg) -> list[str]:
+    """The server's decode cache sized to the run: a slot for each of one step's answers
+    (prompts_per_step x group_size, in multiples of 8, at most 1,024), and, for data files,
+    positions for the longest prompt plus answer the data allows. Left to its default (half of
+    the free memory at start), a server that shares its GPU with the trainer takes memory the
+    trainer needs later (the 1.5B GRPO run: 60 GB of cache for 128 rows, then out of memory
+    in the first push)."""
+    rows = cfg.prompts_per_step * cfg.advantage.group_size
+    args = ["--decode-rows", str(min(1024, max(8, -(-rows // 8) * 8)))]
+    if cfg.data.from_files:
+        args += ["--decode-max-len",
+                 str(cfg.data.max_prompt_tokens + cfg.data.max_response_tokens)]
+    return args
+
+
+class _Signals:
+    """SIGINT/SIGTERM in the launcher. The first is forwarded to the trainer ranks (their pids
+    are in run_dir/.ranks/): they finish the current step, save it and exit. Ranks that are not
+    running yet are stopped through torchrun. The second kills the ranks and torchrun."""
+
+    def __init__(self, run_dir: Path):
+        self.count = 0
+        self.trainer: subprocess.Popen | None = None
+        self.ranks_dir = run_dir / ".ranks"
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def rank_pids(self) -> list[int]:
+        pids = []
+        for path in sorted(self.ranks_dir.glob("rank*.pid")):
+            try:
+                pids.append(int(path.read_text()))
+            except (OSError, ValueError):
+                pass
+        return pids
+
+    def _kill(self, pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _handler(self, signum, frame) -> None:
+        self.count += 1
+        proc = self.trainer
+        running = proc is not None and proc.poll() is None
+        pids = self.rank_pids() if running else []
+        if self.count == 1:
+            print(file=sys.stderr)
+            _say(f"{signal.Signals(signum).name}: stopping after the current step "
+                 f"(again to abort now)")
+            for pid in pids:
+                self._kill(pid, signal.SIGINT)
+            if running and not pids:
+                self._kill(proc.pid, signal.SIGTERM)
+        else:
+            _say("aborting: killing the trainer ranks (the last published checkpoint is intact)")
+            for pid in pids:
+                self._kill(pid, signal.SIGKILL)
+            if running:
+                self._kill(proc.pid, signal.SIGKILL)
+
+
+def _check_inputs(cfg) -> None:
+    """What can fail before any rank starts: the model directory and the loggers (the data,
+    the reward and the memory: fsdpfn.app.recipes.preflight)."""
+    from fsdpfn.app.recipes.model import check_model_dir
+
+    check_model_dir(cfg.model)
+    if cfg.log.wandb is not None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            from fsdpfn.errors import ConfigError
+
+            raise ConfigError("log.wandb: needs the wandb package (pip install 'fsdpfn[wandb]'), "
+                              f"got {cfg.log.wandb!r}") from None
+    if cfg.log.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            from fsdpfn.errors import ConfigError
+
+            raise ConfigError("log.tensorboard: needs the tensorboard package (pip install "
+                              "tensorboard), got true") from None
+
+
+def _prepare_data(cfg, run_dir: Path, *, resume: bool) -> None:
+    """Tokenize and filter the data files into run_dir/data once (reused on --resume, so the
+    data cursor points into the same examples), and report what was dropped."""
+    from fsdpfn.app.recipes.data import DATA_DIR, prepare_files
+    from fsdpfn.app.recipes.model import load_tokenizer
+
+    if not cfg.data.from_files:
+        return
+    out = run_dir / DATA_DIR
+    if resume and (out / "train.jsonl").is_file():
+        return
+    report = prepare_files(cfg.data, load_tokenizer(cfg.model), cfg.recipe, out)
+    for split, r in report.items():
+        dropped = sum(r["dropped"].values())
+        _say(f"data ({split}): {r['kept']} of {r['rows']} samples"
+             + (f"; dropped {dropped}: " + ", ".join(f"{n} {why}" for why, n in
+                                                    r["dropped"].items()) if dropped else ""))
+
+
+def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool = False) -> int:
+    """Run ``cfg`` (a recipe config) as ``fsdpfn run`` does; returns the exit status."""
+    from fsdpfn import serde
+    from fsdpfn.app.recipes import NEEDS_ROLLOUT
+    from fsdpfn.app.recipes.model import initial_model_dir
+    from fsdpfn.app.recipes.placement import count_gpus, place
+    from fsdpfn.app.recipes.preflight import preflight
+    from fsdpfn.app.supervise import write_run_state
+
+    run_dir = Path(cfg.run_dir)
+    _check_run_dir_path(run_dir)  # before count_gpus, which imports torch
+    config_path = run_dir / "config.yaml"
+    needs_rollout = cfg.recipe in NEEDS_ROLLOUT
+    own_server = needs_rollout and cfg.rollout.url is None
+    placement = place(cfg, count_gpus(), needs_rollout=needs_rollout)
+    model_dir = initial_model_dir(cfg.model, run_dir)
+    url = cfg.rollout.url if needs_rollout else None
+    _check_inputs(cfg)
+    for note in preflight(cfg, placement, data=dry_run):  # a real run reads the data below
+        _say(note)
+    if dry_run:
+        print(serde.to_yaml(cfg), end="")
+        _say(f"placement: {_describe(placement)}")
+        if own_server:
+            _say("rollout server: " + " ".join(_server_cmd(cfg, model_dir, 0, placement)))
+        _say("trainer: " + " ".join(_torchrun_cmd(cfg, config_path, placement, resume=resume,
+                                                  url=url)))
+        return 0
+    _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    _prepare_data(cfg, run_dir, resume=resume)
+    config_path.write_text(serde.to_yaml(cfg))
+    write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
+    try:
+        rc, interrupted, seconds = _run(cfg, run_dir, config_path, placement, model_dir,
+                                        own_server=own_server, url=url, resume=resume)
+    except BaseException as exc:
+        write_run_state(run_dir, "failed", exit_code=None,
+                        error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    _summarize(cfg, run_dir, seconds, rc, interrupted)
+    status = 130 if interrupted else rc
+    failure = {}
+    if rc != 0 and not interrupted:
+        failure["error"] = _report_failure(run_dir, rc)
+    write_run_state(run_dir, "interrupted" if interrupted else ("done" if rc == 0 else "failed"),
+                    exit_code=status, **failure)
+    return status
+
+
+def _report_failure(run_dir: Path, rc: int) -> str:
+    """The one line a failed trainer leaves on the terminal: the first rank's error, typed,
+    and where its trace is (run_dir/trainer.log, with torchrun's report)."""
+    error = rank_error(run_dir)
+    what = f"{error['type']}: {error['message']}" if error else \
+        f"the trainer exited with status {rc}"
+    print(f"fsdpfn: error: {what} (trace in {run_dir / TRAINER_LOG})", file=sys.stderr,
+          flush=True)
+    return what[:2000]
+
+
+def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, own_server: bool,
+         url: str | None, resume: bool) -> tuple[int, bool, float]:
+    """Start the server (when ours) and the trainer and wait for them; (exit status,
+    interrupted, seconds). Both children die with this process (fsdpfn.app.supervise)."""
+    from fsdpfn.wire.lifeline import LAUNCHER_PID_ENV, die_with_parent
+
+    t0 = time.monotonic()
+    signals = _Signals(run_dir)
+    shutil.rmtree(signals.ranks_dir, ignore_errors=True)
+    signals.install()
+    server = None
+    try:
+        if cfg.model.embedded or cfg.model.random_init:
+            _write_initial_model(cfg, run_dir)
+        if own_server:
+            server = _start_server(cfg, run_dir, model_dir, placement)
+            url = server.url
+        cmd = _torchrun_cmd(cfg, config_path, placement, resume=resume, url=url)
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
+               TTY_ENV: "1" if sys.stderr.isatty() else "0",
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               LAUNCHER_PID_ENV: str(os.getpid()), **placement.env(placement.trainer_gpus)}
+        _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}"
+             + (f", rollout server {url}" if url else "") + f"; {_describe(placement)}")
+        if signals.count:
+            return 130, True, time.monotonic() - t0
+        # its own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
+        trainer = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   preexec_fn=die_with_parent())
+        signals.trainer = trainer
+        relay = _Relay(trainer.stdout, run_dir)
+        rc = _wait(trainer, server, signals)
+        relay.join()
+    finally:
+        if server is not None:
+            server.close()
+        signals.restore()
+    return rc, signals.count > 0, time.monotonic() - t0
+
+
+class _Relay:
+    """The trainer's output (torchrun and its ranks, one pipe) copied to run_dir/trainer.log
+    and to the terminal as it comes (progress bars redraw), until a rank reports a failure
+    (run_dir/.ranks/error_rank*.json): what follows, the rank's traceback and torchrun's
+    failure report, goes to the log only, and the launcher prints the one-line error."""
+
+    def __init__(self, pipe, run_dir: Path):
+        import threading
+
+        self.pipe, self.ranks_dir = pipe, run_dir / ".ranks"
+        self.log_path = run_dir / TRAINER_LOG
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        fd = self.pipe.fileno()
+        quiet = False
+        with open(self.log_path, "ab") as log:
+            while chunk := os.read(fd, 65536):
+                log.write(chunk)
+                log.flush()
+                quiet = quiet or any(self.ranks_dir.glob("error_rank*.json"))
+                if not quiet:
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.flush()
+
+    def join(self) -> None:
+        self.thread.join(timeout=30)
+
+
+def rank_error(run_dir: Path) -> dict | None:
+    """The first failure a trainer rank reported (fsdpfn.app.recipes.worker.report_error)."""
+    records = []
+    for path in (run_dir / ".ranks").glob("error_rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    return min(records, key=lambda r: (r.get("time", 0), r.get("rank", 0))) if records else None
+
+
+def _describe(p) -> str:
+    if p.device == "cpu" and p.server_device in (None, "cpu"):
+        return "CPU" + (f", weights pushed by {p.transport}" if p.server_device else "")
+    train = f"trainer on {p.device}" + (f" GPU {list(p.trainer_gpus)}" if p.trainer_gpus else "")
+    if p.server_device is None:
+        return f"{train}, {p.dtype}"
+    serve = f"server on {p.server_device}" + (f" GPU {list(p.server_gpus)}" if p.server_gpus
+                                              else "")
+    return f"{train}, {serve}, weights pushed by {p.transport}, {p.dtype}"
+
+
+def _write_initial_model(cfg, run_dir: Path) -> Path:
+    from fsdpfn.app.recipes.model import load_tokenizer, write_initial_model
+
+    return write_initial_model(cfg.model, run_dir / "model0", load_tokenizer(cfg.model))
+
+
+def _start_server(cfg, run_dir: Path, model_dir: Path, placement):
+    """``python -m fsdpfn.rollout`` in its own session (Ctrl-C must not reach it before the
+    ranks finished their step); the ranks wait for /health themselves."""
+    from fsdpfn.rollout.process import RolloutProcess, free_port
+    from fsdpfn.wire.lifeline import die_with_parent
+
+    port = free_port()
+    log_path = run_dir / "rollout.log"
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads),
+           **placement.env(placement.server_gpus)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(_server_cmd(cfg, model_dir, port, placement), stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent())
+    return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def _wait(trainer: subprocess.Popen, server, signals: _Signals) -> int:
+    reported = False
+    while True:
+        try:
+            return trainer.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        if server is not None and not server.alive() and not reported and not signals.count:
+            reported = True
+            _say(f"the rollout server exited with {server.proc.returncode}; stopping the "
+                 f"trainer. Its log ({server.log_path}):\n{server.log()}")
+            try:
+                os.kill(trainer.pid, signal.SIGTERM)  # torchrun stops its ranks
+            except ProcessLookupError:
+                pass
+
+
+def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool) -> dict:
+    from fsdpfn.app.recipes.plot import plot_metrics, read_metrics
+
+    metrics = run_dir / "metrics.jsonl"
+    rows = [r for r in read_metrics(metrics) if r.get("phase") == cfg.recipe] \
+        if metrics.is_file() else []
+    summary = {"recipe": cfg.recipe, "run_dir": str(run_dir), "exit_code": rc,
+               "interrupted": interrupted, "wall_seconds": round(seconds, 1),
+               "steps": rows[-1]["step"] if rows else 0}
+    key = next((k for k in ("reward_mean", "accuracy", "reward_accuracy", "loss")
+                if rows and rows[0].get(k) is not None), None)
+    if key is not None:
+        k = max(1, min(5, len(rows) // 4))
+        first = [r[key] for r in rows[:k] if r.get(key) is not None]
+        last = [r[key] for r in rows[-k:] if r.get(key) is not None]
+        summary[key] = {"first": rows[0][key], "last": rows[-1][key],
+                        f"mean_first_{k}": sum(first) / len(first),
+                        f"mean_last_{k}": sum(last) / len(last)}
+    evals = [r["greedy_accuracy"] for r in rows if r.get("greedy_accuracy") is not None]
+    if evals:
+        summary["greedy_accuracy"] = {"first": evals[0], "last": evals[-1]}
+    from fsdpfn.checkpoint.files import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir / "checkpoints")  # published only: never a step_N.tmp-*
+    if latest is not None:
+        summary["checkpoint"] = str(latest)
+    if rows and cfg.log.plot:
+        png = plot_metrics(metrics, run_dir / "metrics.png", phase=cfg.recipe)
+        if png is not None:
+            summary["plot"] = str(png)
+        else:
+            _say("no metrics.png: plotting needs matplotlib (pip install 'fsdpfn[recipes]')")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    minutes = f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+    status = "stopped" if interrupted else ("done" if rc == 0 else f"failed (exit {rc})")
+    line = f"{status} in {minutes}: {cfg.recipe}, {summary['steps']} steps"
+    if key is not None:
+        s = summary[key]
+        k = next(n for n in s if n.startswith("mean_first_")).rsplit("_", 1)[1]
+        line += (f"; {key} {s[f'mean_first_{k}']:.3f} -> {s[f'mean_last_{k}']:.3f} "
+                 f"(mean of the first / last {k} steps)")
+    if evals:
+        line += f"; greedy accuracy (held-out) {evals[0]:.3f} -> {evals[-1]:.3f}"
+    _say(line)
+    _say(f"metrics {metrics}" + (f", plot {summary['plot']}" if "plot" in summary else "")
+         + (f", checkpoint {summary['checkpoint']}" if "checkpoint" in summary else ""))
+    if interrupted or rc != 0:
+        _say(f"continue with: fsdpfn run {run_dir / 'config.yaml'} --resume")
+    return summary

@@ -1,0 +1,394 @@
+"""Recipe configs: one frozen attrs class per recipe, composed of fsdpfn's own configs.
+
+A YAML file names its recipe (``recipe: grpo``) and is validated by fsdpfn's one cattrs converter
+(``fsdpfn.serde``): unknown keys are rejected (naming the closest valid one), and errors name the
+dotted path, the rule and the value (``ppo.clip_low: must be < 1, got 1.5``). Print any recipe's
+full default config with ``fsdpfn config NAME``.
+
+``engine:`` is the policy's EngineConfig (precision, micro-batch budget, checkpointing, FSDP
+offload, LoRA, kernels: fsdpfn.app.recipes.engine); ``ref_engine:`` and ``critic_engine:`` override
+it for the reference model and ppo's critic. An explicit micro-batch budget below the longest row
+the data allows is refused here, before anything starts.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
+                           ParallelStrategy, PPOConfig, RWConfig, SFTConfig, _bool, _float,
+                           _float_conv, _int, _one_of)
+from fsdpfn.errors import ConfigError
+from fsdpfn.app.recipes.data import DataConfig
+from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
+from fsdpfn.app.recipes.model import ModelConfig
+from fsdpfn.app.recipes.reward import RewardConfig
+from fsdpfn.app.recipes.task import AdditionTask
+
+__all__ = ["ModelConfig", "DataConfig", "RewardConfig", "LaunchConfig", "RolloutConfig",
+           "CheckpointConfig", "LogConfig", "WandbConfig", "WarmupConfig", "EvalConfig",
+           "GRPORecipe", "PPORecipe", "SFTRecipe", "RWRecipe", "DPORecipe", "RECIPE_CONFIGS"]
+
+
+def _recipe_name(name: str):
+    def check(_, attribute, value):
+        if value != name:
+            raise ConfigError(f"recipe: must be {name!r} for this config class, got {value!r}")
+    return check
+
+
+def _path(_, attribute, value):
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{attribute.name}: must be a non-empty path string, got {value!r}")
+
+
+def _gpus(value):
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    return tuple(value)
+
+
+def _gpu_list(_, attribute, value):
+    if value is None:
+        return
+    if not value or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                            for v in value) or len(set(value)) != len(value):
+        raise ConfigError(f"{attribute.name}: must be null or a list of distinct GPU indices "
+                          f">= 0, got {list(value)!r}")
+
+
+@attrs.frozen
+class LaunchConfig:
+    """How ``fsdpfn run`` starts the trainer: ``nproc`` torchrun ranks (gloo on CPU, NCCL on
+    CUDA), each with ``threads_per_rank`` CPU threads (OMP_NUM_THREADS). ``device: auto`` uses
+    CUDA when a GPU is visible. ``gpus``: the GPU indices the trainer ranks use (one rank per
+    GPU; null: every GPU the rollout server does not use, or GPU 0 when there is only one).
+    ``nproc: null``: one rank per trainer GPU on CUDA, 2 on CPU."""
+
+    nproc: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+    threads_per_rank: int = attrs.field(default=1, validator=_int(1))
+    device: str = attrs.field(default="auto", validator=_one_of("cpu", "cuda", "auto"))
+    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
+                                               validator=_gpu_list)
+    master_port: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+
+
+def _opt_str(_, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{attribute.name}: must be null or a non-empty string, got {value!r}")
+
+
+@attrs.frozen
+class RolloutConfig:
+    """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
+    the run's initial model and stops it at the end; else the trainer uses the server at ``url``
+    (it must serve a model of the same architecture). Weights are pushed after every step over
+    ``transport`` ("broadcast": a gloo/NCCL group; "ipc": CUDA IPC handles, for a server on
+    trainer rank 0's GPU; "disk": safetensors under run_dir/push; "auto": broadcast, or ipc
+    when trainer and server share a GPU, where NCCL cannot connect two processes). ``device:
+    auto`` follows the trainer; ``gpus``: the server's GPU (null: the host's last GPU).
+
+    ``max_staleness``: 0 is the synchronous loop (generate, then train, then push); N >= 1 lets
+    generation run up to N steps ahead of training (fsdpfn.rollout.stream: no trained sample is
+    more than N weight versions old, nothing is thrown away; pushes then land without pausing
+    generation). ``workflow``: "pkg.module:function" or "path.py:function", called once per
+    sample with an openai client and the data row, returning the episode's reward
+    (fsdpfn.app.recipes.workflow), each call bounded by ``workflow_timeout_s``; an episode's row
+    longer than ``max_episode_tokens`` (null: the model's max_position_embeddings) is dropped
+    and counted."""
+
+    url: str | None = attrs.field(default=None)
+    transport: str = attrs.field(default="auto",
+                                 validator=_one_of("auto", "broadcast", "ipc", "disk"))
+    threads: int = attrs.field(default=1, validator=_int(1))
+    device: str = attrs.field(default="auto", validator=_one_of("auto", "cpu", "cuda"))
+    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
+                                               validator=_gpu_list)
+    temperature: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0))
+    top_p: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0, le=1))
+    timeout_s: float = attrs.field(default=120.0, converter=_float_conv, validator=_float(gt=0))
+    health_timeout_s: float = attrs.field(default=300.0, converter=_float_conv,
+                                          validator=_float(gt=0))
+    max_staleness: int = attrs.field(default=0, validator=_int(0))
+    workflow: str | None = attrs.field(default=None, validator=_opt_str)
+    workflow_timeout_s: float = attrs.field(default=600.0, converter=_float_conv,
+                                            validator=_float(gt=0))
+    max_episode_tokens: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+
+    @url.validator
+    def _check_url(self, attribute, value):
+        if value is not None and (not isinstance(value, str)
+                                  or not value.startswith(("http://", "https://"))):
+            raise ConfigError(f"url: must be None or 'http://host:port', got {value!r}")
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """Save every ``every`` steps (0: only at the end) into run_dir/checkpoints/step_N, keeping
+    the ``keep_last`` newest. A clean stop (Ctrl-C) also saves the last finished step."""
+
+    every: int = attrs.field(default=10, validator=_int(0))
+    keep_last: int = attrs.field(default=2, validator=_int(1))
+
+
+@attrs.frozen
+class WandbConfig:
+    """Weights & Biases: every metrics row logged to ``project`` as run ``name`` (null: the
+    run_dir's name), files under run_dir/wandb. ``mode``: online, offline (no network; sync
+    later with ``wandb sync run_dir/wandb/offline-run-*``) or disabled. A resumed run continues
+    the same W&B run."""
+
+    project: str = attrs.field(default="fsdpfn", validator=_path)
+    name: str | None = attrs.field(default=None, validator=_opt_str)
+    mode: str = attrs.field(default="online", validator=_one_of("online", "offline", "disabled"))
+
+
+@attrs.frozen
+class LogConfig:
+    """Progress bar on stderr (a line every ``every`` steps when stderr is not a terminal),
+    metrics as JSON lines in run_dir/metrics.jsonl, a PNG plot at the end, TensorBoard event
+    files in run_dir/tensorboard with ``tensorboard: true`` (needs the tensorboard package),
+    and Weights & Biases with ``wandb: {project, name, mode}`` (needs the wandb package)."""
+
+    progress: bool = attrs.field(default=True, validator=_bool)
+    every: int = attrs.field(default=1, validator=_int(1))
+    plot: bool = attrs.field(default=True, validator=_bool)
+    tensorboard: bool = attrs.field(default=False, validator=_bool)
+    wandb: WandbConfig | None = attrs.field(default=None)
+
+
+@attrs.frozen
+class WarmupConfig:
+    """Supervised warm-up before RL (sft_step on solved problems); its result is the reference
+    model and the starting point of RL. It ends after ``steps`` steps, or earlier once the
+    expected reward of sampling (mean over held-out problems of P(correct answer) =
+    exp(Σ logp of its tokens), checked every ``check_every`` steps) reaches ``target_reward``
+    (None: never early). steps=0 skips it."""
+
+    steps: int | None = attrs.field(default=None, validator=_int(0, allow=(None,)))
+    batch_size: int = attrs.field(default=128, validator=_int(1))
+    target_reward: float | None = attrs.field(default=0.35, converter=lambda v: None if v is None
+                                              else _float_conv(v),
+                                              validator=_float(gt=0, le=1, optional=True))
+    check_every: int = attrs.field(default=10, validator=_int(1))
+    optimizer: OptimizerConfig = attrs.field(
+        factory=lambda: OptimizerConfig(lr=2e-3, warmup_steps=50))
+
+
+@attrs.frozen
+class EvalConfig:
+    """Greedy accuracy on ``n_prompts`` held-out problems every ``every`` steps (0: off)."""
+
+    every: int = attrs.field(default=0, validator=_int(0))
+    n_prompts: int = attrs.field(default=128, validator=_int(1))
+
+
+def _check_rl_data(cfg) -> None:
+    """What an RL recipe needs beyond each section's own rules."""
+    rows = cfg.prompts_per_step * cfg.advantage.group_size
+    for name in ("ppo", "critic") if cfg.recipe == "ppo" else ("ppo",):
+        if getattr(cfg, name).n_minibatches > rows:
+            raise ConfigError(f"{name}.n_minibatches: must be <= the rows of a step "
+                              f"(prompts_per_step x advantage.group_size = "
+                              f"{cfg.prompts_per_step} x {cfg.advantage.group_size} = {rows}; "
+                              f"an empty minibatch trains on nothing), got "
+                              f"{getattr(cfg, name).n_minibatches}")
+    if cfg.data.from_files and cfg.warmup.steps:
+        raise ConfigError(f"warmup.steps: the supervised warm-up trains on solved problems of "
+                          f"the embedded task; with data.train_files it must be 0 or null (run "
+                          f"recipe 'sft' first and set model.path to its export), got "
+                          f"{cfg.warmup.steps}")
+    _check_model_data(cfg)
+
+
+def _check_model_data(cfg) -> None:
+    check_recipe_engines(cfg)
+    if cfg.data.from_files and cfg.model.embedded:
+        raise ConfigError("model.path: data files need the model's own tokenizer; set "
+                          "model.path to an HF model directory, got None (the embedded "
+                          "character model reads only the addition task)")
+
+
+@attrs.frozen
+class GRPORecipe:
+    """GRPO on the addition task: SFT warm-up, then per step: the rollout server samples
+    ``advantage.group_size`` answers for each of ``prompts_per_step`` problems; rewards; ref and
+    old log-probs (forward_logp); group advantages; ppo_step (decoupled PPO with the server's
+    behav_logp); push_weights; checkpoint on schedule. ``engine.lora``: train adapters only (the
+    warm-up too, exported merged); ref_logp is then the actor with its adapters disabled (one
+    model in memory) and pushes carry the merged weights."""
+
+    recipe: str = attrs.field(default="grpo", validator=_recipe_name("grpo"))
+    run_dir: str = attrs.field(default="runs/grpo", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=80, validator=_int(1))
+    prompts_per_step: int = attrs.field(default=64, validator=_int(1))
+    task: AdditionTask = attrs.field(factory=AdditionTask)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    ref_engine: dict = attrs.field(factory=dict, hash=False)
+    warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
+    advantage: AdvantageConfig = attrs.field(
+        factory=lambda: AdvantageConfig(estimator="grpo", group_size=8))
+    ppo: PPOConfig = attrs.field(
+        factory=lambda: PPOConfig(clip_low=0.2, clip_high=0.28, n_minibatches=8, kl_coef=0.01))
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    reward: RewardConfig = attrs.field(factory=lambda: RewardConfig(fn=None))
+    eval: EvalConfig = attrs.field(factory=lambda: EvalConfig(every=10))
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        if self.advantage.estimator not in ("grpo", "drgrpo", "rloo", "reinforce++"):
+            raise ConfigError(f"advantage.estimator: must be a critic-free estimator for recipe "
+                              f"'grpo' (grpo, drgrpo, rloo, reinforce++; use recipe 'ppo' for "
+                              f"gae), got {self.advantage.estimator!r}")
+        if self.advantage.group_size < 2:
+            raise ConfigError(f"advantage.group_size: must be >= 2 for recipe 'grpo' (answers "
+                              f"per problem, compared within their group), got "
+                              f"{self.advantage.group_size}")
+        if self.ppo.temperature != self.rollout.temperature:
+            raise ConfigError(f"ppo.temperature: must equal rollout.temperature "
+                              f"({self.rollout.temperature}) so that old_logp and behav_logp "
+                              f"describe the same distribution, got {self.ppo.temperature}")
+        _check_rl_data(self)
+
+
+@attrs.frozen
+class PPORecipe:
+    """PPO with a critic and GAE on the addition task: like grpo, plus a critic (value head on
+    the same tiny model) trained by critic_step; advantages from compute_values + GAE.
+    ``engine.lora`` applies to the actor (as in grpo); the critic is trained in full."""
+
+    recipe: str = attrs.field(default="ppo", validator=_recipe_name("ppo"))
+    run_dir: str = attrs.field(default="runs/ppo", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=20, validator=_int(1))
+    prompts_per_step: int = attrs.field(default=128, validator=_int(1))
+    task: AdditionTask = attrs.field(factory=AdditionTask)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    ref_engine: dict = attrs.field(factory=dict, hash=False)
+    critic_engine: dict = attrs.field(factory=dict, hash=False)
+    warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
+    critic_optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
+    advantage: AdvantageConfig = attrs.field(
+        factory=lambda: AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
+    ppo: PPOConfig = attrs.field(factory=lambda: PPOConfig(n_minibatches=4, kl_coef=0.01))
+    critic: CriticConfig = attrs.field(factory=lambda: CriticConfig(n_minibatches=4))
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    reward: RewardConfig = attrs.field(factory=lambda: RewardConfig(fn=None))
+    eval: EvalConfig = attrs.field(factory=EvalConfig)
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        if self.advantage.estimator != "gae":
+            raise ConfigError(f"advantage.estimator: must be 'gae' for recipe 'ppo' (it trains "
+                              f"a critic), got {self.advantage.estimator!r}")
+        if self.advantage.group_size != 1:
+            raise ConfigError(f"advantage.group_size: must be 1 for recipe 'ppo' (one answer "
+                              f"per prompt), got {self.advantage.group_size}")
+        if self.ppo.temperature != self.rollout.temperature:
+            raise ConfigError(f"ppo.temperature: must equal rollout.temperature "
+                              f"({self.rollout.temperature}), got {self.ppo.temperature}")
+        _check_rl_data(self)
+
+
+@attrs.frozen
+class SFTRecipe:
+    """Supervised fine-tuning on solved addition problems (sft_step), held-out loss with
+    evaluate, export_hf of the result to run_dir/model (with ``engine.lora``: adapters trained, the
+    model exported merged)."""
+
+    recipe: str = attrs.field(default="sft", validator=_recipe_name("sft"))
+    run_dir: str = attrs.field(default="runs/sft", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=100, validator=_int(1))
+    batch_size: int = attrs.field(default=64, validator=_int(1))
+    eval_every: int = attrs.field(default=20, validator=_int(0))
+    export: bool = attrs.field(default=True, validator=_bool)
+    task: AdditionTask = attrs.field(factory=AdditionTask)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=3e-3))
+    sft: SFTConfig = attrs.field(factory=SFTConfig)
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        _check_model_data(self)
+
+
+@attrs.frozen
+class RWRecipe:
+    """Reward model (Bradley-Terry, rw_step) on pairs: the correct sum (chosen) against a near
+    miss (rejected); the value head scores the last token."""
+
+    recipe: str = attrs.field(default="rw", validator=_recipe_name("rw"))
+    run_dir: str = attrs.field(default="runs/rw", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=60, validator=_int(1))
+    pairs_per_step: int = attrs.field(default=32, validator=_int(1))
+    task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-3))
+    rw: RWConfig = attrs.field(factory=RWConfig)
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        _check_model_data(self)
+
+
+@attrs.frozen
+class DPORecipe:
+    """DPO (dpo_step) on the same pairs, against a frozen reference copy of the initial model
+    (forward_logp gives ref_logp). With ``engine.lora`` the reference is the policy with its
+    adapters disabled (forward_logp(..., adapters=False)): one model in memory."""
+
+    recipe: str = attrs.field(default="dpo", validator=_recipe_name("dpo"))
+    run_dir: str = attrs.field(default="runs/dpo", validator=_path)
+    seed: int = attrs.field(default=0, validator=_int(0))
+    steps: int = attrs.field(default=60, validator=_int(1))
+    pairs_per_step: int = attrs.field(default=32, validator=_int(1))
+    task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    ref_engine: dict = attrs.field(factory=dict, hash=False)
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
+    dpo: DPOConfig = attrs.field(factory=lambda: DPOConfig(beta=0.1))
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+    def __attrs_post_init__(self):
+        _check_model_data(self)
+
+
+RECIPE_CONFIGS = {"grpo": GRPORecipe, "ppo": PPORecipe, "sft": SFTRecipe, "rw": RWRecipe,
+                  "dpo": DPORecipe}
+for _cls in RECIPE_CONFIGS.values():  # fsdpfn.serde names the new home of a moved key
+    _cls.__fsdpfn_moved__ = {k: f"moved to {v} (one home per setting; fsdpfn config "
+                                f"{_cls().recipe} prints every key)" for k, v in MOVED.items()}

@@ -1,0 +1,221 @@
+"""The user's data files as rows, and the check of every value a recipe reads, before anything
+is tokenized or launched.
+
+A bad file or a bad row refuses the whole split with one ConfigError line naming the config key,
+the file, where in it (``line N`` of a JSON-lines file, counted from 1 as editors do; ``row N``
+of a Parquet file or a JSON array, counted from 0 as pandas does), the column with the key that
+names it, the rule and the value:
+
+    data.train_files: 'train.jsonl' line 7: column 'question' (data.prompt_key) must be a
+    non-empty string or chat messages [{role, content}], got null (and 2 more bad rows)
+
+Refused: a file that is missing, empty, not UTF-8 (the byte, its offset and line), not valid JSON
+(the line and column, with the parser's reason), a row that is not an object, and a value that
+is missing, null or of the wrong type. A row is never dropped silently for its content: a data
+bug would hide behind a smaller epoch. (Rows over the token limits are dropped and counted by
+design, in fsdpfn.app.recipes.data.)
+
+JSON files are parsed here with the standard library: one object per line (.jsonl, .json), or
+a single array of objects (a .json file that starts with ``[``). Parquet files are read with
+pyarrow.
+"""
+
+from __future__ import annotations
+
+import bisect
+import codecs
+import json
+from pathlib import Path
+
+from fsdpfn.errors import ConfigError
+
+__all__ = ["UserRows", "read_rows", "check_rows", "SUFFIX_FORMAT"]
+
+SUFFIX_FORMAT = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+PROMPT_RULE = "a non-empty string or chat messages [{role, content}]"
+MESSAGES_RULE = "chat messages: a non-empty list of {role: string, content: string}"
+_FIELDS = {"prompt": "prompt_key", "messages": "messages_key", "answer": "answer_key",
+           "response": "response_key", "chosen": "chosen_key", "rejected": "rejected_key"}
+_JSON_TYPES = {str: "string", bool: "boolean", int: "number", float: "number", list: "array",
+               dict: "object"}
+
+
+class UserRows:
+    """The rows of one split's files in order; ``where(i)`` names row i's file and position."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.rows: list[dict] = []
+        self.columns: dict[str, None] = {}   # every row's keys, first seen first
+        self._starts: list[int] = []         # index of each file's first row
+        self._origins: list[tuple[str, list[int] | None]] = []  # (file, JSONL line of each row)
+
+    def add(self, path: str, rows: list, lines: list[int] | None) -> None:
+        self._starts.append(len(self.rows))
+        self._origins.append((path, lines))
+        for j, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ConfigError(f"{self._where_in(path, lines, j)}: must be an object "
+                                  f"{{column: value}}, got {_describe(row)}")
+            self.columns.update(dict.fromkeys(row))
+        self.rows.extend(rows)
+
+    def where(self, i: int) -> str:
+        f = bisect.bisect_right(self._starts, i) - 1
+        path, lines = self._origins[f]
+        return self._where_in(path, lines, i - self._starts[f])
+
+    def _where_in(self, path: str, lines: list[int] | None, j: int) -> str:
+        return f"data.{self.key}: {path!r} " + (f"line {lines[j]}" if lines else f"row {j}")
+
+    def full(self, i: int) -> dict:
+        """Row i with every column (None where the row has no such key)."""
+        row = self.rows[i]
+        return row if len(row) == len(self.columns) else {c: row.get(c) for c in self.columns}
+
+
+def _describe(value, *, missing: bool = False) -> str:
+    if missing:
+        return "no such key in the row"
+    if value is None:
+        return "null"
+    if isinstance(value, str) and not value.strip():
+        return f"an empty string {value!r}"
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"{_JSON_TYPES.get(type(value), type(value).__name__)} {text}"
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_rows(files: tuple[str, ...], key: str) -> UserRows:
+    """Every row of ``files`` (config key ``key``), refusing a bad file with a ConfigError."""
+    for f in files:
+        if not Path(f).is_file():
+            raise ConfigError(f"data.{key}: file does not exist, got {f!r}")
+        if Path(f).suffix not in SUFFIX_FORMAT:
+            raise ConfigError(f"data.{key}: must be .jsonl, .json or .parquet files, got {f!r}")
+    data = UserRows(key)
+    for f in files:
+        rows, lines = (_parquet_rows(f, key) if SUFFIX_FORMAT[Path(f).suffix] == "parquet"
+                       else _json_rows(f, key))
+        if not rows:
+            raise ConfigError(f"data.{key}: {f!r} is empty: it has no rows")
+        data.add(f, rows, lines)
+    return data
+
+
+def _utf8_text(path: str, key: str) -> str:
+    raw = Path(path).read_bytes()
+    skip = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[skip:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = exc.start + skip
+        line = raw.count(b"\n", 0, at) + 1
+        raise ConfigError(f"data.{key}: {path!r} is not UTF-8 text: byte 0x{raw[at]:02x} at "
+                          f"offset {at} (line {line}) is {exc.reason}; save the file as "
+                          f"UTF-8") from None
+
+
+def _json_rows(path: str, key: str) -> tuple[list, list[int] | None]:
+    """(rows, their line numbers) of a JSON-lines file; (rows, None) of a JSON array."""
+    text = _utf8_text(path, key)
+    if Path(path).suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            return json.loads(text), None  # valid JSON that starts with '[' is an array
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"data.{key}: {path!r} line {exc.lineno}: not valid JSON "
+                              f"({exc.msg} at column {exc.colno})") from None
+    rows, lines = [], []
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"data.{key}: {path!r} line {n}: not valid JSON ({exc.msg} at "
+                              f"column {exc.colno})") from None
+        lines.append(n)
+    return rows, lines
+
+
+def _parquet_rows(path: str, key: str) -> tuple[list, None]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"data.{key}: reading Parquet needs pyarrow (pip install pyarrow), "
+                          f"got {path!r}") from None
+    try:
+        return pq.read_table(path).to_pylist(), None
+    except Exception as exc:  # noqa: BLE001 - a damaged file is the user's input error
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise ConfigError(f"data.{key}: {path!r} cannot be read as Parquet ({reason})") from None
+
+
+# ---------------------------------------------------------------- checking the values read
+
+
+def _prompt_problem(value) -> str | None:
+    if isinstance(value, str):
+        return None if value.strip() else PROMPT_RULE
+    if isinstance(value, list):
+        return None if _messages_problem(value) is None else PROMPT_RULE
+    return PROMPT_RULE
+
+
+def _messages_problem(value) -> str | None:
+    if not isinstance(value, list) or not value:
+        return MESSAGES_RULE
+    for m in value:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            return MESSAGES_RULE
+    return None
+
+
+def _rl_messages_problem(value) -> str | None:
+    """RL prompts are the conversation up to its last assistant turns: one must be left."""
+    problem = _messages_problem(value)
+    if problem is None and all(m["role"] == "assistant" for m in value):
+        return MESSAGES_RULE + " with a turn before the last assistant turns"
+    return problem
+
+
+def _rules(recipe: str) -> dict:
+    def text(value):
+        return None if isinstance(value, str) else "a string"
+
+    def present(value):
+        return None if value is not None else "present (not null) in every row"
+
+    messages = _rl_messages_problem if recipe in ("grpo", "ppo") else _messages_problem
+    return {"prompt": _prompt_problem, "messages": messages, "answer": present,
+            "response": text, "chosen": text, "rejected": text}
+
+
+def _row_problem(row: dict, cols: dict, rules: dict) -> str | None:
+    for role, col in cols.items():
+        missing = col not in row
+        value = row.get(col)
+        problem = rules[role](value)
+        if problem is not None:
+            return (f"column {col!r} (data.{_FIELDS[role]}) must be {problem}, got "
+                    f"{_describe(value, missing=missing)}")
+    return None
+
+
+def check_rows(data: UserRows, cols: dict, recipe: str) -> None:
+    """Every value the recipe reads (``cols``: role -> column, from the recipe's columns) obeys
+    its rule; else one ConfigError naming the first bad row and counting the others."""
+    rules = _rules(recipe)
+    first, bad = None, 0
+    for i, row in enumerate(data.rows):
+        problem = _row_problem(row, cols, rules)
+        if problem is not None:
+            bad += 1
+            first = first or f"{data.where(i)}: {problem}"
+    if first is not None:
+        more = f" (and {bad - 1} more bad row{'s' if bad > 2 else ''})" if bad > 1 else ""
+        raise ConfigError(first + more)

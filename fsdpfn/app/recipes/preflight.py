@@ -1,0 +1,418 @@
+"""What ``fsdpfn run`` checks before it starts anything: in seconds, with one line per refusal.
+
+    preflight(cfg, placement, data=True)
+
+- the data files are readable and hold the columns the recipe reads (fsdpfn.app.recipes.data);
+- the reward function imports and can be called the way the recipe calls it;
+- the longest row the data allows fits the model's ``max_position_embeddings`` (the micro-batch
+  budget and cp were checked with the config: fsdpfn.app.recipes.engine.check_budget);
+- on a GPU host: an estimate of one trainer GPU's memory (weights + gradients + optimizer state
+  + activations of every model the recipe builds, plus the rollout server's weights and decode
+  cache when it shares the GPU) against the device's; a run that cannot fit is refused, naming
+  the engine options that would make it fit.
+
+The estimate (``estimate_memory``) is a pure function of the model's shape and the engine
+options, written out below; it leaves out what is small next to these terms (biases, norms'
+fp32 copies, the CUDA context), and the refusal keeps ``HEADROOM`` of the device for them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import attrs
+
+from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB
+from fsdpfn.errors import ConfigError
+from fsdpfn.app.recipes.engine import engines, longest_row
+
+__all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
+           "ModelShape",
+           "estimate_memory", "check_memory", "HEADROOM", "GiB"]
+
+GiB = 1024 ** 3
+HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
+BYTES = {"float32": 4, "bfloat16": 2}
+EMBEDDED_MAX_POSITIONS = 128  # fsdpfn.app.recipes.model.ModelConfig.hf_config
+
+
+def preflight(cfg, placement, *, data: bool = True) -> list[str]:
+    """Run every check; returns notes for the terminal (the memory estimate on GPU hosts)."""
+    needs_rollout = cfg.recipe in ("grpo", "ppo")
+    if data:
+        check_data(cfg)
+    if needs_rollout:
+        check_reward(cfg)
+        check_rollout(cfg)
+    hf = model_config(cfg)
+    check_positions(cfg, hf)
+    if placement.device != "cuda" or hf is None:
+        return []
+    return [check_memory(cfg, ModelShape.from_hf(hf), n_gpus=placement.nproc,
+                         capacity=_device_bytes(placement), shared=_shares_gpu(placement))]
+
+
+# ---------------------------------------------------------------- data, reward, positions
+
+
+def check_data(cfg) -> None:
+    """Each split's files exist, read, have the columns this recipe needs and rows of the
+    right types: the checks prepare_files makes before it tokenizes (which it does when the
+    run starts)."""
+    from fsdpfn.app.recipes.data import _columns_for
+    from fsdpfn.app.recipes.data_rows import check_rows, read_rows
+
+    for files, key in ((cfg.data.train_files, "train_files"), (cfg.data.eval_files,
+                                                                 "eval_files")):
+        if files:
+            data = read_rows(files, key)
+            check_rows(data, _columns_for(cfg.data, cfg.recipe, list(data.columns), key),
+                       cfg.recipe)
+
+
+def _reward_call(cfg) -> tuple[tuple, dict, str]:
+    kw = dict(cfg.reward.kwargs)
+    if cfg.reward.batched:
+        return (["p"], ["c"]), {"answers": [None], "samples": [{}], **kw}, \
+            "fn(prompts, completions, *, answers, samples" + "".join(f", {k}" for k in kw) + ")"
+    return ("p", "c"), {"answer": None, "sample": {}, **kw}, \
+        "fn(prompt, completion, *, answer, sample" + "".join(f", {k}" for k in kw) + ")"
+
+
+def check_reward(cfg) -> None:
+    """The reward imports (reward.fn, or the task's built-in one) and its signature accepts the
+    call the recipe makes: fn(prompt, completion, *, answer, sample, **reward.kwargs), or the
+    batched form with reward.batched."""
+    from fsdpfn.app.recipes.reward import load_reward
+    from fsdpfn.app.recipes.rl import reward_spec
+
+    spec = reward_spec(cfg)
+    fn = load_reward(spec)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: the call will tell
+        return
+    args, kwargs, shape = _reward_call(cfg)
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"reward.fn: {spec!r} must accept {shape} (reward.batched="
+                          f"{str(cfg.reward.batched).lower()}); its signature {sig} does not "
+                          f"({exc}), got {spec!r}") from None
+
+
+def check_rollout(cfg) -> None:
+    """A workflow imports and takes (client, row), with an advantage estimator that groups its
+    episodes per data row; generation ahead of training needs a server that tags each token
+    with its weights version and takes updates mid-request (fsdpfn's own)."""
+    r, adv = cfg.rollout, cfg.advantage
+    if r.workflow:
+        from fsdpfn.app.recipes.workflow import load_workflow
+
+        load_workflow(r.workflow)
+        if adv.estimator not in ("grpo", "drgrpo", "rloo"):
+            raise ConfigError(f"rollout.workflow: episodes are grouped per data row; "
+                              f"advantage.estimator must be 'grpo', 'drgrpo' or 'rloo', got "
+                              f"{adv.estimator!r}")
+        for name in ("kl_coef", "whiten", "reward_clip"):
+            default = attrs.fields_dict(type(adv))[name].default
+            if getattr(adv, name) != default:
+                raise ConfigError(f"advantage.{name}: not applied to workflow episodes (their "
+                                  f"advantages are the group statistics alone), got "
+                                  f"{getattr(adv, name)!r}; use ppo.kl_coef for a KL term")
+    if r.max_staleness and r.url:
+        _check_external_server(r.url)
+
+
+def _check_external_server(url: str) -> None:
+    """rollout.max_staleness >= 1 with rollout.url: the server must be fsdpfn's (per-token
+    versions, in-flight updates); a stock SGLang server pauses or retracts requests around an
+    update and names one version per request, so staleness could not be bounded."""
+    from fsdpfn.wire.http import call
+
+    try:
+        info = call(url, "/get_model_info", None, timeout=10.0)
+    except Exception as exc:  # noqa: BLE001 - unreachable: say so, before launch
+        raise ConfigError(f"rollout.max_staleness: checking the server at rollout.url={url!r} "
+                          f"failed ({exc}); it must be reachable before launch") from None
+    if not isinstance(info, dict) or "server_id" not in info or "version" not in info:
+        raise ConfigError(f"rollout.max_staleness: the server at rollout.url={url!r} is not "
+                          f"fsdpfn's rollout server: generation ahead of training needs each "
+                          f"token's weights version and updates that land mid-request (SGLang "
+                          f"pauses or retracts requests around an update); use max_staleness: 0 "
+                          f"with it, or fsdpfn's server")
+
+
+def model_config(cfg) -> dict | None:
+    """The model's config.json as a dict (the text model's, for multimodal configs); the
+    embedded model's shape; None when the directory has none (check_model_dir refuses it)."""
+    if cfg.model.embedded:
+        return {**cfg.model.config_dict(64), "max_position_embeddings": EMBEDDED_MAX_POSITIONS}
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("text_config", data) if "hidden_size" not in data else data
+
+
+def check_positions(cfg, hf: dict | None) -> None:
+    """The longest row the data allows must fit the model's position embeddings."""
+    limit = (hf or {}).get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return
+    row, how = longest_row(cfg)
+    if row > limit:
+        where = "model.path's config.json" if cfg.model.path else "the embedded model"
+        raise ConfigError(f"data.max_response_tokens: {how} = {row} tokens must be <= "
+                          f"max_position_embeddings = {limit} ({where}); lower "
+                          f"data.max_prompt_tokens or data.max_response_tokens, got "
+                          f"{cfg.data.max_response_tokens}")
+
+
+# ---------------------------------------------------------------- the memory estimate
+
+
+@attrs.frozen
+class ModelShape:
+    """What the estimate needs of a decoder-only model's config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "ModelShape":
+        heads = c["num_attention_heads"]
+        return cls(hidden=c["hidden_size"], intermediate=c["intermediate_size"],
+                   layers=c["num_hidden_layers"], vocab=c["vocab_size"], heads=heads,
+                   kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   tied=bool(c.get("tie_word_embeddings", False)))
+
+    @property
+    def layer_params(self) -> int:
+        """q, k, v, o projections, gate/up/down, two norms."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, lm_head (unless tied) and the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    def lora_params(self, lora) -> int:
+        """Adapter parameters: rank x (in + out) for each targeted linear of every layer."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, \
+            self.kv_heads * self.head_dim, self.intermediate
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        names = dims if "all-linear" in lora.target_modules else \
+            [n for n in lora.target_modules if n in dims]
+        return self.layers * sum(lora.rank * sum(dims[n]) for n in names)
+
+    def act_bytes_per_token_layer(self, compute_bytes: int) -> int:
+        """What autograd keeps per token in one layer: the two norms' inputs and outputs (4h),
+        q, k, v and the attention output, gate, up, act(gate) and their product (4i)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return compute_bytes * (4 * self.hidden + 2 * q + 2 * kv + 4 * self.intermediate)
+
+
+def _states(shape: ModelShape, section, n: int, *, train: bool) -> dict[str, float]:
+    """Per-GPU bytes of one model's sharded states (FSDP over n GPUs). Master weights and
+    gradients are in optimizer_dtype; Adam keeps two moments (plus a Kahan compensation buffer
+    in bf16); per_layer_optim_step moves Adam's state to the host (the device holds 1 +
+    optim_step_prefetch_layers layers of it); offload_params moves everything to the host; a
+    LoRA base is frozen in the compute dtype, only the adapters train."""
+    m = BYTES[section.optimizer_dtype]
+    c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
+    adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
+    fsdp = section.fsdp
+    if fsdp.offload_params:
+        return {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    if not train:
+        return {"weights": m * shape.params / n, "gradients": 0.0, "optimizer": 0.0}
+    trained = shape.params
+    weights = m * shape.params / n
+    if section.lora is not None:
+        trained = shape.lora_params(section.lora)
+        weights = c * shape.params / n + m * trained / n
+    optimizer = adam * trained / n
+    if fsdp.per_layer_optim_step:
+        share = min(1.0, (1 + fsdp.optim_step_prefetch_layers) / shape.layers)
+        optimizer = adam * trained * share / n
+    return {"weights": weights, "gradients": m * trained / n, "optimizer": optimizer}
+
+
+def estimate_memory(shape: ModelShape, section, *, n_gpus: int, tokens: int,
+                    train: bool = True) -> dict[str, float]:
+    """Bytes on one GPU for one model: its sharded states (_states), the layers FSDP gathers
+    (two layers and the root in the compute dtype, one layer's float32 gradient before its
+    reduce-scatter) and the activations of a micro-batch of ``tokens`` tokens: every layer's
+    saved tensors, or with gradient_checkpointing each layer's input plus one layer's saved
+    tensors, and the log-prob head's float32 logits (three copies of a chunk of
+    logprobs_chunk_size tokens x vocab). ``train=False``: a forward without autograd (one
+    layer's tensors at a time)."""
+    c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
+    out = _states(shape, section, n_gpus, train=train)
+    gathered = c * (2 * shape.layer_params + shape.root_params)
+    out["gathered"] = gathered + (4 * shape.layer_params if train else 0)
+    per_layer = shape.act_bytes_per_token_layer(c)
+    if not train:
+        layers = per_layer
+    elif section.gradient_checkpointing:
+        layers = shape.layers * c * shape.hidden + per_layer
+    else:
+        layers = shape.layers * per_layer
+    chunk = min(tokens, section.logprobs_chunk_size)
+    out["activations"] = tokens * layers + 3 * 4 * chunk * shape.vocab
+    out["total"] = sum(out.values())
+    return out
+
+
+def _tokens(cfg, section, n_gpus: int) -> int:
+    """Tokens of the largest micro-batch on one GPU: the budget (automatic: the default), at
+    most what one optimizer minibatch holds per data-parallel rank, at least the longest row
+    (which goes alone), per cp rank."""
+    row = longest_row(cfg)[0]
+    rows = {"grpo": lambda: cfg.prompts_per_step * cfg.advantage.group_size
+            // cfg.ppo.n_minibatches,
+            "ppo": lambda: cfg.prompts_per_step // cfg.ppo.n_minibatches,
+            "sft": lambda: cfg.batch_size,
+            "rw": lambda: 2 * cfg.pairs_per_step, "dpo": lambda: 2 * cfg.pairs_per_step}
+    budget = section.mb_spec.max_tokens_per_mb or DEFAULT_MAX_TOKENS_PER_MB
+    cp = cfg.parallel.cp
+    dp = max(1, n_gpus // (cp * cfg.parallel.tp))
+    per_dp_rank = -(-max(1, rows[cfg.recipe]()) // dp) * row
+    return -(-max(row, min(budget * cp, per_dp_rank)) // cp)
+
+
+def _server_bytes(cfg, shape: ModelShape) -> float:
+    """The rollout server on a shared GPU: bf16 weights and its decode cache (slots x
+    positions x layers x k and v), sized as the launcher sizes it."""
+    rows = min(1024, max(8, -(-cfg.prompts_per_step * cfg.advantage.group_size // 8) * 8))
+    positions = longest_row(cfg)[0] if cfg.data.from_files else 2048
+    kv = rows * positions * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
+    return 2 * shape.params + kv
+
+
+def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[str, float]:
+    """Per-GPU bytes of the whole run: every model's states, the largest gathered layers and
+    activations among them (models run one after another), and the server when it shares."""
+    states, peak = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}, 0.0
+    for name, section in engines(cfg).items():
+        est = estimate_memory(shape, section, n_gpus=n_gpus, tokens=_tokens(cfg, section, n_gpus),
+                              train=name != "ref_engine")
+        for k in states:
+            states[k] += est[k]
+        peak = max(peak, est["gathered"] + est["activations"])
+    out = {**states, "gathered + activations": peak}
+    if shared:
+        out["rollout server"] = _server_bytes(cfg, shape)
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---------------------------------------------------------------- the refusal
+
+
+def _policy(cfg, **changes):
+    """``cfg`` with a fix of the policy's engine (the critic and the reference inherit it)."""
+    section = cfg.engine
+    if "fsdp" in changes:
+        changes["fsdp"] = attrs.evolve(section.fsdp, **changes["fsdp"])
+    return attrs.evolve(cfg, engine=attrs.evolve(section, **changes))
+
+
+def _ref_offload(cfg):
+    if "ref_engine" not in engines(cfg):
+        return None
+    over = {**cfg.ref_engine, "fsdp": {**cfg.ref_engine.get("fsdp", {}), "offload_params": True}}
+    return attrs.evolve(cfg, ref_engine=over)
+
+
+def _lora(cfg):
+    from fsdpfn.config import LoRAConfig
+
+    return attrs.evolve(cfg, engine=attrs.evolve(cfg.engine, lora=LoRAConfig(rank=16)),
+                        ref_engine={})
+
+
+# what would make a run fit, in the order a user would try them
+FIXES = {
+    "engine.fsdp.per_layer_optim_step=true": lambda c: _policy(
+        c, fsdp={"per_layer_optim_step": True}),
+    "engine.optimizer_dtype=bfloat16": lambda c: _policy(c, optimizer_dtype="bfloat16"),
+    "engine.gradient_checkpointing=true": lambda c: _policy(c, gradient_checkpointing=True),
+    "ref_engine.fsdp.offload_params=true": _ref_offload,
+    "engine.lora.rank=16": _lora,
+}
+
+
+def _fits(cfg, shape, n_gpus, capacity, shared) -> bool:
+    if cfg is None:
+        return False
+    return run_estimate(cfg, shape, n_gpus=n_gpus, shared=shared)["total"] <= HEADROOM * capacity
+
+
+def _all_fixes(cfg):
+    for name in list(FIXES)[:4]:
+        cfg = FIXES[name](cfg) or cfg
+    return cfg
+
+
+def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
+                 shared: bool = False) -> str:
+    """The estimate against ``capacity`` bytes per GPU: a note when it fits, else a ConfigError
+    naming the options (each alone, else the first four together, or more GPUs) that would."""
+    est = run_estimate(cfg, shape, n_gpus=n_gpus, shared=shared)
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est.items() if k != "total" and v)
+    line = (f"memory estimate per GPU: {est['total'] / GiB:.1f} GiB of {capacity / GiB:.1f} "
+            f"GiB ({parts})")
+    if est["total"] <= HEADROOM * capacity:
+        return line
+    fixes = [name for name, fix in FIXES.items() if _fits(fix(cfg), shape, n_gpus, capacity,
+                                                          shared)]
+    if not fixes and _fits(_all_fixes(cfg), shape, n_gpus, capacity, shared):
+        fixes = ["those of " + ", ".join(list(FIXES)[:4]) + " together"]
+    more = next((k * n_gpus for k in (2, 4, 8)
+                 if _fits(cfg, shape, k * n_gpus, capacity, shared)), None)
+    if more is not None:
+        fixes.append(f"{more} trainer GPUs (launch.nproc)")
+    hint = ("; it would fit with " + " or ".join(fixes)) if fixes else \
+        "; no option makes it fit: use a smaller model or more GPUs"
+    raise ConfigError(f"engine: the run does not fit one GPU, {line}, more than "
+                      f"{HEADROOM:.0%} of the device{hint}")
+
+
+def _device_bytes(placement) -> float:
+    """The host's smallest GPU memory, from nvidia-smi: asking torch would start CUDA in the
+    launcher, which then holds device memory for the whole run."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        return min(float(v) * 2 ** 20 for v in out.split())  # MiB; the host's smallest GPU
+    except (OSError, subprocess.SubprocessError, ValueError):
+        import torch
+
+        gpu = placement.trainer_gpus[0] if placement.trainer_gpus else 0
+        return float(torch.cuda.get_device_properties(gpu).total_memory)
+
+
+def _shares_gpu(placement) -> bool:
+    return bool(placement.server_gpus) and bool(
+        set(placement.server_gpus) & set(placement.trainer_gpus))

@@ -1,0 +1,200 @@
+"""The RL recipes' rollout stage (rank 0): each step's global batch from the rollout server.
+
+Two producers, one interface (``step(step, cursor) -> dict``, ``advance(version)`` after each
+push, ``close()``):
+
+- ``SyncRollout`` (``rollout.max_staleness: 0`` without a workflow): the step's prompts in one
+  /generate request after the previous step's push, scored by the reward's worker processes.
+- ``StreamRollout`` (``max_staleness >= 1``, or a ``rollout.workflow``): a RolloutStream keeps up
+  to max_staleness + 1 steps of groups in flight (fsdpfn.rollout.stream: admission control,
+  groups in data order, so the data cursor counts trained prompts only); with a workflow each
+  sample is an episode (fsdpfn.app.recipes.workflow) and the batch carries its advantages.
+
+The dict a step returns: ``batch`` (the public batch as plain tensors), ``served_version``,
+``stats`` (generation, reward and stream numbers for the metrics row) and ``advantages_done``
+(True when the batch already holds advantages: episodes rows of unequal counts per group).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fsdpfn.app.recipes.runtime import RunContext, log
+from fsdpfn.app.recipes.task import rollout_batch
+from fsdpfn.rollout import generate
+
+__all__ = ["build_rollout", "SyncRollout", "StreamRollout", "max_new_tokens", "score"]
+
+
+def max_new_tokens(cfg) -> int:
+    return cfg.data.max_response_tokens if cfg.data.from_files else cfg.task.max_answer_tokens
+
+
+def _prompt_text(example) -> str:
+    """What the reward sees as the prompt: the dataset's string, or the last user turn."""
+    prompt = example.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt or () if m.get("role") == "user"]
+    return users[-1] if users else ""
+
+
+def score(pool, tok, examples: list[dict], outputs: list[dict], group: int):
+    """Rewards of the completions (outputs[i] answers examples[i // group])."""
+    rows = [examples[i // group] for i in range(len(outputs))]
+    return pool.score([_prompt_text(e) for e in rows],
+                      [tok.decode(o["output_ids"]) for o in outputs],
+                      answers=[e.get("answer") for e in rows],
+                      samples=[e.get("sample") or {} for e in rows])
+
+
+def record_errors(ctx: RunContext, step: int, result) -> None:
+    with open(ctx.run_dir / "reward_errors.jsonl", "a") as fh:
+        for e in result.errors:
+            fh.write(json.dumps({"step": step, "index": e.index, "kind": e.kind,
+                                 "message": e.message, "prompt": e.prompt,
+                                 "completion": e.completion}) + "\n")
+
+
+def _generation_stats(prompts, outputs, seconds) -> dict:
+    lengths = [len(o["output_ids"]) for o in outputs]
+    return {"generate_seconds": seconds,
+            "response_len_mean": sum(lengths) / len(lengths),
+            "response_len_max": max(lengths),
+            "response_clip_frac": sum(o.get("finish_reason") == "length"
+                                      for o in outputs) / len(outputs),
+            "prompt_len_mean": sum(map(len, prompts)) / len(prompts),
+            "generated_tokens": sum(lengths)}
+
+
+def _scored_batch(cfg, ctx, tok, pool, step, examples, outputs, seconds) -> dict:
+    """The public batch of generated groups, scored on this thread by the reward pool."""
+    G = cfg.advantage.group_size
+    result = score(pool, tok, examples, outputs, G)
+    if result.errors:
+        log(f"step {step}: {result.summary()}")
+        record_errors(ctx, step, result)
+    prompts = [e["prompt_ids"] for e in examples]
+    return {"batch": rollout_batch(prompts, outputs, G, result.rewards).to_dict(),
+            "stats": {**_generation_stats(prompts, outputs, seconds), **result.metrics()}}
+
+
+class SyncRollout:
+    """The step's prompts in one request after the previous push (module doc)."""
+
+    def __init__(self, cfg, ctx: RunContext, tok, source, pool):
+        self.cfg, self.ctx, self.tok, self.source, self.pool = cfg, ctx, tok, source, pool
+
+    def step(self, step: int, cursor: int) -> dict:
+        cfg = self.cfg
+        examples = self.source.take(cursor, cfg.prompts_per_step)
+        t0 = time.perf_counter()
+        answer = generate(self.ctx.rollout_url, [e["prompt_ids"] for e in examples],
+                          n=cfg.advantage.group_size, max_new_tokens=max_new_tokens(cfg),
+                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          seed=cfg.seed * 1_000_003 + step, stop_token_ids=self.tok.stop_ids,
+                          timeout=cfg.rollout.timeout_s)
+        out = _scored_batch(cfg, self.ctx, self.tok, self.pool, step, examples,
+                            answer["outputs"], time.perf_counter() - t0)
+        out["stats"].update(data_first=cursor, data_last=cursor + len(examples) - 1)
+        return {**out, "served_version": answer["weight_version"], "advantages_done": False}
+
+    def advance(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _episode_stats(results, batch_stats, seconds) -> dict:
+    sampled = [sum(len(t.output_ids) for t in r.turns) for r in results]
+    return {"generate_seconds": seconds, "response_len_mean": sum(sampled) / len(sampled),
+            "response_len_max": max(sampled), "generated_tokens": sum(sampled),
+            "episode_reward_mean": sum(r.reward for r in results) / len(results),
+            **batch_stats}
+
+
+def _max_positions(cfg, ctx: RunContext) -> int:
+    """The model's max_position_embeddings (the longest row it can be trained on)."""
+    from fsdpfn.app.recipes.model import initial_model_dir
+
+    config = json.loads((initial_model_dir(cfg.model, ctx.run_dir) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+class StreamRollout:
+    """Generation (or episodes) running up to max_staleness steps ahead (module doc)."""
+
+    def __init__(self, cfg, ctx: RunContext, tok, source, pool, *, cursor: int, version: int):
+        from fsdpfn.app.recipes.workflow import load_workflow, run_episodes
+        from fsdpfn.rollout.stream import RolloutStream
+
+        self.cfg, self.ctx, self.tok, self.source, self.pool = cfg, ctx, tok, source, pool
+        G, r = cfg.advantage.group_size, cfg.rollout
+        self.workflow = load_workflow(r.workflow) if r.workflow else None
+        self.max_episode_tokens = r.max_episode_tokens or _max_positions(cfg, ctx)
+        runner = None
+        if self.workflow is not None:
+            def runner(url, first, rows):
+                results = run_episodes(url, self.workflow, rows, G, timeout_s=r.workflow_timeout_s,
+                                       on_error=cfg.reward.on_error)
+                return [results[i * G:(i + 1) * G] for i in range(len(rows))]
+
+        def item(i):
+            example = source.take(i, 1)[0]
+            return example if runner else example["prompt_ids"]
+
+        self.stream = RolloutStream(
+            ctx.rollout_urls, item, group_size=G, groups_per_step=cfg.prompts_per_step,
+            max_staleness=r.max_staleness, start=cursor, version=version, seed=cfg.seed,
+            runner=runner, sampling={"max_new_tokens": max_new_tokens(cfg),
+                                     "temperature": r.temperature, "top_p": r.top_p,
+                                     "stop_token_ids": tok.stop_ids, "timeout": r.timeout_s})
+
+    def step(self, step: int, cursor: int) -> dict:
+        got = self.stream.next_batch(timeout=self.cfg.rollout.timeout_s * 10)
+        seconds = got.stats["trainer_wait_seconds"]
+        versions = [g.oldest_version for g in got.groups if g.oldest_version is not None]
+        served = min(versions) if versions else got.version
+        got.stats.update(data_first=got.groups[0].index, data_last=got.groups[-1].index)
+        if self.workflow is None:
+            examples = self.source.take(got.groups[0].index, len(got.groups))
+            outputs = [o for g in got.groups for o in g.outputs]
+            out = _scored_batch(self.cfg, self.ctx, self.tok, self.pool, step, examples,
+                                outputs, seconds)
+            return {**out, "served_version": served, "advantages_done": False,
+                    "stats": {**out["stats"], **got.stats}}
+        return self._episodes(step, got, served, seconds)
+
+    def _episodes(self, step, got, served, seconds) -> dict:
+        from fsdpfn.app.recipes.workflow import episodes_batch
+
+        cfg = self.cfg
+        results = [r for g in got.groups for r in g.outputs]
+        failed = [r for r in results if r.error is not None]
+        for r in failed[:3]:
+            log(f"step {step}: episode of data row {r.index}: {r.error}")
+        batch, stats = episodes_batch(results, cfg.advantage.group_size,
+                                      max_tokens=self.max_episode_tokens,
+                                      estimator=cfg.advantage.estimator,
+                                      eps=cfg.advantage.eps)
+        if stats["episode_rows_dropped"]:
+            log(f"step {step}: {stats['episode_rows_dropped']} episode rows longer than "
+                f"rollout.max_episode_tokens={self.max_episode_tokens} dropped")
+        return {"batch": None if batch is None else batch.to_dict(), "served_version": served,
+                "advantages_done": True,
+                "stats": {**_episode_stats(results, stats, seconds), **got.stats}}
+
+    def advance(self, version: int) -> None:
+        self.stream.advance(version)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def build_rollout(cfg, ctx: RunContext, tok, source, pool, *, cursor: int, version: int):
+    """Rank 0's rollout producer for the run's settings (module doc)."""
+    if cfg.rollout.max_staleness == 0 and not cfg.rollout.workflow:
+        return SyncRollout(cfg, ctx, tok, source, pool)
+    return StreamRollout(cfg, ctx, tok, source, pool, cursor=cursor, version=version)

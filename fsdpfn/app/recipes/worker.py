@@ -1,0 +1,97 @@
+"""One trainer rank of ``fsdpfn run`` (started by torchrun; not meant to be run by hand).
+
+    python -m torch.distributed.run --nproc-per-node 2 -m fsdpfn.app.recipes.worker \
+        --config runs/demo/config.yaml [--resume] [--rollout-url http://127.0.0.1:PORT]
+
+With FSDPFN_LAUNCHER_PID set (``fsdpfn run`` sets it), the rank exits when that process does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fsdpfn.wire.lifeline import watch_launcher
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fsdpfn.app.recipes.worker")
+    p.add_argument("--config", required=True, help="the resolved recipe config (YAML)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--rollout-url", default=None)
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="the launcher's placement (default: launch.device, auto resolved here)")
+    p.add_argument("--transport", default=None, choices=("broadcast", "ipc", "disk"),
+                   help="how weights reach the rollout server (default: rollout.transport)")
+    args = p.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    # before the slow imports: a rank whose launcher was killed must not train unsupervised
+    # (torchrun dies with the launcher, but its ranks are not the launcher's children)
+    watch_launcher(f"trainer rank {rank}")
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdpfn.app.recipes import load_recipe_config, run_recipe
+    from fsdpfn.app.recipes.placement import resolve_dtype
+    from fsdpfn.app.recipes.runtime import RunContext
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    cfg = load_recipe_config(args.config)
+    device = args.device or cfg.launch.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # one GPU per rank, of those the launcher made visible
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rollout = getattr(cfg, "rollout", None)
+    transport = args.transport or (rollout.transport if rollout is not None else "broadcast")
+    ctx = RunContext(run_dir=Path(cfg.run_dir), resume=args.resume,
+                     rollout_url=args.rollout_url or getattr(rollout, "url", None),
+                     device=device, dtype=resolve_dtype(cfg, device),
+                     transport="broadcast" if transport == "auto" else transport)
+    ctx.stop.install()
+    # the launcher forwards Ctrl-C to the ranks by these pids (torchrun starts each rank in a
+    # session of its own, and signalling torchrun itself would tear the ranks down mid-step)
+    pid_file = ctx.run_dir / ".ranks" / f"rank{rank}.pid"
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(str(os.getpid()))
+    try:
+        run_recipe(cfg, ctx)
+    except Exception as exc:  # noqa: BLE001 - reported as one line by the launcher
+        pid_file.unlink(missing_ok=True)
+        report_error(ctx.run_dir, rank, exc)
+        os._exit(1)  # peers may wait in a collective: no process-group teardown
+    finally:
+        pid_file.unlink(missing_ok=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def report_error(run_dir: Path, rank: str, exc: BaseException) -> None:
+    """The failure of this rank for the launcher: run_dir/.ranks/error_rankN.json (type, one-line
+    message, time), written before the traceback goes to stderr (the launcher's trainer.log),
+    so the launcher knows what follows is the failure's trace and not for the terminal."""
+    import json
+    import time
+    import traceback
+
+    record = {"type": type(exc).__name__, "message": " ".join(str(exc).split())[:2000],
+              "rank": int(rank), "time": time.time()}
+    path = run_dir / ".ranks" / f"error_rank{rank}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.rename(path)
+    except OSError:
+        pass
+    print(f"[fsdpfn] trainer rank {rank} failed:", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

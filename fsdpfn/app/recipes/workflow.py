@@ -1,0 +1,213 @@
+"""Rollout workflows: one user function per sample, for multi-turn and agentic episodes.
+
+    rollout: {workflow: my_agents:solve}          # YAML
+
+    async def solve(client, row):                  # or a plain def
+        reply = await client.chat.completions.create(model="policy", messages=[...])
+        ...                                        # tools, environment steps, more calls
+        return 1.0                                 # the episode's reward (or one per turn)
+
+``client`` is an ``openai.AsyncOpenAI`` (``openai.OpenAI`` for a plain function) bound to the
+rollout server that records every completion's exact token ids, behav_logp and weight versions
+(fsdpfn.rollout.agent); ``row`` is the data row (a dict). The episode's turns become training rows
+by fsdpfn.rollout.episode (joined where each turn extends the context, loss on sampled tokens
+only). Group statistics (GRPO) are taken over the ``group_size`` episodes of one data row, and
+every row of an episode carries the episode's advantage.
+
+A workflow that raises, hangs past ``timeout_s`` or returns something that is not a reward scores
+``on_error``, is counted and described, and the run goes on; the turns it made before failing
+are trained with that reward. A row longer than the data limits is dropped and counted, never
+cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import math
+import numbers
+import time
+from typing import Any, Callable
+
+import attrs
+import torch
+from tensordict import TensorDict
+
+from fsdpfn import keys as K
+from fsdpfn.errors import ConfigError
+from fsdpfn.ops import group_advantages
+from fsdpfn.app.recipes import _reward_worker as W
+from fsdpfn.rollout.episode import episode_rows
+
+__all__ = ["Workflow", "load_workflow", "EpisodeResult", "run_episodes", "episodes_batch",
+           "to_reward"]
+
+
+@attrs.frozen
+class Workflow:
+    fn: Callable
+    is_async: bool
+    spec: str
+
+
+def load_workflow(spec: str, *, key: str = "rollout.workflow") -> Workflow:
+    """The function named by ``spec`` ("pkg.mod:fn" or "path/file.py:fn"), checked to take
+    (client, row); ConfigError names ``key``, what fails and the spec."""
+    try:
+        import openai  # noqa: F401 - the client workflows are handed
+    except ImportError:
+        raise ConfigError(f"{key}: workflows need the openai package: pip install "
+                          f"'fsdpfn[agents]', got {spec!r}") from None
+    try:
+        fn = W.resolve(spec)
+    except W.SpecError as exc:
+        raise ConfigError(f"{key}: {exc}, got {spec!r}") from None
+    try:
+        inspect.signature(fn).bind(object(), {})
+    except TypeError as exc:
+        raise ConfigError(f"{key}: must be callable as fn(client, row), got {spec!r} with "
+                          f"signature {inspect.signature(fn)} ({exc})") from None
+    except ValueError:  # no signature to read (a builtin): let the first call tell
+        pass
+    return Workflow(fn, inspect.iscoroutinefunction(fn), spec)
+
+
+def to_reward(value, n_turns: int) -> float:
+    """A workflow's return value as the episode's reward: a finite number or bool, or one per
+    turn (summed); anything else raises ValueError naming what was returned."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_turns:
+            raise ValueError(f"returned {len(value)} rewards for {n_turns} turns (one per turn, "
+                             f"or one number)")
+        return float(sum(to_reward(v, 1) for v in value))
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value)
+    raise ValueError(f"must return a finite number, a bool or one per turn, got "
+                     f"{repr(value)[:200]} ({type(value).__name__})")
+
+
+@attrs.frozen
+class EpisodeResult:
+    """One episode: the data row it answers (``index``), its turns, its reward, and why it
+    failed (None when it did not)."""
+
+    index: int
+    turns: list
+    reward: float
+    error: str | None
+    seconds: float
+
+
+def _finish(index, client, value, error, on_error, t0) -> EpisodeResult:
+    turns = list(client.turns)
+    if error is None:
+        try:
+            reward = to_reward(value, len(turns))
+        except ValueError as exc:
+            error = str(exc)
+    if error is not None:
+        reward = on_error
+    return EpisodeResult(index, turns, reward, error, time.perf_counter() - t0)
+
+
+def _describe(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, (asyncio.TimeoutError, concurrent.futures.TimeoutError)):
+        return f"timeout: no result within {timeout_s} s"
+    return f"raised {W.describe(exc)}"
+
+
+async def _run_async(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
+    from fsdpfn.rollout.agent import AsyncEpisodeClient
+
+    async def one(index, row):
+        client, t0 = AsyncEpisodeClient(url, timeout=timeout_s), time.perf_counter()
+        try:
+            value = await asyncio.wait_for(workflow.fn(client, dict(row)), timeout_s)
+            return _finish(index, client, value, None, on_error, t0)
+        except Exception as exc:  # noqa: BLE001 - scored on_error, described, the run goes on
+            return _finish(index, client, None, _describe(exc, timeout_s), on_error, t0)
+        finally:
+            await client.close()
+
+    return list(await asyncio.gather(*(one(i, row) for i, row in jobs)))
+
+
+def _run_sync(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
+    from fsdpfn.rollout.agent import EpisodeClient
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(jobs)),
+                                                 thread_name_prefix="fsdpfn-workflow")
+    clients = [EpisodeClient(url, timeout=timeout_s) for _ in jobs]
+    t0 = time.perf_counter()
+    futures = [pool.submit(workflow.fn, c, dict(row)) for c, (_, row) in zip(clients, jobs)]
+    out = []
+    for (index, _), client, future in zip(jobs, clients, futures):
+        try:
+            left = max(0.0, timeout_s - (time.perf_counter() - t0))
+            out.append(_finish(index, client, future.result(left), None, on_error, t0))
+        except Exception as exc:  # noqa: BLE001 - scored on_error, described, the run goes on
+            out.append(_finish(index, client, None, _describe(exc, timeout_s), on_error, t0))
+    for client in clients:  # a hung workflow's next call fails instead of reaching the server
+        client.close()
+    pool.shutdown(wait=False, cancel_futures=True)
+    return out
+
+
+def run_episodes(url: str, workflow: Workflow, rows: list[dict], group_size: int, *,
+                 timeout_s: float = 600.0, on_error: float = 0.0) -> list[EpisodeResult]:
+    """``group_size`` episodes of every data row, all at once; results row-major (the episodes
+    of rows[i] are results[i*G:(i+1)*G])."""
+    jobs = [(i, row) for i, row in enumerate(rows) for _ in range(group_size)]
+    if workflow.is_async:
+        return asyncio.run(_run_async(url, workflow, jobs, timeout_s, on_error))
+    return _run_sync(url, workflow, jobs, timeout_s, on_error)
+
+
+def episodes_batch(results: list[EpisodeResult], group_size: int, *, max_tokens: int,
+                   estimator: str = "grpo",
+                   eps: float = 1e-6) -> tuple[TensorDict | None, dict[str, Any]]:
+    """The public batch of a step's episodes: their rows (fsdpfn.rollout.episode) with
+    ``behav_logp``, ``rewards`` (the episode's, per row), ``advantages`` (``estimator``, as
+    compute_advantages computes it, over each data row's episodes, on the row's loss tokens) and ``group_id`` (the data row); None when no
+    episode left a row. Rows over ``max_tokens`` are dropped and counted in the stats."""
+    rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
+    if estimator not in ("grpo", "drgrpo", "rloo"):
+        raise ConfigError(f"advantage.estimator: episodes are grouped per data row, so it must "
+                          f"be 'grpo', 'drgrpo' or 'rloo', got {estimator!r}")
+    adv = group_advantages(rewards, group_size, norm_std=estimator == "grpo",
+                           leave_one_out=estimator == "rloo", eps=eps)
+    rows, owners, dropped = [], [], 0
+    for k, result in enumerate(results):
+        for row in episode_rows(result.turns):
+            if len(row.input_ids) > max_tokens:
+                dropped += 1
+                continue
+            rows.append(row)
+            owners.append(k)
+    stats = {"episodes": len(results), "episode_rows": len(rows),
+             "episode_rows_dropped": dropped,
+             "episode_errors": sum(r.error is not None for r in results),
+             "turns_per_episode": sum(len(r.turns) for r in results) / max(len(results), 1)}
+    if not rows:
+        return None, stats
+    T = max(len(r.input_ids) for r in rows)
+    B = len(rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn, loss = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.bool)
+    behav = torch.zeros(B, T)
+    for b, row in enumerate(rows):
+        n = len(row.input_ids)
+        ids[b, :n] = torch.tensor(row.input_ids)
+        attn[b, :n] = True
+        loss[b, :n] = torch.tensor(row.loss_mask)
+        behav[b, :n] = torch.tensor(row.behav_logp)
+    owner = torch.tensor(owners)
+    batch = TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss,
+                        K.BEHAV_LOGP: behav, K.REWARDS: rewards[owner],
+                        K.ADVANTAGES: torch.where(loss, adv[owner][:, None], 0.0),
+                        K.GROUP_ID: torch.tensor([results[k].index for k in owners])},
+                       batch_size=[B])
+    return batch, stats

@@ -1,0 +1,96 @@
+"""Helpers through which every rank agrees on one outcome, so one failing rank never leaves the
+others waiting in a collective.
+
+agree_on_error           every rank of the job raises if any rank has an error
+agree_on_error_in_group  the same over one process group (e.g. an async save's own group)
+is_rank_zero             the rank that talks to the outside (receivers, servers) for the job
+capture_error            run a step on rank 0 and keep its failure as a typed error to agree on
+share_from_rank_zero     rank 0's value (or error) on every rank, in one collective
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fsdpfn.errors import WeightSyncError
+
+if TYPE_CHECKING:
+    from fsdpfn.engine.mesh import Mesh
+
+__all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "capture_error",
+           "share_from_rank_zero"]
+
+
+def agree_on_error(mesh: Mesh | None, exc: BaseException | None) -> None:
+    """Collective verdict: if any rank has an error, every rank raises (no rank is left waiting).
+
+    Ranks with their own error raise it; the others raise the same type naming the failing rank.
+    With ``mesh`` None the verdict is local (``exc`` is raised if given)."""
+    if mesh is None:
+        _raise_local(exc)
+        return
+    agree_on_error_in_group(None, exc)
+
+
+def agree_on_error_in_group(group, exc: BaseException | None, *,
+                            error_type: type[BaseException] | None = None) -> None:
+    """agree_on_error over ``group`` (None: the default group, every rank of the job). Ranks
+    without an error raise ``error_type`` (default: the failing rank's own type) naming the
+    failing rank and its message."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        _raise_local(exc)
+        return
+    flag = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, group=group)
+    if int(flag.item()) == 0:
+        return
+    payload = None if exc is None else (type(exc), str(exc))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, payload, group=group)
+    if exc is not None:
+        raise exc
+    rank, (etype, message) = next((r, p) for r, p in enumerate(gathered) if p is not None)
+    raise (error_type or etype)(f"(raised on rank {rank}) {message}")
+
+
+def _raise_local(exc: BaseException | None) -> None:
+    if exc is not None:
+        raise exc
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of the default group (or a job without one) talks to the outside; the others
+    only take part in the collectives."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def capture_error(fn: Callable[[], Any], what: str, *,
+                  caller: str = "push_weights") -> tuple[Any, WeightSyncError | None]:
+    """``(fn(), None)``, or ``(None, error)`` when ``fn`` fails: a WeightSyncError as raised,
+    anything else wrapped in one naming ``caller`` and ``what`` (a bug or I/O error on rank 0
+    must become a verdict the other ranks learn, never a hang)."""
+    try:
+        return fn(), None
+    except WeightSyncError as exc:
+        return None, exc
+    except Exception as exc:  # noqa: BLE001 - handed to the verdict
+        return None, WeightSyncError(f"{caller}: {what} failed on trainer rank 0: "
+                                     f"{type(exc).__name__}: {exc}")
+
+
+def share_from_rank_zero(value: Any, error: WeightSyncError | None) -> Any:
+    """Rank 0's (value, error) on every rank (one collective); returns the value, or raises a
+    WeightSyncError on every rank when rank 0 has an error. Other ranks pass (None, None)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value, None if error is None else str(error)]
+        dist.broadcast_object_list(box, src=0)
+        value, message = box
+        if message is not None:
+            raise error if error is not None else WeightSyncError(
+                f"(raised on rank 0) {message}")
+    elif error is not None:
+        raise error
+    return value

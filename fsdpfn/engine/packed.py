@@ -1,0 +1,114 @@
+"""PackedModel: the root module fsdpfn shards. One packed row in, log-probs or values out.
+
+It wraps an HF causal-LM (or token-classification critic) and runs the decoder stack on a packed
+token stream [N] (sequences concatenated, position_ids restarting per sequence, attention never
+crossing a boundary), then computes next-token log-probs straight from the last hidden states and the
+lm_head weight in chunks (vocab-parallel under tp), so the [N, V] logits never exist. Doing the head
+inside this module's forward keeps FSDP2's root hooks in charge of the lm_head and embedding shards
+(all-gather before, reduce-scatter of their gradients after).
+
+With context parallelism (``cp_group`` set), every cp rank is handed the same whole pack; the
+decoder and the head run on this rank's 1/cp of it (fsdpfn.engine.cp.split_pack, Ulysses attention) and
+the per-token results are all-gathered back to the whole pack (fsdpfn.engine.cp.gather_tokens).
+
+State-dict keys carry the prefix ``lm.`` (the HF model); export strips it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdpfn.engine import cp
+from fsdpfn.engine.attention import packed_attention_mask, varlen_available
+from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
+from fsdpfn.ops.logprobs import liger_logprobs, vocab_shard_range
+
+__all__ = ["PackedModel"]
+
+
+class PackedModel(nn.Module):
+    def __init__(self, lm: nn.Module, *, is_critic: bool):
+        super().__init__()
+        self.lm = lm
+        self.is_critic = is_critic
+        self.tp_group = None  # set by shard_model when the lm_head is split over the vocabulary
+        self.cp_group = None  # set by shard_model under context parallelism (cp > 1)
+        self.compute_dtype = torch.bfloat16  # set by shard_model: picks the attention path
+        self.use_varlen = True  # False: the masked SDPA path even on CUDA (attn_impl="sdpa")
+        self.logprobs_impl = "chunked"  # or "liger" (set by shard_model, checked there)
+
+    @property
+    def base(self) -> nn.Module:
+        """The decoder stack (whatever the family names it: model, gpt_neox, transformer)."""
+        return self.lm.base_model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen: int, targets: torch.Tensor | None = None,
+                *, temperature: float = 1.0, with_entropy: bool = False,
+                chunk_size: int = 1024, full_logits: bool = False):
+        """input_ids, position_ids, targets [N]; cu_seqlens int32 [S+1].
+
+        Actor: returns (logp[N], entropy[N] or None), the prediction made at token i for
+        targets[i] (token i+1). Critic: returns values[N] float32. ``full_logits=True`` returns
+        the whole [N, V] logits instead (for tests and debugging only: it is what the chunked
+        head exists to avoid).
+        """
+        n = input_ids.shape[0]
+        use_varlen = self.use_varlen and varlen_available(input_ids.device, self.compute_dtype)
+        cu = cu_seqlens.to(input_ids.device, torch.int32)
+        extra = {}
+        if self.cp_group is not None:  # this rank's 1/cp of the pack; targets shifted before
+            part = cp.split_pack(input_ids, position_ids, cu, max_seqlen, targets,
+                                 cp=self.cp_group.size(), rank=self.cp_group.rank())
+            input_ids, position_ids, targets = part.input_ids, part.position_ids, part.targets
+            cu, max_seqlen, extra = part.cu_seqlens, part.max_seqlen, {
+                "fsdpfn_cp_group": self.cp_group}
+        out = self.base(
+            input_ids=input_ids[None], position_ids=position_ids[None],
+            attention_mask=packed_attention_mask(cu, n, input_ids.device, use_varlen=use_varlen),
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
+            fsdpfn_varlen=use_varlen, use_cache=False, **extra)
+        results = self._head(out.last_hidden_state[0], targets, temperature=temperature,
+                             with_entropy=with_entropy, chunk_size=chunk_size,
+                             full_logits=full_logits)
+        if self.cp_group is None:
+            return results
+        if isinstance(results, tuple):
+            return tuple(None if x is None else cp.gather_tokens(x, self.cp_group, n)
+                         for x in results)
+        return cp.gather_tokens(results, self.cp_group, n)
+
+    def _head(self, hidden: torch.Tensor, targets, *, temperature: float, with_entropy: bool,
+              chunk_size: int, full_logits: bool):
+        """hidden [N, H] -> values[N] (critic), logits [N, V], or (logp[N], entropy[N] or None)."""
+        if self.is_critic:
+            # a fresh tensor, not a view: FSDP2 hooks the module's outputs for backward
+            return self.lm.score(hidden).float().flatten().clone()
+        head = self.lm.get_output_embeddings()
+        softcap = getattr(self.lm.config, "final_logit_softcapping", None) or None
+        if full_logits:
+            logits = head(hidden)
+            logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+            return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+        weight = head.weight  # (V, H), DTensor Shard(0) under tp
+        bias = getattr(head, "bias", None)  # (V,) or None, sharded like the weight
+        if self.tp_group is not None:
+            local = weight.to_local()
+            # uneven vocabularies: Shard(0) splits like torch.chunk (the last shards are shorter)
+            start, stop = vocab_shard_range(weight.shape[0], self.tp_group.size(),
+                                            torch.distributed.get_rank(self.tp_group))
+            assert local.shape[0] == stop - start, (tuple(local.shape), start, stop)
+            logp, entropy = vocab_parallel_logprobs(
+                hidden, local, targets, group=self.tp_group, vocab_start=start,
+                chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
+                bias=None if bias is None else bias.to_local(), softcap=softcap)
+        elif self.logprobs_impl == "liger" and not with_entropy and bias is None \
+                and softcap is None:
+            logp, entropy = liger_logprobs(hidden, weight, targets, temperature=temperature), None
+        else:
+            logp, entropy = chunked_logprobs(hidden, weight, targets, chunk_size=chunk_size,
+                                             temperature=temperature, with_entropy=with_entropy,
+                                             bias=bias, softcap=softcap)
+        # fresh tensors, not views: FSDP2 hooks the module's outputs for backward
+        return logp.clone(), (None if entropy is None else entropy.clone())

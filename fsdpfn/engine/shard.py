@@ -1,0 +1,228 @@
+"""shard_model: build the HF model, then apply TP -> activation checkpointing -> FSDP2, then weights.
+
+Every rank builds the model on the meta device; parallelism is applied to that skeleton in a
+visible order (apply_tp of fsdpfn.engine.tp, apply_ac, apply_fsdp, in place); the shards are then
+materialised and filled one tensor at a time by fsdpfn.engine.load_weights (from the checkpoint, or HF's
+random init drawn piece by piece: no rank ever holds a full copy). With ``memory_efficient_load``
+only rank 0 reads and broadcasts; otherwise every rank reads. Master weights live in
+``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and backward and reduces
+gradients in ``grad_reduce_dtype``. The optimizer and its schedule come from fsdpfn.engine.optim_build.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from torch import nn
+
+from fsdpfn.engine import cp, families, lora
+from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.config import EngineConfig
+from fsdpfn.errors import ConfigError
+from fsdpfn.engine.load_weights import build_skeleton, load_weights, restore_buffers, torch_dtype
+from fsdpfn.engine.mesh import Mesh
+from fsdpfn.ops.logprobs import vocab_shard_range
+from fsdpfn.engine.optim_build import build_optimizer, build_scheduler, lr_factor
+from fsdpfn.engine.packed import PackedModel
+from fsdpfn.engine.state import EngineState
+from fsdpfn.engine.tp import apply_tp, base_model, kv_heads_of_rank
+from fsdpfn.wire.kernels import apply_fused_kernels
+
+log = logging.getLogger("fsdpfn")
+
+# apply_tp, kv_heads_of_rank, base_model (fsdpfn.engine.tp), the optimizer builders
+# (fsdpfn.engine.optim_build) and apply_fused_kernels (fsdpfn.wire.kernels: the server runs the same
+# modules) are re-exported: their home was this module
+__all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
+           "kv_heads_of_rank", "build_optimizer", "build_scheduler", "lr_factor", "base_model",
+           "torch_dtype", "build_skeleton", "apply_fused_kernels"]
+
+
+# ---------------------------------------------------------------- config and skeleton
+
+
+def load_hf_config(config: EngineConfig):
+    from transformers import AutoConfig
+
+    if config.model_path is not None:
+        path = Path(config.model_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model_path: must be a local HF model directory with config.json, "
+                              f"got {config.model_path!r}")
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        spec = dict(config.model_config)
+        model_type = spec.pop("model_type")
+        for key in ("architectures", "transformers_version", "_name_or_path"):
+            spec.pop(key, None)
+        try:
+            hf_config = AutoConfig.for_model(model_type, **spec)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"model_config.model_type: not a transformers model type, "
+                              f"got {model_type!r} ({exc})") from None
+    if config.is_critic:
+        hf_config.num_labels = 1
+    if config.disable_dropout:
+        for key in ("attention_dropout", "hidden_dropout", "classifier_dropout", "dropout"):
+            if getattr(hf_config, key, None):
+                setattr(hf_config, key, 0.0)
+    return hf_config
+
+
+def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
+    """Options that have a config field but no implementation yet fail loudly, never silently."""
+    if config.logprobs_impl == "liger":
+        from fsdpfn.ops.logprobs import liger_available
+
+        if config.is_critic or mesh.tp > 1 or not liger_available(mesh.device_type):
+            raise ConfigError(f"logprobs_impl: 'liger' needs an actor on CUDA with tp=1 and "
+                              f"liger-kernel installed, got 'liger' with device type "
+                              f"{mesh.device_type!r}, tp={mesh.tp}, is_critic={config.is_critic}")
+    if config.attn_impl == "varlen" and mesh.device_type != "cuda":
+        raise ConfigError(f"attn_impl: 'varlen' needs CUDA, got device type "
+                          f"{mesh.device_type!r} (use 'auto' or 'sdpa')")
+
+
+def _check_divisibility(hf_config, mesh: Mesh) -> None:
+    """What tp must divide: the query heads and the MLP width; cp must divide each tp rank's
+    query heads. The vocabulary is split unevenly (no padding rows) and kv heads fewer than tp
+    (or cp), or not divisible by it, are replicated."""
+    tp = mesh.tp
+    heads = hf_config.num_attention_heads
+    if mesh.cp > 1 and heads % tp == 0 and (heads // tp) % mesh.cp:
+        raise ConfigError(f"ParallelStrategy.cp: must divide the query heads of each tp rank "
+                          f"(num_attention_heads / tp), got cp={mesh.cp} and "
+                          f"num_attention_heads / tp = {heads} / {tp}")
+    for name in ("num_attention_heads", "intermediate_size"):
+        value = getattr(hf_config, name)
+        if value % tp:
+            raise ConfigError(f"ParallelStrategy.tp: must divide the model's {name}, got "
+                              f"tp={tp} and {name}={value}")
+    vocab = hf_config.vocab_size
+    start, stop = vocab_shard_range(vocab, tp, tp - 1)
+    if stop == start:  # only for vocabularies of at most tp*(tp-1) tokens
+        raise ConfigError(f"ParallelStrategy.tp: every tensor-parallel rank must hold at least "
+                          f"one vocabulary row (ceil(vocab_size / tp) rows each), got tp={tp} "
+                          f"and vocab_size={vocab}, which leaves the last rank none")
+
+
+def _note_head_fallback(lm: nn.Module, hf_config, config: EngineConfig) -> None:
+    """Liger's fused head computes plain h @ W.T: a model whose head caps its logits or adds a
+    bias takes the chunked head (which applies both); say so once."""
+    head = lm.get_output_embeddings()
+    capped = getattr(hf_config, "final_logit_softcapping", None)
+    biased = head is not None and getattr(head, "bias", None) is not None
+    if config.logprobs_impl == "liger" and not config.is_critic and (capped or biased):
+        log.info("logprobs_impl 'liger': %r's head %s, which Liger's fused head does not "
+                 "compute; the chunked head runs instead", hf_config.model_type,
+                 "caps its logits" if capped else "adds a bias")
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+# ---------------------------------------------------------------- parallelism, in order
+
+
+def apply_ac(model: nn.Module, config: EngineConfig) -> None:
+    """Activation checkpointing of every decoder layer (non-reentrant)."""
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _wrap_classes(model: nn.Module, config: EngineConfig) -> tuple[str, ...]:
+    names = config.fsdp.wrap_policy or tuple(getattr(model, "_no_split_modules", None) or ())
+    # the critic's head and the lm_head stay with the root
+    present = {type(m).__name__ for m in model.modules()}
+    if config.fsdp.wrap_policy is not None:
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise ConfigError(f"fsdp.wrap_policy: must name module classes of the model, got "
+                              f"{missing} (the model has e.g. "
+                              f"{sorted(n for n in present if 'Layer' in n)})")
+    return tuple(n for n in names if n in present)
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, config: EngineConfig) -> None:
+    """FSDP2 per decoder layer (wrap_policy classes) then the root, over the dp×cp mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(config.dtype),
+                              reduce_dtype=torch_dtype(config.grad_reduce_dtype))
+    kwargs = dict(mesh=mesh.fsdp_mesh, mp_policy=mp,
+                  reshard_after_forward=config.fsdp.reshard_after_forward)
+    if config.fsdp.offload_params:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    classes = _wrap_classes(model.lm, config)
+    for module in model.modules():
+        if type(module).__name__ in classes:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        # losses are sums over a global normaliser: gradients must be summed, not averaged
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+# ---------------------------------------------------------------- the public function
+
+
+def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
+    """Build (or load) the HF model of ``config`` and shard it over ``mesh``; see module doc."""
+    if not isinstance(config, EngineConfig):
+        raise ConfigError(f"config: must be an EngineConfig, got {type(config).__name__}")
+    error = None
+    try:  # every rank validates before the first collective; all agree on the verdict
+        _check_supported(config, mesh)
+        hf_config = load_hf_config(config)
+        families.check_model(hf_config, verify_model=config.verify_model,
+                             is_critic=config.is_critic, device=mesh.device,
+                             fused_kernels=config.fused_kernels)
+        _check_divisibility(hf_config, mesh)
+    except ConfigError as exc:
+        error = exc
+    agree_on_error(mesh, error)
+    cp.register()
+    hf_config._attn_implementation = cp.attn_name(mesh.cp)
+    dtype = torch_dtype(config.optimizer_dtype)
+    lm = build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
+    families.check_structure(lm, model_type=hf_config.model_type, is_critic=config.is_critic,
+                             lora=config.lora is not None)
+    if config.disable_dropout:
+        _disable_dropout(lm)
+    if config.fused_kernels:
+        apply_fused_kernels(lm, hf_config, mesh.device_type, mlp=config.lora is None)
+    if config.lora is not None:  # before tp and FSDP2: the base frozen in the compute dtype
+        lora.apply_lora(lm, config.lora, base_dtype=torch_dtype(config.dtype), adapter_dtype=dtype)
+    apply_tp(lm, mesh)
+    apply_ac(lm, config)
+    model = PackedModel(lm, is_critic=config.is_critic)
+    model.compute_dtype = torch_dtype(config.dtype)
+    model.use_varlen = config.attn_impl != "sdpa"
+    model.logprobs_impl = config.logprobs_impl
+    _note_head_fallback(lm, hf_config, config)
+    if mesh.tp > 1:
+        model.tp_group = mesh.group("tp")
+    if mesh.cp > 1:
+        model.cp_group = mesh.group("cp")
+    apply_fsdp(model, mesh, config)
+    model.to_empty(device="cpu" if config.fsdp.offload_params else mesh.device)
+    restore_buffers(lm, hf_config, is_critic=config.is_critic, dtype=dtype, device=mesh.device)
+    load_weights(model, hf_config, config, mesh)  # checks, agrees, then fills the shards
+    optimizer = scheduler = None
+    if config.optimizer is not None:
+        optimizer = build_optimizer(model, config.optimizer, master_dtype=config.optimizer_dtype,
+                                    per_layer=config.fsdp.per_layer_optim_step,
+                                    prefetch_layers=config.fsdp.optim_step_prefetch_layers,
+                                    device=mesh.device)
+        scheduler = build_scheduler(optimizer, config.optimizer)
+    else:
+        for param in model.parameters():
+            param.requires_grad_(False)
+    return EngineState(config=config, mesh=mesh, model=model, optimizer=optimizer,
+                       scheduler=scheduler, step=0, version=0, hf_config=hf_config)

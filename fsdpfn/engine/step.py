@@ -1,0 +1,365 @@
+"""grad_step: the one place that runs forward, backward, gradient clipping and optimizer steps.
+
+For each of ``optimizer_steps`` minibatches (consecutive rows; groups and pairs kept whole):
+  1. count the normaliser over the whole minibatch on every data-parallel rank (all-reduced):
+     tokens (Σ loss_mask), sequences (rows with a loss token), rows, or pairs;
+  2. for each micro-batch (token budget, count agreed over ranks): packed forward, then
+     ``loss_fn(outputs, minibatch, ctx) -> (loss_sum, stats)`` on the padded view of its rows,
+     backward of loss_sum / normaliser. FSDP sums gradients (its averaging is off), so the
+     gradient is that of Σ loss / global count: independent of how rows are spread over ranks and
+     micro-batches;
+  3. one global gradient norm over all shards (tp-aware), clipping, and a vote: a non-finite norm
+     skips the optimizer step on every rank, leaving weights and optimizer state untouched.
+
+``loss_fn`` receives ``outputs`` (a TensorDict [b, T] of this micro-batch's rows: ``logp`` and,
+when asked, ``entropy`` for actors; ``values`` and ``scores`` for critics), ``minibatch`` (the same
+rows of the input batch) and ``ctx`` (StepContext). It returns a 0-dim loss *sum* and a dict of
+0-dim stats, also sums: the engine divides them by the same normaliser and sums them over
+micro-batches and ranks (keys ending in ``_max`` are reduced by max instead).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from fsdpfn import keys as K
+from fsdpfn.engine import timing
+from fsdpfn.batch import pack, select_rows, unpack
+from fsdpfn.config import MicroBatchSpec
+from fsdpfn.errors import ConfigError, MicroBatchOOMError
+from fsdpfn.engine.mesh import Mesh
+from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective
+from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare, release_memory,
+                           resolve_mb_spec)
+from fsdpfn.engine.state import EngineState, advance, check_live
+
+__all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS",
+           "minibatch_rows"]
+
+
+
+@attrs.frozen
+class StepContext:
+    """What a loss function may need beyond its micro-batch (all counts are global)."""
+
+    mesh: Mesh
+    step: int                  # optimizer steps taken before this minibatch
+    minibatch: int             # index of this minibatch within the call
+    n_minibatches: int
+    n_tokens: int              # Σ loss_mask over the minibatch, all data-parallel ranks
+    n_sequences: int           # rows with at least one loss token, all ranks
+    n_rows: int                # rows, all ranks
+    normalizer: str
+    denominator: float         # what loss_sum is divided by
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "_local_tensor") and hasattr(t, "placements")
+
+
+def global_grad_norm(model: torch.nn.Module, mesh: Mesh) -> torch.Tensor:
+    """L2 norm of all gradients of the sharded model, identical on every rank.
+
+    Each rank sums the squares of its local shards, dividing by how many ranks hold the same
+    shard (replicas over mesh axes a parameter is not sharded on), then one all-reduce over the
+    world: correct for FSDP, TP and 2D parameters alike, with no cross-mesh stacking.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if _is_dtensor(grad):
+            # _StridedShard (FSDP over a tp-sharded dim) does not answer is_shard(): count every
+            # placement that is neither replicated nor partial as a split of the tensor
+            shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements)
+                               if not (p.is_replicate() or p.is_partial()))
+            local = grad._local_tensor  # noqa: SLF001
+        else:
+            shards, local = 1, grad
+        total += local.float().pow(2).sum().to(total.device) / (world // shards)
+    if world > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def _clip_(model: torch.nn.Module, coef: torch.Tensor) -> None:
+    grads = [p.grad._local_tensor if _is_dtensor(p.grad) else p.grad  # noqa: SLF001
+             for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def minibatch_rows(n_rows: int, n_minibatches: int, *, group_size: int = 1,
+                   order: Sequence[int] | None = None) -> list[list[int]]:
+    """Split rows into ``n_minibatches`` runs of whole units (groups), in ``order`` of units."""
+    n_units = n_rows // group_size
+    units = list(order) if order is not None else list(range(n_units))
+    bounds = [round(i * n_units / n_minibatches) for i in range(n_minibatches + 1)]
+    return [[u * group_size + j for u in units[bounds[i]:bounds[i + 1]] for j in range(group_size)]
+            for i in range(n_minibatches)]
+
+
+def _global_counts(state: EngineState, batch) -> tuple[int, int, int]:
+    if batch.batch_size[0]:
+        lm = batch.get(K.LOSS_MASK) if K.LOSS_MASK in batch.keys() else batch.get(K.ATTENTION_MASK)
+        counts = torch.tensor([int(lm.sum()), int(lm.any(-1).sum()), lm.shape[0]],
+                              dtype=torch.int64)
+    else:
+        counts = torch.zeros(3, dtype=torch.int64)
+    if state.mesh.dp > 1:  # over dp only: cp (and tp) ranks hold the same rows, counted once
+        dist.all_reduce(counts, group=state.mesh.group("dp"))
+    return tuple(int(c) for c in counts)
+
+
+def _denominator(normalizer: str, n_tokens: int, n_seqs: int, n_rows: int) -> float:
+    value = {"tokens": n_tokens, "sequences": n_seqs, "rows": n_rows, "pairs": n_rows // 2,
+             "none": 1}[normalizer]
+    return float(max(value, 1))
+
+
+def _outputs(state: EngineState, packed, *, with_entropy: bool, temperature: float) -> TensorDict:
+    """Model outputs of one packed micro-batch, as the padded [S, T] view of its rows."""
+    S, T = packed.n_seqs, packed.T
+    packed = packed.to(state.mesh.device)
+    if state.config.is_critic:
+        values, scores = model_outputs(state, packed)
+        data = {K.VALUES: unpack(packed, values, compact=True),
+                "scores": unpack(packed, scores, compact=True)}
+    else:
+        logp, entropy = model_outputs(state, packed, temperature=temperature,
+                                      with_entropy=with_entropy)
+        data = {K.LOGP: unpack(packed, logp, compact=True)}
+        if with_entropy:
+            data[K.ENTROPY] = unpack(packed, entropy, compact=True)
+    return TensorDict(data, batch_size=[S, T], device=state.mesh.device)
+
+
+def _dummy_loss(state, packed, with_entropy, temperature) -> torch.Tensor:
+    """Zero loss through the whole model: an empty micro-batch still joins every collective."""
+    out = model_outputs(state, packed, temperature=temperature, with_entropy=with_entropy)
+    first = out[0]
+    loss = first.sum() * 0.0
+    if not state.config.is_critic and with_entropy:
+        loss = loss + out[1].sum() * 0.0
+    return loss
+
+
+def _reduce_stats(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor], denom: float,
+                  state: EngineState) -> dict[str, float]:
+    names = sorted(sums)
+    out: dict[str, float] = {}
+    if names:
+        vec = torch.stack([sums[n].cpu() for n in names]).double()
+        if state.mesh.dp > 1:
+            dist.all_reduce(vec, group=state.mesh.group("dp"))
+        out.update({n: float(v) / denom for n, v in zip(names, vec.tolist())})
+    names = sorted(maxes)
+    if names:
+        vec = torch.stack([maxes[n].cpu() for n in names]).double()
+        if state.mesh.dp > 1:
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=state.mesh.group("dp"))
+        out.update(dict(zip(names, vec.tolist())))
+    return out
+
+
+def _micro_step(state: EngineState, mb, rows, packed, loss_fn, ctx: StepContext, *,
+                with_entropy: bool, temperature: float, backward: bool) -> dict:
+    """Forward (and backward) of one micro-batch; its stats as 0-dim tensors (loss first)."""
+    timing.enter("forward")
+    outputs = _outputs(state, packed, with_entropy=with_entropy, temperature=temperature)
+    loss_sum, stats = loss_fn(outputs, select_rows(mb, rows).to(state.mesh.device), ctx)
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0:
+        raise ConfigError(f"loss_fn: must return a 0-dim tensor loss sum, got {loss_sum!r}")
+    if backward:
+        timing.enter("backward")
+        (loss_sum / ctx.denominator).backward()
+    return {name: torch.as_tensor(value).detach().float().reshape(())
+            for name, value in {"loss": loss_sum, **dict(stats)}.items()}
+
+
+def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normalizer: str,
+                   group_size: int, with_entropy: bool, temperature: float,
+                   backward: bool, spec: MicroBatchSpec,
+                   fn_name: str) -> tuple[dict[str, float], int]:
+    """Forward (and backward) every micro-batch of one minibatch; returns (stats, n_tokens).
+
+    A device out-of-memory error in a micro-batch becomes MicroBatchOOMError, raised after the
+    failed pass's tensors are gone (outside the except block), gradients dropped and cached
+    memory released: no optimizer step has run, so the state is unchanged.
+    """
+    timing.enter("comm")
+    n_tokens, n_seqs, n_rows = _global_counts(state, mb)
+    timing.enter("plan")
+    denom = _denominator(normalizer, n_tokens, n_seqs, n_rows)
+    ctx = StepContext(mesh=state.mesh, n_tokens=n_tokens, n_sequences=n_seqs, n_rows=n_rows,
+                      normalizer=normalizer, denominator=denom, **ctx_fields)
+    sums: dict[str, torch.Tensor] = {}
+    maxes: dict[str, torch.Tensor] = {}
+    failed = None
+    for rows in plan(state, mb, group_size=group_size, mb_spec=spec):
+        if not rows:
+            if backward:
+                timing.enter("backward")
+                _dummy_loss(state, empty_packed(mb), with_entropy, temperature).backward()
+            continue
+        timing.enter("plan")
+        packed = pack(mb, rows=rows)
+        try:
+            stats = _micro_step(state, mb, rows, packed, loss_fn, ctx, with_entropy=with_entropy,
+                                temperature=temperature, backward=backward)
+        except torch.OutOfMemoryError:
+            failed = packed.n_tokens
+            break
+        for name, value in stats.items():
+            if name.endswith("_max"):
+                maxes[name] = torch.maximum(maxes[name], value) if name in maxes else value
+            else:
+                sums[name] = sums.get(name, torch.zeros((), device=value.device)) + value
+    if failed is not None:
+        release_memory(state)
+        raise oom_error(state, fn_name, failed, spec)
+    timing.enter("comm")
+    return _reduce_stats(sums, maxes, denom, state), n_tokens
+
+
+def _check_common(state, optimizer_steps, fn_name, needs_optimizer):
+    if not isinstance(optimizer_steps, int) or isinstance(optimizer_steps, bool) \
+            or optimizer_steps < 1:
+        raise ConfigError(f"optimizer_steps: must be an integer >= 1, got {optimizer_steps!r}")
+    if needs_optimizer and isinstance(state, EngineState) and state.optimizer is None:
+        raise ConfigError(f"{fn_name}: needs a trainable state, got one built with "
+                          f"optimizer=None (inference only)")
+
+
+@timing.timed("grad_step", passes=3, attach=True, step=True)
+def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
+              optimizer_steps: int = 1, normalizer: str = "tokens",
+              require: Sequence[str] = (K.LOSS_MASK,), why: dict | None = None,
+              group_size: int = 1, pairs: bool = False, with_entropy: bool = False,
+              temperature: float = 1.0, order: Sequence[int] | None = None,
+              mb_spec: MicroBatchSpec | None = None,
+              fn_name: str | None = None) -> tuple[EngineState, TensorDict]:
+    """Forward, backward, clip and ``optimizer_steps`` optimizer steps; see the module docstring.
+
+    ``loss_fn`` is an Objective (fsdpfn.engine.objective: the loss and its options in one value) or a
+    bare loss function with the options as keywords.
+
+    Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks): the
+    loss_fn's keys, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``skipped`` (optimizer steps
+    skipped for a non-finite gradient norm) and ``steps`` (optimizer steps taken); with
+    ``EngineConfig.timing`` also ``time_plan``, ``time_forward``, ``time_backward``,
+    ``time_optimizer``, ``time_comm``, ``time_total`` (seconds), ``peak_memory_gb``,
+    ``tokens_per_s`` and ``mfu`` (when a peak rate is known): see fsdpfn.engine.timing.
+    ``mb_spec`` overrides ``state.config.mb_spec`` for this call. A micro-batch that runs out of
+    device memory raises MicroBatchOOMError with gradients dropped and memory released:
+    ``state`` is then not donated and can be retried, e.g. with a smaller ``mb_spec``; only when
+    earlier minibatches of the call (optimizer_steps > 1) already stepped is it donated, its
+    successor being the error's ``.state``.
+    """
+    error, spec, obj = None, None, None
+    try:
+        obj = as_objective(loss_fn, fn_name, normalizer=normalizer, require=require, why=why,
+                           group_size=group_size, pairs=pairs, with_entropy=with_entropy,
+                           temperature=temperature)
+        _check_common(state, optimizer_steps, obj.name, True)
+        spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
+    except ConfigError as exc:
+        error = exc
+    fn_name = obj.name if obj is not None else (fn_name or "grad_step")
+    check_live(state, fn_name, local_error=error)
+    loss_fn, group_size = obj.loss_fn, obj.group_size
+    prepare(state, batch, fn_name, require=obj.require, why=obj.why,
+            group_size=group_size if group_size > 1 else None, pairs=obj.pairs)
+    model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
+    max_norm = state.config.optimizer.max_grad_norm
+    model.train()
+    B = batch.batch_size[0]
+    per_step: list[dict[str, float]] = []
+    taken = skipped = tokens = 0
+    for index, rows in enumerate(minibatch_rows(B, optimizer_steps, group_size=group_size,
+                                                order=order)):
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        try:
+            stats, n_tok = _run_minibatch(
+                state, select_rows(batch, rows), loss_fn,
+                dict(step=state.step + taken, minibatch=index, n_minibatches=optimizer_steps),
+                normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
+                temperature=obj.temperature, backward=True, spec=spec, fn_name=fn_name)
+        except MicroBatchOOMError as exc:
+            if not taken:
+                raise
+            raise _oom_after_steps(state, fn_name, exc, spec, taken) from None
+        timing.enter("optimizer")
+        norm = global_grad_norm(model, state.mesh)
+        finite = bool(torch.isfinite(norm).item())  # same value on every rank: one verdict
+        if finite:
+            if max_norm is not None:
+                _clip_(model, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            optimizer.step()
+            scheduler.step()
+            taken += 1
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        tokens += n_tok
+        per_step.append({**stats, "grad_norm": float(norm), "lr": lr})
+    out = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+    out.update(tokens=float(tokens), skipped=float(skipped), steps=float(taken))
+    successor = advance(state, fn_name, steps=taken, weights_changed=taken > 0)
+    return successor, TensorDict({k: torch.tensor(v, dtype=torch.float32)
+                                  for k, v in out.items()}, batch_size=[])
+
+
+def _oom_after_steps(state: EngineState, fn_name: str, exc: MicroBatchOOMError,
+                     spec: MicroBatchSpec, taken: int) -> MicroBatchOOMError:
+    """An out-of-memory error after earlier minibatches of the call stepped: the weights did
+    change, so the state is advanced and its successor rides on the error as ``.state``."""
+    error = oom_error(state, fn_name, exc.n_tokens, spec, stepped=taken)
+    error.state = advance(state, fn_name, steps=taken, weights_changed=True)
+    return error
+
+
+@timing.timed("evaluate", passes=1, attach=True)
+@torch.no_grad()
+def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
+             normalizer: str = "tokens", require: Sequence[str] = (K.LOSS_MASK,),
+             why: dict | None = None, group_size: int = 1, pairs: bool = False,
+             with_entropy: bool = False, temperature: float = 1.0,
+             mb_spec: MicroBatchSpec | None = None) -> TensorDict:
+    """The stats grad_step would report for ``batch`` (an Objective, or a loss_fn with the
+    options as keywords), without changing the state (``mb_spec`` overrides the state's
+    micro-batching for this call)."""
+    error, spec, obj = None, None, None
+    try:
+        obj = as_objective(loss_fn, "evaluate", normalizer=normalizer, require=require,
+                           why=why, group_size=group_size, pairs=pairs,
+                           with_entropy=with_entropy, temperature=temperature)
+        _check_common(state, 1, "evaluate", False)
+        spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
+    except ConfigError as exc:
+        error = exc
+    check_live(state, "evaluate", local_error=error)
+    group_size = obj.group_size
+    prepare(state, batch, "evaluate", require=obj.require, why=obj.why,
+            group_size=group_size if group_size > 1 else None, pairs=obj.pairs)
+    was_training = state.model.training
+    state.model.eval()
+    try:
+        stats, n_tok = _run_minibatch(
+            state, batch, obj.loss_fn, dict(step=state.step, minibatch=0, n_minibatches=1),
+            normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
+            temperature=obj.temperature, backward=False, spec=spec, fn_name="evaluate")
+    finally:
+        state.model.train(was_training)
+    stats["tokens"] = float(n_tok)
+    return TensorDict({k: torch.tensor(v, dtype=torch.float32) for k, v in stats.items()},
+                      batch_size=[])
