@@ -1,0 +1,499 @@
+"""docs/recipes.md, generated from the recipe config classes so that it cannot drift.
+
+    python -m fsdpfn.app.recipes.keys_doc            # print the page
+    python -m fsdpfn.app.recipes.keys_doc --write    # rewrite docs/recipes.md
+
+Every recipe, and every YAML key of every section, is read from the classes themselves
+(``RECIPE_CONFIGS`` and the sections they compose: names, nesting, defaults, and the rule each
+validator enforces, read from the validator). A key's description is, in order: the comment
+written above its field, the first sentence of its class docstring that names it (````key````),
+or ``NOTES`` below. ``tests/unit/test_recipes_doc.py`` fails when the committed page differs
+from this output, or when a key has no description.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+
+import attrs
+
+from fsdpfn import serde
+from fsdpfn.config import EngineConfig
+from fsdpfn.errors import ConfigError
+from fsdpfn.app.recipes import NEEDS_ROLLOUT, RECIPE_CONFIGS
+from fsdpfn.app.recipes.engine import MOVED, OWNED, EngineSection
+
+__all__ = ["render", "undescribed", "PAGE"]
+
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "recipes.md"
+
+# keys whose class neither comments nor names them in its docstring: (class name, key) -> text
+NOTES = {
+    ("*", "recipe"): "which recipe this file runs (fixed per recipe)",
+    ("*", "run_dir"): "where metrics, checkpoints, logs and the resolved config.yaml go",
+    ("*", "seed"): "seed of the data order, the model's random init and the sampling seeds",
+    ("*", "steps"): "training steps of the run (RL: after the warm-up)",
+    ("*", "prompts_per_step"): "prompts sampled per step; rows per step = prompts_per_step x "
+                               "advantage.group_size",
+    ("*", "batch_size"): "rows per training step",
+    ("*", "pairs_per_step"): "chosen/rejected pairs per training step",
+    ("*", "eval_every"): "held-out loss every N steps (0: off)",
+    ("*", "export"): "export_hf of the result to run_dir/model at the end",
+    ("*", "task"): "the embedded addition task (used when data.train_files is empty)",
+    ("*", "ref_engine"): "the reference model's engine: only the engine: keys that differ "
+                         "(a mapping, merged key by key into engine:)",
+    ("*", "critic_engine"): "the critic's engine: only the engine: keys that differ (a mapping, "
+                            "merged key by key into engine:); never lora",
+    ("*", "critic_optimizer"): "the critic's optimizer (the keys of optimizer:)",
+    ("ParallelStrategy", "dp"): "data-parallel size; -1: whatever is left of the world size",
+    ("ParallelStrategy", "tp"): "tensor-parallel size (heads, MLP and vocabulary split)",
+    ("ParallelStrategy", "cp"): "context-parallel size (Ulysses: each rank holds 1/cp of a "
+                                "micro-batch's tokens)",
+    ("ModelConfig", "hidden_size"): "embedded model only: hidden size",
+    ("ModelConfig", "intermediate_size"): "embedded model only: MLP size",
+    ("ModelConfig", "num_layers"): "embedded model only: decoder layers",
+    ("ModelConfig", "num_heads"): "embedded model only: attention heads",
+    ("ModelConfig", "num_kv_heads"): "embedded model only: key/value heads",
+    ("ModelConfig", "seed"): "seed of the random init (embedded model or random_init)",
+    ("DataConfig", "train_files"): "local .jsonl / .json / .parquet files; empty: the embedded "
+                                   "task",
+    ("DataConfig", "eval_files"): "held-out files (same columns)",
+    ("DataConfig", "prompt_key"): "column of the prompt (a string, or chat messages)",
+    ("DataConfig", "answer_key"): "column handed to the reward as answer (optional)",
+    ("DataConfig", "messages_key"): "column of chat messages (sft: loss on assistant turns)",
+    ("DataConfig", "response_key"): "sft: column of the response",
+    ("DataConfig", "chosen_key"): "rw, dpo: column of the preferred response",
+    ("DataConfig", "rejected_key"): "rw, dpo: column of the other response",
+    ("DataConfig", "chat_template"): "render string prompts as one user turn with the "
+                                     "tokenizer's chat template",
+    ("DataConfig", "system_prompt"): "a system turn put before chat prompts that have none",
+    ("DataConfig", "max_prompt_tokens"): "longer prompts are dropped (counted), never cut",
+    ("DataConfig", "max_response_tokens"): "RL: max new tokens; sft/rw/dpo: longer responses "
+                                           "are dropped (counted)",
+    ("DataConfig", "shuffle"): "a permutation per epoch drawn under (seed, epoch)",
+    ("DataConfig", "eval_size"): "use at most this many held-out rows (null: all)",
+    ("AdditionTask", "digits"): "operand digits",
+    ("AdditionTask", "reverse"): "answer written least-significant digit first",
+    ("AdditionTask", "zero_pad"): "operands written with all their digits (07+48=)",
+    ("OptimizerConfig", "lr"): "peak learning rate",
+    ("OptimizerConfig", "betas"): "AdamW's betas",
+    ("OptimizerConfig", "eps"): "AdamW's epsilon",
+    ("OptimizerConfig", "weight_decay"): "decoupled weight decay (matrices only)",
+    ("OptimizerConfig", "schedule"): "learning-rate schedule after the warm-up",
+    ("OptimizerConfig", "warmup_steps"): "linear warm-up steps",
+    ("OptimizerConfig", "total_steps"): "length of the linear / cosine schedule",
+    ("OptimizerConfig", "min_lr_ratio"): "floor of the decayed rate, as a fraction of lr",
+    ("OptimizerConfig", "max_grad_norm"): "global gradient-norm clip (null: none)",
+    ("EngineSection", "dtype"): "compute dtype; auto: float32 on CPU, bfloat16 on CUDA",
+    ("FSDPConfig", "wrap_policy"): "decoder layer class names sharded as FSDP units (null: the "
+                                   "model's _no_split_modules)",
+    ("LoRAConfig", "rank"): "adapter rank",
+    ("LoRAConfig", "alpha"): "adapter scaling numerator (delta = alpha / rank x B @ A)",
+    ("PPOConfig", "behav_low"): "lower bound of the tis/mis correction (null: none for tis, "
+                                "1/behav_high for mis)",
+    ("PPOConfig", "behav_high"): "upper bound of the tis/mis correction (null: 2.0)",
+    ("PPOConfig", "cispo_clip_low"): "CISPO: the weight's lower bound is 1 - this (null: none)",
+    ("PPOConfig", "cispo_clip_high"): "CISPO: the weight's upper bound is 1 + this (null: the "
+                                      "PPO upper clip)",
+    ("FSDPConfig", "optim_step_prefetch_layers"): "per_layer_optim_step: units whose state is "
+                                                  "loaded ahead of the one being stepped",
+    ("WarmupConfig", "target_reward"): "stop the warm-up once the expected reward reaches this "
+                                       "(null: run all its steps)",
+    ("WarmupConfig", "check_every"): "steps between two checks of the expected reward",
+    ("PPOConfig", "behav_cap"): "token TIS: truncate the behaviour weights at this cap (null: "
+                                "off)",
+    ("PPOConfig", "on_policy_tol"): "check_on_policy's bound on mean |logp - old_logp|",
+    ("RolloutConfig", "transport"): "how weights reach the server: broadcast, ipc, disk, or "
+                                    "auto (see the class text)",
+    ("RolloutConfig", "gpus"): "the server's GPU (null: the host's last GPU)",
+    ("RolloutConfig", "workflow_timeout_s"): "bound on one workflow call",
+    ("RolloutConfig", "max_episode_tokens"): "longer episode rows are dropped and counted "
+                                             "(null: the model's max_position_embeddings)",
+    ("RewardConfig", "fn"): "package.module:function or path/to/file.py:function (null: the "
+                            "task's built-in reward)",
+    ("LaunchConfig", "threads_per_rank"): "CPU threads per trainer rank (OMP_NUM_THREADS)",
+    ("LogConfig", "tensorboard"): "TensorBoard events in run_dir/tensorboard (needs "
+                                  "tensorboard)",
+    ("WandbConfig", "project"): "W&B project",
+    ("WandbConfig", "name"): "W&B run name (null: the run_dir's name)",
+    ("EngineSection", "grad_reduce_dtype"): "dtype of the gradient reduce-scatter",
+    ("EngineSection", "optimizer_dtype"): "master weights and AdamW state; bfloat16: "
+                                          "Kahan-compensated AdamW",
+    ("EngineSection", "gradient_checkpointing"): "recompute each decoder layer in the backward "
+                                                 "(activation memory for time)",
+    ("EngineSection", "disable_dropout"): "turn the model's dropout off (RL log-probs must be "
+                                          "deterministic)",
+    ("EngineSection", "logprobs_chunk_size"): "tokens per chunk of the log-prob head (float32 "
+                                              "logits of one chunk at a time)",
+    ("MicroBatchSpec", "n_mbs"): "minimum number of micro-batches",
+    ("FSDPConfig", "reshard_after_forward"): "free gathered weights after each forward "
+                                             "(False: keep them for the backward; more memory, "
+                                             "fewer all-gathers)",
+    ("FSDPConfig", "memory_efficient_load"): "fill the starting weights one tensor at a time",
+    ("PPOConfig", "clip_low"): "lower clip: the ratio is clipped at 1 - clip_low",
+    ("PPOConfig", "dual_clip"): "dual-clip bound for negative advantages (null: off)",
+    ("PPOConfig", "agg"): "how token losses are aggregated",
+    ("PPOConfig", "ratio_level"): "importance ratio per token or per sequence",
+    ("PPOConfig", "n_minibatches"): "optimizer steps per batch (1: exactly on-policy, skips "
+                                    "the old-logp pass)",
+    ("PPOConfig", "shuffle"): "shuffle rows before splitting into minibatches",
+    ("PPOConfig", "entropy_coef"): "entropy bonus coefficient",
+    ("PPOConfig", "kl_kind"): "KL estimator of the loss's KL term",
+    ("PPOConfig", "temperature"): "sampling temperature the log-probs are taken at (must equal "
+                                  "rollout.temperature)",
+    ("PPOConfig", "seed"): "seed of the minibatch shuffle",
+    ("CriticConfig", "value_clip"): "value clipping around old_values (null: off)",
+    ("CriticConfig", "agg"): "how token losses are aggregated",
+    ("CriticConfig", "n_minibatches"): "optimizer steps per batch",
+    ("CriticConfig", "shuffle"): "shuffle rows before splitting into minibatches",
+    ("CriticConfig", "seed"): "seed of the minibatch shuffle",
+    ("AdvantageConfig", "estimator"): "advantage estimator (grpo, ppo: see the class text)",
+    ("AdvantageConfig", "group_size"): "answers per prompt (rows with one group_id)",
+    ("AdvantageConfig", "gamma"): "discount (gae)",
+    ("AdvantageConfig", "lam"): "GAE lambda",
+    ("AdvantageConfig", "kl_kind"): "KL estimator of the reward's KL term",
+    ("AdvantageConfig", "reward_scale"): "reward x scale + bias before the estimator",
+    ("AdvantageConfig", "reward_bias"): "reward x scale + bias before the estimator",
+    ("AdvantageConfig", "reward_clip"): "clip rewards to [-clip, clip] (null: off)",
+    ("AdvantageConfig", "whiten"): "whiten advantages over the batch (dp-global)",
+    ("AdvantageConfig", "eps"): "added to standard deviations",
+    ("SFTConfig", "agg"): "how token losses are aggregated",
+    ("RWConfig", "margin"): "margin of the Bradley-Terry loss",
+    ("DPOConfig", "beta"): "DPO's beta",
+    ("DPOConfig", "kind"): "sigmoid (DPO) or ipo",
+    ("RolloutConfig", "threads"): "CPU threads of the server (CPU serving)",
+    ("RolloutConfig", "temperature"): "sampling temperature",
+    ("RolloutConfig", "top_p"): "nucleus sampling",
+    ("RolloutConfig", "timeout_s"): "per generation request",
+    ("RolloutConfig", "health_timeout_s"): "how long the started server may take to answer "
+                                           "/health",
+    ("RewardConfig", "batched"): "one call per batch: score(prompts, completions, *, answers, "
+                                 "samples)",
+    ("RewardConfig", "workers"): "reward processes (0: in-process, no timeout)",
+    ("RewardConfig", "timeout_s"): "per call",
+    ("RewardConfig", "on_error"): "the reward of a sample whose call failed",
+    ("RewardConfig", "kwargs"): "keyword arguments passed to the function",
+    ("WarmupConfig", "batch_size"): "rows per warm-up step",
+    ("WarmupConfig", "optimizer"): "the warm-up's optimizer (the keys of optimizer:)",
+    ("EvalConfig", "every"): "greedy accuracy every N steps (0: off)",
+    ("EvalConfig", "n_prompts"): "held-out problems per evaluation",
+    ("LaunchConfig", "master_port"): "torchrun's rendezvous port (null: a free one)",
+    ("CheckpointConfig", "every"): "save every N steps (0: only at the end)",
+    ("CheckpointConfig", "keep_last"): "newest checkpoints kept",
+    ("LogConfig", "progress"): "progress bar on stderr",
+    ("LogConfig", "every"): "a progress line every N steps when stderr is not a terminal",
+    ("LogConfig", "plot"): "run_dir/metrics.png at the end",
+}
+
+_SECTION_TITLES = {"engine": "engine: the policy's EngineConfig"}
+
+
+# ---------------------------------------------------------------- reading the classes
+
+
+def _source_class(cls):
+    """The class whose source holds ``cls``'s field definitions (EngineSection is generated
+    from EngineConfig)."""
+    return EngineConfig if cls is EngineSection else cls
+
+
+def _doc(cls) -> str:
+    return inspect.cleandoc(_source_class(cls).__doc__ or "")
+
+
+def _comments(cls) -> dict[str, str]:
+    """{field: the comment lines written right above its definition}."""
+    lines = inspect.getsource(_source_class(cls)).splitlines()
+    out, pending = {}, []
+    for line in lines:
+        s = line.strip()
+        if s.startswith("#"):
+            pending.append(s.lstrip("#").strip())
+            continue
+        m = re.match(r"(\w+)\s*:\s*[^=]+=\s*attrs\.field", s)
+        if m and pending:
+            out[m.group(1)] = " ".join(pending)
+        pending = []
+    return out
+
+
+def _sentences(text: str) -> list[str]:
+    flat = " ".join(text.split())
+    return [s for s in re.split(r"(?<=[.])\s+(?=[A-Z`(\"'])", flat) if s]
+
+
+def _from_docstring(cls, name: str) -> str | None:
+    """The docstring sentence that starts with ````name````."""
+    for s in _sentences(_doc(cls)):
+        if re.match(rf"``{re.escape(name)}(``|[=:> ])", s):
+            return s.rstrip(".")
+    return None
+
+
+def describe(cls, name: str) -> str | None:
+    if cls in RECIPE_CONFIGS.values():  # a recipe's docstring describes the loop, not its keys
+        return NOTES.get((cls.__name__, name)) or NOTES.get(("*", name))
+    return (_comments(cls).get(name) or _from_docstring(cls, name)
+            or NOTES.get((cls.__name__, name)) or NOTES.get(("*", name)))
+
+
+_PROBES = (object(), None, True, "", -10**9, 10**9, -1.5, 0, 0.5, 1, 1e300, -1e300,
+           float("nan"), (), ("",), ("a", "b"))
+
+
+def _rule(attribute) -> str:
+    """What the field accepts, in the validator's own words: each probe value the validator
+    refuses gives its rule (``lr: must be > 0, got -1.5`` -> ``> 0``), so the page follows the
+    validators whatever their implementation."""
+    rules: list[str] = []
+    null_ok = False
+    for probe in _PROBES:
+        try:
+            attribute.validator(None, attribute, probe) if attribute.validator else None
+        except ConfigError as exc:
+            m = re.search(r": (?:must be )?(.*?), got ", str(exc), re.S)
+            if m and m.group(1) not in rules:
+                rules.append(m.group(1))
+            continue
+        except Exception:  # a validator that reads other fields of the instance
+            continue
+        if probe is None and attribute.validator is not None:
+            null_ok = True
+    text = "; ".join(" ".join(r.split()) for r in rules)
+    return text + ("; or null" if text and null_ok else "")
+
+
+def _type(attribute) -> str:
+    tp = attribute.type
+    text = tp if isinstance(tp, str) else getattr(tp, "__name__", None) or str(tp)
+    return str(text).replace("typing.", "").replace("NoneType", "None")
+
+
+def _value(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def _default(attribute):
+    d = attribute.default
+    if isinstance(d, attrs.Factory):
+        d = d.factory()
+    return d
+
+
+def _section_class(attribute):
+    """The attrs class a field holds (LoRAConfig for ``LoRAConfig | None``), else None."""
+    tp = attribute.type
+    if attrs.has(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if isinstance(arg, type) and attrs.has(arg):
+            return arg
+    return None
+
+
+def _fields(cls):
+    attrs.resolve_types(cls)
+    return attrs.fields(cls)
+
+
+def _sections(cls, prefix: str = "") -> list[tuple[str, type]]:
+    """[(dotted path, class)] of every section under ``cls``, depth first."""
+    out = []
+    for a in _fields(cls):
+        sub = _section_class(a)
+        if sub is not None:
+            path = f"{prefix}{a.name}"
+            out.append((path, sub))
+            out.extend(_sections(sub, path + "."))
+    return out
+
+
+def undescribed() -> list[str]:
+    """Every ``Class.key`` the page would show without a description."""
+    missing = []
+    for cls in _all_classes():
+        for a in _fields(cls):
+            if describe(cls, a.name) is None and _section_class(a) is None:
+                missing.append(f"{cls.__name__}.{a.name}")
+    return missing
+
+
+def _all_classes() -> list[type]:
+    seen: list[type] = []
+    for rc in RECIPE_CONFIGS.values():
+        for cls in (rc, *(c for _, c in _sections(rc))):
+            if cls not in seen:
+                seen.append(cls)
+    return seen
+
+
+# ---------------------------------------------------------------- the page
+
+
+def _anchor(title: str) -> str:
+    return re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")
+
+
+def _table(cls, path: str, section_titles: dict[type, str]) -> list[str]:
+    rows = ["| key | default | accepts | what it does |", "|---|---|---|---|"]
+    for a in _fields(cls):
+        key = f"`{path}.{a.name}`" if path else f"`{a.name}`"
+        sub = _section_class(a)
+        if sub is not None and a.default is not None:
+            title = section_titles[sub]
+            rows.append(f"| {key} | (section) | see [{title}](#{_anchor(title)}) | "
+                        f"{_cell(describe(cls, a.name) or '')} |")
+            continue
+        accepts = _rule(a) or _type(a)
+        if sub is not None:
+            title = section_titles[sub]
+            accepts = f"null, or the keys of [{title}](#{_anchor(title)})"
+        rows.append(f"| {key} | `{_value(serde.unstructure(_default(a)))}` | {_cell(accepts)} | "
+                    f"{_cell(describe(cls, a.name) or '')} |")
+    return rows
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _recipe_overrides(name: str, cls) -> list[tuple[str, object, object]]:
+    """(dotted key, class default, this recipe's default) where the recipe sets its own."""
+    out = []
+
+    def walk(section_cls, value, path):
+        for a in _fields(section_cls):
+            sub = _section_class(a)
+            v = getattr(value, a.name)
+            p = f"{path}{a.name}"
+            if sub is not None and v is not None and section_cls is not cls:
+                walk(sub, v, p + ".")
+            elif sub is not None and v is not None:
+                walk(sub, v, p + ".")
+            elif section_cls is not cls:
+                base = _default(a)
+                if serde.unstructure(v) != serde.unstructure(base):
+                    out.append((p, base, v))
+    walk(cls, cls(), "")
+    return out
+
+
+def render() -> str:
+    classes = _all_classes()
+    section_titles: dict[type, str] = {}
+    paths: dict[type, list[str]] = {}
+    for rc in RECIPE_CONFIGS.values():
+        for path, sub in _sections(rc):
+            paths.setdefault(sub, [])
+            if path not in paths[sub]:
+                paths[sub].append(path)
+    for sub, ps in paths.items():
+        ps.sort(key=lambda p: (p.count("."), p))
+        section_titles[sub] = _SECTION_TITLES.get(ps[0], f"{ps[0]}: {sub.__name__}")
+
+    out = ["# Recipes and every YAML key", "",
+           "<!-- Generated by `python -m fsdpfn.app.recipes.keys_doc --write` from the config "
+           "classes; tests/unit/test_recipes_doc.py fails when this page differs. Edit the "
+           "classes (or NOTES in fsdpfn/app/recipes/keys_doc.py), not this page. -->", "",
+           "`fsdpfn run FILE.yaml` runs one recipe. The file names it (`recipe: grpo`) and sets "
+           "any of the keys below; every key not written keeps its default. A misspelt key is "
+           "refused with the closest valid one, a bad value with the dotted key, the rule and "
+           "the value. `fsdpfn config NAME` prints a recipe's full default config as YAML, "
+           "`fsdpfn config FILE.yaml` a file resolved, and every run writes what it ran to "
+           "`run_dir/config.yaml`. Overrides go on the command line as dotted keys: "
+           "`fsdpfn run FILE.yaml steps=40 engine.fsdp.offload_params=true`.", "",
+           "## The recipes", "",
+           "| recipe | config class | models built | rollout server | what it runs |",
+           "|---|---|---|---|---|"]
+    for name, rc in RECIPE_CONFIGS.items():
+        keys = {a.name for a in _fields(rc)}
+        models = ["policy (`engine:`)"]
+        if "ref_engine" in keys:
+            models.append("reference (`ref_engine:`)")
+        if "critic_engine" in keys:
+            models.append("critic (`critic_engine:`)")
+        out.append(f"| `{name}` | `{rc.__name__}` | {', '.join(models)} | "
+                   f"{'yes' if name in NEEDS_ROLLOUT else 'no'} | {_cell(' '.join(_doc(rc).split()))} |")
+    out += ["", "## Each recipe's top-level keys and its own defaults", "",
+            "A section's keys and their class defaults are in the [sections](#the-sections) "
+            "below; the table after each recipe lists the defaults that recipe sets "
+            "differently.", ""]
+    for name, rc in RECIPE_CONFIGS.items():
+        out += [f"### {name}", ""]
+        out += _table(rc, "", section_titles)
+        own = _recipe_overrides(name, rc)
+        if own:
+            out += ["", f"Defaults `{name}` sets differently from the section's class:", "",
+                    "| key | class default | in this recipe |", "|---|---|---|"]
+            out += [f"| `{k}` | `{_value(serde.unstructure(b))}` | "
+                    f"`{_value(serde.unstructure(v))}` |" for k, b, v in own]
+        out.append("")
+    out += ["## The sections", "",
+            "Each section is a frozen attrs class; a YAML mapping under its key sets its "
+            "fields.", ""]
+    for sub in classes:
+        if sub in RECIPE_CONFIGS.values():
+            continue
+        title = section_titles[sub]
+        ps = paths[sub]
+        out += [f"### {title}", ""]
+        where = ", ".join(f"`{p}:`" for p in ps)
+        used = sorted(n for n, rc in RECIPE_CONFIGS.items()
+                      if any(c is sub for _, c in _sections(rc)))
+        out += [f"Key{'s' if len(ps) > 1 else ''}: {where} (recipes: {', '.join(used)}). "
+                f"Class: `{sub.__module__}.{sub.__name__}`.", ""]
+        if sub is EngineSection:
+            out += ["Every `fsdpfn.EngineConfig` field under the same name, less those the "
+                    "recipe sets itself. `ref_engine:` and `critic_engine:` take the same keys "
+                    "as overrides of this section (each key not written there is the policy's; "
+                    "neither inherits `lora`).", "",
+                    "| EngineConfig field | set in the YAML by |", "|---|---|"]
+            out += [f"| `{k}` | {_cell(v)} |" for k, v in OWNED.items()]
+            out += ["", "Keys that moved into `engine:` (the old top-level key is refused with "
+                    "a pointer): " + ", ".join(f"`{k}` -> `{v}`" for k, v in MOVED.items())
+                    + ".", ""]
+        doc = _doc(sub)
+        if doc and sub is not EngineSection:
+            out += [" ".join(p.split()) for p in doc.split("\n\n")]
+            out = _blank_between(out, len(out) - len(doc.split("\n\n")))
+            out.append("")
+        out += _table(sub, ps[0], section_titles)
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _blank_between(lines: list[str], start: int) -> list[str]:
+    head, paras = lines[:start], lines[start:]
+    out = list(head)
+    for i, p in enumerate(paras):
+        if i:
+            out.append("")
+        out.append(p)
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    text = render()
+    if "--write" in argv:
+        PAGE.write_text(text)
+        print(f"wrote {PAGE}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
