@@ -22,59 +22,45 @@ def test_ci_runs_the_readme_test_command():
     assert "pip install -q torch==2.13.0" in main_cmd and "fsdpfn demo" in main_cmd
 
 
-# ---------------------------------------------------------------- YAML and the API page
-
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+# ---------------------------------------------------------------- the docs the README points to
+# (every YAML and Python block of the README and docs/ runs in tests/unit/test_docs_snippets.py)
 
 import attrs  # noqa: E402
-import pytest  # noqa: E402
 
-ROWS = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(8)]
-REWARD = ("def score(prompt, completion, *, answer, sample, **kwargs):\n"
-          "    return float(str(answer) in completion)\n")
-
-
-def _readme_yaml() -> list[str]:
-    return re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+DOC_PAGES = ("getting-started.md", "recipes.md", "api.md", "parallelism.md", "rollout.md",
+             "troubleshooting.md", "models.md", "observability.md", "architecture.md",
+             "README.md")
 
 
-@pytest.fixture(scope="module")
-def user_dir(tmp_path_factory):
-    """What the README's YAML names, made real: data/train.jsonl and data/test.jsonl, the
-    my_rewards module, and a tiny model directory (with room for 512 + 1,024 positions)."""
-    from fsdpfn.testing.hf_dir import write_tiny_hf_dir
-
-    root = tmp_path_factory.mktemp("readme_user")
-    (root / "data").mkdir()
-    for name in ("train.jsonl", "test.jsonl"):
-        (root / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (root / "my_rewards.py").write_text(REWARD)
-    model = write_tiny_hf_dir(root / "model", texts=[r["prompt"] for r in ROWS], vocab_size=300)
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = 2048
-    (model / "config.json").write_text(json.dumps(config))
-    return root
+def test_readme_links_every_docs_page_and_each_exists():
+    readme = (ROOT / "README.md").read_text()
+    index = (ROOT / "docs" / "README.md").read_text()
+    for page in DOC_PAGES:
+        assert (ROOT / "docs" / page).is_file(), page
+        assert f"](docs/{page})" in readme, f"the README does not link docs/{page}"
+        if page != "README.md":
+            assert f"]({page})" in index, f"docs/README.md does not link {page}"
 
 
-@pytest.mark.timeout(120)
-def test_every_readme_yaml_passes_a_dry_run(user_dir):
-    """Each YAML block of the README, written to a file as it stands, validates and passes the
-    preflight (data columns, reward signature, positions) with `fsdpfn run --dry-run`; only the
-    model directory is swapped for a tiny one."""
-    blocks = _readme_yaml()
-    assert blocks, "the README shows a YAML config"
-    for i, text in enumerate(blocks):
-        path = user_dir / f"readme_{i}.yaml"
-        path.write_text(text)
-        proc = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(path), "--dry-run",
-                               f"model.path={user_dir / 'model'}"], capture_output=True,
-                              text=True, timeout=100, cwd=user_dir,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, (i, proc.stderr[-3000:])
-        assert "recipe:" in proc.stdout and "[fsdpfn] trainer:" in proc.stderr
+def test_readme_figures_link_their_benchmarks_sections():
+    """Each figure's section link names a heading of BENCHMARKS.md."""
+    readme = (ROOT / "README.md").read_text()
+    bench = (ROOT / "BENCHMARKS.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", bench, flags=re.M)}
+    links = re.findall(r"\]\(BENCHMARKS\.md#([^)]+)\)", readme)
+    assert links, "the README's figures link their BENCHMARKS.md sections"
+    missing = [a for a in links if a not in anchors]
+    assert not missing, f"no BENCHMARKS.md section for {missing}"
+
+
+def test_readme_names_exist():
+    """The public names the README's text and table use are real."""
+    import fsdpfn as ff
+
+    readme = (ROOT / "README.md").read_text()
+    for name in re.findall(r"`ff\.(\w+)", readme):
+        assert hasattr(ff, name), name
 
 
 def test_api_page_is_linked_and_names_the_public_surface():
