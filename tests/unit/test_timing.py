@@ -179,7 +179,7 @@ def test_profile_writes_the_chosen_steps_as_chrome_json_with_stage_ranges(state_
     state_box[0] = state
     assert [p.name for p in session.written] == ["step1_rank0.json"]
     names = _trace_names(session.written[0])
-    for name in ("fsdpfn.sft_step", "fsdpfn.forward_logp", "fsdpfn.plan", "fsdpfn.engine.forward",
+    for name in ("fsdpfn.sft_step", "fsdpfn.forward_logp", "fsdpfn.plan", "fsdpfn.forward",
                  "fsdpfn.backward", "fsdpfn.optimizer", "fsdpfn.comm"):
         assert name in names, (name, sorted(n for n in names if n and "fsdpfn" in n))
 
