@@ -7,13 +7,13 @@ and the value (``lr: must be > 0, got -1.0``). Serialisation lives in serde.py, 
 from __future__ import annotations
 
 import json
-import math
 import os
-from typing import Any
 
 import attrs
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import (boolean, fail, integer, is_number, number, one_of, str_tuple,
+                               to_float, to_opt_float, to_tuple)
 
 __all__ = [
     "ParallelStrategy", "OptimizerConfig", "FSDPConfig", "MicroBatchSpec", "LoRAConfig",
@@ -26,84 +26,6 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
 
-# ---------------------------------------------------------------- validators
-
-
-def _fail(attribute, rule: str, value: Any):
-    raise ConfigError(f"{attribute.name}: {rule}, got {value!r}")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int(lo: int | None = None, *, allow: tuple = ()):
-    def check(_, attribute, value):
-        if value in allow and (value is None or isinstance(value, int)):
-            return
-        if not isinstance(value, int) or isinstance(value, bool):
-            _fail(attribute, "must be an integer", value)
-        if lo is not None and value < lo:
-            _fail(attribute, f"must be >= {lo}", value)
-    return check
-
-
-def _float(*, gt=None, ge=None, lt=None, le=None, optional=False):
-    def check(_, attribute, value):
-        if value is None and optional:
-            return
-        if not _is_number(value):
-            _fail(attribute, "must be a finite number", value)
-        if gt is not None and not value > gt:
-            _fail(attribute, f"must be > {gt}", value)
-        if ge is not None and not value >= ge:
-            _fail(attribute, f"must be >= {ge}", value)
-        if lt is not None and not value < lt:
-            _fail(attribute, f"must be < {lt}", value)
-        if le is not None and not value <= le:
-            _fail(attribute, f"must be <= {le}", value)
-    return check
-
-
-def _one_of(*choices):
-    def check(_, attribute, value):
-        if value not in choices:
-            _fail(attribute, f"must be one of {list(choices)}", value)
-    return check
-
-
-def _bool(_, attribute, value):
-    if not isinstance(value, bool):
-        _fail(attribute, "must be a bool", value)
-
-
-def _str_tuple(_, attribute, value):
-    if value is None:
-        return
-    if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
-        _fail(attribute, "must be a list of non-empty strings", value)
-
-
-def _to_tuple(value):
-    return tuple(value) if isinstance(value, list) else value
-
-
-def _float_conv(value):
-    # YAML reads 1e-6 as a string; ints are accepted where floats are meant
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def _opt_float_conv(value):
-    return None if value is None else _float_conv(value)
-
-
 # ---------------------------------------------------------------- parallelism and engine
 
 
@@ -111,9 +33,9 @@ def _opt_float_conv(value):
 class ParallelStrategy:
     """Mesh shape: dp x cp x tp == world size. dp=-1 takes whatever is left."""
 
-    dp: int = attrs.field(default=-1, validator=_int(1, allow=(-1,)))
-    tp: int = attrs.field(default=1, validator=_int(1))
-    cp: int = attrs.field(default=1, validator=_int(1))
+    dp: int = attrs.field(default=-1, validator=integer(1, allow=(-1,)))
+    tp: int = attrs.field(default=1, validator=integer(1))
+    cp: int = attrs.field(default=1, validator=integer(1))
 
 
 @attrs.frozen
@@ -124,22 +46,22 @@ class OptimizerConfig:
     ``total_steps`` is needed by the linear and cosine schedules.
     """
 
-    lr: float = attrs.field(default=1e-5, converter=_float_conv, validator=_float(gt=0))
-    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=_to_tuple)
-    eps: float = attrs.field(default=1e-8, converter=_float_conv, validator=_float(gt=0))
-    weight_decay: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
-    schedule: str = attrs.field(default="constant", validator=_one_of("constant", "linear", "cosine"))
-    warmup_steps: int = attrs.field(default=0, validator=_int(0))
-    total_steps: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
-    min_lr_ratio: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0, le=1))
-    max_grad_norm: float | None = attrs.field(default=1.0, converter=_opt_float_conv,
-                                              validator=_float(gt=0, optional=True))
+    lr: float = attrs.field(default=1e-5, converter=to_float, validator=number(gt=0))
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=to_tuple)
+    eps: float = attrs.field(default=1e-8, converter=to_float, validator=number(gt=0))
+    weight_decay: float = attrs.field(default=0.0, converter=to_float, validator=number(ge=0))
+    schedule: str = attrs.field(default="constant", validator=one_of("constant", "linear", "cosine"))
+    warmup_steps: int = attrs.field(default=0, validator=integer(0))
+    total_steps: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+    min_lr_ratio: float = attrs.field(default=0.0, converter=to_float, validator=number(ge=0, le=1))
+    max_grad_norm: float | None = attrs.field(default=1.0, converter=to_opt_float,
+                                              validator=number(gt=0, optional=True))
 
     @betas.validator
     def _check_betas(self, attribute, value):
         if (not isinstance(value, tuple) or len(value) != 2
-                or not all(_is_number(b) and 0 <= b < 1 for b in value)):
-            _fail(attribute, "must be two numbers in [0, 1)", value)
+                or not all(is_number(b) and 0 <= b < 1 for b in value)):
+            fail(attribute.name, "must be two numbers in [0, 1)", value)
 
     def __attrs_post_init__(self):
         if self.schedule != "constant" and self.total_steps is None:
@@ -162,13 +84,13 @@ class FSDPConfig:
     by inference-only engines.
     """
 
-    wrap_policy: tuple[str, ...] | None = attrs.field(default=None, converter=_to_tuple,
-                                                      validator=_str_tuple)
-    reshard_after_forward: bool = attrs.field(default=True, validator=_bool)
-    offload_params: bool = attrs.field(default=False, validator=_bool)
-    memory_efficient_load: bool = attrs.field(default=True, validator=_bool)
-    per_layer_optim_step: bool = attrs.field(default=False, validator=_bool)
-    optim_step_prefetch_layers: int = attrs.field(default=1, validator=_int(0))
+    wrap_policy: tuple[str, ...] | None = attrs.field(default=None, converter=to_tuple,
+                                                      validator=str_tuple)
+    reshard_after_forward: bool = attrs.field(default=True, validator=boolean)
+    offload_params: bool = attrs.field(default=False, validator=boolean)
+    memory_efficient_load: bool = attrs.field(default=True, validator=boolean)
+    per_layer_optim_step: bool = attrs.field(default=False, validator=boolean)
+    optim_step_prefetch_layers: int = attrs.field(default=1, validator=integer(0))
 
     def __attrs_post_init__(self):
         if self.optim_step_prefetch_layers != 1 and not self.per_layer_optim_step:
@@ -196,13 +118,13 @@ class MicroBatchSpec:
     Karmarkar-Karp); ``"ffd"`` is accepted as an alias of ``"lpt"`` (its former name).
     """
 
-    max_tokens_per_mb: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
-    n_mbs: int = attrs.field(default=1, validator=_int(1))
-    algo: str = attrs.field(default="lpt", validator=_one_of("lpt", "kk", "ffd"))
+    max_tokens_per_mb: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+    n_mbs: int = attrs.field(default=1, validator=integer(1))
+    algo: str = attrs.field(default="lpt", validator=one_of("lpt", "kk", "ffd"))
 
 
 def _names_conv(value):
-    return (value,) if isinstance(value, str) else _to_tuple(value)
+    return (value,) if isinstance(value, str) else to_tuple(value)
 
 
 @attrs.frozen
@@ -216,21 +138,21 @@ class LoRAConfig:
     ``EngineConfig.disable_dropout``, which concerns the base model).
     """
 
-    rank: int = attrs.field(default=8, validator=_int(1))
-    alpha: float = attrs.field(default=16.0, converter=_float_conv, validator=_float(gt=0))
-    dropout: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0, lt=1))
+    rank: int = attrs.field(default=8, validator=integer(1))
+    alpha: float = attrs.field(default=16.0, converter=to_float, validator=number(gt=0))
+    dropout: float = attrs.field(default=0.0, converter=to_float, validator=number(ge=0, lt=1))
     target_modules: tuple[str, ...] = attrs.field(default=("all-linear",), converter=_names_conv,
-                                                  validator=_str_tuple)
+                                                  validator=str_tuple)
 
     @target_modules.validator
     def _check_targets(self, attribute, value):
         if value is not None and not value:
-            _fail(attribute, "must name at least one module (or be ['all-linear'])", value)
+            fail(attribute.name, "must name at least one module (or be ['all-linear'])", value)
         if value is not None and len(value) > 1 and all(len(v) == 1 for v in value):
-            _fail(attribute, "must be a list of module names (in YAML a string reads as its "
+            fail(attribute.name, "must be a list of module names (in YAML a string reads as its "
                   "characters: write [all-linear] or [q_proj, v_proj])", "".join(value))
         if value is not None and "all-linear" in value and len(value) > 1:
-            _fail(attribute, "'all-linear' must stand alone", list(value))
+            fail(attribute.name, "'all-linear' must stand alone", list(value))
 
 
 def _model_config_conv(value):
@@ -262,52 +184,52 @@ class EngineConfig:
 
     model_path: str | None = attrs.field(default=None, converter=_path_conv)
     model_config: dict | None = attrs.field(default=None, converter=_model_config_conv)
-    is_critic: bool = attrs.field(default=False, validator=_bool)
-    dtype: str = attrs.field(default="bfloat16", validator=_one_of("bfloat16", "float32"))
-    grad_reduce_dtype: str = attrs.field(default="float32", validator=_one_of(*DTYPES))
-    optimizer_dtype: str = attrs.field(default="float32", validator=_one_of("float32", "bfloat16"))
-    gradient_checkpointing: bool = attrs.field(default=False, validator=_bool)
-    disable_dropout: bool = attrs.field(default=True, validator=_bool)
-    logprobs_chunk_size: int = attrs.field(default=1024, validator=_int(1))
+    is_critic: bool = attrs.field(default=False, validator=boolean)
+    dtype: str = attrs.field(default="bfloat16", validator=one_of("bfloat16", "float32"))
+    grad_reduce_dtype: str = attrs.field(default="float32", validator=one_of(*DTYPES))
+    optimizer_dtype: str = attrs.field(default="float32", validator=one_of("float32", "bfloat16"))
+    gradient_checkpointing: bool = attrs.field(default=False, validator=boolean)
+    disable_dropout: bool = attrs.field(default=True, validator=boolean)
+    logprobs_chunk_size: int = attrs.field(default=1024, validator=integer(1))
     mb_spec: MicroBatchSpec = attrs.field(factory=MicroBatchSpec)
     optimizer: OptimizerConfig | None = attrs.field(factory=OptimizerConfig)
     fsdp: FSDPConfig = attrs.field(factory=FSDPConfig)
     lora: LoRAConfig | None = attrs.field(default=None)
-    seed: int = attrs.field(default=1, validator=_int(0))
+    seed: int = attrs.field(default=1, validator=integer(0))
     # attention over packed sequences: "auto" (flash varlen on CUDA in bf16/fp16, else masked
     # SDPA), "varlen" (CUDA only), "sdpa" (the masked path everywhere)
-    attn_impl: str = attrs.field(default="auto", validator=_one_of("auto", "varlen", "sdpa"))
+    attn_impl: str = attrs.field(default="auto", validator=one_of("auto", "varlen", "sdpa"))
     # Liger-Kernel's fused RMSNorm and SwiGLU on CUDA when liger_kernel is installed (a no-op on
     # CPU or without it); False keeps HF's eager modules
-    fused_kernels: bool = attrs.field(default=True, validator=_bool)
+    fused_kernels: bool = attrs.field(default=True, validator=boolean)
     # the log-prob head: "chunked" (fsdpfn.ops.chunked_logprobs, float32 logits, any device,
     # entropy, tp) or "liger" (Liger-Kernel's fused linear cross-entropy: CUDA, tp=1; a call that
     # asks for entropy takes the chunked head)
-    logprobs_impl: str = attrs.field(default="chunked", validator=_one_of("chunked", "liger"))
+    logprobs_impl: str = attrs.field(default="chunked", validator=one_of("chunked", "liger"))
     # the model guard (fsdpfn.engine.families): "unverified" checks, when the model is built, that the
     # engine's packed forward equals the model's own eager forward for a family outside the
     # verified list (a small random instance of the same architecture, float32, two short rows),
     # refusing the model with the gap on disagreement; "always" checks verified families too;
     # "never" skips the check
     verify_model: str = attrs.field(default="unverified",
-                                    validator=_one_of("unverified", "always", "never"))
+                                    validator=one_of("unverified", "always", "never"))
     # per-call stage times, peak memory, tokens/s and MFU in the stats (fsdpfn.engine.timing): CUDA
     # events read once at the end of a call, no host synchronisation per micro-batch
-    timing: bool = attrs.field(default=True, validator=_bool)
+    timing: bool = attrs.field(default=True, validator=boolean)
     # the per-GPU dense matmul rate (TFLOP/s) MFU is quoted against; None: measured once per
     # process by a GEMM in the compute dtype on CUDA (on CPU, no MFU unless given)
-    peak_tflops: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                            validator=_float(gt=0, optional=True))
+    peak_tflops: float | None = attrs.field(default=None, converter=to_opt_float,
+                                            validator=number(gt=0, optional=True))
 
     @model_path.validator
     def _check_path(self, attribute, value):
         if value is not None and (not isinstance(value, str) or not value):
-            _fail(attribute, "must be a non-empty path string or None", value)
+            fail(attribute.name, "must be a non-empty path string or None", value)
 
     @model_config.validator
     def _check_model_config(self, attribute, value):
         if value is not None and (not isinstance(value, dict) or "model_type" not in value):
-            _fail(attribute, "must be a transformers config (a dict with 'model_type')", value)
+            fail(attribute.name, "must be a transformers config (a dict with 'model_type')", value)
 
     def __attrs_post_init__(self):
         if (self.model_path is None) == (self.model_config is None):
@@ -357,40 +279,40 @@ class PPOConfig:
     ``on_policy_gap`` with check_on_policy measures how far that is from the proximal policy).
     """
 
-    clip_low: float = attrs.field(default=0.2, converter=_float_conv, validator=_float(gt=0, lt=1))
-    clip_high: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                          validator=_float(gt=0, optional=True))
-    dual_clip: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                          validator=_float(gt=1, optional=True))
-    agg: str = attrs.field(default="token-mean", validator=_one_of(*AGG_MODES))
-    ratio_level: str = attrs.field(default="token", validator=_one_of("token", "sequence"))
-    n_minibatches: int = attrs.field(default=1, validator=_int(1))
-    shuffle: bool = attrs.field(default=False, validator=_bool)
-    entropy_coef: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
-    kl_coef: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
-    kl_kind: str = attrs.field(default="k3", validator=_one_of(*KL_KINDS))
-    use_behav_logp: bool = attrs.field(default=True, validator=_bool)
-    behav_cap: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                          validator=_float(gt=0, optional=True))
-    temperature: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0))
-    seed: int = attrs.field(default=0, validator=_int(0))
+    clip_low: float = attrs.field(default=0.2, converter=to_float, validator=number(gt=0, lt=1))
+    clip_high: float | None = attrs.field(default=None, converter=to_opt_float,
+                                          validator=number(gt=0, optional=True))
+    dual_clip: float | None = attrs.field(default=None, converter=to_opt_float,
+                                          validator=number(gt=1, optional=True))
+    agg: str = attrs.field(default="token-mean", validator=one_of(*AGG_MODES))
+    ratio_level: str = attrs.field(default="token", validator=one_of("token", "sequence"))
+    n_minibatches: int = attrs.field(default=1, validator=integer(1))
+    shuffle: bool = attrs.field(default=False, validator=boolean)
+    entropy_coef: float = attrs.field(default=0.0, converter=to_float, validator=number(ge=0))
+    kl_coef: float = attrs.field(default=0.0, converter=to_float, validator=number(ge=0))
+    kl_kind: str = attrs.field(default="k3", validator=one_of(*KL_KINDS))
+    use_behav_logp: bool = attrs.field(default=True, validator=boolean)
+    behav_cap: float | None = attrs.field(default=None, converter=to_opt_float,
+                                          validator=number(gt=0, optional=True))
+    temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
+    seed: int = attrs.field(default=0, validator=integer(0))
     # trainer-rollout mismatch (fsdpfn.ops.correction)
-    behav_correction: str | None = attrs.field(default=None, validator=_one_of(None, "tis", "mis"))
+    behav_correction: str | None = attrs.field(default=None, validator=one_of(None, "tis", "mis"))
     behav_level: str = attrs.field(default="token",
-                                   validator=_one_of("token", "sequence", "geometric"))
-    behav_low: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                          validator=_float(ge=0, optional=True))
-    behav_high: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                           validator=_float(gt=0, optional=True))
-    policy_loss: str = attrs.field(default="ppo", validator=_one_of("ppo", "cispo"))
-    cispo_clip_low: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                               validator=_float(gt=0, le=1, optional=True))
-    cispo_clip_high: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                                validator=_float(gt=0, optional=True))
-    check_on_policy: bool = attrs.field(default=False, validator=_bool)
-    on_policy_tol: float = attrs.field(default=1e-3, converter=_float_conv, validator=_float(gt=0))
+                                   validator=one_of("token", "sequence", "geometric"))
+    behav_low: float | None = attrs.field(default=None, converter=to_opt_float,
+                                          validator=number(ge=0, optional=True))
+    behav_high: float | None = attrs.field(default=None, converter=to_opt_float,
+                                           validator=number(gt=0, optional=True))
+    policy_loss: str = attrs.field(default="ppo", validator=one_of("ppo", "cispo"))
+    cispo_clip_low: float | None = attrs.field(default=None, converter=to_opt_float,
+                                               validator=number(gt=0, le=1, optional=True))
+    cispo_clip_high: float | None = attrs.field(default=None, converter=to_opt_float,
+                                                validator=number(gt=0, optional=True))
+    check_on_policy: bool = attrs.field(default=False, validator=boolean)
+    on_policy_tol: float = attrs.field(default=1e-3, converter=to_float, validator=number(gt=0))
     old_logp_from: str = attrs.field(default="batch",
-                                  validator=_one_of("auto", "batch", "forward", "behav"))
+                                  validator=one_of("auto", "batch", "forward", "behav"))
 
     def __attrs_post_init__(self):
         _check_ppo_behav(self)
@@ -453,12 +375,12 @@ def _check_ppo_cispo(c: PPOConfig) -> None:
 class CriticConfig:
     """Critic (value model) update with value clipping."""
 
-    value_clip: float | None = attrs.field(default=0.5, converter=_opt_float_conv,
-                                           validator=_float(gt=0, optional=True))
-    agg: str = attrs.field(default="token-mean", validator=_one_of(*AGG_MODES))
-    n_minibatches: int = attrs.field(default=1, validator=_int(1))
-    shuffle: bool = attrs.field(default=False, validator=_bool)
-    seed: int = attrs.field(default=0, validator=_int(0))
+    value_clip: float | None = attrs.field(default=0.5, converter=to_opt_float,
+                                           validator=number(gt=0, optional=True))
+    agg: str = attrs.field(default="token-mean", validator=one_of(*AGG_MODES))
+    n_minibatches: int = attrs.field(default=1, validator=integer(1))
+    shuffle: bool = attrs.field(default=False, validator=boolean)
+    seed: int = attrs.field(default=0, validator=integer(0))
 
 
 @attrs.frozen
@@ -471,18 +393,18 @@ class AdvantageConfig:
     """
 
     estimator: str = attrs.field(default="grpo",
-                                 validator=_one_of("grpo", "drgrpo", "rloo", "reinforce++", "gae"))
-    group_size: int = attrs.field(default=1, validator=_int(1))
-    gamma: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(ge=0, le=1))
-    lam: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(ge=0, le=1))
-    kl_coef: float = attrs.field(default=0.0, converter=_float_conv, validator=_float(ge=0))
-    kl_kind: str = attrs.field(default="k1", validator=_one_of(*KL_KINDS))
-    reward_scale: float = attrs.field(default=1.0, converter=_float_conv, validator=_float())
-    reward_bias: float = attrs.field(default=0.0, converter=_float_conv, validator=_float())
-    reward_clip: float | None = attrs.field(default=None, converter=_opt_float_conv,
-                                            validator=_float(gt=0, optional=True))
-    whiten: bool = attrs.field(default=False, validator=_bool)
-    eps: float = attrs.field(default=1e-6, converter=_float_conv, validator=_float(gt=0))
+                                 validator=one_of("grpo", "drgrpo", "rloo", "reinforce++", "gae"))
+    group_size: int = attrs.field(default=1, validator=integer(1))
+    gamma: float = attrs.field(default=1.0, converter=to_float, validator=number(ge=0, le=1))
+    lam: float = attrs.field(default=1.0, converter=to_float, validator=number(ge=0, le=1))
+    kl_coef: float = attrs.field(default=0.0, converter=to_float, validator=number(ge=0))
+    kl_kind: str = attrs.field(default="k1", validator=one_of(*KL_KINDS))
+    reward_scale: float = attrs.field(default=1.0, converter=to_float, validator=number())
+    reward_bias: float = attrs.field(default=0.0, converter=to_float, validator=number())
+    reward_clip: float | None = attrs.field(default=None, converter=to_opt_float,
+                                            validator=number(gt=0, optional=True))
+    whiten: bool = attrs.field(default=False, validator=boolean)
+    eps: float = attrs.field(default=1e-6, converter=to_float, validator=number(gt=0))
 
     def __attrs_post_init__(self):
         if self.estimator == "rloo" and self.group_size < 2:
@@ -493,19 +415,19 @@ class AdvantageConfig:
 class SFTConfig:
     """Supervised fine-tuning: -mean log-likelihood of loss_mask tokens."""
 
-    agg: str = attrs.field(default="token-mean", validator=_one_of(*AGG_MODES))
+    agg: str = attrs.field(default="token-mean", validator=one_of(*AGG_MODES))
 
 
 @attrs.frozen
 class RWConfig:
     """Reward model: Bradley-Terry on last-token scores of pairs (row 2i chosen, 2i+1 rejected)."""
 
-    margin: float = attrs.field(default=0.0, converter=_float_conv, validator=_float())
+    margin: float = attrs.field(default=0.0, converter=to_float, validator=number())
 
 
 @attrs.frozen
 class DPOConfig:
     """DPO on sequence log-prob sums; needs ``ref_logp``. kind: ``sigmoid`` or ``ipo``."""
 
-    beta: float = attrs.field(default=0.1, converter=_float_conv, validator=_float(gt=0))
-    kind: str = attrs.field(default="sigmoid", validator=_one_of("sigmoid", "ipo"))
+    beta: float = attrs.field(default=0.1, converter=to_float, validator=number(gt=0))
+    kind: str = attrs.field(default="sigmoid", validator=one_of("sigmoid", "ipo"))

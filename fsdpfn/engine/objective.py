@@ -20,6 +20,7 @@ import attrs
 
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import one_of, satisfies
 
 __all__ = ["Objective", "NORMALIZERS", "as_objective"]
 
@@ -29,22 +30,10 @@ OPTIONS = {"normalizer": "tokens", "require": (K.LOSS_MASK,), "why": None, "grou
            "pairs": False, "with_entropy": False, "temperature": 1.0}
 
 
-def _callable(_, attribute, value):
-    if not callable(value):
-        raise ConfigError(f"loss_fn: must be callable (outputs, minibatch, ctx) -> (loss_sum, "
-                          f"stats), got {type(value).__name__}")
-
-
-def _one_of(choices):
-    def check(_, attribute, value):
-        if value not in choices:
-            raise ConfigError(f"{attribute.name}: must be one of {list(choices)}, got {value!r}")
-    return check
-
-
-def _group(_, attribute, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"group_size: must be an integer >= 1, got {value!r}")
+_callable = satisfies("must be callable (outputs, minibatch, ctx) -> (loss_sum, stats)", callable,
+                      show=lambda v: type(v).__name__)
+_group = satisfies("must be an integer >= 1",
+                   lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
 
 
 @attrs.frozen
@@ -52,7 +41,7 @@ class Objective:
     """A loss and what grad_step needs to run it (module doc)."""
 
     loss_fn: Callable = attrs.field(validator=_callable)
-    normalizer: str = attrs.field(default="tokens", validator=_one_of(NORMALIZERS))
+    normalizer: str = attrs.field(default="tokens", validator=one_of(*NORMALIZERS))
     require: tuple[str, ...] = attrs.field(default=(K.LOSS_MASK,), converter=tuple)
     why: dict = attrs.field(factory=dict, converter=lambda v: dict(v or {}), eq=False)
     group_size: int = attrs.field(default=1, validator=_group)

@@ -7,14 +7,14 @@ rule and the value (``timeout_s: must be a number > 0, got 0.0``).
 
 from __future__ import annotations
 
-import os
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 import attrs
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import int_to_float, one_of, satisfies, to_path
 from fsdpfn.wire.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES
 
 __all__ = ["PushConfig", "Transport", "TRANSPORTS", "BACKENDS", "PAUSE_MODES"]
@@ -27,24 +27,10 @@ BACKENDS = (None, "gloo", "nccl")
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 
 
-def _fail(field: str, rule: str, value: Any):
-    raise ConfigError(f"{field}: {rule}, got {value!r}")
-
-
-def _transport(_, attribute, value) -> None:
-    if value not in TRANSPORTS:
-        _fail(attribute.name, "must be 'broadcast', 'disk' or 'ipc'", value)
-
-
-def _backend(_, attribute, value) -> None:
-    if value not in BACKENDS:
-        _fail(attribute.name, "must be None, 'gloo' or 'nccl'", value)
-
-
-def _pause_mode(_, attribute, value) -> None:
-    if value not in PAUSE_MODES:
-        _fail(attribute.name, f"must be one of {PAUSE_MODES} (SGLang's /pause_generation modes)",
-              value)
+_transport = one_of(*TRANSPORTS, rule="must be 'broadcast', 'disk' or 'ipc'")
+_backend = one_of(*BACKENDS, rule="must be None, 'gloo' or 'nccl'")
+_pause_mode = one_of(*PAUSE_MODES,
+                     rule=f"must be one of {PAUSE_MODES} (SGLang's /pause_generation modes)")
 
 
 def _dtype(_, attribute, value) -> None:
@@ -58,38 +44,21 @@ def _dtype(_, attribute, value) -> None:
         raise ConfigError(f"{attribute.name}: {exc}") from None
 
 
-def _positive_seconds(_, attribute, value) -> None:
-    if not isinstance(value, (int, float)) or not value > 0:
-        _fail(attribute.name, "must be a number > 0", value)
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _int_at_least_1(*, optional: bool = False):
-    def check(_, attribute, value) -> None:
-        if optional and value is None:
-            return
-        if not isinstance(value, int) or value < 1:
-            _fail(attribute.name, f"must be {'None or ' if optional else ''}an int >= 1", value)
-    return check
+def _int_at_least_1(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _probe_tol(_, attribute, value) -> None:
-    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                              or not value >= 0):
-        _fail(attribute.name, "must be None or a number >= 0", value)
-
-
-def _to_float(value):
-    # ints are accepted where seconds are meant; anything else is left to the validator
-    return float(value) if isinstance(value, (int, float)) else value
-
-
-def _path(_, attribute, value) -> None:
-    if value is not None and not isinstance(value, Path):
-        _fail(attribute.name, "must be None or a directory path (str or os.PathLike)", value)
-
-
-def _to_path(value):
-    return Path(value) if isinstance(value, (str, os.PathLike)) else value
+_positive_seconds = satisfies("must be a number > 0", lambda v: _real(v) and v > 0)
+_count = satisfies("must be an int >= 1", _int_at_least_1)
+_opt_count = satisfies("must be None or an int >= 1", _int_at_least_1, optional=True)
+_probe_tol = satisfies("must be None or a number >= 0",
+                       lambda v: _real(v) and v >= 0, optional=True)
+_path = satisfies("must be None or a directory path (str or os.PathLike)",
+                  lambda v: isinstance(v, Path), optional=True)
 
 
 @attrs.frozen
@@ -121,23 +90,23 @@ class PushConfig:
 
     transport: Transport = attrs.field(default="broadcast", validator=_transport)
     dtype: str | None = attrs.field(default=None, validator=_dtype)
-    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=_int_at_least_1())
+    bucket_bytes: int = attrs.field(default=DEFAULT_BUCKET_BYTES, validator=_count)
     backend: str | None = attrs.field(default=None, validator=_backend)
-    timeout_s: float = attrs.field(default=300.0, converter=_to_float,
+    timeout_s: float = attrs.field(default=300.0, converter=int_to_float,
                                    validator=_positive_seconds)
-    init_timeout_s: float = attrs.field(default=120.0, converter=_to_float,
+    init_timeout_s: float = attrs.field(default=120.0, converter=int_to_float,
                                         validator=_positive_seconds)
     pause_generation: bool = True
     flush_cache: bool = True
     precheck: bool = True
-    disk_root: Path | None = attrs.field(default=None, converter=_to_path, validator=_path)
-    keep_last: int = attrs.field(default=2, validator=_int_at_least_1())
+    disk_root: Path | None = attrs.field(default=None, converter=to_path, validator=_path)
+    keep_last: int = attrs.field(default=2, validator=_count)
     master_address: str | None = None
     master_port: int | None = None
     group_name: str | None = None
     on_bucket: Callable[[int, int], None] | None = None
     edge_bucket_bytes: int | None = attrs.field(default=DEFAULT_EDGE_BYTES,
-                                                validator=_int_at_least_1(optional=True))
+                                                validator=_opt_count)
     pause_mode: str = attrs.field(default="abort", validator=_pause_mode)
     probe_tol: float | None = attrs.field(default=None, validator=_probe_tol)
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import attrs
 
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
-                           ParallelStrategy, PPOConfig, RWConfig, SFTConfig, _bool, _float,
-                           _float_conv, _int, _one_of)
+                           ParallelStrategy, PPOConfig, RWConfig, SFTConfig)
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import (boolean, integer, is_nonempty_str, number, one_of, satisfies,
+                               to_float, to_opt_float)
 from fsdpfn.app.recipes.data import DataConfig
 from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
 from fsdpfn.app.recipes.model import ModelConfig
@@ -31,15 +32,11 @@ __all__ = ["ModelConfig", "DataConfig", "RewardConfig", "LaunchConfig", "Rollout
 
 
 def _recipe_name(name: str):
-    def check(_, attribute, value):
-        if value != name:
-            raise ConfigError(f"recipe: must be {name!r} for this config class, got {value!r}")
-    return check
+    return satisfies(f"must be {name!r} for this config class", lambda v: v == name)
 
 
-def _path(_, attribute, value):
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{attribute.name}: must be a non-empty path string, got {value!r}")
+_path = satisfies("must be a non-empty path string", is_nonempty_str)
+_opt_str = satisfies("must be null or a non-empty string", is_nonempty_str, optional=True)
 
 
 def _gpus(value):
@@ -52,13 +49,13 @@ def _gpus(value):
     return tuple(value)
 
 
-def _gpu_list(_, attribute, value):
-    if value is None:
-        return
-    if not value or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                            for v in value) or len(set(value)) != len(value):
-        raise ConfigError(f"{attribute.name}: must be null or a list of distinct GPU indices "
-                          f">= 0, got {list(value)!r}")
+def _distinct_indices(value) -> bool:
+    return bool(value) and len(set(value)) == len(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+_gpu_list = satisfies("must be null or a list of distinct GPU indices >= 0", _distinct_indices,
+                      optional=True, show=lambda v: repr(list(v)))
 
 
 @attrs.frozen
@@ -69,17 +66,12 @@ class LaunchConfig:
     GPU; null: every GPU the rollout server does not use, or GPU 0 when there is only one).
     ``nproc: null``: one rank per trainer GPU on CUDA, 2 on CPU."""
 
-    nproc: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
-    threads_per_rank: int = attrs.field(default=1, validator=_int(1))
-    device: str = attrs.field(default="auto", validator=_one_of("cpu", "cuda", "auto"))
+    nproc: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+    threads_per_rank: int = attrs.field(default=1, validator=integer(1))
+    device: str = attrs.field(default="auto", validator=one_of("cpu", "cuda", "auto"))
     gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
                                                validator=_gpu_list)
-    master_port: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
-
-
-def _opt_str(_, attribute, value):
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"{attribute.name}: must be null or a non-empty string, got {value!r}")
+    master_port: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
 
 
 @attrs.frozen
@@ -101,38 +93,49 @@ class RolloutConfig:
     longer than ``max_episode_tokens`` (null: the model's max_position_embeddings) is dropped
     and counted."""
 
-    url: str | None = attrs.field(default=None)
+    url: str | None = attrs.field(default=None, validator=satisfies(
+        "must be None or 'http://host:port'",
+        lambda v: isinstance(v, str) and v.startswith(("http://", "https://")), optional=True))
     transport: str = attrs.field(default="auto",
-                                 validator=_one_of("auto", "broadcast", "ipc", "disk"))
-    threads: int = attrs.field(default=1, validator=_int(1))
-    device: str = attrs.field(default="auto", validator=_one_of("auto", "cpu", "cuda"))
+                                 validator=one_of("auto", "broadcast", "ipc", "disk"))
+    threads: int = attrs.field(default=1, validator=integer(1))
+    device: str = attrs.field(default="auto", validator=one_of("auto", "cpu", "cuda"))
     gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
                                                validator=_gpu_list)
-    temperature: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0))
-    top_p: float = attrs.field(default=1.0, converter=_float_conv, validator=_float(gt=0, le=1))
-    timeout_s: float = attrs.field(default=120.0, converter=_float_conv, validator=_float(gt=0))
-    health_timeout_s: float = attrs.field(default=300.0, converter=_float_conv,
-                                          validator=_float(gt=0))
-    max_staleness: int = attrs.field(default=0, validator=_int(0))
+    temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
+    top_p: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0, le=1))
+    timeout_s: float = attrs.field(default=120.0, converter=to_float, validator=number(gt=0))
+    health_timeout_s: float = attrs.field(default=300.0, converter=to_float,
+                                          validator=number(gt=0))
+    max_staleness: int = attrs.field(default=0, validator=integer(0))
     workflow: str | None = attrs.field(default=None, validator=_opt_str)
-    workflow_timeout_s: float = attrs.field(default=600.0, converter=_float_conv,
-                                            validator=_float(gt=0))
-    max_episode_tokens: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
-
-    @url.validator
-    def _check_url(self, attribute, value):
-        if value is not None and (not isinstance(value, str)
-                                  or not value.startswith(("http://", "https://"))):
-            raise ConfigError(f"url: must be None or 'http://host:port', got {value!r}")
+    workflow_timeout_s: float = attrs.field(default=600.0, converter=to_float,
+                                            validator=number(gt=0))
+    max_episode_tokens: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
 
 
 @attrs.frozen
 class CheckpointConfig:
     """Save every ``every`` steps (0: only at the end) into run_dir/checkpoints/step_N, keeping
-    the ``keep_last`` newest. A clean stop (Ctrl-C) also saves the last finished step."""
+    the ``keep_last`` newest. A clean stop (Ctrl-C) also saves the last finished step.
 
-    every: int = attrs.field(default=10, validator=_int(0))
-    keep_last: int = attrs.field(default=2, validator=_int(1))
+    ``async_save``: a periodic save copies the state's shards to host memory and training goes
+    on while a background thread writes and publishes them; at most one save is in flight (the
+    next save, the end of the run and a clean stop wait for it, and the end-of-run save is
+    written directly). The checkpoint holds exactly the state of its step, as a synchronous save
+    would, and a crash mid-write leaves the previous checkpoint as the one ``--resume`` reads.
+    Cost: host memory for one copy of each rank's shards (fp32 weights and Adam moments, about
+    12 bytes per parameter divided by the dp x tp x cp ranks, times the ranks on the host)
+    while the save runs; a save whose copy exceeds half the host's available memory is written
+    synchronously instead, with a log line. Turn it off when host memory is needed elsewhere
+    (CPU-offloaded optimizer state, data in memory) or to time steps with their saves.
+    Metrics: ``checkpoint_seconds`` (what the step was blocked), ``checkpoint_copy_bytes``,
+    and on the row where a save has published, ``checkpoint`` and ``checkpoint_write_seconds``
+    (from its start to its publication)."""
+
+    every: int = attrs.field(default=10, validator=integer(0))
+    keep_last: int = attrs.field(default=2, validator=integer(1))
+    async_save: bool = attrs.field(default=True, validator=boolean)
 
 
 @attrs.frozen
@@ -144,7 +147,7 @@ class WandbConfig:
 
     project: str = attrs.field(default="fsdpfn", validator=_path)
     name: str | None = attrs.field(default=None, validator=_opt_str)
-    mode: str = attrs.field(default="online", validator=_one_of("online", "offline", "disabled"))
+    mode: str = attrs.field(default="online", validator=one_of("online", "offline", "disabled"))
 
 
 @attrs.frozen
@@ -154,10 +157,10 @@ class LogConfig:
     files in run_dir/tensorboard with ``tensorboard: true`` (needs the tensorboard package),
     and Weights & Biases with ``wandb: {project, name, mode}`` (needs the wandb package)."""
 
-    progress: bool = attrs.field(default=True, validator=_bool)
-    every: int = attrs.field(default=1, validator=_int(1))
-    plot: bool = attrs.field(default=True, validator=_bool)
-    tensorboard: bool = attrs.field(default=False, validator=_bool)
+    progress: bool = attrs.field(default=True, validator=boolean)
+    every: int = attrs.field(default=1, validator=integer(1))
+    plot: bool = attrs.field(default=True, validator=boolean)
+    tensorboard: bool = attrs.field(default=False, validator=boolean)
     wandb: WandbConfig | None = attrs.field(default=None)
 
 
@@ -169,12 +172,11 @@ class WarmupConfig:
     exp(Σ logp of its tokens), checked every ``check_every`` steps) reaches ``target_reward``
     (None: never early). steps=0 skips it."""
 
-    steps: int | None = attrs.field(default=None, validator=_int(0, allow=(None,)))
-    batch_size: int = attrs.field(default=128, validator=_int(1))
-    target_reward: float | None = attrs.field(default=0.35, converter=lambda v: None if v is None
-                                              else _float_conv(v),
-                                              validator=_float(gt=0, le=1, optional=True))
-    check_every: int = attrs.field(default=10, validator=_int(1))
+    steps: int | None = attrs.field(default=None, validator=integer(0, allow=(None,)))
+    batch_size: int = attrs.field(default=128, validator=integer(1))
+    target_reward: float | None = attrs.field(default=0.35, converter=to_opt_float,
+                                              validator=number(gt=0, le=1, optional=True))
+    check_every: int = attrs.field(default=10, validator=integer(1))
     optimizer: OptimizerConfig = attrs.field(
         factory=lambda: OptimizerConfig(lr=2e-3, warmup_steps=50))
 
@@ -183,8 +185,8 @@ class WarmupConfig:
 class EvalConfig:
     """Greedy accuracy on ``n_prompts`` held-out problems every ``every`` steps (0: off)."""
 
-    every: int = attrs.field(default=0, validator=_int(0))
-    n_prompts: int = attrs.field(default=128, validator=_int(1))
+    every: int = attrs.field(default=0, validator=integer(0))
+    n_prompts: int = attrs.field(default=128, validator=integer(1))
 
 
 def _check_rl_data(cfg) -> None:
@@ -224,9 +226,9 @@ class GRPORecipe:
 
     recipe: str = attrs.field(default="grpo", validator=_recipe_name("grpo"))
     run_dir: str = attrs.field(default="runs/grpo", validator=_path)
-    seed: int = attrs.field(default=0, validator=_int(0))
-    steps: int = attrs.field(default=80, validator=_int(1))
-    prompts_per_step: int = attrs.field(default=64, validator=_int(1))
+    seed: int = attrs.field(default=0, validator=integer(0))
+    steps: int = attrs.field(default=80, validator=integer(1))
+    prompts_per_step: int = attrs.field(default=64, validator=integer(1))
     task: AdditionTask = attrs.field(factory=AdditionTask)
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
@@ -270,9 +272,9 @@ class PPORecipe:
 
     recipe: str = attrs.field(default="ppo", validator=_recipe_name("ppo"))
     run_dir: str = attrs.field(default="runs/ppo", validator=_path)
-    seed: int = attrs.field(default=0, validator=_int(0))
-    steps: int = attrs.field(default=20, validator=_int(1))
-    prompts_per_step: int = attrs.field(default=128, validator=_int(1))
+    seed: int = attrs.field(default=0, validator=integer(0))
+    steps: int = attrs.field(default=20, validator=integer(1))
+    prompts_per_step: int = attrs.field(default=128, validator=integer(1))
     task: AdditionTask = attrs.field(factory=AdditionTask)
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
@@ -315,11 +317,11 @@ class SFTRecipe:
 
     recipe: str = attrs.field(default="sft", validator=_recipe_name("sft"))
     run_dir: str = attrs.field(default="runs/sft", validator=_path)
-    seed: int = attrs.field(default=0, validator=_int(0))
-    steps: int = attrs.field(default=100, validator=_int(1))
-    batch_size: int = attrs.field(default=64, validator=_int(1))
-    eval_every: int = attrs.field(default=20, validator=_int(0))
-    export: bool = attrs.field(default=True, validator=_bool)
+    seed: int = attrs.field(default=0, validator=integer(0))
+    steps: int = attrs.field(default=100, validator=integer(1))
+    batch_size: int = attrs.field(default=64, validator=integer(1))
+    eval_every: int = attrs.field(default=20, validator=integer(0))
+    export: bool = attrs.field(default=True, validator=boolean)
     task: AdditionTask = attrs.field(factory=AdditionTask)
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
@@ -342,9 +344,9 @@ class RWRecipe:
 
     recipe: str = attrs.field(default="rw", validator=_recipe_name("rw"))
     run_dir: str = attrs.field(default="runs/rw", validator=_path)
-    seed: int = attrs.field(default=0, validator=_int(0))
-    steps: int = attrs.field(default=60, validator=_int(1))
-    pairs_per_step: int = attrs.field(default=32, validator=_int(1))
+    seed: int = attrs.field(default=0, validator=integer(0))
+    steps: int = attrs.field(default=60, validator=integer(1))
+    pairs_per_step: int = attrs.field(default=32, validator=integer(1))
     task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
@@ -368,9 +370,9 @@ class DPORecipe:
 
     recipe: str = attrs.field(default="dpo", validator=_recipe_name("dpo"))
     run_dir: str = attrs.field(default="runs/dpo", validator=_path)
-    seed: int = attrs.field(default=0, validator=_int(0))
-    steps: int = attrs.field(default=60, validator=_int(1))
-    pairs_per_step: int = attrs.field(default=32, validator=_int(1))
+    seed: int = attrs.field(default=0, validator=integer(0))
+    steps: int = attrs.field(default=60, validator=integer(1))
+    pairs_per_step: int = attrs.field(default=32, validator=integer(1))
     task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
     model: ModelConfig = attrs.field(factory=ModelConfig)
     data: DataConfig = attrs.field(factory=DataConfig)

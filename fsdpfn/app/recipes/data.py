@@ -38,7 +38,7 @@ from pathlib import Path
 
 import attrs
 
-from fsdpfn.config import _bool, _int
+from fsdpfn.validators import boolean, fail, integer, is_nonempty_str, satisfies
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.data_rows import check_rows, read_rows
 
@@ -59,12 +59,10 @@ def _files(value):
 def _file_list(_, attribute, value):
     for v in value:
         if not isinstance(v, str) or not v:
-            raise ConfigError(f"data.{attribute.name}: must be a list of file paths, got {v!r}")
+            fail(f"data.{attribute.name}", "must be a list of file paths", v)
 
 
-def _key(_, attribute, value):
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"data.{attribute.name}: must be a column name, got {value!r}")
+_key = satisfies("must be a column name", is_nonempty_str, section="data.")
 
 
 @attrs.frozen
@@ -79,12 +77,12 @@ class DataConfig:
     response_key: str = attrs.field(default="response", validator=_key)
     chosen_key: str = attrs.field(default="chosen", validator=_key)
     rejected_key: str = attrs.field(default="rejected", validator=_key)
-    chat_template: bool = attrs.field(default=False, validator=_bool)
+    chat_template: bool = attrs.field(default=False, validator=boolean)
     system_prompt: str | None = attrs.field(default=None)
-    max_prompt_tokens: int = attrs.field(default=1024, validator=_int(1))
-    max_response_tokens: int = attrs.field(default=1024, validator=_int(1))
-    shuffle: bool = attrs.field(default=True, validator=_bool)
-    eval_size: int | None = attrs.field(default=None, validator=_int(1, allow=(None,)))
+    max_prompt_tokens: int = attrs.field(default=1024, validator=integer(1))
+    max_response_tokens: int = attrs.field(default=1024, validator=integer(1))
+    shuffle: bool = attrs.field(default=True, validator=boolean)
+    eval_size: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
 
     @property
     def from_files(self) -> bool:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import attrs
 
-from fsdpfn.config import EngineConfig, _one_of
+from fsdpfn.config import EngineConfig
+from fsdpfn.validators import one_of
 from fsdpfn.errors import ConfigError
 
 __all__ = ["EngineSection", "OWNED", "MOVED", "resolve_section", "build_engine",
@@ -52,7 +53,7 @@ def _section_fields() -> dict:
             continue
         if a.name == "dtype":  # the recipe resolves auto by device (placement.resolve_dtype)
             out[a.name] = attrs.field(default="auto", type=str,
-                                      validator=_one_of("auto", "bfloat16", "float32"))
+                                      validator=one_of("auto", "bfloat16", "float32"))
             continue
         default = attrs.Factory(a.default.factory) if isinstance(a.default, attrs.Factory) \
             else a.default

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from fsdpfn.config import _bool, _int
+from fsdpfn.validators import boolean, integer, is_nonempty_str, satisfies
 from fsdpfn.errors import ConfigError
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
@@ -37,10 +37,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "char_vocab.json")
 
 
-def _opt_path(_, attribute, value):
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"model.{attribute.name}: must be null or a directory path, got "
-                          f"{value!r}")
+_opt_path = satisfies("must be null or a directory path", is_nonempty_str, optional=True,
+                      section="model.")
 
 
 @attrs.frozen
@@ -51,13 +49,13 @@ class ModelConfig:
     directory then needs no weights. The size fields apply to the embedded model only."""
 
     path: str | None = attrs.field(default=None, validator=_opt_path)
-    random_init: bool = attrs.field(default=False, validator=_bool)
-    hidden_size: int = attrs.field(default=128, validator=_int(8))
-    intermediate_size: int = attrs.field(default=256, validator=_int(8))
-    num_layers: int = attrs.field(default=2, validator=_int(1))
-    num_heads: int = attrs.field(default=8, validator=_int(1))
-    num_kv_heads: int = attrs.field(default=4, validator=_int(1))
-    seed: int = attrs.field(default=0, validator=_int(0))
+    random_init: bool = attrs.field(default=False, validator=boolean)
+    hidden_size: int = attrs.field(default=128, validator=integer(8))
+    intermediate_size: int = attrs.field(default=256, validator=integer(8))
+    num_layers: int = attrs.field(default=2, validator=integer(1))
+    num_heads: int = attrs.field(default=8, validator=integer(1))
+    num_kv_heads: int = attrs.field(default=4, validator=integer(1))
+    seed: int = attrs.field(default=0, validator=integer(0))
 
     @property
     def embedded(self) -> bool:

@@ -60,7 +60,7 @@ from typing import Any, Callable
 
 import attrs
 
-from fsdpfn.config import _bool, _float, _float_conv, _int
+from fsdpfn.validators import boolean, integer, number, satisfies, to_float
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import _reward_worker as W
 
@@ -76,18 +76,17 @@ _CLIP = 200
 # ---------------------------------------------------------------- config and loading
 
 
-def _spec(_, attribute, value):
-    if value is None:
-        return
+def _is_spec(value) -> bool:
     try:
         W.split_spec(value)
     except W.SpecError:
-        raise ConfigError(f"{attribute.name}: {W.FORMAT_RULE} (or None), got {value!r}") from None
+        return False
+    return True
 
 
-def _kwargs(_, attribute, value):
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(f"{attribute.name}: must be a mapping with string keys, got {value!r}")
+_spec = satisfies(f"{W.FORMAT_RULE} (or None)", _is_spec, optional=True)
+_kwargs = satisfies("must be a mapping with string keys",
+                    lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v))
 
 
 @attrs.frozen
@@ -98,10 +97,10 @@ class RewardConfig:
     scores ``on_error``. ``kwargs`` are passed to the function."""
 
     fn: str | None = attrs.field(default="fsdpfn.app.recipes.rewards:math", validator=_spec)
-    batched: bool = attrs.field(default=False, validator=_bool)
-    workers: int = attrs.field(default=4, validator=_int(0))
-    timeout_s: float = attrs.field(default=10.0, converter=_float_conv, validator=_float(gt=0))
-    on_error: float = attrs.field(default=0.0, converter=_float_conv, validator=_float())
+    batched: bool = attrs.field(default=False, validator=boolean)
+    workers: int = attrs.field(default=4, validator=integer(0))
+    timeout_s: float = attrs.field(default=10.0, converter=to_float, validator=number(gt=0))
+    on_error: float = attrs.field(default=0.0, converter=to_float, validator=number())
     kwargs: dict = attrs.field(factory=dict, validator=_kwargs, hash=False)
 
 

@@ -21,7 +21,7 @@ import attrs
 from typing import TYPE_CHECKING
 
 from fsdpfn import keys as K
-from fsdpfn.config import _bool, _int
+from fsdpfn.validators import boolean, integer
 from fsdpfn.app.recipes.model import CharTokenizer, ModelConfig
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ class AdditionTask:
     least-significant digit first (37+48= -> "58"), ``zero_pad`` writes the operands with
     ``digits`` digits (07+48=). The reward always checks the number the answer denotes."""
 
-    digits: int = attrs.field(default=2, validator=_int(1))
-    reverse: bool = attrs.field(default=False, validator=_bool)
-    zero_pad: bool = attrs.field(default=False, validator=_bool)
+    digits: int = attrs.field(default=2, validator=integer(1))
+    reverse: bool = attrs.field(default=False, validator=boolean)
+    zero_pad: bool = attrs.field(default=False, validator=boolean)
 
     def prompt(self, a: int, b: int) -> str:
         """``"a+b="``; with ``zero_pad`` the operands have ``digits`` digits (07+48=)."""

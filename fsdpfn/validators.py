@@ -1,0 +1,126 @@
+"""The attrs validators and converters every config uses.
+
+A validator refuses a value with a ConfigError naming the field, the rule and the value
+(``lr: must be > 0, got -1.0``); fsdpfn.serde prefixes the dotted path of a nested field
+(``optimizer.lr: ...``). A config's own rule is written with ``satisfies`` (its rule text and
+the test it applies), the common ones are the factories below:
+
+    lr: float = attrs.field(default=1e-5, converter=to_float, validator=number(gt=0))
+    dp: int = attrs.field(default=-1, validator=integer(1, allow=(-1,)))
+    algo: str = attrs.field(default="lpt", validator=one_of("lpt", "kk", "ffd"))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+from fsdpfn.errors import ConfigError
+
+__all__ = ["fail", "is_number", "is_nonempty_str", "satisfies", "integer", "number", "one_of", "boolean",
+           "str_tuple", "to_tuple", "to_float", "to_opt_float", "int_to_float", "to_path"]
+
+
+def fail(name: str, rule: str, value: Any, *, shown: str | None = None) -> NoReturn:
+    """Raise the ConfigError every validator raises: ``{name}: {rule}, got {value!r}``
+    (``shown``: the text printed in place of the value's repr)."""
+    raise ConfigError(f"{name}: {rule}, got {repr(value) if shown is None else shown}")
+
+
+def is_number(value) -> bool:
+    """A finite int or float (a bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_nonempty_str(value) -> bool:
+    """A str with at least one character."""
+    return isinstance(value, str) and bool(value)
+
+
+def satisfies(rule: str, ok: Callable[[Any], bool], *, optional: bool = False,
+              section: str = "", show: Callable[[Any], Any] | None = None):
+    """A validator refusing any value for which ``ok(value)`` is false, with ``rule`` as the
+    message's rule. ``optional``: None passes; ``section``: a prefix of the field's name
+    (``"data."``) for configs built outside fsdpfn.serde; ``show``: what the message prints in
+    place of the value (``type(v).__name__`` for a callable)."""
+    def check(_, attribute, value):
+        if optional and value is None:
+            return
+        if not ok(value):
+            fail(section + attribute.name, rule, value,
+                 shown=None if show is None else str(show(value)))
+    return check
+
+
+def integer(lo: int | None = None, *, allow: tuple = ()):
+    """An int (not a bool) >= ``lo``; the values in ``allow`` (None, -1, ...) pass as they are."""
+    def check(_, attribute, value):
+        if value in allow and (value is None or isinstance(value, int)):
+            return
+        if not isinstance(value, int) or isinstance(value, bool):
+            fail(attribute.name, "must be an integer", value)
+        if lo is not None and value < lo:
+            fail(attribute.name, f"must be >= {lo}", value)
+    return check
+
+
+def number(*, gt=None, ge=None, lt=None, le=None, optional: bool = False):
+    """A finite number within the bounds given; ``optional``: None passes."""
+    bounds = ((gt, ">", lambda v, b: v > b), (ge, ">=", lambda v, b: v >= b),
+              (lt, "<", lambda v, b: v < b), (le, "<=", lambda v, b: v <= b))
+
+    def check(_, attribute, value):
+        if value is None and optional:
+            return
+        if not is_number(value):
+            fail(attribute.name, "must be a finite number", value)
+        for bound, sign, holds in bounds:
+            if bound is not None and not holds(value, bound):
+                fail(attribute.name, f"must be {sign} {bound}", value)
+    return check
+
+
+def one_of(*choices, rule: str | None = None):
+    """One of ``choices``; ``rule``: the message's rule when the list is not the clearest one."""
+    return satisfies(rule or f"must be one of {list(choices)}", lambda v: v in choices)
+
+
+boolean = satisfies("must be a bool", lambda v: isinstance(v, bool))
+str_tuple = satisfies("must be a list of non-empty strings",
+                      lambda v: isinstance(v, tuple) and all(isinstance(s, str) and s for s in v),
+                      optional=True)
+
+
+def to_tuple(value):
+    """A list as a tuple (YAML and JSON give lists); anything else is left to the validator."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def to_float(value):
+    """A number read from YAML as a float: YAML 1.1 reads ``1e-6`` as a string, and ints are
+    accepted where floats are meant; anything else is left to the validator."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return int_to_float(value)
+
+
+def to_opt_float(value):
+    """``to_float``, None kept."""
+    return None if value is None else to_float(value)
+
+
+def int_to_float(value):
+    """An int (not a bool) as a float, for Python callers; strings are left to the validator."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def to_path(value):
+    """A str or os.PathLike as a pathlib.Path; anything else is left to the validator."""
+    return Path(value) if isinstance(value, (str, os.PathLike)) else value
