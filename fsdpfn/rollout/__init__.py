@@ -9,12 +9,15 @@ public batch) and takes weight updates on SGLang's endpoints
 
 ``RolloutEngine`` is the server without HTTP; ``build_app(engine)`` the FastAPI app;
 ``launch_server`` / ``RolloutProcess`` start one as a subprocess (tests, examples);
-``generate(url, prompts, ...)`` samples from one (n per prompt, ids and behav_logp).
+``generate(url, prompts, ...)`` samples from one (n per prompt, ids and behav_logp);
+``generate_balanced(urls or Balancer, prompts, ...)`` from several, each prompt's samples from
+the least loaded server (fsdpfn.rollout.balance).
 """
 
+from fsdpfn.rollout.balance import Balancer, generate_balanced
 from fsdpfn.rollout.client import generate
 from fsdpfn.rollout.engine import RolloutEngine, SamplingParams, UpdateError
 from fsdpfn.rollout.process import RolloutProcess, launch_server
 
 __all__ = ["RolloutEngine", "SamplingParams", "UpdateError", "RolloutProcess", "launch_server",
-           "generate"]
+           "generate", "generate_balanced", "Balancer"]

@@ -22,8 +22,10 @@ With ``max_staleness=0`` a step's groups are sent only after the previous step's
 synchronous loop. In order of data also means a resumed run's data cursor is a prefix: the groups
 handed out, no more (groups in flight at a stop are generated again).
 
-Servers. ``urls`` may name several servers: each request goes to the one with the fewest rows in
-flight; the samples of one prompt (a group) always share one request, so one server. A server's
+Servers. ``urls`` may name several servers: the groups admitted together are cut by load
+(fsdpfn.rollout.balance, the rule the recipes' synchronous stage follows too): contiguous runs,
+one request per server at most, the least loaded servers (outstanding requested tokens) filled
+first; the samples of one prompt (a group) always share one request, so one server. A server's
 in-flight requests continue across a weight update when the trainer does not pause generation
 (``PushConfig(pause_generation=False)``): the server's decode loop swaps the weights between two
 decode steps and tags every token with the version that produced it.
@@ -39,6 +41,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.rollout.balance import Balancer, group_work
 from fsdpfn.rollout.client import generate
 
 __all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
@@ -116,6 +119,7 @@ class RolloutStream:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ConfigError("urls: must name at least one rollout server, got []")
+        self.balancer = Balancer(self.urls)  # outstanding work per server (balance.py)
         self.prompt_at, self.score, self.sampling, self.seed = prompt_at, score, sampling, seed
         self.runner, self.token_items = runner or self._generate, runner is None
         self.G, self.B, self.N = group_size, groups_per_step, max_staleness
@@ -123,7 +127,6 @@ class RolloutStream:
         self.version, self.advances = int(version), 0
         self.cond = threading.Condition()
         self.finished: dict[int, Group] = {}
-        self.rows_in_flight = {u: 0 for u in self.urls}
         self.error: BaseException | None = None
         self.ended_at: int | None = None  # first index with no prompt
         self.closed = False
@@ -223,10 +226,10 @@ class RolloutStream:
                 if self.ended_at is not None:
                     self.cond.notify_all()  # a trainer waiting past the end hears it now
                 self.next_index = first + len(prompts)
-                admitted, url = self.advances, self._least_loaded()
-                self.rows_in_flight[url] += len(prompts) * self.G
-            if prompts:
-                self.pool.submit(self._request, url, first, prompts, admitted)
+                admitted = self.advances
+            for url, start, stop, work in self._plan(prompts):
+                self.pool.submit(self._request, url, first + start, prompts[start:stop],
+                                 admitted, work)
 
     def _prompts(self, first: int, count: int) -> list:
         """Up to ``count`` prompts from ``first``; marks the end of the data (lock held)."""
@@ -242,8 +245,12 @@ class RolloutStream:
             out.append([int(t) for t in ids] if self.token_items else ids)
         return out
 
-    def _least_loaded(self) -> str:
-        return min(self.urls, key=lambda u: self.rows_in_flight[u])
+    def _plan(self, prompts: list) -> list:
+        """The admitted groups cut by load over the servers: (url, start, stop, work) runs."""
+        if not prompts:
+            return []
+        limit = self.sampling.get("max_new_tokens", 128) if self.token_items else None
+        return self.balancer.plan([group_work(p, self.G, limit) for p in prompts])
 
     # ------------------------------------------------------------ requests
 
@@ -253,7 +260,8 @@ class RolloutStream:
         answer = generate(url, prompts, n=self.G, seed=seed, **self.sampling)
         return [answer["outputs"][i * self.G:(i + 1) * self.G] for i in range(len(prompts))]
 
-    def _request(self, url: str, first: int, prompts: list, admitted: int) -> None:
+    def _request(self, url: str, first: int, prompts: list, admitted: int,
+                 work: float) -> None:
         try:
             outputs = self.runner(url, first, prompts)
             groups = [Group(first + i, prompts[i], outputs[i], url, admitted)
@@ -263,6 +271,7 @@ class RolloutStream:
                     scores = self.score(groups)
                 groups = [attrs.evolve(g, score=s) for g, s in zip(groups, scores)]
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer by next_batch
+            self.balancer.done(url, work)
             error = exc if isinstance(exc, (WeightSyncError, ConfigError)) else WeightSyncError(
                 f"rollout stream: request for prompts {first}..{first + len(prompts) - 1} to "
                 f"{url} failed: {type(exc).__name__}: {exc}")
@@ -270,8 +279,8 @@ class RolloutStream:
                 self.error = self.error or error
                 self.cond.notify_all()
             return
+        self.balancer.done(url, work)
         with self.cond:
-            self.rows_in_flight[url] -= len(prompts) * self.G
             for g in groups:
                 self.finished[g.index] = g
             self.cond.notify_all()
