@@ -18,8 +18,8 @@ import attrs
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
                            ParallelStrategy, PPOConfig, RWConfig, SFTConfig)
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (boolean, integer, is_nonempty_str, number, one_of, satisfies,
-                               to_float, to_opt_float)
+from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, number, one_of,
+                               satisfies, to_float, to_opt_float)
 from fsdpfn.app.recipes.data import DataConfig
 from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
 from fsdpfn.app.recipes.model import ModelConfig
@@ -74,6 +74,16 @@ class LaunchConfig:
     master_port: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
 
 
+def _urls(value):
+    """rollout.url as one string: a list of URLs (YAML) is kept comma-separated, each stripped
+    of spaces and a trailing slash; anything else is left to the validator."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
+    if isinstance(value, str):
+        return ",".join(v.strip().rstrip("/") for v in value.split(","))
+    return list(value) if isinstance(value, tuple) else value
+
+
 @attrs.frozen
 class RolloutConfig:
     """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
@@ -82,7 +92,16 @@ class RolloutConfig:
     ``transport`` ("broadcast": a gloo/NCCL group; "ipc": CUDA IPC handles, for a server on
     trainer rank 0's GPU; "disk": safetensors under run_dir/push; "auto": broadcast, or ipc
     when trainer and server share a GPU, where NCCL cannot connect two processes). ``device:
-    auto`` follows the trainer; ``gpus``: the server's GPU (null: the host's last GPU).
+    auto`` follows the trainer; ``gpus``: the servers' GPUs, one server per GPU listed (null:
+    the host's last ``servers`` GPUs; the trainer takes the GPUs no server uses).
+
+    Several servers: ``gpus: [4, 5, 6, 7]`` starts four (the 8-GPU shape of 4 trainer GPUs and
+    4 serving), ``servers: N`` starts N (on the CPU, or on the host's last N GPUs; default
+    len(gpus), or 1), and ``url`` may list external servers (a YAML list, or comma-separated).
+    Each group of answers goes to one server, the least loaded (fsdpfn.rollout.balance), and
+    every push reaches all of them through one update group (their versions and checksums must
+    agree). Several servers need GPUs of their own: none may be a trainer GPU (so ``transport:
+    ipc``, which shares rank 0's GPU, is for one server).
 
     ``max_staleness``: 0 is the synchronous loop (generate, then train, then push); N >= 1 lets
     generation run up to N steps ahead of training (fsdpfn.rollout.stream: no trained sample is
@@ -93,9 +112,8 @@ class RolloutConfig:
     longer than ``max_episode_tokens`` (null: the model's max_position_embeddings) is dropped
     and counted."""
 
-    url: str | None = attrs.field(default=None, validator=satisfies(
-        "must be None or 'http://host:port'",
-        lambda v: isinstance(v, str) and v.startswith(("http://", "https://")), optional=True))
+    url: str | None = attrs.field(default=None, converter=_urls)
+    servers: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
     transport: str = attrs.field(default="auto",
                                  validator=one_of("auto", "broadcast", "ipc", "disk"))
     threads: int = attrs.field(default=1, validator=integer(1))
@@ -112,6 +130,43 @@ class RolloutConfig:
     workflow_timeout_s: float = attrs.field(default=600.0, converter=to_float,
                                             validator=number(gt=0))
     max_episode_tokens: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+
+    @url.validator
+    def _check_url(self, attribute, value):
+        if value is None:
+            return
+        if not is_nonempty_str(value):
+            fail("url", "must be None, 'http://host:port' or a list of them", value)
+        urls = value.split(",")
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                fail("url", "must name each server as 'http://host:port'", u,
+                     shown=repr(u) + (f" in {urls}" if len(urls) > 1 else ""))
+        twice = [u for u in urls if urls.count(u) > 1]
+        if twice:
+            fail("url", "must name each server once", urls, shown=f"{twice[0]!r} twice in {urls}")
+
+    def __attrs_post_init__(self):
+        if self.servers is not None and self.gpus is not None \
+                and self.servers != len(self.gpus):
+            fail("servers", f"must equal the number of rollout.gpus (one server per GPU listed: "
+                            f"{list(self.gpus)})", self.servers)
+        if self.url is not None and self.servers is not None and self.servers != len(self.urls):
+            fail("servers", f"must equal the number of servers rollout.url lists "
+                            f"({len(self.urls)}; fsdpfn run starts none then)", self.servers)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The external servers' URLs (empty: fsdpfn run starts its own)."""
+        return tuple(self.url.split(",")) if self.url else ()
+
+    @property
+    def n_servers(self) -> int:
+        """How many servers the run talks to: the URLs listed, else ``servers``, else one per
+        GPU in ``gpus``, else 1."""
+        if self.url:
+            return len(self.urls)
+        return self.servers or (len(self.gpus) if self.gpus else 1)
 
 
 @attrs.frozen

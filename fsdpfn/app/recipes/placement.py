@@ -2,11 +2,14 @@
 on disjoint GPUs, and how weights travel between them.
 
     place(cfg, n_gpus)  ->  Placement(device, nproc, trainer_gpus, server_device, server_gpus,
-                                      transport)
+                                      transport, dtype, servers)
 
 Defaults on a host with N GPUs (``device: auto`` finds N > 0): an RL recipe with its own server
 serves on the last GPU and trains on the others (N >= 2), or shares GPU 0 (N == 1); the
-supervised recipes train on every GPU. One trainer rank per GPU. Weights travel by NCCL broadcast
+supervised recipes train on every GPU. One trainer rank per GPU. Several servers
+(``rollout.gpus: [4, 5, 6, 7]``, or ``rollout.servers: K``: the last K GPUs, or K CPU processes)
+run one per GPU, each on a GPU of its own: a trainer GPU that also serves is refused, and the
+trainer defaults to the GPUs no server uses. Weights travel by NCCL broadcast
 when trainer and server hold different GPUs. On a shared GPU NCCL cannot connect the two
 processes: weights go by CUDA IPC (trainer rank 0 hands the server handles to device buffers of
 the gathered weights; 0.2-0.5 s for a 1.5B model against 16 s through disk on an H200 host) when
@@ -36,6 +39,11 @@ class Placement:
     server_gpus: tuple[int, ...]
     transport: str                    # "broadcast", "ipc" or "disk"
     dtype: str                        # the trainer's compute dtype
+    servers: int = 1                  # servers of ours (one per server GPU on CUDA); 0: none
+
+    def server_env(self, i: int) -> dict:
+        """CUDA_VISIBLE_DEVICES of server ``i`` (its own GPU; nothing on the CPU)."""
+        return self.env(self.server_gpus[i:i + 1]) if self.server_gpus else {}
 
     def env(self, gpus: tuple[int, ...]) -> dict:
         """CUDA_VISIBLE_DEVICES for a process that uses ``gpus`` (launcher indices)."""
@@ -86,21 +94,24 @@ def place(cfg, n_gpus: int, *, needs_rollout: bool) -> Placement:
         if rollout_dev == "cuda" and n_gpus == 0:
             raise ConfigError("rollout.device: 'cuda' needs a GPU and this host has none, got "
                               "'cuda'")
+    n_servers = cfg.rollout.n_servers if own_server else 0
     server_gpus: tuple[int, ...] = ()
     if rollout_dev == "cuda":
-        server_gpus = cfg.rollout.gpus or (n_gpus - 1,)
+        server_gpus = cfg.rollout.gpus or _last_gpus(n_servers, n_gpus)
         _check_indices("rollout.gpus", server_gpus, n_gpus)
-        if len(server_gpus) != 1:
-            raise ConfigError(f"rollout.gpus: the built-in server uses one GPU, got "
-                              f"{list(server_gpus)}")
     trainer_gpus: tuple[int, ...] = ()
     if device == "cuda":
         if launch.gpus is not None:
             trainer_gpus = launch.gpus
         else:
             rest = tuple(g for g in range(n_gpus) if g not in server_gpus)
+            if not rest and n_servers > 1:
+                raise ConfigError(f"rollout.gpus: {n_servers} servers on GPUs of their own "
+                                  f"leave none of this host's {n_gpus} GPUs to the trainer, "
+                                  f"got {list(server_gpus)}")
             trainer_gpus = rest or (0,)
         _check_indices("launch.gpus", trainer_gpus, n_gpus)
+        _check_disjoint(trainer_gpus, server_gpus, n_servers)
         nproc = launch.nproc or len(trainer_gpus)
         if nproc > len(trainer_gpus):
             raise ConfigError(f"launch.nproc: one trainer rank per GPU, and launch.gpus gives "
@@ -114,6 +125,11 @@ def place(cfg, n_gpus: int, *, needs_rollout: bool) -> Placement:
     transport = cfg.rollout.transport if needs_rollout else "broadcast"
     if transport == "auto":
         transport = ("ipc" if rank0_shares else "disk") if shared else "broadcast"
+    elif transport == "ipc" and n_servers > 1:
+        raise ConfigError(f"rollout.transport: 'ipc' hands CUDA memory of trainer rank 0's GPU "
+                          f"to a server on that GPU, and {n_servers} servers each hold a GPU of "
+                          f"their own ({list(server_gpus) or 'CPU'}); use auto, broadcast or "
+                          f"disk, got 'ipc'")
     elif transport == "ipc" and not rank0_shares:
         raise ConfigError(f"rollout.transport: 'ipc' needs the server on trainer rank 0's GPU "
                           f"(trainer GPUs {list(trainer_gpus)}, server GPU {list(server_gpus)}), "
@@ -126,7 +142,28 @@ def place(cfg, n_gpus: int, *, needs_rollout: bool) -> Placement:
     dtype = resolve_dtype(cfg, device)
     return Placement(device=device, nproc=nproc, trainer_gpus=tuple(trainer_gpus),
                      server_device=rollout_dev, server_gpus=tuple(server_gpus),
-                     transport=transport, dtype=dtype)
+                     transport=transport, dtype=dtype, servers=n_servers)
+
+
+def _last_gpus(n_servers: int, n_gpus: int) -> tuple[int, ...]:
+    """The default server GPUs: the host's last one, or its last ``n_servers`` with a GPU left
+    for the trainer."""
+    if n_servers <= 1:
+        return (n_gpus - 1,)
+    if n_servers >= n_gpus:
+        raise ConfigError(f"rollout.servers: {n_servers} servers on GPUs of their own and a "
+                          f"trainer GPU need {n_servers + 1} GPUs, this host has {n_gpus}; got "
+                          f"{n_servers}")
+    return tuple(range(n_gpus - n_servers, n_gpus))
+
+
+def _check_disjoint(trainer_gpus, server_gpus, n_servers: int) -> None:
+    """Several servers: no trainer GPU serves (one server may share a GPU: ipc or disk)."""
+    both = sorted(set(trainer_gpus) & set(server_gpus))
+    if n_servers > 1 and both:
+        raise ConfigError(f"launch.gpus: with {n_servers} rollout servers no trainer GPU may "
+                          f"also serve (rollout.gpus {list(server_gpus)}); GPU {both[0]} is in "
+                          f"both, got {list(trainer_gpus)}")
 
 
 def _check_layout(cfg, nproc: int) -> None:
