@@ -46,7 +46,7 @@ import torch
 from fsdpfn.wire import fused
 
 __all__ = ["P", "ROOT", "ALGORITHM", "units", "box_hash", "tensor_hash", "tensor_hashes",
-           "mulmod", "sum_mod", "join_halves", "row_hashes", "weighted_rows", "powers"]
+           "mulmod", "sum_mod", "combine", "join_halves", "row_hashes", "weighted_rows", "powers"]
 
 P = (1 << 61) - 1
 ROOT = 0x1F0E5C2B3A49D68A  # a primitive root modulo P, chosen for the burst guarantee
@@ -237,6 +237,16 @@ def _long_hash(flat: torch.Tensor, first: int) -> torch.Tensor:
 def tensor_hash(t: torch.Tensor) -> int:
     """The checksum H of ``t``'s bytes (module doc), an int in [0, P)."""
     return int(box_hash(t.reshape(-1) if t.dim() else t).item())
+
+
+def combine(hashes: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """sum_i ranks[i] * hashes[i] modulo P, a 0-d int64 tensor on their device, not read: the
+    checksums of several tensors folded into one, each weighted by its 1-based rank (``ranks``,
+    below P) so that a swap of two tensors' contents changes the result. ``hashes`` are int64
+    read as unsigned 64-bit values (a checksum in [0, P) is itself). Exact for up to 2**32
+    tensors (sum_mod)."""
+    unsigned = (hashes & P) + ((hashes >> 61) & 7)  # x = a + 2**61 b = a + b modulo P
+    return sum_mod(mulmod(_fold(unsigned), ranks))
 
 
 def tensor_hashes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -14,9 +14,10 @@ checksum: a polynomial over 16-bit units modulo 2**61 - 1 that detects every 1- 
 and every burst of up to 32 bits, and sees the order of the words), bit-exact on any device. A
 flat bucket is hashed row by row (each 4 KiB row against the powers of its positions, one Triton
 pass on CUDA), the rows weighted by their position and summed per tensor with a prefix sum. The
-checksums of all tensors combine over names in sorted order as sum(rank * c) mod 2**61 - 1. The
-trainer computes it from what it sends, the receiver from what it serves after the swap, and
-equality shows the server really holds the pushed weights, in the pushed order.
+checksums of all tensors combine over names in sorted order as sum(rank * c) mod 2**61 - 1
+(checksum.combine). The trainer computes it from what it sends, the receiver from what it serves
+after the swap, and equality shows the server really holds the pushed weights, in the pushed
+order.
 """
 
 from __future__ import annotations
@@ -36,15 +37,14 @@ from fsdpfn.wire import checksum
 
 __all__ = ["ALIGN", "DTYPES", "dtype_from_name", "dtype_name", "bucket_layout", "tensor_checksum",
            "tensor_checksums", "word_sums", "padded_size", "flat_checksums", "zero_padding",
-           "combine_checksums", "checksum_ranks", "combine_on_device", "MANIFEST", "write_manifest", "read_manifest", "sha256_of",
+           "combine_checksums", "checksum_ranks", "combine_on_device", "MANIFEST", "write_manifest",
+           "read_manifest", "sha256_of",
            "make_group", "broadcast", "wait_work", "DEFAULT_BUCKET_BYTES", "DEFAULT_EDGE_BYTES"]
 
 ALIGN = 4096  # a row of the bucket checksum: long rows make its row sums bandwidth-bound
 DEFAULT_BUCKET_BYTES = 1 << 30
 DEFAULT_EDGE_BYTES = 256 << 20  # the first and last buckets of a push (see plan_buckets)
 MANIFEST = "fsdpfn_manifest.json"
-_MOD = (1 << 61) - 1
-_WRAP = 1 << 32
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -170,10 +170,12 @@ def zero_padding(buf: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
 
 
 def combine_checksums(per_tensor: dict[str, int]) -> int:
-    """sum(rank * c) mod 2**61 - 1 over names in sorted order (rank 1-based); ``c`` may be given
-    as the signed int64 bit pattern (what a device tensor's tolist() holds)."""
-    return sum((i + 1) * (_unsigned(c) % _MOD) for i, (_, c) in
-               enumerate(sorted(per_tensor.items()))) % _MOD
+    """checksum.combine of the tensors' checksums over names in sorted order (rank 1-based):
+    sum(rank * c) mod 2**61 - 1; ``c`` may be given as the signed int64 bit pattern (what a
+    device tensor's tolist() holds)."""
+    values = [_unsigned(c) % checksum.P for _, c in sorted(per_tensor.items())]
+    ranks = torch.arange(1, len(values) + 1, dtype=torch.int64)
+    return int(checksum.combine(torch.tensor(values, dtype=torch.int64), ranks))
 
 
 @functools.lru_cache(maxsize=64)
@@ -187,16 +189,8 @@ def checksum_ranks(names: tuple[str, ...], device: str) -> torch.Tensor:
 
 
 def combine_on_device(sums: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """combine_checksums({names[i]: sums[i]}) on sums' device, as a 0-d int64 tensor, not read.
-
-    With c = S + 2**32 W: A = sum(rank * S), B = sum(rank * W) (each term below 2**32 times the
-    rank, so exact in int64 for up to ~40k tensors), and 2**32 B = 2**61 (B >> 29) +
-    2**32 (B mod 2**29), where 2**61 = 1 modulo 2**61 - 1."""
-    ranks = checksum_ranks(tuple(names), str(sums.device))
-    low, high = sums & (_WRAP - 1), (sums >> 32) & (_WRAP - 1)
-    a = (low * ranks).sum() % _MOD
-    b = (high * ranks).sum() % _MOD
-    return (a + (b >> 29) + (b & ((1 << 29) - 1)) * _WRAP) % _MOD
+    """combine_checksums({names[i]: sums[i]}) on sums' device, as a 0-d int64 tensor, not read."""
+    return checksum.combine(sums, checksum_ranks(tuple(names), str(sums.device)))
 
 
 def sha256_of(t: torch.Tensor) -> str:
