@@ -1,18 +1,22 @@
 """The launcher behind ``fsdpfn run`` and ``fsdpfn demo`` (fsdpfn/app/cli.py parses their arguments).
 
 ``launch`` takes a validated recipe config, writes it to ``run_dir/config.yaml``, writes the
-initial model for RL recipes and starts the rollout server (``python -m fsdpfn.rollout``) when
-``rollout.url`` is not set, then starts ``launch.nproc`` trainer ranks with ``python -m
-torch.distributed.run`` (OMP_NUM_THREADS=launch.threads_per_rank each). At the end it plots
-run_dir/metrics.jsonl to run_dir/metrics.png and prints a summary.
+initial model for RL recipes and starts the rollout servers (``python -m fsdpfn.rollout``, one
+per ``rollout.gpus`` entry or ``rollout.servers`` of them, each on its own port and device, its
+output in run_dir/rollout.log, rollout1.log, ...) when ``rollout.url`` is not set, then starts
+``launch.nproc`` trainer ranks with ``python -m torch.distributed.run``
+(OMP_NUM_THREADS=launch.threads_per_rank each), handing them every server's URL; trainer rank 0
+waits for each server's /health while the ranks start. At the end it records each server's
+final weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
+run_dir/metrics.png and prints a summary.
 
 Ctrl-C (SIGINT) is forwarded to the ranks, which finish the current step, save a checkpoint and
-exit; the rollout server is then shut down. A second Ctrl-C kills the ranks at once (the last
+exit; the rollout servers are then shut down. A second Ctrl-C kills the ranks at once (the last
 published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done, 130 stopped by
 a signal, 2 bad config or command line, else the trainer's.
 
 The launcher's children die with it, even when it is killed with SIGKILL (fsdpfn.app.supervise):
-torchrun and the rollout server get a parent-death signal, and every trainer rank and the server
+torchrun and the rollout servers get a parent-death signal, and every trainer rank and server
 watch the launcher's pid and exit within about a second of it going away. run_dir/run_state.json
 says how the last run ended: "running" (with the launcher's pid) from the start, then "done",
 "failed" or "interrupted"; a record still "running" whose launcher is gone is reported as
@@ -99,6 +103,8 @@ def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+        for path in run_dir.glob("rollout[0-9]*.log"):  # the logs of servers 1, 2, ...
+            path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -107,8 +113,9 @@ def _torchrun_cmd(cfg, config_path: Path, placement, *, resume: bool,
     from fsdpfn.rollout.process import free_port
 
     port = cfg.launch.master_port
-    while port is None or (url is not None and url.endswith(f":{port}")):
-        port = free_port()  # never the rollout server's port, which it may not have bound yet
+    urls = url.split(",") if url else []
+    while port is None or any(u.endswith(f":{port}") for u in urls):
+        port = free_port()  # never a rollout server's port, which it may not have bound yet
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
            str(placement.nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
            "-m", "fsdpfn.app.recipes.worker", "--config", str(config_path), "--device",
@@ -263,8 +270,10 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     if dry_run:
         print(serde.to_yaml(cfg), end="")
         _say(f"placement: {_describe(placement)}")
-        if own_server:
-            _say("rollout server: " + " ".join(_server_cmd(cfg, model_dir, 0, placement)))
+        for i in range(placement.servers if own_server else 0):
+            env = placement.server_env(i)
+            _say(f"rollout server {i}: " + "".join(f"{k}={v} " for k, v in env.items())
+                 + " ".join(_server_cmd(cfg, model_dir, 0, placement)))
         _say("trainer: " + " ".join(_torchrun_cmd(cfg, config_path, placement, resume=resume,
                                                   url=url)))
         return 0
@@ -273,13 +282,14 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     config_path.write_text(serde.to_yaml(cfg))
     write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
     try:
-        rc, interrupted, seconds = _run(cfg, run_dir, config_path, placement, model_dir,
-                                        own_server=own_server, url=url, resume=resume)
+        rc, interrupted, seconds, servers = _run(cfg, run_dir, config_path, placement,
+                                                 model_dir, own_server=own_server, url=url,
+                                                 resume=resume)
     except BaseException as exc:
         write_run_state(run_dir, "failed", exit_code=None,
                         error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
-    _summarize(cfg, run_dir, seconds, rc, interrupted)
+    _summarize(cfg, run_dir, seconds, rc, interrupted, servers)
     status = 130 if interrupted else rc
     failure = {}
     if rc != 0 and not interrupted:
@@ -301,44 +311,70 @@ def _report_failure(run_dir: Path, rc: int) -> str:
 
 
 def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, own_server: bool,
-         url: str | None, resume: bool) -> tuple[int, bool, float]:
-    """Start the server (when ours) and the trainer and wait for them; (exit status,
-    interrupted, seconds). Both children die with this process (fsdpfn.app.supervise)."""
+         url: str | None, resume: bool) -> tuple[int, bool, float, list[dict]]:
+    """Start the servers (when ours) and the trainer and wait for them; (exit status,
+    interrupted, seconds, each server's record: _server_records). The children die with this
+    process (fsdpfn.app.supervise)."""
     from fsdpfn.wire.lifeline import LAUNCHER_PID_ENV, die_with_parent
 
     t0 = time.monotonic()
     signals = _Signals(run_dir)
     shutil.rmtree(signals.ranks_dir, ignore_errors=True)
     signals.install()
-    server = None
+    servers: list = []
+    records: list[dict] = []
     try:
         if cfg.model.embedded or cfg.model.random_init:
             _write_initial_model(cfg, run_dir)
         if own_server:
-            server = _start_server(cfg, run_dir, model_dir, placement)
-            url = server.url
+            servers = _start_servers(cfg, run_dir, model_dir, placement)
+            url = ",".join(s.url for s in servers)
         cmd = _torchrun_cmd(cfg, config_path, placement, resume=resume, url=url)
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
                TTY_ENV: "1" if sys.stderr.isatty() else "0",
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                LAUNCHER_PID_ENV: str(os.getpid()), **placement.env(placement.trainer_gpus)}
-        _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}"
-             + (f", rollout server {url}" if url else "") + f"; {_describe(placement)}")
+        urls = url.split(",") if url else []
+        where = (f", rollout server {urls[0]}" if len(urls) == 1 else
+                 f", {len(urls)} rollout servers {' '.join(urls)}" if urls else "")
+        _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}{where}; "
+             f"{_describe(placement)}")
         if signals.count:
-            return 130, True, time.monotonic() - t0
+            return 130, True, time.monotonic() - t0, records
         # its own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
         trainer = subprocess.Popen(cmd, env=env, start_new_session=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    preexec_fn=die_with_parent())
         signals.trainer = trainer
         relay = _Relay(trainer.stdout, run_dir)
-        rc = _wait(trainer, server, signals)
+        rc = _wait(trainer, servers, signals)
         relay.join()
+        records = _server_records(urls, servers, placement)
     finally:
-        if server is not None:
+        for server in servers:
             server.close()
         signals.restore()
-    return rc, signals.count > 0, time.monotonic() - t0
+    return rc, signals.count > 0, time.monotonic() - t0, records
+
+
+def _server_records(urls: list[str], servers: list, placement) -> list[dict]:
+    """Each rollout server as the summary names it: its URL, where it ran (ours: its device
+    and log) and the weights version it serves at the end (None: it did not answer)."""
+    from fsdpfn.wire.http import call
+
+    records = []
+    for i, url in enumerate(urls):
+        record: dict = {"url": url}
+        if i < len(servers):
+            record["device"] = (f"cuda (GPU {placement.server_gpus[i]})"
+                                if placement.server_gpus else placement.server_device)
+            record["log"] = str(servers[i].log_path)
+        try:
+            record["weight_version"] = call(url, "/health", timeout=5.0).get("weight_version")
+        except Exception:  # noqa: BLE001 - a server that is gone is named without a version
+            record["weight_version"] = None
+        records.append(record)
+    return records
 
 
 class _Relay:
@@ -383,12 +419,14 @@ def rank_error(run_dir: Path) -> dict | None:
 
 
 def _describe(p) -> str:
+    many = f"{p.servers} servers" if p.servers > 1 else "server"
     if p.device == "cpu" and p.server_device in (None, "cpu"):
-        return "CPU" + (f", weights pushed by {p.transport}" if p.server_device else "")
+        return "CPU" + (f", {many + ', ' if p.servers > 1 else ''}weights pushed by "
+                        f"{p.transport}" if p.server_device else "")
     train = f"trainer on {p.device}" + (f" GPU {list(p.trainer_gpus)}" if p.trainer_gpus else "")
     if p.server_device is None:
         return f"{train}, {p.dtype}"
-    serve = f"server on {p.server_device}" + (f" GPU {list(p.server_gpus)}" if p.server_gpus
+    serve = f"{many} on {p.server_device}" + (f" GPU {list(p.server_gpus)}" if p.server_gpus
                                               else "")
     return f"{train}, {serve}, weights pushed by {p.transport}, {p.dtype}"
 
@@ -399,16 +437,32 @@ def _write_initial_model(cfg, run_dir: Path) -> Path:
     return write_initial_model(cfg.model, run_dir / "model0", load_tokenizer(cfg.model))
 
 
-def _start_server(cfg, run_dir: Path, model_dir: Path, placement):
-    """``python -m fsdpfn.rollout`` in its own session (Ctrl-C must not reach it before the
-    ranks finished their step); the ranks wait for /health themselves."""
+def _start_servers(cfg, run_dir: Path, model_dir: Path, placement) -> list:
+    """Every server of the placement; a failure to start one stops those already started."""
+    servers = []
+    try:
+        for i in range(placement.servers):
+            servers.append(_start_server(cfg, run_dir, model_dir, placement, i, servers))
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+    return servers
+
+
+def _start_server(cfg, run_dir: Path, model_dir: Path, placement, i: int, started: list):
+    """Server ``i``: ``python -m fsdpfn.rollout`` on its own port and device (its GPU alone
+    visible), in its own session (Ctrl-C must not reach it before the ranks finished their
+    step), with the launcher's lifeline; trainer rank 0 waits for its /health."""
     from fsdpfn.rollout.process import RolloutProcess, free_port
     from fsdpfn.wire.lifeline import die_with_parent
 
+    taken = {s.url.rsplit(":", 1)[1] for s in started}
     port = free_port()
-    log_path = run_dir / "rollout.log"
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads),
-           **placement.env(placement.server_gpus)}
+    while str(port) in taken:  # a port not yet bound by the server it was given to
+        port = free_port()
+    log_path = run_dir / ("rollout.log" if i == 0 else f"rollout{i}.log")
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads), **placement.server_env(i)}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(_server_cmd(cfg, model_dir, port, placement), stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -416,24 +470,27 @@ def _start_server(cfg, run_dir: Path, model_dir: Path, placement):
     return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 
-def _wait(trainer: subprocess.Popen, server, signals: _Signals) -> int:
+def _wait(trainer: subprocess.Popen, servers: list, signals: _Signals) -> int:
     reported = False
     while True:
         try:
             return trainer.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
-        if server is not None and not server.alive() and not reported and not signals.count:
+        dead = [s for s in servers if not s.alive()]
+        if dead and not reported and not signals.count:
             reported = True
-            _say(f"the rollout server exited with {server.proc.returncode}; stopping the "
-                 f"trainer. Its log ({server.log_path}):\n{server.log()}")
+            server = dead[0]
+            _say(f"the rollout server {server.url} exited with {server.proc.returncode}; "
+                 f"stopping the trainer. Its log ({server.log_path}):\n{server.log()}")
             try:
                 os.kill(trainer.pid, signal.SIGTERM)  # torchrun stops its ranks
             except ProcessLookupError:
                 pass
 
 
-def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool) -> dict:
+def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool,
+               servers: list[dict] = ()) -> dict:
     from fsdpfn.app.recipes.plot import plot_metrics, read_metrics
 
     metrics = run_dir / "metrics.jsonl"
@@ -454,6 +511,8 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool) -
     evals = [r["greedy_accuracy"] for r in rows if r.get("greedy_accuracy") is not None]
     if evals:
         summary["greedy_accuracy"] = {"first": evals[0], "last": evals[-1]}
+    if servers:
+        summary["rollout_servers"] = list(servers)
     from fsdpfn.checkpoint.files import latest_checkpoint
 
     latest = latest_checkpoint(run_dir / "checkpoints")  # published only: never a step_N.tmp-*
@@ -477,6 +536,10 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool) -
     if evals:
         line += f"; greedy accuracy (held-out) {evals[0]:.3f} -> {evals[-1]:.3f}"
     _say(line)
+    if len(servers) > 1:
+        _say("rollout servers: " + "; ".join(
+            f"{s['url']} ({s.get('device', 'external')}) at weights version "
+            f"{s['weight_version']}" for s in servers))
     _say(f"metrics {metrics}" + (f", plot {summary['plot']}" if "plot" in summary else "")
          + (f", checkpoint {summary['checkpoint']}" if "checkpoint" in summary else ""))
     if interrupted or rc != 0:

@@ -45,7 +45,7 @@ from fsdpfn.app.recipes.runtime import (Metrics, Progress, RunContext, all_reduc
                                     broadcast_from_main, is_main, log, mean_sequence_prob)
 from fsdpfn.app.recipes.rollout_stage import build_rollout, max_new_tokens, score
 from fsdpfn.app.recipes.task import sequences_batch
-from fsdpfn.rollout import generate
+from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
 
 __all__ = ["run", "warmup", "greedy_reward", "wait_for_server", "read_progress",
@@ -152,13 +152,16 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
 # ---------------------------------------------------------------- rollout (rank 0)
 
 
-def greedy_reward(cfg, ctx: RunContext, tok, held_out, pool, n_prompts: int) -> float:
+def greedy_reward(cfg, ctx: RunContext, tok, held_out, pool, n_prompts: int, *,
+                  balancer=None) -> float:
     """Rank 0: the mean reward of greedy answers to held-out prompts (a fixed set); the
-    accuracy when rewards are 0/1."""
+    accuracy when rewards are 0/1. Sent through ``balancer`` (the rollout producer's: the
+    servers' outstanding work; None: a fresh one over ctx.rollout_urls)."""
     examples = held_out.head(n_prompts)
-    answer = generate(ctx.rollout_url, [e["prompt_ids"] for e in examples], n=1,
-                      max_new_tokens=max_new_tokens(cfg), temperature=0.0,
-                      stop_token_ids=tok.stop_ids, timeout=cfg.rollout.timeout_s)
+    answer = generate_balanced(balancer or ctx.rollout_urls,
+                               [e["prompt_ids"] for e in examples], n=1,
+                               max_new_tokens=max_new_tokens(cfg), temperature=0.0,
+                               stop_token_ids=tok.stop_ids, timeout=cfg.rollout.timeout_s)
     rewards = score(pool, tok, examples, answer["outputs"], 1).rewards
     return sum(rewards) / len(rewards)
 
@@ -269,13 +272,17 @@ def _states(cfg, ctx: RunContext, mesh, source: Path, latest, start: int):
 
 
 def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
-    url = ctx.rollout_url
-    if url is None:
+    """One target over every server: each push reaches all of them through one update group
+    (their versions and checksums checked against what was sent)."""
+    urls = ctx.rollout_urls
+    if not urls:
         raise ff.ConfigError("rollout.url: the RL recipes need a rollout server; run them with "
                              "`fsdpfn run` (which starts one) or set rollout.url")
-    broadcast_from_main(lambda: wait_for_server(url, cfg.rollout.health_timeout_s))
+    broadcast_from_main(lambda: [wait_for_server(u, cfg.rollout.health_timeout_s)
+                                 for u in urls])
+    url = ", ".join(urls)
     disk = ctx.transport == "disk"
-    target = RolloutTarget(url, config=ff.PushConfig(
+    target = RolloutTarget(urls, config=ff.PushConfig(
         transport=ctx.transport, timeout_s=cfg.rollout.timeout_s,
         # generation ahead of training: requests in flight continue on the new weights
         pause_generation=cfg.rollout.max_staleness == 0,
@@ -330,7 +337,8 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     t0 = time.perf_counter()
     rollout = broadcast_from_main(lambda: producer.step(step, cursor))
     greedy = (broadcast_from_main(lambda: greedy_reward(cfg, ctx, tok, held_out, pool,
-                                                        cfg.eval.n_prompts))
+                                                        cfg.eval.n_prompts,
+                                                        balancer=producer.balancer))
               if held_out is not None else None)
     clock = _Stages(ctx)
     clock.times["rollout_seconds"] = clock.t - t0  # generate + reward (+ eval), on rank 0

@@ -4,7 +4,9 @@ Two producers, one interface (``step(step, cursor) -> dict``, ``advance(version)
 push, ``close()``):
 
 - ``SyncRollout`` (``rollout.max_staleness: 0`` without a workflow): the step's prompts in one
-  /generate request after the previous step's push, scored by the reward's worker processes.
+  /generate request after the previous step's push (with several servers, one request per
+  server, the groups cut by load: fsdpfn.rollout.balance), scored by the reward's worker
+  processes.
 - ``StreamRollout`` (``max_staleness >= 1``, or a ``rollout.workflow``): a RolloutStream keeps up
   to max_staleness + 1 steps of groups in flight (fsdpfn.rollout.stream: admission control,
   groups in data order, so the data cursor counts trained prompts only); with a workflow each
@@ -13,6 +15,11 @@ push, ``close()``):
 The dict a step returns: ``batch`` (the public batch as plain tensors), ``served_version``,
 ``stats`` (generation, reward and stream numbers for the metrics row) and ``advantages_done``
 (True when the batch already holds advantages: episodes rows of unequal counts per group).
+Each producer's ``balancer`` holds the servers' outstanding work; the recipe's greedy eval sends
+through it too. The stats name the servers: ``rollout_servers`` and, per server i (the order of
+the URLs), ``rollout_rows_server{i}`` and ``rollout_tokens_server{i}`` (rows and generated
+tokens it answered this step), and ``rollout_load_imbalance`` (the most tokens any server
+generated over the mean: 1.0 is even).
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ import time
 
 from fsdpfn.app.recipes.runtime import RunContext, log
 from fsdpfn.app.recipes.task import rollout_batch
-from fsdpfn.rollout import generate
+from fsdpfn.rollout.balance import Balancer, generate_balanced
 
-__all__ = ["build_rollout", "SyncRollout", "StreamRollout", "max_new_tokens", "score"]
+__all__ = ["build_rollout", "SyncRollout", "StreamRollout", "max_new_tokens", "score",
+           "server_stats"]
 
 
 def max_new_tokens(cfg) -> int:
@@ -68,6 +76,23 @@ def _generation_stats(prompts, outputs, seconds) -> dict:
             "generated_tokens": sum(lengths)}
 
 
+def server_stats(urls: list[str], where: list[str], sizes: list[int]) -> dict:
+    """Per-server rows and generated tokens of a step: ``where[i]`` answered the i-th sample
+    (or episode), which has ``sizes[i]`` generated tokens (module doc)."""
+    rows = {u: 0 for u in urls}
+    tokens = {u: 0 for u in urls}
+    for url, size in zip(where, sizes):
+        rows[url] += 1
+        tokens[url] += size
+    out = {"rollout_servers": len(urls)}
+    for i, url in enumerate(urls):
+        out[f"rollout_rows_server{i}"] = rows[url]
+        out[f"rollout_tokens_server{i}"] = tokens[url]
+    mean = sum(tokens.values()) / len(urls)
+    out["rollout_load_imbalance"] = max(tokens.values()) / mean if mean else 1.0
+    return out
+
+
 def _scored_batch(cfg, ctx, tok, pool, step, examples, outputs, seconds) -> dict:
     """The public batch of generated groups, scored on this thread by the reward pool."""
     G = cfg.advantage.group_size
@@ -85,19 +110,24 @@ class SyncRollout:
 
     def __init__(self, cfg, ctx: RunContext, tok, source, pool):
         self.cfg, self.ctx, self.tok, self.source, self.pool = cfg, ctx, tok, source, pool
+        self.balancer = Balancer(ctx.rollout_urls)
 
     def step(self, step: int, cursor: int) -> dict:
         cfg = self.cfg
+        G = cfg.advantage.group_size
         examples = self.source.take(cursor, cfg.prompts_per_step)
         t0 = time.perf_counter()
-        answer = generate(self.ctx.rollout_url, [e["prompt_ids"] for e in examples],
-                          n=cfg.advantage.group_size, max_new_tokens=max_new_tokens(cfg),
-                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                          seed=cfg.seed * 1_000_003 + step, stop_token_ids=self.tok.stop_ids,
-                          timeout=cfg.rollout.timeout_s)
+        answer = generate_balanced(
+            self.balancer, [e["prompt_ids"] for e in examples], n=G,
+            max_new_tokens=max_new_tokens(cfg), temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, seed=cfg.seed * 1_000_003 + step,
+            stop_token_ids=self.tok.stop_ids, timeout=cfg.rollout.timeout_s)
         out = _scored_batch(cfg, self.ctx, self.tok, self.pool, step, examples,
                             answer["outputs"], time.perf_counter() - t0)
         out["stats"].update(data_first=cursor, data_last=cursor + len(examples) - 1)
+        out["stats"].update(server_stats(
+            self.balancer.urls, [u for u in answer["servers"] for _ in range(G)],
+            [len(o["output_ids"]) for o in answer["outputs"]]))
         return {**out, "served_version": answer["weight_version"], "advantages_done": False}
 
     def advance(self, version: int) -> None:
@@ -151,6 +181,7 @@ class StreamRollout:
             runner=runner, sampling={"max_new_tokens": max_new_tokens(cfg),
                                      "temperature": r.temperature, "top_p": r.top_p,
                                      "stop_token_ids": tok.stop_ids, "timeout": r.timeout_s})
+        self.balancer = self.stream.balancer
 
     def step(self, step: int, cursor: int) -> dict:
         got = self.stream.next_batch(timeout=self.cfg.rollout.timeout_s * 10)
@@ -158,6 +189,9 @@ class StreamRollout:
         versions = [g.oldest_version for g in got.groups if g.oldest_version is not None]
         served = min(versions) if versions else got.version
         got.stats.update(data_first=got.groups[0].index, data_last=got.groups[-1].index)
+        got.stats.update(server_stats(
+            self.balancer.urls, [g.server for g in got.groups for _ in g.outputs],
+            [_generated(o) for g in got.groups for o in g.outputs]))
         if self.workflow is None:
             examples = self.source.take(got.groups[0].index, len(got.groups))
             outputs = [o for g in got.groups for o in g.outputs]
@@ -191,6 +225,13 @@ class StreamRollout:
 
     def close(self) -> None:
         self.stream.close()
+
+
+def _generated(output) -> int:
+    """Tokens a server generated for one sample or episode (every turn's)."""
+    if isinstance(output, dict):
+        return len(output.get("output_ids") or ())
+    return sum(len(t.output_ids) for t in getattr(output, "turns", ()))
 
 
 def build_rollout(cfg, ctx: RunContext, tok, source, pool, *, cursor: int, version: int):

@@ -1,0 +1,143 @@
+"""GRPO with two rollout servers end to end through the CLI (CPU, gloo): the groups of every step
+spread over both, every push reaching both through one update group, the servers' log-probs
+equal to the trainer's.
+
+Two runs of the embedded demo, shortened (10 warm-up steps, 3 GRPO steps of 8 prompts x 8
+answers): two external servers (``rollout.url`` as a list, started here so that they outlive
+the run and can be asked afterwards) with the synchronous loop, and two servers of the launcher's
+own (``rollout.servers: 2``) with generation one step ahead (``rollout.max_staleness: 1``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+SHORT = ["steps=3", "warmup.steps=10", "warmup.target_reward=null", "prompts_per_step=8",
+         "checkpoint.every=0", "log.every=1", "log.plot=false"]
+
+
+def fsdpfn(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fsdpfn", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def grpo_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "grpo"]
+
+
+def check_both_servers_worked(rows: list[dict]) -> None:
+    """Every step's 64 answers came from both servers, whole groups of 8 each."""
+    for r in rows:
+        assert r["rollout_servers"] == 2, r
+        counts = (r["rollout_rows_server0"], r["rollout_rows_server1"])
+        assert sum(counts) == 64 and min(counts) > 0 and all(c % 8 == 0 for c in counts), r
+        assert min(r["rollout_tokens_server0"], r["rollout_tokens_server1"]) > 0, r
+        assert 1.0 <= r["rollout_load_imbalance"] <= 2.0
+
+
+def trainer_logp(run_dir: Path, rows: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced log-probs of ``rows`` under the run's final checkpoint, in float64 (the
+    warm-up's HF model with the checkpoint's weights)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    dcp_to_torch_save(final, run_dir / "final.pt")
+    saved = torch.load(run_dir / "final.pt", weights_only=False)["model"]
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "sft", dtype=torch.float64)
+    missing, unexpected = model.load_state_dict(
+        {k.removeprefix("lm."): v.double() for k, v in saved.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    out = []
+    with torch.no_grad():
+        for ids in rows:
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+            logp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])
+            out.append([0.0] + logp[:, 0].tolist())
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_two_external_servers_share_the_steps_and_serve_the_last_push_exactly(tmp_path):
+    from fsdpfn.app.recipes import demo_config
+    from fsdpfn.app.recipes.model import load_tokenizer, write_initial_model
+    from fsdpfn.rollout import launch_server
+
+    run_dir = tmp_path / "ext"
+    model = demo_config([]).model
+    write_initial_model(model, run_dir / "model0", load_tokenizer(model))
+    servers = [launch_server(run_dir / "model0", device="cpu", threads=1, log_dir=tmp_path)
+               for _ in range(2)]
+    try:
+        urls = [s.url for s in servers]
+        done = fsdpfn("demo", f"run_dir={run_dir}", f"rollout.url=[{urls[0]}, {urls[1]}]",
+                      "eval.every=2", "eval.n_prompts=16", *SHORT)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert f"2 rollout servers {urls[0]} {urls[1]}" in done.stderr
+        rows = grpo_rows(run_dir)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        check_both_servers_worked(rows)
+        # each step sampled from the weights pushed after the one before, on both servers, and
+        # the trainer's log-probs of those samples equal the servers' (behav_logp)
+        versions = [r["version"] for r in rows]
+        assert [r["served_version"] for r in rows[1:]] == versions[:-1], rows
+        assert all(r["behav_gap"] < 1e-4 for r in rows), [r["behav_gap"] for r in rows]
+        assert all(0.0 <= r["greedy_accuracy"] <= 1.0 for r in rows if "greedy_accuracy" in r)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert [(s["url"], s["weight_version"]) for s in summary["rollout_servers"]] == \
+            [(u, versions[-1]) for u in urls]
+        # after the last push: both serve it, and exactly the trainer's final weights
+        for s in servers:
+            assert s.get("/health")["weight_version"] == versions[-1]
+        probe = [[3, 5, 7, 9, 11, 13, 2, 4], [1, 6, 8, 10, 12]]
+        want = trainer_logp(run_dir, probe)
+        for s in servers:
+            got = s.post("/forward", {"input_ids": probe})
+            assert got["weight_version"] == versions[-1]
+            gap = max(abs(a - b) for g, w in zip(got["token_logprobs"], want)
+                      for a, b in zip(g, w))
+            assert gap < 1e-4, (s.url, gap)
+    finally:
+        for s in servers:
+            s.close()
+
+
+def _port_open(url: str) -> bool:
+    host, port = url.rsplit("//", 1)[1].split(":")
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.timeout(300)
+def test_two_servers_of_the_launcher_ahead_of_training_reach_the_final_version(tmp_path):
+    run_dir = tmp_path / "own"
+    done = fsdpfn("demo", f"run_dir={run_dir}", "rollout.servers=2", "rollout.max_staleness=1",
+                  "eval.every=0", *SHORT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = grpo_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    check_both_servers_worked(rows)
+    assert all(r["staleness_max"] <= 1 for r in rows), [r["staleness_max"] for r in rows]
+    assert all(math.isfinite(r["behav_gap"]) for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    servers = summary["rollout_servers"]
+    assert len(servers) == 2 and len({s["url"] for s in servers}) == 2
+    assert [s["weight_version"] for s in servers] == [rows[-1]["version"]] * 2, servers
+    assert [Path(s["log"]).name for s in servers] == ["rollout.log", "rollout1.log"]
+    assert all(s["device"] == "cpu" for s in servers)
+    assert "2 rollout servers" in done.stderr and "CPU, 2 servers" in done.stderr
+    assert not any(_port_open(s["url"]) for s in servers), "a rollout server is still running"
