@@ -59,6 +59,12 @@ Decisions (documented contract):
 * ``async_save=True`` stages a CPU copy of the state before returning (DCP's stager), then writes
   and publishes in a background thread over a gloo group of its own; the returned AsyncSave's
   ``wait()`` (on every rank) returns once published or raises CheckpointError everywhere.
+  ``publish_after=handle`` orders two checkpoints (a critic's before its policy's): the second
+  publishes only once the first did. A crash while a save is in flight leaves its
+  ``<path>.tmp-<token>`` unpublished and the previous checkpoints intact. Tests only: the
+  environment variable ``FSDPFN_TEST_SAVE_DELAY=<name>=<seconds>`` makes an asynchronous save
+  to a path named ``<name>`` wait that long between writing and publishing (a slow file
+  system), so a test can kill a run mid-save.
 * ``export_hf`` writes ``config.dtype`` (the compute dtype) by default; ``dtype="float32"`` gives
   the fp32 master weights exactly.
 * LoRA states (``config.lora``): the checkpoint holds the adapters alone (``model.`` keys of the

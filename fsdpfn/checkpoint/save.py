@@ -151,6 +151,8 @@ class AsyncSave:
 
     def __init__(self, path: Path, group):
         self.path = path
+        #: time.perf_counter() when the background save ended (published or failed), else None
+        self.finished_at: float | None = None
         self._group = group
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -162,6 +164,8 @@ class AsyncSave:
             except BaseException as exc:  # noqa: BLE001 - handed to wait()
                 self._error = exc if isinstance(exc, CheckpointError) else _wrap(
                     "save_checkpoint", f"asynchronous save to {str(self.path)!r}", exc)
+            finally:
+                self.finished_at = time.perf_counter()
 
         self._thread = threading.Thread(target=run, name="fsdpfn-async-save", daemon=True)
         self._thread.start()
@@ -169,6 +173,19 @@ class AsyncSave:
     def done(self) -> bool:
         """True once the background save finished (successfully or not)."""
         return self._thread is not None and not self._thread.is_alive()
+
+    @property
+    def published(self) -> bool:
+        """True once the checkpoint is published; False while the save runs or after it failed
+        (``wait()`` raises that failure). Every rank agrees on the outcome, so a rank reading
+        True knows the checkpoint is in place."""
+        return self.done() and self._error is None
+
+    def _join_after(self) -> BaseException | None:
+        """In the background thread of a save that must publish after this one: wait for this
+        one's outcome; its failure, or None once it is published."""
+        self._thread.join()
+        return self._error
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is published; raise CheckpointError if the save failed."""
@@ -271,7 +288,8 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
 
 def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
                     keep_last: int | None = None, async_save: bool = False,
-                    checksums: bool = True) -> AsyncSave | None:
+                    checksums: bool = True,
+                    publish_after: AsyncSave | None = None) -> AsyncSave | None:
     """Save model, optimizer, LR scheduler, step, version, RNG and ``extra`` to ``path`` (DCP,
     sharded, atomic; see the module docstring for the layout). Collective: every rank calls it.
 
@@ -282,7 +300,9 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     handle at once and writes in the background (publication when done; ``handle.wait()``).
     ``checksums=True`` records a checksum of every saved chunk, taken on the device before the
     copy out, which load_checkpoint verifies (see fsdpfn.checkpoint.integrity); False saves that pass.
-    Read-only: the state stays live. Raises CheckpointError (on every rank; nothing published).
+    ``publish_after``: the AsyncSave of another checkpoint that must be published before this one
+    is (a policy's checkpoint implies its critic's): this one publishes only after it, and not at
+    all if it failed. Read-only: the state stays live. Raises CheckpointError (on every rank; nothing published).
     """
     fn = "save_checkpoint"
     error, target, extra_json = None, None, {}
@@ -291,6 +311,9 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
             target, extra_json = _check_save_args(path, extra, keep_last, async_save)
             if not isinstance(checksums, bool):
                 raise CheckpointError(f"{fn}: checksums: must be a bool, got {checksums!r}")
+            if publish_after is not None and not isinstance(publish_after, AsyncSave):
+                raise CheckpointError(f"{fn}: publish_after: must be an AsyncSave or None, got "
+                                      f"{type(publish_after).__name__}")
         except CheckpointError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable directory, on one rank
@@ -336,12 +359,14 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
 
     # stage 3: DCP writes the shards (in the background when async); rank 0 then publishes
     if async_save:
-        return _save_async(state_dict, tmp, target, token, manifest, keep_last, sums)
+        return _save_async(state_dict, tmp, target, token, manifest, keep_last, sums,
+                           publish_after)
     error = None
     try:
         dcp.save(state_dict, checkpoint_id=tmp)
     except _DCP_ERRORS as exc:
         error = _wrap(fn, f"writing {str(tmp)!r}", exc)
+    error = error or _after(publish_after, target)
     _finish(tmp, target, token, manifest, keep_last, lambda e: agree_on_error(mesh, e), error,
             sums)
     return None
@@ -365,7 +390,26 @@ def _gather_checksums(state_dict: dict, mesh) -> list | None:
     return gathered
 
 
-def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums) -> AsyncSave:
+def _after(publish_after: AsyncSave | None, target: Path) -> CheckpointError | None:
+    """Wait for the save this one publishes after; the reason not to publish, or None."""
+    failed = publish_after._join_after() if publish_after is not None else None
+    if failed is None:
+        return None
+    return CheckpointError(f"save_checkpoint: {str(target)!r} not published: the save it "
+                           f"publishes after ({str(publish_after.path)!r}) failed: {failed}")
+
+
+def _test_delay(target: Path) -> None:
+    """FSDPFN_TEST_SAVE_DELAY=<name>=<seconds> (tests only): an asynchronous save to a path
+    named <name> sleeps that long between writing its files and publishing them, as on a slow
+    file system, so that a test can kill a run while that save is in flight."""
+    name, _, seconds = os.environ.get("FSDPFN_TEST_SAVE_DELAY", "").partition("=")
+    if name and name == target.name:
+        time.sleep(float(seconds))
+
+
+def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums,
+                publish_after) -> AsyncSave:
     # a group of its own: the background thread's collectives never interleave with training's
     group = dist.new_group(backend="gloo") if _world() > 1 else None
     handle = AsyncSave(target, group)
@@ -391,6 +435,8 @@ def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums) -> As
             future.result()
         except _DCP_ERRORS as exc:
             error = _wrap("save_checkpoint", f"writing {str(tmp)!r}", exc)
+        error = error or _after(publish_after, target)
+        _test_delay(target)
         _finish(tmp, target, token, manifest, keep_last,
                 lambda e: agree_on_error_in_group(group, e, error_type=CheckpointError), error,
                 sums)
