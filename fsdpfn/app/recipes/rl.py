@@ -41,8 +41,9 @@ from fsdpfn.app.recipes.data import AdditionSource, load_source
 from fsdpfn.app.recipes.engine import build_engine, engines
 from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.app.recipes.reward import build_reward_pool
-from fsdpfn.app.recipes.runtime import (Metrics, Progress, RunContext, all_reduce_sum,
-                                    broadcast_from_main, is_main, log, mean_sequence_prob)
+from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunContext,
+                                        all_reduce_sum, broadcast_from_main, is_main, log,
+                                        mean_sequence_prob)
 from fsdpfn.app.recipes.rollout_stage import build_rollout, max_new_tokens, score
 from fsdpfn.app.recipes.task import sequences_batch
 from fsdpfn.rollout.balance import generate_balanced
@@ -197,16 +198,16 @@ def read_progress(path: Path | None, per_step: int) -> tuple[int, int]:
     return step, int(extra.get("data_cursor", step * per_step))
 
 
-def _save(cfg, ctx, actor, critic, step: int, cursor: int) -> Path:
+def _save(cfg, ctx, saves: Checkpoints, actor, critic, step: int, cursor: int, *,
+          final: bool) -> dict:
+    """Start the checkpoint of ``step`` (saves.save); its metrics."""
     name = f"step_{step:06d}"
+    items = []
     if critic is not None:  # the critic first: an actor checkpoint implies its critic's
-        ff.save_checkpoint(critic, ctx.run_dir / "critic_checkpoints" / name,
-                           extra={"step": step}, keep_last=cfg.checkpoint.keep_last)
-    path = ctx.run_dir / "checkpoints" / name
-    ff.save_checkpoint(actor, path, extra={"step": step, "recipe": cfg.recipe,
-                                           "data_cursor": cursor},
-                       keep_last=cfg.checkpoint.keep_last)
-    return path
+        items.append((critic, ctx.run_dir / "critic_checkpoints" / name, {"step": step}))
+    items.append((actor, ctx.run_dir / "checkpoints" / name,
+                  {"step": step, "recipe": cfg.recipe, "data_cursor": cursor}))
+    return saves.save(items, final=final)
 
 
 def run(cfg, ctx: RunContext) -> int:
@@ -301,6 +302,7 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
     bar = Progress(cfg.recipe, cfg.steps, start=start, every=cfg.log.every,
                    enabled=cfg.log.progress)
     step, stop = start, False
+    saves = Checkpoints(cfg.checkpoint)
     t_run = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
         evaluate = held_out is not None and bool(cfg.eval.every) and (
@@ -313,9 +315,10 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
         stop = ctx.stop.agreed()
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps \
                 or stop:
-            t0 = time.perf_counter()
-            row["checkpoint"] = str(_save(cfg, ctx, actor, critic, step, cursor))
-            row["checkpoint_seconds"] = time.perf_counter() - t0
+            row.update(_save(cfg, ctx, saves, actor, critic, step, cursor,
+                             final=step == cfg.steps or stop))
+        else:
+            row.update(saves.poll())
         metrics.write(row)
         bar.update(step, reward=row["reward_mean"], loss=row["loss"],
                    **({"greedy": row["greedy_accuracy"]} if evaluate else {}),

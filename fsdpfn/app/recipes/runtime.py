@@ -15,14 +15,15 @@ import secrets
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "log", "is_main", "wandb_run",
-           "broadcast_from_main", "all_reduce_sum", "mean_sequence_prob"]
+__all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "Checkpoints", "log", "is_main",
+           "wandb_run", "broadcast_from_main", "all_reduce_sum", "mean_sequence_prob"]
 
 
 def is_main() -> bool:
@@ -100,6 +101,115 @@ class RunContext:
     def rollout_urls(self) -> list[str]:
         """Every rollout server's URL (``rollout_url`` may name several, comma-separated)."""
         return [u for u in (self.rollout_url or "").split(",") if u]
+
+
+class Checkpoints:
+    """The recipe's checkpoint saves (``cfg.checkpoint``), at most one in flight.
+
+    ``save(items, final=...)`` at the end of a step, ``poll()`` after the other steps, ``wait()``
+    before the run ends; each returns that step's metrics. With ``async_save`` a save returns
+    once the state's shards are copied to host memory and publishes in the background; the next
+    save waits for it first, and a ``final`` save (the end of the run, a clean stop) is written
+    directly. Rows name only published checkpoints: ``checkpoint`` (the newest published by
+    the row's step) and its ``checkpoint_write_seconds`` (its start to its publication).
+    Collective: every rank calls every method at the same step.
+    """
+
+    def __init__(self, cfg):
+        self.async_save, self.keep_last = cfg.async_save, cfg.keep_last
+        self._pending: tuple[Path, float, list] | None = None  # (path, start, handles)
+        self._warned = False
+
+    def save(self, items, *, final: bool) -> dict:
+        """Save ``items`` [(state, path, extra)] in order of publication (a later one implies
+        the earlier ones: the policy after its critic). Returns the step's metrics."""
+        import fsdpfn as ff
+
+        t0 = time.perf_counter()
+        row = self.wait()
+        copy = sum(_copy_bytes(state) for state, _, _ in items)
+        use_async = self.async_save and not final and self._fits(copy)
+        handles, after = [], None
+        for state, path, extra in items:
+            after = ff.save_checkpoint(state, path, extra=extra, keep_last=self.keep_last,
+                                       async_save=use_async, publish_after=after)
+            handles += [after] if after is not None else []
+        path = Path(items[-1][1])
+        if handles:
+            self._pending = (path, t0, handles)
+            row["checkpoint_copy_bytes"] = copy
+        else:
+            row.update(checkpoint=str(path), checkpoint_write_seconds=time.perf_counter() - t0)
+        row["checkpoint_seconds"] = time.perf_counter() - t0
+        return row
+
+    def poll(self) -> dict:
+        """The metrics of the save in flight if it has published (this rank's view, which
+        is enough: every rank agrees on a save's outcome); a failure waits for ``wait()``."""
+        if self._pending is None or not all(h.published for h in self._pending[2]):
+            return {}
+        return self.wait()
+
+    def wait(self) -> dict:
+        """Wait for the save in flight; its metrics. Raises CheckpointError on every rank if
+        it failed (nothing published)."""
+        if self._pending is None:
+            return {}
+        path, t0, handles = self._pending
+        self._pending = None
+        failures = []
+        for handle in handles:
+            try:
+                handle.wait()
+            except Exception as exc:  # noqa: BLE001 - every handle waited, the first raised
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+        return {"checkpoint": str(path),
+                "checkpoint_write_seconds": max(h.finished_at for h in handles) - t0}
+
+    def _fits(self, copy: int) -> bool:
+        """Whether this host has room for the ranks' copies (half its available memory, on
+        every host: the ranks agree); otherwise the save is synchronous, said once."""
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        available = _available_host_memory()
+        big = available is not None and copy * ranks > available / 2
+        flag = torch.tensor([int(big)], dtype=torch.int64)
+        if not bool(all_reduce_sum(flag, op=dist.ReduceOp.MAX).item()):
+            return True
+        if not self._warned:
+            self._warned = True
+            log(f"checkpoint.async_save: saving synchronously: the host copy of the state "
+                f"({copy * ranks / 2**30:.1f} GiB for {ranks} rank(s) on a host) exceeds half "
+                f"of its available memory")
+        return False
+
+
+def _copy_bytes(state) -> int:
+    """Bytes of this rank's shards that a checkpoint of ``state`` copies (what save_checkpoint
+    saves: weights, or adapters alone with LoRA, and the optimizer's state)."""
+    from fsdpfn.checkpoint.save import _optimizer_status, _to_save
+
+    def local(value) -> int:
+        if isinstance(value, dict):
+            return sum(local(v) for v in value.values())
+        if isinstance(value, torch.Tensor):
+            value = value.to_local() if hasattr(value, "to_local") else value
+            return value.numel() * value.element_size()
+        return 0
+
+    return local(_to_save(state, _optimizer_status(state)))
+
+
+def _available_host_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class Metrics:

@@ -26,8 +26,8 @@ from fsdpfn import keys as K
 from fsdpfn.app.recipes.data import load_source
 from fsdpfn.app.recipes.engine import build_engine, engines
 from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
-from fsdpfn.app.recipes.runtime import Metrics, Progress, RunContext, is_main, log, \
-    mean_sequence_prob
+from fsdpfn.app.recipes.runtime import Checkpoints, Metrics, Progress, RunContext, is_main, \
+    log, mean_sequence_prob
 from fsdpfn.app.recipes.task import sequences_batch
 
 __all__ = ["run_sft", "run_rw", "run_dpo", "nll_loss", "pairwise_loss"]
@@ -90,6 +90,7 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
                       tensorboard=ctx.run_dir / "tensorboard" if cfg.log.tensorboard else None,
                       wandb=cfg.log.wandb)
     bar = Progress(phase, cfg.steps, start=start, every=cfg.log.every, enabled=cfg.log.progress)
+    saves = Checkpoints(cfg.checkpoint)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         batch = make_batch(source.take(cursor, per_step))  # the global batch, on every rank
@@ -108,10 +109,11 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
         every = cfg.checkpoint.every
         if (every and step % every == 0) or step == cfg.steps or stop:
             path = ctx.run_dir / "checkpoints" / f"step_{step:06d}"
-            ff.save_checkpoint(state, path, extra={"step": step, "recipe": phase,
-                                                   "data_cursor": cursor},
-                               keep_last=cfg.checkpoint.keep_last)
-            row["checkpoint"] = str(path)
+            row.update(saves.save([(state, path, {"step": step, "recipe": phase,
+                                                  "data_cursor": cursor})],
+                                  final=step == cfg.steps or stop))
+        else:
+            row.update(saves.poll())
         metrics.write(row)
         bar.update(step, loss=row["loss"], **{k: row[k] for k in keys[:2]},
                    **{k: v for k, v in row.items() if k.startswith("eval_")},
