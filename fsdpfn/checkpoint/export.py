@@ -15,9 +15,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdpfn.engine import lora
-from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.engine.agree import agree_on_error, is_rank_zero
 from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, _as_path, _cleanup, _discard,
-                                     _fsync_dir, _publish, _rank, _side_path, _wrap)
+                                     _fsync_dir, _publish, _side_path, _wrap)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
 
@@ -210,7 +210,7 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
     full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
     error = None
-    if _rank() == 0:
+    if is_rank_zero():
         try:
             _write_hf(state, full, target, torch_dt, max_bytes)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear
@@ -221,9 +221,9 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
 
 def _export_adapter(state: EngineState, target: Path, dtype: torch.dtype) -> None:
     """Collective: the adapters gathered whole; rank 0 writes peft's adapter directory."""
-    tensors = lora.gather_adapters(state.model, device=state.mesh.device, keep=_rank() == 0)
+    tensors = lora.gather_adapters(state.model, device=state.mesh.device, keep=is_rank_zero())
     error = None
-    if _rank() == 0:
+    if is_rank_zero():
         try:
             _write_adapter(state, tensors, target, dtype)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear

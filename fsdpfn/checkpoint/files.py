@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from fsdpfn.engine.agree import rank as _rank, world_size as _world  # noqa: F401 - save.py
 from fsdpfn.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -252,14 +253,6 @@ def latest_checkpoint(root) -> Path | None:
 
 
 # ---------------------------------------------------------------- collective helpers
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _broadcast(value):

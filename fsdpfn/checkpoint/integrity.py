@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
+from fsdpfn.engine import agree
 from fsdpfn.errors import CheckpointError
 from fsdpfn.wire import checksum
 
@@ -269,8 +270,7 @@ def verify(local: tuple[list, list], planner: VerifyingPlanner, root: Path
     the record. The same verdict on every rank: None, or a CheckpointError naming the file and
     the tensor."""
     mine, values = local
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    world, rank = agree.world_size(), agree.rank()
     every = [mine]
     if world > 1:
         every = [None] * world

@@ -4,6 +4,7 @@ others waiting in a collective.
 agree_on_error           every rank of the job raises if any rank has an error
 agree_on_error_in_group  the same over one process group (e.g. an async save's own group)
 is_rank_zero             the rank that talks to the outside (receivers, servers) for the job
+rank, world_size         this process's rank and the job's size (0 and 1 without a process group)
 capture_error            run a step on rank 0 and keep its failure as a typed error to agree on
 share_from_rank_zero     rank 0's value (or error) on every rank, in one collective
 """
@@ -20,8 +21,8 @@ from fsdpfn.errors import WeightSyncError
 if TYPE_CHECKING:
     from fsdpfn.engine.mesh import Mesh
 
-__all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "capture_error",
-           "share_from_rank_zero"]
+__all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "rank", "world_size",
+           "capture_error", "share_from_rank_zero"]
 
 
 def agree_on_error(mesh: Mesh | None, exc: BaseException | None) -> None:
@@ -61,10 +62,20 @@ def _raise_local(exc: BaseException | None) -> None:
         raise exc
 
 
+def rank() -> int:
+    """This process's rank in the default group; 0 in a job without one."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks of the default group; 1 in a job without one."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def is_rank_zero() -> bool:
     """Rank 0 of the default group (or a job without one) talks to the outside; the others
     only take part in the collectives."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return rank() == 0
 
 
 def capture_error(fn: Callable[[], Any], what: str, *,
@@ -84,7 +95,7 @@ def capture_error(fn: Callable[[], Any], what: str, *,
 def share_from_rank_zero(value: Any, error: WeightSyncError | None) -> Any:
     """Rank 0's (value, error) on every rank (one collective); returns the value, or raises a
     WeightSyncError on every rank when rank 0 has an error. Other ranks pass (None, None)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         box = [value, None if error is None else str(error)]
         dist.broadcast_object_list(box, src=0)
         value, message = box

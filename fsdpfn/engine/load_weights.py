@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpfn.engine import lora
-from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.engine.agree import agree_on_error, is_rank_zero, world_size
 from fsdpfn.errors import ConfigError
 
 __all__ = ["load_weights", "build_skeleton", "restore_buffers", "torch_dtype", "DiskWeights",
@@ -299,8 +299,8 @@ def load_weights(model: nn.Module, hf_config, config, mesh) -> None:
     """Fill ``model`` (a PackedModel whose shards are materialised) with the weights of
     ``config.model_path``, or HF's random init under ``config.seed``; see the module doc."""
     lm = model.lm
-    broadcast = config.fsdp.memory_efficient_load and dist.get_world_size() > 1
-    reads = not broadcast or dist.get_rank() == 0
+    broadcast = config.fsdp.memory_efficient_load and world_size() > 1
+    reads = not broadcast or is_rank_zero()
     dtype = torch_dtype(config.optimizer_dtype)
     source = plan = error = None
     try:

@@ -29,18 +29,14 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.engine.agree import rank
 from fsdpfn.engine.timing import PROFILER
 
 __all__ = ["profile", "ProfileSession"]
 
 _MEMORY_ENTRIES = 100_000  # allocator events kept for a snapshot
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class ProfileSession:
@@ -73,12 +69,12 @@ class ProfileSession:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         if stem is not None:
-            path = self.out_dir / f"{stem}_rank{_rank()}.json"
+            path = self.out_dir / f"{stem}_rank{rank()}.json"
             prof.export_chrome_trace(str(path))
             self.written.append(path)
         if self.memory and self._cuda:
             if stem is not None:
-                path = self.out_dir / f"{stem}_rank{_rank()}.memory.pickle"
+                path = self.out_dir / f"{stem}_rank{rank()}.memory.pickle"
                 torch.cuda.memory._dump_snapshot(str(path))  # noqa: SLF001
                 self.written.append(path)
             torch.cuda.memory._record_memory_history(enabled=None)  # noqa: SLF001

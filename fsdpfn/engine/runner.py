@@ -19,6 +19,7 @@ from fsdpfn.batch import (Packed, next_token_targets, plan_microbatches, row_len
                           shift_to_token_aligned, validate_batch)
 from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, MicroBatchSpec
 from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
+from fsdpfn.engine.agree import world_size
 from fsdpfn.engine.state import EngineState, check_live
 
 __all__ = ["prepare", "plan", "model_outputs", "empty_packed", "resolve_mb_spec",
@@ -140,7 +141,7 @@ def plan(state: EngineState, batch, *, group_size: int = 1,
         error = exc
     check_live(state, "plan", local_error=error)
     count = torch.tensor([len(rows)], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if int(count.item()) > len(rows):
         rows = plan_microbatches(lens, **budget, n_mbs=spec.n_mbs, group_size=group_size,

@@ -30,6 +30,7 @@ from tensordict import TensorDict
 
 from fsdpfn import keys as K
 from fsdpfn.engine import timing
+from fsdpfn.engine.agree import world_size
 from fsdpfn.batch import pack, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError, MicroBatchOOMError
@@ -70,7 +71,7 @@ def global_grad_norm(model: torch.nn.Module, mesh: Mesh) -> torch.Tensor:
     shard (replicas over mesh axes a parameter is not sharded on), then one all-reduce over the
     world: correct for FSDP, TP and 2D parameters alike, with no cross-mesh stacking.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     total = torch.zeros((), dtype=torch.float32, device=mesh.device)
     for param in model.parameters():
         grad = param.grad

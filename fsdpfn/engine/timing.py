@@ -54,6 +54,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fsdpfn.engine.agree import world_size
+
 __all__ = ["STAGES", "KEYS", "Clock", "enter", "region", "timed", "last_timings",
            "measure_peak_tflops", "matmul_params", "model_flops"]
 
@@ -277,8 +279,8 @@ def _agree_numbers(state, seconds: dict[str, float], batch):
                             float((lens * lens).sum()) / replicas,
                             peak if peak is not None else 0.0], dtype=torch.float64)
     rows = local[None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    if world_size() > 1:
+        parts = [torch.zeros_like(local) for _ in range(world_size())]
         dist.all_gather(parts, local)
         rows = torch.stack(parts)
     n = len(names)
@@ -293,7 +295,7 @@ def _agree_numbers(state, seconds: dict[str, float], batch):
 def _numbers(state, seconds, batch, passes: int) -> dict[str, float]:
     out, tokens, sum_sq, peak = _agree_numbers(state, seconds, batch)
     if peak:
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = world_size()
         flops = model_flops(state, tokens, sum_sq, passes)
         out["mfu"] = flops / (out["time_total"] * world * peak * 1e12)
     return out
