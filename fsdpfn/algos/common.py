@@ -18,12 +18,6 @@ def token_mean_stat(x: torch.Tensor, mask: torch.Tensor, ctx: StepContext) -> to
     return total * (ctx.denominator / max(ctx.n_tokens, 1))
 
 
-def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if not bool(mask.any()):
-        return torch.zeros((), device=x.device)
-    return x.detach().float()[mask].max()
-
-
 def present(batch, key: str) -> bool:
     return key in batch.keys()
 

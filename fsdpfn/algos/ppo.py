@@ -7,10 +7,11 @@ import warnings
 import torch
 
 from fsdpfn import keys as K
-from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, masked_max, minibatch_order, present,
+from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_order, present,
                                  token_mean_stat)
 from fsdpfn.config import PPOConfig
-from fsdpfn.ops import aggregate_sum, behav_gap_terms, kl, masked_values, policy_loss_terms
+from fsdpfn.ops import (aggregate_sum, behav_gap_terms, kl, masked_max, masked_values,
+                        policy_loss_terms)
 from fsdpfn.engine.objective import Objective
 from fsdpfn.engine.step import StepContext, grad_step
 

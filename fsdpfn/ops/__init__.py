@@ -6,7 +6,8 @@ sensible, takes bool masks, computes in float32 and is autograd-friendly.
 
 from fsdpfn.ops.advantages import (gae, group_advantages, kl_in_reward, outcome_to_token_rewards,
                                    scale_rewards, whiten)
-from fsdpfn.ops.aggregate import AGG_MODES, aggregate, aggregate_sum, aggregate_sum_packed, masked_values
+from fsdpfn.ops.aggregate import (AGG_MODES, aggregate, aggregate_sum, aggregate_sum_packed, masked_max,
+                                  masked_values)
 from fsdpfn.ops.correction import (BEHAV_CORRECTIONS, BEHAV_LEVELS, BehavWeights, behav_gap_terms,
                                    behav_log_ratio, behav_stats, behav_weights)
 from fsdpfn.ops.kl import KL_KINDS, kl
@@ -24,7 +25,7 @@ __all__ = [
     # kl
     "kl", "KL_KINDS",
     # aggregation
-    "aggregate", "aggregate_sum", "aggregate_sum_packed", "masked_values", "AGG_MODES",
+    "aggregate", "aggregate_sum", "aggregate_sum_packed", "masked_values", "masked_max", "AGG_MODES",
     # losses
     "policy_loss", "policy_loss_terms", "PolicyTerms", "value_loss", "value_loss_with_stats",
     "value_loss_terms", "ValueTerms",

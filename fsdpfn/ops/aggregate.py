@@ -12,7 +12,8 @@ import torch
 
 from fsdpfn.errors import BatchError, ConfigError
 
-__all__ = ["aggregate", "aggregate_sum", "aggregate_sum_packed", "AGG_MODES"]
+__all__ = ["aggregate", "aggregate_sum", "aggregate_sum_packed", "masked_values", "masked_max",
+           "AGG_MODES"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -28,6 +29,15 @@ def masked_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise BatchError(f"mask must have the shape of x {tuple(x.shape)}, got {tuple(mask.shape)}")
     x = x.float()
     return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The largest entry of ``x`` under a True mask, a detached float32 0-d tensor; 0 when the
+    mask holds none (a statistic of a micro-batch without loss tokens)."""
+    mask = mask.bool()
+    if not bool(mask.any()):
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.where(mask, x.detach().float(), float("-inf")).max()
 
 
 def _rows_sum(xm: torch.Tensor, m: torch.Tensor, mode: str):

@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import masked_values
+from fsdpfn.ops.aggregate import masked_max, masked_values
 from fsdpfn.ops.kl import kl
 
 __all__ = ["BEHAV_CORRECTIONS", "BEHAV_LEVELS", "BehavWeights", "behav_log_ratio", "behav_weights",
@@ -139,7 +139,7 @@ def behav_stats(old_logp, behav_logp, mask, weights: Optional[BehavWeights] = No
     mask = mask.bool()
     gap, k3 = behav_gap_terms(old_logp, behav_logp, mask)
     stats = {"behav_gap_mean": _mean(gap, mask),
-             "behav_gap_max": gap.max() if bool(mask.any()) else gap.new_zeros(()),
+             "behav_gap_max": masked_max(gap, mask),
              "behav_kl": _mean(k3, mask)}
     if weights is not None:
         rows = mask.any(-1)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import aggregate, aggregate_sum, masked_values
+from fsdpfn.ops.aggregate import aggregate, aggregate_sum, masked_max, masked_values
 from fsdpfn.ops.correction import BehavWeights, behav_stats, behav_weights
 
 __all__ = [
@@ -44,13 +44,6 @@ def _stat(x: torch.Tensor) -> torch.Tensor:
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_values(x, mask).sum() / mask.sum().clamp(min=1).float()
-
-
-def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Max over masked entries; 0 when there are none."""
-    if not bool(mask.any()):
-        return x.new_zeros((), dtype=torch.float32)
-    return torch.where(mask, x.float(), float("-inf")).max()
 
 
 def _check_same_shape(mask: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
@@ -202,11 +195,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
         "dual_clip_frac": _masked_mean(terms.dual_clipped, mask),
         "approx_kl": _masked_mean(terms.neg_log_ratio, mask),
         "ratio_mean": _masked_mean(terms.ratio, mask),
-        "ratio_max": _masked_max(terms.ratio, mask),
+        "ratio_max": masked_max(terms.ratio, mask),
     }
     if terms.behav_weight is not None:
         stats["behav_weight_mean"] = _masked_mean(terms.behav_weight, mask)
-        stats["behav_weight_max"] = _masked_max(terms.behav_weight, mask)
+        stats["behav_weight_max"] = masked_max(terms.behav_weight, mask)
         if behav_correction is not None:
             stats.update(behav_stats(old_logp, behav_logp, mask, terms.behav))
     return loss, {k: _stat(v) for k, v in stats.items()}
