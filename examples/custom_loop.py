@@ -138,7 +138,9 @@ def main() -> None:
         push_weights(actor, target)
 
         # 3. RL with the custom loss
-        loss_fn = reinforce_kl_loss(args.kl_coef)
+        # the loss and what it reads, as one value; minibatches keep each group whole
+        objective = ff.Objective(reinforce_kl_loss(args.kl_coef), group_size=G,
+                                 require=(K.LOSS_MASK, K.OLD_LOGP, K.REF_LOGP, K.ADVANTAGES))
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             data = from_rank0(lambda: rollout(url, task, tok, args.prompts, G, seed=10**6 + step))
@@ -150,10 +152,7 @@ def main() -> None:
             # a group split over ranks would be a BatchError here, not a wrong advantage
             batch = ff.compute_advantages(batch, ff.AdvantageConfig(estimator="rloo",
                                                                     group_size=G), mesh=mesh)
-            actor, stats = ff.grad_step(actor, batch, loss_fn, optimizer_steps=2,
-                                        require=(K.LOSS_MASK, K.OLD_LOGP, K.REF_LOGP,
-                                                 K.ADVANTAGES),
-                                        group_size=G)       # minibatches keep groups whole
+            actor, stats = ff.grad_step(actor, batch, objective, optimizer_steps=2)
             receipt = push_weights(actor, target)
             if rank0:
                 print(f"step {step:3d}  reward {float(data[K.REWARDS].mean()):.3f}"

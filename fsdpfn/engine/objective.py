@@ -9,7 +9,8 @@
 missing); ``group_size`` rows kept together in minibatches (GRPO groups, pairs: 2); ``pairs``:
 rows 2i, 2i+1 are a (chosen, rejected) pair; ``with_entropy`` / ``temperature`` for the actor's
 outputs; ``name`` the function named in errors. Every ``*_step`` of fsdpfn.algos builds one and
-hands it to grad_step; a bare loss_fn with these as keywords still works.
+hands it to grad_step; a bare loss_fn is an Objective with these at their defaults (grad_step
+and evaluate take no option beside the loss: it is set here, once).
 """
 
 from __future__ import annotations
@@ -19,15 +20,11 @@ from typing import Callable
 import attrs
 
 from fsdpfn import keys as K
-from fsdpfn.errors import ConfigError
 from fsdpfn.validators import one_of, satisfies
 
 __all__ = ["Objective", "NORMALIZERS", "as_objective"]
 
 NORMALIZERS = ("tokens", "sequences", "rows", "pairs", "none")
-# the options an Objective carries, with grad_step's keyword defaults
-OPTIONS = {"normalizer": "tokens", "require": (K.LOSS_MASK,), "why": None, "group_size": 1,
-           "pairs": False, "with_entropy": False, "temperature": 1.0}
 
 
 _callable = satisfies("must be callable (outputs, minibatch, ctx) -> (loss_sum, stats)", callable,
@@ -51,13 +48,8 @@ class Objective:
     name: str = "grad_step"
 
 
-def as_objective(loss, name: str | None, **options) -> Objective:
-    """``loss`` as an Objective: itself (the keyword options must then be left at their
-    defaults: they belong in the Objective), or a bare loss_fn with the keyword options."""
-    if isinstance(loss, Objective):
-        changed = [k for k, v in options.items() if v != OPTIONS[k]]
-        if changed:
-            raise ConfigError(f"{changed[0]}: set it in the Objective, not beside it, got "
-                              f"{options[changed[0]]!r}")
-        return loss if name is None else attrs.evolve(loss, name=name)
-    return Objective(loss, name=name or "grad_step", **options)
+def as_objective(loss, name: str | None = None) -> Objective:
+    """``loss`` as an Objective: itself, or a bare loss_fn with the default options; ``name``
+    (evaluate's) replaces the function named in errors."""
+    objective = loss if isinstance(loss, Objective) else Objective(loss)
+    return objective if name is None else attrs.evolve(objective, name=name)

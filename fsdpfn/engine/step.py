@@ -242,16 +242,13 @@ def _check_common(state, optimizer_steps, fn_name, needs_optimizer):
 
 @timing.timed("grad_step", passes=3, attach=True, step=True)
 def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
-              optimizer_steps: int = 1, normalizer: str = "tokens",
-              require: Sequence[str] = (K.LOSS_MASK,), why: dict | None = None,
-              group_size: int = 1, pairs: bool = False, with_entropy: bool = False,
-              temperature: float = 1.0, order: Sequence[int] | None = None,
-              mb_spec: MicroBatchSpec | None = None,
-              fn_name: str | None = None) -> tuple[EngineState, TensorDict]:
+              optimizer_steps: int = 1, order: Sequence[int] | None = None,
+              mb_spec: MicroBatchSpec | None = None) -> tuple[EngineState, TensorDict]:
     """Forward, backward, clip and ``optimizer_steps`` optimizer steps; see the module docstring.
 
     ``loss_fn`` is an Objective (fsdpfn.engine.objective: the loss and its options in one value) or a
-    bare loss function with the options as keywords.
+    bare ``loss_fn(outputs, minibatch, ctx) -> (loss_sum, stats)``, run as an Objective with the
+    default options. ``order``: the row order its minibatches are cut from (None: as given).
 
     Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks): the
     loss_fn's keys, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``skipped`` (optimizer steps
@@ -267,14 +264,12 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     """
     error, spec, obj = None, None, None
     try:
-        obj = as_objective(loss_fn, fn_name, normalizer=normalizer, require=require, why=why,
-                           group_size=group_size, pairs=pairs, with_entropy=with_entropy,
-                           temperature=temperature)
+        obj = as_objective(loss_fn)
         _check_common(state, optimizer_steps, obj.name, True)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
-    fn_name = obj.name if obj is not None else (fn_name or "grad_step")
+    fn_name = obj.name if obj is not None else "grad_step"
     check_live(state, fn_name, local_error=error)
     loss_fn, group_size = obj.loss_fn, obj.group_size
     prepare(state, batch, fn_name, require=obj.require, why=obj.why,
@@ -332,18 +327,13 @@ def _oom_after_steps(state: EngineState, fn_name: str, exc: MicroBatchOOMError,
 @timing.timed("evaluate", passes=1, attach=True)
 @torch.no_grad()
 def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
-             normalizer: str = "tokens", require: Sequence[str] = (K.LOSS_MASK,),
-             why: dict | None = None, group_size: int = 1, pairs: bool = False,
-             with_entropy: bool = False, temperature: float = 1.0,
              mb_spec: MicroBatchSpec | None = None) -> TensorDict:
-    """The stats grad_step would report for ``batch`` (an Objective, or a loss_fn with the
-    options as keywords), without changing the state (``mb_spec`` overrides the state's
+    """The stats grad_step would report for ``batch`` (an Objective, or a bare loss_fn run with
+    the default options), without changing the state (``mb_spec`` overrides the state's
     micro-batching for this call)."""
     error, spec, obj = None, None, None
     try:
-        obj = as_objective(loss_fn, "evaluate", normalizer=normalizer, require=require,
-                           why=why, group_size=group_size, pairs=pairs,
-                           with_entropy=with_entropy, temperature=temperature)
+        obj = as_objective(loss_fn, "evaluate")
         _check_common(state, 1, "evaluate", False)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:

@@ -326,10 +326,9 @@ def timed(name: str, *, passes: int, attach: bool, step: bool = False) -> Callab
             if not isinstance(state, EngineState) or not (state.config.timing or session):
                 return fn(*args, **kwargs)
             measure = state.config.timing
-            # the caller's name: fn_name=, or the Objective's (a *_step hands grad_step one)
+            # the caller's name: the Objective's (a *_step hands grad_step one)
             objective = args[2] if len(args) > 2 else kwargs.get("loss_fn")
-            label = kwargs.get("fn_name") or (getattr(objective, "name", None) if step
-                                               else None) or name
+            label = (getattr(objective, "name", None) if step else None) or name
             with contextlib.ExitStack() as stack:
                 if session is not None:
                     stack.enter_context(torch.profiler.record_function(f"fsdpfn.{label}"))

@@ -1,5 +1,6 @@
 """An algorithm as one value: grad_step and evaluate take an Objective (the loss and what it
-reads) exactly as they take a loss_fn with keywords; options given twice are refused."""
+reads), and a bare loss_fn runs exactly as the Objective with the default options; the options
+are given in the Objective only (a keyword beside the loss is a TypeError)."""
 
 from __future__ import annotations
 
@@ -20,39 +21,36 @@ def seq_mean_nll(outputs, mb, ctx):
     return per_row.sum(), {"rows_seen": torch.tensor(float(mb[K.LOSS_MASK].shape[0]))}
 
 
-def objective_equals_keywords():
+def bare_loss_equals_default_objective():
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
     cfg = ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(), dtype="float32",
                           optimizer=ff.OptimizerConfig(lr=1e-2), timing=False)
     batch = random_batch(8, 12, seed=3, group_size=2)
-    objective = ff.Objective(seq_mean_nll, normalizer="sequences", group_size=2,
-                             temperature=0.7)
     results = []
-    for loss in ("objective", "keywords"):
+    for loss in (ff.Objective(seq_mean_nll), seq_mean_nll):
         state = ff.shard_model(cfg, mesh)
-        if loss == "objective":
-            ev = ff.evaluate(state, batch, objective)
-            state, stats = ff.grad_step(state, batch, objective, optimizer_steps=2)
-        else:
-            ev = ff.evaluate(state, batch, seq_mean_nll, normalizer="sequences", group_size=2,
-                             temperature=0.7)
-            state, stats = ff.grad_step(state, batch, seq_mean_nll, optimizer_steps=2,
-                                        normalizer="sequences", group_size=2, temperature=0.7)
+        ev = ff.evaluate(state, batch, loss)
+        state, stats = ff.grad_step(state, batch, loss, optimizer_steps=2)
         params = [p.detach().full_tensor().clone() if hasattr(p, "full_tensor")
                   else p.detach().clone() for p in state.model.parameters()]
         results.append((dict(ev.items()), dict(stats.items()), params))
-    state = ff.shard_model(cfg, mesh)
-    try:
-        ff.grad_step(state, batch, objective, normalizer="tokens", group_size=4)
-        mixed = None
-    except ff.ConfigError as exc:
-        mixed = str(exc)
-    return results, mixed
+    # an Objective with options runs, and its options apply (groups of 2 kept whole)
+    objective = ff.Objective(seq_mean_nll, normalizer="sequences", group_size=2,
+                             temperature=0.7)
+    state, stats = ff.grad_step(ff.shard_model(cfg, mesh), batch, objective, optimizer_steps=2)
+    refused = []
+    for fn in (ff.grad_step, ff.evaluate):
+        try:
+            fn(state, batch, seq_mean_nll, normalizer="sequences")
+        except TypeError as exc:
+            refused.append(str(exc))
+    return results, (float(stats["steps"]), refused)
 
 
 @pytest.mark.timeout(200)
-def test_objective_runs_exactly_as_the_keywords_do(spmd2):
-    for (a, b), mixed in [(r[0], r[1]) for r in spmd2.run(objective_equals_keywords, timeout=150)]:
+def test_a_bare_loss_runs_exactly_as_the_default_objective(spmd2):
+    for a, b, (steps, refused) in [(*r[0], r[1]) for r in
+                                   spmd2.run(bare_loss_equals_default_objective, timeout=150)]:
         (ev_a, st_a, p_a), (ev_b, st_b, p_b) = a, b
         assert ev_a.keys() == ev_b.keys() and st_a.keys() == st_b.keys()
         for k in ev_a:
@@ -60,20 +58,22 @@ def test_objective_runs_exactly_as_the_keywords_do(spmd2):
         for k in st_a:
             assert float(st_a[k]) == float(st_b[k]), k
         assert all(torch.equal(x, y) for x, y in zip(p_a, p_b))
-        assert mixed == "group_size: set it in the Objective, not beside it, got 4"
+        assert steps == 2.0
+        assert len(refused) == 2 and all("normalizer" in m for m in refused), refused
 
 
 def test_as_objective_rules():
     fn = seq_mean_nll
-    assert as_objective(fn, None).name == "grad_step"
-    assert as_objective(fn, "my_step", normalizer="rows").normalizer == "rows"
-    obj = ff.Objective(fn, name="a")
-    assert as_objective(obj, None) is obj and as_objective(obj, "b").name == "b"
+    assert as_objective(fn) == ff.Objective(fn) and as_objective(fn).name == "grad_step"
+    assert as_objective(fn, "evaluate").name == "evaluate"
+    obj = ff.Objective(fn, name="a", normalizer="rows")
+    assert as_objective(obj) is obj and as_objective(obj, "b") == ff.Objective(
+        fn, name="b", normalizer="rows")
     with pytest.raises(ff.ConfigError, match=r"normalizer: must be one of .*got 'row'"):
         ff.Objective(fn, normalizer="row")
     with pytest.raises(ff.ConfigError, match=r"loss_fn: must be callable .*got int"):
         ff.Objective(3)
     with pytest.raises(ff.ConfigError, match=r"group_size: must be an integer >= 1, got 0"):
         ff.Objective(fn, group_size=0)
-    with pytest.raises(ff.ConfigError, match=r"pairs: set it in the Objective"):
+    with pytest.raises(TypeError):
         as_objective(obj, None, pairs=True)

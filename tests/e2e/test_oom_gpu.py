@@ -92,6 +92,6 @@ def _ppo_step(state, batch, mb_spec):
     if "mb_spec" in inspect.signature(ff.ppo_step).parameters:
         return ff.ppo_step(state, batch, config, mb_spec=mb_spec)
     from fsdpfn.algos.ppo import ppo_loss_fn
-    return ff.grad_step(state, batch, ppo_loss_fn(config),
-                        require=(K.LOSS_MASK, K.OLD_LOGP, K.ADVANTAGES), mb_spec=mb_spec,
-                        fn_name="ppo_step")
+    objective = ff.Objective(ppo_loss_fn(config), require=(K.LOSS_MASK, K.OLD_LOGP, K.ADVANTAGES),
+                             name="ppo_step")
+    return ff.grad_step(state, batch, objective, mb_spec=mb_spec)

@@ -181,8 +181,8 @@ def run_rw(cfg, ctx: RunContext):
         held_local = ff.shard_batch(_pair_batch(held), mesh, group_size=2)
 
         def evaluate(s):
-            stats = ff.evaluate(s, held_local, pairwise_loss, normalizer="pairs", require=(),
-                                group_size=2, pairs=True)
+            stats = ff.evaluate(s, held_local, ff.Objective(
+                pairwise_loss, normalizer="pairs", require=(), group_size=2, pairs=True))
             return {"eval_loss": float(stats["loss"]),
                     "eval_accuracy": float(stats["accuracy"])}
 
