@@ -60,14 +60,6 @@ def peft_key(name: str) -> str:
     return "base_model.model." + name.replace(_A, ".lora_A.").replace(_B, ".lora_B.")
 
 
-def _module_of(name: str) -> str:
-    """The target module of an adapter name (``lm.`` kept)."""
-    for part in (_A, _B):
-        if part in name:
-            return name.split(part)[0]
-    raise ValueError(name)
-
-
 # ---------------------------------------------------------------- building
 
 

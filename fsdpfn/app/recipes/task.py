@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
 __all__ = ["CharTokenizer", "AdditionTask", "TinyModel", "save_initial_model", "sft_batch",
-           "pair_batch", "rollout_batch", "sequences_batch"]
+           "rollout_batch", "sequences_batch"]
 
 
 
@@ -148,18 +148,6 @@ def wrong_answer(a: int, b: int, rng: random.Random) -> int:
                                                                   and len(digits) > 1)]
     digits[i] = rng.choice(choices)
     return int("".join(digits))
-
-
-def pair_batch(task: AdditionTask, tok: CharTokenizer, n_pairs: int, *, seed: int) -> TensorDict:
-    """Preference pairs: row 2i the correct sum (chosen), row 2i+1 a near miss (rejected)."""
-    rng = random.Random(seed + 7919)
-    rows, plens = [], []
-    for a, b in task.sample(n_pairs, seed=seed):
-        prompt = task.prompt_ids(tok, a, b)
-        for value in (a + b, wrong_answer(a, b, rng)):
-            rows.append(prompt + task.answer_ids(tok, value))
-            plens.append(len(prompt))
-    return _pad_rows(rows, plens)
 
 
 def rollout_batch(prompts: list[list[int]], outputs: list[dict], group_size: int,
