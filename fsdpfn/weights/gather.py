@@ -165,32 +165,24 @@ def _full(p: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Te
     return p.detach().to(device=device, dtype=dtype)
 
 
-def _layout_kind(p: torch.Tensor) -> tuple[str, Any]:
+def _layout_kind(p: torch.Tensor, sizes: dict[int, int]) -> tuple[str, Any]:
     """How a parameter is gathered: ("whole", None) when this rank holds all of it (a plain
     tensor, or a DTensor on a one-rank mesh), ("dim0", mesh) for FSDP's Shard(0) on a 1-D mesh
-    (gathered with its bucket in one all-gather), ("general", None) otherwise (full_tensor)."""
+    (gathered with its bucket in one all-gather), ("general", None) otherwise (full_tensor).
+    ``sizes``: the caller's mesh sizes by id(mesh), filled here (DeviceMesh.size() walks the
+    mesh's layout on every call, and a bucket asks once per parameter)."""
     if not isinstance(p, DTensor):
         return "whole", None
     mesh = p.device_mesh
-    if _mesh_size(mesh) == 1:
+    if id(mesh) not in sizes:
+        sizes[id(mesh)] = mesh.size()
+    if sizes[id(mesh)] == 1:
         return "whole", None
     placement = p.placements[0] if len(p.placements) == 1 else None
     if (mesh.ndim == 1 and p.ndim >= 1 and type(placement) is Shard  # noqa: E721 - not _Strided
             and placement.dim == 0):
         return "dim0", mesh
     return "general", None
-
-
-_MESH_SIZES: dict[int, tuple[Any, int]] = {}
-
-
-def _mesh_size(mesh) -> int:
-    """mesh.size(), remembered per mesh (it is computed from the mesh layout on every call, and
-    a push asks once per parameter)."""
-    hit = _MESH_SIZES.get(id(mesh))
-    if hit is None or hit[0] is not mesh:
-        hit = _MESH_SIZES[id(mesh)] = (mesh, mesh.size())
-    return hit[1]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -265,12 +257,13 @@ def _gather_bucket(params, bucket: Bucket, device: torch.device, keep: bool):
     typed = buf.view(bucket.specs[0].dtype) if keep else None  # one dtype per bucket
     size = bucket.specs[0].dtype.itemsize
     dim0: dict[int, tuple[Any, list]] = {}
+    sizes: dict[int, int] = {}  # by id(mesh): the parameters' meshes live through the bucket
     whole_dst, whole_src = [], []  # copied by one multi-tensor call (casting) per bucket
     for spec, offset in zip(bucket.specs, bucket.offsets):
         p = params[spec.name]
         dst = typed.as_strided(spec.shape, _strides(spec.shape), offset // size) \
             if keep else None
-        kind, mesh = _layout_kind(p)
+        kind, mesh = _layout_kind(p, sizes)
         if isinstance(p, lora.MergedWeight):
             whole = p.full(spec.dtype, device)
             if dst is not None:
