@@ -19,8 +19,9 @@ from typing import Any, Callable, NoReturn
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["fail", "is_number", "is_nonempty_str", "satisfies", "integer", "number", "one_of", "boolean",
-           "str_tuple", "to_tuple", "to_float", "to_opt_float", "int_to_float", "to_path"]
+__all__ = ["fail", "is_number", "is_nonempty_str", "satisfies", "integer", "number", "one_of",
+           "boolean", "str_tuple", "to_tuple", "to_float", "to_opt_float", "int_to_float",
+           "to_path"]
 
 
 def fail(name: str, rule: str, value: Any, *, shown: str | None = None) -> NoReturn:

@@ -52,8 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "compiled once on first use; inductor fuses the elementwise work)")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
-                        "default kernels), when liger_kernel is installed: 11.75 against 13.09 "
-                        "ms a decode step at 512 rows on an H200 (default on; a no-op on CPU)")
+                        "default kernels), when liger_kernel is installed: fewer kernel launches "
+                        "and passes over the activations per decode step (BENCHMARKS.md, "
+                        "'Decode step per kernel'; default on; a no-op on CPU)")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when the process with this pid exits (the launcher that started "

@@ -19,7 +19,7 @@ Splits are chosen per launch so that rows x kv heads x splits fills the GPU; at 
 
 Against torch's flash forward, which computes each row on a query tile of at least 64 rows of
 which only the kv head's query heads are real, this reads the cache near the copy bandwidth
-(per-layer times: BENCHMARKS.md, Decode attention kernel).
+(per-layer times: BENCHMARKS.md, "Decode attention kernel").
 """
 
 from __future__ import annotations

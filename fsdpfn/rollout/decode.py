@@ -1,15 +1,15 @@
 """The rollout server's own decode loop: a slot KV cache, continuous batching, CUDA graphs.
 
-Why not ``model.generate``: it re-runs HF's Python per step (masks, cache bookkeeping, logits
-processors, stopping criteria), about 90 ms of host time per step on a 28-layer model whatever
-the batch; the GPU waits. Why not transformers' continuous batching: its log-probs are taken after
-the logits processors (top-p / top-k truncated, not the ``behav_logp`` convention below), it has
-one sampling config per manager (no per-request temperature / top-p), and its API moved between
-the 5.x releases we run on. What is kept from transformers: the model's own modules (embedding,
-norms, q/k/v/o projections, MLPs, rotary tables, lm_head) and parameters, so a weight update that
-re-points the parameters is what the loop reads. What is ours: the KV cache and attention
-(fsdpfn/rollout/slot_model.py), the token draws (fsdpfn/rollout/device_sampling.py), and the
-scheduling below.
+Why not ``model.generate``: it re-runs HF's Python (masks, cache bookkeeping, logits processors,
+stopping criteria) on the host at every step whatever the batch, and the GPU waits (BENCHMARKS.md,
+"Decode loop (rollout server)", its "before the loop" row). Why not transformers' continuous
+batching: its log-probs are taken after the logits processors (top-p / top-k truncated, not the
+``behav_logp`` convention below), it has one sampling config per manager (no per-request
+temperature / top-p), and its API moved between the 5.x releases we run on. What is kept from
+transformers: the model's own modules (embedding, norms, q/k/v/o projections, MLPs, rotary tables,
+lm_head) and parameters, so a weight update that re-points the parameters is what the loop reads.
+What is ours: the KV cache and attention (fsdpfn/rollout/slot_model.py), the token draws
+(fsdpfn/rollout/device_sampling.py), and the scheduling below.
 
 Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]).
 A request's n samples of one prompt are prefilled once (one forward of the prompt) and the

@@ -1,10 +1,9 @@
 """The decode loop's untruncated draw: two small Triton kernels over the logits.
 
 ``device_sampling.sample`` makes about nine passes over the [R, V] logits in float32 (the cast,
-the scaling, the noise, its log, the race, two argmaxes, the logsumexp): at 512 rows of a
-151,936-token vocabulary that is about 4.5 GB of memory traffic a step. Racing the logits
-against per-logit noise in one fused pass cut the traffic but not the compute: a Philox draw and
-two logarithms per logit took 0.87 ms a step at 512 rows on the H200.
+the scaling, the noise, its log, the race, two argmaxes, the logsumexp), each reading or writing
+R x V float32 values. Racing the logits against per-logit noise in one fused pass cuts that
+traffic but not the compute: a Philox draw and two logarithms per logit.
 
 This draw needs one uniform per row and one exponential per logit. It inverts the CDF of
 softmax(logits / T), the method of FlashInfer's sampling kernels:
@@ -21,7 +20,7 @@ softmax(logits / T), the method of FlashInfer's sampling kernels:
 The running sums are over at most BLOCK terms in float32 (about 4,096), so a token's chance is
 exact up to float32 rounding of its share of one chunk's mass; its log-prob is exact either way.
 It reads each logit once, where the race it replaced drew noise and took two logarithms per logit
-(its cost: BENCHMARKS.md, Decode step per kernel).
+(its cost: BENCHMARKS.md, "Decode step per kernel").
 Greedy rows (T <= 0) take the first column of the row's max (torch's argmax on ties) and report
 log_softmax(logits), as ``sample`` does.
 
@@ -33,8 +32,8 @@ token. Rows with top-p / top-k keep ``sample`` (their graphs are captured separa
 
 Why seeded rows have their own path here: the RL recipes seed every request (reproducible
 runs), and ``sample``'s hashed noise costs a dozen int64 passes over [R, V] a step, where this
-draw costs one uniform per row (the main job's generation with each: BENCHMARKS.md, The main
-job).
+draw costs one uniform per row (the main job's generation with each: BENCHMARKS.md, "The main
+job (GRPO from YAML)").
 """
 
 from __future__ import annotations

@@ -1,30 +1,29 @@
 """The decode loop's network: the HF model's own modules run on a slot KV cache.
 
-What is kept from transformers: the embedding, norms, q/k/v/o projections (and Qwen3's per-head
-q/k norms), MLPs, rotary tables and lm_head, with their parameters, so a weight update that
-re-points the parameters is what the next step reads. What is ours: the KV cache ([S, kv_heads, L,
-D] per layer, one row per slot) and attention. Prefill runs whole right-padded prompts with causal
-SDPA and copies each prompt's KV into its slots; decode runs one token per slot, GQA attended as
-G "positions" of each kv head (q [R, kv, G, D] against the cache [R, kv, L, D]), so the cache is
-read once and never repeated per query head. ``attention="triton"`` (``"auto"``'s choice on CUDA
-in bf16/fp16, with Triton) reads each row's own cache length in place with fsdpfn's split-KV
-kernel (fsdpfn/rollout/attention_kernel.py): 7.67 against 9.85 ms a step at 512 rows on the H200
-with Liger's norm and SwiGLU. ``attention="flash"`` does the same with torch's variable-length
-flash forward with ``seqused_k``, the cache seen as slots x kv heads sequences of max_len
-positions, each attended by its kv head's G query heads as G query positions; no mask, no padded
-column (11.26 against 12.52 ms a step for the masked SDPA), but its query tile is mostly padding.
-``compile=True`` runs the decode step through
-torch.compile (dynamic shapes: compiled once, on first use). ``attention="flex"`` runs the decode
-attention through torch's FlexAttention instead (compiled once with dynamic shapes; its decoding
-kernel splits each row's cache over blocks; the causal limit is a score_mod on the rows'
-positions, no mask tensor). ``attention="matmul"`` runs it as two batched matmuls over the cache
-(scores with fp32 output, softmax in fp32, probabilities in the model dtype times V), each
-reading the cache once; on the H200 it was slower than SDPA (14.1 against 13.1 ms a step at 512
-rows). The decode step projects q, k and v with one matmul from fused buffers (refresh_weights
-copies the served weights in after every change) and rotates q and k together with a rolled
-formula, bit-identical to HF's. (Liger-Kernel's rotary kernel was measured in its place on the
-H200: 0.8 of 11.7 ms a step saved, the served log-probs' mean gap to the trainer's forward_logp
-doubled, 0.104 against 0.055; it is not used.) See fsdpfn/rollout/decode.py for the scheduling.
+What is kept from transformers: the embedding, norms, q/k/v/o projections (and Qwen3's per-head q/k
+norms), MLPs, rotary tables and lm_head, with their parameters, so a weight update that re-points
+the parameters is what the next step reads. What is ours: the KV cache ([S, kv_heads, L, D] per
+layer, one row per slot) and attention. Prefill runs whole right-padded prompts with causal SDPA
+and copies each prompt's KV into its slots; decode runs one token per slot, GQA attended as G
+"positions" of each kv head (q [R, kv, G, D] against the cache [R, kv, L, D]), so the cache is read
+once and never repeated per query head. ``attention="triton"`` (``"auto"``'s choice on CUDA in
+bf16/fp16, with Triton) reads each row's own cache length in place with fsdpfn's split-KV kernel
+(fsdpfn/rollout/attention_kernel.py), the fastest of these paths. ``attention="flash"`` does the
+same with torch's variable-length flash forward with ``seqused_k``, the cache seen as slots x kv
+heads sequences of max_len positions, each attended by its kv head's G query heads as G query
+positions; no mask and no padded column (faster than the masked SDPA), but its query tile is mostly
+padding. ``compile=True`` runs the decode step through torch.compile (dynamic shapes: compiled
+once, on first use). ``attention="flex"`` runs the decode attention through torch's FlexAttention
+instead (compiled once with dynamic shapes; its decoding kernel splits each row's cache over
+blocks; the causal limit is a score_mod on the rows' positions, no mask tensor).
+``attention="matmul"`` runs it as two batched matmuls over the cache (scores with fp32 output,
+softmax in fp32, probabilities in the model dtype times V), each reading the cache once; it is
+slower than SDPA, kept as a reference path. The decode step projects q, k and v with one matmul
+from fused buffers (refresh_weights copies the served weights in after every change) and rotates q
+and k together with a rolled formula, bit-identical to HF's (Liger-Kernel's rotary kernel is not
+used: it saves little of a step and doubles the served log-probs' gap to the trainer's
+forward_logp). The time of each path: BENCHMARKS.md, "Decode step per kernel" and "Decode attention
+kernel". See fsdpfn/rollout/decode.py for the scheduling.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """CUDA IPC handles as plain JSON (both ends of an IPC push speak them): the weight push between
 two processes on one GPU.
 
-NCCL cannot connect two processes on the same device, and a round trip through disk costs
-seconds per push (a 1.5B model: 16 s on an H200 host). Instead trainer rank 0 hands the server
-an IPC handle to each gathered bucket (one device buffer); the server maps the same memory,
-copies it on the device, and answers; then the trainer frees the buffer. What crosses the wire is a handle (torch's CUDA IPC fields, base64 for bytes), never
-a pickle, so a request cannot run code in the server.
+NCCL cannot connect two processes on the same device, and a round trip through disk writes and
+reads every byte of the weights through the file system on each push (BENCHMARKS.md, "Push by
+disk against CUDA IPC"). Instead trainer rank 0 hands the server an IPC handle to each gathered
+bucket (one device buffer); the server maps the same memory, copies it on the device, and
+answers; then the trainer frees the buffer. What crosses the wire is a handle (torch's CUDA IPC
+fields, base64 for bytes), never a pickle, so a request cannot run code in the server.
 
     handle = share(buffer)             # trainer: JSON-able dict; keep ``buffer`` alive until the
     buffer = open_shared(handle, dev)  #   server answered; server: the same memory, uint8 [n]
