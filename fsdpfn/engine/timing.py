@@ -313,8 +313,8 @@ def timed(name: str, *, passes: int, attach: bool, step: bool = False) -> Callab
     """Decorate an engine function ``fn(state, batch, ...)``: run it under a Clock when the
     state's config has ``timing`` (or a profile session wants ranges), then add the numbers to
     its stats (``attach``) and keep them for ``last_timings``. ``step``: the call is a training
-    step, counted by ``fsdpfn.profile``. The record's name is the call's ``fn_name`` keyword
-    when given (ppo_step, sft_step, ... through grad_step)."""
+    step, counted by ``fsdpfn.profile``, whose record is named after its Objective's ``name``
+    (ppo_step, sft_step, ... through grad_step)."""
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
