@@ -57,7 +57,7 @@ import torch.distributed as dist
 from fsdpfn.engine.agree import world_size
 
 __all__ = ["STAGES", "KEYS", "Clock", "enter", "region", "timed", "last_timings",
-           "measure_peak_tflops", "matmul_params", "model_flops"]
+           "measure_peak_tflops", "peak_tflops", "matmul_params", "model_flops"]
 
 STAGES = ("plan", "forward", "backward", "optimizer", "comm")
 # every stats key timing may add (measurements: they differ from run to run and layout to layout)
@@ -252,7 +252,10 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat1
     return _measured_tflops(index, dtype)
 
 
-def _peak_tflops(state) -> float | None:
+def peak_tflops(state) -> float | None:
+    """The peak rate MFU divides by: ``EngineConfig.peak_tflops``, else measured once per
+    device and dtype. Measure it while the device is otherwise idle: a call that first measures it
+    while another process computes on the same GPU reads it low, and every MFU after high."""
     if state.config.peak_tflops is not None:
         return state.config.peak_tflops
     dtype = torch.bfloat16 if state.config.dtype == "bfloat16" else torch.float32
@@ -273,7 +276,7 @@ def _agree_numbers(state, seconds: dict[str, float], batch):
     names = [*STAGES, "total"]
     lens = _row_lengths(batch)
     replicas = state.mesh.tp * state.mesh.cp  # ranks holding the same rows
-    peak = _peak_tflops(state)
+    peak = peak_tflops(state)
     local = torch.tensor([seconds.get(n, 0.0) for n in names]
                          + [peak_memory_gb(state.mesh.device), float(lens.sum()) / replicas,
                             float((lens * lens).sum()) / replicas,

@@ -54,7 +54,9 @@ class Group:
     """The ``n`` samples of one prompt. ``index``: the prompt's position in the data order;
     ``outputs``: the server's answers ({output_ids, output_logprobs, weight_versions, ...});
     ``admitted_after``: how many advances the stream had seen when it sent the group;
-    ``score``: what the stream's ``score`` callable returned for it (None without one)."""
+    ``score``: what the stream's ``score`` callable returned for it (None without one);
+    ``sent`` / ``answered``: the host clock (time.perf_counter) when its request was sent and
+    answered."""
 
     index: int
     prompt_ids: list
@@ -62,6 +64,8 @@ class Group:
     server: str
     admitted_after: int
     score: Any = None
+    sent: float | None = None
+    answered: float | None = None
 
     @property
     def oldest_version(self) -> int | None:
@@ -83,7 +87,8 @@ class StreamBatch:
     """One step's groups (data order), the version they are trained at, and the step's stream
     statistics: staleness_mean / staleness_max (over samples), off_policy_token_frac (tokens of
     an older version than the one trained), trainer_wait_seconds (next_batch blocked),
-    rollout_wait_seconds (generation held back by the bound since the last batch)."""
+    rollout_wait_seconds (generation held back by the bound since the last batch),
+    generation_span_seconds (from the first of the step's requests sent to the last answered)."""
 
     groups: list
     version: int
@@ -263,9 +268,11 @@ class RolloutStream:
     def _request(self, url: str, first: int, prompts: list, admitted: int,
                  work: float) -> None:
         try:
+            sent = time.perf_counter()
             outputs = self.runner(url, first, prompts)
-            groups = [Group(first + i, prompts[i], outputs[i], url, admitted)
-                      for i in range(len(prompts))]
+            answered = time.perf_counter()
+            groups = [Group(first + i, prompts[i], outputs[i], url, admitted, sent=sent,
+                            answered=answered) for i in range(len(prompts))]
             if self.score is not None:
                 with self.score_lock:
                     scores = self.score(groups)
@@ -296,7 +303,12 @@ def _stats(groups: list, version: int, waited: float, held: float) -> dict:
                 stale.append(version - min(versions))
             tokens += len(versions)
             off += sum(v < version for v in versions)
+    sent = [g.sent for g in groups if g.sent is not None]
+    answered = [g.answered for g in groups if g.answered is not None]
     return {"staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+            # from the first request sent to the last answered: generation of the step's samples,
+            # overlapped with training (trainer_wait_seconds is what the trainer paid for it)
+            "generation_span_seconds": max(answered) - min(sent) if sent and answered else 0.0,
             "staleness_max": max(stale) if stale else 0,
             "off_policy_token_frac": off / tokens if tokens else 0.0,
             "trainer_wait_seconds": waited, "rollout_wait_seconds": held}

@@ -61,6 +61,12 @@ def test_generation_runs_at_most_max_staleness_steps_ahead(server):
         third = stream.next_batch(timeout=60)
         assert [g.index for g in third.groups] == [6, 7, 8] and third.version == 1
         assert third.stats["rollout_wait_seconds"] >= 1.5  # held back through the timeout
+        # the span of the step's own requests, not the trainer's wait for them: the groups were
+        # generated while the test slept, so the span is positive and covers every group's request
+        for batch in (first, second, third):
+            span = batch.stats["generation_span_seconds"]
+            assert all(g.sent is not None and g.answered >= g.sent for g in batch.groups)
+            assert span >= max(g.answered - g.sent for g in batch.groups) > 0
 
 
 @pytest.mark.timeout(120)

@@ -46,6 +46,7 @@ from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunConte
                                         mean_sequence_prob)
 from fsdpfn.app.recipes.rollout_stage import build_rollout, max_new_tokens, score
 from fsdpfn.app.recipes.task import sequences_batch
+from fsdpfn.engine.timing import peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
 
@@ -233,6 +234,8 @@ def run(cfg, ctx: RunContext) -> int:
     actor, ref, critic = _states(cfg, ctx, mesh, source_dir, latest, start)
     # 3. the rollout server serves the actor's weights from now on
     target = _connect(cfg, ctx, actor)
+    if actor.config.timing:  # MFU's peak rate, while the server idles (not under generation ahead)
+        peak_tflops(actor)
     # 4. RL steps; rank 0 scores with the reward's worker processes
     pool = build_reward_pool(cfg.reward, default=reward_spec(cfg)) if is_main() else None
     producer = None
@@ -432,7 +435,9 @@ def _metrics_row(phase, step, full, rollout, stats, cstats, receipt, gap, second
            "tokens": tokens, "tokens_per_s": tokens / seconds, "version": receipt.version,
            "served_version": rollout["served_version"], "behav_gap": gap,
            "seconds": seconds, **times}
-    row["generated_tokens_per_s"] = row["generated_tokens"] / max(row["generate_seconds"], 1e-9)
+    # generation ahead of training: its own span, not the trainer's (near zero) wait for it
+    span = row.get("generation_span_seconds") or row["generate_seconds"]
+    row["generated_tokens_per_s"] = row["generated_tokens"] / max(span, 1e-9)
     for key in stats.keys():  # every other stat of the step (corrections, diagnostics)
         name = key if isinstance(key, str) else "/".join(key)
         if name not in row:
