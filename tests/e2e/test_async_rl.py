@@ -74,13 +74,21 @@ def test_a_bound_with_a_server_that_is_not_fsdpfns_is_refused(tmp_path):
 
     model = save_tiny_model(tmp_path / "m", tiny_qwen2_config(), seed=0)
     _, server, url = serve(model)
+    from fsdpfn.wire.ports import free_port
+
     try:
         out = fsdpfn("demo", f"run_dir={tmp_path / 'x'}", f"rollout.url={url}",
                      "rollout.max_staleness=1", "--dry-run", timeout=60)
+        # several servers: each is checked (the second is never reached: the first is refused)
+        many = fsdpfn("demo", f"run_dir={tmp_path / 'y'}",
+                      f"rollout.url={url},http://127.0.0.1:{free_port()}",
+                      "rollout.max_staleness=1", "--dry-run", timeout=60)
     finally:
         server.shutdown()
-    assert out.returncode != 0, out.stderr[-2000:]
-    assert "rollout.max_staleness" in out.stderr and "not fsdpfn's rollout server" in out.stderr
+    for got in (out, many):
+        assert got.returncode != 0, got.stderr[-2000:]
+        assert "rollout.max_staleness" in got.stderr, got.stderr[-2000:]
+        assert "not fsdpfn's rollout server" in got.stderr and url in got.stderr, got.stderr
 
 
 @pytest.mark.timeout(600)

@@ -123,7 +123,8 @@ def check_rollout(cfg) -> None:
                                   f"advantages are the group statistics alone), got "
                                   f"{getattr(adv, name)!r}; use ppo.kl_coef for a KL term")
     if r.max_staleness and r.url:
-        _check_external_server(r.url)
+        for url in r.urls:  # every external server must take updates mid-request
+            _check_external_server(url)
 
 
 def _check_external_server(url: str) -> None:
