@@ -131,7 +131,10 @@ def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
     return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
             str(port), "--host", "127.0.0.1", "--device", placement.server_device, "--dtype",
             placement.dtype, "--threads", str(cfg.rollout.threads),
-            "--parent-pid", str(os.getpid()), *_decode_cache(cfg)]
+            "--parent-pid", str(os.getpid()), *_decode_cache(cfg),
+            # random_init: the server starts on placeholders, the first push brings the weights
+            *(["--load-format", "dummy"] if cfg.model.random_init and not cfg.model.embedded
+              else [])]
 
 
 def _decode_cache(cfg) -> list[str]:

@@ -17,6 +17,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="auto: the directory's weights; dummy: placeholder weights of its "
+                        "config.json (SGLang's name), for a trainer that pushes its own before "
+                        "asking for anything")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if any)")
     p.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
     p.add_argument("--max-pause-s", type=float, default=600.0,
@@ -78,6 +82,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = RolloutEngine(args.model, dtype=args.dtype, device=device,
+                           load_format=args.load_format,
                            weight_version=args.weight_version, max_pause_s=args.max_pause_s,
                            decode=args.decode, decode_rows=args.decode_rows,
                            decode_max_len=args.decode_max_len,
@@ -89,7 +94,8 @@ def main(argv=None) -> None:
         from fsdpfn.rollout.receiver import UpdateChannel
 
         UpdateChannel(engine.receiver, args.host, args.channel_port)
-    print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}) on "
+    dummy = ", placeholder weights until the first push" if args.load_format == "dummy" else ""
+    print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}{dummy}) on "
           f"http://{args.host}:{args.port} (update channel: {engine.receiver.channel_port}) pid "
           f"{os.getpid()}", flush=True)
     uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)

@@ -52,9 +52,26 @@ def _attention_for(model_path: str) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
 
 
+def _placeholder_model(model_path: str, kwargs: dict, device: torch.device):
+    """The model of ``model_path``'s config.json built on ``device`` with HF's init (SGLang's
+    ``--load-format dummy``): weights of the right names, shapes and dtype, and the buffers HF
+    computes (rotary frequencies), for a trainer that pushes its own weights first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    dtype = kwargs["dtype"]
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) \
+            or torch.float32
+        dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=kwargs["attn_implementation"])
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
-                 weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
+                 load_format: str = "auto", weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
                  decode_rows: int | None = None, decode_max_len: int = 2048,
                  cuda_graphs: bool = True, fused_kernels: bool = True,
                  decode_attention: str = "auto", decode_compile: bool = False):
@@ -66,7 +83,13 @@ class RolloutEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         kwargs: dict[str, Any] = {"attn_implementation": _attention_for(self.model_path)}
         kwargs["dtype"] = "auto" if dtype == "auto" else dtype_from_name(dtype)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
+        self.load_format = load_format
+        if load_format == "dummy":  # built on the device: a push brings the weights
+            model = _placeholder_model(self.model_path, kwargs, self.device)
+        elif load_format == "auto":
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
+        else:
+            raise ValueError(f"load_format: must be 'auto' or 'dummy', got {load_format!r}")
         self.model = model.to(self.device).eval().requires_grad_(False)
         if fused_kernels:  # Liger's fused RMSNorm and SwiGLU, as the trainer runs by default
             from fsdpfn.wire.kernels import apply_fused_kernels
@@ -114,7 +137,8 @@ class RolloutEngine:
 
     def info(self) -> dict:
         """SGLang's model info (weight_version: the label), then fsdpfn's (version: the int)."""
-        return {"model_path": self.model_path, "server_id": self.server_id,
+        return {"model_path": self.model_path, "load_format": self.load_format,
+                "server_id": self.server_id,
                 "dtype": dtype_name(self.dtype), "device": str(self.device),
                 "weight_version": self.version_label(), "version": self.version,
                 "ipc": self.device.type == "cuda", "fused_modules": self.fused,

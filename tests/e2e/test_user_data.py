@@ -132,6 +132,23 @@ def test_other_recipes_on_user_model_and_data(ws, tmp_path, recipe):
     assert [r["step"] for r in rows] == [1, 2]
 
 
+@pytest.mark.timeout(240)
+def test_random_init_draws_on_the_trainer_and_the_server_starts_on_placeholders(ws, tmp_path):
+    """model.random_init: the launcher writes no weights (run_dir/model0 holds the config and
+    the tokenizer), the trainer draws actor, reference and critic on its devices, the server
+    starts on placeholders and serves the trainer's weights from the first push on."""
+    run_dir = tmp_path / "random"
+    _run(ws, "ppo", run_dir, "model.random_init=true")
+    model0 = run_dir / "model0"
+    assert (model0 / "config.json").is_file() and (model0 / "tokenizer.json").is_file()
+    assert not list(model0.glob("*.safetensors"))
+    assert "placeholder weights until the first push" in (run_dir / "rollout.log").read_text()
+    rows = _metrics(run_dir, "ppo")
+    assert [r["step"] for r in rows] == [1, 2]
+    # the served log-probs are the trainer's: the pushed weights replaced the placeholders
+    assert all(r["behav_gap"] <= 1e-4 for r in rows), [r["behav_gap"] for r in rows]
+
+
 @pytest.mark.timeout(300)
 def test_sft_exports_with_tokenizer_and_resume_continues_the_data_cursor(ws, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"

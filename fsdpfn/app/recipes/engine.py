@@ -21,6 +21,9 @@ the policy's (a critic never takes the policy's ``lora``; the reference has no o
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import attrs
 
 from fsdpfn.config import EngineConfig
@@ -124,8 +127,19 @@ def build_engine(section, *, model_path, device: str, optimizer, seed: int,
     fields["dtype"] = section_dtype(section, device)
     if critic:
         fields["lora"] = None
-    return EngineConfig(model_path=str(model_path), optimizer=optimizer, is_critic=critic,
-                           seed=seed, **fields)
+    return EngineConfig(**model_source(model_path), optimizer=optimizer, is_critic=critic,
+                        seed=seed, **fields)
+
+
+def model_source(model_path) -> dict:
+    """``model_path=``, or ``model_config=`` (its config.json) for a directory without weights
+    (``model.random_init``: the engine draws HF's init on its devices under its seed)."""
+    from fsdpfn.app.recipes.model import has_weights
+
+    path = Path(model_path)
+    if has_weights(path) or not (path / "config.json").is_file():
+        return {"model_path": str(path)}
+    return {"model_config": json.loads((path / "config.json").read_text())}
 
 
 # ---------------------------------------------------------------- a recipe's engines

@@ -26,7 +26,7 @@ from fsdpfn.validators import boolean, integer, is_nonempty_str, satisfies
 from fsdpfn.errors import ConfigError
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
-           "initial_model_dir", "write_initial_model", "TOKENIZER_FILES"]
+           "initial_model_dir", "write_initial_model", "has_weights", "TOKENIZER_FILES"]
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+="  # the embedded addition task's characters
@@ -45,8 +45,9 @@ _opt_path = satisfies("must be null or a directory path", is_nonempty_str, optio
 class ModelConfig:
     """``path``: a local HF causal-LM directory (config.json, safetensors, tokenizer); None: the
     embedded tiny Qwen2 (the fields below) with the character tokenizer. ``random_init``: build
-    ``path``'s architecture from its config.json with fresh weights (drawn under ``seed``); the
-    directory then needs no weights. The size fields apply to the embedded model only."""
+    ``path``'s architecture from its config.json with fresh weights, HF's init drawn on the
+    trainer's devices under the run's ``seed``; the directory then needs no weights. ``seed`` and
+    the size fields apply to the embedded model only."""
 
     path: str | None = attrs.field(default=None, validator=_opt_path)
     random_init: bool = attrs.field(default=False, validator=boolean)
@@ -212,39 +213,43 @@ def initial_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
     return Path(cfg.path)
 
 
-def write_initial_model(cfg: ModelConfig, path: Path, tokenizer) -> Path:
-    """run_dir/model0 for the embedded model or ``random_init`` (weights drawn under seed, float32
-    for the tiny model, the config's dtype otherwise), with the tokenizer files beside it."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+def has_weights(path: str | Path) -> bool:
+    """Whether an HF model directory holds weights (``model.random_init`` run directories hold
+    only the config and the tokenizer: the trainer draws the weights on its devices)."""
+    return any(Path(path).glob("*.safetensors")) or any(Path(path).glob("*.bin"))
 
+
+def write_initial_model(cfg: ModelConfig, path: Path, tokenizer) -> Path:
+    """run_dir/model0: the embedded model (its weights drawn under seed, float32), or for
+    ``random_init`` the user's config and tokenizer files alone. No weights are drawn here for
+    ``random_init``: the trainer draws HF's init on its own devices, piece by piece, under the
+    run's seed (fsdpfn.engine.load_weights), the server starts on placeholder weights
+    (``--load-format dummy``) and the first push gives it the trainer's. Drawing a 7B model on
+    the launcher's CPU and writing it to disk held the start-up for minutes."""
     path = Path(path)
     if (path / "config.json").is_file():
         return path
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if cfg.embedded:
-        config, dtype = cfg.hf_config(tokenizer.vocab_size), torch.float32
-    else:
-        config = AutoConfig.from_pretrained(cfg.path)
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) \
-            or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-    torch.manual_seed(cfg.seed)
-    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        hf.save_pretrained(tmp, safe_serialization=True)
-    finally:
-        if bar_was_on:
-            hf_logging.enable_progress_bar()
-    if cfg.embedded:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        torch.manual_seed(cfg.seed)
+        hf = AutoModelForCausalLM.from_config(cfg.hf_config(tokenizer.vocab_size),
+                                              dtype=torch.float32)
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            hf.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
         tokenizer.save(tmp)
     else:
-        for name in TOKENIZER_FILES:
+        tmp.mkdir(parents=True)
+        for name in ("config.json", *TOKENIZER_FILES):
             if (Path(cfg.path) / name).is_file():
                 shutil.copy(Path(cfg.path) / name, tmp / name)
     tmp.rename(path)
