@@ -113,6 +113,7 @@ class RolloutConfig:
     and counted."""
 
     url: str | None = attrs.field(default=None, converter=_urls)
+    # how many built-in servers fsdpfn run starts (null: one per rollout.gpus entry, else 1)
     servers: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
     transport: str = attrs.field(default="auto",
                                  validator=one_of("auto", "broadcast", "ipc", "disk"))
