@@ -13,6 +13,8 @@ the data allows is refused here, before anything starts.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
@@ -28,11 +30,7 @@ from fsdpfn.app.recipes.task import AdditionTask
 
 __all__ = ["ModelConfig", "DataConfig", "RewardConfig", "LaunchConfig", "RolloutConfig",
            "CheckpointConfig", "LogConfig", "WandbConfig", "WarmupConfig", "EvalConfig",
-           "GRPORecipe", "PPORecipe", "SFTRecipe", "RWRecipe", "DPORecipe", "RECIPE_CONFIGS"]
-
-
-def _recipe_name(name: str):
-    return satisfies(f"must be {name!r} for this config class", lambda v: v == name)
+           "Recipe", "GRPORecipe", "PPORecipe", "SFTRecipe", "RWRecipe", "DPORecipe", "RECIPE_CONFIGS"]
 
 
 _path = satisfies("must be a non-empty path string", is_nonempty_str)
@@ -271,8 +269,46 @@ def _check_model_data(cfg) -> None:
                           "character model reads only the addition task)")
 
 
+def _own(key: str):
+    """A shared field's default, from the recipe class's ``DEFAULTS`` (configs are frozen, so
+    one default instance serves every config)."""
+    return attrs.Factory(lambda self: type(self).DEFAULTS[key], takes_self=True)
+
+
+def _check_recipe(instance, attribute, value) -> None:
+    name = type(instance).DEFAULTS["recipe"]
+    if value != name:
+        fail(attribute.name, f"must be {name!r} for this config class", value)
+
+
 @attrs.frozen
-class GRPORecipe:
+class Recipe:
+    """What every recipe config holds, in this order: its name, run directory, seed and length;
+    the embedded task or the user's data, the model, parallelism, the ``engine:`` section and its
+    optimizer; launch, checkpoints and logging. A recipe class adds its own sections after these
+    and gives its defaults for the shared ones in ``DEFAULTS``."""
+
+    DEFAULTS: ClassVar[dict] = {}
+
+    recipe: str = attrs.field(default=_own("recipe"), validator=_check_recipe)
+    run_dir: str = attrs.field(
+        default=attrs.Factory(lambda self: f"runs/{self.recipe}", takes_self=True),
+        validator=_path)
+    seed: int = attrs.field(default=0, validator=integer(0))
+    steps: int = attrs.field(default=_own("steps"), validator=integer(1))
+    task: AdditionTask = attrs.field(default=_own("task"))
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
+    engine: EngineSection = attrs.field(factory=EngineSection)
+    optimizer: OptimizerConfig = attrs.field(default=_own("optimizer"))
+    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
+    checkpoint: CheckpointConfig = attrs.field(default=_own("checkpoint"))
+    log: LogConfig = attrs.field(factory=LogConfig)
+
+
+@attrs.frozen
+class GRPORecipe(Recipe):
     """GRPO on the addition task: SFT warm-up, then per step: the rollout server samples
     ``advantage.group_size`` answers for each of ``prompts_per_step`` problems; rewards; ref and
     old log-probs (forward_logp); group advantages; ppo_step (decoupled PPO with the server's
@@ -280,19 +316,13 @@ class GRPORecipe:
     warm-up too, exported merged); ref_logp is then the actor with its adapters disabled (one
     model in memory) and pushes carry the merged weights."""
 
-    recipe: str = attrs.field(default="grpo", validator=_recipe_name("grpo"))
-    run_dir: str = attrs.field(default="runs/grpo", validator=_path)
-    seed: int = attrs.field(default=0, validator=integer(0))
-    steps: int = attrs.field(default=80, validator=integer(1))
+    DEFAULTS: ClassVar[dict] = {"recipe": "grpo", "steps": 80, "task": AdditionTask(),
+                                "optimizer": OptimizerConfig(lr=2e-4),
+                                "checkpoint": CheckpointConfig()}
+
     prompts_per_step: int = attrs.field(default=64, validator=integer(1))
-    task: AdditionTask = attrs.field(factory=AdditionTask)
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    data: DataConfig = attrs.field(factory=DataConfig)
-    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    engine: EngineSection = attrs.field(factory=EngineSection)
     ref_engine: dict = attrs.field(factory=dict, hash=False)
     warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
-    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
     advantage: AdvantageConfig = attrs.field(
         factory=lambda: AdvantageConfig(estimator="grpo", group_size=8))
     ppo: PPOConfig = attrs.field(
@@ -300,9 +330,6 @@ class GRPORecipe:
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
     reward: RewardConfig = attrs.field(factory=lambda: RewardConfig(fn=None))
     eval: EvalConfig = attrs.field(factory=lambda: EvalConfig(every=10))
-    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
-    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
-    log: LogConfig = attrs.field(factory=LogConfig)
 
     def __attrs_post_init__(self):
         if self.advantage.estimator not in ("grpo", "drgrpo", "rloo", "reinforce++"):
@@ -321,25 +348,19 @@ class GRPORecipe:
 
 
 @attrs.frozen
-class PPORecipe:
+class PPORecipe(Recipe):
     """PPO with a critic and GAE on the addition task: like grpo, plus a critic (value head on
     the same tiny model) trained by critic_step; advantages from compute_values + GAE.
     ``engine.lora`` applies to the actor (as in grpo); the critic is trained in full."""
 
-    recipe: str = attrs.field(default="ppo", validator=_recipe_name("ppo"))
-    run_dir: str = attrs.field(default="runs/ppo", validator=_path)
-    seed: int = attrs.field(default=0, validator=integer(0))
-    steps: int = attrs.field(default=20, validator=integer(1))
+    DEFAULTS: ClassVar[dict] = {"recipe": "ppo", "steps": 20, "task": AdditionTask(),
+                                "optimizer": OptimizerConfig(lr=2e-4),
+                                "checkpoint": CheckpointConfig()}
+
     prompts_per_step: int = attrs.field(default=128, validator=integer(1))
-    task: AdditionTask = attrs.field(factory=AdditionTask)
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    data: DataConfig = attrs.field(factory=DataConfig)
-    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    engine: EngineSection = attrs.field(factory=EngineSection)
     ref_engine: dict = attrs.field(factory=dict, hash=False)
     critic_engine: dict = attrs.field(factory=dict, hash=False)
     warmup: WarmupConfig = attrs.field(factory=WarmupConfig)
-    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-4))
     critic_optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
     advantage: AdvantageConfig = attrs.field(
         factory=lambda: AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95))
@@ -348,9 +369,6 @@ class PPORecipe:
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
     reward: RewardConfig = attrs.field(factory=lambda: RewardConfig(fn=None))
     eval: EvalConfig = attrs.field(factory=EvalConfig)
-    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
-    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
-    log: LogConfig = attrs.field(factory=LogConfig)
 
     def __attrs_post_init__(self):
         if self.advantage.estimator != "gae":
@@ -366,80 +384,53 @@ class PPORecipe:
 
 
 @attrs.frozen
-class SFTRecipe:
+class SFTRecipe(Recipe):
     """Supervised fine-tuning on solved addition problems (sft_step), held-out loss with
     evaluate, export_hf of the result to run_dir/model (with ``engine.lora``: adapters trained, the
     model exported merged)."""
 
-    recipe: str = attrs.field(default="sft", validator=_recipe_name("sft"))
-    run_dir: str = attrs.field(default="runs/sft", validator=_path)
-    seed: int = attrs.field(default=0, validator=integer(0))
-    steps: int = attrs.field(default=100, validator=integer(1))
+    DEFAULTS: ClassVar[dict] = {"recipe": "sft", "steps": 100, "task": AdditionTask(),
+                                "optimizer": OptimizerConfig(lr=3e-3),
+                                "checkpoint": CheckpointConfig(every=0)}
+
     batch_size: int = attrs.field(default=64, validator=integer(1))
     eval_every: int = attrs.field(default=20, validator=integer(0))
     export: bool = attrs.field(default=True, validator=boolean)
-    task: AdditionTask = attrs.field(factory=AdditionTask)
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    data: DataConfig = attrs.field(factory=DataConfig)
-    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    engine: EngineSection = attrs.field(factory=EngineSection)
-    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=3e-3))
     sft: SFTConfig = attrs.field(factory=SFTConfig)
-    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
-    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
-    log: LogConfig = attrs.field(factory=LogConfig)
 
     def __attrs_post_init__(self):
         _check_model_data(self)
 
 
 @attrs.frozen
-class RWRecipe:
+class RWRecipe(Recipe):
     """Reward model (Bradley-Terry, rw_step) on pairs: the correct sum (chosen) against a near
     miss (rejected); the value head scores the last token."""
 
-    recipe: str = attrs.field(default="rw", validator=_recipe_name("rw"))
-    run_dir: str = attrs.field(default="runs/rw", validator=_path)
-    seed: int = attrs.field(default=0, validator=integer(0))
-    steps: int = attrs.field(default=60, validator=integer(1))
+    DEFAULTS: ClassVar[dict] = {"recipe": "rw", "steps": 60, "task": AdditionTask(digits=1),
+                                "optimizer": OptimizerConfig(lr=2e-3),
+                                "checkpoint": CheckpointConfig(every=0)}
+
     pairs_per_step: int = attrs.field(default=32, validator=integer(1))
-    task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    data: DataConfig = attrs.field(factory=DataConfig)
-    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    engine: EngineSection = attrs.field(factory=EngineSection)
-    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=2e-3))
     rw: RWConfig = attrs.field(factory=RWConfig)
-    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
-    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
-    log: LogConfig = attrs.field(factory=LogConfig)
 
     def __attrs_post_init__(self):
         _check_model_data(self)
 
 
 @attrs.frozen
-class DPORecipe:
+class DPORecipe(Recipe):
     """DPO (dpo_step) on the same pairs, against a frozen reference copy of the initial model
     (forward_logp gives ref_logp). With ``engine.lora`` the reference is the policy with its
     adapters disabled (forward_logp(..., adapters=False)): one model in memory."""
 
-    recipe: str = attrs.field(default="dpo", validator=_recipe_name("dpo"))
-    run_dir: str = attrs.field(default="runs/dpo", validator=_path)
-    seed: int = attrs.field(default=0, validator=integer(0))
-    steps: int = attrs.field(default=60, validator=integer(1))
+    DEFAULTS: ClassVar[dict] = {"recipe": "dpo", "steps": 60, "task": AdditionTask(digits=1),
+                                "optimizer": OptimizerConfig(lr=1e-3),
+                                "checkpoint": CheckpointConfig(every=0)}
+
     pairs_per_step: int = attrs.field(default=32, validator=integer(1))
-    task: AdditionTask = attrs.field(factory=lambda: AdditionTask(digits=1))
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    data: DataConfig = attrs.field(factory=DataConfig)
-    parallel: ParallelStrategy = attrs.field(factory=ParallelStrategy)
-    engine: EngineSection = attrs.field(factory=EngineSection)
     ref_engine: dict = attrs.field(factory=dict, hash=False)
-    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-3))
     dpo: DPOConfig = attrs.field(factory=lambda: DPOConfig(beta=0.1))
-    launch: LaunchConfig = attrs.field(factory=LaunchConfig)
-    checkpoint: CheckpointConfig = attrs.field(factory=lambda: CheckpointConfig(every=0))
-    log: LogConfig = attrs.field(factory=LogConfig)
 
     def __attrs_post_init__(self):
         _check_model_data(self)

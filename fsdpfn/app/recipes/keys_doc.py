@@ -285,10 +285,12 @@ def _value(v) -> str:
     return str(v)
 
 
-def _default(attribute):
+def _default(attribute, owner=None):
+    """A field's default; one computed from the instance (a recipe's ``DEFAULTS``) is read
+    from ``owner()``."""
     d = attribute.default
     if isinstance(d, attrs.Factory):
-        d = d.factory()
+        d = getattr(owner(), attribute.name) if d.takes_self else d.factory()
     return d
 
 
@@ -360,7 +362,7 @@ def _table(cls, path: str, section_titles: dict[type, str]) -> list[str]:
         if sub is not None:
             title = section_titles[sub]
             accepts = f"null, or the keys of [{title}](#{_anchor(title)})"
-        rows.append(f"| {key} | `{_value(serde.unstructure(_default(a)))}` | {_cell(accepts)} | "
+        rows.append(f"| {key} | `{_value(serde.unstructure(_default(a, cls)))}` | {_cell(accepts)} | "
                     f"{_cell(describe(cls, a.name) or '')} |")
     return rows
 
@@ -383,7 +385,7 @@ def _recipe_overrides(name: str, cls) -> list[tuple[str, object, object]]:
             elif sub is not None and v is not None:
                 walk(sub, v, p + ".")
             elif section_cls is not cls:
-                base = _default(a)
+                base = _default(a, section_cls)
                 if serde.unstructure(v) != serde.unstructure(base):
                     out.append((p, base, v))
     walk(cls, cls(), "")
