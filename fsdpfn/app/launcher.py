@@ -142,8 +142,8 @@ def _decode_cache(cfg) -> list[str]:
     (prompts_per_step x group_size, in multiples of 8, at most 1,024), and, for data files,
     positions for the longest prompt plus answer the data allows. Left to its default (half of
     the free memory at start), a server that shares its GPU with the trainer takes memory the
-    trainer needs later (the 1.5B GRPO run: 60 GB of cache for 128 rows, then out of memory
-    in the first push)."""
+    trainer needs later, sized for far more rows than a step asks for (BENCHMARKS.md, "The main
+    job": the server cache sizing)."""
     rows = cfg.prompts_per_step * cfg.advantage.group_size
     args = ["--decode-rows", str(min(1024, max(8, -(-rows // 8) * 8)))]
     if cfg.data.from_files:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from fsdpfn.engine.agree import rank as _rank, world_size as _world  # noqa: F401 - save.py
+from fsdpfn.engine.agree import world_size
 from fsdpfn.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ def latest_checkpoint(root) -> Path | None:
 
 
 def _broadcast(value):
-    if _world() == 1:
+    if world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)

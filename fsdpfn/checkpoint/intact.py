@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from fsdpfn.checkpoint import integrity
 from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _broadcast, _get,
-                                     _is_complete, _is_fsdpfn_checkpoint, _rank, _read_manifest,
+                                     _is_complete, _is_fsdpfn_checkpoint, _read_manifest,
                                      _saved_at)
+from fsdpfn.engine.agree import rank
 from fsdpfn.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def _verdict(path: Path) -> str | None:
     """Rank 0 checks ``path``; every rank gets its verdict (None: intact). Collective when a
     process group is initialised."""
     error = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             check_checkpoint(path)
         except CheckpointError as exc:

@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model
                                                      set_optimizer_state_dict)
 
 from fsdpfn.checkpoint import integrity
-from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.engine.agree import agree_on_error, rank
 from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _DCP_ERRORS, _OPTIM_FLAT, _SIDE, _as_path,
-                                     _get, _is_complete, _rank, _read_manifest, _saved_at, _wrap)
+                                     _get, _is_complete, _read_manifest, _saved_at, _wrap)
 from fsdpfn.checkpoint.save import _architecture, _model_state, _rng_file, _set_rng_state
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, advance, check_live, stale_reason
@@ -258,7 +258,7 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
     rng = None
     if not weights_only:
         saved_world = int(_get(manifest.get("rng"), "world_size") or 1)
-        file = _rng_file(root, _rank() % saved_world)
+        file = _rng_file(root, rank() % saved_world)
         integrity.check_file(root, file.relative_to(root).as_posix(), checksums)
         try:
             rng = torch.load(file, weights_only=True)

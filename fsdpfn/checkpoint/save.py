@@ -20,12 +20,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from fsdpfn.checkpoint import integrity
 from fsdpfn.engine import lora
-from fsdpfn.engine.agree import agree_on_error, agree_on_error_in_group
+from fsdpfn.engine.agree import agree_on_error, agree_on_error_in_group, rank, world_size
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,
                                      _DCP_ERRORS, _OPTIM_FLAT, _as_path, _broadcast, _cleanup,
                                      _discard, _file_sizes, _fsync_dir, _is_fsdpfn_checkpoint,
-                                     _publish, _rank, _rotate, _seal, _side_path, _world,
-                                     _wrap, _write_file)
+                                     _publish, _rotate, _seal, _side_path, _wrap, _write_file)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
 
@@ -74,12 +73,12 @@ def _manifest(state: EngineState, extra: dict, saved_at: float, status: str) -> 
     mesh = state.mesh
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": state.step,
             "version": state.version, "saved_at": saved_at,
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "cp": mesh.cp, "world_size": _world()},
+            "mesh": {"dp": mesh.dp, "tp": mesh.tp, "cp": mesh.cp, "world_size": world_size()},
             "architecture": _architecture(state),
             "dtypes": {"dtype": state.config.dtype,
                        "optimizer_dtype": state.config.optimizer_dtype},
             "optimizer": optimizer, "scheduler": scheduler, "extra": extra,
-            "rng": {"world_size": _world()},
+            "rng": {"world_size": world_size()},
             "torch_version": torch.__version__, "transformers_version": transformers.__version__}
 
 
@@ -260,11 +259,11 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
     try:
         agree_fn(error)
     except BaseException:
-        if _rank() == 0:
+        if rank() == 0:
             _discard(tmp)
         raise
     error = None
-    if _rank() == 0:
+    if rank() == 0:
         published = False
         try:
             manifest = dict(manifest, files=_file_sizes(tmp))
@@ -328,7 +327,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     # stage 1: rank 0 creates the temporary directory; every rank writes its RNG state
     error = None
     try:
-        if _rank() == 0:
+        if rank() == 0:
             tmp.mkdir(parents=True)
             _write_file(tmp / OWNER, json.dumps({"host": socket.gethostname(),
                                                  "pid": os.getpid()}).encode())
@@ -336,7 +335,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
         error = _wrap(fn, f"creating {str(tmp)!r}", exc)
     agree_on_error(mesh, error)
     try:
-        rng_file = _rng_file(tmp, _rank())
+        rng_file = _rng_file(tmp, rank())
         rng_file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(mesh), rng_file)
     except Exception as exc:  # noqa: BLE001 - OSError, or torch's writer failing (disk full)
@@ -344,7 +343,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     try:
         agree_on_error(mesh, error)
     except BaseException:
-        if _rank() == 0:
+        if rank() == 0:
             _discard(tmp)
         raise
 
@@ -353,7 +352,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     try:
         sums = _gather_checksums(state_dict, mesh) if checksums else None
     except BaseException:
-        if _rank() == 0:
+        if rank() == 0:
             _discard(tmp)
         raise
 
@@ -383,9 +382,9 @@ def _gather_checksums(state_dict: dict, mesh) -> list | None:
     except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
         error = _wrap("save_checkpoint", "checksumming the state", exc)
     agree_on_error(mesh, error)
-    if _world() == 1:
+    if world_size() == 1:
         return [local]
-    gathered = [None] * _world() if _rank() == 0 else None
+    gathered = [None] * world_size() if rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
     return gathered
 
@@ -411,7 +410,7 @@ def _test_delay(target: Path) -> None:
 def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums,
                 publish_after) -> AsyncSave:
     # a group of its own: the background thread's collectives never interleave with training's
-    group = dist.new_group(backend="gloo") if _world() > 1 else None
+    group = dist.new_group(backend="gloo") if world_size() > 1 else None
     handle = AsyncSave(target, group)
     try:
         future = dcp.async_save(state_dict, checkpoint_id=tmp, process_group=group)
@@ -423,7 +422,7 @@ def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums,
     try:
         agree_on_error_in_group(group, staging_error, error_type=CheckpointError)
     except BaseException:
-        if _rank() == 0:
+        if rank() == 0:
             _discard(tmp)
         if group is not None:
             dist.destroy_process_group(group)

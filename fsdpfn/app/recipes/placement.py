@@ -12,7 +12,7 @@ run one per GPU, each on a GPU of its own: a trainer GPU that also serves is ref
 trainer defaults to the GPUs no server uses. Weights travel by NCCL broadcast
 when trainer and server hold different GPUs. On a shared GPU NCCL cannot connect the two
 processes: weights go by CUDA IPC (trainer rank 0 hands the server handles to device buffers of
-the gathered weights; 0.2-0.5 s for a 1.5B model against 16 s through disk on an H200 host) when
+the gathered weights, no copy through the host: BENCHMARKS.md, "Weight push on one GPU") when
 the server shares rank 0's GPU, else by disk (safetensors written by the trainer, read by the
 server). Indices are those
 of the launcher's view (its CUDA_VISIBLE_DEVICES, when set); each process is started with

@@ -22,12 +22,15 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from fsdpfn.engine.agree import is_rank_zero
+
 __all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "Checkpoints", "log", "is_main",
            "wandb_run", "broadcast_from_main", "all_reduce_sum", "mean_sequence_prob"]
 
 
 def is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Rank 0 (or no process group): the rank that logs, talks to the servers and scores."""
+    return is_rank_zero()
 
 
 def log(message: str) -> None:
