@@ -7,8 +7,7 @@ The ppo_step of BENCHMARKS.md (b): a Qwen2-1.5B-shaped model (random init), 64 s
 lengths uniform in [256, 4096], 16k-token micro-batches, defaults otherwise. Prints three tables:
 
   1. the stage split of the stats (time_plan ... time_total, peak_memory_gb, tokens_per_s, mfu)
-     per step, to set against BENCHMARKS.md (b): 3.82 s/step, 35,878 tokens/s, 45.1% MFU,
-     58.5 GiB peak at commit 4b5aa98;
+     per step, to set against the step of BENCHMARKS.md's "Training step MFU" section;
   2. the cost of timing: steps alternating EngineConfig.timing on and off (the same weights and
      batch; the off steps run a copy of the state's handle with timing=False), the median wall
      time of each (host clock around a synchronised step) and the overhead (target: under 1%);
