@@ -27,6 +27,7 @@ import concurrent.futures
 import inspect
 import math
 import numbers
+import threading
 import time
 from typing import Any, Callable
 
@@ -138,11 +139,9 @@ async def _run_async(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeRe
 def _run_sync(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
     from fsdpfn.rollout.agent import EpisodeClient
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(jobs)),
-                                                 thread_name_prefix="fsdpfn-workflow")
     clients = [EpisodeClient(url, timeout=timeout_s) for _ in jobs]
     t0 = time.perf_counter()
-    futures = [pool.submit(workflow.fn, c, dict(row)) for c, (_, row) in zip(clients, jobs)]
+    futures = [_on_daemon_thread(workflow.fn, c, dict(row)) for c, (_, row) in zip(clients, jobs)]
     out = []
     for (index, _), client, future in zip(jobs, clients, futures):
         try:
@@ -152,8 +151,25 @@ def _run_sync(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
             out.append(_finish(index, client, None, _describe(exc, timeout_s), on_error, t0))
     for client in clients:  # a hung workflow's next call fails instead of reaching the server
         client.close()
-    pool.shutdown(wait=False, cancel_futures=True)
     return out
+
+
+def _on_daemon_thread(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread of its own. A plain-def workflow that never returns is
+    abandoned after its timeout; on a ThreadPoolExecutor's worker it would still hold the
+    process at exit (the executor joins its workers then), so the run could not end."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="fsdpfn-workflow", daemon=True).start()
+    return future
 
 
 def run_episodes(url: str, workflow: Workflow, rows: list[dict], group_size: int, *,
