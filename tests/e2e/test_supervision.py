@@ -171,6 +171,11 @@ def _grpo_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("phase") == "grpo"]
 
 
+def _published(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    return [p for p in root.iterdir() if (p / "COMPLETE").is_file()] if root.is_dir() else []
+
+
 DEMO = ["warmup.steps=5", "warmup.target_reward=null", "prompts_per_step=4", "eval.every=0",
         "checkpoint.every=1"]
 
@@ -186,7 +191,9 @@ def test_sigkill_of_the_launcher_leaves_no_process_and_resume_continues(tmp_path
                                 env=_env())
     try:
         deadline = time.monotonic() + 240
-        while not _grpo_rows(run_dir) and launcher.poll() is None:
+        # a step trained and its checkpoint published (saves run in the background: the step's
+        # metrics row can come before its checkpoint)
+        while not (_grpo_rows(run_dir) and _published(run_dir)) and launcher.poll() is None:
             assert time.monotonic() < deadline, (tmp_path / "launcher.log").read_text()[-3000:]
             time.sleep(0.2)
         assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
