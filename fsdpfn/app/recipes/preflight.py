@@ -85,8 +85,7 @@ def check_reward(cfg) -> None:
     """The reward imports (reward.fn, or the task's built-in one) and its signature accepts the
     call the recipe makes: fn(prompt, completion, *, answer, sample, **reward.kwargs), or the
     batched form with reward.batched."""
-    from fsdpfn.app.recipes.reward import load_reward
-    from fsdpfn.app.recipes.rl import reward_spec
+    from fsdpfn.app.recipes.reward import load_reward, reward_spec
 
     spec = reward_spec(cfg)
     fn = load_reward(spec)

@@ -65,9 +65,19 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import _reward_worker as W
 
 __all__ = ["RewardConfig", "RewardFailure", "RewardResult", "RewardPool", "load_reward",
-           "build_reward_pool", "KINDS"]
+           "build_reward_pool", "reward_spec", "DEFAULT_REWARDS", "KINDS"]
 
 KINDS = ("exception", "timeout", "invalid")
+# reward.fn: null means the task's own: exact sums on the embedded task, math answers on files
+DEFAULT_REWARDS = {"embedded": "fsdpfn.app.recipes.rewards:addition",
+                   "files": "fsdpfn.app.recipes.rewards:math"}
+
+
+def reward_spec(cfg) -> str:
+    """The reward a recipe config scores with: ``reward.fn``, else its task's own."""
+    if cfg.reward.fn is not None:
+        return cfg.reward.fn
+    return DEFAULT_REWARDS["files" if cfg.data.from_files else "embedded"]
 STARTUP_TIMEOUT_S = 120.0  # a worker must import the reward's module within this
 _WORKER_FILE = W.__file__
 _CLIP = 200

@@ -40,7 +40,7 @@ from fsdpfn import keys as K
 from fsdpfn.app.recipes.data import AdditionSource, load_source
 from fsdpfn.app.recipes.engine import build_engine, engines
 from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
-from fsdpfn.app.recipes.reward import build_reward_pool
+from fsdpfn.app.recipes.reward import build_reward_pool, reward_spec
 from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunContext,
                                         all_reduce_sum, broadcast_from_main, is_main, log,
                                         mean_sequence_prob)
@@ -50,13 +50,9 @@ from fsdpfn.engine.timing import peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
 
-__all__ = ["run", "warmup", "greedy_reward", "wait_for_server", "read_progress",
-           "DEFAULT_REWARDS"]
+__all__ = ["run", "warmup", "greedy_reward", "wait_for_server", "read_progress"]
 
 WARMUP_MODEL = "sft"       # the warm-up's result: reference model and RL start
-# reward.fn: null means the task's own: exact sums on the embedded task, math answers on files
-DEFAULT_REWARDS = {"embedded": "fsdpfn.app.recipes.rewards:addition",
-                   "files": "fsdpfn.app.recipes.rewards:math"}
 
 
 def _engine(cfg, ctx: RunContext, model_path: Path, *, optimizer,
@@ -95,12 +91,6 @@ def warmup_steps(cfg) -> int:
     if cfg.warmup.steps is not None:
         return cfg.warmup.steps
     return 0 if cfg.data.from_files else 600
-
-
-def reward_spec(cfg) -> str:
-    if cfg.reward.fn is not None:
-        return cfg.reward.fn
-    return DEFAULT_REWARDS["files" if cfg.data.from_files else "embedded"]
 
 
 # ---------------------------------------------------------------- warm-up (embedded task)
