@@ -4,6 +4,7 @@ values, dead workers: reported per sample while the run goes on), and the built-
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from fractions import Fraction
@@ -50,6 +51,16 @@ def flag(prompt, completion, *, answer, sample):
     return completion == "yes"
 
 NOT_CALLABLE = 3
+
+PREPARED = []
+
+def _prepare():
+    PREPARED.append(1)
+
+def prepared(prompt, completion, *, answer, sample):
+    return float(len(PREPARED))  # 1.0 once the worker ran the hook exactly once
+
+prepared.prepare = _prepare
 '''
 
 
@@ -327,3 +338,18 @@ def test_fallback_compares_numbers_exactly(num, den):
 @given(words=st.lists(st.text("abc xyz", max_size=4), max_size=3), n=st.integers(0, 10**9))
 def test_last_number_is_the_last_one_written(words, n):
     assert rewards.last_number(f"1 {' '.join(words)} {n} {' '.join(words)}") == str(n)
+
+
+def test_a_rewards_prepare_hook_runs_once_per_worker_before_its_calls(user_pkg):
+    """``fn.prepare()`` (math's import of math-verify) runs when a worker loads the reward, once,
+    before any timed call; the built-in math reward no longer imports it at module import."""
+    with RewardPool("userrewards.scores:prepared", workers=2, timeout_s=5.0) as pool:
+        result = pool.score(["p"] * 6, ["c"] * 6)
+    assert result.rewards == [1.0] * 6 and not result.errors
+    from fsdpfn.app.recipes import rewards
+    assert rewards.math.prepare is rewards._math_verify
+    code = ("import sys; import fsdpfn.app.recipes.rewards; "
+            "print('math_verify' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -174,6 +174,9 @@ def _serve(conn) -> None:
     sys.path[:] = init["sys_path"]
     try:
         fn = resolve(init["spec"], light=True)
+        prepare = getattr(fn, "prepare", None)
+        if callable(prepare):  # the reward's one-time set-up, before any timed call
+            prepare()
     except Exception as exc:
         conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
         return

@@ -19,6 +19,10 @@ and batched (``batched: true``, one call per batch of rows)::
     def score(prompts: list[str], completions: list[str], *, answers: list, samples: list[dict],
               **kwargs) -> list[float]
 
+A reward may carry a one-time set-up as an attribute, ``score.prepare = fn`` (no arguments): each
+worker runs it once when it loads the reward, before any call and outside the timeouts (the
+built-in ``math`` imports math-verify so).
+
 A bool (numpy's too) counts as 0/1, a finite real number as itself; anything else (NaN, inf,
 a string, None, a list of the wrong length) is an ``invalid`` error for that sample.
 

@@ -9,21 +9,15 @@ last number in the text) against the row's ``answer``, 1.0 or 0.0. With the opti
 ``\\frac{1}{2}`` equals ``0.5``); without it, numbers are compared numerically (``1,000`` equals
 ``1000.0``, ``3/4`` equals ``0.75``) and other answers as strings, stripped of spaces and ``$``.
 
-This module imports only the standard library (and math_verify when installed): reward workers
-load it without importing torch.
+This module imports only the standard library (``math`` imports math_verify, when installed,
+through its ``prepare`` hook): reward workers load it without importing torch.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 import threading
 from fractions import Fraction
-
-try:  # imported once here, so that a worker pays for it while loading, not in a timed call
-    importlib.import_module("math_verify")
-except ImportError:
-    pass
 
 __all__ = ["math", "exact_match", "addition", "extract_answer", "last_boxed", "last_number",
            "answers_equal", "fallback_equal"]
@@ -132,6 +126,11 @@ def math(prompt: str, completion: str, *, answer, **_) -> float:
     if predicted is None:
         return 0.0
     return 1.0 if answers_equal(str(answer), predicted) else 0.0
+
+
+# run once when a reward worker loads ``math`` (math-verify's import, about half a second, paid
+# then and not inside the first call's timeout); other rewards never import it
+math.prepare = _math_verify
 
 
 def exact_match(prompt: str, completion: str, *, answer, **_) -> float:
