@@ -124,7 +124,7 @@ def test_grpo_on_user_model_data_and_reward(ws, tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("recipe", ["ppo", "rw", "dpo"])
+@pytest.mark.parametrize("recipe", ["rw", "dpo"])
 def test_other_recipes_on_user_model_and_data(ws, tmp_path, recipe):
     run_dir = tmp_path / recipe
     _run(ws, recipe, run_dir)
@@ -133,11 +133,13 @@ def test_other_recipes_on_user_model_and_data(ws, tmp_path, recipe):
 
 
 @pytest.mark.timeout(240)
-def test_random_init_draws_on_the_trainer_and_the_server_starts_on_placeholders(ws, tmp_path):
-    """model.random_init: the launcher writes no weights (run_dir/model0 holds the config and
-    the tokenizer), the trainer draws actor, reference and critic on its devices, the server
-    starts on placeholders and serves the trainer's weights from the first push on."""
-    run_dir = tmp_path / "random"
+def test_ppo_from_random_init_draws_on_the_trainer_and_the_server_starts_on_placeholders(
+        ws, tmp_path):
+    """PPO on the user's model and data with model.random_init: the launcher writes no weights
+    (run_dir/model0 holds the config and the tokenizer), the trainer draws actor, reference and
+    critic on its devices, the server starts on placeholders and serves the trainer's weights
+    from the first push on."""
+    run_dir = tmp_path / "ppo"
     _run(ws, "ppo", run_dir, "model.random_init=true")
     model0 = run_dir / "model0"
     assert (model0 / "config.json").is_file() and (model0 / "tokenizer.json").is_file()
