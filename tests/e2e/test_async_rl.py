@@ -98,7 +98,8 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
 
     run_dir = tmp_path / "stop"
     spec = f"rollout.workflow={EXAMPLES / 'workflows.py'}:check_and_retry"
-    args = ["demo", f"run_dir={run_dir}", spec, "rollout.max_staleness=1", *SHORT]
+    short = [a if not a.startswith("prompts_per_step=") else "prompts_per_step=4" for a in SHORT]
+    args = ["demo", f"run_dir={run_dir}", spec, "rollout.max_staleness=1", *short]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "fsdpfn", *args, "steps=40"],
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -121,10 +122,10 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == list(range(1, stopped + 3))
     assert [(r["data_first"], r["data_last"]) for r in rows] == \
-        [(8 * k, 8 * k + 7) for k in range(stopped + 2)]
+        [(4 * k, 4 * k + 3) for k in range(stopped + 2)]
     assert all(r["staleness_max"] <= 1 and r["episode_errors"] == 0 for r in rows)
-    # 8 data rows x 8 episodes a step, one joined row each (the retry extends the first answer)
-    assert all(r["episodes"] == 64 and r["episode_rows"] == 64 for r in rows), rows
+    # 4 data rows x 8 episodes a step, one joined row each (the retry extends the first answer)
+    assert all(r["episodes"] == 32 and r["episode_rows"] == 32 for r in rows), rows
     assert all(1.0 <= r["turns_per_episode"] <= 2.0 for r in rows)
 
 
