@@ -138,13 +138,14 @@ def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
 
 
 def _decode_cache(cfg) -> list[str]:
-    """The server's decode cache sized to the run: a slot for each of one step's answers
-    (prompts_per_step x group_size, in multiples of 8, at most 1,024), and, for data files,
+    """Each server's decode cache sized to the run: a slot for each of its share of one step's
+    answers (prompts_per_step x group_size over the servers, which the balancer fills evenly; in
+    multiples of 8, at most 1,024; rows beyond the slots queue), and, for data files,
     positions for the longest prompt plus answer the data allows. Left to its default (half of
     the free memory at start), a server that shares its GPU with the trainer takes memory the
     trainer needs later, sized for far more rows than a step asks for (BENCHMARKS.md, "The main
     job": the server cache sizing)."""
-    rows = cfg.prompts_per_step * cfg.advantage.group_size
+    rows = -(-cfg.prompts_per_step * cfg.advantage.group_size // cfg.rollout.n_servers)
     args = ["--decode-rows", str(min(1024, max(8, -(-rows // 8) * 8)))]
     if cfg.data.from_files:
         args += ["--decode-max-len",

@@ -87,8 +87,8 @@ def test_env_names_the_launchers_own_gpus(monkeypatch):
 
 
 def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
-    """The server `fsdpfn run` starts gets a slot per answer of one step (prompts_per_step x
-    group_size, in multiples of 8, at most 1,024) and, for data files, the positions of the
+    """Each server `fsdpfn run` starts gets a slot per answer of its share of one step
+    (prompts_per_step x group_size over the servers, in multiples of 8, at most 1,024) and, for data files, the positions of the
     longest prompt plus answer the data allows (its default, half the free GPU memory, took
     60 GB beside the trainer on one H200 and ran the trainer out of memory)."""
     from fsdpfn.app.launcher import _server_cmd
@@ -105,3 +105,7 @@ def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
     assert flags("grpo", "model.path=/m", "data.train_files=[/d.jsonl]",
                  "data.max_prompt_tokens=700", "data.max_response_tokens=3000",
                  "prompts_per_step=16") == ["--decode-rows", "128", "--decode-max-len", "3700"]
+    # several servers: each holds its share of the step (the balancer fills them evenly)
+    cfg = default_config("grpo", ["prompts_per_step=16", "rollout.servers=3"])
+    cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))
+    assert cmd[cmd.index("--parent-pid") + 2:] == ["--decode-rows", "48"]  # 128 / 3 -> 43 -> 48
