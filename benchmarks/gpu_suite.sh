@@ -53,6 +53,10 @@ main_job() {  # main_job NAME SHAPE YAML SECONDS [overrides]
   item "${name}_prep" 90 python3 benchmarks/grpo_1p5b.py --shape "$shape" --root "$(dirname "$root")"
   item "$name" "$limit" python3 -m fsdpfn run "$yaml" --overwrite "$@"
   item "${name}_stages" 30 python3 benchmarks/stages.py "$run_dir"
+  cp "$run_dir/metrics.jsonl" "$out/${name}_metrics.jsonl" 2>/dev/null
+  # a run's checkpoints (20 GB at 1.5B with the fp32 state) and model directory would fill the
+  # machine's disk for the items after it
+  rm -rf "$run_dir" "$(dirname "$root")"
 }
 
 main() {
