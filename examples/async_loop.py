@@ -19,7 +19,7 @@ import torch
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, rollout_batch,
-                                 save_initial_model, sft_batch)
+                                     save_initial_model, sft_batch)
 from fsdpfn.rollout import launch_server
 from fsdpfn.rollout.stream import RolloutStream
 from fsdpfn.weights import RolloutTarget, push_weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fsdpfn import keys as K
 from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_order, present,
-                                  token_mean_stat)
+                                 token_mean_stat)
 from fsdpfn.config import CriticConfig
 from fsdpfn.ops import aggregate_sum, value_loss_terms
 from fsdpfn.engine.objective import Objective

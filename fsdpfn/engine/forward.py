@@ -17,8 +17,8 @@ from fsdpfn.engine import timing
 from fsdpfn.batch import Packed, apply_scatter, pack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError
-from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare, release_memory,
-                           resolve_mb_spec)
+from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
+                                  release_memory, resolve_mb_spec)
 from fsdpfn.engine.state import EngineState, check_live
 
 __all__ = ["forward_logp", "compute_values"]

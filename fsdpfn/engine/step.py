@@ -36,13 +36,12 @@ from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError, MicroBatchOOMError
 from fsdpfn.engine.mesh import Mesh
 from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective
-from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare, release_memory,
-                           resolve_mb_spec)
+from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
+                                  release_memory, resolve_mb_spec)
 from fsdpfn.engine.state import EngineState, advance, check_live
 
 __all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS",
            "minibatch_rows"]
-
 
 
 @attrs.frozen

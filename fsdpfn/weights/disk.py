@@ -31,8 +31,8 @@ from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.engine.state import EngineState
 from fsdpfn.weights.gather import Bucket, plan_buckets, send, weight_params
 from fsdpfn.wire.protocol import (DEFAULT_BUCKET_BYTES, MANIFEST, combine_checksums,
-                                     dtype_from_name, dtype_name, sha256_of,
-                                     tensor_checksum, write_manifest)
+                                  dtype_from_name, dtype_name, sha256_of, tensor_checksum,
+                                  write_manifest)
 
 __all__ = ["DiskTarget", "write_version", "published_versions"]
 

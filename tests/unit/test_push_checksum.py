@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdpfn.wire.protocol import (bucket_layout, combine_checksums, combine_on_device,
-                                     flat_checksums, padded_size, tensor_checksum,
-                                     tensor_checksums)
+                                  flat_checksums, padded_size, tensor_checksum, tensor_checksums)
 from fsdpfn.weights.sglang import pack
 
 P = 2**61 - 1

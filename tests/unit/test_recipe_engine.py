@@ -14,8 +14,8 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config
 from fsdpfn.app.recipes.engine import OWNED, EngineSection, build_engine, engines
 from fsdpfn.app.recipes.preflight import (HEADROOM, ModelShape, check_data, check_memory,
-                                      check_positions, check_reward, estimate_memory,
-                                      run_estimate)
+                                          check_positions, check_reward, estimate_memory,
+                                          run_estimate)
 
 FILES = ["model.path=/models/x", "data.train_files=[train.jsonl]"]
 

@@ -22,8 +22,8 @@ from fsdpfn.rollout.process import free_port
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 from fsdpfn.weights.gather import plan_buckets
 from fsdpfn.wire.protocol import (ALIGN, broadcast, bucket_layout, combine_checksums,
-                                     combine_on_device,
-                                     make_group, sha256_of, tensor_checksum, write_manifest)
+                                  combine_on_device, make_group, sha256_of, tensor_checksum,
+                                  write_manifest)
 
 # float32 everywhere. Generation runs the model step by step with a KV cache and left padding,
 # the reference runs whole right-padded sequences: the same products summed in another order,

@@ -27,7 +27,7 @@ from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 from fsdpfn.weights.channel import Channel
 from fsdpfn.wire.frames import recv_frame, send_frame
 from fsdpfn.wire.protocol import (broadcast, bucket_layout, combine_checksums, make_group,
-                                     tensor_checksum)
+                                  tensor_checksum)
 
 
 @pytest.fixture(scope="module")
