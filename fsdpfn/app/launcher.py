@@ -15,7 +15,7 @@ exit; the rollout servers are then shut down. A second Ctrl-C kills the ranks at
 published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done, 130 stopped by
 a signal, 2 bad config or command line, else the trainer's.
 
-The launcher's children die with it, even when it is killed with SIGKILL (fsdpfn.app.supervise):
+The launcher's children die with it, even when it is killed with SIGKILL (fsdpfn.wire.lifeline):
 torchrun and the rollout servers get a parent-death signal, and every trainer rank and server
 watch the launcher's pid and exit within about a second of it going away. run_dir/run_state.json
 says how the last run ended: "running" (with the launcher's pid) from the start, then "done",
@@ -110,7 +110,7 @@ def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
 
 def _torchrun_cmd(cfg, config_path: Path, placement, *, resume: bool,
                   url: str | None) -> list[str]:
-    from fsdpfn.rollout.process import free_port
+    from fsdpfn.wire.ports import free_port
 
     port = cfg.launch.master_port
     urls = url.split(",") if url else []

@@ -3,7 +3,7 @@ launcher: fsdpfn/wire/lifeline.py).
 
 ``run_dir/run_state.json`` holds the launcher's record of the run:
 
-    {"status": "running", "pid": 4242, "started": "2025-01-31T12:00:00", ...}   at start
+    {"status": "running", "pid": 4242, "started": "<ISO time>", ...}   at start
     {"status": "done" | "failed" | "interrupted", "exit_code": 0, "ended": ..., ...}   at the end
 
 A state still "running" whose launcher is gone means the launcher was killed (SIGKILL, OOM

@@ -239,6 +239,21 @@ def _to_save(state: EngineState, status: str) -> dict:
     return state_dict
 
 
+def copy_bytes(state: EngineState) -> int:
+    """Bytes of this rank's shards that a checkpoint of ``state`` holds (its weights, or the
+    adapters alone with LoRA, and the optimizer state): what an asynchronous save copies to host
+    memory first."""
+    def local(value) -> int:
+        if isinstance(value, dict):
+            return sum(local(v) for v in value.values())
+        if isinstance(value, torch.Tensor):
+            value = value.to_local() if hasattr(value, "to_local") else value
+            return value.numel() * value.element_size()
+        return 0
+
+    return local(_to_save(state, _optimizer_status(state)))
+
+
 def _tidy(parent: Path, keep_last: int | None, current: Path) -> None:
     """Best effort, after publication: leftovers of dead saves, then rotation. A failure here
     loses nothing, so it is logged rather than raised."""

@@ -88,7 +88,7 @@ def check_model_dir(cfg: ModelConfig) -> None:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: must hold a transformers config.json, got {cfg.path!r} "
                           f"(no config.json)")
-    if not cfg.random_init and not any(path.glob("*.safetensors")):
+    if not cfg.random_init and not has_weights(path):
         raise ConfigError(f"model.path: must hold *.safetensors weights (or set "
                           f"model.random_init=true), got {cfg.path!r} (no .safetensors file)")
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model",
@@ -216,7 +216,7 @@ def initial_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
 def has_weights(path: str | Path) -> bool:
     """Whether an HF model directory holds weights (``model.random_init`` run directories hold
     only the config and the tokenizer: the trainer draws the weights on its devices)."""
-    return any(Path(path).glob("*.safetensors")) or any(Path(path).glob("*.bin"))
+    return any(Path(path).glob("*.safetensors"))
 
 
 def write_initial_model(cfg: ModelConfig, path: Path, tokenizer) -> Path:

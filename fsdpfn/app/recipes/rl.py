@@ -39,7 +39,7 @@ import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.app.recipes.data import AdditionSource, load_source
 from fsdpfn.app.recipes.engine import build_engine, engines
-from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
+from fsdpfn.app.recipes.model import has_weights, initial_model_dir, load_tokenizer
 from fsdpfn.app.recipes.reward import build_reward_pool, reward_spec
 from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunContext,
                                         all_reduce_sum, broadcast_from_main, is_main, log,
@@ -61,10 +61,6 @@ def _engine(cfg, ctx: RunContext, model_path: Path, *, optimizer,
     critic (``critic_engine``): the YAML's section plus what the recipe owns."""
     return build_engine(engines(cfg)[role], model_path=model_path, device=ctx.device,
                         optimizer=optimizer, seed=cfg.seed, critic=role == "critic_engine")
-
-
-def _is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 class _Stages:
@@ -209,7 +205,8 @@ def run(cfg, ctx: RunContext) -> int:
     start, cursor = read_progress(latest, cfg.prompts_per_step)
     warm_dir = ctx.run_dir / WARMUP_MODEL
     steps = warmup_steps(cfg)
-    warm_done = _is_model_dir(warm_dir) and (ctx.resume or steps == 0)
+    warm_done = (warm_dir / "config.json").is_file() and has_weights(warm_dir) \
+        and (ctx.resume or steps == 0)
     metrics = Metrics(ctx.run_dir / "metrics.jsonl",
                       keep_until=({cfg.recipe: start, "warmup": 10**9 if warm_done else 0}
                                   if ctx.resume else None),

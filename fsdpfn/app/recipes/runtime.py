@@ -122,6 +122,9 @@ class Checkpoints:
         self.async_save, self.keep_last = cfg.async_save, cfg.keep_last
         self._pending: tuple[Path, float, list] | None = None  # (path, start, handles)
         self._warned = False
+        # bytes a save copies: the states' shard layout is fixed for the run, so it is counted
+        # once (counting builds their state dicts, as the save itself does)
+        self._copy: int | None = None
 
     def save(self, items, *, final: bool) -> dict:
         """Save ``items`` [(state, path, extra)] in order of publication (a later one implies
@@ -130,7 +133,11 @@ class Checkpoints:
 
         t0 = time.perf_counter()
         row = self.wait()
-        copy = sum(_copy_bytes(state) for state, _, _ in items)
+        if self._copy is None:
+            from fsdpfn.checkpoint.save import copy_bytes
+
+            self._copy = sum(copy_bytes(state) for state, _, _ in items)
+        copy = self._copy
         use_async = self.async_save and not final and self._fits(copy)
         handles, after = [], None
         for state, path, extra in items:
@@ -186,22 +193,6 @@ class Checkpoints:
                 f"({copy * ranks / 2**30:.1f} GiB for {ranks} rank(s) on a host) exceeds half "
                 f"of its available memory")
         return False
-
-
-def _copy_bytes(state) -> int:
-    """Bytes of this rank's shards that a checkpoint of ``state`` copies (what save_checkpoint
-    saves: weights, or adapters alone with LoRA, and the optimizer's state)."""
-    from fsdpfn.checkpoint.save import _optimizer_status, _to_save
-
-    def local(value) -> int:
-        if isinstance(value, dict):
-            return sum(local(v) for v in value.values())
-        if isinstance(value, torch.Tensor):
-            value = value.to_local() if hasattr(value, "to_local") else value
-            return value.numel() * value.element_size()
-        return 0
-
-    return local(_to_save(state, _optimizer_status(state)))
 
 
 def _available_host_memory() -> int | None:
