@@ -7,13 +7,13 @@ versions); the data order from the first and last data index each step trained.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import fsdpfn, grpo_rows  # tests/cli_runs.py
 
 pytestmark = pytest.mark.dist
 
@@ -22,23 +22,12 @@ SHORT = ["warmup.steps=10", "warmup.target_reward=null", "prompts_per_step=8",
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def fsdpfn(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "fsdpfn", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-def rows_of(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["phase"] == "grpo"]
-
-
 @pytest.mark.timeout(600)
 def test_generation_runs_ahead_within_the_bound_and_resume_trains_every_prompt_once(tmp_path):
     run_dir = tmp_path / "async"
     first = fsdpfn("demo", f"run_dir={run_dir}", "steps=4", "rollout.max_staleness=2", *SHORT)
     assert first.returncode == 0, first.stderr[-4000:]
-    rows = rows_of(run_dir)
+    rows = grpo_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness_max"] <= 2 for r in rows), [r["staleness_max"] for r in rows]
     assert rows[0]["staleness_max"] == 0 and max(r["staleness_max"] for r in rows) >= 1
@@ -48,7 +37,7 @@ def test_generation_runs_ahead_within_the_bound_and_resume_trains_every_prompt_o
     second = fsdpfn("demo", f"run_dir={run_dir}", "steps=6", "rollout.max_staleness=2",
                     *SHORT, "--resume")
     assert second.returncode == 0, second.stderr[-4000:]
-    rows = rows_of(run_dir)
+    rows = grpo_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     # each step trained the next 8 prompts of the data order: none twice, none skipped
     assert [(r["data_first"], r["data_last"]) for r in rows] == \
@@ -106,7 +95,7 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
-            if (run_dir / "metrics.jsonl").is_file() and rows_of(run_dir):
+            if (run_dir / "metrics.jsonl").is_file() and grpo_rows(run_dir):
                 break
             time.sleep(0.2)
         assert proc.poll() is None, proc.stderr.read()[-4000:]
@@ -116,10 +105,10 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err[-4000:]
-    stopped = rows_of(run_dir)[-1]["step"]
+    stopped = grpo_rows(run_dir)[-1]["step"]
     again = fsdpfn(*args, f"steps={stopped + 2}", "--resume")
     assert again.returncode == 0, again.stderr[-4000:]
-    rows = rows_of(run_dir)
+    rows = grpo_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, stopped + 3))
     assert [(r["data_first"], r["data_last"]) for r in rows] == \
         [(4 * k, 4 * k + 3) for k in range(stopped + 2)]
@@ -135,6 +124,6 @@ def test_one_minibatch_skips_the_old_logp_pass_and_no_kl_skips_the_reference(tmp
     done = fsdpfn("demo", f"run_dir={run_dir}", "steps=2", "ppo.n_minibatches=1",
                   "ppo.kl_coef=0", *SHORT)
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = rows_of(run_dir)
+    rows = grpo_rows(run_dir)
     assert [(r["ref_logp_pass"], r["old_logp_pass"]) for r in rows] == [(0, 0), (0, 0)]
     assert all(r["ratio_max"] == 1.0 and r["clip_frac"] == 0.0 for r in rows), rows

@@ -13,7 +13,6 @@ import math
 import os
 import re
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -22,17 +21,12 @@ import zlib
 from pathlib import Path
 
 import pytest
+from cli_runs import fsdpfn, port_open  # tests/cli_runs.py
 
 pytestmark = pytest.mark.dist
 
 SHORT = ["warmup.steps=10", "warmup.target_reward=null", "prompts_per_step=8",
          "checkpoint.every=2", "eval.every=2", "eval.n_prompts=16", "log.every=1"]
-
-
-def fsdpfn(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "fsdpfn", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
 
 
 def read_png(path: Path) -> tuple[int, int]:
@@ -112,13 +106,6 @@ def test_demo_runs_resumes_and_plots(tmp_path):
     assert read_png(run_dir / "metrics.png")
 
 
-def _port_open(url: str) -> bool:
-    host, port = url.rsplit("//", 1)[1].split(":")
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex((host, int(port))) == 0
-
-
 @pytest.mark.timeout(300)
 def test_sigint_stops_cleanly(tmp_path):
     """SIGINT to the launcher: the ranks finish their step and save it, the server is shut
@@ -142,7 +129,7 @@ def test_sigint_stops_cleanly(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err[-4000:]
     url = re.search(r"rollout server (http://[^\s;,]+)", err).group(1)
-    assert not _port_open(url), "the rollout server is still running"
+    assert not port_open(url), "the rollout server is still running"
     rows = metrics(run_dir)
     assert rows and rows[-1]["step"] < 200
     assert checkpoint_steps(run_dir) == [rows[-1]["step"]]

@@ -12,29 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import fsdpfn, grpo_rows, port_open  # tests/cli_runs.py
 
 pytestmark = pytest.mark.dist
 
 SHORT = ["steps=3", "warmup.steps=10", "warmup.target_reward=null", "prompts_per_step=8",
          "checkpoint.every=0", "log.every=1", "log.plot=false"]
-
-
-def fsdpfn(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "fsdpfn", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-def grpo_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["phase"] == "grpo"]
 
 
 def check_both_servers_worked(rows: list[dict]) -> None:
@@ -115,13 +101,6 @@ def test_two_external_servers_share_the_steps_and_serve_the_last_push_exactly(tm
             s.close()
 
 
-def _port_open(url: str) -> bool:
-    host, port = url.rsplit("//", 1)[1].split(":")
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, int(port))) == 0
-
-
 @pytest.mark.timeout(300)
 def test_two_servers_of_the_launcher_ahead_of_training_reach_the_final_version(tmp_path):
     run_dir = tmp_path / "own"
@@ -140,4 +119,4 @@ def test_two_servers_of_the_launcher_ahead_of_training_reach_the_final_version(t
     assert [Path(s["log"]).name for s in servers] == ["rollout.log", "rollout1.log"]
     assert all(s["device"] == "cpu" for s in servers)
     assert "2 rollout servers" in done.stderr and "CPU, 2 servers" in done.stderr
-    assert not any(_port_open(s["url"]) for s in servers), "a rollout server is still running"
+    assert not any(port_open(s["url"]) for s in servers), "a rollout server is still running"
