@@ -22,7 +22,7 @@ from fsdpfn.checkpoint import integrity
 from fsdpfn.engine import lora
 from fsdpfn.engine.agree import agree_on_error, agree_on_error_in_group, rank, world_size
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,
-                                     _DCP_ERRORS, _OPTIM_FLAT, _as_path, _broadcast, _cleanup,
+                                     _DCP_ERRORS, _OPTIM_FLAT, _as_path, _cleanup,
                                      _discard, _file_sizes, _fsync_dir, _is_fsdpfn_checkpoint,
                                      _publish, _rotate, _seal, _side_path, _wrap, _write_file)
 from fsdpfn.errors import CheckpointError
@@ -193,7 +193,7 @@ class AsyncSave:
             raise TimeoutError(f"save_checkpoint: asynchronous save to {str(self.path)!r} still "
                                f"running after {timeout} s")
         if self._group is not None:
-            dist.destroy_process_group(self._group)
+            _retire(self._group)
             self._group = None
         if self._error is not None:
             raise self._error
@@ -334,7 +334,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
             error = _wrap(fn, f"checking {str(path)!r}", exc)
     check_live(state, fn, local_error=error)
     mesh = state.mesh
-    token, saved_at = _broadcast((uuid.uuid4().hex, time.time()))
+    token, saved_at = _start_save((uuid.uuid4().hex, time.time()))
     tmp = _side_path(target, "tmp", token)
     status = _optimizer_status(state)
     manifest = _manifest(state, extra_json, saved_at, status)
@@ -386,6 +386,32 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     return None
 
 
+# The process groups of finished asynchronous saves, by name. A group is destroyed only once
+# every rank has finished with it: a rank that closed its connections while another still read
+# the last message of the save's final agreement would leave that one waiting for gloo's timeout.
+_RETIRED: dict[str, Any] = {}
+
+
+def _retire(group) -> None:
+    """This rank's background save over ``group`` is over: destroy it at the next save that
+    finds it retired on every rank."""
+    _RETIRED[group.group_name] = group
+
+
+def _start_save(value):
+    """Rank 0's ``value`` on every rank, and the groups every rank has retired destroyed
+    (one collective)."""
+    if world_size() == 1:
+        return value
+    mine = sorted(_RETIRED)
+    every: list = [None] * world_size()
+    dist.all_gather_object(every, (value, mine))
+    done = set(mine).intersection(*(set(names) for _, names in every))
+    for name in sorted(done):
+        dist.destroy_process_group(_RETIRED.pop(name))
+    return every[0][0]
+
+
 def _gather_checksums(state_dict: dict, mesh) -> list | None:
     """Every rank's chunk checksums (integrity.local_checksums), gathered to rank 0 (a list
     indexed by rank there, None on the other ranks). Collective."""
@@ -422,33 +448,52 @@ def _test_delay(target: Path) -> None:
         time.sleep(float(seconds))
 
 
+def _stage(state_dict):
+    """A host copy of ``state_dict`` (DTensors keep their layout), taken in the calling thread:
+    what the background write reads while training mutates the live tensors. Returns the copy
+    and the stager that owns its memory (closed once the write ends)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        return stager.stage(state_dict), stager
+    except BaseException:
+        stager.close()
+        raise
+
+
 def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums,
                 publish_after) -> AsyncSave:
-    # a group of its own: the background thread's collectives never interleave with training's
-    group = dist.new_group(backend="gloo") if world_size() > 1 else None
-    handle = AsyncSave(target, group)
+    # Two threads, two groups, never crossed: the calling thread (training's) uses the default
+    # group only, the background thread only a group of its own. The copy is taken and agreed on
+    # in the calling thread before the background thread issues its first collective: a write
+    # started at once (as dcp.async_save does) would race the agreement on its group, and ranks
+    # that ordered the two differently would wait for each other for ever.
+    staged, stager, staging_error = None, None, None
     try:
-        future = dcp.async_save(state_dict, checkpoint_id=tmp, process_group=group)
+        staged, stager = _stage(state_dict)
     except _DCP_ERRORS as exc:
-        future, staging_error = None, _wrap("save_checkpoint", f"staging {str(tmp)!r}", exc)
-    else:
-        staging_error = None
-    # staging is local: agree before returning so a failure raises on every rank now
+        staging_error = _wrap("save_checkpoint", f"staging {str(tmp)!r}", exc)
     try:
-        agree_on_error_in_group(group, staging_error, error_type=CheckpointError)
+        agree_on_error_in_group(None, staging_error, error_type=CheckpointError)
     except BaseException:
+        if stager is not None:
+            stager.close()
         if rank() == 0:
             _discard(tmp)
-        if group is not None:
-            dist.destroy_process_group(group)
         raise
+    group = dist.new_group(backend="gloo") if world_size() > 1 else None
+    handle = AsyncSave(target, group)
 
     def body():
         error = None
         try:
-            future.result()
+            dcp.save(staged, checkpoint_id=tmp, process_group=group)
         except _DCP_ERRORS as exc:
             error = _wrap("save_checkpoint", f"writing {str(tmp)!r}", exc)
+        finally:
+            stager.close()
         error = error or _after(publish_after, target)
         _test_delay(target)
         _finish(tmp, target, token, manifest, keep_last,

@@ -740,6 +740,25 @@ def _async_copy(root):
     return same, extra, loaded.step
 
 
+def _many_async(root, n):
+    root = Path(root)
+    state = _state()
+    for i in range(n):
+        save_checkpoint(state, root / f"step_{i}", keep_last=2, async_save=True).wait()
+        if i % 3 == 2:  # a synchronous save between, over the default group
+            save_checkpoint(state, root / f"step_{i}s", keep_last=2)
+    return sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.timeout(180)
+def test_asynchronous_saves_in_a_row_never_wait_on_each_other(spmd2, tmp_path):
+    """The staging agreement and the background write never share a group: when they did, the
+    ranks could order the two differently and wait for each other for ever (a race that
+    showed within ten saves)."""
+    names = spmd2.run(_many_async, args=(str(tmp_path / "r"), 30), timeout=120)[0]
+    assert names == ["step_29", "step_29s"], names
+
+
 @pytest.mark.timeout(180)
 def test_async_save_and_keep_last(spmd2, tmp_path):
     for same, extra, step in spmd2.run(_async_copy, args=(str(tmp_path / "a"),), timeout=120):
