@@ -9,7 +9,8 @@
 Every rank runs ``fn(*args)`` with the default process group initialised (gloo, world_size ranks).
 The return values (picklable) come back in rank order. If any rank raises, SpmdError carries every
 failing rank's traceback. If the ranks do not finish within ``timeout`` seconds, they are killed and
-SpmdTimeout names the ranks still running.
+SpmdTimeout names the ranks still running, with the Python stack of every thread of each (a hang
+shows where it waits: a collective, a join, a lock).
 
 ``SpmdPool`` keeps the ranks alive across calls (a test session saves the start-up of torch in every
 process); a call that fails or times out tears the pool down, and the next call starts fresh ranks.
@@ -25,6 +26,8 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import signal
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -42,9 +45,17 @@ class SpmdTimeout(SpmdError):
     """The ranks did not finish in time (a hang, or a too-short timeout)."""
 
 
-def _worker(rank: int, world_size: int, port: int, pg_timeout: float, conn) -> None:
+def _worker(rank: int, world_size: int, port: int, pg_timeout: float, conn,
+            stacks: str | None = None) -> None:
     # environment of this child process only: threads per rank, no tokenizer parallelism
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if stacks is not None and hasattr(signal, "SIGUSR1"):
+        import faulthandler
+
+        # SIGUSR1 writes every thread's stack to this file: the parent asks before killing a
+        # rank that did not finish in time
+        faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"),  # noqa: SIM115
+                              all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -91,14 +102,18 @@ class SpmdPool:
         self.start_timeout = start_timeout
         self._procs: list = []
         self._conns: list = []
+        self._stacks: list[str] = []
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
+        folder = tempfile.mkdtemp(prefix="spmd_stacks_")
+        self._stacks = [os.path.join(folder, f"rank{r}.txt") for r in range(self.world_size)]
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(rank, self.world_size, port,
-                                                     self.pg_timeout, child), daemon=True)
+                                                     self.pg_timeout, child, self._stacks[rank]),
+                               daemon=True)
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)
@@ -128,9 +143,12 @@ class SpmdPool:
                 grace = time.monotonic() + 5.0
                 deadline = min(deadline, grace)
             if time.monotonic() > deadline and len(results) < self.world_size:
-                self.close()
                 missing = sorted(set(range(self.world_size)) - set(results))
+                stacks = self._dump_stacks(missing)
+                self.close()
                 detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+                detail += "".join(f"\n--- rank {r}, still running; its threads ---\n{text}"
+                                  for r, text in stacks.items())
                 if failed:
                     raise SpmdError(f"{what}: ranks {sorted(failed)} failed; ranks {missing} were "
                                     f"still running (likely waiting in a collective) and were "
@@ -157,6 +175,29 @@ class SpmdPool:
             self.restarts += 1
         return [result for result, _ in answers]
 
+    def _dump_stacks(self, ranks: list[int], *, limit: int = 6000) -> dict[int, str]:
+        """Every thread's Python stack in each of ``ranks`` (still alive), by faulthandler."""
+        asked = []
+        for r in ranks:
+            proc = self._procs[r]
+            if proc.is_alive() and r < len(self._stacks) and hasattr(signal, "SIGUSR1"):
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                    asked.append(r)
+                except OSError:
+                    pass
+        if asked:
+            time.sleep(1.0)
+        out = {}
+        for r in asked:
+            try:
+                with open(self._stacks[r]) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            out[r] = text[-limit:] if text else "(no stack written)"
+        return out
+
     def close(self) -> None:
         for conn, proc in zip(self._conns, self._procs):
             try:
@@ -170,6 +211,17 @@ class SpmdPool:
                 proc.kill()
                 proc.join(timeout=2.0)
         self._procs, self._conns = [], []
+        for path in self._stacks:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        if self._stacks:
+            try:
+                os.rmdir(os.path.dirname(self._stacks[0]))
+            except OSError:
+                pass
+        self._stacks = []
 
     def __enter__(self) -> "SpmdPool":
         return self

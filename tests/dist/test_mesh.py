@@ -97,3 +97,32 @@ def test_pool_restarts_ranks_that_pile_up_process_groups():
         counts = [pool.run(_group_count, timeout=60)[0] for _ in range(3)]
         assert counts[1] > counts[0] > 0  # groups pile up on live ranks
         assert counts[1] > 3 and pool.restarts == 1 and counts[2] == counts[0], counts
+
+
+def _rank1_waits_forever():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        _waiting_here_on_purpose()
+    return dist.get_rank()
+
+
+def _waiting_here_on_purpose():
+    import threading
+
+    threading.Event().wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_past_its_timeout_is_reported_with_its_stack():
+    """A hang is diagnosable from the failure alone: the timeout names the rank still running
+    and prints where each of its threads waits."""
+    from fsdpfn.testing.spmd import SpmdTimeout
+
+    with SpmdPool(2) as pool:
+        with pytest.raises(SpmdTimeout) as caught:
+            pool.run(_rank1_waits_forever, timeout=5)
+    message = str(caught.value)
+    assert "ranks [1] did not finish within 5 s" in message, message
+    assert "rank 1, still running; its threads" in message, message
+    assert "_waiting_here_on_purpose" in message and "_rank1_waits_forever" in message, message
