@@ -161,15 +161,15 @@ def _exports(model_dir, root):
 # ---------------------------------------------------------------- tests
 
 
-def test_lora_sft_learns_with_only_adapters_trainable_and_a_bf16_base(model_dir):
-    facts, losses = run_spmd(_learns_bf16, 1, args=(model_dir,), timeout=300)[0]
+def test_lora_sft_learns_with_only_adapters_trainable_and_a_bf16_base(model_dir, spmd1):
+    facts, losses = run_spmd(_learns_bf16, 1, args=(model_dir,), timeout=300, pool=spmd1)[0]
     assert all(facts.values()), facts
     assert losses[-1] < losses[0] - 0.3, losses
 
 
-def test_dp2_equals_dp1_after_one_step(model_dir):
-    one = run_spmd(_one_step, 1, args=(model_dir, 1, 1), timeout=300)[0]
-    two = run_spmd(_one_step, 2, args=(model_dir, 2, 1), timeout=300)
+def test_dp2_equals_dp1_after_one_step(model_dir, spmd1, spmd2):
+    one = run_spmd(_one_step, 1, args=(model_dir, 1, 1), timeout=300, pool=spmd1)[0]
+    two = run_spmd(_one_step, 2, args=(model_dir, 2, 1), timeout=300, pool=spmd2)
     for got in two:
         assert got[0].keys() == one[0].keys()
         for key in one[0]:
@@ -179,10 +179,10 @@ def test_dp2_equals_dp1_after_one_step(model_dir):
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["colwise-kv", "replicated-kv"])
-def test_tp2_equals_tp1(kv_heads):
+def test_tp2_equals_tp1(kv_heads, spmd1, spmd2):
     config = tiny_qwen2_config(num_key_value_heads=kv_heads).to_dict()
-    one = run_spmd(_one_step, 1, args=(None, 1, 1, config), timeout=300)[0]
-    two = run_spmd(_one_step, 2, args=(None, 1, 2, config), timeout=300)
+    one = run_spmd(_one_step, 1, args=(None, 1, 1, config), timeout=300, pool=spmd1)[0]
+    two = run_spmd(_one_step, 2, args=(None, 1, 2, config), timeout=300, pool=spmd2)
     for got in two:
         for key in one[0]:
             torch.testing.assert_close(got[0][key], one[0][key], atol=1e-6, rtol=1e-5)
@@ -190,15 +190,15 @@ def test_tp2_equals_tp1(kv_heads):
         assert abs(got[3] - one[3]) < 1e-4
 
 
-def test_adapters_false_equals_the_base_model(model_dir):
-    off, on = run_spmd(_base_vs_disabled, 1, args=(model_dir,), timeout=300)[0]
+def test_adapters_false_equals_the_base_model(model_dir, spmd1):
+    off, on = run_spmd(_base_vs_disabled, 1, args=(model_dir,), timeout=300, pool=spmd1)[0]
     assert off < 1e-6, off
     assert on > 1e-3, on  # the adapters did learn something: the check is not vacuous
 
 
-def test_adapter_only_checkpoint_round_trip(model_dir, tmp_path):
+def test_adapter_only_checkpoint_round_trip(model_dir, tmp_path, spmd1):
     straight, resumed, extra, keys, same, step = run_spmd(
-        _checkpoint_round_trip, 1, args=(model_dir, str(tmp_path)), timeout=300)[0]
+        _checkpoint_round_trip, 1, args=(model_dir, str(tmp_path)), timeout=300, pool=spmd1)[0]
     assert resumed == straight and same and step == 4 and extra == {"step": 2}
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all(lora.is_adapter(k) for k in model_keys), model_keys[:4]
@@ -216,12 +216,14 @@ def _hf_logp(model, batch) -> torch.Tensor:
     return out * batch["attention_mask"]
 
 
-def test_exports_peft_loads_adapters_and_merged_equals_base_plus_delta(model_dir, tmp_path):
+def test_exports_peft_loads_adapters_and_merged_equals_base_plus_delta(model_dir, tmp_path,
+                                                                       spmd1):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    logp, version = run_spmd(_exports, 1, args=(model_dir, str(tmp_path)), timeout=300)[0]
+    logp, version = run_spmd(_exports, 1, args=(model_dir, str(tmp_path)), timeout=300,
+                             pool=spmd1)[0]
     batch = _batch(5)
     # peft loads the adapter export onto the base and reproduces the trainer's log-probs
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -279,14 +281,14 @@ def _push_adapters(model_dir, root, url):
 
 
 def test_pushed_adapters_on_the_built_in_server_reproduce_the_trainers_logprobs(model_dir,
-                                                                                 tmp_path):
+                                                                                 tmp_path, spmd1):
     from fsdpfn.rollout import launch_server
 
     server = launch_server(model_dir, log_dir=tmp_path, health_timeout=120)
     try:
         results, info, served_base, base = run_spmd(
             _push_adapters, 1, args=(model_dir, str(tmp_path / "adapters"), server.url),
-            timeout=300)[0]
+            timeout=300, pool=spmd1)[0]
     finally:
         server.close()
     for version, served_version, served, mine in results:

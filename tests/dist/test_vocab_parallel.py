@@ -35,7 +35,7 @@ from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
 from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
 from fsdpfn.ops.logprobs import vocab_shard_range
-from fsdpfn.testing import (SpmdPool, random_batch, run_spmd, save_tiny_model, tiny_llama_config,
+from fsdpfn.testing import (random_batch, run_spmd, save_tiny_model, tiny_llama_config,
                             tiny_qwen2_config, tiny_qwen3_config)
 
 WORLD = 2
@@ -96,9 +96,8 @@ def _vocab_parallel_case(n, hdim, vocab, chunk_size, temperature, with_entropy, 
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with SpmdPool(WORLD) as p:
-        yield p
+def pool(spmd2):
+    return spmd2  # the session's ranks (WORLD = 2)
 
 
 @pytest.mark.timeout(120)

@@ -18,14 +18,17 @@ from cli_runs import fsdpfn, grpo_rows  # tests/cli_runs.py
 pytestmark = pytest.mark.dist
 
 SHORT = ["warmup.steps=10", "warmup.target_reward=null", "prompts_per_step=8",
-         "checkpoint.every=2", "eval.every=0", "log.every=1"]
+         "checkpoint.every=2", "eval.every=0", "log.every=1", "log.plot=false"]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.timeout(600)
-def test_generation_runs_ahead_within_the_bound_and_resume_trains_every_prompt_once(tmp_path):
+@pytest.mark.timeout(300)
+def test_generation_runs_ahead_within_the_bound(tmp_path):
+    """Each step's rows were generated at most max_staleness versions before it trained on them.
+    The data cursor across --resume with episodes in flight is the Ctrl-C test's below."""
     run_dir = tmp_path / "async"
-    first = fsdpfn("demo", f"run_dir={run_dir}", "steps=4", "rollout.max_staleness=2", *SHORT)
+    first = fsdpfn("demo", f"run_dir={run_dir}", "steps=4", "rollout.max_staleness=2",
+                   "launch.nproc=1", *SHORT)
     assert first.returncode == 0, first.stderr[-4000:]
     rows = grpo_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -34,15 +37,10 @@ def test_generation_runs_ahead_within_the_bound_and_resume_trains_every_prompt_o
     assert all(0.0 <= r["off_policy_token_frac"] <= 1.0 for r in rows)
     # the demo's PPO (8 minibatches, a KL to the reference) runs both log-prob passes
     assert all((r["ref_logp_pass"], r["old_logp_pass"]) == (1, 1) for r in rows)
-    second = fsdpfn("demo", f"run_dir={run_dir}", "steps=6", "rollout.max_staleness=2",
-                    *SHORT, "--resume")
-    assert second.returncode == 0, second.stderr[-4000:]
-    rows = grpo_rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     # each step trained the next 8 prompts of the data order: none twice, none skipped
     assert [(r["data_first"], r["data_last"]) for r in rows] == \
-        [(8 * k, 8 * k + 7) for k in range(6)]
-    assert [r["data_cursor"] for r in rows] == [8 * (k + 1) for k in range(6)]
+        [(8 * k, 8 * k + 7) for k in range(4)]
+    assert [r["data_cursor"] for r in rows] == [8 * (k + 1) for k in range(4)]
 
 
 def test_bad_bounds_and_workflows_are_refused_before_launch(tmp_path):
@@ -122,7 +120,7 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
 def test_one_minibatch_skips_the_old_logp_pass_and_no_kl_skips_the_reference(tmp_path):
     run_dir = tmp_path / "passes"
     done = fsdpfn("demo", f"run_dir={run_dir}", "steps=2", "ppo.n_minibatches=1",
-                  "ppo.kl_coef=0", *SHORT)
+                  "ppo.kl_coef=0", "launch.nproc=1", *SHORT)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = grpo_rows(run_dir)
     assert [(r["ref_logp_pass"], r["old_logp_pass"]) for r in rows] == [(0, 0), (0, 0)]

@@ -177,7 +177,7 @@ def _published(run_dir: Path) -> list[Path]:
 
 
 DEMO = ["warmup.steps=5", "warmup.target_reward=null", "prompts_per_step=4", "eval.every=0",
-        "checkpoint.every=1"]
+        "checkpoint.every=1", "log.plot=false"]
 
 
 @pytest.mark.dist

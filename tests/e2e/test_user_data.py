@@ -72,7 +72,9 @@ def ws(tmp_path_factory):
         "dpo": {"recipe": "dpo", "steps": 2, "pairs_per_step": 4},
     }
     for name, cfg in configs.items():
-        (root / f"{name}.yaml").write_text(yaml.safe_dump({**common, **cfg}))
+        data = {**common, **cfg}
+        data["log"] = {**data.get("log", {}), "plot": False}  # the plot is test_demo's
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(data))
     return root
 
 
@@ -159,7 +161,11 @@ def test_sft_exports_with_tokenizer_and_resume_continues_the_data_cursor(ws, tmp
     assert (export / "config.json").is_file() and HFTokenizer(export).vocab_size == \
         HFTokenizer(ws / "model").vocab_size
     _run(ws, "sft", split, "steps=2")
-    second = _run(ws, "sft", split, "steps=4", "--resume")
+    # resumed as a user resumes: from the run's own recorded config, an override after the flag
+    second = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(split / "config.yaml"),
+                             "--resume", "steps=4"], capture_output=True, text=True, timeout=200,
+                            env=_env(ws))
+    assert second.returncode == 0, second.stderr[-5000:]
     assert "resumed from" in second.stderr
     a, b = _metrics(whole, "sft"), _metrics(split, "sft")
     assert [r["data_cursor"] for r in a] == [r["data_cursor"] for r in b] == [8, 16, 24, 32]
