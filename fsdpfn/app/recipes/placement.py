@@ -21,7 +21,9 @@ CUDA_VISIBLE_DEVICES naming its own GPUs.
 
 from __future__ import annotations
 
+import glob
 import os
+import sys
 
 import attrs
 
@@ -61,13 +63,22 @@ def visible_gpus() -> list[str]:
 
 
 def count_gpus() -> int:
-    """CUDA devices this process can see (0 without CUDA); cached after the first call."""
+    """CUDA devices this process can see (0 without CUDA); cached after the first call. A Linux
+    host without NVIDIA's device files (nor WSL's /dev/dxg) has none, which is known without
+    importing torch (2 s of every CPU launch)."""
     global _COUNT
     if _COUNT is None:
-        import torch
+        if sys.platform.startswith("linux") and not _cuda_device_files():
+            _COUNT = 0
+        else:
+            import torch
 
-        _COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            _COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return _COUNT
+
+
+def _cuda_device_files() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/dxg")
 
 
 _COUNT: int | None = None
