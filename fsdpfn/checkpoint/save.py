@@ -398,9 +398,20 @@ def _retire(group) -> None:
     _RETIRED[group.group_name] = group
 
 
+def _registered(group) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def _start_save(value):
     """Rank 0's ``value`` on every rank, and the groups every rank has retired destroyed
     (one collective)."""
+    for name, group in list(_RETIRED.items()):
+        if not _registered(group):  # gone with a default group destroyed since
+            del _RETIRED[name]
     if world_size() == 1:
         return value
     mine = sorted(_RETIRED)

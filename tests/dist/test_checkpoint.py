@@ -759,6 +759,28 @@ def test_asynchronous_saves_in_a_row_never_wait_on_each_other(spmd2, tmp_path):
     assert names == ["step_29", "step_29s"], names
 
 
+def _save_across_a_new_default_group(root):
+    root = Path(root)
+    save_checkpoint(_state(), root / "a", async_save=True).wait()  # its group is retired
+    # the job tears its default group down and makes a new one (its groups' names start over)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank,
+                            world_size=2)
+    state = _state()
+    save_checkpoint(state, root / "b", async_save=True).wait()
+    save_checkpoint(state, root / "c")
+    return sorted(p.name for p in root.iterdir() if p.name != "store")
+
+
+@pytest.mark.timeout(180)
+def test_a_retired_group_of_a_destroyed_default_group_is_forgotten(tmp_path):
+    """Groups retired before the default group was destroyed went with it: the next save does
+    not try to destroy them again (nor one of the new groups that reuses their names)."""
+    out = run_spmd(_save_across_a_new_default_group, 2, args=(str(tmp_path),), timeout=120)
+    assert out == [["a", "b", "c"]] * 2, out
+
+
 @pytest.mark.timeout(180)
 def test_async_save_and_keep_last(spmd2, tmp_path):
     for same, extra, step in spmd2.run(_async_copy, args=(str(tmp_path / "a"),), timeout=120):
