@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -102,7 +103,7 @@ class SpmdPool:
         self.start_timeout = start_timeout
         self._procs: list = []
         self._conns: list = []
-        self._stacks: list[str] = []
+        self._stacks: list[str] = []  # each rank's stack file, in a folder of the pool's own
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -180,7 +181,7 @@ class SpmdPool:
         asked = []
         for r in ranks:
             proc = self._procs[r]
-            if proc.is_alive() and r < len(self._stacks) and hasattr(signal, "SIGUSR1"):
+            if proc.is_alive() and hasattr(signal, "SIGUSR1"):
                 try:
                     os.kill(proc.pid, signal.SIGUSR1)
                     asked.append(r)
@@ -211,16 +212,8 @@ class SpmdPool:
                 proc.kill()
                 proc.join(timeout=2.0)
         self._procs, self._conns = [], []
-        for path in self._stacks:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
         if self._stacks:
-            try:
-                os.rmdir(os.path.dirname(self._stacks[0]))
-            except OSError:
-                pass
+            shutil.rmtree(os.path.dirname(self._stacks[0]), ignore_errors=True)
         self._stacks = []
 
     def __enter__(self) -> "SpmdPool":

@@ -84,9 +84,13 @@ def _env(ws: Path) -> dict:
 
 
 def _run(ws: Path, recipe: str, run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(ws / f"{recipe}.yaml"),
-                           f"run_dir={run_dir}", *args], capture_output=True, text=True,
-                          timeout=200, env=_env(ws))
+    return _run_config(ws, ws / f"{recipe}.yaml", run_dir, f"run_dir={run_dir}", *args)
+
+
+def _run_config(ws: Path, config: Path, run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """``fsdpfn run CONFIG ARGS`` with the workspace importable; it must succeed."""
+    proc = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(config), *args],
+                          capture_output=True, text=True, timeout=200, env=_env(ws))
     log = run_dir / "rollout.log"
     assert proc.returncode == 0, (proc.stderr[-5000:] + "\n--- rollout.log ---\n"
                                   + (log.read_text()[-2000:] if log.is_file() else "(none)"))
@@ -162,10 +166,7 @@ def test_sft_exports_with_tokenizer_and_resume_continues_the_data_cursor(ws, tmp
         HFTokenizer(ws / "model").vocab_size
     _run(ws, "sft", split, "steps=2")
     # resumed as a user resumes: from the run's own recorded config, an override after the flag
-    second = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(split / "config.yaml"),
-                             "--resume", "steps=4"], capture_output=True, text=True, timeout=200,
-                            env=_env(ws))
-    assert second.returncode == 0, second.stderr[-5000:]
+    second = _run_config(ws, split / "config.yaml", split, "--resume", "steps=4")
     assert "resumed from" in second.stderr
     a, b = _metrics(whole, "sft"), _metrics(split, "sft")
     assert [r["data_cursor"] for r in a] == [r["data_cursor"] for r in b] == [8, 16, 24, 32]

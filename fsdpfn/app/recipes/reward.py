@@ -75,6 +75,9 @@ KINDS = ("exception", "timeout", "invalid")
 # reward.fn: null means the task's own: exact sums on the embedded task, math answers on files
 DEFAULT_REWARDS = {"embedded": "fsdpfn.app.recipes.rewards:addition",
                    "files": "fsdpfn.app.recipes.rewards:math"}
+STARTUP_TIMEOUT_S = 120.0  # a worker must import the reward's module within this
+_WORKER_FILE = W.__file__
+_CLIP = 200
 
 
 def reward_spec(cfg) -> str:
@@ -82,9 +85,6 @@ def reward_spec(cfg) -> str:
     if cfg.reward.fn is not None:
         return cfg.reward.fn
     return DEFAULT_REWARDS["files" if cfg.data.from_files else "embedded"]
-STARTUP_TIMEOUT_S = 120.0  # a worker must import the reward's module within this
-_WORKER_FILE = W.__file__
-_CLIP = 200
 
 
 # ---------------------------------------------------------------- config and loading
