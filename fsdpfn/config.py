@@ -202,6 +202,10 @@ class EngineConfig:
     # Liger-Kernel's fused RMSNorm and SwiGLU on CUDA when liger_kernel is installed (a no-op on
     # CPU or without it); False keeps HF's eager modules
     fused_kernels: bool = attrs.field(default=True, validator=boolean)
+    # regional compilation: torch.compile of every decoder block's forward (inductor fuses the
+    # norms, rotary, SwiGLU and residual adds; the attention call stays outside the graph), in
+    # place of the Liger modules; compiled once per block class on the first steps
+    compile: bool = attrs.field(default=False, validator=boolean)
     # the log-prob head: "chunked" (fsdpfn.ops.chunked_logprobs, float32 logits, any device,
     # entropy, tp) or "liger" (Liger-Kernel's fused linear cross-entropy: CUDA, tp=1; a call that
     # asks for entropy takes the chunked head)

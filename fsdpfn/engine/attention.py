@@ -193,6 +193,8 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_NAME, packed_attention)
+    # outside any compiled graph (EngineConfig.compile): the flash call takes the packed
+    # lengths as host integers, and the per-sequence path reads the boundaries on the host
+    AttentionInterface.register(ATTN_NAME, torch.compiler.disable(packed_attention))
     # mask creation is bypassed (a ready mapping is passed), but HF validates the name
     AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)

@@ -215,5 +215,6 @@ def register() -> None:
 
     from fsdpfn.engine import attention
     attention.register()
-    AttentionInterface.register(ULYSSES_NAME, ulysses_attention)
+    # outside any compiled graph (EngineConfig.compile), like the attention it wraps
+    AttentionInterface.register(ULYSSES_NAME, torch.compiler.disable(ulysses_attention))
     AttentionMaskInterface.register(ULYSSES_NAME, lambda *args, **kwargs: None)

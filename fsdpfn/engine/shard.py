@@ -1,9 +1,10 @@
-"""shard_model: build the HF model, then apply TP -> activation checkpointing -> FSDP2, then weights.
+"""shard_model: build the HF model, then apply TP -> activation checkpointing -> compile -> FSDP2,
+then weights.
 
 Every rank builds the model on the meta device; parallelism is applied to that skeleton in a
-visible order (apply_tp of fsdpfn.engine.tp, apply_ac, apply_fsdp, in place); the shards are then
-materialised and filled one tensor at a time by fsdpfn.engine.load_weights (from the checkpoint, or HF's
-random init drawn piece by piece: no rank ever holds a full copy). With ``memory_efficient_load``
+visible order (apply_tp of fsdpfn.engine.tp, apply_ac, apply_compile, apply_fsdp, in place); the
+shards are then materialised and filled one tensor at a time by fsdpfn.engine.load_weights (from
+the checkpoint, or HF's random init drawn piece by piece: no rank ever holds a full copy). With ``memory_efficient_load``
 only rank 0 reads and broadcasts; otherwise every rank reads. Master weights live in
 ``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and backward and reduces
 gradients in ``grad_reduce_dtype``. The optimizer and its schedule come from fsdpfn.engine.optim_build.
@@ -34,7 +35,7 @@ log = logging.getLogger("fsdpfn")
 # apply_tp, kv_heads_of_rank, base_model (fsdpfn.engine.tp), the optimizer builders
 # (fsdpfn.engine.optim_build) and apply_fused_kernels (fsdpfn.wire.kernels: the server runs the same
 # modules) are re-exported: their home was this module
-__all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_fsdp",
+__all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp",
            "kv_heads_of_rank", "build_optimizer", "build_scheduler", "lr_factor", "base_model",
            "torch_dtype", "build_skeleton", "apply_fused_kernels"]
 
@@ -79,6 +80,9 @@ def _check_supported(config: EngineConfig, mesh: Mesh) -> None:
             raise ConfigError(f"logprobs_impl: 'liger' needs an actor on CUDA with tp=1 and "
                               f"liger-kernel installed, got 'liger' with device type "
                               f"{mesh.device_type!r}, tp={mesh.tp}, is_critic={config.is_critic}")
+    if config.compile and mesh.tp > 1:
+        raise ConfigError(f"compile: the compiled decoder blocks run with tp=1 only (dp and cp "
+                          f"any), got compile=True with tp={mesh.tp}")
     if config.attn_impl == "varlen" and mesh.device_type != "cuda":
         raise ConfigError(f"attn_impl: 'varlen' needs CUDA, got device type "
                           f"{mesh.device_type!r} (use 'auto' or 'sdpa')")
@@ -134,6 +138,50 @@ def apply_ac(model: nn.Module, config: EngineConfig) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def apply_compile(model: nn.Module, config: EngineConfig) -> int:
+    """Regional compilation: each decoder block (the wrap_policy classes) runs the model's own
+    forward through ``torch.compile``, set on the instance (``_compiled_forward``). FSDP2's hooks
+    stay in the module's ``__call__``, outside the graph, and the attention function is excluded
+    from it (fsdpfn.engine.attention.register). Blocks of one class share their compiled code:
+    parameters are graph inputs, so the first block's compile serves them all, and the packed
+    length turns dynamic at its second value. Returns the number of blocks compiled."""
+    if not config.compile:
+        return 0
+    classes = _wrap_classes(model, config)
+    blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    for block in blocks:
+        block.forward = _compiled_forward(block)
+    return len(blocks)
+
+
+def _compiled_forward(block: nn.Module):
+    """The block's forward through torch.compile, with activation checkpointing kept outside it.
+
+    transformers wraps a block's forward in decorators whose code every family shares (keyword
+    deprecation, and on recent versions the checkpointing itself); compiling those would key
+    every family's graphs to one code object and exhaust dynamo's recompile limit. So the
+    model's own function is compiled, and where transformers checkpoints in ``forward`` (not in
+    ``__call__``) the same checkpointing runs here, around the compiled call."""
+    import inspect
+    from functools import partial
+
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    compiled = torch.compile(inspect.unwrap(type(block).forward))
+    checkpoints_here = isinstance(block, GradientCheckpointingLayer) and \
+        "__call__" not in GradientCheckpointingLayer.__dict__
+
+    def forward(*args, **kwargs):
+        if checkpoints_here and block.gradient_checkpointing and block.training and \
+                torch.is_grad_enabled():
+            return block._gradient_checkpointing_func(partial(compiled, block, **kwargs), *args)
+        return compiled(block, *args, **kwargs)
+
+    forward.compiled = compiled
+    return forward
+
+
 def _wrap_classes(model: nn.Module, config: EngineConfig) -> tuple[str, ...]:
     names = config.fsdp.wrap_policy or tuple(getattr(model, "_no_split_modules", None) or ())
     # the critic's head and the lm_head stay with the root
@@ -182,7 +230,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
         hf_config = load_hf_config(config)
         families.check_model(hf_config, verify_model=config.verify_model,
                              is_critic=config.is_critic, device=mesh.device,
-                             fused_kernels=config.fused_kernels)
+                             fused_kernels=config.fused_kernels and not config.compile)
         _check_divisibility(hf_config, mesh)
     except ConfigError as exc:
         error = exc
@@ -195,12 +243,13 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
                              lora=config.lora is not None)
     if config.disable_dropout:
         _disable_dropout(lm)
-    if config.fused_kernels:
+    if config.fused_kernels and not config.compile:  # compiled blocks fuse their own
         apply_fused_kernels(lm, hf_config, mesh.device_type, mlp=config.lora is None)
     if config.lora is not None:  # before tp and FSDP2: the base frozen in the compute dtype
         lora.apply_lora(lm, config.lora, base_dtype=torch_dtype(config.dtype), adapter_dtype=dtype)
     apply_tp(lm, mesh)
     apply_ac(lm, config)
+    apply_compile(lm, config)
     model = PackedModel(lm, is_critic=config.is_critic)
     model.compute_dtype = torch_dtype(config.dtype)
     model.use_varlen = config.attn_impl != "sdpa"
