@@ -7,7 +7,8 @@
 #           (examples/gpu/grpo_qwen2_1p5b.yaml), Llama-3.2-1B on the defaults with 1,024-token
 #           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes
-#   train   the training step's MFU against a naive step, the defaults on a long batch
+#   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
+#           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
 #   cp      context parallelism at long lengths (two GPUs)
 #   memory  the memory options' cost, the largest shape and the longest row per option
@@ -72,6 +73,7 @@ decode() {
 }
 
 train() {
+  item mfu 420 python3 benchmarks/mfu.py --out "$out/mfu.jsonl"
   item timing 200 python3 benchmarks/timing.py --out "$out/timing" --steps 3 --memory
   item defaults 150 python3 benchmarks/defaults.py
 }
