@@ -73,5 +73,8 @@ def push_ipc(state: EngineState, params, buckets: list[Bucket], servers) -> tupl
     if state.mesh.device_type != "cuda":
         raise ConfigError(f"transport: 'ipc' shares CUDA memory and this trainer runs on "
                           f"{state.mesh.device_type}; use 'broadcast' or 'disk', got 'ipc'")
+    # the servers copy each bucket into memory of their own on this GPU: blocks the trainer's
+    # allocator keeps cached since the step go back first (a 7B step left none for the server)
+    torch.cuda.empty_cache()
     sender = IpcSender(servers, state.version) if is_rank_zero() else None
     return send(state, params, buckets, sender, out_device=state.mesh.device)
