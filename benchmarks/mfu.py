@@ -15,13 +15,14 @@ tokens), ids uniform in the vocabulary, right padding, the first min(128, len //
 a prompt without loss, advantages standard normal; old log-probs come from forward_logp.
 
 Variants, each on a fresh state (the previous one deleted, gc, cache emptied):
-  naive          benchmarks/run.py's bench_naive_step: HF model, bf16 weights + AdamW, 4 padded
+  naive          benchmarks/run.py's bench_naive_step: HF model, bf16 weights + AdamW, 2 padded
                  rows per micro-batch, sdpa, fp32 logits
   defaults       EngineConfig() with only the model set (automatic micro-batch budget)
   compile        defaults + compile=True (skipped while EngineConfig has no such field)
   compile-liger  defaults + compile=True, logprobs_impl="liger" (skipped without liger_kernel)
   32k-noreshard  32k-token micro-batches, FSDP reshard_after_forward=False
   compile-32k    compile-liger and 32k-noreshard together
+  compile-64k    the same with 64k-token micro-batches
 Per variant: the first ppo_step's seconds (compilation happens there), then the median of --steps
 synchronised steps (host clock), real tokens/s, MFU, peak GiB (torch.cuda.max_memory_allocated)
 and the speed-up over naive. A variant that fails records its error's first line; the rest go on.
@@ -79,6 +80,10 @@ VARIANTS = {  # --variants key -> (label, EngineConfig keywords beyond the defau
     "32k-noreshard": ("32k micro-batches, reshard_after_forward=False",
                       {"mb_spec": ff.MicroBatchSpec(max_tokens_per_mb=32768),
                        "fsdp": ff.FSDPConfig(reshard_after_forward=False)}),
+    "compile-64k": ("compile + liger head, 64k micro-batches, reshard_after_forward=False",
+                    {"compile": True, "logprobs_impl": "liger",
+                     "mb_spec": ff.MicroBatchSpec(max_tokens_per_mb=65536),
+                     "fsdp": ff.FSDPConfig(reshard_after_forward=False)}),
     "compile-32k": ("compile + liger head, 32k micro-batches, reshard_after_forward=False",
                     {"compile": True, "logprobs_impl": "liger",
                      "mb_spec": ff.MicroBatchSpec(max_tokens_per_mb=32768),
@@ -210,7 +215,9 @@ def bench_naive(shape: str, ctx: dict) -> float | None:
     """run.bench_naive_step's seconds (mean of 2 after a warm-up), its row re-recorded with this
     script's FLOP count; None when it fails."""
     try:
-        run.bench_naive_step(ctx["cfg"], ctx["batch"], ctx["lens"], ctx["rate"])
+        # 2 rows per micro-batch: 4 rows of 8,192 tokens need 16 GiB for one copy of their fp32
+        # logits over Llama's 128k vocabulary, and the naive step ran out of memory on the H200
+        run.bench_naive_step(ctx["cfg"], ctx["batch"], ctx["lens"], ctx["rate"], rows_per_mb=2)
     except Exception as exc:  # noqa: BLE001 - out of memory: the naive step's own result
         record(shape, "naive", error=error_text(exc))
         return None
