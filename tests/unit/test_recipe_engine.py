@@ -13,9 +13,10 @@ from fsdpfn import serde
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config
 from fsdpfn.app.recipes.engine import OWNED, EngineSection, build_engine, engines
-from fsdpfn.app.recipes.preflight import (HEADROOM, ModelShape, check_data, check_memory,
-                                          check_positions, check_reward, estimate_memory,
-                                          run_estimate)
+from fsdpfn.app.recipes import preflight
+from fsdpfn.app.recipes.preflight import (HEADROOM, ModelShape, check_data, check_disk,
+                                          check_memory, check_positions, check_reward,
+                                          checkpoint_bytes, estimate_memory, run_estimate)
 
 FILES = ["model.path=/models/x", "data.train_files=[train.jsonl]"]
 
@@ -322,3 +323,44 @@ def test_memory_estimate_sums_the_models_of_the_recipe():
     shared = run_estimate(default_config("grpo", GRPO_7B), Q7, n_gpus=8, shared=True)
     # the server: bf16 weights + 128 slots x 1536 positions x 28 layers x (k, v) x 4 x 128 x 2 B
     assert shared["rollout server"] == 2 * Q7.params + 128 * 1536 * 28 * 2 * 4 * 128 * 2
+
+
+def test_checkpoint_size_by_hand():
+    """fp32: weights 4 B + Adam 8 B a parameter; bf16: 2 B + Kahan AdamW 6 B; LoRA: the
+    adapters alone; ppo saves the critic too; the reference is never saved."""
+    n = Q7.params
+    assert checkpoint_bytes(default_config("grpo", GRPO_7B), Q7) == 12 * n
+    bf16 = default_config("grpo", GRPO_7B + ["engine.optimizer_dtype=bfloat16"])
+    assert checkpoint_bytes(bf16, Q7) == 8 * n
+    lora = default_config("grpo", GRPO_7B + ["engine.lora.rank=16"])
+    assert checkpoint_bytes(lora, Q7) == 12 * Q7.lora_params(ff.LoRAConfig(rank=16))
+    ppo = default_config("ppo", FILES + ["data.max_prompt_tokens=512",
+                                         "data.max_response_tokens=1024"])
+    assert checkpoint_bytes(ppo, Q7) == 2 * 12 * n
+
+
+def test_a_checkpoint_larger_than_the_disk_is_refused_naming_what_fits(monkeypatch, tmp_path):
+    cfg = default_config("grpo", GRPO_7B + [f"run_dir={tmp_path / 'run'}"])
+    size = 12 * Q7.params
+    monkeypatch.setattr(preflight, "_free_bytes", lambda path: size + 1.0)
+    note = check_disk(cfg, Q7)
+    assert note.startswith("checkpoint estimate: 85.1 GiB each") and "keep_last=2" in note
+    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 3 * size)
+    assert "keep_last" not in check_disk(cfg, Q7)
+    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 10 * Q7.params)  # 71 GiB
+    with pytest.raises(ConfigError) as info:
+        check_disk(cfg, Q7)
+    msg = str(info.value)
+    assert msg.startswith("checkpoint: one checkpoint of this run does not fit its disk, "
+                          "checkpoint estimate: 85.1 GiB each, 70.9 GiB free")
+    assert "engine.optimizer_dtype=bfloat16 or engine.lora.rank=16 or a run_dir" in msg, msg
+    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 4 * Q7.params)
+    with pytest.raises(ConfigError, match="it would fit with engine.lora.rank=16 or a run_dir"):
+        check_disk(cfg, Q7)
+
+
+def test_free_space_is_read_where_the_run_dir_will_be(tmp_path):
+    import shutil
+
+    free = preflight._free_bytes(tmp_path / "not" / "yet" / "made")
+    assert abs(free - shutil.disk_usage(tmp_path).free) < 2 ** 30

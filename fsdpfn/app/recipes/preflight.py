@@ -30,7 +30,7 @@ from fsdpfn.app.recipes.engine import engines, longest_row
 
 __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
            "ModelShape",
-           "estimate_memory", "check_memory", "HEADROOM", "GiB"]
+           "estimate_memory", "check_memory", "check_disk", "checkpoint_bytes", "HEADROOM", "GiB"]
 
 GiB = 1024 ** 3
 HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
@@ -48,10 +48,14 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
         check_rollout(cfg)
     hf = model_config(cfg)
     check_positions(cfg, hf)
-    if placement.device != "cuda" or hf is None:
+    if hf is None:
         return []
-    return [check_memory(cfg, ModelShape.from_hf(hf), n_gpus=placement.nproc,
-                         capacity=_device_bytes(placement), shared=_shares_gpu(placement))]
+    notes = [check_disk(cfg, ModelShape.from_hf(hf))]
+    if placement.device != "cuda":
+        return notes
+    return notes + [check_memory(cfg, ModelShape.from_hf(hf), n_gpus=placement.nproc,
+                                 capacity=_device_bytes(placement),
+                                 shared=_shares_gpu(placement))]
 
 
 # ---------------------------------------------------------------- data, reward, positions
@@ -322,6 +326,55 @@ def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[s
         out["rollout server"] = _server_bytes(cfg, shape)
     out["total"] = sum(out.values())
     return out
+
+
+# ---------------------------------------------------------------- disk
+
+
+def checkpoint_bytes(cfg, shape: ModelShape) -> float:
+    """Bytes of one checkpoint of the run: every trained model's weights in its optimizer_dtype
+    (a LoRA state: its adapters alone) and its Adam state (two moments, plus the Kahan
+    compensation in bf16). The reference model is not saved."""
+    total = 0.0
+    for name, section in engines(cfg).items():
+        if name == "ref_engine":
+            continue
+        m = BYTES[section.optimizer_dtype]
+        adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
+        trained = shape.lora_params(section.lora) if section.lora is not None else shape.params
+        total += (m + adam) * trained
+    return total
+
+
+def _free_bytes(path: Path) -> float:
+    """Free bytes of the filesystem that holds ``path`` (its nearest existing parent)."""
+    import shutil
+
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return float(shutil.disk_usage(path).free)
+
+
+def check_disk(cfg, shape: ModelShape) -> str:
+    """One checkpoint against the run_dir's free space: a note when it fits (and a warning when
+    ``keep_last`` + 1 of them would not: the newest is written before the oldest goes), else a
+    ConfigError naming what would make it fit."""
+    size, free = checkpoint_bytes(cfg, shape), _free_bytes(Path(cfg.run_dir))
+    keep = cfg.checkpoint.keep_last + 1
+    line = (f"checkpoint estimate: {size / GiB:.1f} GiB each, {free / GiB:.1f} GiB free at "
+            f"{cfg.run_dir}")
+    if size <= free:
+        if keep * size > free:
+            line += (f" (not enough for checkpoint.keep_last={cfg.checkpoint.keep_last} plus "
+                     f"the one being written: old ones must go before the disk fills)")
+        return line
+    fixes = [name for name, fix in (("engine.optimizer_dtype=bfloat16", _policy(
+        cfg, optimizer_dtype="bfloat16")), ("engine.lora.rank=16", _lora(cfg)))
+             if checkpoint_bytes(fix, shape) <= free]
+    hint = " or ".join(fixes + ["a run_dir on a disk with more room"])
+    raise ConfigError(f"checkpoint: one checkpoint of this run does not fit its disk, {line}; "
+                      f"it would fit with {hint}")
 
 
 # ---------------------------------------------------------------- the refusal
