@@ -37,7 +37,7 @@ pair_item() {  # pair_item NAME SECONDS COMMAND...: only with two GPUs
 }
 
 check() {
-  item tests_gpu 330 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py \
+  item tests_gpu 420 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_decode_gpu.py \
     tests/e2e/test_checksum_gpu.py tests/e2e/test_oom_gpu.py tests/e2e/test_memory_gpu.py \
     tests/e2e/test_ipc_gpu.py tests/e2e/test_liger_gpu.py tests/e2e/test_families_gpu.py
   pair_item tests_pair 130 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_cp_gpu.py \
