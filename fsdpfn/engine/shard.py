@@ -4,10 +4,11 @@ then weights.
 Every rank builds the model on the meta device; parallelism is applied to that skeleton in a
 visible order (apply_tp of fsdpfn.engine.tp, apply_ac, apply_compile, apply_fsdp, in place); the
 shards are then materialised and filled one tensor at a time by fsdpfn.engine.load_weights (from
-the checkpoint, or HF's random init drawn piece by piece: no rank ever holds a full copy). With ``memory_efficient_load``
-only rank 0 reads and broadcasts; otherwise every rank reads. Master weights live in
-``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and backward and reduces
-gradients in ``grad_reduce_dtype``. The optimizer and its schedule come from fsdpfn.engine.optim_build.
+the checkpoint, or HF's random init drawn piece by piece: no rank ever holds a full copy). With
+``memory_efficient_load`` only rank 0 reads and broadcasts; otherwise every rank reads. Master
+weights live in ``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and
+backward and reduces gradients in ``grad_reduce_dtype``. The optimizer and its schedule come
+from fsdpfn.engine.optim_build.
 """
 
 from __future__ import annotations

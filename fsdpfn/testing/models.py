@@ -6,9 +6,12 @@ from pathlib import Path
 
 import torch
 
+from fsdpfn import keys as K
+
 __all__ = ["tiny_qwen2_config", "tiny_llama_config", "tiny_qwen3_config", "save_tiny_model",
            "sharded_logits", "tiny_family_configs", "FAMILY_WINDOW", "hf_config_of",
-           "save_family_model", "hf_reference_logp"]
+           "save_family_model", "hf_reference_logp", "hf_reference_update", "full_model_state",
+           "assert_update_matches", "engine_update"]
 
 
 def _common(overrides: dict) -> dict:
@@ -135,6 +138,62 @@ def hf_reference_logp(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
     logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
     return torch.where(attention_mask.bool(), logp, torch.zeros(())), logits
+
+
+def hf_reference_update(model_dir: str, batch):
+    """The model's own eager float32 forward and one sign-like step on ``batch`` (input_ids,
+    attention_mask, loss_mask): (logp[B, T], the mean NLL over loss_mask, the update
+    -g / (|g| + 1) of every parameter by name): what an sft_step with Adam at lr 1, eps 1, no
+    betas and no decay must do."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    logp, _ = hf_reference_logp(model, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
+    mask = batch[K.LOSS_MASK]
+    nll = -(logp * mask).sum() / mask.sum()
+    nll.backward()
+    deltas = {n: -p.grad / (p.grad.abs() + 1.0) for n, p in model.named_parameters()}
+    return logp.detach(), float(nll.detach()), deltas
+
+
+def assert_update_matches(label: str, got: tuple, want: tuple) -> None:
+    """(logp, loss, deltas) of an engine against hf_reference_update's: log-probs and loss to
+    1e-5, each parameter's update to rtol 1e-4 / atol 5e-6."""
+    (logp, loss, deltas), (ref_logp, ref_nll, ref_deltas) = got, want
+    gap = float((logp - ref_logp).abs().max())
+    assert gap <= 1e-5, f"{label}: logp gap {gap:.3g}"
+    assert abs(loss - ref_nll) <= 1e-5, f"{label}: loss {loss} against {ref_nll}"
+    for name, expected in ref_deltas.items():
+        torch.testing.assert_close(deltas[name], expected, rtol=1e-4, atol=5e-6,
+                                   msg=lambda m, name=name: f"{label} {name}: {m}")
+
+
+def engine_update(state, batch, mesh):
+    """forward_logp of ``batch``, then one sft_step (every rank calls it): (logp[B, T], the
+    step's loss, each parameter's update by HF name) on rank 0, None elsewhere; the pieces
+    assert_update_matches takes."""
+    import torch.distributed as dist
+
+    import fsdpfn as ff
+
+    local = ff.shard_batch(batch, mesh)
+    logp = ff.gather_batch(ff.forward_logp(state, local), mesh)[K.LOGP]
+    before = full_model_state(state)
+    state, stats = ff.sft_step(state, local)
+    after = full_model_state(state)
+    if dist.get_rank() != 0:
+        return None
+    return logp, float(stats["loss"]), {k: after[k] - before[k] for k in after}
+
+
+def full_model_state(state) -> dict:
+    """The HF-named full weights of a sharded state, on the CPU (every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+    return {k[len("lm."):]: v.clone() for k, v in sd.items()}
 
 
 @torch.no_grad()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
-from fsdpfn.testing.models import hf_reference_logp, save_family_model, tiny_family_configs
+from fsdpfn.testing.models import (assert_update_matches, engine_update, hf_reference_update,
+                                   save_family_model, tiny_family_configs)
 
 FAMILIES = tiny_family_configs()
 LENGTHS = (64, 41, 53, 47)
@@ -42,40 +41,12 @@ def dirs(tmp_path_factory):
                          "gemma", "llama-rope-yarn", "qwen3")}
 
 
-def reference(model_dir: str, batch):
-    """The model's own eager float32 forward: logp [B, T], mean NLL, expected update per name."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager")
-    logp, _ = hf_reference_logp(model, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
-    mask = batch[K.LOSS_MASK]
-    nll = -(logp * mask).sum() / mask.sum()
-    nll.backward()
-    deltas = {n: -p.grad / (p.grad.abs() + 1.0) for n, p in model.named_parameters()}
-    return logp.detach(), float(nll.detach()), deltas
-
-
-def _full(state):
-    sd = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True,
-                                                                    cpu_offload=True))
-    return {k[len("lm."):]: v.clone() for k, v in sd.items()}
-
-
 def run_on_ranks(model_dir, tp, cp, batch):
     """forward_logp, then one sft_step: (logp, loss, parameter deltas) on rank 0."""
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=tp, cp=cp), device_type="cpu")
     cfg = ff.EngineConfig(model_path=model_dir, dtype="float32",
                           optimizer=ff.OptimizerConfig(**OPT))
-    state = ff.shard_model(cfg, mesh)
-    local = ff.shard_batch(batch, mesh)
-    logp = ff.gather_batch(ff.forward_logp(state, local), mesh)[K.LOGP]
-    before = _full(state)
-    state, stats = ff.sft_step(state, local)
-    after = _full(state)
-    if dist.get_rank() != 0:
-        return None
-    return logp, float(stats["loss"]), {k: after[k] - before[k] for k in after}
+    return engine_update(ff.shard_model(cfg, mesh), batch, mesh)
 
 
 @pytest.mark.timeout(500)
@@ -86,15 +57,9 @@ def run_on_ranks(model_dir, tp, cp, batch):
     ("qwen3", 2, 1), ("qwen3", 1, 2)])
 def test_tp_and_cp_equal_the_models_own_forward(family, tp, cp, dirs, spmd2):
     batch = family_batch()
-    ref_logp, ref_nll, ref_deltas = reference(dirs[family], batch)
-    logp, loss, deltas = spmd2.run(run_on_ranks, args=(dirs[family], tp, cp, batch),
-                                   timeout=400)[0]
-    gap = float((logp - ref_logp).abs().max())
-    assert gap <= 1e-5, f"{family} tp={tp} cp={cp}: logp gap {gap:.3g}"
-    assert abs(loss - ref_nll) <= 1e-5
-    for name, want in ref_deltas.items():
-        torch.testing.assert_close(deltas[name], want, rtol=1e-4, atol=5e-6,
-                                   msg=lambda m, name=name: f"{family} {name}: {m}")
+    got = spmd2.run(run_on_ranks, args=(dirs[family], tp, cp, batch), timeout=400)[0]
+    assert_update_matches(f"{family} tp={tp} cp={cp}", got,
+                          hf_reference_update(dirs[family], batch))
 
 
 def build_tp(model_dir):
