@@ -128,12 +128,16 @@ def trial(spec: dict) -> list[dict]:
         config = _engine_config(spec["shape"], spec["option"], max(seqs), spec["rows"],
                                 spec["prefetch"])
         mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type=device)
+        built = time.perf_counter()
         state = ff.shard_model(config, mesh)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        build_s = round(time.perf_counter() - built, 1)  # random init drawn on the device
         params_B = round(sum(p.numel() for p in state.model.parameters()) / 1e9, 2)
         vocab = config.model_config["vocab_size"]
         for k, seq in enumerate(seqs):
             out = dict(shape=spec["shape"], option=spec["option"], seq=seq, ok=False,
-                       params_B=params_B)
+                       params_B=params_B, build_s=build_s)
             batch = _batch(spec["rows"], seq, vocab)
             if k == 0 and spec.get("warmup", True):
                 reach(f"warm-up step at {seq}", out)
@@ -225,10 +229,13 @@ def largest(args) -> None:
                      "largest shape": f"{best['shape']} ({best['params_B']} B)" if best else "none",
                      "peak GiB": best.get("peak_GiB", "") if best else "",
                      "tokens/s": best["tokens_per_s"] if best else "",
+                     "build s": best.get("build_s", "") if best else "",
                      "next fails": (f"{failed['shape']}: {failed['stage']}: {failed['error']}"
                                     if failed else "(all fit)")})
-    print(f"\n# largest shape per option: {args.rows} x {args.seq} tokens per step")
-    print_markdown_table(rows, ("option", "largest shape", "peak GiB", "tokens/s", "next fails"))
+    print(f"\n# largest shape per option: {args.rows} x {args.seq} tokens per step; build s: "
+          f"shard_model with random init drawn on the device")
+    print_markdown_table(rows, ("option", "largest shape", "peak GiB", "tokens/s", "build s",
+                                "next fails"))
 
 
 def longest(args) -> None:
