@@ -269,9 +269,10 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     model_dir = initial_model_dir(cfg.model, run_dir)
     url = cfg.rollout.url if needs_rollout else None
     _check_inputs(cfg)
-    for note in preflight(cfg, placement, data=dry_run):  # a real run reads the data below
-        _say(note)
+    notes = preflight(cfg, placement, data=dry_run)  # a real run reads the data below
     if dry_run:
+        for note in notes:
+            _say(note)
         print(serde.to_yaml(cfg), end="")
         _say(f"placement: {_describe(placement)}")
         for i in range(placement.servers if own_server else 0):
@@ -283,6 +284,8 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         return 0
     _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
     _prepare_data(cfg, run_dir, resume=resume)
+    for note in notes:  # after every refusal: a refused run prints its one line alone
+        _say(note)
     config_path.write_text(serde.to_yaml(cfg))
     write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
     try:
