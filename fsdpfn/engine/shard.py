@@ -148,28 +148,35 @@ def apply_compile(model: nn.Module, config: EngineConfig) -> int:
     length turns dynamic at its second value. Returns the number of blocks compiled."""
     if not config.compile:
         return 0
+    import inspect
+
+    import torch
+
     classes = _wrap_classes(model, config)
     blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    compiled = {}  # one compiled function per block class
     for block in blocks:
-        block.forward = _compiled_forward(block)
+        kind = type(block)
+        if kind not in compiled:
+            compiled[kind] = torch.compile(inspect.unwrap(kind.forward))
+        block.forward = _compiled_forward(block, compiled[kind])
     return len(blocks)
 
 
-def _compiled_forward(block: nn.Module):
-    """The block's forward through torch.compile, with activation checkpointing kept outside it.
+def _compiled_forward(block: nn.Module, compiled):
+    """The block's forward through ``compiled`` (torch.compile of its class's own forward), with
+    activation checkpointing kept outside it.
 
     transformers wraps a block's forward in decorators whose code every family shares (keyword
     deprecation, and on recent versions the checkpointing itself); compiling those would key
     every family's graphs to one code object and exhaust dynamo's recompile limit. So the
     model's own function is compiled, and where transformers checkpoints in ``forward`` (not in
     ``__call__``) the same checkpointing runs here, around the compiled call."""
-    import inspect
     from functools import partial
 
     import torch
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    compiled = torch.compile(inspect.unwrap(type(block).forward))
     checkpoints_here = isinstance(block, GradientCheckpointingLayer) and \
         "__call__" not in GradientCheckpointingLayer.__dict__
 

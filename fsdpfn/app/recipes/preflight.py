@@ -50,10 +50,11 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     check_positions(cfg, hf)
     if hf is None:
         return []
-    notes = [check_disk(cfg, ModelShape.from_hf(hf))]
+    shape = ModelShape.from_hf(hf)
+    notes = [check_disk(cfg, shape)]
     if placement.device != "cuda":
         return notes
-    return notes + [check_memory(cfg, ModelShape.from_hf(hf), n_gpus=placement.nproc,
+    return notes + [check_memory(cfg, shape, n_gpus=placement.nproc,
                                  capacity=_device_bytes(placement),
                                  shared=_shares_gpu(placement))]
 
