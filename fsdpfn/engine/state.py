@@ -164,6 +164,13 @@ def check_live(state: EngineState, fn_name: str, *, local_error: BaseException |
     agree_on_error(state.mesh if collective and isinstance(state, EngineState) else None, exc)
 
 
+def record_own_writes(state: EngineState) -> None:
+    """The fsdpfn function holding ``state`` wrote its weights in place (an optimizer step between
+    the minibatches of one grad_step): the lease takes the new counters, so a later check in the
+    same call still catches only writes from outside fsdpfn."""
+    state.lease.param_versions = _param_versions(state.model)
+
+
 def advance(state: EngineState, fn_name: str, *, steps: int = 0, weights_changed: bool = True,
             version: int | None = None, **changes) -> EngineState:
     """Return the successor of ``state`` and revoke ``state``.

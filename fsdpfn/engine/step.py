@@ -38,7 +38,7 @@ from fsdpfn.engine.mesh import Mesh
 from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
                                   release_memory, resolve_mb_spec)
-from fsdpfn.engine.state import EngineState, advance, check_live
+from fsdpfn.engine.state import EngineState, advance, check_live, record_own_writes
 
 __all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS",
            "minibatch_rows"]
@@ -301,6 +301,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
                 _clip_(model, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
             optimizer.step()
             scheduler.step()
+            record_own_writes(state)  # the next minibatch's plan checks only outside writes
             taken += 1
         else:
             skipped += 1

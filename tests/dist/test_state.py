@@ -187,3 +187,32 @@ def test_stale_state_and_outside_mutation_detected(spmd2):
             assert out[name] is not None and "superseded by sft_step()" in out[name]
             assert "state, stats = sft_step(state" in out[name]
         assert out["mutation"] is not None and "changed in place outside fsdpfn" in out["mutation"]
+
+
+def several_steps_in_one_call():
+    """ppo_step with two minibatches: the optimizer's own in-place writes between them are not
+    taken for outside writes, with each optimizer the engine builds."""
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    out = {}
+    for name, extra in {"adamw": {}, "bf16 state": {"optimizer_dtype": "bfloat16"},
+                        "per-layer step": {"fsdp": ff.FSDPConfig(per_layer_optim_step=True)}
+                        }.items():
+        cfg = ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(), dtype="float32",
+                              optimizer=ff.OptimizerConfig(lr=1e-3), **extra)
+        state = ff.shard_model(cfg, mesh)
+        batch = random_batch(8, 10, seed=3, group_size=2)
+        batch[K.OLD_LOGP] = torch.zeros(8, 10)
+        batch[K.ADVANTAGES] = torch.linspace(-1, 1, 80).view(8, 10)
+        before = {n: local_tensor(p).detach().clone() for n, p in state.model.named_parameters()}
+        new, stats = ff.ppo_step(state, batch, ff.PPOConfig(n_minibatches=2))
+        ff.forward_logp(new, batch)  # the successor is live
+        moved = any(not torch.equal(before[n], local_tensor(p).detach().float().to(before[n].dtype))
+                    for n, p in new.model.named_parameters())
+        out[name] = (int(stats["steps"]), new.step, moved)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_several_optimizer_steps_in_one_call(spmd2):
+    for out in spmd2.run(several_steps_in_one_call, timeout=150):
+        assert out == {name: (2, 2, True) for name in ("adamw", "bf16 state", "per-layer step")}
