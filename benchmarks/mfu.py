@@ -91,6 +91,8 @@ VARIANTS = {  # --variants key -> (label, EngineConfig keywords beyond the defau
                     tuned(65536, compiled=True)),
     "compile-32k": ("compile + liger head, 32k micro-batches, reshard_after_forward=False",
                     tuned(32768, compiled=True)),
+    "compile-48k": ("compile + liger head, 48k micro-batches, reshard_after_forward=False",
+                    tuned(49152, compiled=True)),
 }
 COLUMNS = ("section", "name", "first step s", "old logp s", "s/step", "tokens/s", "mfu",
            "peak GiB", "x naive")
