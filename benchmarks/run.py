@@ -96,20 +96,24 @@ def timed(fn, *, warmup: int = 1, iters: int = 3) -> float:
 def param_count(cfg: dict) -> int:
     h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], \
         cfg["vocab_size"]
-    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    per_layer = h * h * 2 + 2 * h * kv + 3 * h * i + 2 * h + h + 2 * kv
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = d * cfg["num_attention_heads"], d * cfg["num_key_value_heads"]
+    # q and o, k and v, the MLP, two norms, the q/k/v biases
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h + q + 2 * kv
     head = 0 if cfg.get("tie_word_embeddings") else v * h
     return L * per_layer + v * h + head + h
 
 
 def train_flops(cfg: dict, lens: list[int]) -> float:
-    """6·(matmul params)·tokens + causal attention 6·L·h·Σ len² (forward 2·len²·h per layer,
-    halved by causality, times 3 for forward+backward), counting the lm_head but not embeddings."""
+    """6·(matmul params)·tokens + causal attention 6·L·q·Σ len² (forward 2·len²·q per layer, q:
+    query heads · head size, halved by causality, times 3 for forward+backward), counting the
+    lm_head but not embeddings."""
     h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     embedding = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
     matmul_params = param_count(cfg) - embedding + v * h  # lm_head yes, embedding lookup no
     tokens = sum(lens)
-    return 6 * matmul_params * tokens + 6 * L * h * sum(n * n for n in lens)
+    q = (cfg.get("head_dim") or h // cfg["num_attention_heads"]) * cfg["num_attention_heads"]
+    return 6 * matmul_params * tokens + 6 * L * q * sum(n * n for n in lens)
 
 
 # ---------------------------------------------------------------- sections

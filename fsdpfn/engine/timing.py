@@ -25,13 +25,14 @@ over ranks, tokens the sum over data-parallel ranks.
 
 MFU (model FLOPs utilisation, the convention of BENCHMARKS.md):
 
-    flops = passes · (2 · P · tokens + 2 · L · h · Σ len²)
+    flops = passes · (2 · P · tokens + 2 · L · d · Σ len²)
     mfu   = flops / (time_total · world_size · peak_tflops · 1e12)
 
 P: the model's matmul parameters (every parameter of two or more dimensions, the lm_head
 counted, the embedding lookup not), tokens: real (unpadded) tokens of the call over all
-data-parallel ranks, len: each row's real length, L, h: layers and hidden size (causal
-attention: 2·len²·h per layer forward), passes: 3 for a training step (forward + backward), 1 for
+data-parallel ranks, len: each row's real length, L: layers, d: query heads · head size (the
+width attention runs at, the hidden size unless the config sets head_dim otherwise; causal
+attention: 2·len²·d per layer forward), passes: 3 for a training step (forward + backward), 1 for
 a forward. Activation-checkpointing recompute is not counted (the usual MFU, not HFU).
 peak_tflops: ``EngineConfig.peak_tflops``, else measured once per process and device by an
 8192³ GEMM in the compute dtype (``measure_peak_tflops``); on CPU there is no MFU unless given.
@@ -217,8 +218,17 @@ def model_flops(state, tokens: float, sum_sq_len: float, passes: int) -> float:
     module docstring for the formula."""
     cfg = state.hf_config
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    return passes * (2.0 * matmul_params(state) * tokens
+                     + 2.0 * layers * attention_width(cfg) * sum_sq_len)
+
+
+def attention_width(cfg) -> int:
+    """Query heads · head size: the width of attention's two matmuls (Qwen3-0.6B: 16 · 128 =
+    2048 on a hidden size of 1024)."""
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-    return passes * (2.0 * matmul_params(state) * tokens + 2.0 * layers * hidden * sum_sq_len)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if heads else 0)
+    return heads * int(head_dim) if heads else hidden
 
 
 @functools.lru_cache(maxsize=None)

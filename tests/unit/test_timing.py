@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.engine import timing
-from fsdpfn.testing import random_batch, tiny_qwen2_config
+from fsdpfn.testing import random_batch, tiny_qwen2_config, tiny_qwen3_config
 
 STAGE_KEYS = [f"time_{s}" for s in timing.STAGES]
 KEYS = [*STAGE_KEYS, "time_total", "peak_memory_gb", "tokens_per_s"]
@@ -96,15 +96,16 @@ def test_step_stats_carry_stage_times_within_the_wall_time(state_box):
     assert kept == pytest.approx({k: numbers[k] for k in timing.KEYS & numbers.keys()}, rel=1e-5)
 
 
-def _reference_flops(batch, passes: int) -> float:
+def _reference_flops(batch, passes: int, cfg=None) -> float:
     """float64, from the config's dimensions alone: q, k, v, o, gate, up, down per layer and the
-    (untied) lm_head; causal attention 2·len²·h per layer forward."""
-    cfg = tiny_qwen2_config()
+    (untied) lm_head; causal attention 2·len²·(heads · head_dim) per layer forward."""
+    cfg = cfg or tiny_qwen2_config()
     h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
-    params = L * (2 * h * h + 2 * h * kv + 3 * h * i) + V * h
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = d * cfg.num_attention_heads, d * cfg.num_key_value_heads
+    params = L * (2 * h * q + 2 * h * kv + 3 * h * i) + V * h
     lens = batch[K.ATTENTION_MASK].sum(1).double()
-    return passes * (2.0 * params * float(lens.sum()) + 2.0 * L * h * float((lens ** 2).sum()))
+    return passes * (2.0 * params * float(lens.sum()) + 2.0 * L * q * float((lens ** 2).sum()))
 
 
 def test_mfu_follows_the_documented_formula(state_box):
@@ -117,6 +118,20 @@ def test_mfu_follows_the_documented_formula(state_box):
     ff.forward_logp(state, batch)
     fwd = ff.last_timings(state)["forward_logp"]
     assert fwd["mfu"] == pytest.approx(_reference_flops(batch, 1) / (fwd["time_total"] * 2e12),
+                                       rel=1e-9)
+
+
+def test_mfu_counts_attention_at_heads_times_head_dim():
+    """Qwen3-style configs set head_dim apart from hidden / heads: attention's FLOPs follow it."""
+    cfg = tiny_qwen3_config()
+    cfg.head_dim = 2 * cfg.hidden_size // cfg.num_attention_heads  # 4 · 32 = 128 on hidden 64
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(model_config=cfg.to_dict(), dtype="float32",
+                                           peak_tflops=2.0), mesh)
+    batch = _batch(seed=4)
+    ff.forward_logp(state, batch)
+    fwd = ff.last_timings(state)["forward_logp"]
+    assert fwd["mfu"] == pytest.approx(_reference_flops(batch, 1, cfg) / (fwd["time_total"] * 2e12),
                                        rel=1e-9)
 
 
