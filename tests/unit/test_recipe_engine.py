@@ -14,7 +14,8 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config
 from fsdpfn.app.recipes.engine import OWNED, EngineSection, build_engine, engines
 from fsdpfn.app.recipes import preflight
-from fsdpfn.app.recipes.preflight import (HEADROOM, ModelShape, check_data, check_disk,
+from fsdpfn.app.recipes.preflight import (GiB, HEADROOM, ModelShape, check_data, check_disk,
+                                          check_host_memory, host_bytes,
                                           check_memory, check_positions, check_reward,
                                           checkpoint_bytes, estimate_memory, run_estimate)
 
@@ -357,6 +358,52 @@ def test_a_checkpoint_larger_than_the_disk_is_refused_naming_what_fits(monkeypat
     monkeypatch.setattr(preflight, "_free_bytes", lambda path: 4 * Q7.params)
     with pytest.raises(ConfigError, match="it would fit with engine.lora.rank=16 or a run_dir"):
         check_disk(cfg, Q7)
+
+
+def test_host_memory_estimate_by_hand():
+    """The per-layer step keeps the policy's Adam state on the host (fp32: 8 B a parameter;
+    bf16: 6 B with Kahan); offload_params keeps weights, gradients and Adam state there; the
+    reference's offloaded weights add theirs; nothing on the host: no note."""
+    n = Q7.params
+    assert check_host_memory(default_config("grpo", GRPO_7B), Q7, available=1e12) is None
+    per_layer = default_config("grpo", GRPO_7B + ["engine.fsdp.per_layer_optim_step=true"])
+    assert host_bytes(per_layer, Q7) == {"optimizer state": 8 * n,
+                                         "offloaded weights and gradients": 0.0}
+    bf16 = default_config("grpo", GRPO_7B + ["engine.fsdp.per_layer_optim_step=true",
+                                             "engine.optimizer_dtype=bfloat16"])
+    assert host_bytes(bf16, Q7)["optimizer state"] == 6 * n  # the reference inherits bf16
+    offload = default_config("grpo", GRPO_7B + ["engine.fsdp.offload_params=true"])
+    # policy: fp32 weights + gradients + Adam; reference (inherits the offload): fp32 weights
+    assert host_bytes(offload, Q7) == {"optimizer state": 8 * n,
+                                       "offloaded weights and gradients": (4 + 4 + 4) * n}
+    ref_only = default_config("grpo", GRPO_7B + ["ref_engine.fsdp.offload_params=true"])
+    assert host_bytes(ref_only, Q7) == {"optimizer state": 0.0,
+                                        "offloaded weights and gradients": 4 * n}
+
+
+def test_host_memory_refusal_names_what_fits():
+    """A 14B-sized fp32 per-layer run on a host with 120 GiB available: its moments (110 GiB)
+    pass 90% of it; the bf16 state's (82 GiB) do not."""
+    q14 = ModelShape(hidden=5120, intermediate=13824, layers=48, vocab=152064, heads=40,
+                     kv_heads=8, head_dim=128, tied=False)
+    cfg = default_config("grpo", GRPO_7B + ["engine.fsdp.per_layer_optim_step=true"])
+    host = 120 * GiB
+    with pytest.raises(ConfigError) as info:
+        check_host_memory(cfg, q14, available=host)
+    msg = str(info.value)
+    assert msg.startswith("engine: the run's host-side state does not fit this host's memory, "
+                          "host memory estimate: 110."), msg
+    assert msg.endswith("it would fit with engine.optimizer_dtype=bfloat16 or "
+                        "engine.lora.rank=16 or a host with more memory"), msg
+    note = check_host_memory(default_config("grpo", GRPO_7B + [
+        "engine.fsdp.per_layer_optim_step=true", "engine.optimizer_dtype=bfloat16"]), q14,
+        available=host)
+    assert note.startswith("host memory estimate: 82.") and "optimizer state 82." in note, note
+
+
+def test_host_memory_is_read_from_meminfo():
+    available = preflight._host_available_bytes()
+    assert available is None or 0 < available < 2 ** 50
 
 
 def test_free_space_is_read_where_the_run_dir_will_be(tmp_path):

@@ -9,7 +9,11 @@
 - on a GPU host: an estimate of one trainer GPU's memory (weights + gradients + optimizer state
   + activations of every model the recipe builds, plus the rollout server's weights and decode
   cache when it shares the GPU) against the device's; a run that cannot fit is refused, naming
-  the engine options that would make it fit.
+  the engine options that would make it fit;
+- on a GPU host, where an option keeps state in host memory (the per-layer step's Adam moments,
+  offloaded parameters): that state, summed over the host's trainer ranks, against the host's
+  available memory; refused the same way;
+- one checkpoint against the run_dir's free disk space.
 
 The estimate (``estimate_memory``) is a pure function of the model's shape and the engine
 options, written out below; it leaves out what is small next to these terms (biases, norms'
@@ -30,7 +34,8 @@ from fsdpfn.app.recipes.engine import engines, longest_row
 
 __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
            "ModelShape",
-           "estimate_memory", "check_memory", "check_disk", "checkpoint_bytes", "HEADROOM", "GiB"]
+           "estimate_memory", "check_memory", "check_disk", "checkpoint_bytes", "host_bytes",
+           "check_host_memory", "HEADROOM", "GiB"]
 
 GiB = 1024 ** 3
 HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
@@ -54,9 +59,10 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     notes = [check_disk(cfg, shape)]
     if placement.device != "cuda":
         return notes
-    return notes + [check_memory(cfg, shape, n_gpus=placement.nproc,
-                                 capacity=_device_bytes(placement),
-                                 shared=_shares_gpu(placement))]
+    notes.append(check_memory(cfg, shape, n_gpus=placement.nproc,
+                              capacity=_device_bytes(placement), shared=_shares_gpu(placement)))
+    host = check_host_memory(cfg, shape, available=_host_available_bytes())
+    return notes + ([host] if host else [])
 
 
 # ---------------------------------------------------------------- data, reward, positions
@@ -327,6 +333,64 @@ def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[s
         out["rollout server"] = _server_bytes(cfg, shape)
     out["total"] = sum(out.values())
     return out
+
+
+# ---------------------------------------------------------------- host memory
+
+
+def host_bytes(cfg, shape: ModelShape) -> dict[str, float]:
+    """Bytes the run keeps in the host's memory, over all its trainer ranks (one host): the
+    per-layer step's Adam state (pinned; the device holds a few layers of it at a time) and
+    offload_params' weights, gradients and Adam state (pinned; the optimizer steps on the
+    host). What each rank reads or stages in passing (a safetensors tensor, a push bucket) is
+    small next to these and left out."""
+    out = {"optimizer state": 0.0, "offloaded weights and gradients": 0.0}
+    for name, section in engines(cfg).items():
+        train = name != "ref_engine"
+        m = BYTES[section.optimizer_dtype]
+        c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
+        adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
+        trained = shape.lora_params(section.lora) if section.lora is not None else shape.params
+        weights = m * shape.params if section.lora is None else \
+            c * shape.params + m * trained
+        if section.fsdp.offload_params:
+            out["offloaded weights and gradients"] += weights + (m * trained if train else 0)
+            out["optimizer state"] += adam * trained if train else 0
+        elif train and section.fsdp.per_layer_optim_step:
+            out["optimizer state"] += adam * trained
+    return out
+
+
+def _host_available_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo (None where there is none: no check)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(cfg, shape: ModelShape, *, available: float | None) -> str | None:
+    """host_bytes against the host's available memory: None when the run keeps nothing there
+    (or the host's memory is unknown), a note when it fits, else a ConfigError naming what
+    would make it fit."""
+    est = host_bytes(cfg, shape)
+    total = sum(est.values())
+    if not total or available is None:
+        return None
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est.items() if v)
+    line = (f"host memory estimate: {total / GiB:.1f} GiB of {available / GiB:.1f} GiB "
+            f"available ({parts})")
+    if total <= HEADROOM * available:
+        return line
+    fixes = [name for name, fix in (("engine.optimizer_dtype=bfloat16", _policy(
+        cfg, optimizer_dtype="bfloat16")), ("engine.lora.rank=16", _lora(cfg)))
+             if sum(host_bytes(fix, shape).values()) <= HEADROOM * available]
+    hint = " or ".join(fixes + ["a host with more memory"])
+    raise ConfigError(f"engine: the run's host-side state does not fit this host's memory, "
+                      f"{line}, more than {HEADROOM:.0%} of it; it would fit with {hint}")
 
 
 # ---------------------------------------------------------------- disk
