@@ -133,11 +133,13 @@ def trial(spec: dict) -> list[dict]:
         if device == "cuda":
             torch.cuda.synchronize()
         build_s = round(time.perf_counter() - built, 1)  # random init drawn on the device
+        phases = {k.removeprefix("time_"): round(v, 1) for k, v in
+                  ff.last_timings(state).get("shard_model", {}).items() if k != "time_total"}
         params_B = round(sum(p.numel() for p in state.model.parameters()) / 1e9, 2)
         vocab = config.model_config["vocab_size"]
         for k, seq in enumerate(seqs):
             out = dict(shape=spec["shape"], option=spec["option"], seq=seq, ok=False,
-                       params_B=params_B, build_s=build_s)
+                       params_B=params_B, build_s=build_s, build_phases=phases)
             batch = _batch(spec["rows"], seq, vocab)
             if k == 0 and spec.get("warmup", True):
                 reach(f"warm-up step at {seq}", out)
@@ -214,6 +216,13 @@ def _spec(args, shape, option, seqs=None, rows=None) -> dict:
                 warmup=not args.no_warmup)
 
 
+def _build_text(result: dict) -> str:
+    """The build's seconds and its three longest phases (shard_model's last_timings)."""
+    phases = sorted(result.get("build_phases", {}).items(), key=lambda kv: -kv[1])[:3]
+    inner = ", ".join(f"{name} {sec}" for name, sec in phases)
+    return f"{result.get('build_s', '')}" + (f" ({inner})" if inner else "")
+
+
 def largest(args) -> None:
     shapes = ["tiny"] if args.cpu else (args.shapes or [s for s in SHAPES if s != "tiny"])
     rows = []
@@ -229,7 +238,7 @@ def largest(args) -> None:
                      "largest shape": f"{best['shape']} ({best['params_B']} B)" if best else "none",
                      "peak GiB": best.get("peak_GiB", "") if best else "",
                      "tokens/s": best["tokens_per_s"] if best else "",
-                     "build s": best.get("build_s", "") if best else "",
+                     "build s": _build_text(best) if best else "",
                      "next fails": (f"{failed['shape']}: {failed['stage']}: {failed['error']}"
                                     if failed else "(all fit)")})
     print(f"\n# largest shape per option: {args.rows} x {args.seq} tokens per step; build s: "

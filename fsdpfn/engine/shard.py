@@ -9,6 +9,12 @@ the checkpoint, or HF's random init drawn piece by piece: no rank ever holds a f
 weights live in ``optimizer_dtype``; FSDP2 casts to the compute ``dtype`` for forward and
 backward and reduces gradients in ``grad_reduce_dtype``. The optimizer and its schedule come
 from fsdpfn.engine.optim_build.
+
+Where the build's time went (``EngineConfig.timing``): ``last_timings(state)["shard_model"]``,
+seconds per phase: ``time_check`` (config, family checks), ``time_skeleton`` (the meta model),
+``time_wrap`` (kernels, LoRA, tp, checkpointing, compile, FSDP2), ``time_materialize`` (the
+shards allocated, buffers computed), ``time_weights`` (read or drawn, copied in),
+``time_optimizer`` and ``time_total``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 
 from torch import nn
 
-from fsdpfn.engine import cp, families, lora
+from fsdpfn.engine import cp, families, lora, timing
 from fsdpfn.engine.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
@@ -232,6 +238,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     """Build (or load) the HF model of ``config`` and shard it over ``mesh``; see module doc."""
     if not isinstance(config, EngineConfig):
         raise ConfigError(f"config: must be an EngineConfig, got {type(config).__name__}")
+    phases = timing.Phases(mesh.device)  # where the build's time goes: last_timings(state)
     error = None
     try:  # every rank validates before the first collective; all agree on the verdict
         _check_supported(config, mesh)
@@ -243,12 +250,14 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     except ConfigError as exc:
         error = exc
     agree_on_error(mesh, error)
+    phases.mark("check")
     cp.register()
     hf_config._attn_implementation = cp.attn_name(mesh.cp)
     dtype = torch_dtype(config.optimizer_dtype)
     lm = build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
     families.check_structure(lm, model_type=hf_config.model_type, is_critic=config.is_critic,
                              lora=config.lora is not None)
+    phases.mark("skeleton")
     if config.disable_dropout:
         _disable_dropout(lm)
     if config.fused_kernels and not config.compile:  # compiled blocks fuse their own
@@ -268,9 +277,12 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     if mesh.cp > 1:
         model.cp_group = mesh.group("cp")
     apply_fsdp(model, mesh, config)
+    phases.mark("wrap")
     model.to_empty(device="cpu" if config.fsdp.offload_params else mesh.device)
     restore_buffers(lm, hf_config, is_critic=config.is_critic, dtype=dtype, device=mesh.device)
+    phases.mark("materialize")
     load_weights(model, hf_config, config, mesh)  # checks, agrees, then fills the shards
+    phases.mark("weights")
     optimizer = scheduler = None
     if config.optimizer is not None:
         optimizer = build_optimizer(model, config.optimizer, master_dtype=config.optimizer_dtype,
@@ -281,5 +293,9 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     else:
         for param in model.parameters():
             param.requires_grad_(False)
-    return EngineState(config=config, mesh=mesh, model=model, optimizer=optimizer,
-                       scheduler=scheduler, step=0, version=0, hf_config=hf_config)
+    phases.mark("optimizer")
+    state = EngineState(config=config, mesh=mesh, model=model, optimizer=optimizer,
+                        scheduler=scheduler, step=0, version=0, hf_config=hf_config)
+    if config.timing:
+        timing.keep(model, "shard_model", phases.numbers())
+    return state

@@ -360,11 +360,41 @@ def timed(name: str, *, passes: int, attach: bool, step: bool = False) -> Callab
     return wrap
 
 
+def keep(model, label: str, numbers: dict[str, float]) -> None:
+    """Record ``numbers`` as the last timings of ``label`` on ``model`` (see last_timings)."""
+    _LAST.setdefault(model, {})[label] = dict(numbers)
+
+
+class Phases:
+    """Wall time of consecutive phases of one call (shard_model's build): ``mark(name)`` ends the
+    phase ``name`` at the host clock, after the device finished its work (CUDA: one
+    synchronisation per mark). ``numbers()``: ``time_<name>`` per phase and ``time_total``."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.times: dict[str, float] = {}
+        self.start = self.last = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = self._now()
+        self.times[f"time_{name}"] = self.times.get(f"time_{name}", 0.0) + now - self.last
+        self.last = now
+
+    def numbers(self) -> dict[str, float]:
+        return {**self.times, "time_total": self.last - self.start}
+
+
 def last_timings(state) -> dict[str, dict[str, float]]:
     """The numbers of the last timed call of each function on ``state``'s model (successor
     states share it): ``{"forward_logp": {"time_forward": ..., "time_total": ...,
     "peak_memory_gb": ..., "tokens_per_s": ..., "mfu": ...}, "ppo_step": {...}}``. Keys as in
-    the stats of a training step; empty before any timed call or with ``timing=False``."""
+    the stats of a training step; ``shard_model``: the build's seconds per phase (see
+    fsdpfn.engine.shard). Empty with ``timing=False``."""
     model = getattr(state, "model", None)
     if model is None:
         return {}

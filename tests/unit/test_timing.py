@@ -236,3 +236,18 @@ def test_push_receipt_splits_gather_and_transfer_within_its_seconds(state_box, t
     assert receipt.gather_s > 0 and receipt.transfer_s >= 0
     assert receipt.apply_s is None  # a directory applies nothing
     assert receipt.gather_s + receipt.transfer_s == pytest.approx(receipt.seconds)
+
+
+def test_shard_model_records_where_the_build_went():
+    """last_timings(state)["shard_model"]: one number per phase, adding up to the total, which
+    the caller's own clock bounds; nothing with timing=False."""
+    began = time.perf_counter()
+    state = _state()
+    wall = time.perf_counter() - began
+    build = ff.last_timings(state)["shard_model"]
+    phases = ("check", "skeleton", "wrap", "materialize", "weights", "optimizer")
+    assert set(build) == {f"time_{p}" for p in phases} | {"time_total"}
+    assert all(v >= 0 for v in build.values())
+    assert sum(build[f"time_{p}"] for p in phases) == pytest.approx(build["time_total"], rel=1e-9)
+    assert build["time_total"] <= wall
+    assert "shard_model" not in ff.last_timings(_state(timing=False))
