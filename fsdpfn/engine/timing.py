@@ -366,12 +366,14 @@ def keep(model, label: str, numbers: dict[str, float]) -> None:
 
 
 class Phases:
-    """Wall time of consecutive phases of one call (shard_model's build): ``mark(name)`` ends the
-    phase ``name`` at the host clock, after the device finished its work (CUDA: one
-    synchronisation per mark). ``numbers()``: ``time_<name>`` per phase and ``time_total``."""
+    """Wall time of consecutive phases (shard_model's build, a recipe step's stages):
+    ``mark(name)`` ends the phase ``name`` at the host clock, after the device finished its work
+    (CUDA: one synchronisation per mark, none in between). ``times``: seconds per phase under
+    ``key.format(name)``; ``numbers()``: those and ``time_total``."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device | str, key: str = "time_{}"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.key = key
         self.times: dict[str, float] = {}
         self.start = self.last = self._now()
 
@@ -382,7 +384,8 @@ class Phases:
 
     def mark(self, name: str) -> None:
         now = self._now()
-        self.times[f"time_{name}"] = self.times.get(f"time_{name}", 0.0) + now - self.last
+        key = self.key.format(name)
+        self.times[key] = self.times.get(key, 0.0) + now - self.last
         self.last = now
 
     def numbers(self) -> dict[str, float]:

@@ -46,7 +46,7 @@ from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunConte
                                         mean_sequence_prob)
 from fsdpfn.app.recipes.rollout_stage import build_rollout, max_new_tokens, score
 from fsdpfn.app.recipes.task import sequences_batch
-from fsdpfn.engine.timing import peak_tflops
+from fsdpfn.engine.timing import Phases, peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
 
@@ -61,26 +61,6 @@ def _engine(cfg, ctx: RunContext, model_path: Path, *, optimizer,
     critic (``critic_engine``): the YAML's section plus what the recipe owns."""
     return build_engine(engines(cfg)[role], model_path=model_path, device=ctx.device,
                         optimizer=optimizer, seed=cfg.seed, critic=role == "critic_engine")
-
-
-class _Stages:
-    """Stage times of one step: ``lap(name)`` ends a stage at the host clock, after the device
-    finished its work (one synchronisation per stage, none per micro-batch)."""
-
-    def __init__(self, ctx: RunContext):
-        self.cuda = ctx.device == "cuda"
-        self.times: dict[str, float] = {}
-        self.t = self._now()
-
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = self._now()
-        self.times[f"{name}_seconds"] = now - self.t
-        self.t = now
 
 
 def warmup_steps(cfg) -> int:
@@ -333,8 +313,8 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
                                                         cfg.eval.n_prompts,
                                                         balancer=producer.balancer))
               if held_out is not None else None)
-    clock = _Stages(ctx)
-    clock.times["rollout_seconds"] = clock.t - t0  # generate + reward (+ eval), on rank 0
+    clock = Phases(ctx.device, key="{}_seconds")  # stage times of the step, in its metrics row
+    clock.times["rollout_seconds"] = clock.start - t0  # generate + reward (+ eval), on rank 0
     if rollout["batch"] is None:  # no episode left a trainable row: nothing to train on
         log(f"step {step}: no trainable row ({rollout['stats']}); the weights stay")
         return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times)
@@ -343,7 +323,7 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     batch = _logprob_passes(cfg, actor, ref, batch, clock)
     if critic is not None:
         batch = ff.compute_values(critic, batch)
-        clock.lap("values")
+        clock.mark("values")
     if not rollout["advantages_done"]:  # episodes carry theirs (groups of unequal row counts)
         batch = ff.compute_advantages(batch, cfg.advantage, mesh=mesh)  # dp-global statistics
     actor, stats = ff.ppo_step(actor, batch, _ppo_config(cfg, batch))
@@ -352,11 +332,11 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
         critic, cstats = ff.critic_step(critic, batch, cfg.critic)
     gap = (_behav_gap(batch, mesh) if K.OLD_LOGP in batch.keys()
            else float(stats["behav_gap_mean"]) if "behav_gap_mean" in stats.keys() else None)
-    clock.lap("train")
+    clock.mark("train")
     receipt = push_weights(actor, target)
     if producer is not None:  # rank 0: generation may run one step further ahead
         producer.advance(receipt.version)
-    clock.lap("push")
+    clock.mark("push")
     times = clock.times
     seconds = time.perf_counter() - t0
     row = _metrics_row(cfg.recipe, step, full, rollout, stats, cstats, receipt, gap, seconds,
@@ -393,10 +373,10 @@ def _logprob_passes(cfg, actor, ref, batch, clock):
                  if ref is not None else
                  ff.forward_logp(actor, batch, out_key=K.REF_LOGP, temperature=T,
                                  adapters=False))
-    clock.lap("ref_logp")
+    clock.mark("ref_logp")
     if need_old:
         batch = ff.forward_logp(actor, batch, out_key=K.OLD_LOGP, temperature=T)
-    clock.lap("old_logp")
+    clock.mark("old_logp")
     return batch
 
 
