@@ -22,8 +22,11 @@ slower than SDPA, kept as a reference path. The decode step projects q, k and v 
 from fused buffers (refresh_weights copies the served weights in after every change) and rotates q
 and k together with a rolled formula, bit-identical to HF's (Liger-Kernel's rotary kernel is not
 used: it saves little of a step and doubles the served log-probs' gap to the trainer's
-forward_logp). The time of each path: BENCHMARKS.md, "Decode step per kernel" and "Decode attention
-kernel". See fsdpfn/rollout/decode.py for the scheduling.
+forward_logp). ``rope_kv="triton"`` (opt-in, CUDA, no q/k norms) does that rotary, q's layout and
+the k and v writes into the cache in one kernel a layer instead of seven
+(fsdpfn/rollout/rope_kernel.py), bit for bit the same. The time of each path: BENCHMARKS.md,
+"Decode step per kernel" and "Decode attention kernel". See fsdpfn/rollout/decode.py for the
+scheduling.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fsdpfn.rollout import attention_kernel
+from fsdpfn.rollout import attention_kernel, rope_kernel
 
-__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION"]
+__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION", "ROPE_KV"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = ("auto", "flash", "triton", "sdpa", "flex", "matmul")
+ROPE_KV = ("torch", "triton")
 
 
 def config_head_dim(config) -> int:
@@ -198,9 +202,11 @@ class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "auto",
-                 compile: bool = False):
+                 compile: bool = False, rope_kv: str = "torch"):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
+        if rope_kv not in ROPE_KV:
+            raise ValueError(f"rope_kv: must be one of {ROPE_KV}, got {rope_kv!r}")
         # torch.compile of the decode step, dynamic shapes (one compile serves every bucket of
         # rows and length): inductor fuses the norms, rotary, residual adds, SwiGLU and the mask
         self.decode = torch.compile(self._decode, dynamic=True) if compile else self._decode
@@ -221,6 +227,17 @@ class SlotModel:
         if reason:
             raise ValueError(f"attention: {reason}")
         self.fp32_scores = attention == "matmul" and _scores_fp32(self.device)
+        # rope_kv="triton": each layer's rotary, q layout and KV writes in one kernel
+        # (fsdpfn.rollout.rope_kernel), on the fused q/k/v buffers, without q/k norms
+        self.rope_kv = rope_kv
+        if rope_kv == "triton":
+            reason = rope_kernel.refusal(self.device, self.dtype, self.head_dim)
+            if reason is None and (compile or not _fusable(self.layers)
+                                   or hasattr(attn, "q_norm")):
+                reason = ("rope_kv='triton' runs without compile, on plain q/k/v Linears and "
+                          "without per-head q/k norms")
+            if reason:
+                raise ValueError(f"rope_kv: {reason}")
         with torch.no_grad():  # rotary tables for every position, from the model's own module
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
                                             torch.arange(max_len, device=self.device)[None])
@@ -267,13 +284,19 @@ class SlotModel:
             if b is not None:
                 torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=b)
 
-    def _decode_qkv(self, i, attn, a, cos, sin_signed):
+    def _decode_qkv(self, i, attn, a, cos, sin_signed, pos):
         """q [R, heads, D], k and v [R, kv, D] of one token per row, q and k rotated. With the
-        fused buffers: one matmul, and q and k rotated together when no q/k norm sits between."""
+        fused buffers: one matmul, and q and k rotated together when no q/k norm sits between.
+        With rope_kv="triton", k and v go straight into the cache: (q, None, None)."""
         if self.qkv is None:
             q, k, v = self._qkv(attn, a, (a.shape[0],))
             return _rotate_rolled(q, cos, sin_signed), _rotate_rolled(k, cos, sin_signed), v
         w, b = self.qkv[i]
+        if self.rope_kv == "triton":
+            q = rope_kernel.rope_kv(torch.nn.functional.linear(a, w, b), self.cos,
+                                    self.sin_signed, pos, self.k[i], self.v[i], self.q_heads,
+                                    self.kv_heads)
+            return q, None, None
         qkv = torch.nn.functional.linear(a, w, b).view(a.shape[0], -1, self.head_dim)
         nq, nk = self.q_heads, self.kv_heads
         v = qkv[:, nq + nk:]
@@ -335,9 +358,10 @@ class SlotModel:
         where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = self._decode_qkv(i, attn, layer.input_layernorm(x), cos, sin_signed)
-            self.k[i].index_put_(where, k)
-            self.v[i].index_put_(where, v)
+            q, k, v = self._decode_qkv(i, attn, layer.input_layernorm(x), cos, sin_signed, pos)
+            if k is not None:  # else written by the rope_kv kernel
+                self.k[i].index_put_(where, k)
+                self.v[i].index_put_(where, v)
             k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
             if self.attention == "flash":
                 out = _flash_decode(q, self.k[i], self.v[i], cu_q, cu_k, used, Lb,

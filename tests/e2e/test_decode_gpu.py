@@ -304,3 +304,45 @@ def test_triton_decode_attention_on_cuda(splits):
     want = (scores.softmax(-1)[:, :, None] @ vr)[:, :, 0]
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
+    """SlotModel(rope_kv="triton"), bf16 on CUDA: one kernel for the rotary, q's layout and the
+    KV writes gives the same logits and the same caches, bit for bit, as the torch path (HF's
+    rotary formula, index_put_), over decode steps at scattered positions; qwen2 has q/k/v
+    biases, llama (with llama3 rope scaling) none."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    from fsdpfn.rollout import rope_kernel
+    from fsdpfn.rollout.slot_model import SlotModel
+
+    if rope_kernel.refusal(torch.device("cuda"), torch.bfloat16, 128):
+        pytest.skip(rope_kernel.refusal(torch.device("cuda"), torch.bfloat16, 128))
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  initializer_range=0.08)
+    config = Qwen2Config(**common) if family == "qwen2" else LlamaConfig(
+        **common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 256})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    R, L = 48, 1024
+    plain, fused = SlotModel(model, R, L, "triton"), SlotModel(model, R, L, "triton",
+                                                                rope_kv="triton")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for net in (plain, fused):  # the same garbage-free starting caches
+        for cache in net.k + net.v:
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator(device="cuda")
+                                    .manual_seed(2), device="cuda").to(cache.dtype))
+    with torch.no_grad():
+        for step in range(4):
+            tok = torch.randint(0, 4096, (R,), generator=g, device="cuda")
+            pos = torch.randint(0, L - 1, (R,), generator=g, device="cuda")
+            a, b = plain.decode(tok, pos, L, raw=True), fused.decode(tok, pos, L, raw=True)
+            assert torch.equal(a, b), (step, (a.float() - b.float()).abs().max())
+    for x, y in zip(plain.k + plain.v, fused.k + fused.v):
+        assert torch.equal(x, y)

@@ -490,3 +490,20 @@ def test_triton_decode_attention_equals_float64_attention_over_each_rows_length(
     if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
         pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+def test_rope_kv_kernel_is_refused_where_it_cannot_run():
+    """rope_kv='triton' (the fused q/k/v epilogue) needs CUDA and a half dtype: on CPU it is a
+    ValueError naming the option, and an unknown value is refused by name."""
+    import pytest
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fsdpfn.rollout.slot_model import SlotModel
+
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="rope_kv: rope_kv='triton' needs CUDA"):
+        SlotModel(model, 2, 16, "sdpa", rope_kv="triton")
+    with pytest.raises(ValueError, match="rope_kv: must be one of"):
+        SlotModel(model, 2, 16, "sdpa", rope_kv="fused")
