@@ -93,11 +93,17 @@ def timed(fn, *, warmup: int = 1, iters: int = 3) -> float:
 # ---------------------------------------------------------------- flops
 
 
+def _q_width(cfg: dict) -> int:
+    """Query heads · head size (head_dim where the config sets it, else hidden / heads)."""
+    heads = cfg["num_attention_heads"]
+    return (cfg.get("head_dim") or cfg["hidden_size"] // heads) * heads
+
+
 def param_count(cfg: dict) -> int:
     h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], \
         cfg["vocab_size"]
-    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = d * cfg["num_attention_heads"], d * cfg["num_key_value_heads"]
+    q = _q_width(cfg)
+    kv = q // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
     # q and o, k and v, the MLP, two norms, the q/k/v biases
     per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h + q + 2 * kv
     head = 0 if cfg.get("tie_word_embeddings") else v * h
@@ -112,8 +118,7 @@ def train_flops(cfg: dict, lens: list[int]) -> float:
     embedding = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
     matmul_params = param_count(cfg) - embedding + v * h  # lm_head yes, embedding lookup no
     tokens = sum(lens)
-    q = (cfg.get("head_dim") or h // cfg["num_attention_heads"]) * cfg["num_attention_heads"]
-    return 6 * matmul_params * tokens + 6 * L * q * sum(n * n for n in lens)
+    return 6 * matmul_params * tokens + 6 * L * _q_width(cfg) * sum(n * n for n in lens)
 
 
 # ---------------------------------------------------------------- sections

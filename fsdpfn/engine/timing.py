@@ -350,7 +350,7 @@ def timed(name: str, *, passes: int, attach: bool, step: bool = False) -> Callab
                     result = fn(*args, **kwargs)
             if measure:
                 numbers = _numbers(state, clock.result, batch, passes)
-                _LAST.setdefault(state.model, {})[label] = numbers
+                keep(state.model, label, numbers)
                 if attach:
                     _attach(result, numbers)
             if session is not None:

@@ -206,7 +206,7 @@ def several_steps_in_one_call():
         before = {n: local_tensor(p).detach().clone() for n, p in state.model.named_parameters()}
         new, stats = ff.ppo_step(state, batch, ff.PPOConfig(n_minibatches=2))
         ff.forward_logp(new, batch)  # the successor is live
-        moved = any(not torch.equal(before[n], local_tensor(p).detach().float().to(before[n].dtype))
+        moved = any(not torch.equal(before[n], local_tensor(p))
                     for n, p in new.model.named_parameters())
         out[name] = (int(stats["steps"]), new.step, moved)
     return out

@@ -240,30 +240,49 @@ class ModelShape:
         return compute_bytes * (4 * self.hidden + 2 * q + 2 * kv + 4 * self.intermediate)
 
 
+@attrs.frozen
+class _Sizes:
+    """What one model of the run costs per parameter, from its engine section: ``master`` (the
+    weights and gradients, optimizer_dtype), ``compute`` (a frozen LoRA base, the compute
+    dtype), ``adam`` (two moments, plus the Kahan compensation with a bf16 state), and its
+    parameter counts: ``trained`` (the adapters with LoRA) and ``weights`` bytes (a LoRA base
+    in the compute dtype plus the adapters in optimizer_dtype)."""
+
+    master: int
+    compute: int
+    adam: int
+    trained: int
+    weights: int
+
+
+def _sizes(shape: ModelShape, section) -> _Sizes:
+    m = BYTES[section.optimizer_dtype]
+    c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
+    adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
+    if section.lora is None:
+        return _Sizes(m, c, adam, shape.params, m * shape.params)
+    trained = shape.lora_params(section.lora)
+    return _Sizes(m, c, adam, trained, c * shape.params + m * trained)
+
+
 def _states(shape: ModelShape, section, n: int, *, train: bool) -> dict[str, float]:
     """Per-GPU bytes of one model's sharded states (FSDP over n GPUs). Master weights and
     gradients are in optimizer_dtype; Adam keeps two moments (plus a Kahan compensation buffer
     in bf16); per_layer_optim_step moves Adam's state to the host (the device holds 1 +
     optim_step_prefetch_layers layers of it); offload_params moves everything to the host; a
     LoRA base is frozen in the compute dtype, only the adapters train."""
-    m = BYTES[section.optimizer_dtype]
-    c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
-    adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
+    z = _sizes(shape, section)
     fsdp = section.fsdp
     if fsdp.offload_params:
         return {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
     if not train:
-        return {"weights": m * shape.params / n, "gradients": 0.0, "optimizer": 0.0}
-    trained = shape.params
-    weights = m * shape.params / n
-    if section.lora is not None:
-        trained = shape.lora_params(section.lora)
-        weights = c * shape.params / n + m * trained / n
-    optimizer = adam * trained / n
+        return {"weights": z.master * shape.params / n, "gradients": 0.0, "optimizer": 0.0}
+    optimizer = z.adam * z.trained / n
     if fsdp.per_layer_optim_step:
         share = min(1.0, (1 + fsdp.optim_step_prefetch_layers) / shape.layers)
-        optimizer = adam * trained * share / n
-    return {"weights": weights, "gradients": m * trained / n, "optimizer": optimizer}
+        optimizer = z.adam * z.trained * share / n
+    return {"weights": z.weights / n, "gradients": z.master * z.trained / n,
+            "optimizer": optimizer}
 
 
 def estimate_memory(shape: ModelShape, section, *, n_gpus: int, tokens: int,
@@ -275,7 +294,7 @@ def estimate_memory(shape: ModelShape, section, *, n_gpus: int, tokens: int,
     tensors, and the log-prob head's float32 logits (three copies of a chunk of
     logprobs_chunk_size tokens x vocab). ``train=False``: a forward without autograd (one
     layer's tensors at a time)."""
-    c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
+    c = _sizes(shape, section).compute
     out = _states(shape, section, n_gpus, train=train)
     gathered = c * (2 * shape.layer_params + shape.root_params)
     out["gathered"] = gathered + (4 * shape.layer_params if train else 0)
@@ -347,17 +366,13 @@ def host_bytes(cfg, shape: ModelShape) -> dict[str, float]:
     out = {"optimizer state": 0.0, "offloaded weights and gradients": 0.0}
     for name, section in engines(cfg).items():
         train = name != "ref_engine"
-        m = BYTES[section.optimizer_dtype]
-        c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
-        adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
-        trained = shape.lora_params(section.lora) if section.lora is not None else shape.params
-        weights = m * shape.params if section.lora is None else \
-            c * shape.params + m * trained
+        z = _sizes(shape, section)
         if section.fsdp.offload_params:
-            out["offloaded weights and gradients"] += weights + (m * trained if train else 0)
-            out["optimizer state"] += adam * trained if train else 0
+            out["offloaded weights and gradients"] += z.weights + (
+                z.master * z.trained if train else 0)
+            out["optimizer state"] += z.adam * z.trained if train else 0
         elif train and section.fsdp.per_layer_optim_step:
-            out["optimizer state"] += adam * trained
+            out["optimizer state"] += z.adam * z.trained
     return out
 
 
@@ -385,8 +400,7 @@ def check_host_memory(cfg, shape: ModelShape, *, available: float | None) -> str
             f"available ({parts})")
     if total <= HEADROOM * available:
         return line
-    fixes = [name for name, fix in (("engine.optimizer_dtype=bfloat16", _policy(
-        cfg, optimizer_dtype="bfloat16")), ("engine.lora.rank=16", _lora(cfg)))
+    fixes = [name for name, fix in _smaller_state(cfg)
              if sum(host_bytes(fix, shape).values()) <= HEADROOM * available]
     hint = " or ".join(fixes + ["a host with more memory"])
     raise ConfigError(f"engine: the run's host-side state does not fit this host's memory, "
@@ -404,10 +418,8 @@ def checkpoint_bytes(cfg, shape: ModelShape) -> float:
     for name, section in engines(cfg).items():
         if name == "ref_engine":
             continue
-        m = BYTES[section.optimizer_dtype]
-        adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
-        trained = shape.lora_params(section.lora) if section.lora is not None else shape.params
-        total += (m + adam) * trained
+        z = _sizes(shape, section)
+        total += (z.master + z.adam) * z.trained
     return total
 
 
@@ -434,9 +446,7 @@ def check_disk(cfg, shape: ModelShape) -> str:
             line += (f" (not enough for checkpoint.keep_last={cfg.checkpoint.keep_last} plus "
                      f"the one being written: old ones must go before the disk fills)")
         return line
-    fixes = [name for name, fix in (("engine.optimizer_dtype=bfloat16", _policy(
-        cfg, optimizer_dtype="bfloat16")), ("engine.lora.rank=16", _lora(cfg)))
-             if checkpoint_bytes(fix, shape) <= free]
+    fixes = [name for name, fix in _smaller_state(cfg) if checkpoint_bytes(fix, shape) <= free]
     hint = " or ".join(fixes + ["a run_dir on a disk with more room"])
     raise ConfigError(f"checkpoint: one checkpoint of this run does not fit its disk, {line}; "
                       f"it would fit with {hint}")
@@ -465,6 +475,13 @@ def _lora(cfg):
 
     return attrs.evolve(cfg, engine=attrs.evolve(cfg.engine, lora=LoRAConfig(rank=16)),
                         ref_engine={})
+
+
+def _smaller_state(cfg) -> tuple:
+    """(option, cfg with it) of the options that shrink the state a run saves and keeps on the
+    host: the bf16 state, LoRA (what check_disk and check_host_memory offer)."""
+    return (("engine.optimizer_dtype=bfloat16", _policy(cfg, optimizer_dtype="bfloat16")),
+            ("engine.lora.rank=16", _lora(cfg)))
 
 
 # what would make a run fit, in the order a user would try them
