@@ -11,7 +11,8 @@
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
 #   cp      context parallelism at long lengths (two GPUs)
-#   memory  the memory options' cost, the largest shape and the longest row per option
+#   memory  the memory options' cost, the largest shape and the longest row per option, and the
+#           build time of the 7B and 14B shapes from random init and from safetensors
 #   lora    LoRA on the 7B shape and the 32B shape
 # Items that need two GPUs are skipped, with a line in items.txt, on one.
 # Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
@@ -94,6 +95,7 @@ memory() {
     --options per_layer_bf16 --steps 1 --timeout 290
   item mem_longest 580 python3 benchmarks/memory.py longest --options default per_layer_bf16 \
     --steps 1 --seq 32768 --max-seq 262144 --timeout 150
+  item build 480 python3 benchmarks/build.py --timeout 150
 }
 
 lora() {

@@ -74,9 +74,32 @@ def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
     return units + ([rest] if rest else [])
 
 
+def _fast_pinning() -> None:
+    """Pinned allocations through torch's register path: the pages are touched by several
+    threads, then registered with the driver (``pinned_use_cuda_host_register``), instead of one
+    cudaHostAlloc call that faults them in alone (about 1.5 GB/s: 30 s of a 7B model's build
+    for its 45 GB of bf16 moments). Left as the user set it when PYTORCH_CUDA_ALLOC_CONF names
+    either setting; a torch without the settings keeps its default."""
+    import os
+
+    if "pinned_" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return
+    threads = max(1, min(16, os.cpu_count() or 1))
+    setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+    for where in (getattr(torch._C, "_accelerator_setAllocatorSettings", None),  # noqa: SLF001
+                  getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)):
+        if where is not None:
+            try:
+                where(setting)
+                return
+            except (RuntimeError, TypeError, ValueError):
+                continue
+
+
 def _carve(requests: Sequence[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
-    """Zeroed host tensors of the requested shapes and dtypes, pinned when ``pin``, carved from
-    blocks whose sizes are powers of two. torch's pinned allocator rounds every request up to a
+    """Host tensors of the requested shapes and dtypes (uninitialised: the optimizer zeroes a
+    parameter's state at its first step, or a checkpoint load overwrites it), pinned when
+    ``pin``, carved from blocks whose sizes are powers of two. torch's pinned allocator rounds every request up to a
     power of two, so pinning the state tensor by tensor took up to twice its bytes (a 7B model's
     61 GB of fp32 moments asked for 116 GB). Here the tensors are placed largest first into the
     first block with room (blocks of the smallest power of two that holds the largest tensor; the
@@ -92,7 +115,9 @@ def _carve(requests: Sequence[tuple[torch.Size, torch.dtype]], pin: bool) -> lis
         if b == len(used):
             used.append(0)
         where[i], used[b] = (b, used[b]), used[b] + sizes[i]
-    blocks = [torch.zeros(1 << max(20, (u - 1).bit_length()), dtype=torch.uint8, pin_memory=pin)
+    if pin:
+        _fast_pinning()
+    blocks = [torch.empty(1 << max(20, (u - 1).bit_length()), dtype=torch.uint8, pin_memory=pin)
               for u in used]
     return [blocks[b][off:off + shape.numel() * torch.empty((), dtype=dtype).element_size()]
             .view(dtype).view(shape) for (b, off), (shape, dtype) in zip(where, requests)]

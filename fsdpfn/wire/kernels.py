@@ -55,14 +55,21 @@ def apply_fused_kernels(model: nn.Module, hf_config, device_type: str, *,
         import liger_kernel.transformers  # noqa: F401
     except ImportError:
         return 0
+    import torch
+
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            fused = _fused_module(child, hf_config, mlp=mlp)
+            first = next(child.parameters(), None)
+            if first is None:
+                continue
+            # built where the module's weights live: on a meta skeleton nothing is allocated
+            # or initialised (a 7B model's MLPs drawn on the host took 50 s of its build)
+            with torch.device(first.device):
+                fused = _fused_module(child, hf_config, mlp=mlp)
             if fused is None:
                 continue
-            fused.to(device=next(child.parameters()).device,
-                     dtype=next(child.parameters()).dtype)
+            fused.to(device=first.device, dtype=first.dtype)
             if keep_weights:
                 fused.load_state_dict(child.state_dict())
             setattr(module, name, fused)
