@@ -70,7 +70,8 @@ def main() -> None:
                            + 64, cuda_graphs=not args.no_cuda_graphs,
                            fused_kernels=args.fused_kernels,
                            decode_attention=args.decode_attention,
-                           decode_compile=args.decode_compile)
+                           decode_compile=args.decode_compile,
+                           decode_rope_kv=args.decode_rope_kv or "auto")
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape["vocab_size"], (rows // 8, prompt_len), generator=g).tolist()
     sp = SamplingParams(n=8, max_new_tokens=args.new, temperature=1.0)
@@ -94,7 +95,8 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch "
           f"{torch.__version__}: {rows} rows, prompts of {prompt_len}, {args.new} new tokens, "
           f"graphs {'off' if args.no_cuda_graphs else 'on'}, fused modules {engine.fused}, "
-          f"{args.decode_attention} attention{', compiled' if args.decode_compile else ''}; "
+          f"{args.decode_attention} attention{', compiled' if args.decode_compile else ''}, "
+          f"rotary/KV {engine._decoder.net.rope_kv if engine._decoder else '-'}; "
           f"wall {wall:.3f} s = "
           f"{wall / steps * 1e3:.2f} ms per step (prefill included)")
     top = [{"kernel": e.key[:90], "category": category(e.key), "calls": e.count,

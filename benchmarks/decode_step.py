@@ -38,7 +38,14 @@ OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("triton", "trito
            ("fused, flash", "flash", True), ("fused, triton", "triton", True),
            ("fused, matmul", "matmul", True), ("fused, flex", "flex", True),
            ("fused, triton, rope-kv", "triton", True))
-# "rope-kv" rows: SlotModel(rope_kv="triton"), the rotary, q layout and KV writes in one kernel
+# the "rope-kv" row: SlotModel(rope_kv="triton"), the rotary, q layout and KV writes in one
+# kernel (the server's --decode-rope-kv; its default "auto" takes it where it runs); the other
+# rows: rope_kv="torch"
+
+
+def kernels(name: str) -> dict:
+    """The SlotModel options a row's name asks for."""
+    return {"rope_kv": "triton" if name.endswith("rope-kv") else "torch"}
 
 
 def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
@@ -57,8 +64,8 @@ def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
 
 
 def time_step(model, rows: int, max_len: int, min_pos: int, attention: str,
-              graphs: bool, iters: int, rope_kv: str = "torch") -> tuple[float, torch.Tensor]:
-    net = SlotModel(model, rows, max_len, attention, rope_kv=rope_kv)
+              graphs: bool, iters: int, **options) -> tuple[float, torch.Tensor]:
+    net = SlotModel(model, rows, max_len, attention, **options)
     g = torch.Generator(device=net.device).manual_seed(0)
     for k, v in zip(net.k, net.v):
         k.normal_(generator=g)
@@ -137,8 +144,7 @@ def main() -> None:
             row = {"option": name, "rows": rows}
             if device.type == "cuda":
                 ms, logits = time_step(model, rows, args.max_len, args.min_pos, attention, True,
-                                       args.iters,
-                                       "triton" if name.endswith("rope-kv") else "torch")
+                                       args.iters, **kernels(name))
                 want = reference.setdefault(rows, logits.float())  # the first option's
                 gap = (logits.float() - want).abs()
                 floor = (weight_bytes + kv_bytes) / bw * 1e3
@@ -158,11 +164,11 @@ def main() -> None:
     if timed:
         best = min(timed, key=lambda r: r["step ms"])
         name, attention, fused = next(o for o in OPTIONS if o[0] == best["option"])
+        extra = kernels(best["option"])
         flags = ["--decode-attention", attention,
-                 "--fused-kernels" if fused else "--no-fused-kernels"]
-        print("best:", " ".join(flags),
-              "(and SlotModel(rope_kv='triton'): not a server flag yet)"
-              if best["option"].endswith("rope-kv") else "")
+                 "--fused-kernels" if fused else "--no-fused-kernels",
+                 "--decode-rope-kv", extra["rope_kv"]]
+        print("best:", " ".join(flags))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,8 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="the decode step through torch.compile")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="Liger's fused RMSNorm and SwiGLU in the served model (the default)")
+    p.add_argument("--decode-rope-kv", default=None, choices=("auto", "torch", "triton"),
+                   help="the rotary/KV-write kernel (default: the server's)")
 
 
 def main() -> None:
@@ -128,6 +130,7 @@ def main() -> None:
         extra += ("--fused-kernels",) if args.fused_kernels else ("--no-fused-kernels",)
         extra += ("--decode-attention", args.decode_attention)
         extra += ("--decode-compile",) if args.decode_compile else ()
+        extra += ("--decode-rope-kv", args.decode_rope_kv) if args.decode_rope_kv else ()
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:

@@ -54,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-compile", action="store_true",
                    help="run the decode loop's step through torch.compile (dynamic shapes, "
                         "compiled once on first use; inductor fuses the elementwise work)")
+    p.add_argument("--decode-rope-kv", default="auto", choices=("auto", "torch", "triton"),
+                   help="the decode step's rotary of q and k, q's layout and the KV cache "
+                        "writes: one Triton kernel a layer (triton; CUDA, bf16/fp16, no q/k "
+                        "norms), torch's seven kernels (torch), or triton where it runs (auto, "
+                        "the default); the same bits either way")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
                         "default kernels), when liger_kernel is installed: fewer kernel launches "
@@ -89,7 +94,8 @@ def main(argv=None) -> None:
                            cuda_graphs=not args.no_cuda_graphs,
                            fused_kernels=args.fused_kernels,
                            decode_attention=args.decode_attention,
-                           decode_compile=args.decode_compile)
+                           decode_compile=args.decode_compile,
+                           decode_rope_kv=args.decode_rope_kv)
     if not args.no_channel:
         from fsdpfn.rollout.receiver import UpdateChannel
 

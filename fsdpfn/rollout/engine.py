@@ -74,7 +74,8 @@ class RolloutEngine:
                  load_format: str = "auto", weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
                  decode_rows: int | None = None, decode_max_len: int = 2048,
                  cuda_graphs: bool = True, fused_kernels: bool = True,
-                 decode_attention: str = "auto", decode_compile: bool = False):
+                 decode_attention: str = "auto", decode_compile: bool = False,
+                 decode_rope_kv: str = "auto"):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -118,7 +119,7 @@ class RolloutEngine:
         self._decoder = generation.build_decoder(
             self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
             lock=self._model_lock, version=lambda: self.version, attention=decode_attention,
-            compile=decode_compile)
+            compile=decode_compile, rope_kv=decode_rope_kv)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
         self.receiver = Receiver(self)  # the update state (groups, channels, turns, failures)

@@ -12,9 +12,12 @@ together take 2.2 ms of a 7.1 ms step at 512 rows of the Qwen2-1.5B shape (BENCH
 
 The rotary is HF's, bit for bit in the model's half dtype: x·cos and rotate_half(x)·sin each
 rounded to the dtype (a product of two half-precision values is exact in float32, so rounding it
-once is what torch's half multiply does), then their sum rounded. Models with per-head q/k norms
-(Qwen3) keep the torch path. Opt-in until measured on the GPU (tests/e2e/test_decode_gpu.py,
-benchmarks/decode_step.py's ``rope-kv`` rows).
+once is what torch's half multiply does), then their sum rounded. The kernel is compiled without
+floating-point contraction (``enable_fp_fusion=False``): Triton otherwise fuses a product and the
+sum into one FMA, which rounds once where HF rounds twice (on the H200 a quarter of q's elements
+then differed by an ulp). Models with per-head q/k norms (Qwen3) keep the torch path. The server
+takes it where it runs (``--decode-rope-kv auto``); tests/e2e/test_decode_gpu.py checks it bit
+for bit, benchmarks/decode_step.py's ``rope-kv`` row times it.
 """
 
 from __future__ import annotations
@@ -89,5 +92,5 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, pos:
         _kernel()[(R, q_heads + 2 * kv_heads)](
             qkv, cos, sin_signed, pos, q, k_cache, v_cache, qkv.stride(0), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NQ=q_heads, NK=kv_heads,
-            D=D, num_warps=1)
+            D=D, num_warps=1, enable_fp_fusion=False)
     return q

@@ -22,9 +22,10 @@ slower than SDPA, kept as a reference path. The decode step projects q, k and v 
 from fused buffers (refresh_weights copies the served weights in after every change) and rotates q
 and k together with a rolled formula, bit-identical to HF's (Liger-Kernel's rotary kernel is not
 used: it saves little of a step and doubles the served log-probs' gap to the trainer's
-forward_logp). ``rope_kv="triton"`` (opt-in, CUDA, no q/k norms) does that rotary, q's layout and
-the k and v writes into the cache in one kernel a layer instead of seven
-(fsdpfn/rollout/rope_kernel.py), bit for bit the same. The time of each path: BENCHMARKS.md,
+forward_logp). ``rope_kv="triton"`` (CUDA, a half dtype, no q/k norms; ``"auto"``, the default,
+takes it where it runs) does that rotary, q's layout and the k and v writes into the cache in one
+kernel a layer instead of seven (fsdpfn/rollout/rope_kernel.py), bit for bit the same: 6.48
+against 7.51 ms a step at 512 rows of the 1.5B shape. The time of each path: BENCHMARKS.md,
 "Decode step per kernel" and "Decode attention kernel". See fsdpfn/rollout/decode.py for the
 scheduling.
 """
@@ -42,7 +43,7 @@ __all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION", "ROPE_KV
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = ("auto", "flash", "triton", "sdpa", "flex", "matmul")
-ROPE_KV = ("torch", "triton")
+ROPE_KV = ("auto", "torch", "triton")
 
 
 def config_head_dim(config) -> int:
@@ -202,7 +203,7 @@ class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "auto",
-                 compile: bool = False, rope_kv: str = "torch"):
+                 compile: bool = False, rope_kv: str = "auto"):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         if rope_kv not in ROPE_KV:
@@ -228,16 +229,15 @@ class SlotModel:
             raise ValueError(f"attention: {reason}")
         self.fp32_scores = attention == "matmul" and _scores_fp32(self.device)
         # rope_kv="triton": each layer's rotary, q layout and KV writes in one kernel
-        # (fsdpfn.rollout.rope_kernel), on the fused q/k/v buffers, without q/k norms
-        self.rope_kv = rope_kv
-        if rope_kv == "triton":
-            reason = rope_kernel.refusal(self.device, self.dtype, self.head_dim)
-            if reason is None and (compile or not _fusable(self.layers)
-                                   or hasattr(attn, "q_norm")):
-                reason = ("rope_kv='triton' runs without compile, on plain q/k/v Linears and "
-                          "without per-head q/k norms")
-            if reason:
-                raise ValueError(f"rope_kv: {reason}")
+        # (fsdpfn.rollout.rope_kernel), on the fused q/k/v buffers, without q/k norms;
+        # "auto": that kernel where it runs, else the torch path (the same bits either way)
+        reason = rope_kernel.refusal(self.device, self.dtype, self.head_dim)
+        if reason is None and (compile or not _fusable(self.layers) or hasattr(attn, "q_norm")):
+            reason = ("rope_kv='triton' runs without compile, on plain q/k/v Linears and "
+                      "without per-head q/k norms")
+        if rope_kv == "triton" and reason:
+            raise ValueError(f"rope_kv: {reason}")
+        self.rope_kv = "torch" if reason or rope_kv == "torch" else "triton"
         with torch.no_grad():  # rotary tables for every position, from the model's own module
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
                                             torch.arange(max_len, device=self.device)[None])

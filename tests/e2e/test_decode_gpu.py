@@ -331,8 +331,9 @@ def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
     R, L = 48, 1024
-    plain, fused = SlotModel(model, R, L, "triton"), SlotModel(model, R, L, "triton",
-                                                                rope_kv="triton")
+    plain, fused = SlotModel(model, R, L, "triton", rope_kv="torch"), SlotModel(model, R, L,
+                                                                                 "triton")
+    assert fused.rope_kv == "triton"  # "auto", the default, takes the kernel where it runs
     g = torch.Generator(device="cuda").manual_seed(1)
     for net in (plain, fused):  # the same garbage-free starting caches
         for cache in net.k + net.v:

@@ -507,3 +507,4 @@ def test_rope_kv_kernel_is_refused_where_it_cannot_run():
         SlotModel(model, 2, 16, "sdpa", rope_kv="triton")
     with pytest.raises(ValueError, match="rope_kv: must be one of"):
         SlotModel(model, 2, 16, "sdpa", rope_kv="fused")
+    assert SlotModel(model, 2, 16, "sdpa").rope_kv == "torch"  # "auto", the default, falls back
