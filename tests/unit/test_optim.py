@@ -273,3 +273,31 @@ def test_per_layer_state_is_carved_from_power_of_two_blocks():
     assert sum(storages.values()) < 1.15 * used < 0.8 * rounded, (storages, used, rounded)
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def test_fast_pinning_sets_the_register_path_unless_the_user_chose(monkeypatch):
+    """The per-layer step pins its host state through torch's register path (threaded page
+    touching, then cudaHostRegister): the setting handed to torch names both keys, with one
+    thread per core up to 16; a PYTORCH_CUDA_ALLOC_CONF that names a pinned setting is the
+    user's choice and is left alone; a torch that refuses the setting keeps its default."""
+    import os
+
+    from fsdpfn.engine import optim_offload
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append,
+                        raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    optim_offload._fast_pinning()  # noqa: SLF001
+    assert calls == ["pinned_use_cuda_host_register:True,pinned_num_register_threads:16"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_num_register_threads:4")
+    optim_offload._fast_pinning()  # noqa: SLF001
+    assert len(calls) == 1
+
+    def refuse(setting):
+        raise RuntimeError("unknown key")
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
+    optim_offload._fast_pinning()  # noqa: SLF001 - no error escapes
