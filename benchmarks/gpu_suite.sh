@@ -6,7 +6,8 @@
 #   main    the main job from YAML on real shapes, each with its stage split: Qwen2-1.5B
 #           (examples/gpu/grpo_qwen2_1p5b.yaml), Llama-3.2-1B on the defaults with 1,024-token
 #           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
-#   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes
+#   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
+#           kernel category, the attention kernel, each projection's matmul per backend)
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
@@ -71,6 +72,7 @@ decode() {
   item rollout 200 python3 benchmarks/rollout.py --no-concurrent --rows 512 1024
   item decode_profile 140 python3 benchmarks/decode_profile.py --rows 512 --new 64
   item decode_attention 60 python3 benchmarks/decode_attention.py
+  item decode_gemm 90 python3 benchmarks/decode_gemm.py
 }
 
 train() {
