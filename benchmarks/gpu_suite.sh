@@ -73,6 +73,7 @@ decode() {
   item decode_profile 140 python3 benchmarks/decode_profile.py --rows 512 --new 64
   item decode_attention 60 python3 benchmarks/decode_attention.py
   item decode_gemm 90 python3 benchmarks/decode_gemm.py
+  item decode_overlap 60 python3 benchmarks/decode_overlap.py
 }
 
 train() {
