@@ -54,9 +54,14 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
     if rows is None:  # half of the free memory for the KV cache, at most 1024 rows
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 64 * per_slot
         rows = max(8, min(1024, int(0.5 * free // per_slot) // 8 * 8))
-    decoder = decode.Decoder(model, lock=lock, version=version, slots=int(rows),
-                             max_len=max_len, cuda_graphs=cuda_graphs, attention=attention,
-                             compile=compile, rope_kv=rope_kv)
+    try:
+        decoder = decode.Decoder(model, lock=lock, version=version, slots=int(rows),
+                                 max_len=max_len, cuda_graphs=cuda_graphs, attention=attention,
+                                 compile=compile, rope_kv=rope_kv)
+    except ValueError as exc:  # the kernel asked for by name cannot run here
+        if str(exc).startswith("rope_kv: "):
+            raise UpdateError(f"decode_{exc}") from None
+        raise
     decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
                        "graphs %s, %s attention, %s rotary and KV writes%s", rows, max_len,
                        rows * per_slot / 1e9, "on" if decoder.use_graphs else "off",

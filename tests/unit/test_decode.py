@@ -80,7 +80,8 @@ def _loop_equals_hf_generate(model_dir, **option):
 @pytest.mark.timeout(300)
 def test_flex_attention_decode_equals_hf_generate(model_dir):
     """decode_attention="flex": FlexAttention, compiled with dynamic shapes, causal limit as a
-    score_mod; an unknown attention is refused by name."""
+    score_mod; an unknown attention or rotary kernel, or one that cannot run here, is refused
+    by name (UpdateError)."""
     _loop_equals_hf_generate(model_dir, decode_attention="flex")
     with pytest.raises(UpdateError, match="decode_attention: must be one of"):
         RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
@@ -91,6 +92,12 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
     with pytest.raises(UpdateError, match="decode_attention: 'triton' needs CUDA"):
         RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
                       decode_rows=8, decode_max_len=96, decode_attention="triton")
+    with pytest.raises(UpdateError, match="decode_rope_kv: must be one of"):
+        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
+                      decode_rows=8, decode_max_len=96, decode_rope_kv="fused")
+    with pytest.raises(UpdateError, match="decode_rope_kv: rope_kv='triton' needs CUDA"):
+        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
+                      decode_rows=8, decode_max_len=96, decode_rope_kv="triton")
 
 
 @pytest.mark.timeout(120)
