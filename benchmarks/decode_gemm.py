@@ -31,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _table import print_markdown_table  # noqa: E402
+from decode_attention import timed  # noqa: E402 - a CUDA graph of n calls, best of 5 replays
 from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py
 
 
@@ -46,30 +47,6 @@ def projections(shape: dict) -> list[tuple[str, int, int, bool, int]]:
             ("gate+up (one matmul)", 2 * inter, H, False, 0),
             ("down", H, inter, False, layers),
             ("lm_head", shape["vocab_size"], H, False, 1)]
-
-
-def time_linear(fn, x, w, b, iters: int = 20, repeats: int = 5) -> float:
-    """Microseconds per call of fn(x, w, b), in a CUDA graph of ``iters`` calls, best of
-    ``repeats``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(x, w, b)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn(x, w, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / iters)
-    return best
 
 
 def backends(autotune: bool) -> list[tuple[str, object, object]]:
@@ -120,7 +97,7 @@ def main() -> None:
                     if hasattr(torch.backends.cuda, "preferred_blas_library"):
                         torch.backends.cuda.preferred_blas_library(library)
                     try:
-                        us = time_linear(fn, x, w, b)
+                        us = timed(lambda: fn(x, w, b), 20)  # noqa: B023 - used at once
                     except Exception as exc:  # noqa: BLE001 - a backend that cannot run here
                         row[f"{backend} µs"] = f"failed: {type(exc).__name__}"
                         continue

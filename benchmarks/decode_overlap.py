@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _table import print_markdown_table  # noqa: E402
+from decode_attention import timed  # noqa: E402 - a CUDA graph of n calls, best of 5 replays
 from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py
 
 
@@ -70,28 +71,6 @@ def attention(q, cache, used, max_len, D, device):
     k = cache[0].repeat_interleave(q.shape[1] // cache[0].shape[1], 1)
     v = cache[1].repeat_interleave(q.shape[1] // cache[1].shape[1], 1)
     return F.scaled_dot_product_attention(q[:, :, None], k, v)[:, :, 0]
-
-
-def graph_ms(fn, repeats: int = 5) -> float:
-    """Milliseconds of one replay of a CUDA graph of fn (after warm-up), best of ``repeats``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
 
 
 def main() -> None:
@@ -153,7 +132,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: {args.rows} rows, "
           f"contexts in [256, {args.max_len}), {args.layers} layers per graph")
     with torch.no_grad():
-        ms = {name: graph_ms(fn) / args.layers for name, fn in (
+        ms = {name: timed(fn, 1) / 1e3 / args.layers for name, fn in (
             ("attention", run_attention), ("matmuls", run_matmuls),
             ("sequential halves", run_sequential), ("two streams", run_streams))}
     layers = shape["num_hidden_layers"]

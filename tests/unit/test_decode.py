@@ -83,21 +83,16 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
     score_mod; an unknown attention or rotary kernel, or one that cannot run here, is refused
     by name (UpdateError)."""
     _loop_equals_hf_generate(model_dir, decode_attention="flex")
-    with pytest.raises(UpdateError, match="decode_attention: must be one of"):
-        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
-                      decode_rows=8, decode_max_len=96, decode_attention="paged")
-    with pytest.raises(UpdateError, match="decode_attention: 'flash' needs CUDA"):
-        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
-                      decode_rows=8, decode_max_len=96, decode_attention="flash")
-    with pytest.raises(UpdateError, match="decode_attention: 'triton' needs CUDA"):
-        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
-                      decode_rows=8, decode_max_len=96, decode_attention="triton")
-    with pytest.raises(UpdateError, match="decode_rope_kv: must be one of"):
-        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
-                      decode_rows=8, decode_max_len=96, decode_rope_kv="fused")
-    with pytest.raises(UpdateError, match="decode_rope_kv: rope_kv='triton' needs CUDA"):
-        RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
-                      decode_rows=8, decode_max_len=96, decode_rope_kv="triton")
+    for option, match in ((dict(decode_attention="paged"), "decode_attention: must be one of"),
+                          (dict(decode_attention="flash"), "decode_attention: 'flash' needs CUDA"),
+                          (dict(decode_attention="triton"),
+                           "decode_attention: 'triton' needs CUDA"),
+                          (dict(decode_rope_kv="fused"), "decode_rope_kv: must be one of"),
+                          (dict(decode_rope_kv="triton"),
+                           "decode_rope_kv: rope_kv='triton' needs CUDA")):
+        with pytest.raises(UpdateError, match=match):
+            RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
+                          decode_rows=8, decode_max_len=96, **option)
 
 
 @pytest.mark.timeout(120)
