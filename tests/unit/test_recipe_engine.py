@@ -402,7 +402,7 @@ def test_host_memory_refusal_names_what_fits():
 
 
 def test_host_memory_is_read_from_meminfo():
-    available = preflight._host_available_bytes()
+    available = preflight.available_host_memory()
     assert available is None or 0 < available < 2 ** 50
 
 

@@ -61,7 +61,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
         return notes
     notes.append(check_memory(cfg, shape, n_gpus=placement.nproc,
                               capacity=_device_bytes(placement), shared=_shares_gpu(placement)))
-    host = check_host_memory(cfg, shape, available=_host_available_bytes())
+    host = check_host_memory(cfg, shape, available=available_host_memory())
     return notes + ([host] if host else [])
 
 
@@ -376,12 +376,14 @@ def host_bytes(cfg, shape: ModelShape) -> dict[str, float]:
     return out
 
 
-def _host_available_bytes() -> float | None:
-    """MemAvailable of /proc/meminfo (None where there is none: no check)."""
+def available_host_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: no check). Also what
+    the recipe's asynchronous checkpoints weigh their host copy against."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024  # kB
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
     return None

@@ -22,6 +22,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from fsdpfn.app.recipes.preflight import available_host_memory
 from fsdpfn.engine.agree import is_rank_zero
 
 __all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "Checkpoints", "log", "is_main",
@@ -182,7 +183,7 @@ class Checkpoints:
         """Whether this host has room for the ranks' copies (half its available memory, on
         every host: the ranks agree); otherwise the save is synchronous, said once."""
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        available = _available_host_memory()
+        available = available_host_memory()
         big = available is not None and copy * ranks > available / 2
         flag = torch.tensor([int(big)], dtype=torch.int64)
         if not bool(all_reduce_sum(flag, op=dist.ReduceOp.MAX).item()):
@@ -193,17 +194,6 @@ class Checkpoints:
                 f"({copy * ranks / 2**30:.1f} GiB for {ranks} rank(s) on a host) exceeds half "
                 f"of its available memory")
         return False
-
-
-def _available_host_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class Metrics:
