@@ -6,9 +6,12 @@ in several tile settings, on one layer's slot cache of the Qwen2-1.5B shape.
     python benchmarks/decode_attention.py --rows 64 512
 
 Each row sits at a random position in [--min-pos, --max-len): the cache positions a step reads
-are the rows' lengths summed. Per setting: microseconds per call (a CUDA graph of --iters calls,
-replayed), the KV bytes read over that time (GB/s; the copy bandwidth of the same run is the
-ceiling), and the largest gap to the flash output. The step runs this 28 times (one per layer).
+are the rows' lengths summed. The "shared prompts" rows group the rows by --samples (the samples
+of one prompt, as the decode loop runs them) whose caches begin with the same --min-pos
+positions, read once per group (``shared=``); their GB/s counts the bytes the rows attend, as
+the other rows do, so it can pass the copy bandwidth. Per setting: microseconds per call (a CUDA
+graph of --iters calls, replayed), the KV bytes read over that time (GB/s; the copy bandwidth of
+the same run is the ceiling), and the largest gap to the flash output. The step runs this 28 times (one per layer).
 """
 
 from __future__ import annotations
@@ -40,6 +43,23 @@ SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
 ]
 
 
+PREFIX_SETTINGS = [  # attention_prefix_kernel's module constants, each row of shared prompts
+    {}, {"PREFIX_BLOCK_N": 32}, {"PREFIX_BLOCK_N": 128}, {"PREFIX_WARPS": 8},
+    {"PREFIX_BLOCK_N": 128, "PREFIX_WARPS": 8}]
+
+
+def prefix_setting(setting: dict, fn):
+    """fn() with attention_kernel's prefix constants set as ``setting`` says, then restored."""
+    saved = {name: getattr(attention_kernel, name) for name in setting}
+    try:
+        for name, value in setting.items():
+            setattr(attention_kernel, name, value)
+        return fn()
+    finally:
+        for name, value in saved.items():
+            setattr(attention_kernel, name, value)
+
+
 def timed(fn, iters: int) -> float:
     """Microseconds per call of fn, from a CUDA graph of iters calls (best of 5 replays)."""
     graph = capture(fn, iters)
@@ -62,6 +82,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1280)
     p.add_argument("--min-pos", type=int, default=256)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--samples", type=int, default=8, help="rows per prompt (shared prompts)")
     args = p.parse_args()
     kv, heads, D = 2, 12, 128
     bandwidth = copy_bandwidth()
@@ -71,6 +92,13 @@ def main() -> None:
         q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
         k, v = torch.randn(2, R, kv, args.max_len, D, generator=g,
                            device="cuda").to(torch.bfloat16)
+        groups = [(args.min_pos, list(range(s, min(R, s + args.samples))))
+                  for s in range(0, R, args.samples)]
+        for length, ids in groups:  # each prompt's KV copied to its samples' slots
+            k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
+                v[ids[0], :, :length]
+        tables = attention_kernel.prefix_tables(groups, R, heads // kv, "cuda")
+        shared = (tables[0], tables[1][:R // 2], tables[2][:R // 2])
         pos = torch.randint(args.min_pos, args.max_len, (R,), generator=g, device="cuda")
         used = (pos + 1).to(torch.int32)
         nbytes = 2 * int(used.sum()) * kv * D * 2
@@ -83,6 +111,11 @@ def main() -> None:
         runs += [(name, lambda kw=kw: attention_kernel.decode(q, k, v, used, args.max_len, scale,
                                                               **kw))
                  for name, kw in SETTINGS]
+        name = f"triton, shared prompts ({args.samples} rows, {args.min_pos} positions)"
+        runs += [(name + (f", prefix kernel {kw}" if kw else ""),
+                  lambda kw=kw: prefix_setting(kw, lambda: attention_kernel.decode(
+                      q, k, v, used, args.max_len, scale, shared=shared)))
+                 for kw in PREFIX_SETTINGS]
         ref = runs[0][1]().float()
         for name, fn in runs:
             try:

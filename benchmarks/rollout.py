@@ -106,6 +106,8 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="Liger's fused RMSNorm and SwiGLU in the served model (the default)")
     p.add_argument("--decode-rope-kv", default=None, choices=("auto", "torch", "triton"),
                    help="the rotary/KV-write kernel (default: the server's)")
+    p.add_argument("--decode-share-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="a prompt's KV read once for its samples (the server's default)")
 
 
 def main() -> None:
@@ -131,6 +133,7 @@ def main() -> None:
         extra += ("--decode-attention", args.decode_attention)
         extra += ("--decode-compile",) if args.decode_compile else ()
         extra += ("--decode-rope-kv", args.decode_rope_kv) if args.decode_rope_kv else ()
+        extra += () if args.decode_share_prefix else ("--no-decode-share-prefix",)
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:
@@ -148,6 +151,8 @@ def main() -> None:
                            "first wall (s)": f"{first:.1f}", "wall (s)": f"{wall:.1f}",
                            "generated tokens/s": f"{rows * new / wall:,.0f}",
                            "decode steps": steps, "step (ms)": f"{step_ms:.2f}",
+                           "shared steps": after.get("shared_steps", 0)
+                           - before.get("shared_steps", 0),
                            "floor (ms)": f"{floor_ms(rows, new, bandwidth):.2f}",
                            "graphs": after.get("graphs", "")}
                     table.append(row)

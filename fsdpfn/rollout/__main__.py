@@ -59,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "writes: one Triton kernel a layer (triton; CUDA, bf16/fp16, no q/k "
                         "norms), torch's seven kernels (torch), or triton where it runs (auto, "
                         "the default); the same bits either way")
+    p.add_argument("--decode-share-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="with the Triton attention, the samples of one prompt read the prompt's "
+                        "KV once per step for all of them instead of once each (default on; "
+                        "--no-decode-share-prefix reads it per row)")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
                         "default kernels), when liger_kernel is installed: fewer kernel launches "
@@ -95,7 +99,8 @@ def main(argv=None) -> None:
                            fused_kernels=args.fused_kernels,
                            decode_attention=args.decode_attention,
                            decode_compile=args.decode_compile,
-                           decode_rope_kv=args.decode_rope_kv)
+                           decode_rope_kv=args.decode_rope_kv,
+                           decode_share_prefix=args.decode_share_prefix)
     if not args.no_channel:
         from fsdpfn.rollout.receiver import UpdateChannel
 

@@ -13,7 +13,10 @@ What is ours: the KV cache and attention (fsdpfn/rollout/slot_model.py), the tok
 
 Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]).
 A request's n samples of one prompt are prefilled once (one forward of the prompt) and the
-prompt's KV is copied into their n slots (prefix sharing). Decode runs one token for slots
+prompt's KV is copied into their n slots (prefix sharing). With the Triton attention the steps
+also read that KV once for the n rows instead of once each (SlotModel.set_shared: the slots
+holding one prefill's copy form a group, rebuilt when rows come or go; a row whose KV is
+recomputed after a weight swap leaves its group, its copy no longer the same bits). Decode runs one token for slots
 [0, R) per step; R and the attended length are rounded up to buckets, so each (R, length,
 truncation) is one shape. The step (forward on [R, 1], sampling, bookkeeping: stop tokens,
 lengths, token and log-prob buffers) touches only device tensors, so on CUDA it is captured once
@@ -86,6 +89,7 @@ class _Slot:
         self.segments = [(0, version)]  # (first token index, weights version)
         self.truncate = request.sp.top_p < 1 or request.sp.top_k > 0
         self.seeded = request.sp.seed is not None
+        self.share: tuple | None = None  # (key, length): slots of one key share that prefix
 
     def bound(self, steps: int) -> int:
         """An upper bound of the attended length after ``steps`` more steps."""
@@ -127,8 +131,9 @@ class Decoder:
     def __init__(self, model, *, lock: threading.Lock, version: Callable[[], int],
                  slots: int, max_len: int, cuda_graphs: bool = True, sync_every: int = 16,
                  prefill_tokens: int = 16384, attention: str = "auto", compile: bool = False,
-                 rope_kv: str = "auto"):
-        self.net = SlotModel(model, slots, max_len, attention, compile, rope_kv=rope_kv)
+                 rope_kv: str = "auto", share_prefix: bool = True):
+        self.net = SlotModel(model, slots, max_len, attention, compile, rope_kv=rope_kv,
+                             share_prefix=share_prefix)
         self.state = _State(slots, max_len, self.net.device)
         # untruncated rows draw with draw_kernel.py (CUDA); the key of the unseeded rows'
         # uniforms, advanced by every step (in the graphs too)
@@ -150,6 +155,12 @@ class Decoder:
         self.thread: threading.Thread | None = None
         self.steps = 0  # decode steps run, and seconds spent in them (for benchmarks)
         self.step_seconds = 0.0
+        # the slots that hold one prompt's KV (prefilled once, copied to its samples' slots)
+        # read it once per step (SlotModel.set_shared): rebuilt when rows come or go
+        self.prefills = 0
+        self.shared_steps = 0  # decode steps run with shared prompts (for benchmarks, tests)
+        self.groups_stale = False
+        self.shared = False
 
     # ------------------------------------------------------------ the client side
 
@@ -203,6 +214,9 @@ class Decoder:
             self._refresh([s for s in range(self.slots) if self.table[s] is not None], version)
         self._admit(version)
         live = [s for s in range(self.slots) if self.table[s] is not None]
+        if self.groups_stale:
+            self.shared = self.net.set_shared(_groups(self.table, live))
+            self.groups_stale = False
         R = _bucket(max(live) + 1, self.slots)
         remaining = min(self.table[s].request.sp.max_new_tokens - self.table[s].gen
                         for s in live)
@@ -215,9 +229,10 @@ class Decoder:
         seeded = any(self.table[s].seeded for s in live)
         clock = time.perf_counter()
         for _ in range(steps):
-            self._replay(R, Lb, truncate, seeded)
+            self._replay(R, Lb, truncate, seeded, self.shared)
         finished = self._collect(live)  # reads the device: the steps are done
         self.steps += steps
+        self.shared_steps += steps if self.shared else 0
         self.step_seconds += time.perf_counter() - clock
         return finished
 
@@ -238,6 +253,7 @@ class Decoder:
         for i, s in enumerate(ended):
             out.append((self.table[s], toks[i][:gen[s]], lps[i][:gen[s]], bool(stopped[s])))
             self.table[s] = None
+        self.groups_stale = True
         return out
 
     def _deliver(self, finished) -> None:
@@ -277,8 +293,10 @@ class Decoder:
         width = max(self.table[s].gen for s in live)
         toks = st.out_tok[torch.tensor(live, device=device), :width].cpu().tolist()
         rows = []
+        self.groups_stale = True  # each row's prompt is recomputed on its own: no longer shared
         for s, out in zip(live, toks):
             slot = self.table[s]
+            slot.share = None
             prompt = slot.request.prompts[slot.request.rows[slot.row][0]]
             rows.append((s, prompt + out[:slot.gen - 1]))  # the last token is the next input
             slot.segments.append((slot.gen, version))
@@ -357,22 +375,25 @@ class Decoder:
         st.seed[slots] = seeds
         st.stops[slots], st.max_new[slots], st.stopped[slots] = stops, max_new, stopped
         st.active[slots] = ~stopped & (max_new > 1)
-        for (request, row, s), n in zip(items, lengths[src].tolist()):
+        self.prefills += 1
+        for (request, row, s), n, i in zip(items, lengths[src].tolist(), src.tolist()):
             self.table[s] = _Slot(request, row, n, version)
+            self.table[s].share = ((self.prefills, i), n)  # one KV copy per distinct prompt
+        self.groups_stale = True
 
     # ------------------------------------------------------------ the step, eager or graphed
 
-    def _step(self, R: int, Lb: int, truncate: bool, seeded: bool) -> None:
+    def _step(self, R: int, Lb: int, truncate: bool, seeded: bool, shared: bool = False) -> None:
         """One token for slots [0, R): forward, sampling, bookkeeping (device only)."""
         st = self.state
         tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
         if self.fused_draw and not truncate:
-            token, logp = draw_kernel.draw(self.net.decode(tok, pos, Lb, raw=True),
+            token, logp = draw_kernel.draw(self.net.decode(tok, pos, Lb, raw=True, shared=shared),
                                            st.temperature[:R], self.noise_key,
                                            seeds=st.seed[:R] if seeded else None, steps=gen)
             self.noise_key.add_(1)
         else:
-            logits = self.net.decode(tok, pos, Lb)
+            logits = self.net.decode(tok, pos, Lb, shared=shared)
             token, logp = sample(logits, st.temperature[:R], st.top_p[:R], st.top_k[:R],
                                  truncate=truncate, seeds=st.seed[:R] if seeded else None,
                                  steps=gen)
@@ -387,8 +408,8 @@ class Decoder:
         st.pos[:R] = pos + active.long()
         st.gen[:R] = gen_next
 
-    def _replay(self, R: int, Lb: int, truncate: bool, seeded: bool) -> None:
-        key = (R, Lb, truncate, seeded)
+    def _replay(self, R: int, Lb: int, truncate: bool, seeded: bool, shared: bool) -> None:
+        key = (R, Lb, truncate, seeded, shared)
         if self.use_graphs and key not in self.graphs:
             self.graphs[key], self.pool = _capture(self._step, key, self.state, self.net.device,
                                                    self.pool)
@@ -417,15 +438,25 @@ def _capture(step: Callable, key: tuple, state: _State, device, pool):
         clock = time.perf_counter()
         with torch.cuda.graph(graph, pool=pool):
             step(*key)
-        log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s in %.2f s", *key,
-                 time.perf_counter() - clock)
+        log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s shared=%s in %.2f s",
+                 *key, time.perf_counter() - clock)
         return graph, pool
     except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
         log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s seeded=%s "
-                      "failed; this shape runs eagerly", *key)
+                      "shared=%s failed; this shape runs eagerly", *key)
         torch.cuda.synchronize(device)
         state.restore(saved)
         return None, pool
+
+
+def _groups(table: list, live: list[int]) -> list[tuple[int, list[int]]]:
+    """(shared length, slots) of the live slots that hold one prompt's KV copy."""
+    groups: dict = {}
+    for s in live:
+        if table[s].share is not None:
+            key, length = table[s].share
+            groups.setdefault(key, (length, []))[1].append(s)
+    return list(groups.values())
 
 
 def _distinct_prompts(items: list[tuple[_Request, int, int]]

@@ -75,7 +75,7 @@ class RolloutEngine:
                  decode_rows: int | None = None, decode_max_len: int = 2048,
                  cuda_graphs: bool = True, fused_kernels: bool = True,
                  decode_attention: str = "auto", decode_compile: bool = False,
-                 decode_rope_kv: str = "auto"):
+                 decode_rope_kv: str = "auto", decode_share_prefix: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -119,7 +119,7 @@ class RolloutEngine:
         self._decoder = generation.build_decoder(
             self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
             lock=self._model_lock, version=lambda: self.version, attention=decode_attention,
-            compile=decode_compile, rope_kv=decode_rope_kv)
+            compile=decode_compile, rope_kv=decode_rope_kv, share_prefix=decode_share_prefix)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
         self.receiver = Receiver(self)  # the update state (groups, channels, turns, failures)
@@ -151,7 +151,8 @@ class RolloutEngine:
                     f"{self._decoder.net.attention} attention)"),
                 "decode_stats": None if self._decoder is None else {
                     "steps": self._decoder.steps, "seconds": self._decoder.step_seconds,
-                    "graphs": len(self._decoder.graphs)},
+                    "graphs": len(self._decoder.graphs),
+                    "shared_steps": self._decoder.shared_steps},
                 "tokenizer_path": self.model_path if self.tokenizer is not None else None,
                 "preferred_sampling_params": None, "eos_token_ids": self.eos_ids,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}

@@ -203,7 +203,7 @@ class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "auto",
-                 compile: bool = False, rope_kv: str = "auto"):
+                 compile: bool = False, rope_kv: str = "auto", share_prefix: bool = True):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         if rope_kv not in ROPE_KV:
@@ -265,6 +265,25 @@ class SlotModel:
         # by G query positions (the kv head's query heads); slices of these serve every R
         seqs = torch.arange(slots * self.kv_heads + 1, dtype=torch.int32, device=self.device)
         self.cu_q, self.cu_k = seqs * self.group, seqs * max_len
+        # share_prefix (with the Triton attention): rows whose caches begin with the same bits
+        # (the samples of one prompt) read those positions once per group (set_shared); the
+        # tables keep their addresses, so captured graphs read whatever set_shared wrote last
+        self.share_prefix = bool(share_prefix) and self.attention == "triton" \
+            and attention_kernel.group_rows(self.group) >= 2
+        self.shared = attention_kernel.prefix_tables([], slots, self.group, self.device) \
+            if self.share_prefix else None
+
+    def set_shared(self, groups) -> bool:
+        """The sets of slots whose caches hold the same bits in their first positions, as
+        (shared length, slots) pairs (see attention_kernel.prefix_tables), for the decode steps
+        that follow with ``shared=True``. Returns whether any set is shared (False: run them
+        with ``shared=False``; also where sharing is off)."""
+        if self.shared is None:
+            return False
+        tables = attention_kernel.prefix_tables(groups, self.slots, self.group, "cpu")
+        for buf, new in zip(self.shared, tables):
+            buf.copy_(new)
+        return bool(tables[2].any())
 
     @staticmethod
     def kv_bytes_per_slot(model, max_len: int) -> int:
@@ -340,10 +359,15 @@ class SlotModel:
         last = x[torch.arange(P, device=ids.device), lengths - 1]  # (P, H)
         return self.logits(last)
 
-    def _decode(self, tok, pos, Lb: int, raw: bool = False):
+    def _decode(self, tok, pos, Lb: int, raw: bool = False, shared: bool = False):
         """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
-        the first Lb), returns logits[R, V] float32 (``raw``: in the model's dtype)."""
+        the first Lb), returns logits[R, V] float32 (``raw``: in the model's dtype). ``shared``:
+        the groups of the last set_shared are read once per group (Triton attention)."""
         R = tok.shape[0]
+        tables = None
+        if shared and self.shared is not None:
+            first, members, lengths = self.shared
+            tables = (first, members[:max(1, R // 2)], lengths[:max(1, R // 2)])
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin_signed = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # (R, 1, D)
         if self.attention == "flash":  # each sequence's live length: pos + 1, per kv head
@@ -367,7 +391,8 @@ class SlotModel:
                 out = _flash_decode(q, self.k[i], self.v[i], cu_q, cu_k, used, Lb,
                                     self.scaling)
             elif self.attention == "triton":
-                out = attention_kernel.decode(q, self.k[i], self.v[i], used, Lb, self.scaling)
+                out = attention_kernel.decode(q, self.k[i], self.v[i], used, Lb, self.scaling,
+                                              shared=tables)
             elif self.attention == "flex":
                 out = _flex_decode(q.contiguous(), k_rows, v_rows, pos, self.scaling)
             elif self.attention == "matmul":

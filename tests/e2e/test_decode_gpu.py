@@ -306,6 +306,79 @@ def test_triton_decode_attention_on_cuda(splits):
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
+    """attention_kernel.decode with ``shared=`` on the GPU, bf16, the 1.5B shape's heads: rows in
+    groups of 8 (cut into lines of 10 query tiles' rows: 8 fit) and of 13 (a line of 10 and one
+    of 3) whose caches begin with the same 256 or 200 positions, and rows in no group. Equal to
+    a float64 softmax(q k^T / sqrt(D)) v over each row's own cache within bf16 rounding, with the
+    shared positions of every row but each line's first poisoned with NaN (read once, from the
+    first row) and positions past each row's length poisoned too."""
+    from fsdpfn.rollout import attention_kernel
+
+    if attention_kernel.refusal(torch.device("cuda"), 128):
+        pytest.skip(attention_kernel.refusal(torch.device("cuda"), 128))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    R, S, kv, heads, L, D = 40, 48, 2, 12, 1280, 128
+    q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = torch.randn(2, S, kv, L, D, generator=g, device="cuda").to(torch.bfloat16)
+    groups = [(256, list(range(0, 8))), (200, list(range(10, 23))), (256, [30, 35])]
+    used = torch.randint(300, L + 1, (R,), generator=g, device="cuda")
+    used[10] = 201  # one token past its prompt
+    for length, ids in groups:
+        k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
+            v[ids[0], :, :length]
+    past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
+    kr = k[:R].double().repeat_interleave(heads // kv, 1)
+    vr = v[:R].double().repeat_interleave(heads // kv, 1)
+    scores = (q.double()[:, :, None] @ kr.transpose(-1, -2))[:, :, 0] * D ** -0.5
+    want = (scores.masked_fill(past, float("-inf")).softmax(-1)[:, :, None] @ vr)[:, :, 0]
+    tables = attention_kernel.prefix_tables(groups, S, heads // kv, "cuda")
+    first, members, lengths = tables
+    for line in range(int(lengths.gt(0).sum())):
+        for r in members[line, 1:].tolist():
+            if r >= 0:
+                k[r, :, :int(lengths[line])] = float("nan")
+                v[r, :, :int(lengths[line])] = float("nan")
+    k[:R].masked_fill_(past[..., None], float("nan"))
+    v[:R].masked_fill_(past[..., None], float("nan"))
+    got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, splits=splits, shared=(
+        first, members[:R // 2], lengths[:R // 2])).view(R, heads, D)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.timeout(900)
+def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
+    """The server's default loop reads each prompt's KV once for its samples (prompts of 200
+    tokens, 4 samples each): its log-probs are as close to forward_logp as the same loop's
+    without sharing (--no-decode-share-prefix), and the steps did run shared."""
+    import fsdpfn as ff
+    from fsdpfn.rollout import RolloutEngine, SamplingParams
+
+    prompts = _prompts(6, 200, seed=8)
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
+    state = ff.shard_model(ff.EngineConfig(model_path=str(model_dir), optimizer=None), mesh)
+    gaps, stats = {}, {}
+    for share in (True, False):
+        engine = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
+                               decode_rows=64, decode_max_len=512, decode_share_prefix=share)
+        outputs = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=64,
+                                                          n=4, seed=11))["outputs"]
+        batch, loss = _batch(prompts, outputs)
+        ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
+        got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
+        diff = (got - ref).abs()
+        gaps[share], stats[share] = (float(diff.max()), float(diff.mean())), \
+            engine.info()["decode_stats"]
+        del engine
+    print(f"\nshared prompts: log-prob gaps to forward_logp (max, mean): {gaps}")
+    assert stats[True]["shared_steps"] == stats[True]["steps"] > 0, stats
+    assert stats[False]["shared_steps"] == 0, stats
+    (s_max, s_mean), (p_max, p_mean) = gaps[True], gaps[False]
+    assert s_mean < max(BF16_MEAN, 1.5 * p_mean) and s_max < max(BF16_MAX, 1.5 * p_max), gaps
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
     """SlotModel(rope_kv="triton"), bf16 on CUDA: one kernel for the rotary, q's layout and the

@@ -454,6 +454,40 @@ for kv, heads in ((2, 6), (2, 2)):
     got = attention_kernel.decode(q, k2, v2, used, L, 0.3, block_n=16, splits=3)
     torch.testing.assert_close(got.view(R, heads, D).double(), want, atol=1e-5, rtol=1e-5)
 
+# shared prompts: rows in groups whose caches hold the same bits in their first P positions read
+# them once, from the group's first row; the other rows' copies are poisoned (never read). Groups
+# of 2 and 3 rows (one cut into lines of group_rows rows), a row in no group, one split and several
+S2, R2, L2 = 12, 10, 48
+attention_kernel.MIN_SHARED = 8  # the tiny shapes here share 8- to 20-position prompts
+for kv, heads in ((2, 6), (1, 4)):
+    q = torch.randn(R2, heads, D, generator=g)
+    k, v = torch.randn(2, S2, kv, L2, D, generator=g)
+    groups = [(20, [0, 3, 5]), (9, [1, 2]), (16, [4, 6, 7, 8])]  # row 9: in no group
+    used = torch.tensor([30, 9, 40, 21, 48, 25, 17, 33, 16, 12])
+    for length, ids in groups:
+        for r in ids[1:]:
+            k[r, :, :length], v[r, :, :length] = k[ids[0], :, :length], v[ids[0], :, :length]
+    want = torch.empty(R2, heads, D, dtype=torch.float64)
+    for r in range(R2):
+        for h in range(heads):
+            kr = k[r, h * kv // heads, :used[r]].double()
+            vr = v[r, h * kv // heads, :used[r]].double()
+            want[r, h] = torch.softmax(q[r, h].double() @ kr.T * 0.3, -1) @ vr
+    k2, v2 = k.clone(), v.clone()
+    lines = attention_kernel.prefix_tables(groups, S2, heads // kv, "cpu")
+    members = lines[1]
+    for line in range(members.shape[0]):  # only each line's first row's prefix is read
+        for r in members[line, 1:].tolist():
+            if r >= 0:
+                k2[r, :, :int(lines[2][line])] = float("nan")
+                v2[r, :, :int(lines[2][line])] = float("nan")
+    assert int(lines[2].gt(0).sum()) >= 3 and int(lines[0][9]) == 0
+    for splits in (None, 1, 3):
+        got = attention_kernel.decode(q, k2, v2, used, L2, 0.3, block_n=16, splits=splits,
+                                      shared=lines)
+        torch.testing.assert_close(got.view(R2, heads, D).double(), want, atol=1e-5, rtol=1e-5)
+attention_kernel.MIN_SHARED = 128
+
 # the whole decode step with it equals the masked-SDPA step (logits and the KV written)
 torch.manual_seed(0)
 from transformers import AutoModelForCausalLM
@@ -492,6 +526,86 @@ def test_triton_decode_attention_equals_float64_attention_over_each_rows_length(
     if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
         pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+_SHARED_LOOP_CHECKS = r"""
+import torch
+from fsdpfn.rollout import RolloutEngine, SamplingParams, attention_kernel
+from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+import sys, tempfile
+
+# the decode loop with shared prompts: the Triton attention (under the interpreter) reads each
+# prompt's KV once for its samples. Which slots it groups, and the log-probs against a float64
+# teacher-forced forward of each row
+attention_kernel.MIN_SHARED = 8
+path = save_tiny_model(tempfile.mkdtemp() + "/tiny", tiny_qwen2_config(), seed=0)
+engine = RolloutEngine(path, dtype="float32", device="cpu", decode="loop", decode_rows=8,
+                       decode_max_len=64)
+net = engine._decoder.net
+net.attention, net.share_prefix = "triton", True
+net.shared = attention_kernel.prefix_tables([], net.slots, net.group, "cpu")
+calls = []
+set_shared = net.set_shared
+net.set_shared = lambda groups: calls.append((groups, set_shared(groups))) or calls[-1][1]
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (12, 9, 4)]
+out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, n=2))["outputs"]
+groups, shared = calls[0]
+assert shared and sorted(groups) == [(4, [4, 5]), (9, [2, 3]), (12, [0, 1])], calls[0]
+assert int(net.shared[2].gt(0).sum()) == 2  # the 4-token prompt is under MIN_SHARED
+# a second request: its own groups (the slots the first one left), nothing of the first
+out2 = engine.generate(prompts[:1], SamplingParams(temperature=1.0, max_new_tokens=3, n=3))
+assert calls[-1][0] == [(12, [0, 1, 2])] and calls[-1][1], calls[-1]
+model = engine.model
+for o in out:
+    p = prompts[o["prompt_index"]]
+    with torch.no_grad():
+        ids = torch.tensor([p + o["output_ids"]])
+        logp = torch.log_softmax(model(input_ids=ids).logits.double()[0], -1)
+    want = logp[len(p) - 1:-1].gather(-1, ids[0, len(p):, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(o["output_logprobs"], dtype=torch.float64), want,
+                               atol=1e-5, rtol=0)
+print("checked")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_decode_loop_reads_a_shared_prompt_once_and_keeps_its_logprobs():
+    """The decode loop groups the slots that hold one prompt's KV (its samples) and the Triton
+    attention reads that KV once per group, under Triton's interpreter in a fresh process: see
+    _SHARED_LOOP_CHECKS. Skipped where Triton is not installed; the GPU run is in
+    test_decode_gpu.py."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", _SHARED_LOOP_CHECKS], capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=500)
+    if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
+        pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+def test_prefix_tables_cut_groups_into_lines_and_refuse_a_row_twice():
+    """prefix_tables: a group larger than group_rows(G) rows is cut into lines; a line of one
+    row, or a prompt under MIN_SHARED, is not shared (its rows read their own copy); a row in
+    two groups or out of range is refused by name."""
+    from fsdpfn.rollout import attention_kernel as ak
+
+    assert ak.group_rows(6) == 10 and ak.group_rows(7) == 9 and ak.group_rows(64) == 1
+    n = ak.MIN_SHARED
+    first, members, lengths = ak.prefix_tables(
+        [(n, list(range(11))), (n + 5, [20, 21]), (n - 1, [30, 31])], 40, 6, "cpu")
+    assert members.shape == (20, 10) and lengths.tolist()[:3] == [n, n + 5, 0]
+    assert members[0].tolist() == list(range(10)) and members[1].tolist() == [20, 21] + [-1] * 8
+    assert first[:10].tolist() == [n] * 10 and int(first[10]) == 0  # the line of one row
+    assert first[20:22].tolist() == [n + 5] * 2 and first[30:32].tolist() == [0, 0]
+    assert not ak.prefix_tables([(n, [0, 1])], 8, 64, "cpu")[2].any()  # G = 64: one row a line
+    with pytest.raises(ValueError, match="groups: a row is in one group at most"):
+        ak.prefix_tables([(n, [0, 1]), (n, [1, 2])], 8, 6, "cpu")
+    with pytest.raises(ValueError, match=r"groups: rows must be in \[0, 8\)"):
+        ak.prefix_tables([(n, [6, 8])], 8, 6, "cpu")
 
 
 def test_rope_kv_kernel_is_refused_where_it_cannot_run():
