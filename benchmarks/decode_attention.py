@@ -44,8 +44,7 @@ SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
 
 
 PREFIX_SETTINGS = [  # attention_prefix_kernel's module constants, each row of shared prompts
-    {}, {"PREFIX_BLOCK_N": 32}, {"PREFIX_BLOCK_N": 128}, {"PREFIX_WARPS": 8},
-    {"PREFIX_BLOCK_N": 128, "PREFIX_WARPS": 8}]
+    {}, {"PREFIX_LEN": 64}, {"PREFIX_LEN": 128}, {"PREFIX_BLOCK_N": 32}, {"PREFIX_WARPS": 8}]
 
 
 def prefix_setting(setting: dict, fn):
@@ -114,7 +113,8 @@ def main() -> None:
         name = f"triton, shared prompts ({args.samples} rows, {args.min_pos} positions)"
         runs += [(name + (f", prefix kernel {kw}" if kw else ""),
                   lambda kw=kw: prefix_setting(kw, lambda: attention_kernel.decode(
-                      q, k, v, used, args.max_len, scale, shared=shared)))
+                      q, k, v, used, args.max_len, scale, shared=shared,
+                      shared_len=args.min_pos)))
                  for kw in PREFIX_SETTINGS]
         ref = runs[0][1]().float()
         for name, fn in runs:

@@ -22,10 +22,11 @@ positions of their caches (the decode loop prefills a prompt once and copies its
 slots), and without sharing each row reads that copy on its own. With the rows' groups given
 (prefix_tables), ``attention_prefix_kernel``, one program per (group, kv head), reads the
 group's prompt positions once, from its first row's cache, for the query heads of all its rows
-in one tile (up to PREFIX_TILE query vectors: 10 rows of a 6-query-head group), and keeps each
-row's (output, log-sum-exp) over them; the split kernel then starts each such row's split 0
-from that state (the online softmax carried on) and reads only the row's own positions. At 512
-rows of 8 samples per 256-token prompt and a mean context of 768, a third of the bytes read.
+in one tile (up to PREFIX_TILE query vectors: 10 rows of a 6-query-head group), in pieces of
+PREFIX_LEN positions (one program each), and keeps each row's (output, log-sum-exp) per piece;
+the split kernel then starts each such row's split 0 from those (the online softmax carried on)
+and reads only the row's own positions. At 512 rows of 8 samples per 256-token prompt and a
+mean context of 768, 29% fewer bytes: 90 against 104 µs a layer on the H200.
 
 Against torch's flash forward, which computes each row on a query tile of at least 64 rows of
 which only the kv head's query heads are real, this reads the cache near the copy bandwidth
@@ -44,6 +45,9 @@ BLOCK_N = 128  # cache positions per inner step (64 and 32 were slower on the H2
 TARGET_PROGRAMS = 1024  # enough programs for the GPU; fewer rows split their cache more
 PREFIX_TILE = 64  # query vectors per program of attention_prefix_kernel (rows x G query heads)
 PREFIX_BLOCK_N = 64  # its cache positions per inner step
+PREFIX_LEN = 256  # positions per program of it (longer prompts: more programs a group); 64
+# and 128 were slower on the H200 at 256-position prompts (their pieces' partial outputs cost
+# more than the parallelism brings: BENCHMARKS.md, "Decode attention kernel")
 PREFIX_WARPS = 4
 MIN_SHARED = 128  # a shorter shared prefix is read per row: its own launch would not pay
 
@@ -56,7 +60,7 @@ def _kernels():
     @triton.jit
     def attention_split_kernel(q, k, v, used, out, part_o, part_l, first, pre_o, pre_l, scale,
                                sq_r, sq_h, sk_s, sk_h, sk_l, so_r, so_h, G, KV, SPLITS, SPLIT_LEN,
-                               BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                               PRE_SPLITS, PRE_LEN, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                                DIRECT: tl.constexpr, SHARED: tl.constexpr,
                                PRECISION: tl.constexpr):
         r = tl.program_id(0)
@@ -69,18 +73,27 @@ def _kernels():
         heads = h * G + g
         qv = tl.load(q + r.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :],
                      mask=real[:, None], other=0.0)
-        if SHARED:  # positions [0, first[r]) were attended by attention_prefix_kernel: split 0
-            p0 = tl.load(first + r)  # starts from its (output, log-sum-exp) as the running state
-            ahead = real & ((g * 0 + p0) > 0) & ((g * 0 + sp) == 0)
-            at = r.to(tl.int64) * KV * G + heads
-            m_i = tl.load(pre_l + at, mask=ahead, other=-float("inf"))
-            l_i = tl.where(ahead, 1.0, 0.0)
-            acc = tl.load(pre_o + at[:, None] * D + d[None, :], mask=ahead[:, None], other=0.0)
+        m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        if SHARED:  # positions [0, first[r]) were attended by attention_prefix_kernel, in
+            p0 = tl.load(first + r)  # pieces of PRE_LEN: split 0 starts from their (output,
+            # log-sum-exp) pairs, folded into the running state of the online softmax
+            pieces = tl.where(sp == 0, tl.minimum((p0 + PRE_LEN - 1) // PRE_LEN, PRE_SPLITS), 0)
+            at = (r.to(tl.int64) * KV * G + heads) * PRE_SPLITS
+            for j in range(0, pieces):
+                lj = tl.load(pre_l + at + j, mask=real, other=-float("inf"))
+                oj = tl.load(pre_o + (at + j)[:, None] * D + d[None, :], mask=real[:, None],
+                             other=0.0)
+                m_new = tl.maximum(m_i, lj)
+                none = m_new == -float("inf")  # padded heads: nothing yet on either side
+                alpha = tl.where(none, 1.0, tl.exp(m_i - m_new))
+                beta = tl.where(none, 0.0, tl.exp(lj - m_new))
+                l_i = l_i * alpha + beta
+                acc = acc * alpha[:, None] + oj * beta[:, None]
+                m_i = m_new
         else:
             p0 = 0
-            m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_G], tl.float32)
-            acc = tl.zeros([BLOCK_G, D], tl.float32)
         start = p0 + sp * SPLIT_LEN
         end = tl.minimum(start + SPLIT_LEN, n)
         base = r.to(tl.int64) * sk_s + h * sk_h
@@ -112,16 +125,20 @@ def _kernels():
 
     @triton.jit
     def attention_prefix_kernel(q, k, v, members, lengths, pre_o, pre_l, scale, sq_r, sq_h, sk_s,
-                                sk_h, sk_l, G, KV, MB, BLOCK_Q: tl.constexpr,
+                                sk_h, sk_l, G, KV, MB, PRE_SPLITS, PRE_LEN, BLOCK_Q: tl.constexpr,
                                 BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
         # one program per (group, kv head): the G query heads of each of the group's rows (up
         # to MB rows) in one tile of BLOCK_Q, against the first lengths[group] positions of the
         # group's first row's cache (every row of the group holds the same bits there), read
-        # once for all of them; each row's (output, log-sum-exp) over those positions goes to
-        # pre_o / pre_l, where the split kernel's split 0 takes it up
+        # once for all of them, in pieces of PRE_LEN positions (program axis 2, so that a few
+        # groups still fill the GPU); each row's (output, log-sum-exp) over each piece goes to
+        # pre_o / pre_l, where the split kernel's split 0 takes them up
         gi = tl.program_id(0)
         h = tl.program_id(1)
+        piece = tl.program_id(2)
         n = tl.load(lengths + gi)
+        start = piece * PRE_LEN
+        end = tl.minimum(start + PRE_LEN, n)
         t = tl.arange(0, BLOCK_Q)
         m = t // G
         d = tl.arange(0, D)
@@ -136,9 +153,9 @@ def _kernels():
         m_i = tl.full([BLOCK_Q], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
-        for s0 in range(0, n, BLOCK_N):
+        for s0 in range(start, end, BLOCK_N):
             cols = s0 + tl.arange(0, BLOCK_N)
-            live = cols < n
+            live = cols < end
             kt = tl.load(k + base + cols[None, :] * sk_l + d[:, None], mask=live[None, :],
                          other=0.0)  # [D, BLOCK_N]
             s = tl.dot(qv, kt, input_precision=PRECISION) * scale
@@ -151,9 +168,9 @@ def _kernels():
                          other=0.0)  # [BLOCK_N, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
             m_i = m_new
-        keep = real & ((t * 0 + n) > 0)  # a line of length 0 writes nothing
+        keep = real & ((t * 0 + start) < n)  # an empty piece (or line) writes nothing
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        at = row * KV * G + heads  # [R, heads]
+        at = (row * KV * G + heads) * PRE_SPLITS + piece  # [R, heads, PRE_SPLITS]
         tl.store(pre_o + at[:, None] * D + d[None, :], o, mask=keep[:, None])
         tl.store(pre_l + at, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), mask=keep)
 
@@ -202,7 +219,7 @@ def splits_for(rows: int, kv: int, length: int, block_n: int = BLOCK_N,
 
 def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = BLOCK_N,
            splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-           shared: tuple | None = None):
+           shared: tuple | None = None, shared_len: int | None = None):
     """q [R, heads, D] of one new token per row (D contiguous); the cache [S, kv, L, D] of which
     row r reads its first used[r] positions (1 <= used[r] <= length <= L; rows are slots
     [0, R)). Returns [R, heads * D] in q's dtype. ``splits`` overrides the choice of splits_for;
@@ -214,7 +231,9 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
     padded; lengths [C] int32, the positions the group shares (0: an unused line); first [>= R]
     int32, each row's shared length (0 for a row in no group). A group's shared positions are
     read once, from its first row's cache, for all its rows (attention_prefix_kernel); each row
-    then reads only its own positions past them. See prefix_tables."""
+    then reads only its own positions past them. See prefix_tables. ``shared_len``: a bound on
+    lengths (default ``length``): the shared positions are read in pieces of PREFIX_LEN, one
+    program each, and this many of them are provisioned."""
     R, heads, D = q.shape
     kv = k_cache.shape[1]
     G = heads // kv
@@ -233,17 +252,19 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
     first = pre_o = pre_l = used  # unused without shared
     if shared is not None:
         first, members, lengths = shared
-        pre_o = torch.empty(R, heads, D, dtype=torch.float32, device=q.device)
-        pre_l = torch.empty(R, heads, dtype=torch.float32, device=q.device)
-        attention_prefix_kernel[(members.shape[0], kv)](
+        pieces = max(1, -(-int(shared_len or length) // PREFIX_LEN))
+        pre_o = torch.empty(R, heads, pieces, D, dtype=torch.float32, device=q.device)
+        pre_l = torch.empty(R, heads, pieces, dtype=torch.float32, device=q.device)
+        attention_prefix_kernel[(members.shape[0], kv, pieces)](
             q, k_cache, v_cache, members, lengths, pre_o, pre_l, scale, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), G, kv, members.shape[1],
-            BLOCK_Q=max(16, 1 << (G * members.shape[1] - 1).bit_length()), BLOCK_N=PREFIX_BLOCK_N,
-            D=D, PRECISION=precision, num_warps=PREFIX_WARPS, num_stages=num_stages)
+            pieces, PREFIX_LEN, BLOCK_Q=max(16, 1 << (G * members.shape[1] - 1).bit_length()),
+            BLOCK_N=PREFIX_BLOCK_N, D=D, PRECISION=precision, num_warps=PREFIX_WARPS, num_stages=num_stages)
     attention_split_kernel[(R, kv, splits)](
         q, k_cache, v_cache, used, out, part_o, part_l, first, pre_o, pre_l, scale, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-        out.stride(1), G, kv, splits, per, BLOCK_G=max(16, 1 << (G - 1).bit_length()),
+        out.stride(1), G, kv, splits, per, pre_l.shape[-1] if shared is not None else 1,
+        PREFIX_LEN, BLOCK_G=max(16, 1 << (G - 1).bit_length()),
         BLOCK_N=block_n, D=D, DIRECT=direct, SHARED=shared is not None, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages)
     if not direct:

@@ -160,7 +160,7 @@ class Decoder:
         self.prefills = 0
         self.shared_steps = 0  # decode steps run with shared prompts (for benchmarks, tests)
         self.groups_stale = False
-        self.shared = False
+        self.shared = 0  # what SlotModel.set_shared returned: 0, or a bound on shared lengths
 
     # ------------------------------------------------------------ the client side
 
@@ -383,13 +383,13 @@ class Decoder:
 
     # ------------------------------------------------------------ the step, eager or graphed
 
-    def _step(self, R: int, Lb: int, truncate: bool, seeded: bool, shared: bool = False) -> None:
+    def _step(self, R: int, Lb: int, truncate: bool, seeded: bool, shared: int = 0) -> None:
         """One token for slots [0, R): forward, sampling, bookkeeping (device only)."""
         st = self.state
         tok, pos, gen, active = st.tok[:R], st.pos[:R], st.gen[:R], st.active[:R]
         if self.fused_draw and not truncate:
-            token, logp = draw_kernel.draw(self.net.decode(tok, pos, Lb, raw=True, shared=shared),
-                                           st.temperature[:R], self.noise_key,
+            logits = self.net.decode(tok, pos, Lb, raw=True, shared=shared)
+            token, logp = draw_kernel.draw(logits, st.temperature[:R], self.noise_key,
                                            seeds=st.seed[:R] if seeded else None, steps=gen)
             self.noise_key.add_(1)
         else:
@@ -408,7 +408,7 @@ class Decoder:
         st.pos[:R] = pos + active.long()
         st.gen[:R] = gen_next
 
-    def _replay(self, R: int, Lb: int, truncate: bool, seeded: bool, shared: bool) -> None:
+    def _replay(self, R: int, Lb: int, truncate: bool, seeded: bool, shared: int) -> None:
         key = (R, Lb, truncate, seeded, shared)
         if self.use_graphs and key not in self.graphs:
             self.graphs[key], self.pool = _capture(self._step, key, self.state, self.net.device,
@@ -438,12 +438,12 @@ def _capture(step: Callable, key: tuple, state: _State, device, pool):
         clock = time.perf_counter()
         with torch.cuda.graph(graph, pool=pool):
             step(*key)
-        log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s shared=%s in %.2f s",
+        log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s shared=%d in %.2f s",
                  *key, time.perf_counter() - clock)
         return graph, pool
     except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
         log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s seeded=%s "
-                      "shared=%s failed; this shape runs eagerly", *key)
+                      "shared=%d failed; this shape runs eagerly", *key)
         torch.cuda.synchronize(device)
         state.restore(saved)
         return None, pool

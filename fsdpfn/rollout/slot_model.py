@@ -273,17 +273,19 @@ class SlotModel:
         self.shared = attention_kernel.prefix_tables([], slots, self.group, self.device) \
             if self.share_prefix else None
 
-    def set_shared(self, groups) -> bool:
+    def set_shared(self, groups) -> int:
         """The sets of slots whose caches hold the same bits in their first positions, as
         (shared length, slots) pairs (see attention_kernel.prefix_tables), for the decode steps
-        that follow with ``shared=True``. Returns whether any set is shared (False: run them
-        with ``shared=False``; also where sharing is off)."""
+        that follow. Returns what those steps pass as ``shared``: a bound on the shared lengths
+        (the longest, rounded up to a multiple of 256, so that a few values serve every batch:
+        each is its own CUDA graph), or 0 when no set is shared (also where sharing is off)."""
         if self.shared is None:
-            return False
+            return 0
         tables = attention_kernel.prefix_tables(groups, self.slots, self.group, "cpu")
         for buf, new in zip(self.shared, tables):
             buf.copy_(new)
-        return bool(tables[2].any())
+        longest = int(tables[2].max())
+        return -(-longest // 256) * 256
 
     @staticmethod
     def kv_bytes_per_slot(model, max_len: int) -> int:
@@ -359,10 +361,11 @@ class SlotModel:
         last = x[torch.arange(P, device=ids.device), lengths - 1]  # (P, H)
         return self.logits(last)
 
-    def _decode(self, tok, pos, Lb: int, raw: bool = False, shared: bool = False):
+    def _decode(self, tok, pos, Lb: int, raw: bool = False, shared: int = 0):
         """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
         the first Lb), returns logits[R, V] float32 (``raw``: in the model's dtype). ``shared``:
-        the groups of the last set_shared are read once per group (Triton attention)."""
+        what the last set_shared returned (its groups read once per group, Triton attention),
+        or 0."""
         R = tok.shape[0]
         tables = None
         if shared and self.shared is not None:
@@ -392,7 +395,7 @@ class SlotModel:
                                     self.scaling)
             elif self.attention == "triton":
                 out = attention_kernel.decode(q, self.k[i], self.v[i], used, Lb, self.scaling,
-                                              shared=tables)
+                                              shared=tables, shared_len=shared or None)
             elif self.attention == "flex":
                 out = _flex_decode(q.contiguous(), k_rows, v_rows, pos, self.scaling)
             elif self.attention == "matmul":

@@ -306,14 +306,15 @@ def test_triton_decode_attention_on_cuda(splits):
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("splits", [None, 1, 5])
-def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
+@pytest.mark.parametrize("splits,bound", [(None, None), (1, 256), (5, 512)])
+def test_triton_decode_attention_with_shared_prompts_on_cuda(splits, bound):
     """attention_kernel.decode with ``shared=`` on the GPU, bf16, the 1.5B shape's heads: rows in
     groups of 8 (cut into lines of 10 query tiles' rows: 8 fit) and of 13 (a line of 10 and one
     of 3) whose caches begin with the same 256 or 200 positions, and rows in no group. Equal to
     a float64 softmax(q k^T / sqrt(D)) v over each row's own cache within bf16 rounding, with the
     shared positions of every row but each line's first poisoned with NaN (read once, from the
-    first row) and positions past each row's length poisoned too."""
+    first row) and positions past each row's length poisoned too. ``bound``: shared_len (the
+    shared positions are read in pieces of PREFIX_LEN; default: as many as the length allows)."""
     from fsdpfn.rollout import attention_kernel
 
     if attention_kernel.refusal(torch.device("cuda"), 128):
@@ -343,7 +344,7 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
     k[:R].masked_fill_(past[..., None], float("nan"))
     v[:R].masked_fill_(past[..., None], float("nan"))
     got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, splits=splits, shared=(
-        first, members[:R // 2], lengths[:R // 2])).view(R, heads, D)
+        first, members[:R // 2], lengths[:R // 2]), shared_len=bound).view(R, heads, D)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 

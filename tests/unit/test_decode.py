@@ -458,7 +458,8 @@ for kv, heads in ((2, 6), (2, 2)):
 # them once, from the group's first row; the other rows' copies are poisoned (never read). Groups
 # of 2 and 3 rows (one cut into lines of group_rows rows), a row in no group, one split and several
 S2, R2, L2 = 12, 10, 48
-attention_kernel.MIN_SHARED = 8  # the tiny shapes here share 8- to 20-position prompts
+attention_kernel.MIN_SHARED = 8  # the tiny shapes here share 8- to 20-position prompts,
+attention_kernel.PREFIX_LEN = 8  # read in pieces of 8 (up to three pieces, the last partial)
 for kv, heads in ((2, 6), (1, 4)):
     q = torch.randn(R2, heads, D, generator=g)
     k, v = torch.randn(2, S2, kv, L2, D, generator=g)
@@ -482,11 +483,11 @@ for kv, heads in ((2, 6), (1, 4)):
                 k2[r, :, :int(lines[2][line])] = float("nan")
                 v2[r, :, :int(lines[2][line])] = float("nan")
     assert int(lines[2].gt(0).sum()) >= 3 and int(lines[0][9]) == 0
-    for splits in (None, 1, 3):
+    for splits, bound in ((None, None), (1, 20), (3, 24)):  # bound: shared_len (>= 20)
         got = attention_kernel.decode(q, k2, v2, used, L2, 0.3, block_n=16, splits=splits,
-                                      shared=lines)
+                                      shared=lines, shared_len=bound)
         torch.testing.assert_close(got.view(R2, heads, D).double(), want, atol=1e-5, rtol=1e-5)
-attention_kernel.MIN_SHARED = 128
+attention_kernel.MIN_SHARED, attention_kernel.PREFIX_LEN = 128, 64
 
 # the whole decode step with it equals the masked-SDPA step (logits and the KV written)
 torch.manual_seed(0)
@@ -537,7 +538,7 @@ import sys, tempfile
 # the decode loop with shared prompts: the Triton attention (under the interpreter) reads each
 # prompt's KV once for its samples. Which slots it groups, and the log-probs against a float64
 # teacher-forced forward of each row
-attention_kernel.MIN_SHARED = 8
+attention_kernel.MIN_SHARED = attention_kernel.PREFIX_LEN = 8
 path = save_tiny_model(tempfile.mkdtemp() + "/tiny", tiny_qwen2_config(), seed=0)
 engine = RolloutEngine(path, dtype="float32", device="cpu", decode="loop", decode_rows=8,
                        decode_max_len=64)
