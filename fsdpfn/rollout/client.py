@@ -2,15 +2,17 @@
 SGLang's /generate) from a training loop, with a typed error naming the server and what went
 wrong.
 
-The request asks for fsdpfn's own answer (``"return_format": "fsdpfn"``: token ids and
-log-probs as plain lists, the version of every token); a server that ignores that key (SGLang)
-answers in SGLang's shape, which is read back into the same value (``from_sglang``)."""
+The request asks for fsdpfn's own answer, packed (``"return_format": "fsdpfn_packed"``: token
+ids and log-probs as bytes, the version of every token as runs; fsdpfn/rollout/packing.py), and
+returns it as plain lists; a server that ignores that key (SGLang) answers in SGLang's shape,
+which is read back into the same value (``from_sglang``)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from fsdpfn.errors import ConfigError
+from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.rollout import packing
 
 __all__ = ["generate", "from_sglang"]
 
@@ -46,9 +48,16 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
         sampling["sampling_seed"] = int(seed)
     answer = call(url, "/generate", {"input_ids": [[int(t) for t in p] for p in prompts],
                                      "sampling_params": sampling, "return_logprob": True,
-                                     "return_format": "fsdpfn"}, timeout=float(timeout))
-    return answer if isinstance(answer, dict) and "outputs" in answer else \
-        from_sglang(answer, n)
+                                     "return_format": "fsdpfn_packed"}, timeout=float(timeout))
+    if isinstance(answer, dict) and "outputs" in answer:
+        if "output_logprobs" not in answer:  # a server that answers "fsdpfn" unpacked
+            return answer
+        try:
+            return packing.unpack(answer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightSyncError(f"server {url}: /generate answered a malformed packed "
+                                  f"answer: {exc}") from None
+    return from_sglang(answer, n)
 
 
 def from_sglang(answer, n: int) -> dict:

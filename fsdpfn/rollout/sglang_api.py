@@ -20,8 +20,9 @@ with top_logprobs_num "output_top_logprobs"}}: one object for one prompt with n 
 
 fsdpfn's own answer, {weight_version (int), outputs: [{prompt_index, output_ids,
 output_logprobs, finish_reason, weight_versions}]} (fsdpfn.rollout.client reads it), is given
-for ``"return_format": "fsdpfn"``; SGLang ignores that key, and its stops are then exactly
-stop_token_ids (no implicit end-of-sequence id).
+for ``"return_format": "fsdpfn"``, and packed (the per-token lists as bytes: 5.6 against 16 MB
+at 512 x 1,024 tokens, fsdpfn/rollout/packing.py) for ``"fsdpfn_packed"``; SGLang ignores that
+key, and its stops are then exactly stop_token_ids (no implicit end-of-sequence id).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from fsdpfn.rollout import packing
 from fsdpfn.rollout.errors import UpdateError
 from fsdpfn.rollout.sampling import SamplingParams
 
@@ -50,7 +52,7 @@ def generate(engine, payload: dict):
         raise UpdateError(f"/generate: the body must be a JSON object, got "
                           f"{type(payload).__name__}")
     _refuse(engine, payload)
-    own = payload.get("return_format") == "fsdpfn"
+    own = payload.get("return_format") in ("fsdpfn", "fsdpfn_packed")
     prompts, single = encode_prompts(engine, payload.get("input_ids"), payload.get("text"))
     top_n = _top_n(payload)
     specs = payload.get("sampling_params") or {}
@@ -63,7 +65,8 @@ def generate(engine, payload: dict):
         runs = [(prompts, _params(engine, specs, own))]
     answers = [(engine.generate(p, sp, top_logprobs=top_n), sp) for p, sp in runs]
     if own:
-        return _own(answers)
+        answer = _own(answers)
+        return packing.pack(answer) if payload["return_format"] == "fsdpfn_packed" else answer
     items = _sglang(engine, payload, answers, prompts, top_n, time.perf_counter() - start)
     n = runs[0][1].n
     return items[0] if single and n == 1 and len(items) == 1 else items
