@@ -82,6 +82,8 @@ def main() -> None:
     p.add_argument("--min-pos", type=int, default=256)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--samples", type=int, default=8, help="rows per prompt (shared prompts)")
+    p.add_argument("--kernels", nargs="*", default=None,
+                   help="only the settings whose name holds one of these (flash always runs)")
     args = p.parse_args()
     kv, heads, D = 2, 12, 128
     bandwidth = copy_bandwidth()
@@ -116,6 +118,8 @@ def main() -> None:
                       q, k, v, used, args.max_len, scale, shared=shared,
                       shared_len=args.min_pos)))
                  for kw in PREFIX_SETTINGS]
+        if args.kernels:
+            runs = runs[:1] + [r for r in runs[1:] if any(w in r[0] for w in args.kernels)]
         ref = runs[0][1]().float()
         for name, fn in runs:
             try:
