@@ -277,6 +277,15 @@ def test_seeded_loop_reproduces_its_tokens(engines):
     assert [o["output_ids"] for o in other] != [o["output_ids"] for o in first]
 
 
+def _float64_attention(q, k, v, past):
+    """softmax(q k^T / sqrt(D)) v in float64, one query per row, query head h on kv head
+    h // G, positions where ``past`` [R, 1, L] is set left out: [R, heads, D]."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = (q.double()[:, :, None] @ kr.transpose(-1, -2))[:, :, 0] * q.shape[-1] ** -0.5
+    return (scores.masked_fill(past, float("-inf")).softmax(-1)[:, :, None] @ vr)[:, :, 0]
+
+
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_triton_decode_attention_on_cuda(splits):
     """attention_kernel.decode compiled for the GPU, bf16, the 1.5B shape's heads (12 query
@@ -297,11 +306,7 @@ def test_triton_decode_attention_on_cuda(splits):
     k[:R].masked_fill_(past[..., None], float("nan"))
     v[:R].masked_fill_(past[..., None], float("nan"))
     got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, splits=splits).view(R, heads, D)
-    kr = k[:R].double().repeat_interleave(heads // kv, 1).nan_to_num()
-    vr = v[:R].double().repeat_interleave(heads // kv, 1).nan_to_num()
-    scores = (q.double()[:, :, None] @ kr.transpose(-1, -2))[:, :, 0] * D ** -0.5
-    scores = scores.masked_fill(past, float("-inf"))
-    want = (scores.softmax(-1)[:, :, None] @ vr)[:, :, 0]
+    want = _float64_attention(q, k[:R].nan_to_num(), v[:R].nan_to_num(), past)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
@@ -330,10 +335,7 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits, bound):
         k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
             v[ids[0], :, :length]
     past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
-    kr = k[:R].double().repeat_interleave(heads // kv, 1)
-    vr = v[:R].double().repeat_interleave(heads // kv, 1)
-    scores = (q.double()[:, :, None] @ kr.transpose(-1, -2))[:, :, 0] * D ** -0.5
-    want = (scores.masked_fill(past, float("-inf")).softmax(-1)[:, :, None] @ vr)[:, :, 0]
+    want = _float64_attention(q, k[:R], v[:R], past)
     tables = attention_kernel.prefix_tables(groups, S, heads // kv, "cuda")
     first, members, lengths = tables
     for line in range(int(lengths.gt(0).sum())):

@@ -412,15 +412,22 @@ def test_fused_draw_reports_log_softmax_greedy_argmax_and_follows_the_softmax():
     """draw_kernel.draw (the decode loop's draw on CUDA) under Triton's interpreter, in a fresh
     process (the interpreter is chosen when Triton is imported): see _DRAW_CHECKS. Skipped where
     Triton is not installed; the kernels themselves run in test_decode_gpu.py."""
+    _interpreted(_DRAW_CHECKS)
+
+
+def _interpreted(script: str) -> None:
+    """Run ``script`` under Triton's interpreter in a fresh process (the interpreter is chosen
+    when Triton is imported); it prints "checked" when every check passed. Skipped where Triton
+    is not installed, or where its interpreter does not run under this numpy (>= 2.3)."""
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-c", _DRAW_CHECKS], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=500)
-    if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
-        pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
+    if "only 0-dimensional arrays can be converted" in done.stderr:
+        pytest.skip("this Triton's interpreter does not run under this numpy")
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
 
 
@@ -517,16 +524,7 @@ def test_triton_decode_attention_equals_float64_attention_over_each_rows_length(
     """attention_kernel.decode (``attention="triton"``, CUDA) under Triton's interpreter, in a
     fresh process: see _ATTENTION_CHECKS. Skipped where Triton is not installed; the kernel
     itself runs in test_decode_gpu.py."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-c", _ATTENTION_CHECKS], capture_output=True,
-                          text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=500)
-    if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
-        pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+    _interpreted(_ATTENTION_CHECKS)
 
 
 _SHARED_LOOP_CHECKS = r"""
@@ -576,16 +574,7 @@ def test_decode_loop_reads_a_shared_prompt_once_and_keeps_its_logprobs():
     attention reads that KV once per group, under Triton's interpreter in a fresh process: see
     _SHARED_LOOP_CHECKS. Skipped where Triton is not installed; the GPU run is in
     test_decode_gpu.py."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-c", _SHARED_LOOP_CHECKS], capture_output=True,
-                          text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=500)
-    if "only 0-dimensional arrays can be converted" in done.stderr:  # Triton's interpreter
-        pytest.skip("this Triton's interpreter does not run under this numpy")  # (numpy >= 2.3)
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+    _interpreted(_SHARED_LOOP_CHECKS)
 
 
 def test_prefix_tables_cut_groups_into_lines_and_refuse_a_row_twice():
