@@ -60,7 +60,8 @@ def _kernels():
     @triton.jit
     def attention_split_kernel(q, k, v, used, out, part_o, part_l, first, pre_o, pre_l, scale,
                                sq_r, sq_h, sk_s, sk_h, sk_l, so_r, so_h, G, KV, SPLITS, SPLIT_LEN,
-                               PRE_SPLITS, PRE_LEN, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                               PRE_SPLITS, PRE_LEN, BLOCK_G: tl.constexpr,
+                               BLOCK_N: tl.constexpr, D: tl.constexpr,
                                DIRECT: tl.constexpr, SHARED: tl.constexpr,
                                PRECISION: tl.constexpr):
         r = tl.program_id(0)
@@ -259,7 +260,8 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
             q, k_cache, v_cache, members, lengths, pre_o, pre_l, scale, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), G, kv, members.shape[1],
             pieces, PREFIX_LEN, BLOCK_Q=max(16, 1 << (G * members.shape[1] - 1).bit_length()),
-            BLOCK_N=PREFIX_BLOCK_N, D=D, PRECISION=precision, num_warps=PREFIX_WARPS, num_stages=num_stages)
+            BLOCK_N=PREFIX_BLOCK_N, D=D, PRECISION=precision, num_warps=PREFIX_WARPS,
+            num_stages=num_stages)
     attention_split_kernel[(R, kv, splits)](
         q, k_cache, v_cache, used, out, part_o, part_l, first, pre_o, pre_l, scale, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),

@@ -277,6 +277,19 @@ def test_seeded_loop_reproduces_its_tokens(engines):
     assert [o["output_ids"] for o in other] != [o["output_ids"] for o in first]
 
 
+def _attention_case(seed: int, R: int, S: int, kv: int, heads: int, L: int, D: int):
+    """(generator, q [R, heads, D], k and v caches [S, kv, L, D]) in bf16 on CUDA for the
+    Triton attention's tests; skipped where the kernel cannot run."""
+    from fsdpfn.rollout import attention_kernel
+
+    if attention_kernel.refusal(torch.device("cuda"), D):
+        pytest.skip(attention_kernel.refusal(torch.device("cuda"), D))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = torch.randn(2, S, kv, L, D, generator=g, device="cuda").to(torch.bfloat16)
+    return g, q, k, v
+
+
 def _float64_attention(q, k, v, past):
     """softmax(q k^T / sqrt(D)) v in float64, one query per row, query head h on kv head
     h // G, positions where ``past`` [R, 1, L] is set left out: [R, heads, D]."""
@@ -294,12 +307,8 @@ def test_triton_decode_attention_on_cuda(splits):
     poisoned with NaN (never read)."""
     from fsdpfn.rollout import attention_kernel
 
-    if attention_kernel.refusal(torch.device("cuda"), 128):
-        pytest.skip(attention_kernel.refusal(torch.device("cuda"), 128))
-    g = torch.Generator(device="cuda").manual_seed(0)
     R, S, kv, heads, L, D = 96, 100, 2, 12, 1280, 128
-    q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
-    k, v = torch.randn(2, S, kv, L, D, generator=g, device="cuda").to(torch.bfloat16)
+    g, q, k, v = _attention_case(0, R, S, kv, heads, L, D)
     used = torch.randint(1, L + 1, (R,), generator=g, device="cuda")
     used[:3] = torch.tensor([1, L, 64], device="cuda")
     past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
@@ -322,12 +331,8 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits, bound):
     shared positions are read in pieces of PREFIX_LEN; default: as many as the length allows)."""
     from fsdpfn.rollout import attention_kernel
 
-    if attention_kernel.refusal(torch.device("cuda"), 128):
-        pytest.skip(attention_kernel.refusal(torch.device("cuda"), 128))
-    g = torch.Generator(device="cuda").manual_seed(1)
     R, S, kv, heads, L, D = 40, 48, 2, 12, 1280, 128
-    q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
-    k, v = torch.randn(2, S, kv, L, D, generator=g, device="cuda").to(torch.bfloat16)
+    g, q, k, v = _attention_case(1, R, S, kv, heads, L, D)
     groups = [(256, list(range(0, 8))), (200, list(range(10, 23))), (256, [30, 35])]
     used = torch.randint(300, L + 1, (R,), generator=g, device="cuda")
     used[10] = 201  # one token past its prompt

@@ -448,7 +448,8 @@ for kv, heads in ((2, 6), (2, 2)):
     want = torch.empty(R, heads, D, dtype=torch.float64)
     for r in range(R):
         for h in range(heads):
-            kr, vr = k[r, h * kv // heads, :used[r]].double(), v[r, h * kv // heads, :used[r]].double()
+            kr = k[r, h * kv // heads, :used[r]].double()
+            vr = v[r, h * kv // heads, :used[r]].double()
             w = torch.softmax(q[r, h].double() @ kr.T * 0.3, -1)
             want[r, h] = w @ vr
     for splits in (None, 1, 3):
