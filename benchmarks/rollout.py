@@ -143,8 +143,9 @@ def main() -> None:
                     wall = run(server.url, rows, new, concurrent, args.seeded)
                     after = server.get("/get_model_info").get("decode_stats") or {}
                     steps = after.get("steps", 0) - before.get("steps", 0)
-                    step_ms = (after.get("seconds", 0) - before.get("seconds", 0)) / steps * 1e3 \
-                        if steps else float("nan")
+                    step_s = after.get("seconds", 0) - before.get("seconds", 0)
+                    step_ms = step_s / steps * 1e3 if steps else float("nan")
+                    prefill = after.get("prefill_seconds", 0) - before.get("prefill_seconds", 0)
                     row = {"rows in flight": f"{rows} ({rows // N} x {N})", "new tokens": new,
                            "clients": rows // N if concurrent else 1,
                            "seeded": "yes" if args.seeded else "no",
@@ -153,6 +154,10 @@ def main() -> None:
                            "decode steps": steps, "step (ms)": f"{step_ms:.2f}",
                            "shared steps": after.get("shared_steps", 0)
                            - before.get("shared_steps", 0),
+                           # the wall outside the steps and the prefill: the request and answer
+                           # (JSON, HTTP), admission bookkeeping, idle waits
+                           "prefill (s)": f"{prefill:.2f}",
+                           "outside (s)": f"{wall - step_s - prefill:.2f}",
                            "floor (ms)": f"{floor_ms(rows, new, bandwidth):.2f}",
                            "graphs": after.get("graphs", "")}
                     table.append(row)

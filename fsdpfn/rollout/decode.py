@@ -160,6 +160,7 @@ class Decoder:
         # read it once per step (SlotModel.set_shared): rebuilt when rows come or go
         self.prefills = 0
         self.shared_steps = 0  # decode steps run with shared prompts (for benchmarks, tests)
+        self.prefill_seconds = 0.0  # admitting rows: their prompts' prefill and first draw
         self.groups_stale = False
         self.shared = 0  # what SlotModel.set_shared returned: 0, or a bound on shared lengths
 
@@ -213,7 +214,9 @@ class Decoder:
             self.weights = (version, key)
             self.net.refresh_weights()  # the fused q/k/v buffers read the served weights
             self._refresh([s for s in range(self.slots) if self.table[s] is not None], version)
+        clock = time.perf_counter()
         self._admit(version)
+        self.prefill_seconds += time.perf_counter() - clock
         live = [s for s in range(self.slots) if self.table[s] is not None]
         if self.groups_stale:
             self.shared = self.net.set_shared(_groups(self.table, live))

@@ -152,7 +152,8 @@ class RolloutEngine:
                 "decode_stats": None if self._decoder is None else {
                     "steps": self._decoder.steps, "seconds": self._decoder.step_seconds,
                     "graphs": len(self._decoder.graphs),
-                    "shared_steps": self._decoder.shared_steps},
+                    "shared_steps": self._decoder.shared_steps,
+                    "prefill_seconds": self._decoder.prefill_seconds},
                 "tokenizer_path": self.model_path if self.tokenizer is not None else None,
                 "preferred_sampling_params": None, "eos_token_ids": self.eos_ids,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}

@@ -161,6 +161,9 @@ def test_concurrent_requests_share_decode_steps(model_dir):
     for t in threads:
         t.join(60)
     assert decoder.steps == 9
+    stats = engine.info()["decode_stats"]  # what benchmarks/rollout.py splits the wall by
+    assert stats["steps"] == 9 and stats["seconds"] > 0 and stats["prefill_seconds"] > 0
+    assert stats["shared_steps"] == 0  # shared prompts are read once with the Triton attention
     assert len(results[0]["outputs"]) == 4 and len(results[1]["outputs"]) == 6
     for i in range(2):
         _assert_logps(engine, [PROMPTS[i], PROMPTS[i + 2]], results[i],
