@@ -1,0 +1,79 @@
+"""The /generate answer's cost outside the decode steps: fsdpfn's plain JSON answer against the
+packed one (fsdpfn/rollout/packing.py), through a real server process.
+
+    python benchmarks/answer.py                     # CPU, a tiny model, 512 rows x 480 tokens
+    python benchmarks/answer.py --device cuda --rows 512 --new 1024 --max-len 1280
+
+The model is tiny on purpose: the answer's size depends on the tokens, not on the model. Each
+format runs --repeats times, alternating. Per run: the wall of one batched request as the
+client sees it (the packed answer unpacked into the plain lists, as fsdpfn.rollout.generate
+returns it), the server's decode-step and prefill seconds (/get_model_info), and the rest:
+writing, sending and reading the request and the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _table import print_markdown_table  # noqa: E402
+
+from fsdpfn.rollout import launch_server, packing  # noqa: E402
+from fsdpfn.testing import save_tiny_model, tiny_qwen2_config  # noqa: E402
+from fsdpfn.wire.http import call  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rows", type=int, default=512, help="rows in flight (8 samples a prompt)")
+    p.add_argument("--new", type=int, default=480, help="new tokens per row")
+    p.add_argument("--max-len", type=int, default=512, help="the server's --decode-max-len")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    config = tiny_qwen2_config()
+    config.max_position_embeddings = max(config.max_position_embeddings, args.max_len)
+    path = save_tiny_model(tempfile.mkdtemp(prefix="fsdpfn-answer-") + "/tiny", config, seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 100, (args.rows // 8, 16), generator=g).tolist()
+    body = {"input_ids": prompts, "return_logprob": True, "sampling_params": {
+        "n": 8, "max_new_tokens": args.new, "temperature": 1.0}}
+    table = []
+    extra = ("--decode", "loop", "--decode-rows", str(args.rows), "--decode-max-len",
+             str(args.max_len))
+    with launch_server(path, device=args.device, threads=2, extra_args=extra) as server:
+        call(server.url, "/generate", {**body, "return_format": "fsdpfn"}, timeout=3600)  # warm
+        for _ in range(args.repeats):
+            for fmt in ("fsdpfn", "fsdpfn_packed"):
+                before = server.get("/get_model_info")["decode_stats"]
+                clock = time.perf_counter()
+                answer = call(server.url, "/generate", {**body, "return_format": fmt},
+                              timeout=3600)
+                plain = packing.unpack(answer) if fmt == "fsdpfn_packed" else answer
+                wall = time.perf_counter() - clock
+                size, answer = len(json.dumps(answer)), plain
+                after = server.get("/get_model_info")["decode_stats"]
+                steps = after["seconds"] - before["seconds"]
+                prefill = after["prefill_seconds"] - before["prefill_seconds"]
+                row = {"return_format": fmt,
+                       "tokens": sum(len(o["output_ids"]) for o in answer["outputs"]),
+                       "answer MB": f"{size / 1e6:.1f}", "wall s": f"{wall:.2f}",
+                       "steps s": f"{steps:.2f}", "prefill s": f"{prefill:.2f}",
+                       "the rest s": f"{wall - steps - prefill:.2f}"}
+                table.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"# {args.device}, {os.cpu_count()} CPUs: {args.rows} rows x {args.new} new tokens")
+    print_markdown_table(table, ("return_format", "tokens"))
+
+
+if __name__ == "__main__":
+    main()
