@@ -7,7 +7,8 @@
 #           (examples/gpu/grpo_qwen2_1p5b.yaml), Llama-3.2-1B on the defaults with 1,024-token
 #           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
-#           kernel category, the attention kernel, each projection's matmul per backend)
+#           kernel category, the attention kernel, each projection's matmul per backend), and
+#           the /generate answer's cost outside the steps, plain against packed
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
@@ -74,6 +75,7 @@ decode() {
   item decode_attention 60 python3 benchmarks/decode_attention.py
   item decode_gemm 90 python3 benchmarks/decode_gemm.py
   item decode_overlap 60 python3 benchmarks/decode_overlap.py
+  item answer 120 python3 benchmarks/answer.py --device cuda --rows 512 --new 1024 --max-len 1280
 }
 
 train() {
