@@ -100,10 +100,11 @@ def _carve(requests: Sequence[tuple[torch.Size, torch.dtype]], pin: bool) -> lis
     """Host tensors of the requested shapes and dtypes (uninitialised: the optimizer zeroes a
     parameter's state at its first step, or a checkpoint load overwrites it), pinned when
     ``pin``, carved from blocks whose sizes are powers of two. torch's pinned allocator rounds
-    every request up to a power of two, so pinning the state tensor by tensor took up to twice its bytes (a 7B model's
-    61 GB of fp32 moments asked for 116 GB). Here the tensors are placed largest first into the
-    first block with room (blocks of the smallest power of two that holds the largest tensor; the
-    last ones cut to the power of two their contents need), 512-byte aligned."""
+    every request up to a power of two, so pinning the state tensor by tensor took up to twice
+    its bytes (a 7B model's 61 GB of fp32 moments asked for 116 GB). Here the tensors are placed
+    largest first into the first block with room (blocks of the smallest power of two that holds
+    the largest tensor; the last ones cut to the power of two their contents need), 512-byte
+    aligned."""
     align = 512
     sizes = [-(-max(1, shape.numel()) * torch.empty((), dtype=dtype).element_size() // align)
              * align for shape, dtype in requests]

@@ -277,15 +277,16 @@ class SlotModel:
         """The sets of slots whose caches hold the same bits in their first positions, as
         (shared length, slots) pairs (see attention_kernel.prefix_tables), for the decode steps
         that follow. Returns what those steps pass as ``shared``: a bound on the shared lengths
-        (the longest, rounded up to a multiple of 256, so that a few values serve every batch:
-        each is its own CUDA graph), or 0 when no set is shared (also where sharing is off)."""
+        (the longest, rounded up to a multiple of attention_kernel.PREFIX_LEN, the positions one
+        program reads, so that a few values serve every batch: each is its own CUDA graph), or 0
+        when no set is shared (also where sharing is off)."""
         if self.shared is None:
             return 0
         tables = attention_kernel.prefix_tables(groups, self.slots, self.group, "cpu")
         for buf, new in zip(self.shared, tables):
             buf.copy_(new)
-        longest = int(tables[2].max())
-        return -(-longest // 256) * 256
+        piece = attention_kernel.PREFIX_LEN
+        return -(-int(tables[2].max()) // piece) * piece
 
     @staticmethod
     def kv_bytes_per_slot(model, max_len: int) -> int:

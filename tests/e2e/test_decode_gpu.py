@@ -148,6 +148,24 @@ def test_loop_greedy_tokens_equal_hf_generate(engines):
         assert bool(((best - chosen) <= tol).all()), (best - chosen).max()
 
 
+def _logp_gaps(engine, state, prompts) -> tuple[float, float]:
+    """(max, mean) |served log-prob - forward_logp| over 4 seeded samples a prompt at
+    temperature 0.8, 64 new tokens. Seeded: two engines draw from the same noise, so their gaps
+    are taken over (nearly) the same tokens; unseeded, the maximum over two different samples
+    decided a comparison (an opt-in option failed the 1.5x bound on its max alone, 0.42 against
+    0.25, on the H200)."""
+    import fsdpfn as ff
+    from fsdpfn.rollout import SamplingParams
+
+    outputs = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=64, n=4,
+                                                      seed=11))["outputs"]
+    batch, loss = _batch(prompts, outputs)
+    ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
+    got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
+    diff = (got - ref).abs()
+    return float(diff.max()), float(diff.mean())
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("option", [
     None,  # the server's defaults (on CUDA: the Triton attention, Liger's norm and SwiGLU)
@@ -168,7 +186,7 @@ def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
     log-probs are as close to forward_logp as the plain loop's (or within fixed bounds), and it
     captures CUDA graphs."""
     import fsdpfn as ff
-    from fsdpfn.rollout import RolloutEngine, SamplingParams
+    from fsdpfn.rollout import RolloutEngine
 
     defaults = option is None
     option = option or {}
@@ -186,17 +204,8 @@ def test_loop_options_match_forward_logp_in_bf16(engines, model_dir, option):
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
     state = ff.shard_model(ff.EngineConfig(model_path=str(model_dir), optimizer=None), mesh)
     gaps = {}
-    for name, served in (("option", engine), ("loop", engines[0])):
-        # seeded: both draw from the same noise, so the gaps are taken over (nearly) the same
-        # tokens; unseeded, the maximum over two different samples decided the test (an opt-in
-        # option failed the 1.5x bound on its max alone, 0.42 against 0.25, on the H200)
-        outputs = served.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=64,
-                                                          n=4, seed=11))["outputs"]
-        batch, loss = _batch(prompts, outputs)
-        ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
-        got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
-        diff = (got - ref).abs()
-        gaps[name] = (float(diff.max()), float(diff.mean()))
+    for name, served in (("option", engine), ("loop", engines[0])):  # seeded: see _logp_gaps
+        gaps[name] = _logp_gaps(served, state, prompts)
     print(f"\n{option}: log-prob gaps to forward_logp (max, mean): {gaps}")
     (o_max, o_mean), (l_max, l_mean) = gaps["option"], gaps["loop"]
     factor = 3.0 if option.get("decode_compile") else 1.5  # see the parameters above
@@ -362,7 +371,7 @@ def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
     tokens, 4 samples each): its log-probs are as close to forward_logp as the same loop's
     without sharing (--no-decode-share-prefix), and the steps did run shared."""
     import fsdpfn as ff
-    from fsdpfn.rollout import RolloutEngine, SamplingParams
+    from fsdpfn.rollout import RolloutEngine
 
     prompts = _prompts(6, 200, seed=8)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
@@ -371,13 +380,7 @@ def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
     for share in (True, False):
         engine = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
                                decode_rows=64, decode_max_len=512, decode_share_prefix=share)
-        outputs = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=64,
-                                                          n=4, seed=11))["outputs"]
-        batch, loss = _batch(prompts, outputs)
-        ref = ff.forward_logp(state, batch, temperature=0.8)["logp"].cpu()[loss]
-        got = torch.tensor([lp for o in outputs for lp in o["output_logprobs"]])
-        diff = (got - ref).abs()
-        gaps[share], stats[share] = (float(diff.max()), float(diff.mean())), \
+        gaps[share], stats[share] = _logp_gaps(engine, state, prompts), \
             engine.info()["decode_stats"]
         del engine
     print(f"\nshared prompts: log-prob gaps to forward_logp (max, mean): {gaps}")
