@@ -3,15 +3,18 @@ against fsdpfn's split-KV Triton kernel (``attention="triton"``, fsdpfn/rollout/
 in several tile settings, on one layer's slot cache of the Qwen2-1.5B shape.
 
     python benchmarks/decode_attention.py                  # 512 and 1,024 rows, bf16
-    python benchmarks/decode_attention.py --rows 64 512
+    python benchmarks/decode_attention.py --rows 512 --equal 512   # the loop's case
 
-Each row sits at a random position in [--min-pos, --max-len): the cache positions a step reads
-are the rows' lengths summed. The "shared prompts" rows group the rows by --samples (the samples
-of one prompt, as the decode loop runs them) whose caches begin with the same --min-pos
-positions, read once per group (``shared=``); their GB/s counts the bytes the rows attend, as
-the other rows do, so it can pass the copy bandwidth. Per setting: microseconds per call (a CUDA
+Each row sits at a random position in [--min-pos, --max-len), or with --equal OWN every row at
+--min-pos + OWN (the decode loop's rows start together): the cache positions a step reads are
+the rows' lengths summed. The "shared prompts" rows group the rows by --samples (the samples of
+one prompt, as the decode loop runs them) whose caches begin with the same --min-pos positions
+(``shared=``), each row reading them from its group's first row's cache, the same addresses for
+the whole group (read from HBM about once); their GB/s counts the bytes the rows attend, as the
+other rows do, so it can pass the copy bandwidth. Per setting: microseconds per call (a CUDA
 graph of --iters calls, replayed), the KV bytes read over that time (GB/s; the copy bandwidth of
-the same run is the ceiling), and the largest gap to the flash output. The step runs this 28 times (one per layer).
+the same run is the ceiling), and the largest gap to the flash output. The step runs this 28
+times (one per layer).
 """
 
 from __future__ import annotations
@@ -43,20 +46,8 @@ SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
 ]
 
 
-PREFIX_SETTINGS = [  # attention_prefix_kernel's module constants, each row of shared prompts
-    {}, {"PREFIX_LEN": 64}, {"PREFIX_LEN": 128}, {"PREFIX_BLOCK_N": 32}, {"PREFIX_WARPS": 8}]
-
-
-def prefix_setting(setting: dict, fn):
-    """fn() with attention_kernel's prefix constants set as ``setting`` says, then restored."""
-    saved = {name: getattr(attention_kernel, name) for name in setting}
-    try:
-        for name, value in setting.items():
-            setattr(attention_kernel, name, value)
-        return fn()
-    finally:
-        for name, value in saved.items():
-            setattr(attention_kernel, name, value)
+SHARED_SETTINGS = [  # the kernel's knobs with shared prompts
+    {}, dict(block_n=64), dict(num_warps=8), dict(num_stages=3), dict(splits=2)]
 
 
 def timed(fn, iters: int) -> float:
@@ -82,6 +73,9 @@ def main() -> None:
     p.add_argument("--min-pos", type=int, default=256)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--samples", type=int, default=8, help="rows per prompt (shared prompts)")
+    p.add_argument("--equal", type=int, default=None, metavar="OWN",
+                   help="every row at --min-pos + OWN positions (the decode loop's case: its rows "
+                        "start together) instead of at random positions")
     p.add_argument("--kernels", nargs="*", default=None,
                    help="only the settings whose name holds one of these (flash always runs)")
     args = p.parse_args()
@@ -98,9 +92,10 @@ def main() -> None:
         for length, ids in groups:  # each prompt's KV copied to its samples' slots
             k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
                 v[ids[0], :, :length]
-        tables = attention_kernel.prefix_tables(groups, R, heads // kv, "cuda")
-        shared = (tables[0], tables[1][:R // 2], tables[2][:R // 2])
+        shared = attention_kernel.share_tables(groups, R, "cuda")
         pos = torch.randint(args.min_pos, args.max_len, (R,), generator=g, device="cuda")
+        if args.equal is not None:  # the loop's rows, started together
+            pos = torch.full((R,), args.min_pos + args.equal - 1, device="cuda")
         used = (pos + 1).to(torch.int32)
         nbytes = 2 * int(used.sum()) * kv * D * 2
         seqs = torch.arange(R * kv + 1, dtype=torch.int32, device="cuda")
@@ -113,11 +108,10 @@ def main() -> None:
                                                               **kw))
                  for name, kw in SETTINGS]
         name = f"triton, shared prompts ({args.samples} rows, {args.min_pos} positions)"
-        runs += [(name + (f", prefix kernel {kw}" if kw else ""),
-                  lambda kw=kw: prefix_setting(kw, lambda: attention_kernel.decode(
-                      q, k, v, used, args.max_len, scale, shared=shared,
-                      shared_len=args.min_pos)))
-                 for kw in PREFIX_SETTINGS]
+        runs += [(name + (f", {kw}" if kw else ""),
+                  lambda kw=kw: attention_kernel.decode(q, k, v, used, args.max_len, scale,
+                                                        shared=shared, **kw))
+                 for kw in SHARED_SETTINGS]
         if args.kernels:
             runs = runs[:1] + [r for r in runs[1:] if any(w in r[0] for w in args.kernels)]
         ref = runs[0][1]().float()

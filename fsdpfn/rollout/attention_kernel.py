@@ -19,14 +19,14 @@ Splits are chosen per launch so that rows x kv heads x splits fills the GPU; at 
 
 Shared prompts (``shared=``). The n samples of one prompt hold the same bits in the prompt's
 positions of their caches (the decode loop prefills a prompt once and copies its KV to its n
-slots), and without sharing each row reads that copy on its own. With the rows' groups given
-(prefix_tables), ``attention_prefix_kernel``, one program per (group, kv head), reads the
-group's prompt positions once, from its first row's cache, for the query heads of all its rows
-in one tile (up to PREFIX_TILE query vectors: 10 rows of a 6-query-head group), in pieces of
-PREFIX_LEN positions (one program each), and keeps each row's (output, log-sum-exp) per piece;
-the split kernel then starts each such row's split 0 from those (the online softmax carried on)
-and reads only the row's own positions. At 512 rows of 8 samples per 256-token prompt and a
-mean context of 768, 29% fewer bytes: 90 against 104 µs a layer on the H200.
+slots), and without sharing each row reads its own copy: n reads of the prompt from HBM. With
+the rows' groups given (share_tables: each row's shared length and its group's first row, the
+leader), each row reads its shared positions from its leader's cache instead: the same addresses
+for the whole group, whose programs run side by side (rows are launched in order and a group's
+slots are neighbours), so the group finds them in L2 and the prompt leaves HBM about once. No
+kernel or partial output more: at 512 rows of 8 samples per 256-token prompt, 83.8 µs a layer
+against 98.2 without sharing and 86.2 with a separate kernel reading each group's prompt once
+(the earlier design, removed).
 
 Against torch's flash forward, which computes each row on a query tile of at least 64 rows of
 which only the kv head's query heads are real, this reads the cache near the copy bandwidth
@@ -39,17 +39,10 @@ import functools
 
 import torch
 
-__all__ = ["refusal", "decode", "prefix_tables", "group_rows"]
+__all__ = ["refusal", "decode", "share_tables"]
 
 BLOCK_N = 128  # cache positions per inner step (64 and 32 were slower on the H200)
 TARGET_PROGRAMS = 1024  # enough programs for the GPU; fewer rows split their cache more
-PREFIX_TILE = 64  # query vectors per program of attention_prefix_kernel (rows x G query heads)
-PREFIX_BLOCK_N = 64  # its cache positions per inner step
-PREFIX_LEN = 256  # positions per program of it (longer prompts: more programs a group); 64
-# and 128 were slower on the H200 at 256-position prompts (their pieces' partial outputs cost
-# more than the parallelism brings: BENCHMARKS.md, "Decode attention kernel")
-PREFIX_WARPS = 4
-MIN_SHARED = 128  # a shorter shared prefix is read per row: its own launch would not pay
 
 
 @functools.cache
@@ -58,9 +51,9 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def attention_split_kernel(q, k, v, used, out, part_o, part_l, first, pre_o, pre_l, scale,
+    def attention_split_kernel(q, k, v, used, out, part_o, part_l, first, leader, scale,
                                sq_r, sq_h, sk_s, sk_h, sk_l, so_r, so_h, G, KV, SPLITS, SPLIT_LEN,
-                               PRE_SPLITS, PRE_LEN, BLOCK_G: tl.constexpr,
+                               BLOCK_G: tl.constexpr,
                                BLOCK_N: tl.constexpr, D: tl.constexpr,
                                DIRECT: tl.constexpr, SHARED: tl.constexpr,
                                PRECISION: tl.constexpr):
@@ -77,31 +70,26 @@ def _kernels():
         m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        if SHARED:  # positions [0, first[r]) were attended by attention_prefix_kernel, in
-            p0 = tl.load(first + r)  # pieces of PRE_LEN: split 0 starts from their (output,
-            # log-sum-exp) pairs, folded into the running state of the online softmax
-            pieces = tl.where(sp == 0, tl.minimum((p0 + PRE_LEN - 1) // PRE_LEN, PRE_SPLITS), 0)
-            at = (r.to(tl.int64) * KV * G + heads) * PRE_SPLITS
-            for j in range(0, pieces):
-                lj = tl.load(pre_l + at + j, mask=real, other=-float("inf"))
-                oj = tl.load(pre_o + (at + j)[:, None] * D + d[None, :], mask=real[:, None],
-                             other=0.0)
-                m_new = tl.maximum(m_i, lj)
-                none = m_new == -float("inf")  # padded heads: nothing yet on either side
-                alpha = tl.where(none, 1.0, tl.exp(m_i - m_new))
-                beta = tl.where(none, 0.0, tl.exp(lj - m_new))
-                l_i = l_i * alpha + beta
-                acc = acc * alpha[:, None] + oj * beta[:, None]
-                m_i = m_new
+        if SHARED:  # positions [0, first[r]) are read from the group's first row's cache:
+            # the same addresses for every row of the group, whose programs run side by side
+            # and find them in L2, so the prompt's KV leaves HBM about once for the group
+            lead = tl.load(leader + r)
+            f = tl.load(first + r)
         else:
-            p0 = 0
-        start = p0 + sp * SPLIT_LEN
+            lead = r
+            f = 0
+        start = sp * SPLIT_LEN
         end = tl.minimum(start + SPLIT_LEN, n)
         base = r.to(tl.int64) * sk_s + h * sk_h
+        base_lead = lead.to(tl.int64) * sk_s + h * sk_h
         for s0 in range(start, end, BLOCK_N):
             cols = s0 + tl.arange(0, BLOCK_N)
             live = cols < end
-            kt = tl.load(k + base + cols[None, :] * sk_l + d[:, None], mask=live[None, :],
+            if SHARED:
+                at_k = tl.where(cols < f, base_lead, base) + cols * sk_l  # [BLOCK_N]
+            else:
+                at_k = base + cols * sk_l
+            kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :],
                          other=0.0)  # [D, BLOCK_N]
             s = tl.dot(qv, kt, input_precision=PRECISION) * scale
             s = tl.where(live[None, :], s, -float("inf"))
@@ -109,7 +97,7 @@ def _kernels():
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vv = tl.load(v + base + cols[:, None] * sk_l + d[None, :], mask=live[:, None],
+            vv = tl.load(v + at_k[:, None] + d[None, :], mask=live[:, None],
                          other=0.0)  # [BLOCK_N, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
             m_i = m_new
@@ -125,57 +113,6 @@ def _kernels():
                                            -float("inf")), mask=real)
 
     @triton.jit
-    def attention_prefix_kernel(q, k, v, members, lengths, pre_o, pre_l, scale, sq_r, sq_h, sk_s,
-                                sk_h, sk_l, G, KV, MB, PRE_SPLITS, PRE_LEN, BLOCK_Q: tl.constexpr,
-                                BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
-        # one program per (group, kv head): the G query heads of each of the group's rows (up
-        # to MB rows) in one tile of BLOCK_Q, against the first lengths[group] positions of the
-        # group's first row's cache (every row of the group holds the same bits there), read
-        # once for all of them, in pieces of PRE_LEN positions (program axis 2, so that a few
-        # groups still fill the GPU); each row's (output, log-sum-exp) over each piece goes to
-        # pre_o / pre_l, where the split kernel's split 0 takes them up
-        gi = tl.program_id(0)
-        h = tl.program_id(1)
-        piece = tl.program_id(2)
-        n = tl.load(lengths + gi)
-        start = piece * PRE_LEN
-        end = tl.minimum(start + PRE_LEN, n)
-        t = tl.arange(0, BLOCK_Q)
-        m = t // G
-        d = tl.arange(0, D)
-        row = tl.load(members + gi.to(tl.int64) * MB + m, mask=m < MB, other=-1)
-        real = row >= 0
-        row = tl.where(real, row, 0).to(tl.int64)
-        heads = h * G + t % G
-        qv = tl.load(q + row[:, None] * sq_r + heads[:, None] * sq_h + d[None, :],
-                     mask=real[:, None], other=0.0)
-        leader = tl.load(members + gi.to(tl.int64) * MB)
-        base = tl.maximum(leader, 0).to(tl.int64) * sk_s + h * sk_h
-        m_i = tl.full([BLOCK_Q], -float("inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, D], tl.float32)
-        for s0 in range(start, end, BLOCK_N):
-            cols = s0 + tl.arange(0, BLOCK_N)
-            live = cols < end
-            kt = tl.load(k + base + cols[None, :] * sk_l + d[:, None], mask=live[None, :],
-                         other=0.0)  # [D, BLOCK_N]
-            s = tl.dot(qv, kt, input_precision=PRECISION) * scale
-            s = tl.where(live[None, :], s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vv = tl.load(v + base + cols[:, None] * sk_l + d[None, :], mask=live[:, None],
-                         other=0.0)  # [BLOCK_N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
-            m_i = m_new
-        keep = real & ((t * 0 + start) < n)  # an empty piece (or line) writes nothing
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        at = (row * KV * G + heads) * PRE_SPLITS + piece  # [R, heads, PRE_SPLITS]
-        tl.store(pre_o + at[:, None] * D + d[None, :], o, mask=keep[:, None])
-        tl.store(pre_l + at, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), mask=keep)
-
-    @triton.jit
     def attention_merge_kernel(part_o, part_l, out, so_r, so_h, HEADS, SPLITS,
                                SP: tl.constexpr, D: tl.constexpr):
         r = tl.program_id(0)
@@ -189,7 +126,7 @@ def _kernels():
         merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         tl.store(out + r.to(tl.int64) * so_r + hq * so_h + d, merged.to(out.dtype.element_ty))
 
-    return attention_split_kernel, attention_merge_kernel, attention_prefix_kernel
+    return attention_split_kernel, attention_merge_kernel
 
 
 def refusal(device: torch.device, head_dim: int) -> str | None:
@@ -220,21 +157,17 @@ def splits_for(rows: int, kv: int, length: int, block_n: int = BLOCK_N,
 
 def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = BLOCK_N,
            splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-           shared: tuple | None = None, shared_len: int | None = None):
+           shared: tuple | None = None):
     """q [R, heads, D] of one new token per row (D contiguous); the cache [S, kv, L, D] of which
     row r reads its first used[r] positions (1 <= used[r] <= length <= L; rows are slots
     [0, R)). Returns [R, heads * D] in q's dtype. ``splits`` overrides the choice of splits_for;
     it, block_n, num_warps and num_stages are the benchmark's knobs
     (benchmarks/decode_attention.py).
 
-    ``shared``: (first, members, lengths) of rows whose caches begin with the same bits (the
-    samples of one prompt): members [C, MB] int32, each line the rows (< R) of one group, -1
-    padded; lengths [C] int32, the positions the group shares (0: an unused line); first [>= R]
-    int32, each row's shared length (0 for a row in no group). A group's shared positions are
-    read once, from its first row's cache, for all its rows (attention_prefix_kernel); each row
-    then reads only its own positions past them. See prefix_tables. ``shared_len``: a bound on
-    lengths (default ``length``): the shared positions are read in pieces of PREFIX_LEN, one
-    program each, and this many of them are provisioned."""
+    ``shared``: (first, leader) int32 [>= R] (share_tables) for rows whose caches begin with the
+    same bits (the samples of one prompt): row r reads its first first[r] positions from row
+    leader[r]'s cache (the same bits, at addresses the whole group shares, found in L2 by the
+    group's programs) and the rest from its own."""
     R, heads, D = q.shape
     kv = k_cache.shape[1]
     G = heads // kv
@@ -247,26 +180,14 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
     else:
         part_o = torch.empty(R, heads, splits, D, dtype=torch.float32, device=q.device)
         part_l = torch.empty(R, heads, splits, dtype=torch.float32, device=q.device)
-    attention_split_kernel, attention_merge_kernel, attention_prefix_kernel = _kernels()
+    attention_split_kernel, attention_merge_kernel = _kernels()
     used = used.to(torch.int32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding
-    first = pre_o = pre_l = used  # unused without shared
-    if shared is not None:
-        first, members, lengths = shared
-        pieces = max(1, -(-int(shared_len or length) // PREFIX_LEN))
-        pre_o = torch.empty(R, heads, pieces, D, dtype=torch.float32, device=q.device)
-        pre_l = torch.empty(R, heads, pieces, dtype=torch.float32, device=q.device)
-        attention_prefix_kernel[(members.shape[0], kv, pieces)](
-            q, k_cache, v_cache, members, lengths, pre_o, pre_l, scale, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), G, kv, members.shape[1],
-            pieces, PREFIX_LEN, BLOCK_Q=max(16, 1 << (G * members.shape[1] - 1).bit_length()),
-            BLOCK_N=PREFIX_BLOCK_N, D=D, PRECISION=precision, num_warps=PREFIX_WARPS,
-            num_stages=num_stages)
+    first, leader = shared if shared is not None else (used, used)  # unused without shared
     attention_split_kernel[(R, kv, splits)](
-        q, k_cache, v_cache, used, out, part_o, part_l, first, pre_o, pre_l, scale, q.stride(0),
+        q, k_cache, v_cache, used, out, part_o, part_l, first, leader, scale, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-        out.stride(1), G, kv, splits, per, pre_l.shape[-1] if shared is not None else 1,
-        PREFIX_LEN, BLOCK_G=max(16, 1 << (G - 1).bit_length()),
+        out.stride(1), G, kv, splits, per, BLOCK_G=max(16, 1 << (G - 1).bit_length()),
         BLOCK_N=block_n, D=D, DIRECT=direct, SHARED=shared is not None, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages)
     if not direct:
@@ -276,37 +197,23 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
     return out.view(R, heads * D)
 
 
-def group_rows(group: int) -> int:
-    """How many rows one line of a prefix table holds: as many as fit their query heads
-    (``group`` per kv head) in a tile of PREFIX_TILE; below 2, sharing cannot pay."""
-    return PREFIX_TILE // group
-
-
-def prefix_tables(groups, rows: int, group: int, device) -> tuple:
-    """(first [rows], members [C, MB], lengths [C]) int32 on ``device`` for decode's ``shared``,
-    from ``groups``: (shared length, the rows) per set of rows whose caches hold the same bits in
-    their first ``shared length`` positions. A set larger than MB = group_rows(group) rows is
-    cut into lines of MB rows; a line of one row, or a length under MIN_SHARED, is not shared.
-    C = rows // 2 lines, enough for any grouping of ``rows`` rows."""
-    mb = group_rows(group)
+def share_tables(groups, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first [rows], leader [rows]) int32 on ``device`` for decode's ``shared``, from
+    ``groups``: (shared length, the rows) per set of rows whose caches hold the same bits in
+    their first ``shared length`` positions. Each row of a set of two or more reads those
+    positions from the set's first row (its leader); any other row reads its own cache
+    (first 0, leader itself). A row in two sets, or out of [0, rows), is refused by name."""
     first = torch.zeros(rows, dtype=torch.int32)
-    members = torch.full((max(1, rows // 2), max(1, mb)), -1, dtype=torch.int32)
-    lengths = torch.zeros(max(1, rows // 2), dtype=torch.int32)
-    line, seen = 0, set()
+    leader = torch.arange(rows, dtype=torch.int32)
+    seen: set = set()
     for length, ids in groups:
+        ids = list(ids)
         if seen & set(ids) or len(set(ids)) < len(ids):
-            raise ValueError(f"groups: a row is in one group at most, got {list(ids)} again")
+            raise ValueError(f"groups: a row is in one group at most, got {ids} again")
+        if ids and (max(ids) >= rows or min(ids) < 0):
+            raise ValueError(f"groups: rows must be in [0, {rows}), got {ids}")
         seen |= set(ids)
-        if length < MIN_SHARED or mb < 2:
-            continue
-        for i in range(0, len(ids), mb):
-            chunk = ids[i:i + mb]
-            if len(chunk) < 2:
-                continue
-            if max(chunk) >= rows or min(chunk) < 0:
-                raise ValueError(f"groups: rows must be in [0, {rows}), got {chunk}")
-            members[line, :len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
-            lengths[line] = length
-            first[chunk] = length
-            line += 1
-    return first.to(device), members.to(device), lengths.to(device)
+        if len(ids) >= 2 and length > 0:
+            first[ids] = int(length)
+            leader[ids] = ids[0]
+    return first.to(device), leader.to(device)

@@ -13,12 +13,13 @@ What is ours: the KV cache and attention (fsdpfn/rollout/slot_model.py), the tok
 
 Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]).
 A request's n samples of one prompt are prefilled once (one forward of the prompt) and the
-prompt's KV is copied into their n slots (prefix sharing). With the Triton attention the steps
-also read that KV once for the n rows instead of once each (SlotModel.set_shared: the slots
-holding one prefill's copy form a group, rebuilt when rows come or go; a row whose KV is
-recomputed after a weight swap leaves its group, its copy no longer the same bits). Decode
-runs one token for slots [0, R) per step; R and the attended length are rounded up to
-buckets, so each (R, length, truncation, shared bound) is one shape. The step (forward on
+prompt's KV is copied into their n slots (prefix sharing). With the Triton attention the rows
+of a group read that KV from the group's first slot, so it leaves HBM about once per step for
+the n rows instead of once each (SlotModel.set_shared: the slots holding one prefill's copy
+form a group, rebuilt when rows come or go; a row whose KV is recomputed after a weight swap
+leaves its group, its copy no longer the same bits). Decode runs one token for slots [0, R) per
+step; R and the attended length are rounded up to buckets, so each (R, length, truncation,
+sharing on or off) is one shape. The step (forward on
 [R, 1], sampling, bookkeeping: stop tokens, lengths, token and log-prob buffers) touches only
 device tensors, so on CUDA it is captured once per shape in a CUDA graph and replayed with one
 host call; the host reads the small per-slot state every ``sync_every`` steps (or sooner, when
@@ -157,12 +158,12 @@ class Decoder:
         self.steps = 0  # decode steps run, and seconds spent in them (for benchmarks)
         self.step_seconds = 0.0
         # the slots that hold one prompt's KV (prefilled once, copied to its samples' slots)
-        # read it once per step (SlotModel.set_shared): rebuilt when rows come or go
+        # read it from the group's first slot (SlotModel.set_shared): rebuilt when rows come or go
         self.prefills = 0
         self.shared_steps = 0  # decode steps run with shared prompts (for benchmarks, tests)
         self.prefill_seconds = 0.0  # admitting rows: their prompts' prefill and first draw
         self.groups_stale = False
-        self.shared = 0  # what SlotModel.set_shared returned: 0, or a bound on shared lengths
+        self.shared = 0  # what SlotModel.set_shared returned: 1 when some group shares, else 0
 
     # ------------------------------------------------------------ the client side
 

@@ -266,27 +266,24 @@ class SlotModel:
         seqs = torch.arange(slots * self.kv_heads + 1, dtype=torch.int32, device=self.device)
         self.cu_q, self.cu_k = seqs * self.group, seqs * max_len
         # share_prefix (with the Triton attention): rows whose caches begin with the same bits
-        # (the samples of one prompt) read those positions once per group (set_shared); the
-        # tables keep their addresses, so captured graphs read whatever set_shared wrote last
-        self.share_prefix = bool(share_prefix) and self.attention == "triton" \
-            and attention_kernel.group_rows(self.group) >= 2
-        self.shared = attention_kernel.prefix_tables([], slots, self.group, self.device) \
+        # (the samples of one prompt) read those positions from their group's first row's
+        # cache, so the group reads them from HBM about once (set_shared); the tables keep
+        # their addresses, so captured graphs read whatever set_shared wrote last
+        self.share_prefix = bool(share_prefix) and self.attention == "triton"
+        self.shared = attention_kernel.share_tables([], slots, self.device) \
             if self.share_prefix else None
 
     def set_shared(self, groups) -> int:
         """The sets of slots whose caches hold the same bits in their first positions, as
-        (shared length, slots) pairs (see attention_kernel.prefix_tables), for the decode steps
-        that follow. Returns what those steps pass as ``shared``: a bound on the shared lengths
-        (the longest, rounded up to a multiple of attention_kernel.PREFIX_LEN, the positions one
-        program reads, so that a few values serve every batch: each is its own CUDA graph), or 0
-        when no set is shared (also where sharing is off)."""
+        (shared length, slots) pairs (see attention_kernel.share_tables), for the decode steps
+        that follow. Returns what those steps pass as ``shared``: 1 when some set of two or
+        more slots shares positions, else 0 (also where sharing is off)."""
         if self.shared is None:
             return 0
-        tables = attention_kernel.prefix_tables(groups, self.slots, self.group, "cpu")
+        tables = attention_kernel.share_tables(groups, self.slots, "cpu")
         for buf, new in zip(self.shared, tables):
             buf.copy_(new)
-        piece = attention_kernel.PREFIX_LEN
-        return -(-int(tables[2].max()) // piece) * piece
+        return int(bool(tables[0].any()))
 
     @staticmethod
     def kv_bytes_per_slot(model, max_len: int) -> int:
@@ -365,13 +362,10 @@ class SlotModel:
     def _decode(self, tok, pos, Lb: int, raw: bool = False, shared: int = 0):
         """tok[R], pos[R] of slots [0, R): writes their KV at pos, attends columns <= pos (of
         the first Lb), returns logits[R, V] float32 (``raw``: in the model's dtype). ``shared``:
-        what the last set_shared returned (its groups read once per group, Triton attention),
-        or 0."""
+        what the last set_shared returned (1: its groups read their shared positions from their
+        first row's cache, Triton attention), or 0."""
         R = tok.shape[0]
-        tables = None
-        if shared and self.shared is not None:
-            first, members, lengths = self.shared
-            tables = (first, members[:max(1, R // 2)], lengths[:max(1, R // 2)])
+        tables = self.shared if shared and self.shared is not None else None
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin_signed = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # (R, 1, D)
         if self.attention == "flash":  # each sequence's live length: pos + 1, per kv head
@@ -396,7 +390,7 @@ class SlotModel:
                                     self.scaling)
             elif self.attention == "triton":
                 out = attention_kernel.decode(q, self.k[i], self.v[i], used, Lb, self.scaling,
-                                              shared=tables, shared_len=shared or None)
+                                              shared=tables)
             elif self.attention == "flex":
                 out = _flex_decode(q.contiguous(), k_rows, v_rows, pos, self.scaling)
             elif self.attention == "matmul":

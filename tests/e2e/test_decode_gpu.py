@@ -329,38 +329,33 @@ def test_triton_decode_attention_on_cuda(splits):
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("splits,bound", [(None, None), (1, 256), (5, 512)])
-def test_triton_decode_attention_with_shared_prompts_on_cuda(splits, bound):
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
     """attention_kernel.decode with ``shared=`` on the GPU, bf16, the 1.5B shape's heads: rows in
-    groups of 8 (cut into lines of 10 query tiles' rows: 8 fit) and of 13 (a line of 10 and one
-    of 3) whose caches begin with the same 256 or 200 positions, and rows in no group. Equal to
-    a float64 softmax(q k^T / sqrt(D)) v over each row's own cache within bf16 rounding, with the
-    shared positions of every row but each line's first poisoned with NaN (read once, from the
-    first row) and positions past each row's length poisoned too. ``bound``: shared_len (the
-    shared positions are read in pieces of PREFIX_LEN; default: as many as the length allows)."""
+    groups of 8 and of 13 whose caches begin with the same 256 or 200 positions, a group of two
+    far apart (rows 30 and 35), and rows in no group. Equal to a float64 softmax(q k^T / sqrt(D))
+    v over each row's own cache within bf16 rounding, with the shared positions of every row but
+    each group's first poisoned with NaN (read from the first row) and positions past each
+    row's length poisoned too."""
     from fsdpfn.rollout import attention_kernel
 
     R, S, kv, heads, L, D = 40, 48, 2, 12, 1280, 128
     g, q, k, v = _attention_case(1, R, S, kv, heads, L, D)
     groups = [(256, list(range(0, 8))), (200, list(range(10, 23))), (256, [30, 35])]
     used = torch.randint(300, L + 1, (R,), generator=g, device="cuda")
-    used[10] = 201  # one token past its prompt
+    used[10], used[11] = 201, 200  # one token past its prompt; none
     for length, ids in groups:
         k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
             v[ids[0], :, :length]
     past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
     want = _float64_attention(q, k[:R], v[:R], past)
-    tables = attention_kernel.prefix_tables(groups, S, heads // kv, "cuda")
-    first, members, lengths = tables
-    for line in range(int(lengths.gt(0).sum())):
-        for r in members[line, 1:].tolist():
-            if r >= 0:
-                k[r, :, :int(lengths[line])] = float("nan")
-                v[r, :, :int(lengths[line])] = float("nan")
+    for length, ids in groups:
+        k[ids[1:], :, :length], v[ids[1:], :, :length] = float("nan"), float("nan")
     k[:R].masked_fill_(past[..., None], float("nan"))
     v[:R].masked_fill_(past[..., None], float("nan"))
-    got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, splits=splits, shared=(
-        first, members[:R // 2], lengths[:R // 2]), shared_len=bound).view(R, heads, D)
+    tables = attention_kernel.share_tables(groups, S, "cuda")
+    got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, splits=splits,
+                                  shared=tables).view(R, heads, D)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 

@@ -466,11 +466,10 @@ for kv, heads in ((2, 6), (2, 2)):
     torch.testing.assert_close(got.view(R, heads, D).double(), want, atol=1e-5, rtol=1e-5)
 
 # shared prompts: rows in groups whose caches hold the same bits in their first P positions read
-# them once, from the group's first row; the other rows' copies are poisoned (never read). Groups
-# of 2 and 3 rows (one cut into lines of group_rows rows), a row in no group, one split and several
+# them from the group's first row; the other rows' copies are poisoned (never read). Groups of
+# 2, 3 and 4 rows, a row in no group, a row with no position past its prompt (row 1), shared
+# lengths off the block edges, one split and several
 S2, R2, L2 = 12, 10, 48
-attention_kernel.MIN_SHARED = 8  # the tiny shapes here share 8- to 20-position prompts,
-attention_kernel.PREFIX_LEN = 8  # read in pieces of 8 (up to three pieces, the last partial)
 for kv, heads in ((2, 6), (1, 4)):
     q = torch.randn(R2, heads, D, generator=g)
     k, v = torch.randn(2, S2, kv, L2, D, generator=g)
@@ -486,19 +485,16 @@ for kv, heads in ((2, 6), (1, 4)):
             vr = v[r, h * kv // heads, :used[r]].double()
             want[r, h] = torch.softmax(q[r, h].double() @ kr.T * 0.3, -1) @ vr
     k2, v2 = k.clone(), v.clone()
-    lines = attention_kernel.prefix_tables(groups, S2, heads // kv, "cpu")
-    members = lines[1]
-    for line in range(members.shape[0]):  # only each line's first row's prefix is read
-        for r in members[line, 1:].tolist():
-            if r >= 0:
-                k2[r, :, :int(lines[2][line])] = float("nan")
-                v2[r, :, :int(lines[2][line])] = float("nan")
-    assert int(lines[2].gt(0).sum()) >= 3 and int(lines[0][9]) == 0
-    for splits, bound in ((None, None), (1, 20), (3, 24)):  # bound: shared_len (>= 20)
+    tables = attention_kernel.share_tables(groups, S2, "cpu")
+    for length, ids in groups:  # only each group's first row's prompt positions are read
+        k2[ids[1:], :, :length], v2[ids[1:], :, :length] = float("nan"), float("nan")
+    for r in range(R2):  # nor any position at or past a row's length
+        k2[r, :, used[r]:], v2[r, :, used[r]:] = float("nan"), float("nan")
+    assert tables[1].tolist()[:10] == [0, 1, 1, 0, 4, 0, 4, 4, 4, 9]
+    for splits in (None, 1, 3):
         got = attention_kernel.decode(q, k2, v2, used, L2, 0.3, block_n=16, splits=splits,
-                                      shared=lines, shared_len=bound)
+                                      shared=tables)
         torch.testing.assert_close(got.view(R2, heads, D).double(), want, atol=1e-5, rtol=1e-5)
-attention_kernel.MIN_SHARED, attention_kernel.PREFIX_LEN = 128, 64
 
 # the whole decode step with it equals the masked-SDPA step (logits and the KV written)
 torch.manual_seed(0)
@@ -538,15 +534,14 @@ from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 import sys, tempfile
 
 # the decode loop with shared prompts: the Triton attention (under the interpreter) reads each
-# prompt's KV once for its samples. Which slots it groups, and the log-probs against a float64
-# teacher-forced forward of each row
-attention_kernel.MIN_SHARED = attention_kernel.PREFIX_LEN = 8
+# prompt's KV from its first sample's slot. Which slots it groups, and the log-probs against a
+# float64 teacher-forced forward of each row
 path = save_tiny_model(tempfile.mkdtemp() + "/tiny", tiny_qwen2_config(), seed=0)
 engine = RolloutEngine(path, dtype="float32", device="cpu", decode="loop", decode_rows=8,
                        decode_max_len=64)
 net = engine._decoder.net
 net.attention, net.share_prefix = "triton", True
-net.shared = attention_kernel.prefix_tables([], net.slots, net.group, "cpu")
+net.shared = attention_kernel.share_tables([], net.slots, "cpu")
 calls = []
 set_shared = net.set_shared
 net.set_shared = lambda groups: calls.append((groups, set_shared(groups))) or calls[-1][1]
@@ -555,7 +550,8 @@ prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (12, 9, 4)
 out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, n=2))["outputs"]
 groups, shared = calls[0]
 assert shared and sorted(groups) == [(4, [4, 5]), (9, [2, 3]), (12, [0, 1])], calls[0]
-assert int(net.shared[2].gt(0).sum()) == 2  # the 4-token prompt is under MIN_SHARED
+assert net.shared[0].tolist()[:6] == [12, 12, 9, 9, 4, 4] and net.shared[1].tolist()[:6] == [
+    0, 0, 2, 2, 4, 4]
 # a second request: its own groups (the slots the first one left), nothing of the first
 out2 = engine.generate(prompts[:1], SamplingParams(temperature=1.0, max_new_tokens=3, n=3))
 assert calls[-1][0] == [(12, [0, 1, 2])] and calls[-1][1], calls[-1]
@@ -581,25 +577,23 @@ def test_decode_loop_reads_a_shared_prompt_once_and_keeps_its_logprobs():
     _interpreted(_SHARED_LOOP_CHECKS)
 
 
-def test_prefix_tables_cut_groups_into_lines_and_refuse_a_row_twice():
-    """prefix_tables: a group larger than group_rows(G) rows is cut into lines; a line of one
-    row, or a prompt under MIN_SHARED, is not shared (its rows read their own copy); a row in
-    two groups or out of range is refused by name."""
+def test_share_tables_point_each_group_at_its_first_row_and_refuse_a_row_twice():
+    """share_tables: every row of a group of two or more reads the group's shared length from
+    the group's first row (its leader); a group of one row, or a row in no group, reads its own
+    cache (first 0, leader itself); a row in two groups or out of range is refused by name."""
     from fsdpfn.rollout import attention_kernel as ak
 
-    assert ak.group_rows(6) == 10 and ak.group_rows(7) == 9 and ak.group_rows(64) == 1
-    n = ak.MIN_SHARED
-    first, members, lengths = ak.prefix_tables(
-        [(n, list(range(11))), (n + 5, [20, 21]), (n - 1, [30, 31])], 40, 6, "cpu")
-    assert members.shape == (20, 10) and lengths.tolist()[:3] == [n, n + 5, 0]
-    assert members[0].tolist() == list(range(10)) and members[1].tolist() == [20, 21] + [-1] * 8
-    assert first[:10].tolist() == [n] * 10 and int(first[10]) == 0  # the line of one row
-    assert first[20:22].tolist() == [n + 5] * 2 and first[30:32].tolist() == [0, 0]
-    assert not ak.prefix_tables([(n, [0, 1])], 8, 64, "cpu")[2].any()  # G = 64: one row a line
+    first, leader = ak.share_tables([(200, list(range(11))), (37, [21, 20]), (9, [30])], 40,
+                                    "cpu")
+    assert first[:11].tolist() == [200] * 11 and leader[:11].tolist() == [0] * 11
+    assert first[20:22].tolist() == [37, 37] and leader[20:22].tolist() == [21, 21]
+    assert int(first[30]) == 0 and int(leader[30]) == 30  # a group of one row
+    assert int(first[11]) == 0 and leader[11:20].tolist() == list(range(11, 20))
+    assert first.dtype == leader.dtype == torch.int32
     with pytest.raises(ValueError, match="groups: a row is in one group at most"):
-        ak.prefix_tables([(n, [0, 1]), (n, [1, 2])], 8, 6, "cpu")
+        ak.share_tables([(8, [0, 1]), (8, [1, 2])], 8, "cpu")
     with pytest.raises(ValueError, match=r"groups: rows must be in \[0, 8\)"):
-        ak.prefix_tables([(n, [6, 8])], 8, 6, "cpu")
+        ak.share_tables([(8, [6, 8])], 8, "cpu")
 
 
 def test_rope_kv_kernel_is_refused_where_it_cannot_run():
