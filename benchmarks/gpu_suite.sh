@@ -7,7 +7,8 @@
 #           (examples/gpu/grpo_qwen2_1p5b.yaml), Llama-3.2-1B on the defaults with 1,024-token
 #           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
-#           kernel category, the attention kernel, each projection's matmul per backend), and
+#           kernel category, the attention kernel at random lengths and at the loop's equal
+#           ones, each projection's matmul per backend), and
 #           the /generate answer's cost outside the steps, plain against packed
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
@@ -70,9 +71,11 @@ main() {
 }
 
 decode() {
-  item rollout 200 python3 benchmarks/rollout.py --no-concurrent --rows 512 1024
+  # a fresh machine's first server start, warm-up and capture took over 110 s for one shape
+  item rollout 300 python3 benchmarks/rollout.py --no-concurrent --rows 512 1024
   item decode_profile 140 python3 benchmarks/decode_profile.py --rows 512 --new 64
   item decode_attention 60 python3 benchmarks/decode_attention.py
+  item decode_attention_equal 60 python3 benchmarks/decode_attention.py --rows 512 --equal 512
   item decode_gemm 90 python3 benchmarks/decode_gemm.py
   item decode_overlap 60 python3 benchmarks/decode_overlap.py
   item answer 120 python3 benchmarks/answer.py --device cuda --rows 512 --new 1024 --max-len 1280
