@@ -62,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-share-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="with the Triton attention, the samples of one prompt read the prompt's "
                         "KV from the first sample's cache, so it leaves HBM about once per step "
-                        "for all of them instead of once each (default on; the same results bit "
-                        "for bit; --no-decode-share-prefix reads each row's own copy)")
+                        "for all of them instead of once each (default on; the same bits read in "
+                        "the same order; --no-decode-share-prefix reads each row's own copy)")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
                         "default kernels), when liger_kernel is installed: fewer kernel launches "

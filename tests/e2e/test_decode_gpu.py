@@ -336,7 +336,7 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
     far apart (rows 30 and 35), and rows in no group. Equal to a float64 softmax(q k^T / sqrt(D))
     v over each row's own cache within bf16 rounding, with the shared positions of every row but
     each group's first poisoned with NaN (read from the first row) and positions past each
-    row's length poisoned too."""
+    row's length poisoned too; and equal, bit for bit, to each row reading its own copy."""
     from fsdpfn.rollout import attention_kernel
 
     R, S, kv, heads, L, D = 40, 48, 2, 12, 1280, 128
@@ -349,6 +349,7 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
             v[ids[0], :, :length]
     past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
     want = _float64_attention(q, k[:R], v[:R], past)
+    intact_k, intact_v = k.clone(), v.clone()
     for length, ids in groups:
         k[ids[1:], :, :length], v[ids[1:], :, :length] = float("nan"), float("nan")
     k[:R].masked_fill_(past[..., None], float("nan"))
@@ -358,6 +359,9 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
                                   shared=tables).view(R, heads, D)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    # the same bits in the same order as each row reading its own (intact) copy: equal
+    assert torch.equal(got, attention_kernel.decode(q, intact_k, intact_v, used, L, D ** -0.5,
+                                                    splits=splits).view(R, heads, D))
 
 
 @pytest.mark.timeout(900)

@@ -495,6 +495,9 @@ for kv, heads in ((2, 6), (1, 4)):
         got = attention_kernel.decode(q, k2, v2, used, L2, 0.3, block_n=16, splits=splits,
                                       shared=tables)
         torch.testing.assert_close(got.view(R2, heads, D).double(), want, atol=1e-5, rtol=1e-5)
+        # the same bits in the same order as each row reading its own copy: equal, not close
+        own = attention_kernel.decode(q, k, v, used, L2, 0.3, block_n=16, splits=splits)
+        assert torch.equal(got, own)
 
 # the whole decode step with it equals the masked-SDPA step (logits and the KV written)
 torch.manual_seed(0)
