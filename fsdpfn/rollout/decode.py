@@ -21,9 +21,10 @@ leaves its group, its copy no longer the same bits). Decode runs one token for s
 step; R and the attended length are rounded up to buckets, so each (R, length, truncation,
 sharing on or off) is one shape. The step (forward on [R, 1], sampling, bookkeeping: stop
 tokens, lengths, token and log-prob buffers) touches only device tensors, so on CUDA it is
-captured once per shape in a CUDA graph and replayed with one host call; the host reads the small per-slot state every ``sync_every`` steps (or sooner, when
-a row is due to end), returns finished rows and lets queued rows take free slots (continuous
-batching: requests of any client share the steps).
+captured once per shape in a CUDA graph and replayed with one host call; the host reads the
+small per-slot state every ``sync_every`` steps (or sooner, when a row is due to end), returns
+finished rows and lets queued rows take free slots (continuous batching: requests of any client
+share the steps).
 
 Versions. The loop holds the engine's model lock for a chunk of steps and releases it between
 chunks, so a weight swap lands between two steps. Each token is tagged with the weights version
