@@ -275,6 +275,43 @@ def test_per_layer_state_is_carved_from_power_of_two_blocks():
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
 
+def test_pinned_state_is_laid_end_to_end_in_one_registered_mapping(monkeypatch):
+    """Pinned, the per-layer state is one huge-page mapping registered with the driver once
+    (here a recording stand-in for cudaHostRegister: this machine has no CUDA): every tensor has
+    its shape and dtype, is 512-byte aligned, writable, inside the registered range and apart
+    from the others. Where the mapping cannot be had (the driver refuses, or it is larger than
+    the host's available memory) none is made and torch's pinned allocator is the fallback."""
+    from fsdpfn.engine import optim_offload
+
+    calls = []
+
+    def register(ptr, nbytes):
+        calls.append((ptr, nbytes))
+        return True
+
+    requests = [(torch.Size([1000, 600]), torch.float32), (torch.Size([7]), torch.bfloat16),
+                (torch.Size([0]), torch.float32), (torch.Size([301, 3]), torch.bfloat16)]
+    tensors, registered = optim_offload._carve(requests, True, register)  # noqa: SLF001
+    assert len(calls) == 1 and registered == [calls[0][0]]
+    start, nbytes = calls[0]
+    assert nbytes % (2 << 20) == 0 and nbytes >= 1000 * 600 * 4 + 3 * 512
+    spans = []
+    for t, (shape, dtype) in zip(tensors, requests):
+        assert t.shape == shape and t.dtype == dtype and t.data_ptr() % 512 == 0
+        if not t.numel():  # an empty view has no address
+            continue
+        t.fill_(1)
+        end = t.data_ptr() + t.numel() * t.element_size()
+        assert start <= t.data_ptr() and end <= start + nbytes
+        spans.append((t.data_ptr(), end))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert optim_offload._pinned_mapping(1 << 20, lambda p, n: False) is None  # noqa: SLF001
+    monkeypatch.setattr(optim_offload, "_mem_available", lambda: 1 << 20)
+    assert optim_offload._pinned_mapping(4 << 20, register) is None  # noqa: SLF001
+    assert len(calls) == 1
+
+
 def test_fast_pinning_sets_the_register_path_unless_the_user_chose(monkeypatch):
     """The per-layer step pins its host state through torch's register path (threaded page
     touching, then cudaHostRegister): the setting handed to torch names both keys, with one
