@@ -46,10 +46,8 @@ SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
 ]
 
 
-SHARED_SETTINGS = [  # the kernel's knobs with shared prompts; rows_per_program=1: one row a
-    {}, dict(rows_per_program=1), dict(block_n=64), dict(num_warps=8),  # program, each reading
-    dict(num_stages=3), dict(splits=2),  # its shared positions through L2 (before the pairs);
-    dict(tile_rows=32, rows_per_program=4), dict(tile_rows=64, rows_per_program=8)]  # wider
+SHARED_SETTINGS = [  # the kernel's knobs with shared prompts
+    {}, dict(block_n=64), dict(num_warps=8), dict(num_stages=3), dict(splits=2)]
 
 
 def timed(fn, iters: int) -> float:

@@ -52,87 +52,62 @@ def _kernels():
 
     @triton.jit
     def attention_split_kernel(q, k, v, used, out, part_o, part_l, first, leader, scale,
-                               R, sq_r, sq_h, sk_s, sk_h, sk_l, so_r, so_h, G, KV, SPLITS,
-                               SPLIT_LEN, ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
+                               sq_r, sq_h, sk_s, sk_h, sk_l, so_r, so_h, G, KV, SPLITS, SPLIT_LEN,
+                               BLOCK_G: tl.constexpr,
                                BLOCK_N: tl.constexpr, D: tl.constexpr,
                                DIRECT: tl.constexpr, SHARED: tl.constexpr,
                                PRECISION: tl.constexpr):
-        r0 = tl.program_id(0) * ROWS  # this program's rows: [r0, r0 + ROWS), tile row g is
-        h = tl.program_id(1)          # row r0 + g // G's query head h * G + g % G
+        r = tl.program_id(0)
+        h = tl.program_id(1)
         sp = tl.program_id(2)
+        n = tl.load(used + r)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
-        row = r0 + g // G
-        real = (g < ROWS * G) & (row < R)
-        heads = h * G + g % G
-        qv = tl.load(q + row.to(tl.int64)[:, None] * sq_r + heads[:, None] * sq_h + d[None, :],
+        real = g < G
+        heads = h * G + g
+        qv = tl.load(q + r.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :],
                      mask=real[:, None], other=0.0)
         m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
+        if SHARED:  # positions [0, first[r]) are read from the group's first row's cache:
+            # the same addresses for every row of the group, whose programs run side by side
+            # and find them in L2, so the prompt's KV leaves HBM about once for the group
+            lead = tl.load(leader + r)
+            f = tl.load(first + r)
+        else:
+            lead = r
+            f = 0
         start = sp * SPLIT_LEN
-        stop = start + SPLIT_LEN
-        # positions read once for all the program's rows: those of their common leader that
-        # every row attends, in whole blocks (so each row meets the blocks it would read alone,
-        # and its output has the same bits); 0 unless the rows share a leader
-        joint = 0
-        lead0 = r0
-        if SHARED and ROWS > 1:
-            lead0 = tl.load(leader + r0)
-            joint = tl.minimum(tl.load(first + r0), tl.load(used + r0))
-            for j in tl.static_range(1, ROWS):
-                rj = tl.minimum(r0 + j, R - 1)
-                same = (r0 + j < R) & (tl.load(leader + rj) == lead0)
-                joint = tl.where(same, tl.minimum(joint, tl.load(used + rj)), 0)
-            joint = joint // BLOCK_N * BLOCK_N
-        # phase 0: the joint positions, every row's tile rows live; phase j + 1: row r0 + j's
-        # own positions, its tile rows live (the others keep their state bit for bit)
-        for phase in tl.static_range(ROWS + 1):
-            if phase == 0:
-                rows = real
-                lo = start
-                hi = tl.minimum(stop, joint)
-                base = lead0.to(tl.int64) * sk_s + h * sk_h
-                base_lead = base
-                f = 0
-            else:
-                r = tl.minimum(r0 + phase - 1, R - 1)
-                rows = real & (g // G == phase - 1)
-                lo = tl.maximum(start, joint)
-                hi = tl.minimum(stop, tl.where(r0 + phase - 1 < R, tl.load(used + r), 0))
-                base = r.to(tl.int64) * sk_s + h * sk_h
-                if SHARED:  # positions [0, first[r]) are read from the group's first row's
-                    # cache: the same addresses for the whole group, whose programs run side
-                    # by side and find them in L2, so the prompt leaves HBM about once
-                    base_lead = tl.load(leader + r).to(tl.int64) * sk_s + h * sk_h
-                    f = tl.load(first + r)
-                else:
-                    base_lead = base
-                    f = 0
-            for s0 in range(lo, hi, BLOCK_N):
-                cols = s0 + tl.arange(0, BLOCK_N)
-                live = cols < hi
+        end = tl.minimum(start + SPLIT_LEN, n)
+        base = r.to(tl.int64) * sk_s + h * sk_h
+        base_lead = lead.to(tl.int64) * sk_s + h * sk_h
+        for s0 in range(start, end, BLOCK_N):
+            cols = s0 + tl.arange(0, BLOCK_N)
+            live = cols < end
+            if SHARED:
                 at_k = tl.where(cols < f, base_lead, base) + cols * sk_l  # [BLOCK_N]
-                kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :],
-                             other=0.0)  # [D, BLOCK_N]
-                s = tl.dot(qv, kt, input_precision=PRECISION) * scale
-                s = tl.where(live[None, :], s, -float("inf"))
-                m_new = tl.where(rows, tl.maximum(m_i, tl.max(s, 1)), m_i)
-                alpha = tl.where(rows, tl.exp(m_i - m_new), 1.0)
-                p = tl.where(rows[:, None], tl.exp(s - m_new[:, None]), 0.0)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                vv = tl.load(v + at_k[:, None] + d[None, :], mask=live[:, None],
-                             other=0.0)  # [BLOCK_N, D]
-                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv,
-                                                    input_precision=PRECISION)
-                m_i = m_new
+            else:
+                at_k = base + cols * sk_l
+            kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :],
+                         other=0.0)  # [D, BLOCK_N]
+            s = tl.dot(qv, kt, input_precision=PRECISION) * scale
+            s = tl.where(live[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vv = tl.load(v + at_k[:, None] + d[None, :], mask=live[:, None],
+                         other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
+            m_i = m_new
         some = l_i > 0
         o = acc / tl.where(some, l_i, 1.0)[:, None]
         if DIRECT:
-            tl.store(out + row.to(tl.int64)[:, None] * so_r + heads[:, None] * so_h + d[None, :],
+            tl.store(out + r.to(tl.int64) * so_r + heads[:, None] * so_h + d[None, :],
                      o.to(out.dtype.element_ty), mask=real[:, None])
         else:
-            at = (row.to(tl.int64) * KV * G + heads) * SPLITS + sp  # [R, heads, SPLITS]
+            at = (r.to(tl.int64) * KV * G + heads) * SPLITS + sp  # [R, heads, SPLITS]
             tl.store(part_o + at[:, None] * D + d[None, :], o, mask=real[:, None])
             tl.store(part_l + at, tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)),
                                            -float("inf")), mask=real)
@@ -182,22 +157,17 @@ def splits_for(rows: int, kv: int, length: int, block_n: int = BLOCK_N,
 
 def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = BLOCK_N,
            splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-           shared: tuple | None = None, rows_per_program: int | None = None,
-           tile_rows: int | None = None):
+           shared: tuple | None = None):
     """q [R, heads, D] of one new token per row (D contiguous); the cache [S, kv, L, D] of which
     row r reads its first used[r] positions (1 <= used[r] <= length <= L; rows are slots
     [0, R)). Returns [R, heads * D] in q's dtype. ``splits`` overrides the choice of splits_for;
-    it, block_n, num_warps, num_stages, rows_per_program and tile_rows (the query tile's rows, a
-    power of two: by default the smallest from 16 that holds a kv head's query heads) are the
-    benchmark's knobs (benchmarks/decode_attention.py).
+    it, block_n, num_warps and num_stages are the benchmark's knobs
+    (benchmarks/decode_attention.py).
 
     ``shared``: (first, leader) int32 [>= R] (share_tables) for rows whose caches begin with the
     same bits (the samples of one prompt): row r reads its first first[r] positions from row
-    leader[r]'s cache (the same bits) and the rest from its own. A program then holds
-    ``rows_per_program`` neighbouring rows (default: as many as fill the 16-row tile with their
-    query heads, 2 for 6 heads a kv head), and where they share a leader it reads their common
-    positions once for all of them, whole blocks of block_n; the rest each row reads alone, its
-    shared positions found in L2."""
+    leader[r]'s cache (the same bits, at addresses the whole group shares, found in L2 by the
+    group's programs) and the rest from its own."""
     R, heads, D = q.shape
     kv = k_cache.shape[1]
     G = heads // kv
@@ -213,22 +183,11 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
     attention_split_kernel, attention_merge_kernel = _kernels()
     used = used.to(torch.int32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding
-    block_g = max(16, 1 << (G - 1).bit_length())
-    if tile_rows is not None:
-        if tile_rows < block_g or tile_rows & (tile_rows - 1):
-            raise ValueError(f"tile_rows: must be a power of two from {block_g}, got "
-                             f"{tile_rows}")
-        block_g = tile_rows
-    if rows_per_program is None:
-        rows_per_program = block_g // G if shared is not None else 1
-    if rows_per_program < 1 or rows_per_program * G > block_g:
-        raise ValueError(f"rows_per_program: must be in [1, {block_g // G}] ({G} query heads a "
-                         f"kv head in a tile of {block_g}), got {rows_per_program}")
     first, leader = shared if shared is not None else (used, used)  # unused without shared
-    attention_split_kernel[(-(-R // rows_per_program), kv, splits)](
-        q, k_cache, v_cache, used, out, part_o, part_l, first, leader, scale, R, q.stride(0),
+    attention_split_kernel[(R, kv, splits)](
+        q, k_cache, v_cache, used, out, part_o, part_l, first, leader, scale, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-        out.stride(1), G, kv, splits, per, ROWS=rows_per_program, BLOCK_G=block_g,
+        out.stride(1), G, kv, splits, per, BLOCK_G=max(16, 1 << (G - 1).bit_length()),
         BLOCK_N=block_n, D=D, DIRECT=direct, SHARED=shared is not None, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages)
     if not direct:

@@ -499,46 +499,6 @@ for kv, heads in ((2, 6), (1, 4)):
         own = attention_kernel.decode(q, k, v, used, L2, 0.3, block_n=16, splits=splits)
         assert torch.equal(got, own)
 
-# neighbouring rows of one group in one program (rows_per_program, by default as many as fill
-# the 16-row tile: 5 rows of 3 heads, 4 of 4): their common positions are read once, in whole
-# blocks (a prompt of 37 positions: 32 together, 5 by each row from its leader). Groups that
-# fill programs and straddle them, an odd row count, a row whose length is its prompt's
-S3, R3 = 12, 11
-for kv, heads in ((2, 6), (1, 4)):
-    q = torch.randn(R3, heads, D, generator=g)
-    k, v = torch.randn(2, S3, kv, L2, D, generator=g)
-    groups = [(37, list(range(8))), (33, [8, 9])]  # row 10: in no group
-    used = torch.tensor([40, 48, 37, 45, 38, 47, 41, 39, 44, 33, 20])
-    for length, ids in groups:
-        for r in ids[1:]:
-            k[r, :, :length], v[r, :, :length] = k[ids[0], :, :length], v[ids[0], :, :length]
-    want = torch.empty(R3, heads, D, dtype=torch.float64)
-    for r in range(R3):
-        for h in range(heads):
-            kr = k[r, h * kv // heads, :used[r]].double()
-            vr = v[r, h * kv // heads, :used[r]].double()
-            want[r, h] = torch.softmax(q[r, h].double() @ kr.T * 0.3, -1) @ vr
-    k2, v2 = k.clone(), v.clone()
-    tables = attention_kernel.share_tables(groups, S3, "cpu")
-    for length, ids in groups:
-        k2[ids[1:], :, :length], v2[ids[1:], :, :length] = float("nan"), float("nan")
-    for r in range(R3):
-        k2[r, :, used[r]:], v2[r, :, used[r]:] = float("nan"), float("nan")
-    for splits in (None, 3):
-        own = attention_kernel.decode(q, k, v, used, L2, 0.3, block_n=16, splits=splits)
-        for rows, tile in ((None, None), (1, None), (2, None), (16 // (heads // kv), None),
-                           (8, 32)):
-            got = attention_kernel.decode(q, k2, v2, used, L2, 0.3, block_n=16, splits=splits,
-                                          shared=tables, rows_per_program=rows, tile_rows=tile)
-            torch.testing.assert_close(got.view(R3, heads, D).double(), want, atol=1e-5,
-                                       rtol=1e-5)
-            assert torch.equal(got, own), (kv, heads, splits, rows, tile)
-    try:
-        attention_kernel.decode(q, k, v, used, L2, 0.3, shared=tables, rows_per_program=6)
-        raise AssertionError("6 rows of 4 or 3 heads do not fit a 16-row tile")
-    except ValueError as exc:
-        assert "rows_per_program" in str(exc) and "got 6" in str(exc), exc
-
 # the whole decode step with it equals the masked-SDPA step (logits and the KV written)
 torch.manual_seed(0)
 from transformers import AutoModelForCausalLM
