@@ -4,8 +4,8 @@ The Adam moments (and, for bf16 master weights, the Kahan compensation) of every
 in host memory, as DTensors shaped like their parameters so checkpoints reshard. When the device
 is CUDA that memory is pinned, reserved whole when the optimizer is built: one anonymous mapping
 advised for huge pages and registered with the driver (_carve; 5.6x torch's pinned allocator
-where measured alone, BENCHMARKS.md "Build time"). ``step()`` walks the FSDP units (decoder layers, then the root's own
-parameters) in order; for each unit it
+where measured alone, BENCHMARKS.md "Build time"). ``step()`` walks the FSDP units (decoder
+layers, then the root's own parameters) in order; for each unit it
 
   1. copies the unit's state to the device on a side stream (non-blocking, from pinned memory),
      ``prefetch_layers`` units ahead of the one being stepped; parameters and gradients that live
