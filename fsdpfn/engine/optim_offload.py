@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.engine.host import available_host_memory
 from fsdpfn.engine.optim import CHUNK_NUMEL, kahan_adamw_
 
 __all__ = ["PerLayerAdamW", "fsdp_units"]
@@ -115,18 +116,6 @@ def _unregister(ptr: int) -> None:
         pass
 
 
-def _mem_available() -> int:
-    """The host's MemAvailable in bytes (0 where /proc/meminfo does not say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 HUGE_PAGE = 2 << 20
 
 
@@ -152,7 +141,7 @@ def _pinned_mapping(nbytes: int, register=_register) -> torch.Tensor | None:
     caller then takes torch's pinned allocator, which fails as it always did on a host short of
     memory rather than the kernel killing the process at first touch."""
     nbytes = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    if nbytes > _mem_available():
+    if nbytes > (available_host_memory() or 0):
         return None
     try:
         block = _mapped(nbytes)

@@ -307,7 +307,7 @@ def test_pinned_state_is_laid_end_to_end_in_one_registered_mapping(monkeypatch):
     spans.sort()
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     assert optim_offload._pinned_mapping(1 << 20, lambda p, n: False) is None  # noqa: SLF001
-    monkeypatch.setattr(optim_offload, "_mem_available", lambda: 1 << 20)
+    monkeypatch.setattr(optim_offload, "available_host_memory", lambda: 1 << 20)
     assert optim_offload._pinned_mapping(4 << 20, register) is None  # noqa: SLF001
     assert len(calls) == 1
 

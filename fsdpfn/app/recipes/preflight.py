@@ -31,6 +31,7 @@ import attrs
 from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.engine import engines, longest_row
+from fsdpfn.engine.host import available_host_memory
 
 __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
            "ModelShape",
@@ -374,19 +375,6 @@ def host_bytes(cfg, shape: ModelShape) -> dict[str, float]:
         elif train and section.fsdp.per_layer_optim_step:
             out["optimizer state"] += z.adam * z.trained
     return out
-
-
-def available_host_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none: no check). Also what
-    the recipe's asynchronous checkpoints weigh their host copy against."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return None
 
 
 def check_host_memory(cfg, shape: ModelShape, *, available: float | None) -> str | None:

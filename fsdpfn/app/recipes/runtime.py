@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from fsdpfn.app.recipes.preflight import available_host_memory
+from fsdpfn.engine.host import available_host_memory
 from fsdpfn.engine.agree import is_rank_zero
 
 __all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "Checkpoints", "log", "is_main",
