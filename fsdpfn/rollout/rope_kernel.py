@@ -4,7 +4,9 @@ After the fused q/k/v matmul, each layer of the decode step otherwise runs the r
 (four elementwise kernels: two products, a roll, a sum), a copy of q into its own layout and two
 indexed writes of k and v into the slot cache: seven of the dozen small kernels a layer that
 together take 2.2 ms of a 7.1 ms step at 512 rows of the Qwen2-1.5B shape (BENCHMARKS.md,
-"Decode step profile"). Here one program per (row, head) of the matmul's output does all of it:
+"Decode step profile"). Here one kernel does all of it, one program per row of the matmul's
+output and up to 2,048 / D of its heads (the row's position and rotary entries loaded once for
+them; one program per head spent its time waiting on those dependent loads):
 
 - q heads: rotated, written to ``q_out`` [R, heads, D];
 - k heads: rotated, written to the layer's k cache at the row's slot and position;
@@ -52,26 +54,27 @@ def _kernel():
     @triton.jit
     def rope_kv_kernel(qkv, cos, sin_signed, pos, q_out, k_cache, v_cache, s_qkv, s_tab,
                        s_slot, s_head, s_pos, NQ: tl.constexpr, NK: tl.constexpr,
-                       D: tl.constexpr):
+                       D: tl.constexpr, BLOCK_H: tl.constexpr):
+        # one program per row and BLOCK_H of its heads: the row's position and its rotary
+        # entries are loaded once for all of them, and the heads' loads are independent
         r = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+        d = tl.arange(0, D)[None, :]  # [1, D]
         p = tl.load(pos + r).to(tl.int64)
-        d = tl.arange(0, D)
+        live = h < NQ + 2 * NK
         src = qkv + r * s_qkv + h * D
-        x = tl.load(src + d)
-        if h < NQ + NK:
-            rolled = tl.load(src + (d + D // 2) % D)  # x.roll(D // 2): x[(i - D/2) mod D]
-            c = tl.load(cos + p * s_tab + d)
-            s = tl.load(sin_signed + p * s_tab + d)
-            a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
-            b = (rolled.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
-            y = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
-            if h < NQ:
-                tl.store(q_out + (r * NQ + h) * D + d, y)
-            else:
-                tl.store(k_cache + r * s_slot + (h - NQ) * s_head + p * s_pos + d, y)
-        else:
-            tl.store(v_cache + r * s_slot + (h - NQ - NK) * s_head + p * s_pos + d, x)
+        x = tl.load(src + d, mask=live, other=0.0)
+        rotated = h < NQ + NK
+        rolled = tl.load(src + (d + D // 2) % D, mask=rotated, other=0.0)  # x.roll(D // 2)
+        c = tl.load(cos + p * s_tab + d)
+        s = tl.load(sin_signed + p * s_tab + d)
+        a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
+        b = (rolled.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        y = tl.where(rotated, (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype), x)
+        tl.store(q_out + (r * NQ + h) * D + d, y, mask=h < NQ)
+        at = r * s_slot + p * s_pos + d
+        tl.store(k_cache + at + (h - NQ) * s_head, y, mask=rotated & (h >= NQ))
+        tl.store(v_cache + at + (h - NQ - NK) * s_head, y, mask=live & (h >= NQ + NK))
 
     return rope_kv_kernel
 
@@ -89,8 +92,10 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, pos:
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = torch.empty(R, q_heads, D, dtype=qkv.dtype, device=qkv.device)
     if R:
-        _kernel()[(R, q_heads + 2 * kv_heads)](
+        heads = q_heads + 2 * kv_heads
+        block = min(1 << (heads - 1).bit_length(), max(1, 2048 // D))
+        _kernel()[(R, -(-heads // block))](
             qkv, cos, sin_signed, pos, q, k_cache, v_cache, qkv.stride(0), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NQ=q_heads, NK=kv_heads,
-            D=D, num_warps=1, enable_fp_fusion=False)
+            D=D, BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
     return q

@@ -580,6 +580,48 @@ def test_decode_loop_reads_a_shared_prompt_once_and_keeps_its_logprobs():
     _interpreted(_SHARED_LOOP_CHECKS)
 
 
+_ROPE_CHECKS = r"""
+import torch
+from fsdpfn.rollout import rope_kernel
+
+# the kernel against HF's rotary in the half dtype (q*cos + rotate_half(q)*sin, each product and
+# the sum rounded) and the cache writes at each row's slot and position, bit for bit, nothing else
+# of the caches touched; head counts that fill one program, one exactly, and several with the
+# last one partial. float16 only: the interpreter rounds to bfloat16 by truncation (the GPU test
+# checks bfloat16)
+g = torch.Generator().manual_seed(0)
+def rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
+for nq, nk, D in ((6, 2, 64), (12, 2, 128), (28, 4, 128), (3, 1, 32)):
+    R, S, L, dtype = 5, 7, 40, torch.float16
+    qkv = torch.randn(R, (nq + 2 * nk) * D, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = torch.arange(L).float()[:, None] * inv[None]
+    cos, sin = torch.cat((ang, ang), -1).cos().to(dtype), torch.cat((ang, ang), -1).sin().to(dtype)
+    sin_signed = torch.cat((-sin[:, :D // 2], sin[:, D // 2:]), -1)
+    pos = torch.tensor([0, 39, 17, 5, 23])
+    slot = torch.arange(R)
+    kc, vc = torch.randn(2, S, nk, L, D, generator=g).to(dtype)
+    k0, v0 = kc.clone(), vc.clone()
+    q = rope_kernel.rope_kv(qkv, cos, sin_signed, pos, kc, vc, nq, nk)
+    x = qkv.view(R, nq + 2 * nk, D)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    want = x[:, :nq + nk] * c + rotate_half(x[:, :nq + nk]) * s
+    assert torch.equal(q, want[:, :nq]), (nq, nk, D)
+    k0[slot, :, pos], v0[slot, :, pos] = want[:, nq:], x[:, nq + nk:]
+    assert torch.equal(kc, k0) and torch.equal(vc, v0), (nq, nk, D)
+print("checked")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_rope_kv_kernel_equals_hfs_rotary_and_writes_only_each_rows_position():
+    """rope_kernel.rope_kv (the decode step's q/k/v epilogue on CUDA) under Triton's
+    interpreter, in a fresh process: see _ROPE_CHECKS. Skipped where Triton is not installed;
+    the kernel runs in bfloat16 on the GPU in test_decode_gpu.py."""
+    _interpreted(_ROPE_CHECKS)
+
+
 def test_share_tables_point_each_group_at_its_first_row_and_refuse_a_row_twice():
     """share_tables: every row of a group of two or more reads the group's shared length from
     the group's first row (its leader); a group of one row, or a row in no group, reads its own
