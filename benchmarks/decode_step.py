@@ -37,15 +37,17 @@ OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("triton", "trito
            ("matmul", "matmul", False), ("flex", "flex", False), ("fused, sdpa", "sdpa", True),
            ("fused, flash", "flash", True), ("fused, triton", "triton", True),
            ("fused, matmul", "matmul", True), ("fused, flex", "flex", True),
-           ("fused, triton, rope-kv", "triton", True))
-# the "rope-kv" row: SlotModel(rope_kv="triton"), the rotary, q layout and KV writes in one
-# kernel (the server's --decode-rope-kv; its default "auto" takes it where it runs); the other
-# rows: rope_kv="torch"
+           ("fused, triton, rope-kv", "triton", True),
+           ("fused, triton, rope-kv, add-norm", "triton", True))
+# "rope-kv": SlotModel(rope_kv="triton"), the rotary, q layout and KV writes in one kernel (the
+# server's --decode-rope-kv; its default "auto" takes it where it runs); "add-norm":
+# SlotModel(add_norm=True), each residual add and the Liger norm after it as one kernel (the
+# server's default where its norms are Liger's); the other rows: rope_kv="torch", add_norm=False
 
 
 def kernels(name: str) -> dict:
     """The SlotModel options a row's name asks for."""
-    return {"rope_kv": "triton" if name.endswith("rope-kv") else "torch"}
+    return {"rope_kv": "triton" if "rope-kv" in name else "torch", "add_norm": "add-norm" in name}
 
 
 def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:

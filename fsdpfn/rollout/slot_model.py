@@ -24,8 +24,10 @@ and k together with a rolled formula, bit-identical to HF's (Liger-Kernel's rota
 used: it saves little of a step and doubles the served log-probs' gap to the trainer's
 forward_logp). ``rope_kv="triton"`` (CUDA, a half dtype, no q/k norms; ``"auto"``, the default,
 takes it where it runs) does that rotary, q's layout and the k and v writes into the cache in one
-kernel a layer instead of seven (fsdpfn/rollout/rope_kernel.py), bit for bit the same: 6.48
-against 7.51 ms a step at 512 rows of the 1.5B shape. The time of each path: BENCHMARKS.md,
+kernel a layer instead of seven (fsdpfn/rollout/rope_kernel.py), bit for bit the same: 6.38
+against 7.50 ms a step at 512 rows of the 1.5B shape. Where the norms are Liger's (the server's
+default), ``add_norm`` runs each residual add and the norm after it as Liger's one fused kernel,
+also bit for bit: 6.34 against 6.43 ms. The time of each path: BENCHMARKS.md,
 "Decode step per kernel" and "Decode attention kernel". See fsdpfn/rollout/decode.py for the
 scheduling.
 """
@@ -199,11 +201,29 @@ def _fusable(layers) -> bool:
     return True
 
 
+def _liger_add_norm(norms, device: torch.device):
+    """Liger's fused residual add + RMSNorm forward (one kernel where the decode step runs an
+    add and a norm) when every norm of the step is Liger's RMSNorm on CUDA, else None. It is
+    that norm's own kernel with the add in front (the same row program, block, warps and casts),
+    so the step's bits do not change; tests/e2e/test_decode_gpu.py holds it to that."""
+    if device.type != "cuda":
+        return None
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import fused_add_rms_norm_forward
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    except ImportError:  # Liger without the fused op (before 0.6), or no Liger
+        return None
+    if not all(type(n) is LigerRMSNorm and n.weight is not None for n in norms):
+        return None
+    return fused_add_rms_norm_forward
+
+
 class SlotModel:
     """The HF model's modules, run on the slot cache: prefill of whole prompts, one decode step."""
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "auto",
-                 compile: bool = False, rope_kv: str = "auto", share_prefix: bool = True):
+                 compile: bool = False, rope_kv: str = "auto", share_prefix: bool = True,
+                 add_norm: bool = True):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         if rope_kv not in ROPE_KV:
@@ -238,6 +258,13 @@ class SlotModel:
         if rope_kv == "triton" and reason:
             raise ValueError(f"rope_kv: {reason}")
         self.rope_kv = "torch" if reason or rope_kv == "torch" else "triton"
+        # add_norm: each residual add and the norm after it as one kernel (Liger's fused add +
+        # RMSNorm) where the norms are Liger's and the step is not compiled; the same bits
+        # (after[i]: the norm after layer i's MLP, the next layer's input norm or the final one)
+        self.after = [layer.input_layernorm for layer in self.layers[1:]] + [self.base.norm]
+        norms = [layer.post_attention_layernorm for layer in self.layers] + self.after
+        self.add_norm = _liger_add_norm(norms, self.device) if add_norm and not compile \
+            else None
         with torch.no_grad():  # rotary tables for every position, from the model's own module
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
                                             torch.arange(max_len, device=self.device)[None])
@@ -378,9 +405,10 @@ class SlotModel:
             (R, 1, 1, Lb), dtype=self.dtype, device=self.device).masked_fill(
             self.cols[None, None, None, :Lb] > pos[:, None, None, None], float("-inf"))
         where = (self.rows[:R, None], self.heads[None, :], pos[:, None])
+        h = self.layers[0].input_layernorm(x)  # each layer's normed input, then the final norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = self._decode_qkv(i, attn, layer.input_layernorm(x), cos, sin_signed, pos)
+            q, k, v = self._decode_qkv(i, attn, h, cos, sin_signed, pos)
             if k is not None:  # else written by the rope_kv kernel
                 self.k[i].index_put_(where, k)
                 self.v[i].index_put_(where, v)
@@ -400,8 +428,17 @@ class SlotModel:
                 out = F.scaled_dot_product_attention(
                     q.view(R, self.kv_heads, self.group, self.head_dim), k_rows, v_rows,
                     attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
-            x = x + attn.o_proj(out.reshape(R, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if raw:
-            return self.model.get_output_embeddings()(self.base.norm(x))
-        return self.logits(x)
+            h, x = self._add_then_norm(attn.o_proj(out.reshape(R, -1)), x,
+                                       layer.post_attention_layernorm)
+            h, x = self._add_then_norm(layer.mlp(h), x, self.after[i])
+        logits = self.model.get_output_embeddings()(h)  # h: base.norm(x)
+        return logits if raw else logits.float()
+
+    def _add_then_norm(self, delta, x, norm):
+        """(norm(x + delta), x + delta): HF's residual add and the norm after it."""
+        if self.add_norm is None:
+            x = x + delta
+            return norm(x), x
+        y, s = self.add_norm(delta, x, norm.weight, norm.variance_epsilon, norm.offset,
+                             norm.casting_mode)[:2]
+        return y, s

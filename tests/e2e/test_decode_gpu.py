@@ -390,6 +390,47 @@ def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_fused_add_norm_equals_the_add_then_liger_norm_bit_for_bit(family):
+    """SlotModel(add_norm=True), bf16 on CUDA, with Liger's RMSNorm swapped in (as the server
+    runs): each residual add and the norm after it as Liger's one fused kernel gives the same
+    logits and caches, bit for bit, as the add followed by Liger's norm, over decode steps at
+    scattered positions; qwen2 has q/k/v biases, llama (with llama3 rope scaling) none."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from fsdpfn.rollout.slot_model import SlotModel
+    from fsdpfn.wire.kernels import apply_fused_kernels
+
+    pytest.importorskip("liger_kernel.ops.fused_add_rms_norm")
+    common = dict(vocab_size=4096, hidden_size=1536, intermediate_size=2048, num_hidden_layers=3,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=2048,
+                  initializer_range=0.08)
+    config = Qwen2Config(**common) if family == "qwen2" else LlamaConfig(
+        **common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 256})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    assert apply_fused_kernels(model, model.config, "cuda", keep_weights=True) > 0
+    R, L = 48, 1024
+    plain = SlotModel(model, R, L, "triton", add_norm=False)
+    fused = SlotModel(model, R, L, "triton")
+    assert plain.add_norm is None and fused.add_norm is not None  # the default takes it
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for net in (plain, fused):  # the same starting caches
+        for cache in net.k + net.v:
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator(device="cuda")
+                                    .manual_seed(2), device="cuda").to(cache.dtype))
+    with torch.no_grad():
+        for step in range(4):
+            tok = torch.randint(0, 4096, (R,), generator=g, device="cuda")
+            pos = torch.randint(0, L - 1, (R,), generator=g, device="cuda")
+            a, b = plain.decode(tok, pos, L, raw=True), fused.decode(tok, pos, L, raw=True)
+            assert torch.equal(a, b), (step, (a.float() - b.float()).abs().max())
+    for x, y in zip(plain.k + plain.v, fused.k + fused.v):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
     """SlotModel(rope_kv="triton"), bf16 on CUDA: one kernel for the rotary, q's layout and the
     KV writes gives the same logits and the same caches, bit for bit, as the torch path (HF's
