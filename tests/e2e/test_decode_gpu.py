@@ -389,45 +389,57 @@ def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
     assert s_mean < max(BF16_MEAN, 1.5 * p_mean) and s_max < max(BF16_MAX, 1.5 * p_max), gaps
 
 
+def _family_model(family: str, hidden: int, heads: int, intermediate: int, device="cuda"):
+    """A 3-layer bf16 model of ``family``: qwen2 (q/k/v biases) or llama (llama3 rope scaling,
+    no biases), 2 kv heads, seed 0."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=4096, hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=3, num_attention_heads=heads, num_key_value_heads=2,
+                  max_position_embeddings=2048, initializer_range=0.08)
+    config = Qwen2Config(**common) if family == "qwen2" else LlamaConfig(
+        **common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 256})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+
+
+def _assert_steps_equal(plain, fused, R: int, L: int, device="cuda") -> None:
+    """From the same random caches, four decode steps of R rows at scattered positions give
+    the same logits on both SlotModels, and leave the same caches, bit for bit."""
+    g = torch.Generator(device=device).manual_seed(1)
+    for net in (plain, fused):  # the same garbage-free starting caches
+        for cache in net.k + net.v:
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator(device=device)
+                                    .manual_seed(2), device=device).to(cache.dtype))
+    with torch.no_grad():
+        for step in range(4):
+            tok = torch.randint(0, 4096, (R,), generator=g, device=device)
+            pos = torch.randint(0, L - 1, (R,), generator=g, device=device)
+            a, b = plain.decode(tok, pos, L, raw=True), fused.decode(tok, pos, L, raw=True)
+            assert torch.equal(a, b), (step, (a.float() - b.float()).abs().max())
+    for x, y in zip(plain.k + plain.v, fused.k + fused.v):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_fused_add_norm_equals_the_add_then_liger_norm_bit_for_bit(family):
     """SlotModel(add_norm=True), bf16 on CUDA, with Liger's RMSNorm swapped in (as the server
     runs): each residual add and the norm after it as Liger's one fused kernel gives the same
     logits and caches, bit for bit, as the add followed by Liger's norm, over decode steps at
     scattered positions; qwen2 has q/k/v biases, llama (with llama3 rope scaling) none."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
     from fsdpfn.rollout.slot_model import SlotModel
     from fsdpfn.wire.kernels import apply_fused_kernels
 
     pytest.importorskip("liger_kernel.ops.fused_add_rms_norm")
-    common = dict(vocab_size=4096, hidden_size=1536, intermediate_size=2048, num_hidden_layers=3,
-                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=2048,
-                  initializer_range=0.08)
-    config = Qwen2Config(**common) if family == "qwen2" else LlamaConfig(
-        **common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 256})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    model = _family_model(family, hidden=1536, heads=12, intermediate=2048)
     assert apply_fused_kernels(model, model.config, "cuda", keep_weights=True) > 0
     R, L = 48, 1024
     plain = SlotModel(model, R, L, "triton", add_norm=False)
     fused = SlotModel(model, R, L, "triton")
     assert plain.add_norm is None and fused.add_norm is not None  # the default takes it
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for net in (plain, fused):  # the same starting caches
-        for cache in net.k + net.v:
-            cache.copy_(torch.randn(cache.shape, generator=torch.Generator(device="cuda")
-                                    .manual_seed(2), device="cuda").to(cache.dtype))
-    with torch.no_grad():
-        for step in range(4):
-            tok = torch.randint(0, 4096, (R,), generator=g, device="cuda")
-            pos = torch.randint(0, L - 1, (R,), generator=g, device="cuda")
-            a, b = plain.decode(tok, pos, L, raw=True), fused.decode(tok, pos, L, raw=True)
-            assert torch.equal(a, b), (step, (a.float() - b.float()).abs().max())
-    for x, y in zip(plain.k + plain.v, fused.k + fused.v):
-        assert torch.equal(x, y)
+    _assert_steps_equal(plain, fused, R, L)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -436,38 +448,14 @@ def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
     KV writes gives the same logits and the same caches, bit for bit, as the torch path (HF's
     rotary formula, index_put_), over decode steps at scattered positions; qwen2 has q/k/v
     biases, llama (with llama3 rope scaling) none."""
-    from transformers import LlamaConfig, Qwen2Config
-
     from fsdpfn.rollout import rope_kernel
     from fsdpfn.rollout.slot_model import SlotModel
 
     if rope_kernel.refusal(torch.device("cuda"), torch.bfloat16, 128):
         pytest.skip(rope_kernel.refusal(torch.device("cuda"), torch.bfloat16, 128))
-    from transformers import AutoModelForCausalLM
-
-    common = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  initializer_range=0.08)
-    config = Qwen2Config(**common) if family == "qwen2" else LlamaConfig(
-        **common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 256})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    model = _family_model(family, hidden=512, heads=4, intermediate=1024)
     R, L = 48, 1024
     plain, fused = SlotModel(model, R, L, "triton", rope_kv="torch"), SlotModel(model, R, L,
                                                                                  "triton")
     assert fused.rope_kv == "triton"  # "auto", the default, takes the kernel where it runs
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for net in (plain, fused):  # the same garbage-free starting caches
-        for cache in net.k + net.v:
-            cache.copy_(torch.randn(cache.shape, generator=torch.Generator(device="cuda")
-                                    .manual_seed(2), device="cuda").to(cache.dtype))
-    with torch.no_grad():
-        for step in range(4):
-            tok = torch.randint(0, 4096, (R,), generator=g, device="cuda")
-            pos = torch.randint(0, L - 1, (R,), generator=g, device="cuda")
-            a, b = plain.decode(tok, pos, L, raw=True), fused.decode(tok, pos, L, raw=True)
-            assert torch.equal(a, b), (step, (a.float() - b.float()).abs().max())
-    for x, y in zip(plain.k + plain.v, fused.k + fused.v):
-        assert torch.equal(x, y)
+    _assert_steps_equal(plain, fused, R, L)
