@@ -93,5 +93,22 @@ def report_error(run_dir: Path, rank: str, exc: BaseException) -> None:
     sys.stderr.flush()
 
 
+def _leave(code: int) -> None:
+    """End the rank once its run is over (process group destroyed, files closed) without the
+    interpreter's teardown: there, a C++ thread of the loaded extensions aborted finished ranks
+    (SIGABRT, "terminate called without an active exception") about once in 10 to 20 runs of
+    the PPO example on a loaded 2-core host, after every step and checkpoint had completed, and
+    the job was reported failed. Streams and logging handlers are flushed first."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _leave(main())
