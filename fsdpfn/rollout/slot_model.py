@@ -148,8 +148,9 @@ def _matmul_decode(q, k, v, mask, kv: int, scale: float, fp32_scores: bool):
     kt = k.reshape(R * kv, Lb, D).transpose(1, 2)
     if fp32_scores:
         s = torch.bmm(qg, kt, out_dtype=torch.float32)
-    else:
-        s = torch.bmm(qg.float(), kt.float())
+    else:  # float32 scores, or the model's own dtype where it is wider (a float64 reference)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        s = torch.bmm(qg.to(wide), kt.to(wide))
     s = s.view(R, kv, heads // kv, Lb) * scale + mask
     p = torch.softmax(s, dim=-1).to(v.dtype).view(R * kv, heads // kv, Lb)
     return torch.bmm(p, v.reshape(R * kv, Lb, D)).view(R, heads * D)
@@ -247,7 +248,8 @@ class SlotModel:
         reason = attention_refusal(self.attention, self.device, self.dtype, self.head_dim)
         if reason:
             raise ValueError(f"attention: {reason}")
-        self.fp32_scores = attention == "matmul" and _scores_fp32(self.device)
+        self.fp32_scores = attention == "matmul" and self.dtype in (torch.bfloat16, torch.float16) \
+            and _scores_fp32(self.device)
         # rope_kv="triton": each layer's rotary, q layout and KV writes in one kernel
         # (fsdpfn.rollout.rope_kernel), on the fused q/k/v buffers, without q/k norms;
         # "auto": that kernel where it runs, else the torch path (the same bits either way)

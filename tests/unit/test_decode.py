@@ -657,3 +657,36 @@ def test_rope_kv_kernel_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="rope_kv: must be one of"):
         SlotModel(model, 2, 16, "sdpa", rope_kv="fused")
     assert SlotModel(model, 2, 16, "sdpa").rope_kv == "torch"  # "auto", the default, falls back
+
+
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+def test_float64_decode_steps_equal_the_float64_forward(attention):
+    """A float64 model served by SlotModel (a reference build of the decode path) keeps float64
+    throughout: four decode steps' logits (``raw``: the model's dtype) equal HF's float64
+    forward of each whole row to 1e-9 (scores taken in float32 would leave gaps near 1e-6);
+    prefill's, returned in float32 as always, to float32's rounding."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fsdpfn.rollout.slot_model import SlotModel
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2), dtype=torch.float64).eval()
+    net = SlotModel(model, 3, 32, attention)
+    ids = torch.randint(0, 96, (3, 9))
+    lengths = torch.tensor([9, 5, 7])
+    rows = [ids[i, :int(n)].tolist() for i, n in enumerate(lengths)]
+    with torch.no_grad():
+        logits = net.prefill(ids, lengths, torch.arange(3), torch.arange(3))
+        for step in range(5):
+            for i, row in enumerate(rows):
+                want = model(input_ids=torch.tensor([row])).logits[0, -1]
+                gap = float((logits[i].double() - want).abs().max())
+                assert gap < (1e-9 if step else 1e-6), (step, i, gap)
+            tok = logits.argmax(-1)
+            for i, t in enumerate(tok.tolist()):
+                rows[i].append(t)
+            pos = torch.tensor([len(r) - 1 for r in rows])
+            logits = net.decode(tok, pos, 32, raw=True)
+            assert logits.dtype == torch.float64
