@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run a recipe from a YAML config",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a recipe (grpo, ppo, sft, rw, dpo) from a YAML config: start the "
-                    "rollout server when the recipe needs one, launch the trainer ranks with "
-                    "torchrun, write metrics.jsonl, metrics.png and checkpoints to run_dir.",
+                    "rollout server when the recipe needs one, launch the trainer ranks, "
+                    "write metrics.jsonl, metrics.png and checkpoints to run_dir.",
         epilog="example: fsdpfn run examples/grpo.yaml steps=20 launch.nproc=2")
     run.add_argument("config", help="recipe config (YAML or JSON) with a 'recipe:' key, or a "
                                     "recipe name (grpo, ppo, sft, rw, dpo) for its defaults")

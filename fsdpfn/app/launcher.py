@@ -4,8 +4,8 @@
 initial model for RL recipes and starts the rollout servers (``python -m fsdpfn.rollout``, one
 per ``rollout.gpus`` entry or ``rollout.servers`` of them, each on its own port and device, its
 output in run_dir/rollout.log, rollout1.log, ...) when ``rollout.url`` is not set, then starts
-``launch.nproc`` trainer ranks with ``python -m torch.distributed.run``
-(OMP_NUM_THREADS=launch.threads_per_rank each), handing them every server's URL; trainer rank 0
+``launch.nproc`` trainer ranks itself (fsdpfn.app.ranks: torchrun's environment, no torchrun;
+OMP_NUM_THREADS=launch.threads_per_rank each), handing them every server's URL; trainer rank 0
 waits for each server's /health while the ranks start. At the end it records each server's
 final weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
 run_dir/metrics.png and prints a summary.
@@ -16,12 +16,13 @@ published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done,
 a signal, 2 bad config or command line, else the trainer's.
 
 The launcher's children die with it, even when it is killed with SIGKILL (fsdpfn.wire.lifeline):
-torchrun and the rollout servers get a parent-death signal, and every trainer rank and server
-watch the launcher's pid and exit within about a second of it going away. run_dir/run_state.json
-says how the last run ended: "running" (with the launcher's pid) from the start, then "done",
-"failed" or "interrupted"; a record still "running" whose launcher is gone is reported as
-"killed" by the next ``fsdpfn run``/``fsdpfn demo`` into that run_dir (``--resume`` continues
-from the latest checkpoint), and a run_dir whose launcher still runs is refused.
+the trainer ranks and the rollout servers get a parent-death signal, and every trainer rank and
+server watch the launcher's pid and exit within about a second of it going away.
+run_dir/run_state.json says how the last run ended: "running" (with the launcher's pid) from
+the start, then "done", "failed" or "interrupted"; a record still "running" whose launcher is
+gone is reported as "killed" by the next ``fsdpfn run``/``fsdpfn demo`` into that run_dir
+(``--resume`` continues from the latest checkpoint), and a run_dir whose launcher still runs is
+refused.
 
 Only the standard library is imported here at module level: the CLI's config path stays free of
 torch (placement, data and model helpers are imported when a run starts).
@@ -40,7 +41,7 @@ from pathlib import Path
 
 __all__ = ["launch"]
 
-TRAINER_LOG = "trainer.log"  # under run_dir: everything the trainer ranks and torchrun printed
+TRAINER_LOG = "trainer.log"  # under run_dir: everything the trainer ranks printed
 TTY_ENV = "FSDPFN_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe)
 _OWNED = ("config.yaml", "trainer.log", "model0", "model0.tmp", "sft", "checkpoints",
           "critic_checkpoints",
@@ -108,23 +109,38 @@ def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _torchrun_cmd(cfg, config_path: Path, placement, *, resume: bool,
-                  url: str | None) -> list[str]:
+def _master_port(cfg, url: str | None) -> int:
+    """The ranks' rendezvous port (rank 0 hosts the store): ``launch.master_port``, else a free
+    one; never a rollout server's port, which it may not have bound yet."""
     from fsdpfn.wire.ports import free_port
 
     port = cfg.launch.master_port
     urls = url.split(",") if url else []
     while port is None or any(u.endswith(f":{port}") for u in urls):
-        port = free_port()  # never a rollout server's port, which it may not have bound yet
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-           str(placement.nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "fsdpfn.app.recipes.worker", "--config", str(config_path), "--device",
-           placement.device, "--transport", placement.transport]
+        port = free_port()
+    return port
+
+
+def _worker_cmd(cfg, config_path: Path, placement, *, resume: bool,
+                url: str | None) -> list[str]:
+    """Each trainer rank's command (fsdpfn.app.ranks gives it its rank's environment)."""
+    cmd = [sys.executable, "-u", "-m", "fsdpfn.app.recipes.worker", "--config",
+           str(config_path), "--device", placement.device, "--transport", placement.transport]
     if resume:
         cmd.append("--resume")
     if url:
         cmd += ["--rollout-url", url]
     return cmd
+
+
+def _describe_trainer(cmd: list[str], nproc: int, port: int, threads: int) -> str:
+    """The dry run's line for the trainer: what each rank runs, in a form a shell takes."""
+    from fsdpfn.app.ranks import rank_env
+
+    env = {**rank_env(0, nproc, port), "OMP_NUM_THREADS": str(threads)}
+    env["RANK"] = env["LOCAL_RANK"] = "<rank>"
+    return (f"{nproc} rank(s) (<rank> = 0..{nproc - 1}): "
+            + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
 
 
 def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
@@ -155,12 +171,13 @@ def _decode_cache(cfg) -> list[str]:
 
 class _Signals:
     """SIGINT/SIGTERM in the launcher. The first is forwarded to the trainer ranks (their pids
-    are in run_dir/.ranks/): they finish the current step, save it and exit. Ranks that are not
-    running yet are stopped through torchrun. The second kills the ranks and torchrun."""
+    are in run_dir/.ranks/ once their stop handler is in place): they finish the current step,
+    save it and exit. Ranks that are not running yet get SIGTERM, which ends them at once.
+    The second kills every rank."""
 
     def __init__(self, run_dir: Path):
         self.count = 0
-        self.trainer: subprocess.Popen | None = None
+        self.trainer = None  # fsdpfn.app.ranks.TrainerRanks, once started
         self.ranks_dir = run_dir / ".ranks"
         self._previous = {}
 
@@ -189,8 +206,8 @@ class _Signals:
 
     def _handler(self, signum, frame) -> None:
         self.count += 1
-        proc = self.trainer
-        running = proc is not None and proc.poll() is None
+        ranks = self.trainer
+        running = ranks is not None and ranks.running()
         pids = self.rank_pids() if running else []
         if self.count == 1:
             print(file=sys.stderr)
@@ -199,13 +216,13 @@ class _Signals:
             for pid in pids:
                 self._kill(pid, signal.SIGINT)
             if running and not pids:
-                self._kill(proc.pid, signal.SIGTERM)
+                ranks.signal(signal.SIGTERM)
         else:
             _say("aborting: killing the trainer ranks (the last published checkpoint is intact)")
             for pid in pids:
                 self._kill(pid, signal.SIGKILL)
             if running:
-                self._kill(proc.pid, signal.SIGKILL)
+                ranks.kill()
 
 
 def _check_inputs(cfg) -> None:
@@ -279,8 +296,9 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
             env = placement.server_env(i)
             _say(f"rollout server {i}: " + "".join(f"{k}={v} " for k, v in env.items())
                  + " ".join(_server_cmd(cfg, model_dir, 0, placement)))
-        _say("trainer: " + " ".join(_torchrun_cmd(cfg, config_path, placement, resume=resume,
-                                                  url=url)))
+        _say("trainer: " + _describe_trainer(
+            _worker_cmd(cfg, config_path, placement, resume=resume, url=url), placement.nproc,
+            _master_port(cfg, url), cfg.launch.threads_per_rank))
         return 0
     _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
     _prepare_data(cfg, run_dir, resume=resume)
@@ -289,9 +307,9 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     config_path.write_text(serde.to_yaml(cfg))
     write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
     try:
-        rc, interrupted, seconds, servers = _run(cfg, run_dir, config_path, placement,
-                                                 model_dir, own_server=own_server, url=url,
-                                                 resume=resume)
+        rc, interrupted, seconds, servers, failed = _run(cfg, run_dir, config_path, placement,
+                                                         model_dir, own_server=own_server,
+                                                         url=url, resume=resume)
     except BaseException as exc:
         write_run_state(run_dir, "failed", exit_code=None,
                         error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -300,28 +318,30 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     status = 130 if interrupted else rc
     failure = {}
     if rc != 0 and not interrupted:
-        failure["error"] = _report_failure(run_dir, rc)
+        failure["error"] = _report_failure(run_dir, rc, failed)
     write_run_state(run_dir, "interrupted" if interrupted else ("done" if rc == 0 else "failed"),
                     exit_code=status, **failure)
     return status
 
 
-def _report_failure(run_dir: Path, rc: int) -> str:
+def _report_failure(run_dir: Path, rc: int, failed: str | None = None) -> str:
     """The one line a failed trainer leaves on the terminal: the first rank's error, typed,
-    and where its trace is (run_dir/trainer.log, with torchrun's report)."""
+    else how the first failed rank ended (``failed``: "trainer rank 1 was killed by
+    SIGKILL"), and where the trace is (run_dir/trainer.log)."""
     error = rank_error(run_dir)
     what = f"{error['type']}: {error['message']}" if error else \
-        f"the trainer exited with status {rc}"
+        (failed or f"the trainer exited with status {rc}")
     print(f"fsdpfn: error: {what} (trace in {run_dir / TRAINER_LOG})", file=sys.stderr,
           flush=True)
     return what[:2000]
 
 
 def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, own_server: bool,
-         url: str | None, resume: bool) -> tuple[int, bool, float, list[dict]]:
-    """Start the servers (when ours) and the trainer and wait for them; (exit status,
-    interrupted, seconds, each server's record: _server_records). The children die with this
-    process (fsdpfn.app.supervise)."""
+         url: str | None, resume: bool) -> tuple[int, bool, float, list[dict], str | None]:
+    """Start the servers (when ours) and the trainer ranks and wait for them; (exit status,
+    interrupted, seconds, each server's record: _server_records, how the first failed rank
+    ended or None). The children die with this process (fsdpfn.wire.lifeline)."""
+    from fsdpfn.app.ranks import TrainerRanks
     from fsdpfn.wire.lifeline import LAUNCHER_PID_ENV, die_with_parent
 
     t0 = time.monotonic()
@@ -330,13 +350,14 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
     signals.install()
     servers: list = []
     records: list[dict] = []
+    ranks, failed = None, None
     try:
         if cfg.model.embedded or cfg.model.random_init:
             _write_initial_model(cfg, run_dir)
         if own_server:
             servers = _start_servers(cfg, run_dir, model_dir, placement)
             url = ",".join(s.url for s in servers)
-        cmd = _torchrun_cmd(cfg, config_path, placement, resume=resume, url=url)
+        cmd = _worker_cmd(cfg, config_path, placement, resume=resume, url=url)
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
                TTY_ENV: "1" if sys.stderr.isatty() else "0",
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -347,21 +368,32 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
         _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}{where}; "
              f"{_describe(placement)}")
         if signals.count:
-            return 130, True, time.monotonic() - t0, records
-        # its own session: a terminal's Ctrl-C reaches the launcher only, which forwards it
-        trainer = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   preexec_fn=die_with_parent())
-        signals.trainer = trainer
-        relay = _Relay(trainer.stdout, run_dir)
-        rc = _wait(trainer, servers, signals)
+            return 130, True, time.monotonic() - t0, records, None
+        # each in its own session: a terminal's Ctrl-C reaches the launcher only, which
+        # forwards it
+        ranks = TrainerRanks(cmd, placement.nproc, port=_master_port(cfg, url), env=env,
+                             preexec_fn=die_with_parent())
+        signals.trainer = ranks
+        relay = _Relay(ranks.stdout, run_dir)
+        rc = _wait(ranks, servers, signals)
         relay.join()
+        failed = ranks.describe_failure()
+        if failed and not signals.count:
+            _log_line(run_dir, f"[fsdpfn] {failed}" + ("; the other ranks were stopped"
+                                                       if placement.nproc > 1 else ""))
         records = _server_records(urls, servers, placement)
     finally:
+        if ranks is not None and ranks.running():  # an error in the launcher itself
+            ranks.kill()
         for server in servers:
             server.close()
         signals.restore()
-    return rc, signals.count > 0, time.monotonic() - t0, records
+    return rc, signals.count > 0, time.monotonic() - t0, records, failed
+
+
+def _log_line(run_dir: Path, line: str) -> None:
+    with open(run_dir / TRAINER_LOG, "a") as log:
+        log.write(line + "\n")
 
 
 def _server_records(urls: list[str], servers: list, placement) -> list[dict]:
@@ -385,10 +417,11 @@ def _server_records(urls: list[str], servers: list, placement) -> list[dict]:
 
 
 class _Relay:
-    """The trainer's output (torchrun and its ranks, one pipe) copied to run_dir/trainer.log
-    and to the terminal as it comes (progress bars redraw), until a rank reports a failure
-    (run_dir/.ranks/error_rank*.json): what follows, the rank's traceback and torchrun's
-    failure report, goes to the log only, and the launcher prints the one-line error."""
+    """The trainer ranks' output (one pipe) copied to run_dir/trainer.log and to the terminal
+    as it comes (progress bars redraw), until a rank reports a failure
+    (run_dir/.ranks/error_rank*.json): what follows, the rank's traceback and the launcher's
+    line on which rank failed, goes to the log only, and the launcher prints the one-line
+    error."""
 
     def __init__(self, pipe, run_dir: Path):
         import threading
@@ -477,11 +510,11 @@ def _start_server(cfg, run_dir: Path, model_dir: Path, placement, i: int, starte
     return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 
-def _wait(trainer: subprocess.Popen, servers: list, signals: _Signals) -> int:
+def _wait(ranks, servers: list, signals: _Signals) -> int:
     reported = False
     while True:
         try:
-            return trainer.wait(timeout=0.5)
+            return ranks.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
         dead = [s for s in servers if not s.alive()]
@@ -490,10 +523,7 @@ def _wait(trainer: subprocess.Popen, servers: list, signals: _Signals) -> int:
             server = dead[0]
             _say(f"the rollout server {server.url} exited with {server.proc.returncode}; "
                  f"stopping the trainer. Its log ({server.log_path}):\n{server.log()}")
-            try:
-                os.kill(trainer.pid, signal.SIGTERM)  # torchrun stops its ranks
-            except ProcessLookupError:
-                pass
+            ranks.stop()
 
 
 def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool,

@@ -2,11 +2,12 @@
 it starts (trainer ranks, the rollout server, reward workers), kept here because both sides of the
 run speak it and the rollout server imports nothing of the application.
 
-The launcher starts torchrun and the rollout server with ``die_with_parent()`` as preexec_fn: on
-Linux the kernel sends them SIGKILL when the launcher dies, even by SIGKILL. torchrun's own
-children (the trainer ranks) are not the launcher's, so each rank runs ``watch_launcher()``: a
-daemon thread that exits the process within about a second of the launcher's pid going away (the
-pid comes in the environment as FSDPFN_LAUNCHER_PID; the server takes ``--parent-pid``).
+The launcher starts the trainer ranks and the rollout server with ``die_with_parent()`` as
+preexec_fn: on Linux the kernel sends them SIGKILL when the launcher dies, even by SIGKILL. Each
+rank also runs ``watch_launcher()`` (a rank started another way, under torchrun, is not the
+launcher's child): a daemon thread that exits the process within about a second of the
+launcher's pid going away (the pid comes in the environment as FSDPFN_LAUNCHER_PID; the server
+takes ``--parent-pid``).
 Processes that a rank starts itself (the reward workers) call ``exit_with_parent()`` first thing:
 the same kernel signal, set by the child (no ``preexec_fn`` in a threaded parent), and a watch of
 its own; so a worker dies with rank 0 even in the middle of a call that never returns.

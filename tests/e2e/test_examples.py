@@ -99,7 +99,8 @@ def test_cli_help_config_and_errors(capsys, tmp_path):
     assert main(["demo", f"run_dir={tmp_path / 'd'}", "--dry-run"]) == 0
     out = capsys.readouterr()
     assert serde.from_yaml(out.out, RECIPE_CONFIGS["grpo"]).run_dir == str(tmp_path / "d")
-    assert "torch.distributed.run --nproc-per-node 2" in out.err
+    assert "trainer: 2 rank(s) (<rank> = 0..1): RANK=<rank> LOCAL_RANK=<rank> WORLD_SIZE=2" \
+        in out.err and "-m fsdpfn.app.recipes.worker --config" in out.err
     assert not (tmp_path / "d").exists()
 
 

@@ -2,7 +2,7 @@
 run ended (fsdpfn.app.supervise, fsdpfn/app/launcher.py).
 
 The end-to-end case: the GRPO demo's launcher killed with SIGKILL after its first metrics line
-leaves no process of the run (torchrun, the trainer ranks, the rollout server) alive within
+leaves no process of the run (the trainer ranks, the rollout server) alive within
 10 s, the next ``fsdpfn demo`` says the last run was killed, and ``--resume`` continues.
 """
 

@@ -9,7 +9,7 @@ import pytest
 from fsdpfn.app.recipes import default_config
 from fsdpfn.app.recipes import placement as P
 from fsdpfn.app.recipes.config import RolloutConfig
-from fsdpfn.app.launcher import _describe, _torchrun_cmd
+from fsdpfn.app.launcher import _describe, _worker_cmd
 from fsdpfn.errors import ConfigError
 
 
@@ -47,7 +47,7 @@ def test_a_url_list_reaches_the_ranks_as_one_argument(tmp_path):
     assert cfg.rollout.url == "http://127.0.0.1:1,http://127.0.0.1:2"
     assert cfg.rollout.urls == ("http://127.0.0.1:1", "http://127.0.0.1:2")
     assert cfg.rollout.n_servers == 2
-    cmd = _torchrun_cmd(cfg, tmp_path / "c.yaml", place(0), resume=False, url=cfg.rollout.url)
+    cmd = _worker_cmd(cfg, tmp_path / "c.yaml", place(0), resume=False, url=cfg.rollout.url)
     assert cmd[cmd.index("--rollout-url") + 1] == "http://127.0.0.1:1,http://127.0.0.1:2"
     # comma-separated works the same
     assert default_config("grpo", ["rollout.url=http://127.0.0.1:1,http://127.0.0.1:2"]) \

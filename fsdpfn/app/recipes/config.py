@@ -58,8 +58,8 @@ _gpu_list = satisfies("must be null or a list of distinct GPU indices >= 0", _di
 
 @attrs.frozen
 class LaunchConfig:
-    """How ``fsdpfn run`` starts the trainer: ``nproc`` torchrun ranks (gloo on CPU, NCCL on
-    CUDA), each with ``threads_per_rank`` CPU threads (OMP_NUM_THREADS). ``device: auto`` uses
+    """How ``fsdpfn run`` starts the trainer: ``nproc`` ranks on this host (gloo on CPU, NCCL on
+    CUDA; started as torchrun would, without it), each with ``threads_per_rank`` CPU threads (OMP_NUM_THREADS). ``device: auto`` uses
     CUDA when a GPU is visible. ``gpus``: the GPU indices the trainer ranks use (one rank per
     GPU; null: every GPU the rollout server does not use, or GPU 0 when there is only one).
     ``nproc: null``: one rank per trainer GPU on CUDA, 2 on CPU."""

@@ -181,7 +181,7 @@ NOTES = {
     ("WarmupConfig", "optimizer"): "the warm-up's optimizer (the keys of optimizer:)",
     ("EvalConfig", "every"): "greedy accuracy every N steps (0: off)",
     ("EvalConfig", "n_prompts"): "held-out problems per evaluation",
-    ("LaunchConfig", "master_port"): "torchrun's rendezvous port (null: a free one)",
+    ("LaunchConfig", "master_port"): "the ranks' rendezvous port (null: a free one)",
     ("CheckpointConfig", "every"): "save every N steps (0: only at the end)",
     ("CheckpointConfig", "keep_last"): "newest checkpoints kept",
     ("LogConfig", "progress"): "progress bar on stderr",

@@ -1,4 +1,5 @@
-"""One trainer rank of ``fsdpfn run`` (started by torchrun; not meant to be run by hand).
+"""One trainer rank of ``fsdpfn run`` (started by the launcher, fsdpfn.app.ranks, with
+torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, ...). By hand, under torchrun:
 
     python -m torch.distributed.run --nproc-per-node 2 -m fsdpfn.app.recipes.worker \
         --config runs/demo/config.yaml [--resume] [--rollout-url http://127.0.0.1:PORT]
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     # before the slow imports: a rank whose launcher was killed must not train unsupervised
-    # (torchrun dies with the launcher, but its ranks are not the launcher's children)
+    # (the parent-death signal covers a rank the launcher started; this, one started otherwise)
     watch_launcher(f"trainer rank {rank}")
 
     import torch
@@ -52,8 +53,8 @@ def main(argv=None) -> int:
                      device=device, dtype=resolve_dtype(cfg, device),
                      transport="broadcast" if transport == "auto" else transport)
     ctx.stop.install()
-    # the launcher forwards Ctrl-C to the ranks by these pids (torchrun starts each rank in a
-    # session of its own, and signalling torchrun itself would tear the ranks down mid-step)
+    # the launcher forwards Ctrl-C to the ranks by these pids, once this rank's stop handler is
+    # in place (each rank runs in a session of its own: a terminal's Ctrl-C reaches the launcher)
     pid_file = ctx.run_dir / ".ranks" / f"rank{rank}.pid"
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(str(os.getpid()))
