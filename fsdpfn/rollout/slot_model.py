@@ -127,12 +127,13 @@ def _flex_decode(q, k, v, pos, scale: float):
     return out[:, :, 0]
 
 
-def _scores_fp32(device) -> bool:
-    """torch.bmm with ``out_dtype=float32`` from bf16/fp16 inputs runs here (CUDA, torch >= 2.8)."""
-    if device.type != "cuda":
+def _scores_fp32(device, dtype) -> bool:
+    """torch.bmm with ``out_dtype=float32`` from ``dtype`` inputs runs here (CUDA, torch >= 2.8,
+    bf16/fp16 inputs; a wider dtype keeps its own scores)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     try:
-        a = torch.zeros(1, 1, 8, dtype=torch.bfloat16, device=device)
+        a = torch.zeros(1, 1, 8, dtype=dtype, device=device)
         return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
     except (TypeError, RuntimeError):
         return False
@@ -248,8 +249,7 @@ class SlotModel:
         reason = attention_refusal(self.attention, self.device, self.dtype, self.head_dim)
         if reason:
             raise ValueError(f"attention: {reason}")
-        self.fp32_scores = attention == "matmul" and self.dtype in (torch.bfloat16, torch.float16) \
-            and _scores_fp32(self.device)
+        self.fp32_scores = attention == "matmul" and _scores_fp32(self.device, self.dtype)
         # rope_kv="triton": each layer's rotary, q layout and KV writes in one kernel
         # (fsdpfn.rollout.rope_kernel), on the fused q/k/v buffers, without q/k norms;
         # "auto": that kernel where it runs, else the torch path (the same bits either way)
