@@ -380,7 +380,7 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
         failed = ranks.describe_failure()
         if failed and not signals.count:
             _log_line(run_dir, f"[fsdpfn] {failed}" + ("; the other ranks were stopped"
-                                                       if placement.nproc > 1 else ""))
+                                                       if ranks.stopped else ""))
         records = _server_records(urls, servers, placement)
     finally:
         if ranks is not None and ranks.running():  # an error in the launcher itself

@@ -52,12 +52,14 @@ class TrainerRanks:
     (and whatever it started that holds the pipe) has exited. ``poll()``/``wait()`` as
     subprocess.Popen's, for the group: the status is 0 when every rank exited 0, else the first
     failed rank's (``failed``: (rank, its return code); a rank killed by a signal gives 128 +
-    the signal, as a shell does). A failed rank stops the others (``stop``)."""
+    the signal, as a shell does). A failed rank stops the others (``stop``; ``stopped``: ranks
+    were still running when one failed and were stopped)."""
 
     def __init__(self, cmd: list[str], nproc: int, *, port: int, env: dict[str, str],
                  grace: float = 5.0, preexec_fn=None):
         self.grace = float(grace)
         self.failed: tuple[int, int] | None = None
+        self.stopped = False
         self.returncode: int | None = None
         self._kill_at: float | None = None
         self.procs: list[subprocess.Popen] = []
@@ -91,6 +93,7 @@ class TrainerRanks:
         alive = any(code is None for code in codes)
         if alive:
             if self.failed is not None and self._kill_at is None:
+                self.stopped = True
                 self.stop()
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 self.kill()

@@ -14,9 +14,10 @@ import pytest
 
 from fsdpfn.app.ranks import TrainerRanks, describe_status
 
-ENV_SCRIPT = ("import json, os; print(json.dumps({k: os.environ[k] for k in ('RANK', 'LOCAL_RANK',"
-              " 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'EXTRA')}),"
-              " flush=True)")
+# one write per rank (a pipe keeps a write of under 4 KiB whole)
+ENV_SCRIPT = ("import json, os; os.write(1, (json.dumps({k: os.environ[k] for k in ('RANK',"
+              " 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT',"
+              " 'EXTRA')}) + '\\n').encode())")
 
 
 def _read_all(ranks: TrainerRanks) -> bytes:
@@ -31,7 +32,7 @@ def test_each_rank_gets_torchruns_environment_and_one_pipe_carries_their_output(
     ranks = TrainerRanks([sys.executable, "-c", ENV_SCRIPT], 3, port=4321,
                          env={**os.environ, "EXTRA": "x"})
     out = _read_all(ranks)
-    assert ranks.wait(timeout=30) == 0 and ranks.failed is None
+    assert ranks.wait(timeout=30) == 0 and ranks.failed is None and not ranks.stopped
     assert ranks.describe_failure() is None and not ranks.running()
     seen = sorted((json.loads(line) for line in out.decode().splitlines()),
                   key=lambda e: int(e["RANK"]))
@@ -50,6 +51,7 @@ def test_a_failed_rank_stops_the_others_and_its_status_is_the_groups():
     assert ranks.wait(timeout=30) == 3
     assert time.monotonic() - t0 < 20
     assert ranks.failed == (1, 3) and ranks.procs[0].returncode == -signal.SIGTERM
+    assert ranks.stopped
     assert ranks.describe_failure() == "trainer rank 1 exited with status 3"
 
 
@@ -90,3 +92,4 @@ def test_describe_status():
     assert describe_status(0) == "exited with status 0"
     assert describe_status(-9) == "was killed by SIGKILL"
     assert describe_status(-200) == "was killed by signal 200"
+
