@@ -60,7 +60,6 @@ class TrainerRanks:
         self.grace = float(grace)
         self.failed: tuple[int, int] | None = None
         self.stopped = False
-        self.returncode: int | None = None
         self._kill_at: float | None = None
         self.procs: list[subprocess.Popen] = []
         read, write = os.pipe()
@@ -99,11 +98,9 @@ class TrainerRanks:
                 self.kill()
             return None
         if self.failed is None:
-            self.returncode = 0
-        else:
-            code = self.failed[1]
-            self.returncode = 128 - code if code < 0 else code
-        return self.returncode
+            return 0
+        code = self.failed[1]
+        return 128 - code if code < 0 else code
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
