@@ -1,12 +1,13 @@
 """The launcher behind ``fsdpfn run`` and ``fsdpfn demo`` (fsdpfn/app/cli.py parses their arguments).
 
-``launch`` takes a validated recipe config, writes it to ``run_dir/config.yaml``, writes the
-initial model for RL recipes and starts the rollout servers (``python -m fsdpfn.rollout``, one
-per ``rollout.gpus`` entry or ``rollout.servers`` of them, each on its own port and device, its
-output in run_dir/rollout.log, rollout1.log, ...) when ``rollout.url`` is not set, then starts
+``launch`` takes a validated recipe config, writes it to ``run_dir/config.yaml`` and starts the
+rollout servers (``python -m fsdpfn.rollout``, one per ``rollout.gpus`` entry or
+``rollout.servers`` of them, each on its own port and device, its output in
+run_dir/rollout.log, rollout1.log, ...) when ``rollout.url`` is not set, then starts
 ``launch.nproc`` trainer ranks itself (fsdpfn.app.ranks: torchrun's environment, no torchrun;
 OMP_NUM_THREADS=launch.threads_per_rank each), handing them every server's URL; trainer rank 0
-waits for each server's /health while the ranks start. At the end it records each server's
+writes run_dir/model0 (the embedded model, random_init's config: prepare_initial_model), which
+the servers wait for, and then waits for each server's /health. At the end it records each server's
 final weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
 run_dir/metrics.png and prints a summary.
 
@@ -25,7 +26,10 @@ gone is reported as "killed" by the next ``fsdpfn run``/``fsdpfn demo`` into tha
 refused.
 
 Only the standard library is imported here at module level: the CLI's config path stays free of
-torch (placement, data and model helpers are imported when a run starts).
+torch (placement, data and model helpers are imported when a run starts). On a CPU host a run of
+the embedded model imports neither torch nor transformers here, only in the ranks and servers
+(BENCHMARKS.md, "Start-up of fsdpfn run"); a model.path's tokenizer, which tokenizes the data
+files here, imports both.
 """
 
 from __future__ import annotations
@@ -144,9 +148,12 @@ def _describe_trainer(cmd: list[str], nproc: int, port: int, threads: int) -> st
 
 
 def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
-    return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
-            str(port), "--host", "127.0.0.1", "--device", placement.server_device, "--dtype",
-            placement.dtype, "--threads", str(cfg.rollout.threads),
+    return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir),
+            # run_dir/model0 is written by trainer rank 0 as it starts (prepare_initial_model)
+            *(["--wait-for-model", str(cfg.rollout.health_timeout_s)]
+              if cfg.model.embedded or cfg.model.random_init else []),
+            "--port", str(port), "--host", "127.0.0.1", "--device", placement.server_device,
+            "--dtype", placement.dtype, "--threads", str(cfg.rollout.threads),
             "--parent-pid", str(os.getpid()), *_decode_cache(cfg),
             # random_init: the server starts on placeholders, the first push brings the weights
             *(["--load-format", "dummy"] if cfg.model.random_init and not cfg.model.embedded
@@ -352,8 +359,6 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
     records: list[dict] = []
     ranks, failed = None, None
     try:
-        if cfg.model.embedded or cfg.model.random_init:
-            _write_initial_model(cfg, run_dir)
         if own_server:
             servers = _start_servers(cfg, run_dir, model_dir, placement)
             url = ",".join(s.url for s in servers)
@@ -469,12 +474,6 @@ def _describe(p) -> str:
     serve = f"{many} on {p.server_device}" + (f" GPU {list(p.server_gpus)}" if p.server_gpus
                                               else "")
     return f"{train}, {serve}, weights pushed by {p.transport}, {p.dtype}"
-
-
-def _write_initial_model(cfg, run_dir: Path) -> Path:
-    from fsdpfn.app.recipes.model import load_tokenizer, write_initial_model
-
-    return write_initial_model(cfg.model, run_dir / "model0", load_tokenizer(cfg.model))
 
 
 def _start_servers(cfg, run_dir: Path, model_dir: Path, placement) -> list:

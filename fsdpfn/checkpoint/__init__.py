@@ -77,23 +77,43 @@ checks out (``check_checkpoint``, from the files alone); a corrupted newer one i
 warning naming it and why. The recipes resume from it.
 
 The package, by stage: ``files`` (layout, file-system helpers, atomic publication,
-``latest_checkpoint``), ``save`` (manifest, RNG, ``save_checkpoint``, ``AsyncSave``), ``load``
+``latest_checkpoint``; the standard library only), ``dcp`` (DCP's options and errors, the
+collective helpers), ``save`` (manifest, RNG, ``save_checkpoint``, ``AsyncSave``), ``load``
 (``load_checkpoint``), ``intact`` (``check_checkpoint``, ``latest_intact_checkpoint``) and
 ``export`` (``export_hf``).
 """
 
 from __future__ import annotations
 
-# the underscored names are re-exported for the unit tests and the checkpoint benchmark
-from fsdpfn.checkpoint.export import _check_export_target, _shard_bytes, export_hf  # noqa: F401
-from fsdpfn.checkpoint.files import (FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER, _cleanup,
-                                     _discard, _file_sizes, _is_complete, _publish, _rotate,
-                                     _side_path, latest_checkpoint)
-from fsdpfn.checkpoint.intact import check_checkpoint, latest_intact_checkpoint
-from fsdpfn.checkpoint.load import _check_files, _resolve, load_checkpoint
-from fsdpfn.checkpoint.save import (AsyncSave, _check_extra, _check_save_args, _to_save,
-                                    save_checkpoint)
+import importlib
+
+# name -> the module that defines it; imported on first use (PEP 562), so that
+# ``fsdpfn.checkpoint.files`` (the layout, latest_checkpoint) can be read without torch. The
+# underscored names are re-exported for the unit tests and the checkpoint benchmark.
+_SOURCES = {
+    **dict.fromkeys(("export_hf", "_check_export_target", "_shard_bytes"),
+                    "fsdpfn.checkpoint.export"),
+    **dict.fromkeys(("FORMAT", "FORMAT_VERSION", "MANIFEST", "MARKER", "OWNER", "_cleanup",
+                     "_discard", "_file_sizes", "_is_complete", "_publish", "_rotate",
+                     "_side_path", "latest_checkpoint"), "fsdpfn.checkpoint.files"),
+    **dict.fromkeys(("check_checkpoint", "latest_intact_checkpoint"), "fsdpfn.checkpoint.intact"),
+    **dict.fromkeys(("_check_files", "_resolve", "load_checkpoint"), "fsdpfn.checkpoint.load"),
+    **dict.fromkeys(("AsyncSave", "_check_extra", "_check_save_args", "_to_save",
+                     "save_checkpoint"), "fsdpfn.checkpoint.save"),
+}
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint",
            "latest_intact_checkpoint", "check_checkpoint", "AsyncSave", "MARKER", "MANIFEST",
            "FORMAT"]
+
+
+def __getattr__(name: str):
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_SOURCES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

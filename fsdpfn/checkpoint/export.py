@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdpfn.engine import lora
 from fsdpfn.engine.agree import agree_on_error, is_rank_zero
+from fsdpfn.checkpoint.dcp import _wrap
 from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, _as_path, _cleanup, _discard,
-                                     _fsync_dir, _publish, _side_path, _wrap)
+                                     _fsync_dir, _publish, _side_path)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
 

@@ -1,8 +1,9 @@
 """Checkpoint layout, file-system helpers and atomic publication (see fsdpfn.checkpoint).
 
 The names of a checkpoint's files, the side directories ``<path>.tmp-<token>`` and
-``<path>.old-<token>`` a save writes into and renames, their cleanup, rotation, and the collective
-helpers every stage shares.
+``<path>.old-<token>`` a save writes into and renames, their cleanup and rotation, and
+``latest_checkpoint``. The standard library only: ``fsdpfn run``'s launcher names a run's
+checkpoint without importing torch (the DCP and collective helpers are fsdpfn.checkpoint.dcp).
 """
 
 from __future__ import annotations
@@ -18,11 +19,6 @@ import uuid
 import zlib
 from pathlib import Path
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-from fsdpfn.engine.agree import world_size
 from fsdpfn.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -41,8 +37,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "spiece.model", "vocab.txt", "chat_template.jinja", "chat_template.json")
 _SIDE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>[0-9a-f]{32})$")
-_OPTIM_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-_DCP_ERRORS = (Exception, CheckpointException)  # DCP's own exception derives from BaseException
 
 
 # ---------------------------------------------------------------- small file-system helpers
@@ -250,34 +244,3 @@ def latest_checkpoint(root) -> Path | None:
     found = [e for e in root.iterdir() if e.is_dir() and not _SIDE.match(e.name)
              and _is_complete(e) and _is_fsdpfn_checkpoint(e)]
     return max(found, key=_saved_at) if found else None
-
-
-# ---------------------------------------------------------------- collective helpers
-
-
-def _broadcast(value):
-    if world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {' '.join(lines[:3])[:600]}"
-
-
-def _wrap(fn: str, what: str, exc: BaseException) -> CheckpointError:
-    """A CheckpointError from any exception, DCP's CheckpointException (a BaseException holding
-    each failing rank's exception) included."""
-    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
-    if isinstance(failures, dict) and failures:
-        named = [f[0] for _, f in sorted(failures.items()) if isinstance(f[0], CheckpointError)]
-        if named:  # fsdpfn's own verdict from inside DCP (a file named): pass it on as it is
-            return CheckpointError(str(named[0]))
-        detail = "; ".join(f"rank {rank}: {_one_line(failure[0])}"
-                           for rank, failure in sorted(failures.items())[:4])
-    else:
-        detail = _one_line(exc)
-    return CheckpointError(f"{fn}: {what}: failed ({detail})")

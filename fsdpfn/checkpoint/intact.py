@@ -25,9 +25,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from fsdpfn.checkpoint import integrity
-from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _broadcast, _get,
-                                     _is_complete, _is_fsdpfn_checkpoint, _read_manifest,
-                                     _saved_at)
+from fsdpfn.checkpoint.dcp import _broadcast
+from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _is_complete,
+                                     _is_fsdpfn_checkpoint, _read_manifest, _saved_at)
 from fsdpfn.engine.agree import rank
 from fsdpfn.errors import CheckpointError
 

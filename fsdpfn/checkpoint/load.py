@@ -14,8 +14,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model
 
 from fsdpfn.checkpoint import integrity
 from fsdpfn.engine.agree import agree_on_error, rank
-from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _DCP_ERRORS, _OPTIM_FLAT, _SIDE, _as_path,
-                                     _get, _is_complete, _read_manifest, _saved_at, _wrap)
+from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
+from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _is_complete,
+                                     _read_manifest, _saved_at)
 from fsdpfn.checkpoint.save import _architecture, _model_state, _rng_file, _set_rng_state
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, advance, check_live, stale_reason

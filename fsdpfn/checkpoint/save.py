@@ -21,10 +21,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from fsdpfn.checkpoint import integrity
 from fsdpfn.engine import lora
 from fsdpfn.engine.agree import agree_on_error, agree_on_error_in_group, rank, world_size
+from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,
-                                     _DCP_ERRORS, _OPTIM_FLAT, _as_path, _cleanup,
-                                     _discard, _file_sizes, _fsync_dir, _is_fsdpfn_checkpoint,
-                                     _publish, _rotate, _seal, _side_path, _wrap, _write_file)
+                                     _as_path, _cleanup, _discard, _file_sizes, _fsync_dir,
+                                     _is_fsdpfn_checkpoint, _publish, _rotate, _seal, _side_path,
+                                     _write_file)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
 

@@ -21,6 +21,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto: the directory's weights; dummy: placeholder weights of its "
                         "config.json (SGLang's name), for a trainer that pushes its own before "
                         "asking for anything")
+    p.add_argument("--wait-for-model", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this many seconds for --model's config.json to appear (a "
+                        "trainer that writes the starting model as it starts, as fsdpfn run's "
+                        "rank 0 writes the embedded model; default 0: it must be there)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if any)")
     p.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
     p.add_argument("--max-pause-s", type=float, default=600.0,
@@ -88,6 +92,8 @@ def main(argv=None) -> None:
     from fsdpfn.rollout.engine import RolloutEngine
     from fsdpfn.rollout.server import build_app
 
+    if args.wait_for_model > 0:  # after the imports, which take as long as the trainer's
+        _wait_for_model(args.model, args.wait_for_model)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,6 +117,22 @@ def main(argv=None) -> None:
           f"http://{args.host}:{args.port} (update channel: {engine.receiver.channel_port}) pid "
           f"{os.getpid()}", flush=True)
     uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _wait_for_model(model: str, timeout_s: float) -> None:
+    import time
+    from pathlib import Path
+
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return
+    print(f"fsdpfn.rollout: waiting up to {timeout_s:g} s for {config}", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while not config.is_file():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"fsdpfn.rollout: --model {model}: no config.json after "
+                             f"{timeout_s:g} s (--wait-for-model)")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +57,53 @@ def trainer_logp(run_dir: Path, rows: list[list[int]]) -> list[list[float]]:
             logp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])
             out.append([0.0] + logp[:, 0].tolist())
     return out
+
+
+@pytest.mark.timeout(180)
+def test_a_server_told_to_wait_serves_the_model_once_written_and_gives_up_after_the_wait(
+        tmp_path):
+    """--wait-for-model (the servers of `fsdpfn run`, whose model0 trainer rank 0 writes as it
+    starts): the server waits for the directory's config.json and then serves that model; one
+    that never appears ends the server after the wait, naming the directory and the option."""
+    import threading
+
+    from fsdpfn.app.recipes import demo_config
+    from fsdpfn.app.recipes.model import load_tokenizer, write_initial_model
+    from fsdpfn.rollout import launch_server
+    from fsdpfn.rollout.process import free_port
+    from fsdpfn.wire.http import call
+
+    model, model_dir, port = demo_config([]).model, tmp_path / "model0", free_port()
+    log = tmp_path / f"rollout-{port}.log"
+
+    def write_once_waiting():  # the model appears only after the server said it waits
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if log.is_file() and "waiting up to 60 s for" in log.read_text():
+                write_initial_model(model, model_dir, load_tokenizer(model))
+                return
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=write_once_waiting)
+    writer.start()
+    try:
+        server = launch_server(model_dir, port=port, log_dir=tmp_path,
+                               extra_args=("--wait-for-model", "60"))
+    finally:
+        writer.join()
+    try:
+        info = call(server.url, "/get_model_info", timeout=30)
+        assert info["model_path"] == str(model_dir)
+        assert (model_dir / "config.json").is_file()
+    finally:
+        server.close()
+    missing = tmp_path / "never"
+    done = subprocess.run([sys.executable, "-m", "fsdpfn.rollout", "--model", str(missing),
+                           "--port", str(free_port()), "--device", "cpu",
+                           "--wait-for-model", "0.5"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"fsdpfn.rollout: --model {missing}: no config.json after 0.5 s (--wait-for-model)")
 
 
 @pytest.mark.timeout(300)

@@ -109,3 +109,20 @@ def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
     cfg = default_config("grpo", ["prompts_per_step=16", "rollout.servers=3"])
     cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))
     assert cmd[cmd.index("--parent-pid") + 2:] == ["--decode-rows", "48"]  # 128 / 3 -> 43 -> 48
+
+
+def test_the_server_waits_for_the_starting_model_only_where_rank_0_writes_it():
+    """run_dir/model0 (the embedded model, random_init's config) is written by trainer rank 0
+    as it starts, so the server `fsdpfn run` starts waits for its config.json (as long as rank
+    0 waits for the server's /health); a user's model.path is there from the start."""
+    from fsdpfn.app.launcher import _server_cmd
+
+    def wait(*overrides):
+        cfg = default_config("grpo", list(overrides))
+        cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 1, needs_rollout=True))
+        return cmd[cmd.index("--wait-for-model") + 1] if "--wait-for-model" in cmd else None
+
+    assert wait() == "300.0"
+    assert wait("rollout.health_timeout_s=45") == "45.0"
+    assert wait("model.path=/m", "model.random_init=true") == "300.0"
+    assert wait("model.path=/m") is None

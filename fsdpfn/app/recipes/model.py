@@ -26,7 +26,8 @@ from fsdpfn.validators import boolean, integer, is_nonempty_str, satisfies
 from fsdpfn.errors import ConfigError
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
-           "initial_model_dir", "write_initial_model", "has_weights", "TOKENIZER_FILES"]
+           "initial_model_dir", "write_initial_model", "prepare_initial_model", "has_weights",
+           "TOKENIZER_FILES"]
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+="  # the embedded addition task's characters
@@ -62,20 +63,23 @@ class ModelConfig:
     def embedded(self) -> bool:
         return self.path is None
 
+    def config_dict(self, vocab_size: int) -> dict:
+        """The embedded model's config.json fields that set its shape (what the launcher's
+        memory and position checks read, without importing transformers: 4 s of every
+        launch)."""
+        return {"model_type": "qwen2", "vocab_size": vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "max_position_embeddings": 128,
+                "tie_word_embeddings": False}
+
     def hf_config(self, vocab_size: int):
         """The embedded model's transformers config."""
         from transformers import Qwen2Config
 
-        return Qwen2Config(vocab_size=vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size,
-                           num_hidden_layers=self.num_layers,
-                           num_attention_heads=self.num_heads,
-                           num_key_value_heads=self.num_kv_heads, max_position_embeddings=128,
-                           tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0,
-                           bos_token_id=1, eos_token_id=2)
-
-    def config_dict(self, vocab_size: int) -> dict:
-        return self.hf_config(vocab_size).to_dict()
+        fields = {k: v for k, v in self.config_dict(vocab_size).items() if k != "model_type"}
+        return Qwen2Config(**fields, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2)
 
 
 def check_model_dir(cfg: ModelConfig) -> None:
@@ -207,10 +211,37 @@ def load_tokenizer(cfg: ModelConfig):
 
 def initial_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
     """Where the run's starting weights are: ``model.path`` itself, or run_dir/model0 (the
-    embedded model, or ``random_init``), which the launcher writes."""
+    embedded model, or ``random_init``), which trainer rank 0 writes (prepare_initial_model)."""
     if cfg.embedded or cfg.random_init:
         return Path(run_dir) / "model0"
     return Path(cfg.path)
+
+
+def prepare_initial_model(cfg: ModelConfig, run_dir: Path, *, rank: int,
+                          timeout_s: float = 600.0) -> None:
+    """run_dir/model0 as a trainer rank starts (the embedded model, or ``random_init``'s config
+    and tokenizer; nothing for a ``model.path`` with weights). Rank 0 writes it: it imports
+    the modelling code anyway, which the launcher would otherwise import only for this, 4 s
+    before any rank could start. The other ranks wait for its config.json (the directory
+    appears whole, by a rename), as the launcher's rollout servers do (``--wait-for-model``).
+    A rank 0 that fails first ends the run through the launcher; ``timeout_s`` bounds the wait
+    of a rank started any other way."""
+    if not (cfg.embedded or cfg.random_init):
+        return
+    path = initial_model_dir(cfg, run_dir)
+    if rank == 0:
+        write_initial_model(cfg, path, load_tokenizer(cfg))
+        return
+    if cfg.embedded:  # every rank builds it next: its import (3 s) runs beside rank 0's write
+        import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (path / "config.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"trainer rank {rank}: {path} has no config.json after "
+                               f"{timeout_s:.0f} s (trainer rank 0 writes it as it starts)")
+        time.sleep(0.05)
 
 
 def has_weights(path: str | Path) -> bool:
@@ -225,7 +256,7 @@ def write_initial_model(cfg: ModelConfig, path: Path, tokenizer) -> Path:
     ``random_init``: the trainer draws HF's init on its own devices, piece by piece, under the
     run's seed (fsdpfn.engine.load_weights), the server starts on placeholder weights
     (``--load-format dummy``) and the first push gives it the trainer's. Drawing a 7B model on
-    the launcher's CPU and writing it to disk held the start-up for minutes."""
+    one process's CPU and writing it to disk held the start-up for minutes."""
     path = Path(path)
     if (path / "config.json").is_file():
         return path
@@ -236,9 +267,10 @@ def write_initial_model(cfg: ModelConfig, path: Path, tokenizer) -> Path:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        torch.manual_seed(cfg.seed)
-        hf = AutoModelForCausalLM.from_config(cfg.hf_config(tokenizer.vocab_size),
-                                              dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):  # the caller's CPU generator is left as it was
+            torch.manual_seed(cfg.seed)
+            hf = AutoModelForCausalLM.from_config(cfg.hf_config(tokenizer.vocab_size),
+                                                  dtype=torch.float32)
         bar_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:

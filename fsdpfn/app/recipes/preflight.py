@@ -41,7 +41,6 @@ __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_po
 GiB = 1024 ** 3
 HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
 BYTES = {"float32": 4, "bfloat16": 2}
-EMBEDDED_MAX_POSITIONS = 128  # fsdpfn.app.recipes.model.ModelConfig.hf_config
 
 
 def preflight(cfg, placement, *, data: bool = True) -> list[str]:
@@ -161,7 +160,7 @@ def model_config(cfg) -> dict | None:
     """The model's config.json as a dict (the text model's, for multimodal configs); the
     embedded model's shape; None when the directory has none (check_model_dir refuses it)."""
     if cfg.model.embedded:
-        return {**cfg.model.config_dict(64), "max_position_embeddings": EMBEDDED_MAX_POSITIONS}
+        return cfg.model.config_dict(64)
     path = Path(cfg.model.path) / "config.json"
     try:
         data = json.loads(path.read_text())

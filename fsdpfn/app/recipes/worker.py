@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from fsdpfn.app.recipes import load_recipe_config, run_recipe
+    from fsdpfn.app.recipes.model import prepare_initial_model
     from fsdpfn.app.recipes.placement import resolve_dtype
     from fsdpfn.app.recipes.runtime import RunContext
 
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(str(os.getpid()))
     try:
+        prepare_initial_model(cfg.model, ctx.run_dir, rank=int(rank))
         run_recipe(cfg, ctx)
     except Exception as exc:  # noqa: BLE001 - reported as one line by the launcher
         pid_file.unlink(missing_ok=True)
