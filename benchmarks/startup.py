@@ -1,9 +1,11 @@
 """Start-up of ``fsdpfn run``: seconds from the command to the trainer ranks' start, to the first
 step and to the exit, with the CPU seconds of the whole process tree, over a few runs of a short
-recipe (the SFT example, 3 steps, no checkpoints but the last). Prints one table.
+recipe (the SFT example, 3 steps, no checkpoints but the last; or the GRPO example, 3 steps after
+10 warm-up steps, with its rollout server). Prints one table.
 
     python benchmarks/startup.py                          # CPU ranks, 3 runs
     python benchmarks/startup.py --device cuda --runs 5
+    python benchmarks/startup.py --example grpo
     python benchmarks/startup.py --python-path ../old     # another tree of the project
 
 ``--python-path`` puts that tree first on PYTHONPATH (the same command, another version of the
@@ -27,12 +29,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# each example's overrides: 3 steps, no evaluation; GRPO's warm-up cut to 10 steps
+EXAMPLES = {"sft": ["steps=3", "eval_every=0"],
+            "grpo": ["steps=3", "warmup.steps=10", "warmup.target_reward=null",
+                     "prompts_per_step=4", "eval.every=0"]}
+
+
 def one_run(args, run_dir: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tree = Path(args.python_path).resolve() if args.python_path else ROOT
     env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "fsdpfn", "run", str(tree / "examples" / "sft.yaml"),
-           f"run_dir={run_dir}", "steps=3", "eval_every=0", f"launch.device={args.device}",
+    cmd = [sys.executable, "-m", "fsdpfn", "run", str(tree / "examples" / f"{args.example}.yaml"),
+           f"run_dir={run_dir}", *EXAMPLES[args.example], f"launch.device={args.device}",
            f"launch.nproc={args.nproc}", *args.overrides]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
@@ -60,6 +68,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--example", default="sft", choices=sorted(EXAMPLES))
     p.add_argument("--python-path", default=None, help="a tree of the project to run instead")
     p.add_argument("overrides", nargs="*", help="more overrides for the recipe")
     args = p.parse_args()
@@ -71,7 +80,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tree = args.python_path or str(ROOT)
-    print(f"fsdpfn run examples/sft.yaml steps=3, {args.nproc} rank(s) on {args.device}; "
+    print(f"fsdpfn run examples/{args.example}.yaml {' '.join(EXAMPLES[args.example])}, "
+          f"{args.nproc} rank(s) on {args.device}; "
           f"tree {tree}; {args.runs} runs")
     cols = ["ranks", "first step", "exit", "cpu"]
     print("| run | " + " | ".join(f"to {c} (s)" if c != "cpu" else "CPU (s)" for c in cols)

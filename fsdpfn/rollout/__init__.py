@@ -14,10 +14,29 @@ public batch) and takes weight updates on SGLang's endpoints
 the least loaded server (fsdpfn.rollout.balance).
 """
 
-from fsdpfn.rollout.balance import Balancer, generate_balanced
-from fsdpfn.rollout.client import generate
-from fsdpfn.rollout.engine import RolloutEngine, SamplingParams, UpdateError
-from fsdpfn.rollout.process import RolloutProcess, launch_server
+from __future__ import annotations
+
+import importlib
+
+# name -> the module that defines it; imported on first use (PEP 562): the launcher starts
+# servers through fsdpfn.rollout.process without importing the engine (torch)
+_SOURCES = {"Balancer": "fsdpfn.rollout.balance", "generate_balanced": "fsdpfn.rollout.balance",
+            "generate": "fsdpfn.rollout.client",
+            **dict.fromkeys(("RolloutEngine", "SamplingParams", "UpdateError"),
+                            "fsdpfn.rollout.engine"),
+            **dict.fromkeys(("RolloutProcess", "launch_server"), "fsdpfn.rollout.process")}
 
 __all__ = ["RolloutEngine", "SamplingParams", "UpdateError", "RolloutProcess", "launch_server",
            "generate", "generate_balanced", "Balancer"]
+
+
+def __getattr__(name: str):
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_SOURCES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

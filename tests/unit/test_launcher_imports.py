@@ -28,8 +28,10 @@ for recipe in ("sft", "dpo", "rw", "grpo", "ppo"):
     assert launcher.launch(cfg, dry_run=True) == 0  # the config, placement and preflight
     launcher._prepare_run_dir(run_dir, resume=False, overwrite=False)
     launcher._prepare_data(cfg, run_dir, resume=False)
-    if recipe in ("grpo", "ppo"):
-        launcher._server_cmd(cfg, run_dir / "model0", 1, place(cfg, 0, needs_rollout=True))
+    if recipe in ("grpo", "ppo"):  # a real server starts (and is stopped at once)
+        for server in launcher._start_servers(cfg, run_dir, run_dir / "model0",
+                                              place(cfg, 0, needs_rollout=True)):
+            server.close()
     (run_dir / "checkpoints").mkdir()
     launcher._summarize(cfg, run_dir, 1.0, 0, False)  # the checkpoint lookup and summary
 print("IMPORTED", sorted(m for m in ("torch", "transformers") if m in sys.modules))
