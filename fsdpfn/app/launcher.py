@@ -7,8 +7,8 @@ run_dir/rollout.log, rollout1.log, ...) when ``rollout.url`` is not set, then st
 ``launch.nproc`` trainer ranks itself (fsdpfn.app.ranks: torchrun's environment, no torchrun;
 OMP_NUM_THREADS=launch.threads_per_rank each), handing them every server's URL; trainer rank 0
 writes run_dir/model0 (the embedded model, random_init's config: prepare_initial_model), which
-the servers wait for, and then waits for each server's /health. At the end it records each server's
-final weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
+the servers wait for, and then waits for each server's /health. At the end it records each
+server's final weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
 run_dir/metrics.png and prints a summary.
 
 Ctrl-C (SIGINT) is forwarded to the ranks, which finish the current step, save a checkpoint and

@@ -240,7 +240,7 @@ def prepare_initial_model(cfg: ModelConfig, run_dir: Path, *, rank: int,
     while not (path / "config.json").is_file():
         if time.monotonic() > deadline:
             raise TimeoutError(f"trainer rank {rank}: {path} has no config.json after "
-                               f"{timeout_s:.0f} s (trainer rank 0 writes it as it starts)")
+                               f"{timeout_s:g} s (trainer rank 0 writes it as it starts)")
         time.sleep(0.05)
 
 
