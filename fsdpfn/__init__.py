@@ -13,7 +13,7 @@ Names are imported on first use (PEP 562): ``import fsdpfn`` alone does not impo
 
 from __future__ import annotations
 
-import importlib
+from fsdpfn.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -50,16 +50,4 @@ _MODULES = ("ops", "keys")
 __all__ = [*_SOURCES, *_MODULES]
 
 
-def __getattr__(name: str):
-    if name in _SOURCES:
-        value = getattr(importlib.import_module(_SOURCES[name]), name)
-    elif name in _MODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCES, __all__, submodules=_MODULES)

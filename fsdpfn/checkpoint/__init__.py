@@ -85,7 +85,7 @@ collective helpers), ``save`` (manifest, RNG, ``save_checkpoint``, ``AsyncSave``
 
 from __future__ import annotations
 
-import importlib
+from fsdpfn.lazy import lazy_exports
 
 # name -> the module that defines it; imported on first use (PEP 562), so that
 # ``fsdpfn.checkpoint.files`` (the layout, latest_checkpoint) can be read without torch. The
@@ -107,13 +107,4 @@ __all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint
            "FORMAT"]
 
 
-def __getattr__(name: str):
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_SOURCES[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCES, __all__)

@@ -16,7 +16,7 @@ the least loaded server (fsdpfn.rollout.balance).
 
 from __future__ import annotations
 
-import importlib
+from fsdpfn.lazy import lazy_exports
 
 # name -> the module that defines it; imported on first use (PEP 562): the launcher starts
 # servers through fsdpfn.rollout.process without importing the engine (torch)
@@ -30,13 +30,4 @@ __all__ = ["RolloutEngine", "SamplingParams", "UpdateError", "RolloutProcess", "
            "generate", "generate_balanced", "Balancer"]
 
 
-def __getattr__(name: str):
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_SOURCES[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCES, __all__)

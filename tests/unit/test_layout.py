@@ -2,13 +2,14 @@
 
 Every module of fsdpfn belongs to one package; a package imports only the packages below it:
 
-    contract   config, errors, keys, serde, validators, ops/  (imports: errors)
+    contract   config, errors, keys, lazy, serde, validators, ops/  (imports: errors)
     wire/      what both ends of the push speak                (imports: errors)
     batch/     the batch format                                (contract)
     engine/    mesh, state, forward, step                      (contract, batch, wire)
     algos/     one file per algorithm                          (engine and below)
     checkpoint/, weights/   the trainer's wings                (engine and below)
-    rollout/   the built-in server and its clients             (errors, wire: nothing of the trainer)
+    rollout/   the built-in server and its clients             (errors, lazy, wire: nothing of the
+                                                               trainer)
     app/       cli, launcher, supervision, recipes             (anything)
     testing/   helpers for tests                               (anything but app)
 
@@ -26,9 +27,10 @@ import pytest
 import fsdpfn
 
 ROOT = Path(__file__).resolve().parents[2] / "fsdpfn"
-CONTRACT = {"config", "errors", "keys", "serde", "validators", "ops"}
+CONTRACT = {"config", "errors", "keys", "lazy", "serde", "validators", "ops"}
 BELOW = {
-    "errors": set(), "keys": set(), "validators": {"errors"}, "config": {"errors", "validators"},
+    "errors": set(), "keys": set(), "lazy": set(), "validators": {"errors"},
+    "config": {"errors", "validators"},
     "serde": {"errors"}, "ops": {"errors"},
     "wire": {"errors"},
     "batch": CONTRACT,
@@ -37,7 +39,7 @@ BELOW = {
 BELOW["algos"] = BELOW["engine"] | {"engine"}
 BELOW["checkpoint"] = BELOW["engine"] | {"engine"}
 BELOW["weights"] = BELOW["engine"] | {"engine"}
-BELOW["rollout"] = {"errors", "wire"}
+BELOW["rollout"] = {"errors", "lazy", "wire"}
 PACKAGES = sorted(BELOW)
 
 
