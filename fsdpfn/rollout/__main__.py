@@ -120,19 +120,17 @@ def main(argv=None) -> None:
 
 
 def _wait_for_model(model: str, timeout_s: float) -> None:
-    import time
     from pathlib import Path
 
-    config = Path(model) / "config.json"
-    if config.is_file():
+    from fsdpfn.rollout.process import wait_for_model_dir
+
+    if (Path(model) / "config.json").is_file():
         return
-    print(f"fsdpfn.rollout: waiting up to {timeout_s:g} s for {config}", flush=True)
-    deadline = time.monotonic() + timeout_s
-    while not config.is_file():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"fsdpfn.rollout: --model {model}: no config.json after "
-                             f"{timeout_s:g} s (--wait-for-model)")
-        time.sleep(0.05)
+    print(f"fsdpfn.rollout: waiting up to {timeout_s:g} s for {Path(model) / 'config.json'}",
+          flush=True)
+    if not wait_for_model_dir(model, timeout_s):
+        raise SystemExit(f"fsdpfn.rollout: --model {model}: no config.json after "
+                         f"{timeout_s:g} s (--wait-for-model)")
 
 
 if __name__ == "__main__":

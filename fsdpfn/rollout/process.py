@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fsdpfn.wire.ports import free_port
 
-__all__ = ["RolloutProcess", "launch_server", "free_port"]
+__all__ = ["RolloutProcess", "launch_server", "free_port", "wait_for_model_dir"]
 
 
 class RolloutProcess:
@@ -125,3 +125,16 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
         server.close()
         raise
     return server
+
+
+def wait_for_model_dir(model: str | os.PathLike, timeout_s: float) -> bool:
+    """True once ``model``/config.json exists (a writer publishes the directory whole, by a
+    rename), False after ``timeout_s`` without it: the server started with --wait-for-model and
+    the trainer ranks beside the one that writes run_dir/model0 wait with it."""
+    config = Path(model) / "config.json"
+    deadline = time.monotonic() + timeout_s
+    while not config.is_file():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -234,14 +234,11 @@ def prepare_initial_model(cfg: ModelConfig, run_dir: Path, *, rank: int,
         return
     if cfg.embedded:  # every rank builds it next: its import (3 s) runs beside rank 0's write
         import transformers.models.qwen2.modeling_qwen2  # noqa: F401
-    import time
+    from fsdpfn.rollout.process import wait_for_model_dir
 
-    deadline = time.monotonic() + timeout_s
-    while not (path / "config.json").is_file():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"trainer rank {rank}: {path} has no config.json after "
-                               f"{timeout_s:g} s (trainer rank 0 writes it as it starts)")
-        time.sleep(0.05)
+    if not wait_for_model_dir(path, timeout_s):
+        raise TimeoutError(f"trainer rank {rank}: {path} has no config.json after "
+                           f"{timeout_s:g} s (trainer rank 0 writes it as it starts)")
 
 
 def has_weights(path: str | Path) -> bool:
