@@ -118,6 +118,9 @@ def main() -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--seeded", action="store_true",
                    help="seed every request (the RL recipes do: reproducible runs)")
+    p.add_argument("--slots", type=int, default=1024,
+                   help="the server's --decode-rows (the KV cache's rows; the RL recipes pass "
+                        "exactly the rows of a step)")
     add_decode_options(p)
     args = p.parse_args()
     bandwidth = copy_bandwidth()
@@ -126,7 +129,7 @@ def main() -> None:
     table = []
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp)
-        extra = ("--decode", args.decode, "--decode-rows", "1024", "--decode-max-len",
+        extra = ("--decode", args.decode, "--decode-rows", str(args.slots), "--decode-max-len",
                  str(PROMPT + max(n for _, n in shapes)), "--no-channel")
         extra += ("--no-cuda-graphs",) if args.no_cuda_graphs else ()
         extra += ("--fused-kernels",) if args.fused_kernels else ("--no-fused-kernels",)
