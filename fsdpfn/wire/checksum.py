@@ -122,6 +122,23 @@ def _limbs_on(n: int, device: str) -> torch.Tensor:
     return torch.stack(limbs, 1).to(torch.float64).to(device)
 
 
+@functools.lru_cache(maxsize=16)
+def _word_limbs(width: int, device: str) -> tuple[torch.Tensor, ...]:
+    """The fused kernel's coefficients for rows of ``width`` halfwords: the 31-bit low and 30-bit
+    high limbs of R**(2b) and R**(2b+1) for each 32-bit word b, int32 on ``device``."""
+    pw = powers(ROOT, width, device)
+    return tuple((x & _M31 if k == 0 else x >> 31).to(torch.int32).contiguous()
+                 for x in (pw[0::2], pw[1::2]) for k in (0, 1))
+
+
+def _fused_values(rows: torch.Tensor, weights: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fused.row_values where its kernel can run on ``rows``, else None."""
+    if not fused.usable(rows):
+        return None
+    return fused.row_values(rows, _word_limbs(rows.shape[1], str(rows.device)), weights)
+
+
 # ---------------------------------------------------------------- units and row hashes
 
 
@@ -151,7 +168,7 @@ def row_hashes(rows: torch.Tensor, first: int = 0) -> torch.Tensor:
     out = torch.zeros(n_rows, dtype=torch.int64, device=rows.device)
     if n_rows == 0 or width == 0:
         return out
-    done = fused.row_values(rows) if first == 0 else None
+    done = _fused_values(rows) if first == 0 else None
     if done is not None:
         return done[0] + (done[1] << 31)
     limbs = _limbs_on(first + width, str(rows.device))[first:]
@@ -213,7 +230,7 @@ def weighted_rows(rows: torch.Tensor, weights: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """row_hashes(rows) times ``weights`` (int64 [A] in [0, P)) modulo P, as 31-bit low and
     30-bit high halves (int64 [A] each), ready to be summed: one fused pass on CUDA."""
-    done = fused.row_values(rows, weights)
+    done = _fused_values(rows, weights)
     if done is not None:
         return done
     value = mulmod(row_hashes(rows), weights)

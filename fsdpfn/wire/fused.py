@@ -69,40 +69,31 @@ def _kernel():
     return row_values, triton.cdiv
 
 
-@functools.lru_cache(maxsize=16)
-def _coefficients(width: int, device: str) -> tuple[torch.Tensor, ...]:
-    """The 31-bit low and 30-bit high limbs of R**(2b) and R**(2b+1) for the words b of a row
-    of ``width`` halfwords, int32."""
-    from fsdpfn.wire.checksum import ROOT, powers
-
-    pw = powers(ROOT, width, device)
-    even, odd = pw[0::2], pw[1::2]
-    mask = (1 << 31) - 1
-    return tuple((x & mask if k == 0 else x >> 31).to(torch.int32).contiguous()
-                 for x in (even, odd) for k in (0, 1))
-
-
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def row_values(rows: torch.Tensor, weights: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def usable(rows: torch.Tensor) -> bool:
+    """Whether the kernel can run on the unit matrix ``rows`` [A, C]: Triton present, an int16
+    contiguous CUDA tensor, C twice a power of two and at most 4096."""
+    return rows.is_cuda and rows.is_contiguous() and rows.dtype == torch.int16 \
+        and _power_of_two(rows.shape[1] // 2) and rows.shape[1] <= 4096 and _kernel() is not None
+
+
+def row_values(rows: torch.Tensor, coefficients: tuple[torch.Tensor, ...],
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The checksum value v of each row of the int16 CUDA unit matrix ``rows`` [A, C] (times
     ``weights[a]`` modulo P when given, int64 [A] in [0, P)), as its 31-bit low and 30-bit high
-    halves (int64 [A] each: v = low + high * 2**31); None where the kernel cannot run (no Triton,
-    not CUDA, not contiguous, a width that is not twice a power of two up to 4096)."""
-    found = _kernel() if rows.is_cuda and rows.is_contiguous() and rows.dtype == torch.int16 \
-        and _power_of_two(rows.shape[1] // 2) and rows.shape[1] <= 4096 else None
-    if found is None:
-        return None
-    kernel, cdiv = found
+    halves (int64 [A] each: v = low + high * 2**31). ``coefficients`` are the 31-bit low and
+    30-bit high limbs of the powers R**(2b) and R**(2b+1) for the C / 2 words b of a row, int32
+    (even low, even high, odd low, odd high), on rows' device; ``usable(rows)`` must hold."""
+    kernel, cdiv = _kernel()
     n_rows, width = rows.shape
     low = torch.empty(n_rows, dtype=torch.int64, device=rows.device)
     high = torch.empty_like(low)
     if n_rows:
         kernel[(cdiv(n_rows, _TILE_ROWS),)](
-            rows.view(torch.int32), *_coefficients(width, str(rows.device)),
+            rows.view(torch.int32), *coefficients,
             weights if weights is not None else low, low, high, n_rows, ROW=width // 2,
             TILE=_TILE_ROWS, WEIGHTED=weights is not None, num_warps=4)
     return low, high
