@@ -173,9 +173,11 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
             break
         if earlier is not key_node.start_mark:
             mark = key_node.start_mark
-            raise ConfigError(f"config: duplicate key {key!r} at line {mark.line + 1}, column "
-                              f"{mark.column + 1} (first at line {earlier.line + 1}, column "
-                              f"{earlier.column + 1}): a key may appear once per mapping")
+            written = key_node.value if isinstance(key_node, yaml.ScalarNode) else key
+            read = f" (read as {key!r})" if written != key else ""  # on/yes/true are all True
+            raise ConfigError(f"config: duplicate key {written!r}{read} at line {mark.line + 1}, "
+                              f"column {mark.column + 1} (first at line {earlier.line + 1}, "
+                              f"column {earlier.column + 1}): a key may appear once per mapping")
     return loader.construct_mapping(node, deep=deep)
 
 

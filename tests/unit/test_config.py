@@ -198,12 +198,22 @@ def test_yaml_mappings_load_as_pyyaml_unless_a_key_repeats(keys):
     import yaml
 
     text = "".join(f"{k}: {i}\n" for i, k in enumerate(keys))
-    if len(set(keys)) == len(keys):
+    read = [next(iter(yaml.safe_load(f"{k}: 0"))) for k in keys]  # 'on' and 'yes' read as True
+    if len(set(read)) == len(read):
         assert serde.load_yaml(text) == yaml.safe_load(text)
     else:
-        dup = next(k for i, k in enumerate(keys) if k in keys[:i])
-        with pytest.raises(ff.ConfigError, match=f"duplicate key '{dup}'"):
+        at = next(i for i, k in enumerate(read) if k in read[:i])
+        with pytest.raises(ff.ConfigError, match=f"duplicate key '{keys[at]}'"):
             serde.load_yaml(text)
+
+
+def test_a_duplicate_key_is_named_as_written_and_as_read():
+    for text, words in (("on: 1\non: 2\n", "duplicate key 'on' (read as True) at line 2"),
+                        ("on: 1\nyes: 2\n", "duplicate key 'yes' (read as True) at line 2"),
+                        ("lr: 1\nlr: 2\n", "duplicate key 'lr' at line 2")):
+        with pytest.raises(ff.ConfigError) as info:
+            serde.load_yaml(text)
+        assert words in str(info.value), str(info.value)
 
 
 def test_a_section_given_a_scalar_is_named():
