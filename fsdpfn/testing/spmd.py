@@ -17,7 +17,7 @@ process); a call that fails or times out tears the pool down, and the next call 
 Every ``build_mesh`` makes process groups (up to four). Gloo gives each group a transport device
 of its own by default, whose event-loop thread wakes on a short timeout even when the group is
 idle; a rank here passes one shared device to all its groups instead, so leftover groups cost
-memory and sockets but no CPU.
+memory and sockets but almost no CPU.
 Groups cannot simply be destroyed after a call: DTensor caches sharding decisions by value, and a
 new DeviceMesh equals an earlier one of the same layout, so a cached spec would name a destroyed
 group. So a pool restarts its ranks after a call that leaves them more than ``max_groups`` groups.
@@ -85,7 +85,7 @@ def _share_one_gloo_device() -> None:
     """Every gloo group of this rank on one transport device instead of a device each.
 
     A device runs its own event-loop thread, which wakes on a short timeout whether or not the
-    group is used: at 32 groups a 4-rank pool spent about an eighth of a core doing nothing.
+    group is used: at 24 groups a 4-rank pool spent an eighth of a core doing nothing.
     Gloo's contexts can share a device (the options' device list), so the ranks pass one."""
     from torch.distributed import distributed_c10d as c10d
 
