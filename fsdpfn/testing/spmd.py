@@ -90,13 +90,9 @@ def _share_one_gloo_device() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     gloo = c10d.ProcessGroupGloo
-    if getattr(gloo, "_fsdpfn_shared", False):
-        return
     device = gloo.create_default_device()
 
     class SharedDeviceGloo(gloo):
-        _fsdpfn_shared = True
-
         def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)):
             if isinstance(timeout, gloo._Options):
                 super().__init__(store, rank, size, timeout)
