@@ -1,6 +1,7 @@
 """The decode step's attention alone (one GPU): torch's flash forward (``attention="flash"``)
-against fsdpfn's split-KV Triton kernel (``attention="triton"``, fsdpfn/rollout/attention_kernel.py)
-in several tile settings, on one layer's slot cache of the Qwen2-1.5B shape.
+against fsdpfn's Triton kernels (``attention="triton"``, fsdpfn/rollout/attention_kernel.py: the
+split-KV kernel and the rows kernel) in several tile settings, on one layer's slot cache of the
+Qwen2-1.5B shape.
 
     python benchmarks/decode_attention.py                  # 512 and 1,024 rows, bf16
     python benchmarks/decode_attention.py --rows 512 --equal 512   # the loop's case
@@ -37,21 +38,27 @@ from fsdpfn.rollout.slot_model import _flash_decode  # noqa: E402
 
 SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
     ("triton (default)", {}),
-    ("triton, block 32", dict(block_n=32)),
-    ("triton, block 128", dict(block_n=128)),
-    ("triton, 8 warps", dict(num_warps=8)),
-    ("triton, 3 stages", dict(num_stages=3)),
-    ("triton, 4 splits", dict(splits=4)),
-    ("triton, 128 block, 8 warps, 3 stages", dict(block_n=128, num_warps=8, num_stages=3)),
+    ("triton, split kernel", dict(rows=0)),
+    ("triton, split kernel, block 32", dict(rows=0, block_n=32)),
+    ("triton, split kernel, 8 warps", dict(rows=0, num_warps=8)),
+    ("triton, split kernel, 3 stages", dict(rows=0, num_stages=3)),
+    ("triton, split kernel, 4 splits", dict(rows=0, splits=4)),
 ]
 
 
-SHARED_SETTINGS = [  # the kernel's knobs with shared prompts
-    {}, dict(block_n=64), dict(num_warps=8), dict(num_stages=3), dict(splits=2)]
+SHARED_SETTINGS = [  # the kernels' knobs with shared prompts ({}: the default, rows_for's)
+    {}, dict(rows=0), dict(rows=0, block_n=64), dict(rows=0, num_stages=3),
+    dict(rows=2, block_n=64), dict(rows=4, block_n=16, num_stages=4),
+    dict(rows=4, block_n=32, num_stages=3), dict(rows=4, block_n=32, num_warps=8),
+    dict(rows=8, block_n=16)]
 
 
-def timed(fn, iters: int) -> float:
-    """Microseconds per call of fn, from a CUDA graph of iters calls (best of 5 replays)."""
+def timed(fn, iters: int, flush=None) -> float:
+    """Microseconds per call of fn, from a CUDA graph of iters calls (best of 5 replays).
+    ``flush``: a buffer written before each call (evicting L2, as the step's matmuls do between
+    two layers' attention), its own time subtracted."""
+    if flush is not None:
+        return timed(lambda: (flush.zero_(), fn()), iters) - timed(flush.zero_, iters)
     graph = capture(fn, iters)
     graph.replay()
     torch.cuda.synchronize()
@@ -77,8 +84,14 @@ def main() -> None:
                    help="every row at --min-pos + OWN positions (the decode loop's case: its rows "
                         "start together) instead of at random positions")
     p.add_argument("--kernels", nargs="*", default=None,
-                   help="only the settings whose name holds one of these (flash always runs)")
+                   help="only the settings whose name holds one of these, or ends with one "
+                        "written with a final $ (flash always runs)")
+    p.add_argument("--flush", type=int, default=0, metavar="MB",
+                   help="write a buffer of MB megabytes before each call (L2 evicted), its time "
+                        "subtracted")
     args = p.parse_args()
+    flush = torch.empty(args.flush << 20, dtype=torch.uint8, device="cuda") if args.flush \
+        else None
     kv, heads, D = 2, 12, 128
     bandwidth = copy_bandwidth()
     table = []
@@ -113,12 +126,13 @@ def main() -> None:
                                                         shared=shared, **kw))
                  for kw in SHARED_SETTINGS]
         if args.kernels:
-            runs = runs[:1] + [r for r in runs[1:] if any(w in r[0] for w in args.kernels)]
+            runs = runs[:1] + [r for r in runs[1:] if any(
+                r[0].endswith(w[:-1]) if w.endswith("$") else w in r[0] for w in args.kernels)]
         ref = runs[0][1]().float()
         for name, fn in runs:
             try:
                 gap = float((fn().float() - ref).abs().max())
-                us = timed(fn, args.iters)
+                us = timed(fn, args.iters, flush)
             except Exception as e:  # a setting that does not compile here: say so, go on
                 table.append({"rows": R, "kernel": name, "us / call": "failed",
                               "KV GB/s": f"{type(e).__name__}: {str(e)[:80]}"})
