@@ -364,42 +364,6 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
                                                     splits=splits).view(R, heads, D))
 
 
-@pytest.mark.parametrize("rows", [2, 4])
-def test_triton_rows_kernel_with_shared_prompts_on_cuda(rows):
-    """The rows kernel (attention_kernel.decode with ``rows``: neighbouring rows a program, in
-    lockstep) on the GPU, bf16, the 1.5B shape's heads: two groups of 8 rows on 256 positions
-    in neighbouring slots (the decode loop's layout), a group of 13 on 200 positions starting
-    mid-program, rows in no group, a last program past R. Equal to a float64 softmax(q k^T /
-    sqrt(D)) v within bf16 rounding with positions past each row's length poisoned; with
-    ``shared`` (whole blocks read once for a program whose rows all share, the rest from each
-    row's leader), the prompt positions of every row but each group's first poisoned too, and
-    bit for bit the rows kernel without sharing. At 512 rows of this shape, rows_for picks it."""
-    from fsdpfn.rollout import attention_kernel
-
-    R, S, kv, heads, L, D = 62, 64, 2, 12, 1280, 128
-    g, q, k, v = _attention_case(2, R, S, kv, heads, L, D)
-    groups = [(256, list(range(0, 8))), (256, list(range(8, 16))), (200, list(range(18, 31)))]
-    used = torch.randint(300, L + 1, (R,), generator=g, device="cuda")
-    for length, ids in groups:
-        k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
-            v[ids[0], :, :length]
-    past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
-    want = _float64_attention(q, k[:R], v[:R], past)
-    k[:R].masked_fill_(past[..., None], float("nan"))
-    v[:R].masked_fill_(past[..., None], float("nan"))
-    own = attention_kernel.decode(q, k, v, used, L, D ** -0.5, rows=rows).view(R, heads, D)
-    assert not own.isnan().any()
-    torch.testing.assert_close(own.double(), want, atol=2e-2, rtol=2e-2)
-    tables = attention_kernel.share_tables(groups, S, "cuda")
-    for length, ids in groups:  # only each group's first row's prompt positions are read
-        k[ids[1:], :, :length], v[ids[1:], :, :length] = float("nan"), float("nan")
-    got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, rows=rows,
-                                  shared=tables).view(R, heads, D)
-    assert torch.equal(got, own)
-    assert attention_kernel.rows_for(torch.empty(512, heads, D, dtype=torch.bfloat16),
-                                     k, 1) == attention_kernel.ROWS
-
-
 @pytest.mark.timeout(900)
 def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
     """The server's default loop reads each prompt's KV once for its samples (prompts of 200
