@@ -53,7 +53,7 @@ def _kernels():
     @triton.jit
     def attend_block(qv, k, v, at_k, live, d, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
         # one block of positions (their addresses at_k, live ones masked in) folded into the
-        # online softmax: the split kernel's loop body, for its leader-loop layout
+        # online softmax: the split kernel's loop body
         kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :], other=0.0)
         s = tl.dot(qv, kt, input_precision=PRECISION) * scale
         s = tl.where(live[None, :], s, -float("inf"))
@@ -121,23 +121,12 @@ def _kernels():
         else:
             for s0 in range(start, end, BLOCK_N):
                 cols = s0 + tl.arange(0, BLOCK_N)
-                live = cols < end
                 if SHARED:
                     at_k = tl.where(cols < f, base_lead, base) + cols * sk_l  # [BLOCK_N]
                 else:
                     at_k = base + cols * sk_l
-                kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :],
-                             other=0.0)  # [D, BLOCK_N]
-                s = tl.dot(qv, kt, input_precision=PRECISION) * scale
-                s = tl.where(live[None, :], s, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                vv = tl.load(v + at_k[:, None] + d[None, :], mask=live[:, None],
-                             other=0.0)  # [BLOCK_N, D]
-                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = attend_block(qv, k, v, at_k, cols < end, d, m_i, l_i, acc,
+                                             scale, PRECISION)
         some = l_i > 0
         o = acc / tl.where(some, l_i, 1.0)[:, None]
         if DIRECT:
