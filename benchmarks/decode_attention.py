@@ -47,9 +47,7 @@ SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
 
 
 SHARED_SETTINGS = [  # the kernel's knobs with shared prompts
-    {}, dict(block_n=64), dict(num_warps=8), dict(num_stages=3), dict(splits=2),
-    dict(leader_loop=True), dict(leader_loop=True, num_stages=3),
-    dict(leader_loop=True, block_n=64, num_stages=3)]
+    {}, dict(block_n=64), dict(num_warps=8), dict(num_stages=3), dict(splits=2)]
 
 
 def timed(fn, iters: int, flush=None) -> float:

@@ -51,30 +51,12 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def attend_block(qv, k, v, at_k, live, d, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-        # one block of positions (their addresses at_k, live ones masked in) folded into the
-        # online softmax: the split kernel's loop body
-        kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :], other=0.0)
-        s = tl.dot(qv, kt, input_precision=PRECISION) * scale
-        s = tl.where(live[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(v + at_k[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
-        return m_new, l_i, acc
-
-    # a jitted function finds the functions it calls among its module's globals
-    globals()["attend_block"] = attend_block
-
-    @triton.jit
     def attention_split_kernel(q, k, v, used, out, part_o, part_l, first, leader, scale,
                                sq_r, sq_h, sk_s, sk_h, sk_l, so_r, so_h, G, KV, SPLITS, SPLIT_LEN,
                                BLOCK_G: tl.constexpr,
                                BLOCK_N: tl.constexpr, D: tl.constexpr,
                                DIRECT: tl.constexpr, SHARED: tl.constexpr,
-                               PRECISION: tl.constexpr, LEADER_LOOP: tl.constexpr):
+                               PRECISION: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -100,33 +82,25 @@ def _kernels():
         end = tl.minimum(start + SPLIT_LEN, n)
         base = r.to(tl.int64) * sk_s + h * sk_h
         base_lead = lead.to(tl.int64) * sk_s + h * sk_h
-        if SHARED and LEADER_LOOP:  # the same blocks, in three loops whose addresses each
-            # come from one base (so the loads pipeline): the whole blocks below the shared
-            # length from the leader, the block across it as below, the rest from the row
-            mid = tl.maximum(tl.minimum(f // BLOCK_N * BLOCK_N, end), start)
-            for s0 in range(start, mid, BLOCK_N):
-                cols = s0 + tl.arange(0, BLOCK_N)
-                m_i, l_i, acc = attend_block(qv, k, v, base_lead + cols * sk_l, cols < end, d,
-                                             m_i, l_i, acc, scale, PRECISION)
-            across = tl.where((mid < f) & (mid < end), BLOCK_N, 0)
-            for s0 in range(mid, mid + across, BLOCK_N):
-                cols = s0 + tl.arange(0, BLOCK_N)
-                m_i, l_i, acc = attend_block(qv, k, v, tl.where(cols < f, base_lead, base)
-                                             + cols * sk_l, cols < end, d, m_i, l_i, acc, scale,
-                                             PRECISION)
-            for s0 in range(mid + across, end, BLOCK_N):
-                cols = s0 + tl.arange(0, BLOCK_N)
-                m_i, l_i, acc = attend_block(qv, k, v, base + cols * sk_l, cols < end, d, m_i,
-                                             l_i, acc, scale, PRECISION)
-        else:
-            for s0 in range(start, end, BLOCK_N):
-                cols = s0 + tl.arange(0, BLOCK_N)
-                if SHARED:
-                    at_k = tl.where(cols < f, base_lead, base) + cols * sk_l  # [BLOCK_N]
-                else:
-                    at_k = base + cols * sk_l
-                m_i, l_i, acc = attend_block(qv, k, v, at_k, cols < end, d, m_i, l_i, acc,
-                                             scale, PRECISION)
+        for s0 in range(start, end, BLOCK_N):
+            cols = s0 + tl.arange(0, BLOCK_N)
+            live = cols < end
+            if SHARED:
+                at_k = tl.where(cols < f, base_lead, base) + cols * sk_l  # [BLOCK_N]
+            else:
+                at_k = base + cols * sk_l
+            kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :],
+                         other=0.0)  # [D, BLOCK_N]
+            s = tl.dot(qv, kt, input_precision=PRECISION) * scale
+            s = tl.where(live[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vv = tl.load(v + at_k[:, None] + d[None, :], mask=live[:, None],
+                         other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
+            m_i = m_new
         some = l_i > 0
         o = acc / tl.where(some, l_i, 1.0)[:, None]
         if DIRECT:
@@ -183,20 +157,12 @@ def splits_for(rows: int, kv: int, length: int, block_n: int = BLOCK_N,
 
 def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = BLOCK_N,
            splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-           shared: tuple | None = None, leader_loop: bool = False):
+           shared: tuple | None = None):
     """q [R, heads, D] of one new token per row (D contiguous); the cache [S, kv, L, D] of which
     row r reads its first used[r] positions (1 <= used[r] <= length <= L; rows are slots
     [0, R)). Returns [R, heads * D] in q's dtype. ``splits`` overrides the choice of splits_for;
-    it, block_n, num_warps, num_stages and leader_loop are the benchmark's knobs
+    it, block_n, num_warps and num_stages are the benchmark's knobs
     (benchmarks/decode_attention.py).
-
-    ``leader_loop`` (with ``shared``): the same blocks in three loops, the whole blocks below a
-    row's shared length from its leader, the block across it with the addresses chosen per
-    position, the rest from the row's own cache. The bits are the same. Each loop's addresses
-    come from one base, so Triton's pipeliner turns its loads into cp.async, which the default's
-    per-position choice prevents (compiled for sm_90: 8 cp.async copies against none). It is
-    not yet measured on a GPU, so it is not yet the default (BENCHMARKS.md, "Decode attention
-    kernel").
 
     ``shared``: (first, leader) int32 [>= R] (share_tables) for rows whose caches begin with the
     same bits (the samples of one prompt): row r reads its first first[r] positions from row
@@ -223,7 +189,7 @@ def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = 
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
         out.stride(1), G, kv, splits, per, BLOCK_G=max(16, 1 << (G - 1).bit_length()),
         BLOCK_N=block_n, D=D, DIRECT=direct, SHARED=shared is not None, PRECISION=precision,
-        LEADER_LOOP=leader_loop, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     if not direct:
         attention_merge_kernel[(R, heads)](part_o, part_l, out, out.stride(0), out.stride(1),
                                            heads, splits,

@@ -329,16 +329,14 @@ def test_triton_decode_attention_on_cuda(splits):
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("leader_loop", [False, True])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-def test_triton_decode_attention_with_shared_prompts_on_cuda(splits, leader_loop):
+def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
     """attention_kernel.decode with ``shared=`` on the GPU, bf16, the 1.5B shape's heads: rows in
     groups of 8 and of 13 whose caches begin with the same 256 or 200 positions, a group of two
     far apart (rows 30 and 35), and rows in no group. Equal to a float64 softmax(q k^T / sqrt(D))
     v over each row's own cache within bf16 rounding, with the shared positions of every row but
     each group's first poisoned with NaN (read from the first row) and positions past each
-    row's length poisoned too; and equal, bit for bit, to each row reading its own copy. With
-    ``leader_loop`` (the benchmark's candidate layout) the same."""
+    row's length poisoned too; and equal, bit for bit, to each row reading its own copy."""
     from fsdpfn.rollout import attention_kernel
 
     R, S, kv, heads, L, D = 40, 48, 2, 12, 1280, 128
@@ -357,8 +355,8 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits, leader_loop
     k[:R].masked_fill_(past[..., None], float("nan"))
     v[:R].masked_fill_(past[..., None], float("nan"))
     tables = attention_kernel.share_tables(groups, S, "cuda")
-    got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, splits=splits, shared=tables,
-                                  leader_loop=leader_loop).view(R, heads, D)
+    got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, splits=splits,
+                                  shared=tables).view(R, heads, D)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     # the same bits in the same order as each row reading its own (intact) copy: equal
