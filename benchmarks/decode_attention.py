@@ -1,7 +1,6 @@
 """The decode step's attention alone (one GPU): torch's flash forward (``attention="flash"``)
-against fsdpfn's Triton kernels (``attention="triton"``, fsdpfn/rollout/attention_kernel.py: the
-split-KV kernel and the rows kernel) in several tile settings, on one layer's slot cache of the
-Qwen2-1.5B shape.
+against fsdpfn's split-KV Triton kernel (``attention="triton"``, fsdpfn/rollout/attention_kernel.py)
+in several tile settings, on one layer's slot cache of the Qwen2-1.5B shape.
 
     python benchmarks/decode_attention.py                  # 512 and 1,024 rows, bf16
     python benchmarks/decode_attention.py --rows 512 --equal 512   # the loop's case
@@ -38,20 +37,17 @@ from fsdpfn.rollout.slot_model import _flash_decode  # noqa: E402
 
 SETTINGS = [  # (name, keyword arguments of attention_kernel.decode)
     ("triton (default)", {}),
-    ("triton, split kernel", dict(rows=0)),
-    ("triton, split kernel, block 64", dict(rows=0, block_n=64)),
-    ("triton, split kernel, 8 warps", dict(rows=0, num_warps=8)),
-    ("triton, split kernel, 3 stages", dict(rows=0, num_stages=3)),
-    ("triton, split kernel, 4 splits", dict(rows=0, splits=4)),
-    ("triton, rows kernel", dict(rows=4)),
+    ("triton, block 32", dict(block_n=32)),
+    ("triton, block 128", dict(block_n=128)),
+    ("triton, 8 warps", dict(num_warps=8)),
+    ("triton, 3 stages", dict(num_stages=3)),
+    ("triton, 4 splits", dict(splits=4)),
+    ("triton, 128 block, 8 warps, 3 stages", dict(block_n=128, num_warps=8, num_stages=3)),
 ]
 
 
-SHARED_SETTINGS = [  # the kernels' knobs with shared prompts ({}: the default, rows_for's)
-    {}, dict(rows=0), dict(rows=0, block_n=64), dict(rows=0, num_stages=3), dict(rows=4),
-    dict(rows=2, block_n=64), dict(rows=4, block_n=16, num_stages=3),
-    dict(rows=4, block_n=32, num_stages=3), dict(rows=4, block_n=64), dict(rows=8, block_n=16),
-    dict(rows=4, flat=False), dict(rows=8, block_n=16, flat=False)]
+SHARED_SETTINGS = [  # the kernel's knobs with shared prompts
+    {}, dict(block_n=64), dict(num_warps=8), dict(num_stages=3), dict(splits=2)]
 
 
 def timed(fn, iters: int, flush=None) -> float:

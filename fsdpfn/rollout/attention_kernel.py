@@ -1,4 +1,4 @@
-"""Decode attention over the slot cache as Triton kernels (``attention="triton"``).
+"""Decode attention over the slot cache as a Triton split-KV kernel (``attention="triton"``).
 
 One new token per row attends its own cache length, the G query heads of each kv head together.
 torch's flash forward, handed the G heads as G query positions (``attention="flash"``), computes
@@ -14,13 +14,8 @@ mostly real:
 2. ``attention_merge_kernel``, one program per (row, query head), only with several splits: the
    splits' outputs weighted by their share of the row's softmax mass.
 
-3. ``attention_rows_kernel``, one program per (ROWS neighbouring rows, kv head), where rows x kv
-   heads alone fill the GPU (rows_for): the rows' blocks of ROWS_BLOCK_N positions in lockstep,
-   as one batched dot per step, each row masked at its own length.
-
 Splits are chosen per launch so that rows x kv heads x splits fills the GPU; at 512 rows of a
-2-kv-head model one split is enough, and the rows kernel serves the step instead. Positions at
-or past a row's length are never read.
+2-kv-head model one split is enough. Positions at or past a row's length are never read.
 
 Shared prompts (``shared=``). The n samples of one prompt hold the same bits in the prompt's
 positions of their caches (the decode loop prefills a prompt once and copies its KV to its n
@@ -33,17 +28,6 @@ kernel or partial output more: at 512 rows of 8 samples per 256-token prompt, 83
 against 98.2 without sharing and 86.2 with a separate kernel reading each group's prompt once
 (the earlier design, removed).
 
-Read so, the prompt still costs each row the steps over its positions: in the decode loop the
-attention kept a fixed cost of about 30 µs a layer, a prompt's worth of positions at the
-step's rate. The rows kernel reads a shared prompt once for all its rows where they share one
-leader and one shared length (the samples of a prompt sit in neighbouring slots), with one
-batched dot for the rows per block. Its three loops (the prompt's whole blocks once, the rest of
-each row's shared positions from its leader, each row's own positions) each load from one base
-per row, so Triton pipelines all three (an address chosen per position between two bases, as
-the split kernel's shared reads do, is not pipelined). A block across a row's shared length is
-read in two loops, each masking the other's positions, so the rows kernel's sums with sharing
-are not in the order of the same kernel reading each row's copy: equal within rounding.
-
 Against torch's flash forward, which computes each row on a query tile of at least 64 rows of
 which only the kv head's query heads are real, this reads the cache near the copy bandwidth
 (per-layer times: BENCHMARKS.md, "Decode attention kernel").
@@ -55,12 +39,10 @@ import functools
 
 import torch
 
-__all__ = ["refusal", "decode", "share_tables", "rows_for"]
+__all__ = ["refusal", "decode", "share_tables"]
 
 BLOCK_N = 128  # cache positions per inner step (64 and 32 were slower on the H200)
 TARGET_PROGRAMS = 1024  # enough programs for the GPU; fewer rows split their cache more
-ROWS = 4  # rows a program of the rows kernel (2 and 8 were slower on the H200)
-ROWS_BLOCK_N = 32  # cache positions a row per inner step of the rows kernel (16, 64: slower)
 
 
 @functools.cache
@@ -144,122 +126,7 @@ def _kernels():
         merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         tl.store(out + r.to(tl.int64) * so_r + hq * so_h + d, merged.to(out.dtype.element_ty))
 
-    @triton.jit
-    def rows_block(qv, k, v, at, live, d, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-        # one block of positions of each of a program's rows (their addresses at [RPP, N], the
-        # live ones masked in), folded into the rows' online softmax: the rows kernel's step
-        kt = tl.load(k + at[:, None, :] + d[None, :, None], mask=live[:, None, :],
-                     other=0.0)  # [RPP, D, N]
-        s = tl.dot(qv, kt, input_precision=PRECISION) * scale  # [RPP, G, N]
-        s = tl.where(live[:, None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing yet
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, 2)
-        vv = tl.load(v + at[:, :, None] + d[None, None, :], mask=live[:, :, None],
-                     other=0.0)  # [RPP, N, D]
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
-        return m_new, l_i, acc
-
-    # a jitted function finds the functions it calls among its module's globals
-    globals()["rows_block"] = rows_block
-
-    @triton.jit
-    def attention_rows_kernel(q, k, v, used, out, first, leader, scale, sq_r, sq_h, sk_s, sk_h,
-                              sk_l, so_r, so_h, G, R, RPP: tl.constexpr, BLOCK_G: tl.constexpr,
-                              BLOCK_N: tl.constexpr, D: tl.constexpr, SHARED: tl.constexpr,
-                              PRECISION: tl.constexpr, FLAT: tl.constexpr):
-        # one program per (RPP neighbouring rows, kv head), the rows' blocks in lockstep (one
-        # batched dot for the RPP rows per block). Three loops, each of whose loads comes from
-        # one base per row, so that each pipelines (an address chosen per position between
-        # two bases does not): (1) where the RPP rows share one leader and one shared length,
-        # that length's whole blocks, read once from the leader for all of them; (2) the rest
-        # of each row's shared positions, from its leader; (3) each row's own positions, from
-        # its own cache. A block may be read in two loops, each masking the other's positions.
-        c = tl.program_id(0)
-        h = tl.program_id(1)
-        i = tl.arange(0, RPP)
-        rows = c * RPP + i
-        ok = rows < R
-        n = tl.load(used + rows, mask=ok, other=0)  # [RPP]
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, D)
-        real = g < G
-        heads = h * G + g
-        qv = tl.load(q + rows.to(tl.int64)[:, None, None] * sq_r
-                     + heads[None, :, None] * sq_h + d[None, None, :],
-                     mask=ok[:, None, None] & real[None, :, None], other=0.0)  # [RPP, G, D]
-        m_i = tl.full([RPP, BLOCK_G], -float("inf"), tl.float32)
-        l_i = tl.zeros([RPP, BLOCK_G], tl.float32)
-        acc = tl.zeros([RPP, BLOCK_G, D], tl.float32)
-        top = tl.max(n, 0)
-        base = rows.to(tl.int64) * sk_s + h * sk_h  # [RPP]
-        if SHARED:
-            lead = tl.load(leader + rows, mask=ok, other=0)
-            f = tl.minimum(tl.load(first + rows, mask=ok, other=0), n)  # shared positions read
-            same = (tl.max(lead, 0) == tl.min(lead, 0)) & (tl.max(f, 0) == tl.min(f, 0)) & \
-                (c * RPP + RPP <= R)  # every row real, one leader, one shared length
-            F = tl.where(same, tl.max(f, 0) // BLOCK_N * BLOCK_N, 0)
-            base_lead = tl.max(lead, 0).to(tl.int64) * sk_s + h * sk_h
-            if FLAT:  # (1) as one [RPP * BLOCK_G, D] query tile: one plain dot per block
-                q2 = tl.reshape(qv, [RPP * BLOCK_G, D])
-                m2 = tl.full([RPP * BLOCK_G], -float("inf"), tl.float32)
-                l2 = tl.zeros([RPP * BLOCK_G], tl.float32)
-                a2 = tl.zeros([RPP * BLOCK_G, D], tl.float32)
-                for s0 in range(0, F, BLOCK_N):
-                    cols = s0 + tl.arange(0, BLOCK_N)
-                    kt = tl.load(k + base_lead + cols[None, :] * sk_l + d[:, None])  # [D, N]
-                    s = tl.dot(q2, kt, input_precision=PRECISION) * scale
-                    m_new = tl.maximum(m2, tl.max(s, 1))
-                    alpha = tl.exp(m2 - m_new)
-                    p = tl.exp(s - m_new[:, None])
-                    l2 = l2 * alpha + tl.sum(p, 1)
-                    vv = tl.load(v + base_lead + cols[:, None] * sk_l + d[None, :])  # [N, D]
-                    a2 = a2 * alpha[:, None] + tl.dot(p.to(vv.dtype), vv,
-                                                      input_precision=PRECISION)
-                    m2 = m_new
-                m_i = tl.reshape(m2, [RPP, BLOCK_G])
-                l_i = tl.reshape(l2, [RPP, BLOCK_G])
-                acc = tl.reshape(a2, [RPP, BLOCK_G, D])
-            else:
-                for s0 in range(0, F, BLOCK_N):  # (1) whole blocks every row attends, once
-                    cols = s0 + tl.arange(0, BLOCK_N)
-                    kt = tl.load(k + base_lead + cols[None, :] * sk_l + d[:, None])  # [D, N]
-                    s = tl.dot(qv, tl.broadcast_to(kt[None, :, :], [RPP, D, BLOCK_N]),
-                               input_precision=PRECISION) * scale
-                    m_new = tl.maximum(m_i, tl.max(s, 2))
-                    alpha = tl.exp(m_i - m_new)
-                    p = tl.exp(s - m_new[:, :, None])
-                    l_i = l_i * alpha + tl.sum(p, 2)
-                    vv = tl.load(v + base_lead + cols[:, None] * sk_l + d[None, :])  # [N, D]
-                    acc = acc * alpha[:, :, None] + tl.dot(
-                        p.to(vv.dtype), tl.broadcast_to(vv[None, :, :], [RPP, BLOCK_N, D]),
-                        input_precision=PRECISION)
-                    m_i = m_new
-            at_lead = lead.to(tl.int64) * sk_s + h * sk_h  # [RPP]
-            ends = (tl.max(f, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-            for s0 in range(F, ends, BLOCK_N):  # (2) the other shared positions, per row
-                cols = s0 + tl.arange(0, BLOCK_N)
-                live = cols[None, :] < f[:, None]  # [RPP, N]
-                m_i, l_i, acc = rows_block(qv, k, v, at_lead[:, None] + cols[None, :] * sk_l,
-                                           live, d, m_i, l_i, acc, scale, PRECISION)
-            lo = tl.min(tl.where(ok, f, top), 0) // BLOCK_N * BLOCK_N
-        else:
-            f = tl.zeros([RPP], tl.int32)
-            lo = 0
-        for s0 in range(lo, top, BLOCK_N):  # (3) each row's own positions, masked at its length
-            cols = s0 + tl.arange(0, BLOCK_N)
-            live = (cols[None, :] >= f[:, None]) & (cols[None, :] < n[:, None])  # [RPP, N]
-            m_i, l_i, acc = rows_block(qv, k, v, base[:, None] + cols[None, :] * sk_l, live, d,
-                                       m_i, l_i, acc, scale, PRECISION)
-        some = l_i > 0
-        o = acc / tl.where(some, l_i, 1.0)[:, :, None]
-        tl.store(out + rows.to(tl.int64)[:, None, None] * so_r + heads[None, :, None] * so_h
-                 + d[None, None, :], o.to(out.dtype.element_ty),
-                 mask=ok[:, None, None] & real[None, :, None])
-
-    return attention_split_kernel, attention_merge_kernel, attention_rows_kernel
+    return attention_split_kernel, attention_merge_kernel
 
 
 def refusal(device: torch.device, head_dim: int) -> str | None:
@@ -288,73 +155,45 @@ def splits_for(rows: int, kv: int, length: int, block_n: int = BLOCK_N,
     return -(-length // per), per
 
 
-def rows_for(q, k_cache, splits: int) -> int:
-    """Rows per program of the rows kernel for this launch, or 0 for the split kernel: the rows
-    kernel where the split kernel would take one split (enough rows to fill the GPU), the cache
-    is in 2-byte floats and a program's state fits (at most 16 query heads a kv head, D <= 128)."""
-    R, heads, D = q.shape
-    G = heads // k_cache.shape[1]
-    fits = k_cache.element_size() == 2 and G <= 16 and D <= 128
-    return ROWS if splits == 1 and fits and R * k_cache.shape[1] >= TARGET_PROGRAMS else 0
-
-
-def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int | None = None,
+def decode(q, k_cache, v_cache, used, length: int, scale: float, block_n: int = BLOCK_N,
            splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-           shared: tuple | None = None, rows: int | None = None, flat: bool = True):
+           shared: tuple | None = None):
     """q [R, heads, D] of one new token per row (D contiguous); the cache [S, kv, L, D] of which
     row r reads its first used[r] positions (1 <= used[r] <= length <= L; rows are slots
-    [0, R)). Returns [R, heads * D] in q's dtype.
-
-    ``rows``: the rows kernel with this many rows a program (a power of two), 0 for the split
-    kernel, None to choose (rows_for). ``splits`` overrides the split kernel's choice
-    (splits_for); it, block_n (default ROWS_BLOCK_N for the rows kernel, BLOCK_N for the split
-    kernel), num_warps, num_stages and flat are the benchmark's knobs
-    (benchmarks/decode_attention.py). ``flat`` (the rows kernel with shared prompts, on by
-    default): the prompt's whole blocks multiply the rows' queries as one tile of rows x BLOCK_G
-    query rows, one plain dot per block; off, a batched dot over the block broadcast to each row.
+    [0, R)). Returns [R, heads * D] in q's dtype. ``splits`` overrides the choice of splits_for;
+    it, block_n, num_warps and num_stages are the benchmark's knobs
+    (benchmarks/decode_attention.py).
 
     ``shared``: (first, leader) int32 [>= R] (share_tables) for rows whose caches begin with the
     same bits (the samples of one prompt): row r reads its first first[r] positions from row
-    leader[r]'s cache (the same bits, at addresses the whole group shares) and the rest from its
-    own. The split kernel reads them per row (found in L2 by the group's programs); the rows
-    kernel reads them once for a program's rows where all of them share one leader and length."""
+    leader[r]'s cache (the same bits, at addresses the whole group shares, found in L2 by the
+    group's programs) and the rest from its own."""
     R, heads, D = q.shape
     kv = k_cache.shape[1]
     G = heads // kv
     assert v_cache.stride() == k_cache.stride(), "k and v caches share one layout"
-    out = torch.empty(R, heads, D, dtype=q.dtype, device=q.device)
-    split_kernel, merge_kernel, rows_kernel = _kernels()
-    used = used.to(torch.int32)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding
-    first, leader = shared if shared is not None else (used, used)  # unused without shared
-    block_g = max(16, 1 << (G - 1).bit_length())
-    if rows is None:
-        rows = rows_for(q, k_cache, splits_for(R, kv, length, BLOCK_N, splits)[0])
-    if rows:
-        rows_kernel[(-(-R // rows), kv)](
-            q, k_cache, v_cache, used, out, first, leader, scale, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-            out.stride(1), G, R, RPP=rows, BLOCK_G=block_g, BLOCK_N=block_n or ROWS_BLOCK_N,
-            D=D, SHARED=shared is not None, PRECISION=precision, FLAT=flat, num_warps=num_warps,
-            num_stages=num_stages)
-        return out.view(R, heads * D)
-    block_n = block_n or BLOCK_N
     splits, per = splits_for(R, kv, length, block_n, splits)
+    out = torch.empty(R, heads, D, dtype=q.dtype, device=q.device)
     direct = splits == 1
     if direct:
         part_o = part_l = out  # unused
     else:
         part_o = torch.empty(R, heads, splits, D, dtype=torch.float32, device=q.device)
         part_l = torch.empty(R, heads, splits, dtype=torch.float32, device=q.device)
-    split_kernel[(R, kv, splits)](
+    attention_split_kernel, attention_merge_kernel = _kernels()
+    used = used.to(torch.int32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding
+    first, leader = shared if shared is not None else (used, used)  # unused without shared
+    attention_split_kernel[(R, kv, splits)](
         q, k_cache, v_cache, used, out, part_o, part_l, first, leader, scale, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-        out.stride(1), G, kv, splits, per, BLOCK_G=block_g, BLOCK_N=block_n, D=D,
-        DIRECT=direct, SHARED=shared is not None, PRECISION=precision, num_warps=num_warps,
-        num_stages=num_stages)
+        out.stride(1), G, kv, splits, per, BLOCK_G=max(16, 1 << (G - 1).bit_length()),
+        BLOCK_N=block_n, D=D, DIRECT=direct, SHARED=shared is not None, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages)
     if not direct:
-        merge_kernel[(R, heads)](part_o, part_l, out, out.stride(0), out.stride(1), heads, splits,
-                                 SP=max(2, 1 << (splits - 1).bit_length()), D=D)
+        attention_merge_kernel[(R, heads)](part_o, part_l, out, out.stride(0), out.stride(1),
+                                           heads, splits,
+                                           SP=max(2, 1 << (splits - 1).bit_length()), D=D)
     return out.view(R, heads * D)
 
 

@@ -364,62 +364,13 @@ def test_triton_decode_attention_with_shared_prompts_on_cuda(splits):
                                                     splits=splits).view(R, heads, D))
 
 
-@pytest.mark.parametrize("rows", [2, 4])
-def test_triton_rows_kernel_with_shared_prompts_on_cuda(rows):
-    """The rows kernel (attention_kernel.decode with ``rows``: neighbouring rows a program, in
-    lockstep) on the GPU, bf16, the 1.5B shape's heads: two groups of 8 rows on 256 positions
-    in neighbouring slots (the decode loop's layout), a group of 13 on 200 positions starting
-    mid-program, rows in no group, a last program past R. Equal to a float64 softmax(q k^T /
-    sqrt(D)) v within bf16 rounding, with positions past each row's length poisoned, without
-    and with ``shared`` (then the prompt positions of every row but each group's first
-    poisoned too: a program whose rows all share reads the prompt's whole blocks once from the
-    leader, the rest from each row's leader). At 512 rows of this shape rows_for picks it."""
-    from fsdpfn.rollout import attention_kernel
-
-    R, S, kv, heads, L, D = 62, 64, 2, 12, 1280, 128
-    g, q, k, v = _attention_case(2, R, S, kv, heads, L, D)
-    groups = [(256, list(range(0, 8))), (256, list(range(8, 16))), (200, list(range(18, 31)))]
-    used = torch.randint(300, L + 1, (R,), generator=g, device="cuda")
-    for length, ids in groups:
-        k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
-            v[ids[0], :, :length]
-    past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
-    want = _float64_attention(q, k[:R], v[:R], past)
-    k[:R].masked_fill_(past[..., None], float("nan"))
-    v[:R].masked_fill_(past[..., None], float("nan"))
-    own = attention_kernel.decode(q, k, v, used, L, D ** -0.5, rows=rows).view(R, heads, D)
-    assert not own.isnan().any()
-    torch.testing.assert_close(own.double(), want, atol=2e-2, rtol=2e-2)
-    tables = attention_kernel.share_tables(groups, S, "cuda")
-    for length, ids in groups:  # only each group's first row's prompt positions are read
-        k[ids[1:], :, :length], v[ids[1:], :, :length] = float("nan"), float("nan")
-    got = attention_kernel.decode(q, k, v, used, L, D ** -0.5, rows=rows,
-                                  shared=tables).view(R, heads, D)
-    assert not got.isnan().any()
-    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
-    # as close to the float64 result as without sharing (the same bits read, other blocks)
-    assert (got.double() - want).abs().max() <= 1.5 * (own.double() - want).abs().max() + 1e-3
-    assert attention_kernel.rows_for(torch.empty(512, heads, D, dtype=torch.bfloat16),
-                                     k, 1) == attention_kernel.ROWS
-
-
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kernel", ["split", "rows"])
-def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir, kernel, monkeypatch):
+def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
     """The server's default loop reads each prompt's KV once for its samples (prompts of 200
     tokens, 4 samples each): its log-probs are as close to forward_logp as the same loop's
-    without sharing (--no-decode-share-prefix), and the steps did run shared. With "rows" the
-    attention's fill target is lowered so that the loop's 64 rows take the rows kernel, as 512
-    rows of the 1.5B shape do."""
+    without sharing (--no-decode-share-prefix), and the steps did run shared."""
     import fsdpfn as ff
-    from fsdpfn.rollout import RolloutEngine, attention_kernel
-
-    picked = []
-    if kernel == "rows":
-        monkeypatch.setattr(attention_kernel, "TARGET_PROGRAMS", 32)
-        rows_for = attention_kernel.rows_for
-        monkeypatch.setattr(attention_kernel, "rows_for",
-                            lambda *a: picked.append(rows_for(*a)) or picked[-1])
+    from fsdpfn.rollout import RolloutEngine
 
     prompts = _prompts(6, 200, seed=8)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cuda")
@@ -434,7 +385,6 @@ def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir, kernel
     print(f"\nshared prompts: log-prob gaps to forward_logp (max, mean): {gaps}")
     assert stats[True]["shared_steps"] == stats[True]["steps"] > 0, stats
     assert stats[False]["shared_steps"] == 0, stats
-    assert (kernel == "rows") == (attention_kernel.ROWS in picked), picked
     (s_max, s_mean), (p_max, p_mean) = gaps[True], gaps[False]
     assert s_mean < max(BF16_MEAN, 1.5 * p_mean) and s_max < max(BF16_MAX, 1.5 * p_max), gaps
 

@@ -499,48 +499,6 @@ for kv, heads in ((2, 6), (1, 4)):
         own = attention_kernel.decode(q, k, v, used, L2, 0.3, block_n=16, splits=splits)
         assert torch.equal(got, own)
 
-# the rows kernel (rows a program in lockstep): equal to the float64 reference for 1, 2 and 4
-# rows a program, rows past R in the last program, lengths off the block edges; with shared
-# prompts and the other rows' copies of them poisoned: a program whose rows share one leader
-# and length (rows 0-3 at a block edge, 4-7 off it), a program of rows from a group and from
-# none (8-11, row 11 shorter than its shared length), groups across programs for 2 rows a
-# program, a lone row (12) in a program with rows past R
-S3, R3, L3 = 16, 13, 48
-for kv, heads in ((2, 6), (1, 4)):
-    q = torch.randn(R3, heads, D, generator=g)
-    k, v = torch.randn(2, S3, kv, L3, D, generator=g)
-    groups = [(32, [0, 1, 2, 3]), (37, [4, 5, 6, 7]), (20, [9, 10, 11])]
-    used = torch.tensor([40, 48, 33, 45, 37, 48, 44, 39, 1, 30, 21, 15, 26])
-    for length, ids in groups:
-        for r in ids[1:]:
-            k[r, :, :length], v[r, :, :length] = k[ids[0], :, :length], v[ids[0], :, :length]
-    want = torch.empty(R3, heads, D, dtype=torch.float64)
-    for r in range(R3):
-        for h in range(heads):
-            kr = k[r, h * kv // heads, :used[r]].double()
-            vr = v[r, h * kv // heads, :used[r]].double()
-            want[r, h] = torch.softmax(q[r, h].double() @ kr.T * 0.3, -1) @ vr
-    for r in range(R3):  # no position at or past a row's length is read
-        k[r, :, used[r]:], v[r, :, used[r]:] = float("nan"), float("nan")
-    tables = attention_kernel.share_tables(groups, S3, "cpu")
-    k3, v3 = k.clone(), v.clone()
-    for length, ids in groups:  # only each group's first row's prompt positions are read
-        k3[ids[1:], :, :length], v3[ids[1:], :, :length] = float("nan"), float("nan")
-    for rows in (1, 2, 4):
-        own = attention_kernel.decode(q, k, v, used, L3, 0.3, block_n=16, rows=rows)
-        torch.testing.assert_close(own.view(R3, heads, D).double(), want, atol=1e-5, rtol=1e-5)
-        for flat in (False, True):
-            got = attention_kernel.decode(q, k3, v3, used, L3, 0.3, block_n=16, rows=rows,
-                                          shared=tables, flat=flat)
-            torch.testing.assert_close(got.view(R3, heads, D).double(), want, atol=1e-5,
-                                       rtol=1e-5)
-assert attention_kernel.rows_for(torch.empty(512, 12, 128, dtype=torch.bfloat16),
-                                 torch.empty(1, 2, 8, 128, dtype=torch.bfloat16), 1) == 4
-assert attention_kernel.rows_for(torch.empty(512, 12, 128, dtype=torch.float32),
-                                 torch.empty(1, 2, 8, 128), 1) == 0
-assert attention_kernel.rows_for(torch.empty(256, 12, 128, dtype=torch.bfloat16),
-                                 torch.empty(1, 2, 8, 128, dtype=torch.bfloat16), 2) == 0
-
 # the whole decode step with it equals the masked-SDPA step (logits and the KV written)
 torch.manual_seed(0)
 from transformers import AutoModelForCausalLM
