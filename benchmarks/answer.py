@@ -3,6 +3,7 @@ packed one (fsdpfn/rollout/packing.py), through a real server process.
 
     python benchmarks/answer.py                     # CPU, a tiny model, 512 rows x 480 tokens
     python benchmarks/answer.py --device cuda --rows 512 --new 1024 --max-len 1280
+    python benchmarks/answer.py --parts --rows 512 --new 1024   # the packed answer's parts
 
 The model is tiny on purpose: the answer's size depends on the tokens, not on the model. Each
 format runs --repeats times, alternating. Per run: the wall of one batched request as the
@@ -39,7 +40,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=480, help="new tokens per row")
     p.add_argument("--max-len", type=int, default=512, help="the server's --decode-max-len")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--parts", action="store_true",
+                   help="no server: time each part of the packed answer's path in this process")
     args = p.parse_args()
+    if args.parts:
+        return parts(args.rows, args.new, args.repeats)
     config = tiny_qwen2_config()
     config.max_position_embeddings = max(config.max_position_embeddings, args.max_len)
     path = save_tiny_model(tempfile.mkdtemp(prefix="fsdpfn-answer-") + "/tiny", config, seed=0)
@@ -73,6 +78,42 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     print(f"# {args.device}, {os.cpu_count()} CPUs: {args.rows} rows x {args.new} new tokens")
     print_markdown_table(table, ("return_format", "tokens"))
+
+
+def parts(rows: int, new: int, repeats: int) -> None:
+    """Each step of the packed answer's path outside the decode steps, on rows x new tokens of
+    one weight version, best of ``repeats`` + 2, in this process: the server's device tensors to
+    lists (Decoder._collect), the per-row dicts (Decoder._deliver), packing.pack, the JSON
+    written and read, packing.unpack (the client)."""
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, 151936, (rows, new), generator=g, dtype=torch.int64)
+    lp = -torch.rand(rows, new, generator=g) * 10
+    table, keep = [], {}
+
+    def timed(name, fn):
+        best = float("inf")
+        for _ in range(repeats + 2):
+            clock = time.perf_counter()
+            keep[name] = fn()
+            best = min(best, time.perf_counter() - clock)
+        table.append({"part": name, "ms": f"{best * 1e3:.1f}"})
+        return keep[name]
+
+    toks = timed("ids to lists (tolist)", lambda: tok.tolist())
+    lps = timed("log-probs to lists (tolist)", lambda: lp.tolist())
+    outputs = timed("the rows' dicts", lambda: [
+        {"prompt_index": r // 8, "output_ids": toks[r], "output_logprobs": lps[r],
+         "finish_reason": "length", "weight_versions": [0] * new} for r in range(rows)])
+    packed = timed("packing.pack", lambda: packing.pack({"weight_version": 0,
+                                                         "outputs": outputs}))
+    body = timed("json.dumps (the server's body)", lambda: json.dumps(packed).encode())
+    read = timed("json.loads (the client)", lambda: json.loads(body))
+    plain = timed("packing.unpack (the client)", lambda: packing.unpack(read))
+    assert [o["output_ids"] for o in plain["outputs"]] == toks
+    total = sum(float(r["ms"]) for r in table)
+    table.append({"part": "total", "ms": f"{total:.1f}"})
+    print(f"# {os.cpu_count()} CPUs: {rows} rows x {new} new tokens, {len(body) / 1e6:.1f} MB")
+    print_markdown_table(table, ("part",))
 
 
 if __name__ == "__main__":
