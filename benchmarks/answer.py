@@ -82,38 +82,43 @@ def main() -> None:
 
 def parts(rows: int, new: int, repeats: int) -> None:
     """Each step of the packed answer's path outside the decode steps, on rows x new tokens of
-    one weight version, best of ``repeats`` + 2, in this process: the server's device tensors to
-    lists (as Decoder._collect does), the per-row dicts (as Decoder._deliver builds them),
-    packing.pack, the JSON
-    written and read, packing.unpack (the client)."""
+    one weight version, best of ``repeats`` + 2, in this process: the per-row dicts of the
+    decode loop's tensor rows (as Decoder._deliver builds them), packing.pack from those
+    tensors, the JSON written and read, packing.unpack (the client). Beside the total: the
+    server's path before it packed tensors (tolist, then pack from lists)."""
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, 151936, (rows, new), generator=g, dtype=torch.int64)
     lp = -torch.rand(rows, new, generator=g) * 10
     table, total = [], 0.0
 
-    def timed(name, fn):
+    def timed(name, fn, counted=True):
         nonlocal total
         best = float("inf")
         for _ in range(repeats + 2):
             clock = time.perf_counter()
             out = fn()
             best = min(best, time.perf_counter() - clock)
-        total += best
+        total += best if counted else 0.0
         table.append({"part": name, "ms": f"{best * 1e3:.1f}"})
         return out
 
-    toks = timed("ids to lists (tolist)", lambda: tok.tolist())
-    lps = timed("log-probs to lists (tolist)", lambda: lp.tolist())
-    outputs = timed("the rows' dicts (as Decoder._deliver builds them)", lambda: [
-        {"prompt_index": r // 8, "output_ids": toks[r], "output_logprobs": lps[r],
-         "finish_reason": "length", "weight_versions": [0] * new} for r in range(rows)])
-    packed = timed("packing.pack", lambda: packing.pack({"weight_version": 0,
-                                                         "outputs": outputs}))
+    def dicts(toks, lps):
+        return [{"prompt_index": r // 8, "output_ids": toks[r], "output_logprobs": lps[r],
+                 "finish_reason": "length", "weight_versions": [0] * new} for r in range(rows)]
+
+    outputs = timed("the rows' dicts (tensor rows, as Decoder._deliver builds them)",
+                    lambda: dicts(tok, lp))
+    packed = timed("packing.pack (from the tensors)",
+                   lambda: packing.pack({"weight_version": 0, "outputs": outputs}))
     body = timed("json.dumps (the server's body)", lambda: json.dumps(packed).encode())
     read = timed("json.loads (the client)", lambda: json.loads(body))
     plain = timed("packing.unpack (the client)", lambda: packing.unpack(read))
-    assert [o["output_ids"] for o in plain["outputs"]] == toks
+    assert [o["output_ids"] for o in plain["outputs"]] == tok.tolist()
     table.append({"part": "total", "ms": f"{total * 1e3:.1f}"})
+    before = timed("(before: tolist, the rows' dicts of lists, pack from lists; not in the "
+                   "total)", lambda: packing.pack({"weight_version": 0, "outputs": dicts(
+                       tok.tolist(), lp.tolist())}), counted=False)
+    assert before == packed
     print(f"# {os.cpu_count()} CPUs: {rows} rows x {new} new tokens, {len(body) / 1e6:.1f} MB")
     print_markdown_table(table, ("part",))
 

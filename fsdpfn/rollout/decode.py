@@ -169,7 +169,9 @@ class Decoder:
 
     def generate(self, prompts: list[list[int]], sp) -> list[dict]:
         """n outputs per prompt, prompt-major: {prompt_index, output_ids, output_logprobs,
-        finish_reason, weight_versions}. Blocks until every row is done."""
+        finish_reason, weight_versions}, the ids (int64) and log-probs (float32) as CPU tensors,
+        one row each (RolloutEngine.generate makes them lists, or packs them as they are).
+        Blocks until every row is done."""
         request = _Request(prompts, sp)
         with self.cond:
             if self.thread is None:
@@ -203,7 +205,7 @@ class Decoder:
             self._deliver(finished)
             time.sleep(0)  # let a waiting weight swap take the lock between chunks
 
-    def _iteration(self) -> list[tuple[_Slot, list, list, bool]]:
+    def _iteration(self) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, bool]]:
         """Admit queued rows, run a chunk of steps, read which rows ended (model lock held)."""
         version = self.version()
         key = tuple(p.data_ptr() for p in self.params)
@@ -241,7 +243,7 @@ class Decoder:
         self.step_seconds += time.perf_counter() - clock
         return finished
 
-    def _collect(self, live: list[int]) -> list[tuple[_Slot, list, list, bool]]:
+    def _collect(self, live: list[int]) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, bool]]:
         st = self.state
         flags = torch.stack([st.active.long(), st.gen, st.stopped.long()])[:, :max(live) + 1]
         active, gen, stopped = flags.cpu().tolist()
@@ -252,8 +254,8 @@ class Decoder:
             return []
         width = max(gen[s] for s in ended)
         index = torch.tensor(ended, device=st.tok.device)
-        toks = st.out_tok[index, :width].cpu().tolist()
-        lps = st.out_lp[index, :width].cpu().tolist()
+        toks = st.out_tok[index, :width].cpu()  # one read each; rows stay tensors (views)
+        lps = st.out_lp[index, :width].cpu()
         out = []
         for i, s in enumerate(ended):
             out.append((self.table[s], toks[i][:gen[s]], lps[i][:gen[s]], bool(stopped[s])))

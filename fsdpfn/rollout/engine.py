@@ -71,7 +71,8 @@ def _placeholder_model(model_path: str, kwargs: dict, device: torch.device):
 
 class RolloutEngine:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
-                 load_format: str = "auto", weight_version: int = 0, max_pause_s: float = 600.0, decode: str = "auto",
+                 load_format: str = "auto", weight_version: int = 0, max_pause_s: float = 600.0,
+                 decode: str = "auto",
                  decode_rows: int | None = None, decode_max_len: int = 2048,
                  cuda_graphs: bool = True, fused_kernels: bool = True,
                  decode_attention: str = "auto", decode_compile: bool = False,
@@ -215,14 +216,17 @@ class RolloutEngine:
         return out
 
     def generate(self, input_ids: list, sampling: SamplingParams, *,
-                 top_logprobs: int = 0) -> dict:
+                 top_logprobs: int = 0, lists: bool = True) -> dict:
         """Returns {"weight_version", "outputs": [{"prompt_index", "output_ids",
         "output_logprobs", "finish_reason" ("stop" | "length"), "matched" (the stop token id or
         stop string, when "stop"), "weight_versions", "output_top_logprobs" (with
         ``top_logprobs`` > 0: per token, [[logprob, token_id], ...] best first)}]}, n outputs
         per prompt, prompt-major. ``weight_versions``: the weights version that produced each
         token; ``weight_version``: the oldest of them (the only one unless weights were swapped
-        while the request ran in the decode loop, which swaps between steps)."""
+        while the request ran in the decode loop, which swaps between steps). ``lists=False``:
+        the decode loop's ids and log-probs stay as it read them, a CPU tensor a row (int64,
+        float32), for packing them as bytes without lists in between (the server's packed
+        answer, fsdpfn/rollout/packing.py); HF generate's are lists either way."""
         prompts = self._check_ids(input_ids, "input_ids")
         if sampling.stop and self.tokenizer is None:
             raise UpdateError("sampling_params.stop: stop strings need a tokenizer, and the "
@@ -246,6 +250,10 @@ class RolloutEngine:
         finally:
             self._leave_generation()
         for o in outputs:
+            if lists or sampling.stop:  # stop strings are matched on lists
+                for key in ("output_ids", "output_logprobs"):
+                    if not isinstance(o[key], list):
+                        o[key] = o[key].tolist()
             self._finish(o, sampling)
         return {"weight_version": version, "outputs": outputs}
 
@@ -253,7 +261,7 @@ class RolloutEngine:
         """Cut an output at its first stop string (stop strings are matched on the finished
         tokens, on both generation paths); name what stopped it."""
         if o["finish_reason"] == "stop":
-            o["matched"] = o["output_ids"][-1]
+            o["matched"] = int(o["output_ids"][-1])
         hit = find_stop(o["output_ids"], self.tokenizer.decode, sp.stop,
                         sp.min_new_tokens) if sp.stop else None
         if hit is not None and (hit[0] < len(o["output_ids"]) or o["finish_reason"] != "stop"):

@@ -4,7 +4,8 @@
 Why: at 512 rows x 1,024 new tokens the plain answer is 16 MB of JSON (each log-prob a 17-digit
 decimal), and writing it on the server and reading it in the trainer took about 0.7 s on a 2-core
 CPU, a tenth of the rollout's wall time (BENCHMARKS.md, "Decode loop"). Packed, the answer is
-5.6 MB and both ends take about 0.2 s.
+5.6 MB and both ends take about 0.2 s; from the decode loop's tensor rows (RolloutEngine.generate
+with ``lists=False``) the server's part is about 18 ms, the client's unpack about 80.
 
 Layout: ``output_ids`` (int32) and ``output_logprobs`` (float32) of every output, concatenated
 in order, each little-endian and base64-encoded; each output keeps its other keys and gives its
@@ -24,8 +25,19 @@ __all__ = ["pack", "unpack", "PACKED"]
 PACKED = ("output_ids", "output_logprobs", "weight_versions")
 
 
-def _b64(values, code: str) -> str:
-    data = array(code, values)
+def _b64(rows: list, code: str) -> str:
+    """The rows (lists, or the decode loop's CPU tensors) end to end as little-endian int32
+    ("i") or float32 ("f"), base64-encoded. Tensors are written from their own bytes, with no
+    list in between (about 1 ms for 512 x 1,024 values, against about 50 through lists)."""
+    if rows and sys.byteorder == "little" and all(hasattr(r, "numpy") for r in rows):
+        import torch
+
+        flat = torch.cat([r.reshape(-1) for r in rows])
+        flat = flat.to(torch.int32 if code == "i" else torch.float32)
+        return base64.b64encode(flat.numpy().tobytes()).decode("ascii")
+    data = array(code)
+    for r in rows:
+        data.extend(r if isinstance(r, list) else r.tolist())
     if sys.byteorder == "big":
         data.byteswap()
     return base64.b64encode(data.tobytes()).decode("ascii")
@@ -48,11 +60,12 @@ def _runs(values: list) -> list:
 
 
 def pack(answer: dict) -> dict:
-    """{weight_version, outputs: [...]} (fsdpfn's answer) -> its packed form."""
+    """{weight_version, outputs: [...]} (fsdpfn's answer, its ids and log-probs lists or CPU
+    tensors, RolloutEngine.generate(..., lists=False)) -> its packed form."""
     outputs, ids, logprobs = [], [], []
     for o in answer["outputs"]:
-        ids.extend(o["output_ids"])
-        logprobs.extend(o["output_logprobs"])
+        ids.append(o["output_ids"])
+        logprobs.append(o["output_logprobs"])
         outputs.append({**{k: v for k, v in o.items() if k not in PACKED},
                         "length": len(o["output_ids"]),
                         "weight_versions": _runs(list(o.get("weight_versions") or []))})

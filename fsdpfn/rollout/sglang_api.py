@@ -63,10 +63,12 @@ def generate(engine, payload: dict):
         runs = [([p], _params(engine, s, own)) for p, s in zip(prompts, specs)]
     else:
         runs = [(prompts, _params(engine, specs, own))]
-    answers = [(engine.generate(p, sp, top_logprobs=top_n), sp) for p, sp in runs]
+    packed = payload.get("return_format") == "fsdpfn_packed"  # bytes straight from the tensors
+    answers = [(engine.generate(p, sp, top_logprobs=top_n, lists=not packed), sp)
+               for p, sp in runs]
     if own:
         answer = _own(answers)
-        return packing.pack(answer) if payload["return_format"] == "fsdpfn_packed" else answer
+        return packing.pack(answer) if packed else answer
     items = _sglang(engine, payload, answers, prompts, top_n, time.perf_counter() - start)
     n = runs[0][1].n
     return items[0] if single and n == 1 and len(items) == 1 else items

@@ -39,6 +39,29 @@ def test_packed_answer_through_json_is_the_plain_answer(outputs, version):
         assert all(_f32(x) == x for x in got["output_logprobs"])  # float32 values, exactly
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_output, min_size=1, max_size=6), st.integers(0, 9))
+def test_packing_the_decode_loops_tensors_equals_packing_lists(outputs, version):
+    """The decode loop hands its rows to pack as CPU tensors (int64 ids, float32 log-probs,
+    RolloutEngine.generate(..., lists=False)): the same packed answer as from lists."""
+    import torch
+
+    rows = [{**o, "output_ids": torch.tensor(o["output_ids"], dtype=torch.long),
+             "output_logprobs": torch.tensor(o["output_logprobs"], dtype=torch.float32)}
+            for o in outputs]
+    want = packing.pack({"weight_version": version, "outputs": outputs})
+    assert packing.pack({"weight_version": version, "outputs": rows}) == want
+    # views into one [rows, width] buffer, as the loop reads them
+    if outputs:
+        width = max(len(o["output_ids"]) for o in outputs)
+        ids = torch.zeros(len(outputs), width + 3, dtype=torch.long)
+        for i, o in enumerate(outputs):
+            ids[i, :len(o["output_ids"])] = torch.tensor(o["output_ids"], dtype=torch.long)
+        views = [{**r, "output_ids": ids[i, :len(o["output_ids"])]}
+                 for i, (r, o) in enumerate(zip(rows, outputs))]
+        assert packing.pack({"weight_version": version, "outputs": views}) == want
+
+
 def test_packed_answer_is_smaller_and_keeps_special_floats():
     rows = [{"prompt_index": i // 8, "output_ids": list(range(1000, 2024)),
              "output_logprobs": [_f32(-1.0 / (j + 3)) for j in range(1024)],
@@ -67,10 +90,11 @@ def test_a_malformed_packed_answer_is_refused_by_name():
 
 
 @pytest.mark.timeout(180)
-def test_a_real_server_answers_packed_and_generate_reads_it(tmp_path):
+@pytest.mark.parametrize("decode", ["hf", "loop"])
+def test_a_real_server_answers_packed_and_generate_reads_it(tmp_path, decode):
     """The server process answers "fsdpfn_packed" with bytes, "fsdpfn" with lists, the same
     tokens for the same seed; fsdpfn.rollout.generate returns the plain answer from the packed
-    one."""
+    one. With HF generate and with the decode loop (whose rows are packed from its tensors)."""
     from fsdpfn.rollout import generate, launch_server
     from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
     from fsdpfn.wire.http import call
@@ -79,7 +103,7 @@ def test_a_real_server_answers_packed_and_generate_reads_it(tmp_path):
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     body = {"input_ids": prompts, "return_logprob": True, "sampling_params": {
         "n": 3, "max_new_tokens": 9, "temperature": 1.0, "sampling_seed": 5}}
-    with launch_server(path, device="cpu", threads=1) as server:
+    with launch_server(path, device="cpu", threads=1, extra_args=("--decode", decode)) as server:
         plain = call(server.url, "/generate", {**body, "return_format": "fsdpfn"}, timeout=60)
         packed = call(server.url, "/generate", {**body, "return_format": "fsdpfn_packed"},
                       timeout=60)
