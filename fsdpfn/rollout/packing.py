@@ -28,7 +28,7 @@ PACKED = ("output_ids", "output_logprobs", "weight_versions")
 def _b64(rows: list, code: str) -> str:
     """The rows (lists, or the decode loop's CPU tensors) end to end as little-endian int32
     ("i") or float32 ("f"), base64-encoded. Tensors are written from their own bytes, with no
-    list in between (about 1 ms for 512 x 1,024 values, against about 50 through lists)."""
+    list in between (BENCHMARKS.md, "Decode loop": pack from the loop's tensors)."""
     if rows and sys.byteorder == "little" and all(hasattr(r, "numpy") for r in rows):
         import torch
 

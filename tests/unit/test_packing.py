@@ -52,14 +52,13 @@ def test_packing_the_decode_loops_tensors_equals_packing_lists(outputs, version)
     want = packing.pack({"weight_version": version, "outputs": outputs})
     assert packing.pack({"weight_version": version, "outputs": rows}) == want
     # views into one [rows, width] buffer, as the loop reads them
-    if outputs:
-        width = max(len(o["output_ids"]) for o in outputs)
-        ids = torch.zeros(len(outputs), width + 3, dtype=torch.long)
-        for i, o in enumerate(outputs):
-            ids[i, :len(o["output_ids"])] = torch.tensor(o["output_ids"], dtype=torch.long)
-        views = [{**r, "output_ids": ids[i, :len(o["output_ids"])]}
-                 for i, (r, o) in enumerate(zip(rows, outputs))]
-        assert packing.pack({"weight_version": version, "outputs": views}) == want
+    width = max(len(o["output_ids"]) for o in outputs)
+    ids = torch.zeros(len(outputs), width + 3, dtype=torch.long)
+    for i, o in enumerate(outputs):
+        ids[i, :len(o["output_ids"])] = torch.tensor(o["output_ids"], dtype=torch.long)
+    views = [{**r, "output_ids": ids[i, :len(o["output_ids"])]}
+             for i, (r, o) in enumerate(zip(rows, outputs))]
+    assert packing.pack({"weight_version": version, "outputs": views}) == want
 
 
 def test_packed_answer_is_smaller_and_keeps_special_floats():
