@@ -13,7 +13,8 @@
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
-#   cp      context parallelism at long lengths (two GPUs)
+#   cp      context parallelism at long lengths (two GPUs), and one 524,288-token row of the
+#           7B shape with cp=2
 #   memory  the memory options' cost, the largest shape and the longest row per option, and the
 #           build time of the 7B and 14B shapes from random init and from safetensors
 #   lora    LoRA on the 7B shape and the 32B shape
@@ -95,6 +96,10 @@ push() {
 cp_suite() {
   pair_item cp 300 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
     --cells dp2:65536 cp2:65536 cp2:131072 cp2:262144
+  # the longest row: one 524,288-token sequence of the 7B shape over two GPUs, with the bf16
+  # state and the per-layer step (one step of a few minutes; no forward_logp beside it)
+  pair_item cp_longest 560 torchrun --nproc-per-node 2 benchmarks/cp.py --out "$out/cp.jsonl" \
+    --cells cp2:524288 --sequences 1 --state per_layer_bf16 --no-forward
 }
 
 memory() {
