@@ -2,7 +2,9 @@
 model's own eager forward computes, on two CPU ranks (gloo, float32) under dp and cp, with and
 without activation checkpointing: forward_logp, one sft_step's loss and its update, against HF's
 float32 eager model run here. A state built with compile=True really runs compiled blocks, and
-activation checkpointing still wraps them. tp > 1 is refused on every rank."""
+activation checkpointing still wraps them. With the per-layer optimizer step (the long-row
+recipe's option) the compiled blocks' update is still the model's own. tp > 1 is refused on every
+rank."""
 
 from __future__ import annotations
 
@@ -23,15 +25,17 @@ def batch_of(seed: int = 0):
                               prompt_lens=[3] * len(LENGTHS))
 
 
-def compiled_run(model_dir, cp, checkpointing, batch):
+def compiled_run(model_dir, cp, checkpointing, batch, per_layer=False):
     """forward_logp twice (two packed lengths: the second compiles the dynamic length), then one
     sft_step: (logp, loss, deltas, (blocks compiled, layers), checkpointed block calls) on
     rank 0."""
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, cp=cp), device_type="cpu")
     cfg = ff.EngineConfig(model_path=model_dir, dtype="float32", compile=True,
                           gradient_checkpointing=checkpointing,
+                          fsdp=ff.FSDPConfig(per_layer_optim_step=per_layer),
                           optimizer=ff.OptimizerConfig(**OPT))
     state = ff.shard_model(cfg, mesh)
+    assert type(state.optimizer).__name__ == ("PerLayerAdamW" if per_layer else "AdamW")
     compiled = sum(hasattr(getattr(m.__dict__.get("forward"), "compiled", None),
                            "_torchdynamo_orig_callable")
                    for m in state.model.modules())
@@ -67,6 +71,19 @@ def test_compiled_blocks_equal_the_models_own_forward(family, cp, checkpointing,
     assert (checkpointed >= compiled[1]) if checkpointing else checkpointed == 0, checkpointed
     assert_update_matches(f"{family} cp={cp}", tuple(got),
                           hf_reference_update(dirs[family], batch))
+
+
+@pytest.mark.timeout(600)
+def test_compiled_blocks_with_the_per_layer_step_equal_the_models_own_update(dirs, spmd2):
+    """compile=True beside per_layer_optim_step (each layer's AdamW step run in the backward,
+    its moments in host memory): forward_logp, the loss and every parameter's update equal HF's
+    float32 eager reference on two ranks with checkpointing."""
+    batch = batch_of(seed=1)
+    *got, compiled, _ = spmd2.run(compiled_run, args=(dirs["qwen3"], 1, True, batch),
+                                  kwargs={"per_layer": True}, timeout=500)[0]
+    assert compiled[0] == compiled[1], f"{compiled[0]} blocks compiled of {compiled[1]}"
+    assert_update_matches("qwen3 compile + per_layer", tuple(got),
+                          hf_reference_update(dirs["qwen3"], batch))
 
 
 def build_tp(model_dir):

@@ -7,7 +7,9 @@
   units' state (plus slack);
 * ``fsdp.offload_params``: trains on CUDA with gradient clipping (parameters, gradients and the
   CPU AdamW step on the host), tracks the default run, and a checkpoint round-trips;
-* checkpoints round-trip with the per-layer step, alone and with offload_params.
+* checkpoints round-trip with the per-layer step, alone and with offload_params;
+* compiled blocks (``compile=True``) train with the per-layer step as with the default
+  optimizer: the same losses over three clipped steps, within bf16's rounding.
 
 Skipped without CUDA.
 
@@ -40,11 +42,11 @@ def _model_config() -> dict:
                              num_key_value_heads=2).to_dict()
 
 
-def _state(optimizer_dtype="float32", seed=1, **fsdp):
+def _state(optimizer_dtype="float32", seed=1, compile=False, **fsdp):
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cuda")
     config = ff.EngineConfig(model_config=_model_config(), dtype="bfloat16",
                              optimizer_dtype=optimizer_dtype, optimizer=OPT, seed=seed,
-                             fsdp=ff.FSDPConfig(**fsdp))
+                             compile=compile, fsdp=ff.FSDPConfig(**fsdp))
     return ff.shard_model(config, mesh)
 
 
@@ -126,6 +128,16 @@ def test_per_layer_step_equals_the_default_optimizer_on_cuda(optimizer_dtype):
     # and grad_step trains with it (a fresh state: the steps above ran outside fsdpfn, which
     # the stale-state check refuses by design)
     _train(_state(optimizer_dtype, per_layer_optim_step=True), 2)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_blocks_train_with_the_per_layer_step_on_cuda():
+    plain, plain_losses = _train(_state(compile=True), 3)
+    ours, losses = _train(_state(compile=True, per_layer_optim_step=True), 3)
+    assert type(ours.optimizer).__name__ == "PerLayerAdamW"
+    assert losses[0] == plain_losses[0]  # the same weights and batch: the same first loss
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=2e-3,
+                               atol=0)
 
 
 @pytest.mark.timeout(600)
