@@ -3,8 +3,8 @@ model's own eager forward computes, on two CPU ranks (gloo, float32) under dp an
 without activation checkpointing: forward_logp, one sft_step's loss and its update, against HF's
 float32 eager model run here. A state built with compile=True really runs compiled blocks, and
 activation checkpointing still wraps them. With the per-layer optimizer step (the long-row
-recipe's option) the compiled blocks' update is still the model's own. tp > 1 is refused on every
-rank."""
+recipe's option; the gemma2 case) the compiled blocks' update is still the model's own. tp > 1
+is refused on every rank."""
 
 from __future__ import annotations
 
@@ -60,30 +60,19 @@ def dirs(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family,cp,checkpointing", [("qwen3", 1, False), ("qwen3", 2, True),
-                                                     ("gemma2", 1, True)])
-def test_compiled_blocks_equal_the_models_own_forward(family, cp, checkpointing, dirs, spmd2):
+@pytest.mark.parametrize("family,cp,checkpointing,per_layer", [
+    ("qwen3", 1, False, False), ("qwen3", 2, True, False), ("gemma2", 1, True, True)])
+def test_compiled_blocks_equal_the_models_own_forward(family, cp, checkpointing, per_layer, dirs,
+                                                      spmd2):
     batch = batch_of()
     *got, compiled, checkpointed = spmd2.run(
-        compiled_run, args=(dirs[family], cp, checkpointing, batch), timeout=500)[0]
+        compiled_run, args=(dirs[family], cp, checkpointing, batch),
+        kwargs={"per_layer": per_layer}, timeout=500)[0]
     assert compiled[0] == compiled[1], f"{compiled[0]} blocks compiled of {compiled[1]}"
     # one sft_step: every block checkpointed once per micro-batch, none without checkpointing
     assert (checkpointed >= compiled[1]) if checkpointing else checkpointed == 0, checkpointed
     assert_update_matches(f"{family} cp={cp}", tuple(got),
                           hf_reference_update(dirs[family], batch))
-
-
-@pytest.mark.timeout(600)
-def test_compiled_blocks_with_the_per_layer_step_equal_the_models_own_update(dirs, spmd2):
-    """compile=True beside per_layer_optim_step (each layer's AdamW step run in the backward,
-    its moments in host memory): forward_logp, the loss and every parameter's update equal HF's
-    float32 eager reference on two ranks with checkpointing."""
-    batch = batch_of(seed=1)
-    *got, compiled, _ = spmd2.run(compiled_run, args=(dirs["qwen3"], 1, True, batch),
-                                  kwargs={"per_layer": True}, timeout=500)[0]
-    assert compiled[0] == compiled[1], f"{compiled[0]} blocks compiled of {compiled[1]}"
-    assert_update_matches("qwen3 compile + per_layer", tuple(got),
-                          hf_reference_update(dirs["qwen3"], batch))
 
 
 def build_tp(model_dir):
