@@ -78,13 +78,15 @@ def unpack(packed: dict) -> dict:
     answer raises ValueError naming what does not add up."""
     ids = _unb64(packed["output_ids"], "i")
     logprobs = _unb64(packed["output_logprobs"], "f")
-    total = sum(int(o["length"]) for o in packed["outputs"])
+    lengths = [int(o["length"]) for o in packed["outputs"]]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"packed answer: an output's length must be >= 0, got {min(lengths)}")
+    total = sum(lengths)
     if len(ids) != total or len(logprobs) != total:
         raise ValueError(f"packed answer: {len(ids)} ids and {len(logprobs)} log-probs for "
                          f"outputs of {total} tokens")
     outputs, at = [], 0
-    for o in packed["outputs"]:
-        n = int(o["length"])
+    for o, n in zip(packed["outputs"], lengths):
         versions = []
         for v, count in o.get("weight_versions") or []:
             versions += [v] * count

@@ -86,6 +86,14 @@ def test_a_malformed_packed_answer_is_refused_by_name():
     versions = {**good, "outputs": [{**good["outputs"][0], "weight_versions": [[0, 5]]}]}
     with pytest.raises(ValueError, match="5 weight versions for an output of 2 tokens"):
         packing.unpack(versions)
+    two = packing.pack({"weight_version": 0, "outputs": [
+        {"prompt_index": 0, "output_ids": ids, "output_logprobs": [-1.0] * len(ids),
+         "finish_reason": "length", "weight_versions": [0] * len(ids)}
+        for ids in ([5, 6], [7])]})
+    negative = {**two, "outputs": [{**two["outputs"][0], "length": 4},
+                                   {**two["outputs"][1], "length": -1}]}  # the total still 3
+    with pytest.raises(ValueError, match="length must be >= 0, got -1"):
+        packing.unpack(negative)
 
 
 @pytest.mark.timeout(180)
