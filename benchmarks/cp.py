@@ -17,10 +17,11 @@ sequence; cp=2 gives both ranks both sequences, each rank holding half of every 
 ppo_step seconds (one optimizer step), tokens per second per GPU of the ppo_step, and the peak
 GPU memory of the ppo_step; a layout that runs out of memory is reported as OOM. Random init from
 the config (bf16 compute; ``--state``: fp32 master weights and AdamW state by default, or the
-memory options of benchmarks/memory.py: ``bf16`` optimizer state, the ``per_layer`` optimizer
-step, both), flash varlen attention on CUDA. ``--no-forward`` skips the forward_logp (the
-ppo_step then takes its ratio's denominator from its own forward, ``old_logp_from="forward"``,
-exact at one minibatch), which at 524,288 tokens is minutes of a call.
+memory options of benchmarks/memory.py, by its names: ``bf16`` optimizer state, the
+``per_layer`` optimizer step, both, and the offload options), flash varlen attention on CUDA.
+``--no-forward`` skips the forward_logp (the ppo_step then takes its ratio's denominator from its
+own forward, ``old_logp_from="forward"``, exact at one minibatch), which at 524,288 tokens is
+minutes of a call.
 Prints one Markdown table (rank 0) and appends JSON lines to --out.
 """
 
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdpfn as ff  # noqa: E402
 from _table import print_markdown_table  # noqa: E402 - benchmarks/ is this script's folder
+from memory import OPTIONS as STATES  # noqa: E402 - name -> (optimizer_dtype, FSDPConfig fields)
 from fsdpfn.errors import MicroBatchOOMError  # noqa: E402
 
 QWEN2_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -54,12 +56,6 @@ MODELS = {"7B": QWEN2_7B, "qwen3-1.7B": QWEN3_1_7B}
 SMOKE = dict(QWEN2_7B, vocab_size=4096, hidden_size=256, intermediate_size=512,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 LAYOUTS = {"dp2": dict(dp=2, cp=1), "cp2": dict(dp=1, cp=2)}
-STATES = {  # name -> (optimizer_dtype, FSDPConfig fields), as in benchmarks/memory.py
-    "default": ("float32", {}),
-    "bf16": ("bfloat16", {}),
-    "per_layer": ("float32", {"per_layer_optim_step": True}),
-    "per_layer_bf16": ("bfloat16", {"per_layer_optim_step": True}),
-}
 
 
 def _batch(length: int, vocab: int, sequences: int = 2):
@@ -118,15 +114,15 @@ def measure(layout: str, length: int, model: dict, sequences: int = 2, state_nam
         ppo = ff.PPOConfig()
         if forward:
             batch, fwd_s = _timed(lambda: ff.forward_logp(state, batch, out_key="old_logp"))
+            row["forward_logp s"] = round(fwd_s, 2)
         else:  # one minibatch: the ratio's denominator from the step's own forward, exactly
-            fwd_s = ""
+            row["forward_logp s"] = "skipped"
             ppo = ff.PPOConfig(old_logp_from="forward")
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         (state, _), step_s = _timed(lambda: ff.ppo_step(state, batch, ppo))
         per_gpu = sequences * length / 2  # the global batch's tokens over two GPUs
-        row.update({"forward_logp s": round(fwd_s, 2) if forward else "skipped",
-                    "ppo_step s": round(step_s, 2), "tok/s/GPU": round(per_gpu / step_s),
+        row.update({"ppo_step s": round(step_s, 2), "tok/s/GPU": round(per_gpu / step_s),
                     "peak GiB": _peak_gib(device)})
     except Exception as exc:  # noqa: BLE001 - an OOM is a result of the table
         if not _is_oom(exc):
