@@ -84,7 +84,8 @@ def _batch(rows: int, seq: int, vocab: int):
                       batch_size=[rows])
 
 
-def _engine_config(shape: str, option: str, seq: int, rows: int, prefetch: int):
+def _engine_config(shape: str, option: str, seq: int, rows: int, prefetch: int,
+                   compile: bool = False):
     import fsdpfn as ff
 
     optimizer_dtype, fsdp = OPTIONS[option]
@@ -95,7 +96,7 @@ def _engine_config(shape: str, option: str, seq: int, rows: int, prefetch: int):
     return ff.EngineConfig(model_config=spec, dtype="bfloat16", optimizer_dtype=optimizer_dtype,
                            gradient_checkpointing=True, fsdp=ff.FSDPConfig(**fsdp),
                            mb_spec=ff.MicroBatchSpec(max_tokens_per_mb=max(seq, 16384)),
-                           optimizer=ff.OptimizerConfig(lr=1e-6))
+                           optimizer=ff.OptimizerConfig(lr=1e-6), compile=compile)
 
 
 def trial(spec: dict) -> list[dict]:
@@ -126,7 +127,7 @@ def trial(spec: dict) -> list[dict]:
     reach("build", out)
     try:
         config = _engine_config(spec["shape"], spec["option"], max(seqs), spec["rows"],
-                                spec["prefetch"])
+                                spec["prefetch"], spec.get("compile", False))
         mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type=device)
         state = ff.shard_model(config, mesh)
         build = ff.last_timings(state)["shard_model"]  # random init drawn on the device
@@ -153,6 +154,9 @@ def trial(spec: dict) -> list[dict]:
                 torch.cuda.synchronize()
                 out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GiB, 1)
             seconds = (time.perf_counter() - start) / spec["steps"]
+            last = ff.last_timings(state).get("sft_step", {})  # the last step's split
+            out["split_s"] = {k: round(last[f"time_{k}"], 3)
+                              for k in ("forward", "backward", "optimizer") if f"time_{k}" in last}
             out.update(ok=True, stage="done", s_per_step=round(seconds, 3),
                        tokens_per_s=round(spec["rows"] * seq / seconds),
                        loss=round(float(stats["loss"]), 4))
@@ -211,7 +215,7 @@ def _run_trial(spec: dict, timeout: float) -> list[dict]:
 def _spec(args, shape, option, seqs=None, rows=None) -> dict:
     return dict(shape=shape, option=option, seqs=seqs or [args.seq], rows=rows or args.rows,
                 steps=args.steps, prefetch=args.prefetch, cpu=args.cpu,
-                warmup=not args.no_warmup)
+                warmup=not args.no_warmup, compile=args.compile)
 
 
 def _build_text(result: dict) -> str:
@@ -273,15 +277,17 @@ def cost(args) -> None:
     rows = []
     for option, r in results.items():
         row = {"option": option, "s/step": r.get("s_per_step", ""),
-               "tokens/s": r.get("tokens_per_s", ""), "peak GiB": r.get("peak_GiB", "")}
+               "tokens/s": r.get("tokens_per_s", ""), "peak GiB": r.get("peak_GiB", ""),
+               **{f"{k} s": v for k, v in r.get("split_s", {}).items()}}
         if r["ok"] and base and base["ok"]:
             row["vs default"] = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
         if not r["ok"]:
             row["error"] = f"{r['stage']}: {r['error']}"
         rows.append(row)
     print(f"\n# tokens/s per option, {shape} shape, {args.rows} x {args.seq} tokens per step, "
-          f"{args.steps} timed steps")
-    print_markdown_table(rows, ("option", "s/step", "tokens/s", "vs default", "peak GiB"))
+          f"{args.steps} timed steps{', compile=True' if args.compile else ''}")
+    print_markdown_table(rows, ("option", "s/step", "tokens/s", "vs default", "peak GiB",
+                                "forward s", "backward s", "optimizer s"))
 
 
 def main() -> None:
@@ -301,6 +307,9 @@ def main() -> None:
     parser.add_argument("--max-seq", type=int, default=131072, help="for longest")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per trial")
     parser.add_argument("--cpu", action="store_true", help="a smoke run: tiny model on CPU")
+    parser.add_argument("--compile", action="store_true",
+                        help="EngineConfig.compile: regional compilation of the decoder blocks "
+                             "(its compile falls in the warm-up step)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="no warm-up step: the first timed step includes CUDA's warm-up")
     args = parser.parse_args()
