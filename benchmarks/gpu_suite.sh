@@ -104,6 +104,10 @@ cp_suite() {
 
 memory() {
   item mem_cost 250 python3 benchmarks/memory.py cost --shape 1.5B --steps 2 --timeout 120
+  # compile beside the default and the per-layer step: each timed step's seconds and the graphs
+  # compiled during them (BENCHMARKS, "Memory: cost of each option": a one-off to place)
+  item mem_cost_compile 200 python3 benchmarks/memory.py cost --shape 1.5B --steps 4 \
+    --timeout 90 --options default per_layer --compile
   item mem_largest 300 python3 benchmarks/memory.py largest --shapes 14B \
     --options per_layer_bf16 --steps 1 --timeout 290
   item mem_longest 580 python3 benchmarks/memory.py longest --options default per_layer_bf16 \

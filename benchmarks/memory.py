@@ -147,13 +147,21 @@ def trial(spec: dict) -> list[dict]:
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            graphs = _compiled_graphs()
             start = time.perf_counter()
+            marks = []
             for _ in range(spec["steps"]):
                 state, stats = ff.sft_step(state, batch, ff.SFTConfig())
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                marks.append(time.perf_counter())
             if device == "cuda":
-                torch.cuda.synchronize()
                 out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GiB, 1)
-            seconds = (time.perf_counter() - start) / spec["steps"]
+            seconds = (marks[-1] - start) / spec["steps"]
+            # each timed step's seconds, and the graphs dynamo compiled during them (a step that
+            # recompiles stands out in both)
+            out["steps_s"] = [round(b - a, 3) for a, b in zip([start, *marks], marks)]
+            out["new_graphs"] = _compiled_graphs() - graphs
             last = ff.last_timings(state).get("sft_step", {})  # the last step's split
             out["split_s"] = {k: round(last[f"time_{k}"], 3)
                               for k in ("forward", "backward", "optimizer") if f"time_{k}" in last}
@@ -167,6 +175,13 @@ def trial(spec: dict) -> list[dict]:
         results.append(out)
         note(RESULT + json.dumps(out))
     return results
+
+
+def _compiled_graphs() -> int:
+    """The graphs torch.compile has built in this process so far (0 without compile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 RESULT = "# result "
@@ -278,7 +293,9 @@ def cost(args) -> None:
     for option, r in results.items():
         row = {"option": option, "s/step": r.get("s_per_step", ""),
                "tokens/s": r.get("tokens_per_s", ""), "peak GiB": r.get("peak_GiB", ""),
-               **{f"{k} s": v for k, v in r.get("split_s", {}).items()}}
+               **{f"{k} s": v for k, v in r.get("split_s", {}).items()},
+               "each step s": " ".join(map(str, r.get("steps_s", []))),
+               "graphs compiled in the timed steps": r.get("new_graphs", "")}
         if r["ok"] and base and base["ok"]:
             row["vs default"] = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
         if not r["ok"]:
