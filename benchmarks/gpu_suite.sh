@@ -74,6 +74,8 @@ main() {
 decode() {
   # a fresh machine's first server start, warm-up and capture took over 110 s for one shape
   item rollout 300 python3 benchmarks/rollout.py --no-concurrent --rows 512 1024
+  # shared prompts at prompts of 1,024 tokens, one client and one client per prompt
+  item rollout_long_prompts 300 python3 benchmarks/rollout.py --rows 512 --slots 512 --prompt 1024
   item decode_profile 140 python3 benchmarks/decode_profile.py --rows 512 --new 64
   item decode_attention 60 python3 benchmarks/decode_attention.py
   item decode_attention_equal 60 python3 benchmarks/decode_attention.py --rows 512 --equal 512

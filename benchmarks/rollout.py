@@ -7,9 +7,10 @@ fsdpfn.rollout.generate, and the decode step time against its memory-bandwidth f
     python benchmarks/rollout.py --seeded           # every request seeded, as the RL recipes send
 
 A random Qwen2-1.5B-shaped model in bf16 is served by ``python -m fsdpfn.rollout`` on the GPU.
-Prompts of 256 random tokens, 8 samples each, temperature 1, no stop token. Each shape runs once
-as a warm-up (it captures the CUDA graphs of its shapes: "first wall"), then timed, as one
-batched request and as one client per prompt, all at once (threads). The step time is the
+Prompts of 256 random tokens (``--prompt``), 8 samples each, temperature 1, no stop token. Each
+shape runs as one batched request and as one client per prompt, all at once (threads); each
+mode runs once as a warm-up (it captures the CUDA graphs of the row buckets it passes through:
+"first wall"), then timed. The step time is the
 server's own (decode steps and their seconds, from /get_model_info); the floor is the bytes one
 step must read (all weights, plus the KV cache of every row at its mean context) over the GPU's
 measured copy bandwidth.
@@ -36,7 +37,7 @@ QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                   max_position_embeddings=4096, tie_word_embeddings=True)
 SHAPES = [(64, 512), (256, 512), (512, 1024), (1024, 1024)]  # (rows in flight, new tokens)
-N, PROMPT = 8, 256
+N, PROMPT = 8, 256  # samples a prompt; prompt tokens (--prompt)
 
 
 def build_model(path: str) -> None:
@@ -64,19 +65,20 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return nbytes / best / 1e9
 
 
-def floor_ms(rows: int, new: int, bandwidth: float) -> float:
+def floor_ms(rows: int, new: int, bandwidth: float, prompt: int = PROMPT) -> float:
     c = QWEN2_1_5B
     weights = 2 * (c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * (
         c["hidden_size"] * (c["hidden_size"] + 2 * 256) + c["hidden_size"] ** 2
         + 3 * c["hidden_size"] * c["intermediate_size"]))  # bf16; q 1536, k/v 256 wide
     kv_per_token = 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * 128
-    kv = rows * (PROMPT + new / 2) * kv_per_token
+    kv = rows * (prompt + new / 2) * kv_per_token
     return (weights + kv) / (bandwidth * 1e9) * 1e3
 
 
-def run(url: str, rows: int, new: int, concurrent: bool, seeded: bool = False) -> float:
+def run(url: str, rows: int, new: int, concurrent: bool, seeded: bool = False,
+        prompt: int = PROMPT) -> float:
     g = torch.Generator().manual_seed(rows + new)
-    prompts = torch.randint(0, QWEN2_1_5B["vocab_size"], (rows // N, PROMPT), generator=g).tolist()
+    prompts = torch.randint(0, QWEN2_1_5B["vocab_size"], (rows // N, prompt), generator=g).tolist()
     kwargs = dict(n=N, max_new_tokens=new, temperature=1.0, timeout=3600,
                   seed=rows + new if seeded else None)
     clock = time.perf_counter()
@@ -118,6 +120,7 @@ def main() -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--seeded", action="store_true",
                    help="seed every request (the RL recipes do: reproducible runs)")
+    p.add_argument("--prompt", type=int, default=PROMPT, help="tokens a prompt")
     p.add_argument("--slots", type=int, default=1024,
                    help="the server's --decode-rows (the KV cache's rows; the RL recipes pass "
                         "exactly the rows of a step)")
@@ -130,7 +133,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp)
         extra = ("--decode", args.decode, "--decode-rows", str(args.slots), "--decode-max-len",
-                 str(PROMPT + max(n for _, n in shapes)), "--no-channel")
+                 str(args.prompt + max(n for _, n in shapes)), "--no-channel")
         extra += ("--no-cuda-graphs",) if args.no_cuda_graphs else ()
         extra += ("--fused-kernels",) if args.fused_kernels else ("--no-fused-kernels",)
         extra += ("--decode-attention", args.decode_attention)
@@ -140,10 +143,13 @@ def main() -> None:
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:
-                first = run(server.url, rows, new, False, args.seeded)
                 for concurrent in ([False] if args.no_concurrent else [False, True]):
+                    # a warm-up in the same mode first: it captures the CUDA graphs of the row
+                    # buckets this mode passes through (one client per prompt is admitted over
+                    # several rounds), so the timed run is the steady state a training loop sees
+                    first = run(server.url, rows, new, concurrent, args.seeded, args.prompt)
                     before = server.get("/get_model_info").get("decode_stats") or {}
-                    wall = run(server.url, rows, new, concurrent, args.seeded)
+                    wall = run(server.url, rows, new, concurrent, args.seeded, args.prompt)
                     after = server.get("/get_model_info").get("decode_stats") or {}
                     steps = after.get("steps", 0) - before.get("steps", 0)
                     step_s = after.get("seconds", 0) - before.get("seconds", 0)
@@ -161,7 +167,8 @@ def main() -> None:
                            # (JSON, HTTP), admission bookkeeping, idle waits
                            "prefill (s)": f"{prefill:.2f}",
                            "outside (s)": f"{wall - step_s - prefill:.2f}",
-                           "floor (ms)": f"{floor_ms(rows, new, bandwidth):.2f}",
+                           "prompt": args.prompt,
+                           "floor (ms)": f"{floor_ms(rows, new, bandwidth, args.prompt):.2f}",
                            "graphs": after.get("graphs", "")}
                     table.append(row)
                     print(json.dumps(row), flush=True)
