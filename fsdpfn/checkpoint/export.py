@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, _as_path, _cleanup,
                                      _fsync_dir, _publish, _side_path)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
+
+log = logging.getLogger("fsdpfn")
 
 
 # ---------------------------------------------------------------- HF export
@@ -80,7 +83,25 @@ def _hf_tensors(state: EngineState, full: dict, dtype: torch.dtype) -> dict:
         tensors[name] = value
     if getattr(state.hf_config, "tie_word_embeddings", False) and not state.config.is_critic:
         tensors.pop("lm_head.weight", None)  # tied: HF rebuilds it from embed_tokens
-    return tensors
+    return _checkpoint_names(state.model.lm, tensors)
+
+
+def _checkpoint_names(lm, tensors: dict) -> dict:
+    """``tensors`` under the names ``save_pretrained`` writes: where transformers renames a
+    family's checkpoint names on load (GPT-NeoX's ``embed_out`` is the module ``lm_head``), the
+    export writes the checkpoint's names, as save_pretrained does, so that other loaders
+    (vLLM, SGLang, older transformers) read it too. Unchanged where transformers has no such
+    mapping for the model, or none at all."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without conversion mappings: names are the model's
+        return tensors
+    try:  # transformers' internals, whose behaviour moves between releases
+        return dict(revert_weight_conversion(lm, tensors))
+    except Exception as exc:  # noqa: BLE001 - the model's names: transformers 5 loads them
+        log.warning("export_hf: transformers' reverse name mapping failed (%s: %s); writing "
+                    "the model's own parameter names", type(exc).__name__, exc)
+        return tensors
 
 
 def _write_safetensors(tmp: Path, tensors: dict, max_bytes: int) -> None:

@@ -14,13 +14,16 @@ before the first tensor is copied, and all ranks agree on the verdict: a bad che
 nothing half-loaded and no rank waiting.
 
 Names: the engine's parameter names are HF's, except LoRA's (``.base_layer.`` inserted, the
-adapters' own matrices, drawn like peft's from ``seed``). A tied lm_head that a checkpoint leaves
+adapters' own matrices, drawn like peft's from ``seed``). A checkpoint name that transformers
+renames on load (its conversion mapping: GPT-NeoX's ``embed_out`` is the module ``lm_head``) is
+read under the checkpoint's name. A tied lm_head that a checkpoint leaves
 out takes the embedding; a critic's value head missing from a causal-LM checkpoint starts small
 (N(0, 0.02²) under ``seed``).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -30,6 +33,8 @@ from torch import nn
 from fsdpfn.engine import lora
 from fsdpfn.engine.agree import agree_on_error, is_rank_zero, world_size
 from fsdpfn.errors import ConfigError
+
+log = logging.getLogger("fsdpfn")
 
 __all__ = ["load_weights", "build_skeleton", "restore_buffers", "torch_dtype", "DiskWeights",
            "RandomWeights"]
@@ -227,12 +232,42 @@ def _tied_names(lm: nn.Module) -> tuple[str | None, str | None]:
     return _module_key(lm, head), _module_key(lm, embed)
 
 
-def _source_key(key: str, source, hf_config, tied: tuple = (None, None)) -> str | None:
+def _renamed_sources(lm: nn.Module, source) -> dict[str, str]:
+    """The model's name -> the source's name, for the source names that transformers renames
+    when it loads this model (its checkpoint conversion mapping: GPT-NeoX's ``embed_out.`` is
+    the model's ``lm_head.``, legacy names of other families). Renamings only: a source name
+    that a converter would merge, split or permute is not mapped (the weight is then missing by
+    name, and the error says so). Empty where this transformers has no such mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers without conversion mappings: names are the model's
+        return {}
+    try:  # these helpers are transformers' internals, whose signatures move between releases
+        transforms = get_model_conversion_mapping(lm) or []
+        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        out = {}
+        for name in (source.keys() if renamings else ()):
+            renamed, _ = rename_source_key(name, renamings, [])
+            if renamed != name:
+                out.setdefault(renamed, name)
+        return out
+    except Exception as exc:  # noqa: BLE001 - then the names are the model's, as before
+        log.warning("transformers' checkpoint renamings could not be read (%s: %s); the "
+                    "checkpoint's names must be the model's", type(exc).__name__, exc)
+        return {}
+
+
+def _source_key(key: str, source, hf_config, tied: tuple = (None, None),
+                renamed: dict | None = None) -> str | None:
     """The source's name for the engine's parameter ``key`` (None: drawn here, not read).
-    A tied head that the source leaves out reads the input embedding (``tied``: their names)."""
+    A tied head that the source leaves out reads the input embedding (``tied``: their names);
+    ``renamed``: the names transformers' loader would rename (_renamed_sources)."""
     name = lora.hf_name(key)
     if name in source:
         return name
+    if renamed and name in renamed:
+        return renamed[name]
     head, embed = tied
     if head is not None and name == head and getattr(hf_config, "tie_word_embeddings", False):
         if embed is not None and embed in source:
@@ -249,11 +284,16 @@ def _plan(lm: nn.Module, source, adapters: dict, config, hf_config) -> dict[str,
     Raises ConfigError for a weight the source lacks or has in another shape."""
     plan, missing = {}, []
     tied = _tied_names(lm)
-    for key, target in lm.state_dict(keep_vars=True).items():
+    state = lm.state_dict(keep_vars=True)
+    # transformers' renamings of this family's checkpoint names, where the source's names are
+    # not the model's (read only then: a checkpoint saved from the model needs none)
+    renamed = (_renamed_sources(lm, source) if isinstance(source, DiskWeights) and any(
+        k not in adapters and lora.hf_name(k) not in source for k in state) else None)
+    for key, target in state.items():
         if key in adapters:
             plan[key] = adapters[key]
             continue
-        name = _source_key(key, source, hf_config, tied)
+        name = _source_key(key, source, hf_config, tied, renamed)
         if name is None and config.is_critic and key.startswith("score."):
             gen = torch.Generator().manual_seed(config.seed)
             # a fresh value head: small weights, so initial values are near zero

@@ -173,3 +173,65 @@ def test_guard_leaves_the_callers_random_state_as_it_was():
     torch.manual_seed(0)
     verify_architecture(config)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_checkpoint_whose_names_transformers_renames_on_load_loads_and_equals_its_forward(
+        tmp_path):
+    # GPT-NeoX (Pythia) checkpoints name the head 'embed_out'; transformers 5 builds the module
+    # as 'lm_head' and renames on load. The engine reads the checkpoint's own file, so it must
+    # find the head under the checkpoint's name, and compute the same log-probs as the model
+    # transformers loads from the same directory.
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    spec = _common({"model_type": "gpt_neox", "vocab_size": 131, "rotary_pct": 0.25})
+    config = hf_config_of(spec)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    head = model.get_output_embeddings().weight
+    head_key = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    tensors = {("embed_out.weight" if k == f"{head_key}.weight" else k): v.contiguous()
+               for k, v in model.state_dict().items()}
+    assert "embed_out.weight" in tensors and "lm_head.weight" not in tensors
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp_path)
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(model_path=str(tmp_path), dtype="float32",
+                                           optimizer=None), mesh)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                     attn_implementation="eager")
+    assert torch.equal(reference.get_output_embeddings().weight, head)  # it read embed_out
+    batch = ff.testing.random_batch(3, 30, vocab_size=131, seed=2, min_len=10)
+    with torch.no_grad():
+        ref, _ = hf_reference_logp(reference, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
+    got = ff.forward_logp(state, batch)[K.LOGP]
+    assert float((got - ref).abs().max()) <= 1e-5
+
+
+def test_export_writes_the_names_save_pretrained_writes(tmp_path):
+    # the export of a family whose module names differ from its checkpoint names (GPT-NeoX)
+    # carries the checkpoint's names, as transformers' own save_pretrained does, and reloads
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    spec = _common({"model_type": "gpt_neox", "vocab_size": 131})
+    state = _build(spec)
+    ff.export_hf(state, str(tmp_path / "ours"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32,
+                                                    attn_implementation="eager")
+    # what transformers writes for a model of this config it built itself
+    AutoModelForCausalLM.from_config(hf_config_of(spec)).save_pretrained(str(tmp_path / "theirs"))
+
+    def names(path):
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return sorted(f.keys())
+
+    assert names(tmp_path / "ours") == names(tmp_path / "theirs")
+    batch = ff.testing.random_batch(2, 20, vocab_size=131, seed=1, min_len=8)
+    with torch.no_grad():
+        ref, _ = hf_reference_logp(reloaded, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
+    assert float((ff.forward_logp(state, batch)[K.LOGP] - ref).abs().max()) <= 1e-5
