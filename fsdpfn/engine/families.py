@@ -222,12 +222,25 @@ def _wants_check(verify_model: str, model_type: str) -> bool:
 
 
 def check_model(hf_config, *, verify_model: str, is_critic: bool, device,
-                fused_kernels: bool) -> float | None:
+                fused_kernels: bool, tp: int = 1) -> float | None:
     """Refusals, then (per ``verify_model``) the guard; returns the measured gap, or None when
     the guard did not run. Raises ConfigError naming the model_type and the reason or the gap.
-    Every rank runs the same probe (same seeds), so every rank reaches the same verdict."""
+    Every rank runs the same probe (same seeds), so every rank reaches the same verdict.
+
+    The guard's probe runs the packed forward at tp=1: a family outside VERIFIED (whose tp=2
+    forward the tests compare with the model's own) is refused under ``tp`` > 1 unless
+    ``verify_model`` is 'never'. Its own modules may compute across the width tp splits (a
+    sub-norm over a projection, a weight scale over a whole matrix, paired heads): refused by
+    name rather than computed wrongly or failing inside a step."""
     check_refusals(hf_config, is_critic=is_critic)
     model_type = hf_config.model_type
+    if tp > 1 and verify_model != "never" and model_type not in VERIFIED:
+        raise ConfigError(f"ParallelStrategy.tp: model_type {model_type!r} is outside the "
+                          f"verified families, and the guard checks its forward at tp=1 only; "
+                          f"tensor parallelism is verified for {', '.join(VERIFIED)} (those "
+                          f"with separate projections); use tp=1 (dp and cp work), or "
+                          f"EngineConfig.verify_model='never' to run it at your own risk, got "
+                          f"tp={tp}")
     if not _wants_check(verify_model, model_type):
         return None
     if is_critic:  # a critic head the engine cannot read is refused by check_structure

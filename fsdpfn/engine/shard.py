@@ -245,7 +245,8 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
         hf_config = load_hf_config(config)
         families.check_model(hf_config, verify_model=config.verify_model,
                              is_critic=config.is_critic, device=mesh.device,
-                             fused_kernels=config.fused_kernels and not config.compile)
+                             fused_kernels=config.fused_kernels and not config.compile,
+                             tp=mesh.tp)
         _check_divisibility(hf_config, mesh)
     except ConfigError as exc:
         error = exc

@@ -102,3 +102,20 @@ def test_export_hf_reloads_with_identical_logits(tmp_path, spmd1):
                 input_ids=batch[K.INPUT_IDS],
                 attention_mask=batch[K.ATTENTION_MASK].long()).logits for d in (src, out)]
         torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_an_unverified_family_is_refused_under_tp_on_every_rank(tmp_path, spmd2):
+    # BitNet passes the guard at tp=1 (its forward equals its own), but its sub-norms over the
+    # attention output and the MLP's intermediate width compute across what tp splits: under
+    # tp=2 it failed inside forward_logp. The guard checks tp=1 only, so an unverified family
+    # is refused under tp by name, on every rank, before any weight moves.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdpfn.testing.models import _common
+
+    config = AutoConfig.for_model(**_common({"model_type": "bitnet", "vocab_size": 131}))
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "bitnet"))
+    messages = spmd2.run(build_tp, args=(str(tmp_path / "bitnet"),), timeout=200)
+    assert all(m is not None and m.startswith("ParallelStrategy.tp:") and "'bitnet'" in m
+               and "verify_model='never'" in m and "tp=2" in m for m in messages), messages
