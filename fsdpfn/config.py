@@ -214,7 +214,8 @@ class EngineConfig:
     # engine's packed forward equals the model's own eager forward for a family outside the
     # verified list (a small random instance of the same architecture, float32, two short rows),
     # refusing the model with the gap on disagreement; "always" checks verified families too;
-    # "never" skips the check
+    # "never" skips the check. The check runs at tp=1: under tp > 1 a family outside the
+    # verified list is refused, unless "never"
     verify_model: str = attrs.field(default="unverified",
                                     validator=one_of("unverified", "always", "never"))
     # per-call stage times, peak memory, tokens/s and MFU in the stats (fsdpfn.engine.timing): CUDA
