@@ -21,6 +21,15 @@ from fsdpfn.engine.families import VERIFIED, verify_architecture
 from fsdpfn.testing.models import _common, hf_config_of, hf_reference_logp
 
 
+def assert_equals_its_own_forward(state, model) -> None:
+    """forward_logp of ``state`` equals ``model``'s own forward to 1e-5 on three random rows."""
+    batch = ff.testing.random_batch(3, 30, vocab_size=131, seed=2, min_len=10)
+    with torch.no_grad():
+        ref, _ = hf_reference_logp(model, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
+    got = ff.forward_logp(state, batch)[K.LOGP]
+    assert float((got - ref).abs().max()) <= 1e-5
+
+
 def _build(spec: dict, **kwargs):
     mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
     cfg = ff.EngineConfig(model_config=spec, dtype="float32", optimizer=None, **kwargs)
@@ -119,11 +128,7 @@ def test_guard_lets_a_correct_unlisted_architecture_run_and_says_so(caplog):
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict({k[len("lm."):]: v for k, v in sd.items()})
-    batch = ff.testing.random_batch(3, 30, vocab_size=131, seed=2, min_len=10)
-    with torch.no_grad():
-        ref, _ = hf_reference_logp(model, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
-    got = ff.forward_logp(state, batch)[K.LOGP]
-    assert float((got - ref).abs().max()) <= 1e-5
+    assert_equals_its_own_forward(state, model)
 
 
 def test_guard_runs_on_verified_families_when_asked_always(caplog):
@@ -205,11 +210,7 @@ def test_a_checkpoint_whose_names_transformers_renames_on_load_loads_and_equals_
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
                                                      attn_implementation="eager")
     assert torch.equal(reference.get_output_embeddings().weight, head)  # it read embed_out
-    batch = ff.testing.random_batch(3, 30, vocab_size=131, seed=2, min_len=10)
-    with torch.no_grad():
-        ref, _ = hf_reference_logp(reference, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
-    got = ff.forward_logp(state, batch)[K.LOGP]
-    assert float((got - ref).abs().max()) <= 1e-5
+    assert_equals_its_own_forward(state, reference)
 
 
 def test_export_writes_the_names_save_pretrained_writes(tmp_path):
@@ -231,7 +232,4 @@ def test_export_writes_the_names_save_pretrained_writes(tmp_path):
             return sorted(f.keys())
 
     assert names(tmp_path / "ours") == names(tmp_path / "theirs")
-    batch = ff.testing.random_batch(2, 20, vocab_size=131, seed=1, min_len=8)
-    with torch.no_grad():
-        ref, _ = hf_reference_logp(reloaded, batch[K.INPUT_IDS], batch[K.ATTENTION_MASK])
-    assert float((ff.forward_logp(state, batch)[K.LOGP] - ref).abs().max()) <= 1e-5
+    assert_equals_its_own_forward(state, reloaded)
