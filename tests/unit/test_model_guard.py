@@ -78,8 +78,8 @@ def _register_scaled_family(model_type: str, logit_scale: float):
             q, k, v = (p(hidden_states).view(shape).transpose(1, 2)
                        for p in (self.q_proj, self.k_proj, self.v_proj))
             q, k = ml.apply_rotary_pos_emb(q, k, *position_embeddings)
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                           scaled_eager)
+            name = self.config._attn_implementation  # eager: the scaled function itself
+            attend = scaled_eager if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
             out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
                                   dropout=0.0, logit_scale=logit_scale, **kwargs)
             return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
