@@ -17,7 +17,7 @@
 #           7B shape with cp=2
 #   memory  the memory options' cost, the largest shape and the longest row per option, and the
 #           build time of the 7B and 14B shapes from random init and from safetensors
-#   lora    LoRA on the 7B shape and the 32B shape
+#   lora    LoRA on the 7B shape (with and without compile) and the 32B shape
 # Items that need two GPUs are skipped, with a line in items.txt, on one.
 # Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
 # each item's exit status and seconds. At the end everything but items.txt is packed into
@@ -119,6 +119,9 @@ memory() {
 
 lora() {
   item lora 200 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3 --ac
+  # EngineConfig.compile with LoRA and without, on the 7B shape (the compile in the warm-up)
+  item lora_compile 300 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3 --ac \
+    --modes r16 r16+compile full full+compile
   item lora_large 250 torchrun --nproc-per-node 1 benchmarks/lora.py --model 32B --modes r16 \
     --steps 2 --ac
 }

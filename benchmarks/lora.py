@@ -10,13 +10,14 @@ memory is a row of the table (its error), not a failed run.
 
 A Qwen2-7B-shaped model (hidden 3584, 28 layers, 28/4 heads, MLP 18944, vocabulary 152064),
 randomly initialised (nothing is downloaded), bfloat16 compute, float32 master weights and Adam
-moments for what is trained, FSDP2 over every GPU (``--tp`` for tensor parallelism). For each
-mode (``full``, ``r16``, ``r64``: LoRA of that rank on every linear of the decoder layers, alpha =
-2·rank) it builds the state, runs ``--warmup`` then ``--steps`` sft_step calls on random token
-rows of ``--seq-len`` tokens (``--tokens`` per rank per step), and reports per GPU: the peak
-memory allocated (torch.cuda.max_memory_allocated) over the build and the timed steps, trained
-parameters, and tokens/s of the timed steps (all ranks' tokens over the wall time). Each mode
-frees its state before the next. Never collected by the test suite.
+moments for what is trained, FSDP2 over every GPU (``--tp`` for tensor parallelism). For each mode
+(``full``, ``r16``, ``r64``: LoRA of that rank on every linear of the decoder layers, alpha =
+2·rank; a ``+compile`` suffix, e.g. ``r16+compile``, adds ``EngineConfig.compile``, whose compile
+falls in the warm-up steps) it builds the state, runs ``--warmup`` then ``--steps`` sft_step calls
+on random token rows of ``--seq-len`` tokens (``--tokens`` per rank per step), and reports per GPU:
+the peak memory allocated (torch.cuda.max_memory_allocated) over the build and the timed steps,
+trained parameters, and tokens/s of the timed steps (all ranks' tokens over the wall time). Each
+mode frees its state before the next. Never collected by the test suite.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def _batch(tokens: int, seq_len: int, vocab: int, seed: int) -> TensorDict:
 
 
 def _lora_of(mode: str):
-    if mode == "full":
+    base = mode.removesuffix("+compile")
+    if base == "full":
         return None
-    rank = int(mode.removeprefix("r"))
+    rank = int(base.removeprefix("r"))
     return ff.LoRAConfig(rank=rank, alpha=2.0 * rank)
 
 
@@ -73,6 +75,7 @@ def run_mode(mode: str, args, mesh) -> dict:
     model = dict(base, num_hidden_layers=args.layers or base["num_hidden_layers"])
     cfg = ff.EngineConfig(model_config=model, dtype="bfloat16", optimizer=ff.OptimizerConfig(
         lr=1e-5), lora=_lora_of(mode), gradient_checkpointing=args.ac,
+        compile=mode.endswith("+compile"),
         mb_spec=ff.MicroBatchSpec(max_tokens_per_mb=args.mb_tokens))
     state = ff.shard_model(cfg, mesh)
     trained = sum(p.numel() for g in state.optimizer.param_groups for p in g["params"])
@@ -95,7 +98,8 @@ def run_mode(mode: str, args, mesh) -> dict:
     seconds = time.perf_counter() - t0
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=mesh.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    row = {"mode": mode, "model": args.model, "layers": model["num_hidden_layers"], "gpus": dist.get_world_size(), "tp": args.tp,
+    row = {"mode": mode, "model": args.model, "layers": model["num_hidden_layers"],
+           "gpus": dist.get_world_size(), "tp": args.tp,
            "trained params (M)": round(float(n_trained) / 1e6, 1),
            "build peak GiB": round(build_peak, 2), "peak GiB (max rank)": round(float(peak), 2),
            "tokens/s": round(tokens / seconds), "s/step": round(seconds / args.steps, 3),
