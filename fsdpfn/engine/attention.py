@@ -14,17 +14,26 @@ all-to-all to whole sequences and 1/cp of the heads, this attention, and back).
 The function is registered under the name ``fsdpfn_packed`` in transformers' AttentionInterface; the
 model's ``config._attn_implementation`` is set to it by shard_model. The mask construction of HF is
 bypassed by handing the model a ready 4D mask (see ``packed_attention_mask``).
+
+The pack's boundaries reach the function as keywords (``cu_seq_lens_q`` ...) that the model hands
+each decoder layer and the layer hands its attention. Some families do not pass them on (StableLM's
+and Nemotron's layers, Falcon's model): PackedModel runs the stack inside ``packed_keywords``, and
+the function takes the keywords it was not given from there; activation checkpointing's
+recomputation in the backward sees the same ones (``recompute_context``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import logging
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTN_NAME", "register", "packed_attention_mask", "packed_attention", "varlen_honours"]
+__all__ = ["ATTN_NAME", "register", "packed_attention_mask", "packed_attention", "varlen_honours",
+           "packed_keywords", "pack_keywords", "recompute_context"]
 
 ATTN_NAME = "fsdpfn_packed"
 log = logging.getLogger("fsdpfn")
@@ -108,6 +117,36 @@ def _log_fallback(module, window, softcap) -> None:
                  "runs the exact per-sequence attention instead", key[0], why)
 
 
+# the packed keywords of the running PackedModel call (fsdpfn.engine.packed)
+_PACK_KEYWORDS: contextvars.ContextVar[dict] = contextvars.ContextVar("fsdpfn_pack_keywords",
+                                                                      default={})
+
+
+@contextlib.contextmanager
+def packed_keywords(keywords: dict):
+    """While the decoder stack runs on a pack, the pack's keywords (``cu_seq_lens_q`` ...) are
+    what ``pack_keywords`` fills in, in this thread."""
+    token = _PACK_KEYWORDS.set(keywords)
+    try:
+        yield
+    finally:
+        _PACK_KEYWORDS.reset(token)
+
+
+def recompute_context():
+    """``context_fn`` of activation checkpointing (torch.utils.checkpoint, non-reentrant): the
+    recomputation of a layer in the backward, outside ``packed_keywords``, sees the keywords its
+    forward saw."""
+    return contextlib.nullcontext(), packed_keywords(_PACK_KEYWORDS.get())
+
+
+def pack_keywords(kwargs: dict) -> dict:
+    """``kwargs`` with the packed keywords it lacks taken from the running pack's."""
+    kept = _PACK_KEYWORDS.get()
+    missing = {k: v for k, v in kept.items() if k not in kwargs}
+    return {**missing, **kwargs} if missing else kwargs
+
+
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      sliding_window=None, softcap=None, **kwargs):
     """HF attention-interface function; query [1, Hq, N, D] -> ([1, N, Hq, D], None).
@@ -115,6 +154,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     Honours what HF hands every attention function: ``scaling`` (e.g. Gemma's
     query_pre_attn_scalar), ``sliding_window`` (this layer's window, None on global layers) and
     ``softcap`` (tanh softcapping of the attention logits)."""
+    kwargs = pack_keywords(kwargs)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     allowed = kwargs.get("fsdpfn_varlen", True)  # False: attn_impl="sdpa" asked for SDPA
     window, softcap = _window_arg(sliding_window), (float(softcap) if softcap else None)
@@ -126,8 +166,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         _log_fallback(module, window, softcap)
     if attention_mask is None and cu_seqlens is None:
         raise RuntimeError("fsdpfn_packed attention needs cu_seq_lens_q (the packed "
-                           "sequences' boundaries), which this model's attention layer did not "
-                           "pass on to its attention function")
+                           "sequences' boundaries): called outside a PackedModel's pack")
     if key.shape[1] != query.shape[1]:
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)

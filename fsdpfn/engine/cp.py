@@ -30,7 +30,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from fsdpfn.engine.attention import ATTN_NAME, packed_attention
+from fsdpfn.engine.attention import ATTN_NAME, pack_keywords, packed_attention
 
 __all__ = ["ULYSSES_NAME", "CPSlice", "padded_len", "split_pack", "gather_tokens", "seq_to_heads",
            "heads_to_seq", "replicate_kv", "ulysses_attention", "register", "attn_name"]
@@ -187,6 +187,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """HF attention-interface function: query [1, Hq, n, D] of this cp rank's tokens ->
     ([1, n, Hq, D], None). Needs ``fsdpfn_cp_group`` and the whole pack's ``cu_seq_lens_q``."""
+    kwargs = dict(pack_keywords(kwargs))
     group = kwargs.pop("fsdpfn_cp_group", None)
     if group is None:
         raise RuntimeError(f"{ULYSSES_NAME} attention needs the keyword fsdpfn_cp_group (the cp "

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fsdpfn.engine import cp
-from fsdpfn.engine.attention import packed_attention_mask, varlen_available
+from fsdpfn.engine.attention import packed_attention_mask, packed_keywords, varlen_available
 from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
 from fsdpfn.ops.logprobs import liger_logprobs, vocab_shard_range
 
@@ -64,11 +64,16 @@ class PackedModel(nn.Module):
             input_ids, position_ids, targets = part.input_ids, part.position_ids, part.targets
             cu, max_seqlen, extra = part.cu_seqlens, part.max_seqlen, {
                 "fsdpfn_cp_group": self.cp_group}
-        out = self.base(
-            input_ids=input_ids[None], position_ids=position_ids[None],
-            attention_mask=packed_attention_mask(cu, n, input_ids.device, use_varlen=use_varlen),
-            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen,
-            fsdpfn_varlen=use_varlen, use_cache=False, **extra)
+        keywords = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_seqlen,
+                        max_length_k=max_seqlen, fsdpfn_varlen=use_varlen, **extra)
+        # handed down as keywords, and readable by the attention where a family's model or
+        # layers do not pass them on (fsdpfn.engine.attention.packed_keywords)
+        with packed_keywords(keywords):
+            out = self.base(
+                input_ids=input_ids[None], position_ids=position_ids[None],
+                attention_mask=packed_attention_mask(cu, n, input_ids.device,
+                                                     use_varlen=use_varlen),
+                use_cache=False, **keywords)
         results = self._head(out.last_hidden_state[0], targets, temperature=temperature,
                              with_entropy=with_entropy, chunk_size=chunk_size,
                              full_logits=full_logits)

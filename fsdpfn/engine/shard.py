@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torch import nn
 
-from fsdpfn.engine import cp, families, lora, timing
+from fsdpfn.engine import attention, cp, families, lora, timing
 from fsdpfn.engine.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
@@ -106,8 +106,8 @@ def _check_divisibility(hf_config, mesh: Mesh) -> None:
                           f"(num_attention_heads / tp), got cp={mesh.cp} and "
                           f"num_attention_heads / tp = {heads} / {tp}")
     for name in ("num_attention_heads", "intermediate_size"):
-        value = getattr(hf_config, name)
-        if value % tp:
+        value = getattr(hf_config, name, None)  # Falcon names its MLP width ffn_hidden_size
+        if value is not None and value % tp:
             raise ConfigError(f"ParallelStrategy.tp: must divide the model's {name}, got "
                               f"tp={tp} and {name}={value}")
     vocab = hf_config.vocab_size
@@ -142,7 +142,9 @@ def _disable_dropout(model: nn.Module) -> None:
 def apply_ac(model: nn.Module, config: EngineConfig) -> None:
     """Activation checkpointing of every decoder layer (non-reentrant)."""
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the recomputation sees the packed keywords its layer's forward saw (attention.py)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": attention.recompute_context})
 
 
 def apply_compile(model: nn.Module, config: EngineConfig) -> int:

@@ -41,11 +41,12 @@ def dirs(tmp_path_factory):
                          "gemma", "llama-rope-yarn", "qwen3")}
 
 
-def run_on_ranks(model_dir, tp, cp, batch):
+def run_on_ranks(model_dir, tp, cp, batch, checkpointing=False):
     """forward_logp, then one sft_step: (logp, loss, parameter deltas) on rank 0."""
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=tp, cp=cp), device_type="cpu")
     cfg = ff.EngineConfig(model_path=model_dir, dtype="float32",
-                          optimizer=ff.OptimizerConfig(**OPT))
+                          optimizer=ff.OptimizerConfig(**OPT),
+                          gradient_checkpointing=checkpointing)
     return engine_update(ff.shard_model(cfg, mesh), batch, mesh)
 
 
@@ -60,6 +61,20 @@ def test_tp_and_cp_equal_the_models_own_forward(family, tp, cp, dirs, spmd2):
     got = spmd2.run(run_on_ranks, args=(dirs[family], tp, cp, batch), timeout=400)[0]
     assert_update_matches(f"{family} tp={tp} cp={cp}", got,
                           hf_reference_update(dirs[family], batch))
+
+
+@pytest.mark.timeout(300)
+def test_a_family_whose_layers_drop_the_packed_keywords_is_exact_at_cp2(tmp_path, spmd2):
+    # StableLM's layers call their attention without the pack's keywords; under cp the Ulysses
+    # attention needs them too (the cp group and the whole pack's boundaries), in the forward
+    # and in activation checkpointing's recomputation
+    from fsdpfn.testing.models import _common
+
+    spec = _common({"model_type": "stablelm", "vocab_size": 131, "qk_layernorm": True})
+    path = str(save_family_model(tmp_path / "stablelm", spec, seed=4))
+    batch = family_batch()
+    got = spmd2.run(run_on_ranks, args=(path, 1, 2, batch, True), timeout=200)[0]
+    assert_update_matches("stablelm cp=2 checkpointing", got, hf_reference_update(path, batch))
 
 
 def build_tp(model_dir):

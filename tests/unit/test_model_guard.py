@@ -233,3 +233,52 @@ def test_export_writes_the_names_save_pretrained_writes(tmp_path):
 
     assert names(tmp_path / "ours") == names(tmp_path / "theirs")
     assert_equals_its_own_forward(state, reloaded)
+
+
+# ---------------------------------------------------------------- layers that drop the keywords
+
+LAYERS_DROP_KEYWORDS = {  # decoder layers that call their attention without the pack's keywords
+    "stablelm": dict(model_type="stablelm"),
+    "stablelm-qk-norm-parallel": dict(model_type="stablelm", qk_layernorm=True,
+                                      use_parallel_residual=True, use_qkv_bias=True),
+    "nemotron": dict(model_type="nemotron"),
+    # Falcon's model does not pass them to its layers either
+    "falcon-7b": dict(model_type="falcon", multi_query=True, parallel_attn=True),
+    "falcon-40b": dict(model_type="falcon", new_decoder_architecture=True, num_kv_heads=2),
+}
+OPT = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0, max_grad_norm=None)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointing"])
+@pytest.mark.parametrize("family", sorted(LAYERS_DROP_KEYWORDS))
+def test_a_family_whose_layers_drop_the_packed_keywords_is_computed_exactly(family, checkpointing,
+                                                                           tmp_path, caplog):
+    # StableLM's and Nemotron's decoder layers call their attention without the keywords they
+    # are handed (cu_seq_lens_q ...), and Falcon's model calls its layers without them. The
+    # engine keeps the pack's keywords for the stack's call, so the packed rows stay apart; with
+    # activation checkpointing the recomputation in the backward needs them again. Log-probs,
+    # loss and update equal the model's own eager float32 ones.
+    from fsdpfn.testing.models import (assert_update_matches, engine_update,
+                                       hf_reference_update, save_family_model)
+    from tensordict import TensorDict
+
+    spec = _common({"vocab_size": 131, **LAYERS_DROP_KEYWORDS[family]})
+    path = str(save_family_model(tmp_path / family, spec, seed=4))
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    with caplog.at_level(logging.INFO, logger="fsdpfn"):
+        state = ff.shard_model(ff.EngineConfig(
+            model_path=path, dtype="float32", optimizer=ff.OptimizerConfig(**OPT),
+            gradient_checkpointing=checkpointing), mesh)
+    assert spec["model_type"] not in VERIFIED
+    assert any("checked" in r.getMessage() and spec["model_type"] in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    lengths = (40, 23, 31)
+    g = torch.Generator().manual_seed(0)
+    attn = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    ids = torch.where(attn, torch.randint(0, 131, attn.shape, generator=g), 0)
+    loss = attn.clone()
+    loss[:, :3] = False
+    batch = TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss},
+                       batch_size=[len(lengths)])
+    assert_update_matches(f"{family} checkpointing={checkpointing}",
+                          engine_update(state, batch, mesh), hf_reference_update(path, batch))
