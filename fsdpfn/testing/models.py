@@ -211,3 +211,19 @@ def sharded_logits(state, input_ids: torch.Tensor) -> torch.Tensor:
         logits = state.model(ids, torch.arange(T, device=device), cu, T, full_logits=True)
         rows.append(logits.float().cpu())
     return torch.stack(rows)
+
+
+# the first transformers releases in which these families compute exactly on the packed path
+# (checked on 5.0, 5.17 and 5.25): before, their modeling picks attention classes of its own
+# (Falcon, Nemotron in 5.0) or fails on a pack (StableLM in 5.0), and the guard refuses them
+EXACT_SINCE = {"stablelm": "5.17", "nemotron": "5.17", "falcon": "5.25"}
+
+
+def exact_here(model_type: str) -> bool:
+    """Whether the installed transformers is one in which ``model_type`` (a key of EXACT_SINCE)
+    computes exactly on the packed path; otherwise shard_model refuses it by name."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= Version(EXACT_SINCE[model_type]).release
+

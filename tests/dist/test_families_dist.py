@@ -68,9 +68,12 @@ def test_a_family_whose_layers_drop_the_packed_keywords_is_exact_at_cp2(tmp_path
     # StableLM's layers call their attention without the pack's keywords; under cp the Ulysses
     # attention needs them too (the cp group and the whole pack's boundaries), in the forward
     # and in activation checkpointing's recomputation
-    from fsdpfn.testing.models import _common
+    from fsdpfn.testing.models import _common, exact_here
 
-    spec = _common({"model_type": "stablelm", "vocab_size": 131, "qk_layernorm": True})
+    spec = _common({"model_type": "stablelm", "vocab_size": 131, "qk_layernorm": True,
+                    "pad_token_id": 0})  # transformers 5.0 reads it
+    if not exact_here("stablelm"):
+        pytest.skip("this transformers refuses stablelm (tests/unit/test_model_guard.py)")
     path = str(save_family_model(tmp_path / "stablelm", spec, seed=4))
     batch = family_batch()
     got = spmd2.run(run_on_ranks, args=(path, 1, 2, batch, True), timeout=200)[0]
