@@ -64,6 +64,9 @@ def one(model_type: str, tmp: str) -> dict:
                                                          if k != "head_dim"})
         except Exception as exc:  # noqa: BLE001 - transformers cannot build this tiny config
             return dict(row, verdict="no tiny model", detail=type(exc).__name__)
+    rotary = getattr(config, "rotary_dim", None)  # GPT-J, CodeGen: at most the head size
+    if isinstance(rotary, int) and rotary > TINY["head_dim"]:
+        config.rotary_dim = TINY["head_dim"] // 2
     why = refusal(config)
     if why is not None:
         return dict(row, verdict="refused by config", detail=why.split(":")[0])
