@@ -213,9 +213,10 @@ def sharded_logits(state, input_ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-# the first transformers releases in which these families compute exactly on the packed path
-# (checked on 5.0, 5.17 and 5.25): before, their modeling picks attention classes of its own
-# (Falcon, Nemotron in 5.0) or fails on a pack (StableLM in 5.0), and the guard refuses them
+# for each family, the earliest transformers release checked to compute it exactly on the packed
+# path (5.0, 5.17 and 5.25 were checked; releases between two checked ones were not): on 5.0
+# Falcon and Nemotron pick attention classes of their own and StableLM fails on a pack, on 5.17
+# Falcon still picks its own, and the guard refuses each by name
 EXACT_SINCE = {"stablelm": "5.17", "nemotron": "5.17", "falcon": "5.25"}
 
 
