@@ -143,8 +143,11 @@ def apply_ac(model: nn.Module, config: EngineConfig) -> None:
     """Activation checkpointing of every decoder layer (non-reentrant)."""
     if config.gradient_checkpointing:
         # the recomputation sees the packed keywords its layer's forward saw (attention.py)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-            "use_reentrant": False, "context_fn": attention.recompute_context})
+        kwargs = {"use_reentrant": False, "context_fn": attention.recompute_context}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def apply_compile(model: nn.Module, config: EngineConfig) -> int:
