@@ -26,6 +26,9 @@ from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.engine.state import EngineState, param_index
 from fsdpfn.wire.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns on every push)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = ["TensorSpec", "Bucket", "weight_params", "weights_and_layout", "plan_buckets",
            "gather_bucket", "Sender", "send", "gather_and_send"]
 
@@ -223,7 +226,7 @@ def _gather_dim0(items: list[tuple[torch.Tensor, torch.Tensor | None]], mesh,
         if local.numel():
             send[off:off + local.numel()].view_as(local).copy_(local)
     recv = torch.empty(world * total, dtype=dtype, device=device)
-    dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
+    _all_gather_single(recv, send, group=mesh.get_group())
     del send
     grid = recv.view(world, total)
     for (_, dst), (off, d0, rest, c) in zip(items, layout):
