@@ -198,7 +198,7 @@ def test_families_that_drop_the_packed_keywords_train_exactly_on_cuda(family, tm
     the log-probs are as close as the other families' fast paths. On a transformers release
     before the family computes exactly on a pack (EXACT_SINCE), it is refused by name."""
     from fsdpfn.testing.models import (_common, assert_update_matches, engine_update,
-                                       hf_reference_update, exact_here)
+                                       exact_here, hf_reference_update)
 
     spec = _common({"vocab_size": 131, **KEYWORD_DROPPING[family]})
     path = str(save_family_model(tmp_path / family, spec, seed=4))

@@ -18,8 +18,7 @@ import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.families import VERIFIED, verify_architecture
-from fsdpfn.testing.models import (_common, hf_config_of, hf_reference_logp,
-                                   exact_here)
+from fsdpfn.testing.models import _common, exact_here, hf_config_of, hf_reference_logp
 
 
 def assert_equals_its_own_forward(state, model) -> None:
