@@ -187,7 +187,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """HF attention-interface function: query [1, Hq, n, D] of this cp rank's tokens ->
     ([1, n, Hq, D], None). Needs ``fsdpfn_cp_group`` and the whole pack's ``cu_seq_lens_q``."""
-    kwargs = dict(pack_keywords(kwargs))
+    kwargs = pack_keywords(kwargs)  # a dict of this call's own: popped below
     group = kwargs.pop("fsdpfn_cp_group", None)
     if group is None:
         raise RuntimeError(f"{ULYSSES_NAME} attention needs the keyword fsdpfn_cp_group (the cp "

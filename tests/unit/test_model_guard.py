@@ -261,7 +261,6 @@ def test_a_family_whose_layers_drop_the_packed_keywords_is_computed_exactly(fami
     # the family computes exactly on a pack (EXACT_SINCE), it is refused by name instead.
     from fsdpfn.testing.models import (assert_update_matches, engine_update,
                                        hf_reference_update, save_family_model)
-    from tensordict import TensorDict
 
     spec = _common({"vocab_size": 131, **LAYERS_DROP_KEYWORDS[family]})
     path = str(save_family_model(tmp_path / family, spec, seed=4))
@@ -278,13 +277,6 @@ def test_a_family_whose_layers_drop_the_packed_keywords_is_computed_exactly(fami
     assert spec["model_type"] not in VERIFIED
     assert any("checked" in r.getMessage() and spec["model_type"] in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
-    lengths = (40, 23, 31)
-    g = torch.Generator().manual_seed(0)
-    attn = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
-    ids = torch.where(attn, torch.randint(0, 131, attn.shape, generator=g), 0)
-    loss = attn.clone()
-    loss[:, :3] = False
-    batch = TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss},
-                       batch_size=[len(lengths)])
+    batch = ff.testing.random_batch(3, 40, vocab_size=131, seed=0, min_len=20, prompt_len=3)
     assert_update_matches(f"{family} checkpointing={checkpointing}",
                           engine_update(state, batch, mesh), hf_reference_update(path, batch))
