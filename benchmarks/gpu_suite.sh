@@ -17,7 +17,8 @@
 #           7B shape with cp=2
 #   memory  the memory options' cost, the largest shape and the longest row per option, and the
 #           build time of the 7B and 14B shapes from random init and from safetensors
-#   lora    LoRA on the 7B shape (with and without compile) and the 32B shape
+#   lora    compiled LoRA against eager LoRA (tests/e2e/test_lora_gpu.py), LoRA on the 7B shape
+#           (with and without compile) and the 32B shape
 # Items that need two GPUs are skipped, with a line in items.txt, on one.
 # Each item runs under its own timeout; its output is OUTDIR/<item>.txt; OUTDIR/items.txt lists
 # each item's exit status and seconds. At the end everything but items.txt is packed into
@@ -118,6 +119,8 @@ memory() {
 }
 
 lora() {
+  # compiled blocks with LoRA against eager LoRA (a test kept out of CPU CI by its cold compile)
+  item lora_test 300 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_lora_gpu.py
   item lora 200 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3 --ac
   # EngineConfig.compile with LoRA and without, on the 7B shape (the compile in the warm-up)
   item lora_compile 300 torchrun --nproc-per-node 1 benchmarks/lora.py --steps 3 --ac \
