@@ -23,7 +23,7 @@ from tensordict import TensorDict
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.engine import lora
-from fsdpfn.testing import tiny_qwen2_config
+from fsdpfn.testing import random_batch, tiny_qwen2_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs CUDA")]
@@ -42,14 +42,9 @@ def _state(compile: bool, device: str = "cuda"):
     return ff.shard_model(config, mesh)
 
 
-def _batch(seed: int, B: int = 8, T: int = 256) -> TensorDict:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(T // 2, T + 1, (B,), generator=g)
-    attn = torch.arange(T)[None] < lens[:, None]
-    loss = attn.clone()
-    loss[:, :16] = False
-    return TensorDict({K.INPUT_IDS: torch.randint(0, V, (B, T), generator=g),
-                       K.ATTENTION_MASK: attn, K.LOSS_MASK: loss}, batch_size=[B])
+def _batch(seed: int) -> TensorDict:
+    """8 rows of 128 to 256 tokens, the first 16 a prompt."""
+    return random_batch(8, 256, vocab_size=V, seed=seed, min_len=128, prompt_len=16)
 
 
 def _weights(state) -> tuple[dict, dict]:
