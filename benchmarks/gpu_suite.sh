@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, as a few named suites; each item prints its table.
 # Usage: bash benchmarks/gpu_suite.sh OUTDIR SUITE...
-#   check   every GPU test and the demo on the GPUs at hand (one GPU: under 8 minutes); the suite
-#           to run after any change to the main job's path
+#   check   every GPU test (but tests/e2e/test_lora_gpu.py, whose cold compile runs in `lora`)
+#           and the demo on the GPUs at hand (one GPU: under 9 minutes); the suite to run after
+#           any change to the main job's path
 #   main    the main job from YAML on real shapes, each with its stage split: Qwen2-1.5B
 #           (examples/gpu/grpo_qwen2_1p5b.yaml), Llama-3.2-1B on the defaults with 1,024-token
 #           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
