@@ -2,9 +2,9 @@
 train as the same adapters do eager, on one CUDA device in bfloat16.
 
 * every decoder block runs its compiled forward, with peft's adapter layers inside it;
-* over three sft_steps (gradient clipping at 0.5) from the same weights, the compiled run's losses are the eager
-  run's within bfloat16's rounding, and its adapters moved as eager's did (the two updates
-  point the same way by the same amount), the frozen base untouched in both;
+* over three sft_steps (gradient clipping at 0.5) from the same weights, the compiled run's
+  losses are the eager run's within bfloat16's rounding, and its adapters moved as eager's did
+  (the two updates point the same way by the same amount), the frozen base untouched in both;
 * forward_logp after the steps (adapters on) agrees with eager's within bfloat16's rounding.
 
 On CPU the same pair was checked by hand (float32 within 1e-6; bfloat16: losses within 2e-5,
