@@ -140,11 +140,15 @@ def hf_reference_logp(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return torch.where(attention_mask.bool(), logp, torch.zeros(())), logits
 
 
+# the OptimizerConfig fields under which an engine's sft_step makes hf_reference_update's step
+REFERENCE_STEP = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0, max_grad_norm=None)
+
+
 def hf_reference_update(model_dir: str, batch):
     """The model's own eager float32 forward and one sign-like step on ``batch`` (input_ids,
     attention_mask, loss_mask): (logp[B, T], the mean NLL over loss_mask, the update
     -g / (|g| + 1) of every parameter by name): what an sft_step with Adam at lr 1, eps 1, no
-    betas and no decay must do."""
+    betas and no decay (REFERENCE_STEP) must do."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -227,4 +231,3 @@ def exact_here(model_type: str) -> bool:
     from packaging.version import Version
 
     return Version(transformers.__version__).release >= Version(EXACT_SINCE[model_type]).release
-

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 import fsdpfn as ff
-from fsdpfn.testing.models import (assert_update_matches, engine_update, hf_reference_update,
-                                   save_family_model, tiny_family_configs)
+from fsdpfn.testing.models import (REFERENCE_STEP, assert_update_matches, engine_update,
+                                   hf_reference_update, save_family_model, tiny_family_configs)
 from fsdpfn.testing.strategies import batch_from_lengths
 
 LENGTHS = (37, 21, 30, 12)
-OPT = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0, max_grad_norm=None)
+OPT = REFERENCE_STEP  # the step hf_reference_update computes
 
 
 def batch_of(seed: int = 0):

@@ -12,12 +12,12 @@ import torch
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
-from fsdpfn.testing.models import (assert_update_matches, engine_update, hf_reference_update,
-                                   save_family_model, tiny_family_configs)
+from fsdpfn.testing.models import (REFERENCE_STEP, assert_update_matches, engine_update,
+                                   hf_reference_update, save_family_model, tiny_family_configs)
 
 FAMILIES = tiny_family_configs()
 LENGTHS = (64, 41, 53, 47)
-OPT = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0, max_grad_norm=None)
+OPT = REFERENCE_STEP  # the step hf_reference_update computes
 
 
 def family_batch(seed: int = 0):

@@ -197,8 +197,8 @@ def test_families_that_drop_the_packed_keywords_train_exactly_on_cuda(family, tm
     float32 the log-probs, loss and update of one sft_step equal the model's own; in bf16
     the log-probs are as close as the other families' fast paths. On a transformers release
     before the family computes exactly on a pack (EXACT_SINCE), it is refused by name."""
-    from fsdpfn.testing.models import (_common, assert_update_matches, engine_update,
-                                       exact_here, hf_reference_update)
+    from fsdpfn.testing.models import (REFERENCE_STEP, _common, assert_update_matches,
+                                       engine_update, exact_here, hf_reference_update)
 
     spec = _common({"vocab_size": 131, **KEYWORD_DROPPING[family]})
     path = str(save_family_model(tmp_path / family, spec, seed=4))
@@ -206,8 +206,7 @@ def test_families_that_drop_the_packed_keywords_train_exactly_on_cuda(family, tm
     mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cuda")
     config = ff.EngineConfig(
         model_path=path, dtype="float32", gradient_checkpointing=True,
-        optimizer=ff.OptimizerConfig(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0,
-                                     max_grad_norm=None))
+        optimizer=ff.OptimizerConfig(**REFERENCE_STEP))
     if not exact_here(spec["model_type"]):  # an older transformers: refused by name
         with pytest.raises(ff.errors.ConfigError, match=repr(spec["model_type"])):
             ff.shard_model(config, mesh)

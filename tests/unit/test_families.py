@@ -18,14 +18,15 @@ from tensordict import TensorDict
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.testing.models import hf_reference_logp, save_family_model, tiny_family_configs
+from fsdpfn.testing.models import (REFERENCE_STEP, hf_reference_logp, save_family_model,
+                                   tiny_family_configs)
 
 FAMILIES = tiny_family_configs()
 LENGTHS = (64, 41, 53, 47)  # every row longer than the window (12)
 LOGP_TOL = 1e-5
 # AdamW with betas (0, 0), eps 1, lr 1, no decay, no clipping: the first update is exactly
 # -g / (|g| + 1), a smooth function of the gradient g, so updates compare gradients entry by entry
-OPT = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0, max_grad_norm=None)
+OPT = REFERENCE_STEP  # the step hf_reference_update computes
 
 
 def family_batch(vocab: int = 131, seed: int = 0) -> TensorDict:

@@ -18,7 +18,8 @@ import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.families import VERIFIED, verify_architecture
-from fsdpfn.testing.models import _common, exact_here, hf_config_of, hf_reference_logp
+from fsdpfn.testing.models import (REFERENCE_STEP, _common, exact_here, hf_config_of,
+                                   hf_reference_logp)
 
 
 def assert_equals_its_own_forward(state, model) -> None:
@@ -246,7 +247,7 @@ LAYERS_DROP_KEYWORDS = {  # decoder layers that call their attention without the
     "falcon-7b": dict(model_type="falcon", multi_query=True, parallel_attn=True),
     "falcon-40b": dict(model_type="falcon", new_decoder_architecture=True, num_kv_heads=2),
 }
-OPT = dict(lr=1.0, eps=1.0, betas=(0.0, 0.0), weight_decay=0.0, max_grad_norm=None)
+OPT = REFERENCE_STEP  # the step hf_reference_update computes
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointing"])
