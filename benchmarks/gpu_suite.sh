@@ -9,7 +9,7 @@
 #           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
 #           kernel category, the attention kernel at random lengths and at the loop's equal
-#           ones, each projection's matmul per backend), and
+#           ones, each projection's matmul per backend and against Triton tilings), and
 #           the /generate answer's cost outside the steps, plain against packed
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
@@ -82,6 +82,7 @@ decode() {
   item decode_attention 60 python3 benchmarks/decode_attention.py
   item decode_attention_equal 60 python3 benchmarks/decode_attention.py --rows 512 --equal 512
   item decode_gemm 90 python3 benchmarks/decode_gemm.py
+  item decode_gemm_triton 150 python3 benchmarks/decode_gemm_triton.py
   item decode_overlap 60 python3 benchmarks/decode_overlap.py
   item answer 120 python3 benchmarks/answer.py --device cuda --rows 512 --new 1024 --max-len 1280
 }
