@@ -17,7 +17,9 @@ from fsdpfn.weights.gather import Bucket, send
 from fsdpfn.wire.http import call
 from fsdpfn.wire.ipc import share
 
-__all__ = ["IpcSender", "push_ipc"]
+__all__ = ["IpcSender", "push_ipc", "hand_back_needed"]
+
+HEADROOM = 2 << 30  # bytes kept free beside the buckets' copies (the servers' own workspace)
 
 
 class IpcSender:
@@ -73,8 +75,22 @@ def push_ipc(state: EngineState, params, buckets: list[Bucket], servers) -> tupl
     if state.mesh.device_type != "cuda":
         raise ConfigError(f"transport: 'ipc' shares CUDA memory and this trainer runs on "
                           f"{state.mesh.device_type}; use 'broadcast' or 'disk', got 'ipc'")
-    # the servers copy each bucket into memory of their own on this GPU: blocks the trainer's
-    # allocator keeps cached since the step go back first (a 7B step left none for the server)
-    torch.cuda.empty_cache()
+    # the servers copy each bucket into memory of their own on this GPU, beside the trainer's
+    # buffers of the same buckets: where the GPU lacks room for them, the blocks the trainer's
+    # allocator keeps cached since the step go back first (a 7B step left none for the
+    # server). Only then: handing them back costs the push its time and the next step its
+    # allocations (BENCHMARKS.md, "The main job": the 1.5B push stage doubled when it ran on
+    # every push)
+    if hand_back_needed(torch.cuda.mem_get_info(state.mesh.device)[0],
+                        sum(b.nbytes for b in buckets), len(servers.urls)):
+        torch.cuda.empty_cache()
     sender = IpcSender(servers, state.version) if is_rank_zero() else None
     return send(state, params, buckets, sender, out_device=state.mesh.device)
+
+
+def hand_back_needed(free: int, bucket_bytes: int, servers: int) -> bool:
+    """Whether the trainer's cached blocks must go back before an IPC push: the GPU's ``free``
+    bytes cannot hold the trainer's buffers of the buckets (``bucket_bytes`` in all) and each
+    of the ``servers``' copies of them, with HEADROOM to spare. The buffers are counted as new
+    memory although the trainer's cache may serve them: the rule errs towards handing back."""
+    return free < (1 + max(servers, 1)) * bucket_bytes + HEADROOM
