@@ -27,7 +27,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _table import print_markdown_table  # noqa: E402
+from decode_gemm import projections as all_projections  # noqa: E402 - each (name, N, K, ...)
 from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py
+
+NARROW = ("qkv (fused)", "o", "down", "gate")  # the narrow three, and gate as the wide yardstick
 
 
 @functools.cache
@@ -133,17 +136,12 @@ def main() -> None:
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         shape.update(hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                     num_key_value_heads=1)
+                     num_key_value_heads=1, num_hidden_layers=2, vocab_size=64)
         args.rows = 8
     device = torch.device("cpu" if args.cpu else "cuda")
     dtype = torch.float32 if args.cpu else torch.bfloat16
-    H, inter = shape["hidden_size"], shape["intermediate_size"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    D = H // heads
-    projections = [("qkv", (heads + 2 * kv) * D, H, True), ("o", H, heads * D, False),
-                   ("down", H, inter, False), ("gate", inter, H, False)]
-    if args.only:
-        projections = [pr for pr in projections if pr[0] in args.only]
+    projections = [(name, N, K, bias) for name, N, K, bias, _ in all_projections(shape)
+                   if name in NARROW and (not args.only or name in args.only)]
     g = torch.Generator(device=device).manual_seed(0)
     if not args.cpu:
         from decode_attention import timed  # a CUDA graph of n calls, best of 5 replays

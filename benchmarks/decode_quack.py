@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _table import print_markdown_table  # noqa: E402
 from decode_attention import timed  # noqa: E402 - a CUDA graph of n calls, best of 5 replays
+from decode_gemm import projections  # noqa: E402 - each (name, N, K, bias, per step)
 from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py
 
 
@@ -55,8 +56,6 @@ def main() -> None:
           f"{getattr(quack, '__version__', '?')}", flush=True)
     shape = QWEN2_1_5B
     H, inter = shape["hidden_size"], shape["intermediate_size"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    D = H // heads
     R = args.rows
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -66,7 +65,7 @@ def main() -> None:
 
     rows = []
 
-    def record(name, variant, fn, out, ref, flop):
+    def record(name, variant, fn, ref, flop):
         try:
             y = fn()
             err = (y.double() - ref).abs().max().item()
@@ -92,8 +91,8 @@ def main() -> None:
     def server_mlp():
         return LigerSiLUMulFunction.apply(F.linear(x, wg), F.linear(x, wu))
 
-    record("gate+up+swiglu", "cuBLAS x2 + Liger SiLU·mul (the server's)", server_mlp, None,
-           ref, flop)
+    record("gate+up+swiglu", "cuBLAS x2 + Liger SiLU·mul (the server's)", server_mlp, ref,
+           flop)
     w_int = torch.stack([wg, wu], 1).reshape(2 * inter, H)  # rows g0, u0, g1, u1, ...
     post = torch.empty(R, inter, device=dev, dtype=dt)
     for tuned in ([False] if args.no_tune else [False, True]):
@@ -101,26 +100,26 @@ def main() -> None:
             return qg.gemm_act(x, w_int.T, activation="swiglu", postact_out=post,
                                store_preact=False, tuned=tuned)[1]
         record("gate+up+swiglu", f"quack gemm_act swiglu ({'tuned' if tuned else 'default'})",
-               quack_mlp, None, ref, flop)
+               quack_mlp, ref, flop)
     # the narrow projections
-    for name, N, K, bias in (("qkv", (heads + 2 * kv) * D, H, True), ("o", H, heads * D, False),
-                             ("down", H, inter, False), ("gate", inter, H, False)):
+    for name, N, K, bias, _ in projections(shape):
+        if name not in ("qkv (fused)", "o", "down", "gate"):
+            continue
         a = rand(R, K)
         w = rand(N, K, scale=K ** -0.5)
         b = rand(N) if bias else None
         ref = a.double() @ w.double().T + (b.double() if bias else 0)
         flop = 2 * R * N * K
-        record(name, "cuBLAS (F.linear)", lambda a=a, w=w, b=b: F.linear(a, w, b), None, ref,
-               flop)
+        record(name, "cuBLAS (F.linear)", lambda a=a, w=w, b=b: F.linear(a, w, b), ref, flop)
         out = torch.empty(R, N, device=dev, dtype=dt)
         for tuned in ([False] if args.no_tune or name == "gate" else [False, True]):
             record(name, f"quack gemm ({'tuned' if tuned else 'default'})",
                    lambda a=a, w=w, b=b, tuned=tuned: qg.gemm(a, w.T, out=out, bias=b,
-                                                             tuned=tuned), None, ref, flop)
+                                                             tuned=tuned), ref, flop)
         for split in ((2, 4) if K >= 4096 else ()):  # K in parts, summed in a fixed order
             record(name, f"quack gemm, split_k {split} (serial)",
                    lambda a=a, w=w, split=split: qg.gemm(a, w.T, out=out, tuned=False,
-                                                         split_k=split), None, ref, flop)
+                                                         split_k=split), ref, flop)
     print_markdown_table(rows, ("projection", "variant"))
 
 

@@ -11,7 +11,7 @@ from fsdpfn import keys as K
 __all__ = ["tiny_qwen2_config", "tiny_llama_config", "tiny_qwen3_config", "save_tiny_model",
            "sharded_logits", "tiny_family_configs", "FAMILY_WINDOW", "hf_config_of",
            "save_family_model", "hf_reference_logp", "hf_reference_update", "full_model_state",
-           "assert_update_matches", "engine_update"]
+           "assert_update_matches", "engine_update", "compiled_blocks"]
 
 
 def _common(overrides: dict) -> dict:
@@ -198,6 +198,13 @@ def full_model_state(state) -> dict:
     sd = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
     return {k[len("lm."):]: v.clone() for k, v in sd.items()}
+
+
+def compiled_blocks(state) -> int:
+    """How many of a state's modules run a torch.compile'd forward (EngineConfig.compile
+    replaces each decoder block's forward with one carrying its compiled function)."""
+    return sum(hasattr(getattr(m.__dict__.get("forward"), "compiled", None),
+                       "_torchdynamo_orig_callable") for m in state.model.modules())
 
 
 @torch.no_grad()

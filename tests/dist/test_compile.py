@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 import fsdpfn as ff
-from fsdpfn.testing.models import (REFERENCE_STEP, assert_update_matches, engine_update,
-                                   hf_reference_update, save_family_model, tiny_family_configs)
+from fsdpfn.testing.models import (REFERENCE_STEP, assert_update_matches, compiled_blocks,
+                                   engine_update, hf_reference_update, save_family_model,
+                                   tiny_family_configs)
 from fsdpfn.testing.strategies import batch_from_lengths
 
 LENGTHS = (37, 21, 30, 12)
@@ -36,9 +37,7 @@ def compiled_run(model_dir, cp, checkpointing, batch, per_layer=False):
                           optimizer=ff.OptimizerConfig(**OPT))
     state = ff.shard_model(cfg, mesh)
     assert type(state.optimizer).__name__ == ("PerLayerAdamW" if per_layer else "AdamW")
-    compiled = sum(hasattr(getattr(m.__dict__.get("forward"), "compiled", None),
-                           "_torchdynamo_orig_callable")
-                   for m in state.model.modules())
+    compiled = compiled_blocks(state)
     layers = state.hf_config.num_hidden_layers
     checkpointed = []  # activation checkpointing still runs around the compiled blocks
     for m in state.model.modules():

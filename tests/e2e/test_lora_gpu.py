@@ -24,6 +24,7 @@ import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.engine import lora
 from fsdpfn.testing import random_batch, tiny_qwen2_config
+from fsdpfn.testing.models import compiled_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs CUDA")]
@@ -56,14 +57,9 @@ def _weights(state) -> tuple[dict, dict]:
     return adapters, base
 
 
-def _compiled_blocks(state) -> int:
-    return sum(hasattr(getattr(m.__dict__.get("forward"), "compiled", None), "__call__")
-               for m in state.model.modules())
-
-
 def _run(compile: bool, device: str = "cuda"):
     state = _state(compile, device)
-    compiled = _compiled_blocks(state)
+    compiled = compiled_blocks(state)
     start = _weights(state)
     losses = []
     for i in range(3):
