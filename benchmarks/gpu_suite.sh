@@ -9,8 +9,9 @@
 #           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
 #           kernel category, the attention kernel at random lengths and at the loop's equal
-#           ones, each projection's matmul per backend and against Triton tilings), and
-#           the /generate answer's cost outside the steps, plain against packed
+#           ones, each projection's matmul per backend and against Triton tilings, the SwiGLU
+#           kernel that drops its inputs from L2), and the /generate answer's cost outside the
+#           steps, plain against packed
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
@@ -84,6 +85,13 @@ decode() {
   item decode_gemm 90 python3 benchmarks/decode_gemm.py
   item decode_gemm_triton 150 python3 benchmarks/decode_gemm_triton.py
   item decode_overlap 60 python3 benchmarks/decode_overlap.py
+  # the SwiGLU kernel that drops the gate and up products from L2 (--decode-swiglu), against
+  # the server's Liger SwiGLU: the network step, then the loop beside the item rollout's 512 rows
+  item decode_swiglu 170 python3 benchmarks/decode_step.py --rows 512 --options \
+    "fused, triton, rope-kv, add-norm" "fused, triton, rope-kv, add-norm, swiglu" \
+    "fused, triton, rope-kv, add-norm, swiglu-discard"
+  item rollout_swiglu 300 python3 benchmarks/rollout.py --no-concurrent --rows 512 --slots 512 \
+    --decode-swiglu triton-discard
   item answer 120 python3 benchmarks/answer.py --device cuda --rows 512 --new 1024 --max-len 1280
 }
 

@@ -459,3 +459,82 @@ def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
                                                                                  "triton")
     assert fused.rope_kv == "triton"  # "auto", the default, takes the kernel where it runs
     _assert_steps_equal(plain, fused, R, L)
+
+
+@pytest.mark.parametrize("shape", [(512, 8960), (7, 8960), (3, 100), (1, 4160), (33, 4097)])
+@pytest.mark.parametrize("discard", [False, True])
+def test_swiglu_kernel_equals_liger_bit_for_bit(shape, discard):
+    """fsdpfn.rollout.swiglu_kernel.silu_mul gives Liger's SwiGLU forward bit for bit in bf16,
+    with and without dropping its inputs from L2: whole blocks, a last partial block, rows
+    whose lines straddle, and tensors whose last line is partial. The gate sits at the start of
+    a buffer whose next elements (a guard) were written last, so they live only in L2: had the
+    kernel dropped the line gate shares with the guard, the guard would read its older bits."""
+    from fsdpfn.rollout import swiglu_kernel
+
+    liger = pytest.importorskip("liger_kernel.ops.swiglu")
+    if swiglu_kernel.refusal(torch.device("cuda"), torch.bfloat16):
+        pytest.skip(swiglu_kernel.refusal(torch.device("cuda"), torch.bfloat16))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = shape[0] * shape[1]
+    gate = (4 * torch.randn(shape, generator=g, device="cuda")).to(torch.bfloat16)
+    up = torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16)
+    want = liger.swiglu_forward(gate.clone(), up.clone())[2]
+    buf = torch.zeros(n + 256, dtype=torch.bfloat16, device="cuda")
+    a, guard = buf[:n].view(shape), buf[n:]
+    a.copy_(gate)
+    torch.cuda.synchronize()
+    torch.empty(1 << 28, dtype=torch.uint8, device="cuda").fill_(1)  # evicts buf's lines
+    fresh = torch.randn(256, generator=g, device="cuda").to(torch.bfloat16) + 3
+    guard.copy_(fresh)  # its bits in L2 only, the zeros below them in HBM
+    got = swiglu_kernel.silu_mul(a, up, discard=discard)
+    torch.empty(1 << 28, dtype=torch.uint8, device="cuda").fill_(2)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert torch.equal(guard, fresh)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("swiglu", ["triton", "triton-discard"])
+def test_swiglu_kernel_in_the_step_equals_liger_bit_for_bit(family, swiglu):
+    """SlotModel(swiglu=...), bf16 on CUDA with Liger's modules swapped in (as the server runs):
+    the MLP's SiLU(gate) · up through fsdpfn's kernel (and with the products dropped from L2
+    once read) gives the same logits and caches, bit for bit, as Liger's SwiGLU MLP, over
+    decode steps at scattered positions, eager and replayed from a CUDA graph."""
+    from fsdpfn.rollout import swiglu_kernel
+    from fsdpfn.rollout.slot_model import SlotModel
+    from fsdpfn.wire.kernels import apply_fused_kernels
+
+    pytest.importorskip("liger_kernel")
+    if swiglu_kernel.refusal(torch.device("cuda"), torch.bfloat16):
+        pytest.skip(swiglu_kernel.refusal(torch.device("cuda"), torch.bfloat16))
+    model = _family_model(family, hidden=1536, heads=12, intermediate=2048)
+    assert apply_fused_kernels(model, model.config, "cuda", keep_weights=True) > 0
+    R, L = 48, 1024
+    plain, ours = SlotModel(model, R, L, "triton"), SlotModel(model, R, L, "triton",
+                                                              swiglu=swiglu)
+    _assert_steps_equal(plain, ours, R, L)
+    tok = torch.randint(0, 4096, (R,), device="cuda")
+    pos = torch.randint(0, L - 1, (R,), device="cuda")
+    with torch.no_grad():
+        want = plain.decode(tok, pos, L, raw=True).clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ours.decode(tok, pos, L, raw=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ours.decode(tok, pos, L, raw=True)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+
+
+def test_swiglu_kernel_is_refused_by_name_where_it_cannot_run():
+    """swiglu='triton' on a model without Liger's SwiGLU MLPs is refused, naming the field."""
+    from fsdpfn.rollout.slot_model import SlotModel
+
+    model = _family_model("qwen2", hidden=256, heads=4, intermediate=512)
+    with pytest.raises(ValueError, match="swiglu: .*Liger's SwiGLU MLPs"):
+        SlotModel(model, 8, 64, "triton", swiglu="triton")
