@@ -64,9 +64,11 @@ def _is_str_tuple(tp) -> bool:
 
 
 # a list of names written as one name (``target_modules: all-linear``, ``train_files: a.jsonl``)
-# is that one name, never its characters
+# is that one name, never its characters; a value neither a name nor a list goes to the field's
+# own converter and validator, which name the rule
 converter.register_structure_hook_func(
-    _is_str_tuple, lambda value, _: (value,) if isinstance(value, str) else tuple(value))
+    _is_str_tuple, lambda value, _: (value,) if isinstance(value, str)
+    else tuple(value) if isinstance(value, (list, tuple)) else value)
 
 
 def _first_error(exc: BaseException, path: str) -> tuple[str, BaseException]:
@@ -97,7 +99,12 @@ def _config_error(exc: BaseException, root: str = "") -> ConfigError:
     if isinstance(leaf, _NotAMapping):
         return ConfigError(f"{path or 'config'}: {msg}")
     if isinstance(leaf, ConfigError):
-        # the leaf names its own field; prefix the path of the enclosing config
+        # the leaf names its own field; prefix the path of the enclosing config, once (a
+        # section's validator that names its section itself, ``data.prompt_key``, for configs
+        # built outside fsdpfn.serde, gets only the path above it)
+        head, _, last = path.rpartition(".")
+        if path and msg.startswith(last + "."):
+            return ConfigError(f"{head}.{msg}" if head else msg)
         return ConfigError(f"{path}.{msg}" if path else msg)
     return ConfigError(f"{path or 'config'}: {type(leaf).__name__}: {msg}")
 

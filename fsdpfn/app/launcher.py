@@ -157,7 +157,9 @@ def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
             "--parent-pid", str(os.getpid()), *_decode_cache(cfg),
             # random_init: the server starts on placeholders, the first push brings the weights
             *(["--load-format", "dummy"] if cfg.model.random_init and not cfg.model.embedded
-              else [])]
+              else []),
+            # the recipe's own flags last: its --decode-rows or --decode-max-len wins
+            *cfg.rollout.server_args]
 
 
 def _decode_cache(cfg) -> list[str]:

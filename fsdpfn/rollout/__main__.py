@@ -11,8 +11,10 @@ import argparse
 import os
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fsdpfn.rollout", description=__doc__.split("\n")[0])
+def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
+    """The server's command line (fsdpfn run checks a recipe's rollout.server_args with it)."""
+    p = argparse.ArgumentParser(prog="python -m fsdpfn.rollout", allow_abbrev=allow_abbrev,
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="HF model directory (safetensors)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -83,7 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when the process with this pid exits (the launcher that started "
                         "this server; default: run until stopped)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv=None) -> None:

@@ -130,6 +130,19 @@ def test_grpo_on_user_model_data_and_reward(ws, tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_rollout_server_args_reach_the_server(ws, tmp_path):
+    """rollout.server_args from the command line reach the server fsdpfn run starts: on the
+    CPU its default is HF generate, and [--decode, loop, --decode-rows, 16] runs the decode
+    loop with 16 rows instead of the launcher's sizing (4 prompts x 8 samples: 32), which the
+    server's log states."""
+    run_dir = tmp_path / "grpo"
+    _run(ws, "grpo", run_dir, "steps=1", "eval.every=0",
+         "rollout.server_args=[--decode, loop, --decode-rows, 16]")
+    assert "decode loop on: 16 rows x" in (run_dir / "rollout.log").read_text()
+    assert [r["step"] for r in _metrics(run_dir, "grpo")] == [1]
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("recipe", ["rw", "dpo"])
 def test_other_recipes_on_user_model_and_data(ws, tmp_path, recipe):
     run_dir = tmp_path / recipe

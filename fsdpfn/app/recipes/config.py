@@ -82,6 +82,70 @@ def _urls(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+def _server_args(value):
+    """rollout.server_args as a tuple of strings: a YAML list (numbers written as text:
+    ``[--decode-rows, 64]``), or one string (``--decode hf``) split as a shell would; anything
+    else is left to the validator."""
+    import shlex
+
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]  # fsdpfn.serde reads one string as a list of one
+    if isinstance(value, str):
+        return tuple(shlex.split(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                     for v in value)
+    return value
+
+
+# flags of python -m fsdpfn.rollout that fsdpfn run sets itself -> the key that sets them
+SERVER_OWNED = {
+    "--model": "model.path (the run's starting model)", "--port": "fsdpfn run (a free port)",
+    "--host": "fsdpfn run (127.0.0.1)", "--dtype": "engine.dtype",
+    "--device": "rollout.device and rollout.gpus", "--threads": "rollout.threads",
+    "--load-format": "model.random_init", "--wait-for-model": "rollout.health_timeout_s",
+    "--parent-pid": "fsdpfn run (the launcher's pid)",
+    "--weight-version": "fsdpfn run (the trainer's pushes)",
+    "--no-channel": "fsdpfn run (the trainer pushes over the channel)",
+    "--channel-port": "fsdpfn run (a free port)"}
+
+
+def _check_server_args(instance, attribute, value) -> None:
+    """Each flag must be one python -m fsdpfn.rollout accepts, with a valid value, and not one
+    fsdpfn run sets itself; with rollout.url (external servers) there is no server to pass
+    them to."""
+    import argparse
+
+    from fsdpfn.rollout.__main__ import parser
+
+    name = attribute.name
+    if not isinstance(value, tuple) or not all(is_nonempty_str(v) for v in value):
+        fail(name, "must be a list of flags of python -m fsdpfn.rollout (non-empty strings)",
+             value)
+    shown = repr(list(value))
+    for v in value:
+        flag = v.split("=", 1)[0]
+        if flag in SERVER_OWNED:
+            fail(name, f"must not set {flag}, which comes from {SERVER_OWNED[flag]}", value,
+                 shown=shown)
+    check = parser(allow_abbrev=False)  # a flag is written out in full here
+
+    def refuse(message: str):
+        fail(name, "must be flags python -m fsdpfn.rollout accepts", value,
+             shown=f"{shown} ({message})")
+
+    check.error = refuse
+    try:
+        check.parse_args(["--model", "m", "--port", "0", *value])
+    except argparse.ArgumentError as exc:
+        refuse(str(exc))
+    if instance is not None and value and instance.url is not None:
+        fail(name, "must be empty when rollout.url names external servers (the flags go to the "
+             "servers fsdpfn run starts)", value, shown=shown)
+
+
 @attrs.frozen
 class RolloutConfig:
     """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
@@ -129,6 +193,11 @@ class RolloutConfig:
     workflow_timeout_s: float = attrs.field(default=600.0, converter=to_float,
                                             validator=number(gt=0))
     max_episode_tokens: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+    # flags added to each rollout server fsdpfn run starts (`python -m fsdpfn.rollout --help`):
+    # the decode loop's kernels, rows and lengths, HF generate (--decode hf), CUDA graphs;
+    # checked before launch, and a flag fsdpfn run sets itself is refused naming its key
+    server_args: tuple[str, ...] = attrs.field(default=(), converter=_server_args,
+                                               validator=_check_server_args)
 
     @url.validator
     def _check_url(self, attribute, value):

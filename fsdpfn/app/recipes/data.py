@@ -53,10 +53,12 @@ def _files(value):
         return ()
     if isinstance(value, str):
         return (value,)
-    return tuple(value)
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _file_list(_, attribute, value):
+    if not isinstance(value, tuple):
+        fail(f"data.{attribute.name}", "must be a list of file paths", value)
     for v in value:
         if not isinstance(v, str) or not v:
             fail(f"data.{attribute.name}", "must be a list of file paths", v)

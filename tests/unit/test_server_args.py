@@ -1,0 +1,86 @@
+"""rollout.server_args: the flags a recipe passes on to the rollout servers `fsdpfn run` starts
+(the decode loop's kernels, rows and lengths, HF generate, CUDA graphs). Each is checked against
+the server's own command line before launch, a flag the launcher sets itself is refused naming
+the key that sets it, and they reach the server's command last, so the recipe's decode rows and
+lengths win over the launcher's sizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdpfn.app.launcher import _server_cmd
+from fsdpfn.app.recipes import default_config
+from fsdpfn.app.recipes import placement as P
+from fsdpfn.errors import ConfigError
+from fsdpfn.rollout.__main__ import parse_args
+
+
+def _server(*overrides):
+    """The server's parsed command line for a grpo run with these overrides, on the CPU."""
+    cfg = default_config("grpo", list(overrides))
+    cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))
+    assert cmd[:3] and cmd[2] == "fsdpfn.rollout"
+    return parse_args(cmd[3:])
+
+
+def test_the_flags_reach_the_server_last_and_win_over_the_launchers_sizing():
+    plain = _server("prompts_per_step=4")
+    assert (plain.decode, plain.decode_rows, plain.no_cuda_graphs) == ("auto", 32, False)
+    got = _server("prompts_per_step=4", "rollout.server_args=[--decode, loop, --decode-rows, "
+                  "64, --no-cuda-graphs, --decode-swiglu=triton-discard]")
+    assert (got.decode, got.decode_rows, got.no_cuda_graphs, got.decode_swiglu) == \
+        ("loop", 64, True, "triton-discard")
+    assert (got.model, got.port, got.device) == (plain.model, plain.port, plain.device)
+    # one string is split as a shell would; numbers in a YAML list are written as text
+    cfg = default_config("grpo", ['rollout.server_args="--decode hf --log-level info"'])
+    assert cfg.rollout.server_args == ("--decode", "hf", "--log-level", "info")
+    assert default_config("grpo", ["rollout.server_args=[--decode-max-len, 4096]"]) \
+        .rollout.server_args == ("--decode-max-len", "4096")
+    assert default_config("grpo").rollout.server_args == ()
+
+
+@pytest.mark.parametrize("value,rule", [
+    ("[--port, 9]", "must not set --port, which comes from fsdpfn run (a free port)"),
+    ("[--device=cpu]", "must not set --device, which comes from rollout.device and rollout.gpus"),
+    ("[--dtype, float16]", "must not set --dtype, which comes from engine.dtype"),
+    ("[--no-channel]", "must not set --no-channel, which comes from fsdpfn run"),
+    ("[--decode-rowz, 8]", "must be flags python -m fsdpfn.rollout accepts, got ['--decode-rowz',"
+                           " '8'] (unrecognized arguments: --decode-rowz 8)"),
+    ("[--decode-ro, 8]", "must be flags python -m fsdpfn.rollout accepts, got ['--decode-ro', "
+                         "'8'] (unrecognized arguments: --decode-ro 8)"),
+    ("[--decode-attention, paged]", "must be flags python -m fsdpfn.rollout accepts, got "
+                                    "['--decode-attention', 'paged'] (argument "
+                                    "--decode-attention: invalid choice: 'paged'"),
+    ("[--decode-rows, x]", "argument --decode-rows: invalid int value: 'x'"),
+    ("[--decode-rows]", "argument --decode-rows: expected one argument"),
+    ("5", "must be a list of flags of python -m fsdpfn.rollout (non-empty strings), got 5"),
+    ("[--decode, '']", "must be a list of flags of python -m fsdpfn.rollout (non-empty "
+                       "strings)"),
+])
+def test_a_bad_flag_is_refused_naming_the_key_the_rule_and_the_value(value, rule):
+    with pytest.raises(ConfigError) as info:
+        default_config("grpo", [f"rollout.server_args={value}"])
+    message = str(info.value)
+    assert message.startswith("rollout.server_args: ") and rule in message, message
+    assert ", got " in message
+
+
+def test_flags_for_external_servers_are_refused():
+    """rollout.url names servers fsdpfn run does not start: flags for them would do nothing."""
+    with pytest.raises(ConfigError, match=r"^rollout.server_args: must be empty when rollout.url "
+                                          r"names external servers .*, got \['--decode', 'hf'\]$"):
+        default_config("grpo", ["rollout.url=http://127.0.0.1:1",
+                                "rollout.server_args=[--decode, hf]"])
+    assert default_config("grpo", ["rollout.url=http://127.0.0.1:1"]).rollout.server_args == ()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.prompt_key=''", "data.prompt_key: must be a column name, got ''"),
+    ("data.train_files=5", "data.train_files: must be a list of file paths, got 5"),
+])
+def test_a_data_key_is_named_once(override, message):
+    """The data section's validators name their section themselves (for configs built outside
+    fsdpfn.serde); the error of a recipe names it once, not ``data.data.``."""
+    with pytest.raises(ConfigError) as info:
+        default_config("grpo", [override])
+    assert str(info.value) == message
