@@ -20,11 +20,13 @@ __all__ = ["generate", "from_sglang"]
 def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
              max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int | None = None, stop_token_ids: Sequence[int] = (),
-             seed: int | None = None, timeout: float = 300.0) -> dict:
+             seed: int | None = None, timeout: float = 300.0, **sampling) -> dict:
     """POST /generate: ``n`` samples per prompt (prompt-major: the samples of prompt i are
     outputs [i*n, (i+1)*n)). Returns the server's answer: {weight_version, outputs: [{
     prompt_index, output_ids, output_logprobs (the behav_logp of each sampled token),
-    finish_reason}]}. temperature 0 is greedy. A failure raises WeightSyncError (the server's
+    finish_reason}]}. temperature 0 is greedy. ``sampling``: any other sampling parameter of
+    the server (min_p, stop, min_new_tokens, the penalties, ...: fsdpfn.rollout.SamplingParams),
+    sent as it is for the server to check. A failure raises WeightSyncError (the server's
     message, or why it could not be reached); bad arguments raise ConfigError."""
     from fsdpfn.wire.http import call
 
@@ -40,14 +42,15 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
                            ("timeout", timeout, float(timeout) > 0.0)):
         if not ok:
             raise ConfigError(f"{key}: out of range, got {value!r}")
-    sampling = {"n": n, "max_new_tokens": max_new_tokens, "temperature": float(temperature),
-                "top_p": float(top_p), "stop_token_ids": [int(t) for t in stop_token_ids]}
+    params = {**sampling, "n": n, "max_new_tokens": max_new_tokens,
+              "temperature": float(temperature), "top_p": float(top_p),
+              "stop_token_ids": [int(t) for t in stop_token_ids]}
     if top_k is not None:
-        sampling["top_k"] = int(top_k)
+        params["top_k"] = int(top_k)
     if seed is not None:
-        sampling["sampling_seed"] = int(seed)
+        params["sampling_seed"] = int(seed)
     answer = call(url, "/generate", {"input_ids": [[int(t) for t in p] for p in prompts],
-                                     "sampling_params": sampling, "return_logprob": True,
+                                     "sampling_params": params, "return_logprob": True,
                                      "return_format": "fsdpfn_packed"}, timeout=float(timeout))
     if isinstance(answer, dict) and "outputs" in answer:
         if "output_logprobs" not in answer:  # a server that answers "fsdpfn" unpacked

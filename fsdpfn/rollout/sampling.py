@@ -15,11 +15,12 @@ trainer's ``forward_logp(..., temperature=T)`` computes for the same tokens.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from fsdpfn.rollout.errors import UpdateError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SamplingParams", "Penalties", "find_stop", "REFUSED"]
 
@@ -123,6 +124,8 @@ class Penalties:
         self.width, self.sp = width, sp
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch  # here: a recipe's config checks its sampling parameters without torch
+
         generated = input_ids[:, self.width:]  # (B, t)
         counts = torch.zeros_like(scores).scatter_add_(
             1, generated, torch.ones_like(generated, dtype=scores.dtype))

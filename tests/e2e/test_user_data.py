@@ -137,9 +137,19 @@ def test_rollout_server_args_reach_the_server(ws, tmp_path):
     server's log states."""
     run_dir = tmp_path / "grpo"
     _run(ws, "grpo", run_dir, "steps=1", "eval.every=0",
-         "rollout.server_args=[--decode, loop, --decode-rows, 16]")
+         "rollout.server_args=[--decode, loop, --decode-rows, 16]",
+         "rollout.sampling={top_k: 2, stop: ['</answer>']}")
     assert "decode loop on: 16 rows x" in (run_dir / "rollout.log").read_text()
     assert [r["step"] for r in _metrics(run_dir, "grpo")] == [1]
+    # a parameter the loop does not serve reaches it and is refused in one line, by name
+    run_dir = tmp_path / "min_p"
+    proc = subprocess.run([sys.executable, "-m", "fsdpfn", "run", str(ws / "grpo.yaml"),
+                           f"run_dir={run_dir}", "steps=1", "eval.every=0",
+                           "rollout.server_args=[--decode, loop]", "rollout.sampling={min_p: 0.1}"],
+                          capture_output=True, text=True, timeout=200, env=_env(ws))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fsdpfn: error:")]
+    assert proc.returncode not in (0, 2) and len(errors) == 1, proc.stderr[-3000:]
+    assert "min_p" in errors[0] and "--decode hf" in errors[0], errors[0]
 
 
 @pytest.mark.timeout(240)

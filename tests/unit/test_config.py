@@ -232,8 +232,9 @@ def test_a_section_given_a_scalar_is_named():
 
 
 def test_import_fsdpfn_is_lazy_and_complete():
-    """``import fsdpfn`` (and the CLI's config path) does not import torch; every name of
-    __all__ still resolves, and dir() lists them."""
+    """``import fsdpfn`` (and the CLI's config path, a recipe's server flags and sampling
+    parameters included) does not import torch; every name of __all__ still resolves, and
+    dir() lists them."""
     import subprocess
     import sys
 
@@ -242,6 +243,11 @@ def test_import_fsdpfn_is_lazy_and_complete():
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "rc = fsdpfn.app.cli.main(['run', 'sft', 'optimizer.lrr=1'])\n"
             "assert rc == 2 and 'torch' not in sys.modules, rc\n"
+            # the checks of the servers' flags and sampling parameters are torch-free too
+            "from fsdpfn.app.recipes import default_config\n"
+            "c = default_config('grpo', ['rollout.server_args=[--decode, hf]',\n"
+            "                            'rollout.sampling={top_k: 3, repetition_penalty: 1.1}'])\n"
+            "assert c.rollout.sampling['top_k'] == 3 and 'torch' not in sys.modules\n"
             "import fsdpfn as ff\n"
             "assert ff.build_mesh.__name__ == 'build_mesh' and 'torch' in sys.modules\n"
             "from fsdpfn import ppo_step, keys, MicroBatchOOMError\n"

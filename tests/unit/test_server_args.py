@@ -2,7 +2,8 @@
 (the decode loop's kernels, rows and lengths, HF generate, CUDA graphs). Each is checked against
 the server's own command line before launch, a flag the launcher sets itself is refused naming
 the key that sets it, and they reach the server's command last, so the recipe's decode rows and
-lengths win over the launcher's sizing."""
+lengths win over the launcher's sizing. rollout.sampling: more sampling parameters for every
+request, checked by the server's own rules before launch."""
 
 from __future__ import annotations
 
@@ -84,3 +85,45 @@ def test_a_data_key_is_named_once(override, message):
     with pytest.raises(ConfigError) as info:
         default_config("grpo", [override])
     assert str(info.value) == message
+
+
+class _Tok:
+    stop_ids = [2, 7]
+
+
+def test_sampling_parameters_reach_every_request_and_the_eval_takes_the_ends():
+    """rollout.sampling adds to the recipe's own parameters (its stop_token_ids after the
+    tokenizer's); the greedy eval takes only what decides where an answer ends."""
+    from fsdpfn.app.recipes.rollout_stage import sampling
+
+    cfg = default_config("grpo", ["rollout.temperature=0.7", "ppo.temperature=0.7",
+                                  "rollout.sampling={top_k: 20, "
+                                  "stop: ['</answer>'], stop_token_ids: [7, 9], min_p: 0.05}"])
+    assert sampling(cfg, _Tok()) == {
+        "max_new_tokens": cfg.task.max_answer_tokens, "temperature": 0.7, "top_p": 1.0,
+        "stop_token_ids": [2, 7, 9], "top_k": 20, "stop": ["</answer>"], "min_p": 0.05}
+    assert sampling(cfg, _Tok(), greedy=True) == {
+        "max_new_tokens": cfg.task.max_answer_tokens, "temperature": 0.0,
+        "stop_token_ids": [2, 7, 9], "stop": ["</answer>"]}
+    plain = default_config("grpo")
+    assert sampling(plain, _Tok()) == {"max_new_tokens": plain.task.max_answer_tokens,
+                                       "temperature": 1.0, "top_p": 1.0,
+                                       "stop_token_ids": [2, 7]}
+
+
+@pytest.mark.parametrize("value,message", [
+    ("{top_k: 1.5}", "rollout.sampling.top_k: must be an int >= 0 (or -1: off), got 1.5"),
+    ("{repetition_penalty: 3}", "rollout.sampling.repetition_penalty: must be in (0, 2], got 3"),
+    ("{n: 4}", "rollout.sampling.n: must not be set here: it comes from advantage.group_size, "
+               "got 4"),
+    ("{temperature: 0}", "rollout.sampling.temperature: must not be set here: it comes from "
+                         "rollout.temperature, got 0"),
+    ("{topk: 4}", "rollout.sampling: unknown key(s) ['topk']; did you mean 'top_k'?"),
+    ("{json_schema: x}", "rollout.sampling.json_schema: not supported by this server"),
+    ("5", "rollout.sampling: must be a mapping, got 5"),
+])
+def test_a_bad_sampling_parameter_is_refused_before_launch(value, message):
+    with pytest.raises(ConfigError) as info:
+        default_config("grpo", [f"rollout.sampling={value}"])
+    assert str(info.value).startswith(message), str(info.value)
+

@@ -146,6 +146,42 @@ def _check_server_args(instance, attribute, value) -> None:
              "servers fsdpfn run starts)", value, shown=shown)
 
 
+# sampling parameters a recipe sets itself -> the key that sets them
+SAMPLING_OWNED = {"temperature": "rollout.temperature", "top_p": "rollout.top_p",
+                  "n": "advantage.group_size", "seed": "seed", "sampling_seed": "seed",
+                  "max_new_tokens": "data.max_response_tokens (task.max_answer_tokens for the "
+                                    "built-in task)"}
+
+
+def _check_sampling(instance, attribute, value) -> None:
+    """Sampling parameters the server accepts (fsdpfn.rollout.SamplingParams' own rules), none
+    of them one the recipe sets itself."""
+    import difflib
+
+    from fsdpfn.rollout.errors import UpdateError
+    from fsdpfn.rollout.sampling import INERT, REFUSED, SamplingParams
+
+    name = attribute.name
+    if not isinstance(value, dict) or not all(is_nonempty_str(k) for k in value):
+        fail(name, "must be a mapping of sampling parameters (fsdpfn.rollout.SamplingParams)",
+             value)
+    for key, v in value.items():
+        if key in SAMPLING_OWNED:
+            fail(f"{name}.{key}", f"must not be set here: it comes from {SAMPLING_OWNED[key]}",
+                 v)
+    allowed = sorted(set(SamplingParams.FIELDS) - set(SAMPLING_OWNED))
+    unknown = sorted(set(value) - set(SamplingParams.FIELDS) - set(REFUSED) - set(INERT))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        raise ConfigError(f"{name}: unknown key(s) {unknown}"
+                          + (f"; did you mean {close[0]!r}?" if close else "")
+                          + f" (allowed: {', '.join(allowed)})")
+    try:
+        SamplingParams(**value)
+    except UpdateError as exc:  # "sampling_params.top_k: must be ..., got ..."
+        raise ConfigError(name + str(exc).removeprefix("sampling_params")) from None
+
+
 @attrs.frozen
 class RolloutConfig:
     """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
@@ -198,6 +234,12 @@ class RolloutConfig:
     # checked before launch, and a flag fsdpfn run sets itself is refused naming its key
     server_args: tuple[str, ...] = attrs.field(default=(), converter=_server_args,
                                                validator=_check_server_args)
+    # more sampling parameters for every generation request (fsdpfn.rollout.SamplingParams:
+    # top_k, min_p, stop, stop_token_ids, the penalties, ...), checked before launch; the
+    # held-out eval (greedy) takes those that decide where an answer ends. The decode loop
+    # serves top_k and stops; min_p, min_new_tokens and the penalties need HF generate
+    # (server_args: [--decode, hf] on a GPU)
+    sampling: dict = attrs.field(factory=dict, validator=_check_sampling)
 
     @url.validator
     def _check_url(self, attribute, value):

@@ -44,7 +44,7 @@ from fsdpfn.app.recipes.reward import build_reward_pool, reward_spec
 from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunContext,
                                         all_reduce_sum, broadcast_from_main, is_main, log,
                                         mean_sequence_prob)
-from fsdpfn.app.recipes.rollout_stage import build_rollout, max_new_tokens, score
+from fsdpfn.app.recipes.rollout_stage import build_rollout, sampling, score
 from fsdpfn.app.recipes.task import sequences_batch
 from fsdpfn.engine.timing import Phases, peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
@@ -128,8 +128,7 @@ def greedy_reward(cfg, ctx: RunContext, tok, held_out, pool, n_prompts: int, *,
     examples = held_out.head(n_prompts)
     answer = generate_balanced(balancer or ctx.rollout_urls,
                                [e["prompt_ids"] for e in examples], n=1,
-                               max_new_tokens=max_new_tokens(cfg), temperature=0.0,
-                               stop_token_ids=tok.stop_ids, timeout=cfg.rollout.timeout_s)
+                               timeout=cfg.rollout.timeout_s, **sampling(cfg, tok, greedy=True))
     rewards = score(pool, tok, examples, answer["outputs"], 1).rewards
     return sum(rewards) / len(rewards)
 

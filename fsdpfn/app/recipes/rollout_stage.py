@@ -31,12 +31,29 @@ from fsdpfn.app.recipes.runtime import RunContext, log
 from fsdpfn.app.recipes.task import rollout_batch
 from fsdpfn.rollout.balance import Balancer, generate_balanced
 
-__all__ = ["build_rollout", "SyncRollout", "StreamRollout", "max_new_tokens", "score",
-           "server_stats"]
+__all__ = ["build_rollout", "SyncRollout", "StreamRollout", "max_new_tokens", "sampling",
+           "score", "server_stats"]
+
+# of rollout.sampling, what the greedy eval takes too: where an answer ends
+ENDS = ("stop", "min_new_tokens", "ignore_eos", "no_stop_trim", "skip_special_tokens")
 
 
 def max_new_tokens(cfg) -> int:
     return cfg.data.max_response_tokens if cfg.data.from_files else cfg.task.max_answer_tokens
+
+
+def sampling(cfg, tok, *, greedy: bool = False) -> dict:
+    """The sampling parameters of a generation request: the recipe's own (the answer length,
+    rollout.temperature and top_p, the tokenizer's stop ids) and rollout.sampling's (its
+    stop_token_ids added to the tokenizer's). ``greedy`` (the held-out eval): temperature 0
+    and, of rollout.sampling, only what decides where an answer ends (ENDS)."""
+    extra = dict(cfg.rollout.sampling)
+    stops = list(dict.fromkeys([*tok.stop_ids, *map(int, extra.pop("stop_token_ids", ()))]))
+    if greedy:
+        return {"max_new_tokens": max_new_tokens(cfg), "temperature": 0.0,
+                "stop_token_ids": stops, **{k: v for k, v in extra.items() if k in ENDS}}
+    return {"max_new_tokens": max_new_tokens(cfg), "temperature": cfg.rollout.temperature,
+            "top_p": cfg.rollout.top_p, "stop_token_ids": stops, **extra}
 
 
 def _prompt_text(example) -> str:
@@ -119,9 +136,8 @@ class SyncRollout:
         t0 = time.perf_counter()
         answer = generate_balanced(
             self.balancer, [e["prompt_ids"] for e in examples], n=G,
-            max_new_tokens=max_new_tokens(cfg), temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, seed=cfg.seed * 1_000_003 + step,
-            stop_token_ids=self.tok.stop_ids, timeout=cfg.rollout.timeout_s)
+            seed=cfg.seed * 1_000_003 + step, timeout=cfg.rollout.timeout_s,
+            **sampling(cfg, self.tok))
         out = _scored_batch(cfg, self.ctx, self.tok, self.pool, step, examples,
                             answer["outputs"], time.perf_counter() - t0)
         out["stats"].update(data_first=cursor, data_last=cursor + len(examples) - 1)
@@ -178,9 +194,7 @@ class StreamRollout:
         self.stream = RolloutStream(
             ctx.rollout_urls, item, group_size=G, groups_per_step=cfg.prompts_per_step,
             max_staleness=r.max_staleness, start=cursor, version=version, seed=cfg.seed,
-            runner=runner, sampling={"max_new_tokens": max_new_tokens(cfg),
-                                     "temperature": r.temperature, "top_p": r.top_p,
-                                     "stop_token_ids": tok.stop_ids, "timeout": r.timeout_s})
+            runner=runner, sampling={**sampling(cfg, tok), "timeout": r.timeout_s})
         self.balancer = self.stream.balancer
 
     def step(self, step: int, cursor: int) -> dict:
