@@ -127,3 +127,15 @@ def test_a_bad_sampling_parameter_is_refused_before_launch(value, message):
         default_config("grpo", [f"rollout.sampling={value}"])
     assert str(info.value).startswith(message), str(info.value)
 
+
+
+def test_a_decode_cache_shorter_than_the_longest_row_is_refused():
+    """--decode-max-len in rollout.server_args must hold the longest row the data allows, or
+    the server would refuse the run's long answers one request at a time."""
+    data = ["model.path=/m", "data.train_files=[/d.jsonl]", "warmup.steps=0",
+            "data.max_prompt_tokens=700", "data.max_response_tokens=300"]
+    with pytest.raises(ConfigError, match=r"^rollout.server_args: --decode-max-len must be >= "
+                                          r"data.max_prompt_tokens \+ data.max_response_tokens "
+                                          r"= 700 \+ 300 = 1000 tokens .*, got 999$"):
+        default_config("grpo", [*data, "rollout.server_args=[--decode-max-len=999]"])
+    assert _server(*data, "rollout.server_args=[--decode-max-len, 1000]").decode_max_len == 1000

@@ -364,6 +364,16 @@ def _check_rl_data(cfg) -> None:
                               f"{cfg.prompts_per_step} x {cfg.advantage.group_size} = {rows}; "
                               f"an empty minibatch trains on nothing), got "
                               f"{getattr(cfg, name).n_minibatches}")
+    args = cfg.rollout.server_args
+    if any(a.split("=", 1)[0] == "--decode-max-len" for a in args):
+        from fsdpfn.app.recipes.engine import longest_row
+        from fsdpfn.rollout.__main__ import parser
+
+        cache = parser().parse_args(["--model", "m", "--port", "0", *args]).decode_max_len
+        row, how = longest_row(cfg)
+        if cache < row:
+            raise ConfigError(f"rollout.server_args: --decode-max-len must be >= {how} = {row} "
+                              f"tokens (the longest row the data allows), got {cache}")
     if cfg.data.from_files and cfg.warmup.steps:
         raise ConfigError(f"warmup.steps: the supervised warm-up trains on solved problems of "
                           f"the embedded task; with data.train_files it must be 0 or null (run "
