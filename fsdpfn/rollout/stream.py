@@ -43,10 +43,12 @@ import attrs
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout.balance import Balancer, group_work
 from fsdpfn.rollout.client import generate
+from fsdpfn.rollout.sampling import SamplingParams
 
 __all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
 
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "timeout")
+# every sampling parameter of the server but n and seed (the stream sets those), and the timeout
+SAMPLING_KEYS = (*(k for k in SamplingParams.FIELDS if k not in ("n", "seed")), "timeout")
 
 
 @attrs.frozen

@@ -134,9 +134,10 @@ def test_rollout_server_args_reach_the_server(ws, tmp_path):
     """rollout.server_args from the command line reach the server fsdpfn run starts: on the
     CPU its default is HF generate, and [--decode, loop, --decode-rows, 16] runs the decode
     loop with 16 rows instead of the launcher's sizing (4 prompts x 8 samples: 32), which the
-    server's log states."""
+    server's log states. rollout.sampling reaches the streamed rollout (max_staleness 1) and
+    the server; a parameter the loop does not serve fails the run in one line, by name."""
     run_dir = tmp_path / "grpo"
-    _run(ws, "grpo", run_dir, "steps=1", "eval.every=0",
+    _run(ws, "grpo", run_dir, "steps=1", "eval.every=0", "rollout.max_staleness=1",
          "rollout.server_args=[--decode, loop, --decode-rows, 16]",
          "rollout.sampling={top_k: 2, stop: ['</answer>']}")
     assert "decode loop on: 16 rows x" in (run_dir / "rollout.log").read_text()
