@@ -66,6 +66,14 @@ def test_a_bad_flag_is_refused_naming_the_key_the_rule_and_the_value(value, rule
     assert ", got " in message
 
 
+def test_sampling_with_a_workflow_is_refused():
+    """A workflow calls the server itself, with its own sampling: rollout.sampling would do
+    nothing there."""
+    with pytest.raises(ConfigError, match=r"^rollout.sampling: must be empty with "
+                                          r"rollout.workflow .*, got \{'top_k': 3\}$"):
+        default_config("grpo", ["rollout.workflow=pkg.mod:fn", "rollout.sampling={top_k: 3}"])
+
+
 def test_flags_for_external_servers_are_refused():
     """rollout.url names servers fsdpfn run does not start: flags for them would do nothing."""
     with pytest.raises(ConfigError, match=r"^rollout.server_args: must be empty when rollout.url "

@@ -180,6 +180,9 @@ def _check_sampling(instance, attribute, value) -> None:
         SamplingParams(**value)
     except UpdateError as exc:  # "sampling_params.top_k: must be ..., got ..."
         raise ConfigError(name + str(exc).removeprefix("sampling_params")) from None
+    if instance is not None and value and instance.workflow is not None:
+        fail(name, "must be empty with rollout.workflow (the workflow's own calls choose their "
+             "sampling)", value)
 
 
 @attrs.frozen
@@ -238,7 +241,7 @@ class RolloutConfig:
     # top_k, min_p, stop, stop_token_ids, the penalties, ...), checked before launch; the
     # held-out eval (greedy) takes those that decide where an answer ends. The decode loop
     # serves top_k and stops; min_p, min_new_tokens and the penalties need HF generate
-    # (server_args: [--decode, hf] on a GPU)
+    # (server_args: [--decode, hf] on a GPU). A workflow's calls choose their own
     sampling: dict = attrs.field(factory=dict, validator=_check_sampling)
 
     @url.validator
