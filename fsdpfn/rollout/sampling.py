@@ -15,6 +15,7 @@ trainer's ``forward_logp(..., temperature=T)`` computes for the same tokens.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from fsdpfn.rollout.errors import UpdateError
@@ -30,6 +31,16 @@ REFUSED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logi
            "custom_params")
 # accepted, with no effect on a non-streaming answer
 INERT = {"stream_interval": None, "spaces_between_special_tokens": True}
+
+
+def _token_id(t) -> bool:
+    """An int >= 0, or anything that is one (numpy or 0-d torch integers), but not a bool."""
+    if isinstance(t, bool):
+        return False
+    try:
+        return operator.index(t) >= 0
+    except TypeError:
+        return False
 
 
 class SamplingParams:
@@ -64,8 +75,15 @@ class SamplingParams:
         for key, default in self.FIELDS.items():
             value = kwargs.get(key)
             setattr(self, key, default if value is None else value)
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or ())]
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        ids, stop = self.stop_token_ids or (), self.stop or ()
+        if not isinstance(ids, (list, tuple)) or not all(_token_id(t) for t in ids):
+            raise UpdateError(f"sampling_params.stop_token_ids: must be a list of token ids "
+                              f"(ints >= 0), got {str(ids)[:80]}")
+        if not isinstance(stop, (str, list, tuple)):
+            raise UpdateError(f"sampling_params.stop: must be a non-empty string or a list of "
+                              f"them, got {str(stop)[:80]}")
+        self.stop_token_ids = [operator.index(t) for t in ids]
+        self.stop = [stop] if isinstance(stop, str) else list(stop)
         if self.top_k == -1:  # SGLang's "whole vocabulary"
             self.top_k = 0
         self._check()

@@ -10,6 +10,7 @@ loop applying SGLang's penalties (tokens), the tokenizer itself (texts).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -356,9 +357,15 @@ def test_sampling_params_speak_sglangs_names():
     assert SamplingParams(ignore_eos=True).with_stops([2]).stop_token_ids == []
     for key, value, rule in (("min_new_tokens", 5, "in \\[0, max_new_tokens\\]"),
                              ("frequency_penalty", 3, "in \\[-2, 2\\]"),
-                             ("stop", [""], "non-empty string")):
+                             ("stop", [""], "non-empty string"),
+                             ("stop", 5, "a non-empty string or a list of them, got 5"),
+                             ("stop_token_ids", ["5"], "a list of token ids \\(ints >= 0\\)"),
+                             ("stop_token_ids", [True], "a list of token ids"),
+                             ("stop_token_ids", 3, "a list of token ids")):
         with pytest.raises(UpdateError, match=f"sampling_params.{key}: must be .*{rule}"):
             SamplingParams(max_new_tokens=3, **{key: value})
+    # integers of numpy or torch are token ids too
+    assert SamplingParams(stop_token_ids=[np.int64(3), torch.tensor(4)]).stop_token_ids == [3, 4]
     with pytest.raises(UpdateError, match="sampling_params.structural_tag: not supported"):
         SamplingParams(structural_tag={"x": 1})
 

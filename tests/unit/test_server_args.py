@@ -55,6 +55,8 @@ def test_the_flags_reach_the_server_last_and_win_over_the_launchers_sizing():
     ("[--decode-rows, x]", "argument --decode-rows: invalid int value: 'x'"),
     ("[--decode-rows]", "argument --decode-rows: expected one argument"),
     ("5", "must be a list of flags of python -m fsdpfn.rollout (non-empty strings), got 5"),
+    ("'--decode \"hf'", "must be a list of flags, or one string a shell can split (quotes "
+                         "closed), got '--decode \"hf'"),
     ("[--decode, '']", "must be a list of flags of python -m fsdpfn.rollout (non-empty "
                        "strings)"),
 ])
@@ -129,6 +131,9 @@ def test_sampling_parameters_reach_every_request_and_the_eval_takes_the_ends():
     ("{topk: 4}", "rollout.sampling: unknown key(s) ['topk']; did you mean 'top_k'?"),
     ("{json_schema: x}", "rollout.sampling.json_schema: not supported by this server"),
     ("5", "rollout.sampling: must be a mapping, got 5"),
+    ("{stop: 5}", "rollout.sampling.stop: must be a non-empty string or a list of them, got 5"),
+    ("{stop_token_ids: [a]}", "rollout.sampling.stop_token_ids: must be a list of token ids "
+                              "(ints >= 0), got ['a']"),
 ])
 def test_a_bad_sampling_parameter_is_refused_before_launch(value, message):
     with pytest.raises(ConfigError) as info:

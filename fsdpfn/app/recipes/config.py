@@ -93,7 +93,10 @@ def _server_args(value):
     if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]  # fsdpfn.serde reads one string as a list of one
     if isinstance(value, str):
-        return tuple(shlex.split(value))
+        try:
+            return tuple(shlex.split(value))
+        except ValueError:  # an unclosed quote: the validator names it
+            return value
     if isinstance(value, (list, tuple)):
         return tuple(str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
                      for v in value)
@@ -121,6 +124,9 @@ def _check_server_args(instance, attribute, value) -> None:
     from fsdpfn.rollout.__main__ import parser
 
     name = attribute.name
+    if isinstance(value, str):
+        fail(name, "must be a list of flags, or one string a shell can split (quotes closed)",
+             value)
     if not isinstance(value, tuple) or not all(is_nonempty_str(v) for v in value):
         fail(name, "must be a list of flags of python -m fsdpfn.rollout (non-empty strings)",
              value)
