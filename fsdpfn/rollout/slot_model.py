@@ -286,7 +286,7 @@ class SlotModel:
         # products from L2 once read), on Liger's SwiGLU MLPs, whose bits it repeats
         if swiglu != "module":
             reason = swiglu_kernel.refusal(self.device, self.dtype) or (
-                None if compile is False and all(_swiglu_mlp(layer.mlp) for layer in self.layers)
+                None if not compile and all(_swiglu_mlp(layer.mlp) for layer in self.layers)
                 else "the kernel runs without compile, on Liger's SwiGLU MLPs")
             if reason:
                 raise ValueError(f"swiglu: {reason}")

@@ -115,13 +115,22 @@ SERVER_OWNED = {
     "--channel-port": "fsdpfn run (a free port)"}
 
 
+def _server_namespace(args, error=None):
+    """The server's parsed command line with these flags (fsdpfn run's own as placeholders),
+    flags written out in full; ``error`` is called with argparse's message instead of exiting."""
+    from fsdpfn.rollout.__main__ import parser
+
+    check = parser(allow_abbrev=False)
+    if error is not None:
+        check.error = error
+    return check.parse_args(["--model", "m", "--port", "0", *args])
+
+
 def _check_server_args(instance, attribute, value) -> None:
     """Each flag must be one python -m fsdpfn.rollout accepts, with a valid value, and not one
     fsdpfn run sets itself; with rollout.url (external servers) there is no server to pass
     them to."""
     import argparse
-
-    from fsdpfn.rollout.__main__ import parser
 
     name = attribute.name
     if isinstance(value, str):
@@ -136,15 +145,12 @@ def _check_server_args(instance, attribute, value) -> None:
         if flag in SERVER_OWNED:
             fail(name, f"must not set {flag}, which comes from {SERVER_OWNED[flag]}", value,
                  shown=shown)
-    check = parser(allow_abbrev=False)  # a flag is written out in full here
-
     def refuse(message: str):
         fail(name, "must be flags python -m fsdpfn.rollout accepts", value,
              shown=f"{shown} ({message})")
 
-    check.error = refuse
     try:
-        check.parse_args(["--model", "m", "--port", "0", *value])
+        _server_namespace(value, refuse)
     except argparse.ArgumentError as exc:
         refuse(str(exc))
     if instance is not None and value and instance.url is not None:
@@ -376,9 +382,8 @@ def _check_rl_data(cfg) -> None:
     args = cfg.rollout.server_args
     if any(a.split("=", 1)[0] == "--decode-max-len" for a in args):
         from fsdpfn.app.recipes.engine import longest_row
-        from fsdpfn.rollout.__main__ import parser
 
-        cache = parser().parse_args(["--model", "m", "--port", "0", *args]).decode_max_len
+        cache = _server_namespace(args).decode_max_len
         row, how = longest_row(cfg)
         if cache < row:
             raise ConfigError(f"rollout.server_args: --decode-max-len must be >= {how} = {row} "
