@@ -93,18 +93,28 @@ def restore_buffers(lm: nn.Module, hf_config, *, is_critic: bool, dtype: torch.d
             owner._buffers[leaf] = value.to(device=device, dtype=old.dtype)  # noqa: SLF001
 
 
+def _open_safetensors(file: Path):
+    """safetensors' lazy reader of ``file`` (it checks the header against the file's size), or
+    a ConfigError naming the file and safetensors' reason (a truncated or corrupt file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"model_path: each *.safetensors file must be a readable safetensors "
+                          f"file, got {str(file)!r} ({exc})") from None
+
+
 class DiskWeights:
     """The tensors of an HF directory's safetensors files, read one at a time (headers only until
     a tensor is asked for)."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise ConfigError(f"model_path: must hold *.safetensors weights, got none in "
                               f"{str(path)!r}")
-        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        self._handles = [_open_safetensors(f) for f in files]
         self._where = {k: h for h in self._handles for k in h.keys()}
 
     def __contains__(self, key: str) -> bool:

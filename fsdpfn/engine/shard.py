@@ -19,6 +19,7 @@ shards allocated, buffers computed), ``time_weights`` (read or drawn, copied in)
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -50,6 +51,20 @@ __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_compi
 # ---------------------------------------------------------------- config and skeleton
 
 
+def _read_hf_config(path: Path):
+    """transformers' config of the directory ``path``, or a ConfigError naming its config.json
+    and why it does not read (not JSON: json's line and column; an unknown model_type)."""
+    from transformers import AutoConfig
+
+    try:
+        json.loads((path / "config.json").read_text())
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model_path: config.json must be a readable transformers config, "
+                          f"got {str(path / 'config.json')!r} ({reason})") from None
+
+
 def load_hf_config(config: EngineConfig):
     from transformers import AutoConfig
 
@@ -58,7 +73,7 @@ def load_hf_config(config: EngineConfig):
         if not (path / "config.json").is_file():
             raise ConfigError(f"model_path: must be a local HF model directory with config.json, "
                               f"got {config.model_path!r}")
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        hf_config = _read_hf_config(path)
     else:
         spec = dict(config.model_config)
         model_type = spec.pop("model_type")

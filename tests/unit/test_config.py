@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import attrs
 import pytest
 from hypothesis import given, settings
@@ -151,6 +153,35 @@ def test_liger_logprobs_impl_refused_where_it_cannot_run():
     with pytest.raises(ff.ConfigError, match="logprobs_impl: 'liger' needs an actor on CUDA"):
         ff.shard_model(ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(),
                                        logprobs_impl="liger"), mesh)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_dir_that_does_not_read_is_refused_naming_the_file(tmp_path):
+    """A truncated safetensors file or a config.json that is not JSON: a ConfigError naming
+    model_path, the file and the reader's reason, not safetensors' or transformers' own error."""
+    from fsdpfn.testing import save_tiny_model
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1))
+    good = save_tiny_model(tmp_path / "good", tiny_qwen2_config())
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ff.ConfigError) as info:
+        ff.shard_model(ff.EngineConfig(model_path=str(truncated), dtype="float32"), mesh)
+    assert str(info.value) == (f"model_path: each *.safetensors file must be a readable "
+                               f"safetensors file, got {str(weights)!r} (Error while "
+                               f"deserializing header: incomplete metadata, file not fully "
+                               f"covered)")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    (corrupt / "config.json").write_text("{oops")
+    with pytest.raises(ff.ConfigError) as info:
+        ff.shard_model(ff.EngineConfig(model_path=str(corrupt), dtype="float32"), mesh)
+    assert str(info.value) == (f"model_path: config.json must be a readable transformers "
+                               f"config, got {str(corrupt / 'config.json')!r} (Expecting "
+                               f"property name enclosed in double quotes: line 1 column 2 "
+                               f"(char 1))")
 
 
 # ---------------------------------------------------------------- reading YAML: one-line errors

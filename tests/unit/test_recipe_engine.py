@@ -232,6 +232,42 @@ def test_preflight_rows_against_max_position_embeddings():
         check_positions(cfg, {"max_position_embeddings": 1024})
 
 
+def test_preflight_refuses_a_model_dir_whose_files_do_not_read(tmp_path):
+    """check_model_dir reads config.json and each safetensors header (no tensor): a truncated
+    download or a corrupt config.json is refused before launch, and the position check never
+    runs on a config it could not read."""
+    from fsdpfn.app.recipes.model import ModelConfig, check_model_dir
+    from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+
+    model = save_tiny_model(tmp_path / "m", tiny_qwen2_config())
+    (model / "tokenizer.json").write_text("{}")
+    check_model_dir(ModelConfig(path=str(model)))
+    weights = model / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-1])
+    with pytest.raises(ConfigError) as info:
+        check_model_dir(ModelConfig(path=str(model)))
+    assert str(info.value) == (f"model.path: each *.safetensors file must be a readable "
+                               f"safetensors file, got {str(weights)!r} (Error while "
+                               f"deserializing header: incomplete metadata, file not fully "
+                               f"covered)")
+    check_model_dir(ModelConfig(path=str(model), random_init=True))  # its weights are unread
+    weights.write_bytes(whole)
+    (model / "config.json").write_text('{"hidden_size": 8,')
+    expected = (f"model.path: config.json must be a JSON object, got "
+                f"{str(model / 'config.json')!r} (Expecting property name enclosed in double "
+                f"quotes: line 1 column 19 (char 18))")
+    with pytest.raises(ConfigError) as info:
+        check_model_dir(ModelConfig(path=str(model)))
+    assert str(info.value) == expected
+    with pytest.raises(ConfigError) as info:
+        preflight.model_config(default_config("sft", [f"model.path={model}"]))
+    assert str(info.value) == expected
+    (model / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config.json must be a JSON object, got .* \(a list\)"):
+        check_model_dir(ModelConfig(path=str(model)))
+
+
 # ---------------------------------------------------------------- the memory estimate
 
 # hidden 8, intermediate 16, 4 layers, vocab 32, 2 heads of 4, 1 kv head, lm_head untied:

@@ -26,6 +26,7 @@ from fsdpfn.validators import boolean, integer, is_nonempty_str, satisfies
 from fsdpfn.errors import ConfigError
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
+           "read_config_json", "check_weight_headers",
            "initial_model_dir", "write_initial_model", "prepare_initial_model", "has_weights",
            "TOKENIZER_FILES"]
 
@@ -92,13 +93,46 @@ def check_model_dir(cfg: ModelConfig) -> None:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: must hold a transformers config.json, got {cfg.path!r} "
                           f"(no config.json)")
+    read_config_json(path)
     if not cfg.random_init and not has_weights(path):
         raise ConfigError(f"model.path: must hold *.safetensors weights (or set "
                           f"model.random_init=true), got {cfg.path!r} (no .safetensors file)")
+    if not cfg.random_init:
+        check_weight_headers(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model",
                                                     "vocab.json", "char_vocab.json")):
         raise ConfigError(f"model.path: must hold a tokenizer (tokenizer.json, tokenizer.model "
                           f"or vocab.json), got {cfg.path!r} (no tokenizer files)")
+
+
+def read_config_json(path: str | Path) -> dict:
+    """The directory's config.json as a dict, or a ConfigError naming the file and json's
+    reason (a truncated or hand-edited file)."""
+    file = Path(path) / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: config.json must be a JSON object, got {str(file)!r} "
+                          f"({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.path: config.json must be a JSON object, got {str(file)!r} "
+                          f"(a {type(data).__name__})")
+    return data
+
+
+def check_weight_headers(path: str | Path) -> None:
+    """Each *.safetensors file's header reads and covers the file (safetensors checks it
+    against the file's size): a truncated or corrupt download is refused here, by name. Only
+    the headers are read, no tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"model.path: each *.safetensors file must be a readable "
+                              f"safetensors file, got {str(file)!r} ({exc})") from None
 
 
 class CharTokenizer:

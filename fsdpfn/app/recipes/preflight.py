@@ -23,7 +23,6 @@ fp32 copies, the CUDA context), and the refusal keeps ``HEADROOM`` of the device
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 
 import attrs
@@ -53,8 +52,6 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
         check_rollout(cfg)
     hf = model_config(cfg)
     check_positions(cfg, hf)
-    if hf is None:
-        return []
     shape = ModelShape.from_hf(hf)
     notes = [check_disk(cfg, shape)]
     if placement.device != "cuda":
@@ -156,16 +153,14 @@ def _check_external_server(url: str) -> None:
                           f"with it, or fsdpfn's server")
 
 
-def model_config(cfg) -> dict | None:
-    """The model's config.json as a dict (the text model's, for multimodal configs); the
-    embedded model's shape; None when the directory has none (check_model_dir refuses it)."""
+def model_config(cfg) -> dict:
+    """The model's config.json as a dict (the text model's, for multimodal configs), or the
+    embedded model's shape; a config.json that does not read is refused by name."""
+    from fsdpfn.app.recipes.model import read_config_json
+
     if cfg.model.embedded:
         return cfg.model.config_dict(64)
-    path = Path(cfg.model.path) / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    data = read_config_json(cfg.model.path)
     return data.get("text_config", data) if "hidden_size" not in data else data
 
 
