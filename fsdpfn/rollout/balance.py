@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import is_http_url
 from fsdpfn.rollout.client import generate
 
 __all__ = ["Balancer", "split_by_load", "generate_balanced", "group_work", "run_seed"]
@@ -94,8 +95,7 @@ class Balancer:
 
     def __init__(self, urls: str | Sequence[str]):
         urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
-                               for u in urls):
+        if not urls or not all(is_http_url(u) for u in urls):
             raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got "
                               f"{urls!r}")
         if len(set(urls)) != len(urls):

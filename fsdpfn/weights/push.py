@@ -42,6 +42,7 @@ import torch
 from fsdpfn.engine import timing
 from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.validators import is_http_url
 from fsdpfn.engine.state import EngineState, check_live
 from fsdpfn.weights.channel import ChannelSender
 from fsdpfn.weights.disk_push import push_disk
@@ -88,8 +89,7 @@ def push_weights(state: EngineState, target) -> PushReceipt:
     start = time.perf_counter()
     error = None
     if not callable(getattr(target, "push", None)):
-        error = ConfigError(f"target: must be a DiskTarget or RolloutTarget (an object with "
-                            f"push(state)), got {type(target).__name__}")
+        error = ConfigError(_bad_target(target))
     elif isinstance(state, EngineState) and state.config.is_critic:
         error = WeightSyncError("push_weights: state must be an actor (a causal LM), got a "
                                 "critic (is_critic=True); rollout engines serve policies")
@@ -109,6 +109,17 @@ def push_weights(state: EngineState, target) -> PushReceipt:
                      transfer_s=max(seconds - gather - (apply or 0.0), 0.0))
     return PushReceipt(version=state.version, n_tensors=n_tensors, n_bytes=n_bytes,
                        seconds=seconds, **split)
+
+
+def _bad_target(target) -> str:
+    """push_weights' message for a ``target`` without push(state): its repr (cut to 80
+    characters) and type, and for a URL string the target that pushes to it."""
+    shown = repr(target)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    hint = (f"; for the server at that URL pass RolloutTarget({target!r})"
+            if is_http_url(target) else "")
+    return (f"target: must be a DiskTarget or RolloutTarget (an object with push(state)), got "
+            f"{shown} ({type(target).__name__}){hint}")
 
 
 class RolloutTarget:
@@ -179,8 +190,13 @@ class RolloutTarget:
 
 
 def _check_urls(urls) -> list[str]:
+    """``urls`` as a list, each an http(s) URL with a host and a numeric port if any."""
     urls = [urls] if isinstance(urls, str) else list(urls)
-    if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
-                           for u in urls):
+    if not urls or not all(isinstance(u, str) for u in urls):
         raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
+    for url in urls:
+        if not is_http_url(url):
+            raise ConfigError(f"urls: must be one or more 'http://host:port' strings (http "
+                              f"or https, a host, a port if any in 1..65535), got {url!r}"
+                              + (f" in {urls!r}" if len(urls) > 1 else ""))
     return [u.rstrip("/") for u in urls]

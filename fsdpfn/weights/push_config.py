@@ -14,7 +14,7 @@ from typing import Callable, Literal
 import attrs
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import int_to_float, one_of, satisfies, to_path
+from fsdpfn.validators import int_to_float, is_port, one_of, satisfies, to_path
 from fsdpfn.wire.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES
 
 __all__ = ["PushConfig", "Transport", "TRANSPORTS", "BACKENDS", "PAUSE_MODES"]
@@ -57,6 +57,8 @@ _count = satisfies("must be an int >= 1", _int_at_least_1)
 _opt_count = satisfies("must be None or an int >= 1", _int_at_least_1, optional=True)
 _probe_tol = satisfies("must be None or a number >= 0",
                        lambda v: _real(v) and v >= 0, optional=True)
+_port = satisfies("must be None or a port number in 0..65535 (None or 0: a free port)",
+                  is_port, optional=True)
 _path = satisfies("must be None or a directory path (str or os.PathLike)",
                   lambda v: isinstance(v, Path), optional=True)
 
@@ -77,7 +79,7 @@ class PushConfig:
     before sending. disk_root / keep_last: where transport="disk" publishes versions and how many
     it keeps. master_address / master_port: where the servers reach trainer rank 0's store
     (None: 127.0.0.1 for local servers, else the address of the interface that routes to the
-    first server; a free port). group_name: the update group's name (None: a fresh
+    first server; 0 or None: a free port). group_name: the update group's name (None: a fresh
     ``fsdpfn-<hex>`` per RolloutTarget). on_bucket(index, n_buckets): called on rank 0 once each
     bucket is on the wire (progress reports). bucket_bytes / edge_bucket_bytes: the size of the
     middle buckets and of the first and last ones (None: no ramp). pause_generation applies to
@@ -102,7 +104,7 @@ class PushConfig:
     disk_root: Path | None = attrs.field(default=None, converter=to_path, validator=_path)
     keep_last: int = attrs.field(default=2, validator=_count)
     master_address: str | None = None
-    master_port: int | None = None
+    master_port: int | None = attrs.field(default=None, validator=_port)
     group_name: str | None = None
     on_bucket: Callable[[int, int], None] | None = None
     edge_bucket_bytes: int | None = attrs.field(default=DEFAULT_EDGE_BYTES,

@@ -111,7 +111,8 @@ class Servers:
         if len(set(served.values())) == 1:
             return next(iter(served.values()))
         raise WeightSyncError(f"dtype: the servers serve different dtypes {served}; pass "
-                              f"RolloutTarget(dtype=...) explicitly")
+                              f"one explicitly: RolloutTarget(urls, "
+                              f"config=PushConfig(dtype=...))")
 
     def _precheck(self, infos: dict[str, dict], params, dtype: str) -> None:
         for url, info in infos.items():

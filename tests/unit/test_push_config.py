@@ -130,3 +130,62 @@ def test_each_transport_implements_the_sender_protocol():
             assert inspect.isfunction(getattr(cls, name, None)), (cls.__name__, name)
         for name in fields:
             assert isinstance(getattr(cls, name, None), bool), (cls.__name__, name)
+
+
+@pytest.mark.parametrize("url", ["http://", "http://host:notaport", "ftp://host:1",
+                                 "http://host:70000", "http://host:0", "localhost:30000"])
+def test_a_url_without_scheme_host_or_numeric_port_is_refused_when_the_target_is_built(url):
+    with pytest.raises(ff.ConfigError) as info:
+        RolloutTarget(url)
+    assert str(info.value) == ("urls: must be one or more 'http://host:port' strings (http or "
+                               f"https, a host, a port if any in 1..65535), got {url!r}")
+    with pytest.raises(ff.ConfigError, match=rf"got {url!r} in \[{URL!r}, {url!r}\]$"):
+        RolloutTarget([URL, url])
+    for good in ("https://rollout.example", "http://[::1]:30000", f"{URL}/v1/"):
+        assert RolloutTarget(good).urls == [good.rstrip("/")]
+
+
+@pytest.mark.parametrize("port", [70000, 65536, -1, True, "29500"])
+def test_master_port_must_be_a_port_number(port):
+    with pytest.raises(ff.ConfigError) as info:
+        PushConfig(master_port=port)
+    assert str(info.value) == ("master_port: must be None or a port number in 0..65535 (None or "
+                               f"0: a free port), got {port!r}")
+    assert PushConfig(master_port=65535).master_port == 65535
+    assert PushConfig(master_port=0).master_port == 0  # as None: the group takes a free port
+
+
+def test_servers_of_different_dtypes_ask_for_the_dtype_the_way_it_is_given():
+    """The message's advice is the API: RolloutTarget(urls, config=PushConfig(dtype=...))."""
+    from fsdpfn.errors import WeightSyncError
+
+    other = "http://127.0.0.1:30001"
+    infos = {URL: {"dtype": "bfloat16"}, other: {"dtype": "float32"}}
+    with pytest.raises(WeightSyncError) as info:
+        RolloutTarget([URL, other])._servers._push_dtype(infos)
+    assert str(info.value) == ("dtype: the servers serve different dtypes {'http://127.0.0.1:"
+                               "30000': 'bfloat16', 'http://127.0.0.1:30001': 'float32'}; pass "
+                               "one explicitly: RolloutTarget(urls, "
+                               "config=PushConfig(dtype=...))")
+    target = RolloutTarget([URL, other], config=PushConfig(dtype="float32"))
+    assert target._servers._push_dtype(infos) == "float32"
+
+
+@pytest.mark.timeout(120)
+def test_push_weights_to_a_wrong_target_shows_the_value_received():
+    from fsdpfn.testing import tiny_qwen2_config
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1))
+    state = ff.shard_model(ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(),
+                                           optimizer=None, dtype="float32"), mesh)
+    rule = "target: must be a DiskTarget or RolloutTarget (an object with push(state)), got"
+    long = "x" * 200
+    for target, shown in [(URL, f"{URL!r} (str); for the server at that URL pass "
+                                f"RolloutTarget({URL!r})"),
+                          (None, "None (NoneType)"), (42, "42 (int)"),
+                          (long, f"'{long[:76]}... (str)")]:
+        with pytest.raises(ff.ConfigError) as info:
+            ff.push_weights(state, target)
+        assert str(info.value) == f"{rule} {shown}"
+    assert state.version == 0 and ff.forward_logp(state, ff.testing.random_batch(
+        2, 8, vocab_size=tiny_qwen2_config().vocab_size))["logp"].shape == (2, 8)

@@ -65,6 +65,10 @@ def test_a_url_list_reaches_the_ranks_as_one_argument(tmp_path):
     (["rollout.url=[http://127.0.0.1:1, 127.0.0.1:2]"],
      r"^rollout.url: must name each server as 'http://host:port', got '127.0.0.1:2' in "
      r"\['http://127.0.0.1:1', '127.0.0.1:2'\]$"),
+    (["rollout.url=http://:8000"], r"^rollout.url: must name each server as 'http://host:port', "
+                                   r"got 'http://:8000'$"),
+    (["rollout.url=http://127.0.0.1:port"],
+     r"^rollout.url: must name each server as 'http://host:port', got 'http://127.0.0.1:port'$"),
     (["rollout.url=[http://127.0.0.1:1, http://127.0.0.1:1]"],
      r"^rollout.url: must name each server once, got 'http://127.0.0.1:1' twice"),
     (["rollout.url=[]"], r"^rollout.url: must be None, 'http://host:port' or a list of them"),

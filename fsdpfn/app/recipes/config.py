@@ -20,8 +20,8 @@ import attrs
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
                            ParallelStrategy, PPOConfig, RWConfig, SFTConfig)
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, number, one_of,
-                               satisfies, to_float, to_opt_float)
+from fsdpfn.validators import (boolean, fail, integer, is_http_url, is_nonempty_str, number,
+                               one_of, satisfies, to_float, to_opt_float)
 from fsdpfn.app.recipes.data import DataConfig
 from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
 from fsdpfn.app.recipes.model import ModelConfig
@@ -264,7 +264,7 @@ class RolloutConfig:
             fail("url", "must be None, 'http://host:port' or a list of them", value)
         urls = value.split(",")
         for u in urls:
-            if not u.startswith(("http://", "https://")):
+            if not is_http_url(u):
                 fail("url", "must name each server as 'http://host:port'", u,
                      shown=repr(u) + (f" in {urls}" if len(urls) > 1 else ""))
         twice = [u for u in urls if urls.count(u) > 1]
