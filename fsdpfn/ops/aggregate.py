@@ -18,9 +18,19 @@ __all__ = ["aggregate", "aggregate_sum", "aggregate_sum_packed", "masked_values"
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def _check_mode(mode: str) -> None:
+def check_mode(mode: str, name: str = "mode") -> None:
+    """``mode`` is one of AGG_MODES; ``name``: the caller's parameter (a loss's ``agg``)."""
     if mode not in AGG_MODES:
-        raise ConfigError(f"mode must be one of {list(AGG_MODES)}, got {mode!r}")
+        raise ConfigError(f"{name} must be one of {list(AGG_MODES)}, got {mode!r}")
+
+
+def check_same_shape(like_name: str, like: torch.Tensor, **tensors) -> None:
+    """Each tensor of ``tensors`` (None: absent) has the shape of ``like``, else a BatchError
+    naming it and both shapes."""
+    for name, t in tensors.items():
+        if t is not None and t.shape != like.shape:
+            raise BatchError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, "
+                             f"got {tuple(t.shape)}")
 
 
 def masked_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -57,7 +67,7 @@ def aggregate_sum(x: torch.Tensor, mask: torch.Tensor, mode: str):
     of rows with >= 1 True); seq-mean-token-mean: (sum over such rows of their token mean, that
     number of rows).
     """
-    _check_mode(mode)
+    check_mode(mode)
     if x.dim() < 1:
         raise BatchError("x must have a token dim [..., T], got a 0-dim tensor")
     xm = masked_values(x, mask)
@@ -78,7 +88,7 @@ def aggregate_sum_packed(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.
 
     cu_seqlens[S+1] int, starts at 0, non-decreasing, ends at N.
     """
-    _check_mode(mode)
+    check_mode(mode)
     if x.dim() != 1:
         raise BatchError(f"x must be a flat token stream [N], got shape {tuple(x.shape)}")
     xm, m = masked_values(x, mask), mask.bool()

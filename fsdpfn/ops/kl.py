@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.ops.aggregate import check_same_shape
 
 __all__ = ["kl", "KL_KINDS"]
 
@@ -12,13 +13,15 @@ KL_KINDS = ("k1", "k2", "k3", "abs")
 
 
 def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from sampled-token log-probs; logp[...], ref_logp[...].
+    """Per-token estimate of KL(pi || ref) from sampled-token log-probs; logp[...], ref_logp[...]
+    of one shape (BatchError otherwise).
 
     k1 = logp - ref; k2 = 1/2 (logp - ref)^2; k3 = exp(ref - logp) - (ref - logp) - 1 clamped to
     [-10, 10]; abs = |logp - ref|. float32 out. There is no mask: callers select masked tokens.
     """
     if kind not in KL_KINDS:
         raise ConfigError(f"kind must be one of {list(KL_KINDS)}, got {kind!r}")
+    check_same_shape("logp", logp, ref_logp=ref_logp)
     d = logp.float() - ref_logp.float()  # log ratio pi / ref
     if kind == "k1":
         return d

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import aggregate, aggregate_sum, masked_max, masked_values
+from fsdpfn.ops.aggregate import (aggregate, aggregate_sum, check_mode, check_same_shape,
+                                  masked_max, masked_values)
 from fsdpfn.ops.correction import BehavWeights, behav_stats, behav_weights
 
 __all__ = [
@@ -47,9 +48,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_same_shape(mask: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.shape != mask.shape:
-            raise BatchError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(t.shape)}")
+    check_same_shape("mask", mask, **tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,9 +66,17 @@ class PolicyTerms(NamedTuple):
     behav: Optional[BehavWeights] = None  # the weights with their truncation / mask indicators
 
 
+def _check_clip_low(clip_low, kind) -> None:
+    """PPOConfig's rule, clip_low < 1 (1 - clip_low is the ratio's lower bound); CISPO's weight
+    may take 1 (no lower bound), as PPOConfig.cispo_clip_low."""
+    if kind == "cispo" and not 0.0 <= clip_low <= 1.0:
+        raise ConfigError(f"clip_low must be in [0, 1] with kind='cispo', got {clip_low!r}")
+    if kind != "cispo" and not 0.0 <= clip_low < 1.0:
+        raise ConfigError(f"clip_low must be in [0, 1), got {clip_low!r}")
+
+
 def _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level, kind, correction):
-    if not clip_low >= 0.0:
-        raise ConfigError(f"clip_low must be >= 0, got {clip_low!r}")
+    _check_clip_low(clip_low, kind)
     if clip_high is not None and not clip_high >= 0.0:
         raise ConfigError(f"clip_high must be >= 0 or None, got {clip_high!r}")
     if dual_clip is not None and not dual_clip > 1.0:
@@ -184,6 +191,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     behav_correction also the `behav_stats` diagnostics (behav_gap_mean/max, behav_kl,
     behav_trunc_frac, behav_mask_frac, behav_seq_trunc_frac, behav_seq_mask_frac).
     """
+    check_mode(agg, "agg")
     terms = policy_loss_terms(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                               dual_clip=dual_clip, behav_logp=behav_logp, behav_cap=behav_cap,
                               ratio_level=ratio_level, kind=kind, behav_correction=behav_correction,
@@ -235,6 +243,7 @@ def value_loss_terms(values, old_values, returns, mask, *, clip=0.5) -> ValueTer
 
 def value_loss_with_stats(values, old_values, returns, mask, *, clip=0.5, agg="token-mean"):
     """(loss, stats): `value_loss_terms` aggregated with `agg`; stats vf_clip_frac, value_mean, returns_mean."""
+    check_mode(agg, "agg")
     terms = value_loss_terms(values, old_values, returns, mask, clip=clip)
     mask = mask.bool()
     loss = aggregate(terms.loss, mask, agg)
@@ -261,6 +270,7 @@ def value_loss(values, old_values, returns, mask, *, clip=0.5, agg="token-mean")
 def sft_loss_sum(logp, mask, *, agg="token-mean"):
     """(nll_sum, count) = aggregate_sum(-logp, mask, agg) for logp[..., T]: the SFT loss is
     nll_sum / max(count, 1)."""
+    check_mode(agg, "agg")
     _check_same_shape(mask, logp=logp)
     return aggregate_sum(-logp, mask, agg)
 

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fsdpfn.config import PPOConfig
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.ops import (aggregate, aggregate_sum, aggregate_sum_packed, bradley_terry_loss,
                         bradley_terry_loss_sum, bradley_terry_loss_with_stats, dpo_loss,
@@ -87,6 +88,16 @@ def test_kl_matches_reference_and_has_finite_grads(kind, shape, spread, seed):
 def test_kl_unknown_kind_names_kind_allowed_and_value():
     with pytest.raises(ConfigError, match=r"kind.*k1.*k2.*k3.*abs.*'k4'"):
         kl(torch.zeros(2), torch.zeros(2), "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs"])
+def test_kl_of_different_shapes_is_a_batch_error_naming_both(kind):
+    """No broadcasting: [2, 3] against [2, 4] (or [1, 3], which torch would broadcast)."""
+    for ref_shape in [(2, 4), (1, 3)]:
+        with pytest.raises(BatchError) as info:
+            kl(torch.zeros(2, 3), torch.zeros(*ref_shape), kind)
+        assert str(info.value) == (f"ref_logp must have the shape of logp (2, 3), got "
+                                   f"{ref_shape}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,10 +349,37 @@ def test_policy_loss_bad_arguments():
         policy_loss(x, x, x, m, clip_low=-0.1)
     with pytest.raises(ConfigError, match=r"ratio_level.*token.*sequence.*'seq'"):
         policy_loss(x, x, x, m, ratio_level="seq")
-    with pytest.raises(ConfigError, match=r"mode.*'mean'"):
-        policy_loss(x, x, x, m, agg="mean")
+    for agg in ("mean", "token_mean"):  # named by the loss's own parameter
+        with pytest.raises(ConfigError) as info:
+            policy_loss(x, x, x, m, agg=agg)
+        assert str(info.value) == (f"agg must be one of ['token-mean', 'seq-mean-token-sum', "
+                                   f"'seq-mean-token-mean'], got {agg!r}")
+        with pytest.raises(ConfigError, match=rf"^agg must be one of .*, got {agg!r}$"):
+            value_loss(x, x, x, m, agg=agg)
+        with pytest.raises(ConfigError, match=rf"^agg must be one of .*, got {agg!r}$"):
+            sft_loss_sum(x, m, agg=agg)
+    with pytest.raises(ConfigError, match=r"^mode must be one of .*, got 'mean'$"):
+        aggregate(x, m, "mean")
     with pytest.raises(BatchError, match="advantages"):
         policy_loss(x, x, torch.zeros(2, 4), m)
+
+
+@pytest.mark.parametrize("clip_low", [1.0, 1.5, -0.1])
+def test_policy_loss_clip_low_follows_ppo_configs_rule(clip_low):
+    """clip_low < 1, as PPOConfig: 1 - clip_low is the ratio's lower bound. CISPO's weight
+    takes 1 (no lower bound), as PPOConfig.cispo_clip_low, and nothing above."""
+    x, m = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ConfigError) as info:
+        policy_loss(x, x, x, m, clip_low=clip_low)
+    assert str(info.value) == f"clip_low must be in [0, 1), got {clip_low!r}"
+    if clip_low == 1.0:
+        policy_loss(x, x, x, m, clip_low=clip_low, kind="cispo")
+    else:
+        with pytest.raises(ConfigError, match=rf"^clip_low must be in \[0, 1\] with "
+                                              rf"kind='cispo', got {clip_low!r}$"):
+            policy_loss(x, x, x, m, clip_low=clip_low, kind="cispo")
+    with pytest.raises(ConfigError, match=rf"clip_low: must be .*, got {clip_low!r}"):
+        PPOConfig(clip_low=clip_low)
 
 
 # --------------------------------------------------------------------------------------------
