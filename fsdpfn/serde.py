@@ -63,6 +63,21 @@ def _is_str_tuple(tp) -> bool:
     return typing.get_origin(tp) is tuple and typing.get_args(tp) == (str, Ellipsis)
 
 
+def _is_scalar_tuple(tp) -> bool:
+    """A tuple of scalars other than names: ``tuple[float, float]``, ``tuple[int, ...]``."""
+    import typing
+
+    args = typing.get_args(tp)
+    return (typing.get_origin(tp) is tuple and not _is_str_tuple(tp)
+            and all(a in (int, float, bool, str, Ellipsis) for a in args))
+
+
+# a tuple of scalars is passed on as written (a list stays a list, a scalar a scalar): the
+# field's converter and validator name the rule (``betas: must be two numbers in [0, 1), got
+# (0.9,)``), where cattrs would count the items in its own words ("Not enough values in [0.9]")
+converter.register_structure_hook_func(_is_scalar_tuple, lambda value, _: value)
+
+
 # a list of names written as one name (``target_modules: all-linear``, ``train_files: a.jsonl``)
 # is that one name, never its characters; a value neither a name nor a list goes to the field's
 # own converter and validator, which name the rule

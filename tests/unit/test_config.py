@@ -114,6 +114,23 @@ def test_error_message_format_and_unknown_keys():
         ff.OptimizerConfig(schedule="cosine")
 
 
+@pytest.mark.parametrize("betas,shown", [([0.9], "(0.9,)"), ([0.9, 0.99, 0.5], "(0.9, 0.99, 0.5)"),
+                                         (0.9, "0.9"), ("fast", "'fast'")])
+def test_a_tuple_field_read_from_yaml_is_refused_by_its_own_rule(betas, shown):
+    """The field's validator names the rule, in the Python API's words; not cattrs' count of
+    items ('Not enough values in [0.9] to structure as tuple[float, float]')."""
+    message = f"optimizer.betas: must be two numbers in [0, 1), got {shown}"
+    with pytest.raises(ff.ConfigError) as info:
+        serde.structure({"model_path": "x", "optimizer": {"betas": betas}}, ff.EngineConfig)
+    assert str(info.value) == message
+    with pytest.raises(ff.ConfigError) as info:
+        ff.OptimizerConfig(betas=betas)
+    assert "optimizer." + str(info.value) == message
+    cfg = serde.structure({"model_path": "x", "optimizer": {"betas": [0.8, 0.95]}},
+                          ff.EngineConfig)
+    assert cfg.optimizer.betas == (0.8, 0.95)
+
+
 def test_dotted_overrides(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(serde.to_yaml(ff.EngineConfig(model_path="ckpt/")))

@@ -54,6 +54,12 @@ def test_a_url_list_reaches_the_ranks_as_one_argument(tmp_path):
         .rollout.urls == cfg.rollout.urls
 
 
+def test_gpus_may_be_one_index_or_a_comma_separated_string():
+    assert default_config("grpo", ["launch.gpus=3"]).launch.gpus == (3,)
+    assert default_config("grpo", ["launch.gpus=0,1"]).launch.gpus == (0, 1)
+    assert default_config("grpo", ["rollout.gpus=[2, 3]"]).rollout.gpus == (2, 3)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.servers=0"], r"^rollout.servers: must be >= 1, got 0$"),
     (["rollout.servers=1.5"], r"^rollout.servers: must be an integer, got 1.5$"),
@@ -62,6 +68,10 @@ def test_a_url_list_reaches_the_ranks_as_one_argument(tmp_path):
      r"\[4, 5\]\), got 3$"),
     (["rollout.gpus=[4, 4]"],
      r"^rollout.gpus: must be null or a list of distinct GPU indices >= 0, got \[4, 4\]$"),
+    (["launch.gpus=3.5"],
+     r"^launch.gpus: must be null or a list of distinct GPU indices >= 0, got 3.5$"),
+    (["launch.gpus=[[0]]"],
+     r"^launch.gpus: must be null or a list of distinct GPU indices >= 0, got \[\[0\]\]$"),
     (["rollout.url=[http://127.0.0.1:1, 127.0.0.1:2]"],
      r"^rollout.url: must name each server as 'http://host:port', got '127.0.0.1:2' in "
      r"\['http://127.0.0.1:1', '127.0.0.1:2'\]$"),

@@ -43,17 +43,19 @@ def _gpus(value):
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
     if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").split(",") if v]
-    return tuple(value)
+        value = [int(v) if v.isdecimal() else v for v in value.replace(" ", "").split(",") if v]
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _distinct_indices(value) -> bool:
-    return bool(value) and len(set(value)) == len(value) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    return isinstance(value, tuple) and bool(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value) \
+        and len(set(value)) == len(value)
 
 
 _gpu_list = satisfies("must be null or a list of distinct GPU indices >= 0", _distinct_indices,
-                      optional=True, show=lambda v: repr(list(v)))
+                      optional=True,
+                      show=lambda v: repr(list(v) if isinstance(v, tuple) else v))
 
 
 @attrs.frozen
