@@ -149,8 +149,8 @@ class LoRAConfig:
         if value is not None and not value:
             fail(attribute.name, "must name at least one module (or be ['all-linear'])", value)
         if value is not None and len(value) > 1 and all(len(v) == 1 for v in value):
-            fail(attribute.name, "must be a list of module names (in YAML a string reads as its "
-                  "characters: write [all-linear] or [q_proj, v_proj])", "".join(value))
+            fail(attribute.name, "must be a list of module names, not one name's characters "
+                  "(one name alone is that name: q_proj or [q_proj, v_proj])", list(value))
         if value is not None and "all-linear" in value and len(value) > 1:
             fail(attribute.name, "'all-linear' must stand alone", list(value))
 

@@ -62,6 +62,24 @@ def test_yaml_string_target_modules_is_one_name_not_its_characters():
                        match="engine.lora.target_modules: 'all-linear' must stand alone"):
         serde.from_yaml("recipe: grpo\nengine:\n  lora:\n    target_modules: [all-linear, "
                         "q_proj]\n", GRPORecipe)
+    cfg = serde.from_yaml("recipe: grpo\nengine:\n  lora:\n    target_modules: q_proj\n",
+                          GRPORecipe)
+    assert cfg.engine.lora.target_modules == ("q_proj",)
+
+
+def test_a_list_of_one_names_characters_is_refused_in_words_that_match_yaml():
+    """A string is one name (above); what the rule refuses is a list of characters (Python's
+    list('q_proj')), and its words, which docs/recipes.md shows, say so."""
+    with pytest.raises(ConfigError) as info:
+        ff.LoRAConfig(target_modules=list("q_proj"))
+    assert str(info.value) == ("target_modules: must be a list of module names, not one name's "
+                               "characters (one name alone is that name: q_proj or [q_proj, "
+                               "v_proj]), got ['q', '_', 'p', 'r', 'o', 'j']")
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
+    row = next(line for line in page.splitlines() if "`engine.lora.target_modules`" in line)
+    assert "reads as its characters" not in row and "one name alone is that name" in row
 
 
 def test_target_names_all_linear_and_unknown_names():
