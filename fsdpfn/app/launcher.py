@@ -86,6 +86,15 @@ def _last_run(run_dir: Path) -> str | None:
     return describe_last_run(state)
 
 
+def _check_flags(*, resume: bool, overwrite: bool) -> None:
+    """--resume continues run_dir's run and --overwrite deletes it: never both."""
+    from fsdpfn.errors import ConfigError
+
+    if resume and overwrite:
+        raise ConfigError("--overwrite: must not be given with --resume (--resume continues the "
+                          "run in run_dir, --overwrite deletes it and starts over), got both")
+
+
 def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     from fsdpfn.errors import ConfigError
 
@@ -101,7 +110,7 @@ def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if last and "killed" in last:
         _say(f"{run_dir}: {last}" + ("; resuming from its latest checkpoint" if resume
                                      else "; starting over"))
-    if overwrite and not resume:
+    if overwrite:
         for name in _OWNED:
             path = run_dir / name
             if path.is_dir():
@@ -286,6 +295,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     from fsdpfn.app.recipes.preflight import preflight
     from fsdpfn.app.supervise import write_run_state
 
+    _check_flags(resume=resume, overwrite=overwrite)
     run_dir = Path(cfg.run_dir)
     _check_run_dir_path(run_dir)  # before count_gpus, which imports torch
     config_path = run_dir / "config.yaml"

@@ -74,6 +74,24 @@ def test_refused_before_launch_in_one_line(overrides, message, tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["run", "demo"])
+def test_resume_with_overwrite_is_refused_and_the_run_dir_is_kept(tmp_path, command):
+    """--resume continues run_dir's run, --overwrite deletes it: both at once is refused in one
+    line before anything is read or deleted."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = [EXAMPLES / "sft.yaml"] if command == "run" else []
+    proc = _fsdpfn(command, *config, f"run_dir={run_dir}", "--resume", "--overwrite")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("fsdpfn: error: --overwrite: must not be given with --resume "
+                           "(--resume continues the run in run_dir, --overwrite deletes it and "
+                           "starts over), got both\n")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
 @pytest.mark.timeout(150)
 def test_a_rank_failure_is_one_line_with_the_log_path(tmp_path):
     """A typed error raised inside the trainer rank (attn_impl 'varlen' needs CUDA) reaches
