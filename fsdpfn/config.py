@@ -394,7 +394,9 @@ class AdvantageConfig:
 
     estimator: ``grpo`` (group mean and std), ``drgrpo`` (group mean, no std), ``rloo``
     (leave-one-out mean), ``reinforce++`` (reward minus KL per token, whitened over the batch),
-    ``gae`` (needs ``values``). ``kl_coef>0`` puts coef·KL(logp‖ref_logp) into the token rewards.
+    ``gae`` (needs ``values``). ``kl_coef>0`` puts coef·KL(old_logp‖ref_logp) into the token
+    rewards (the policy that sampled: the batch's ``old_logp``, else its ``logp``). Rewards are
+    first scaled and shifted (r·reward_scale + reward_bias), then clipped to ±reward_clip.
     """
 
     estimator: str = attrs.field(default="grpo",

@@ -22,13 +22,10 @@ def present(batch, key: str) -> bool:
     return key in batch.keys()
 
 
-def minibatch_order(state, batch, *, shuffle: bool, seed: int) -> list[int] | None:
-    """Row order for the minibatches of one call: None (in order), or a permutation drawn from
-    (seed, state.step), so every call shuffles differently but reproducibly."""
-    if not shuffle:
-        return None
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + state.step)
-    return torch.randperm(batch.batch_size[0], generator=gen).tolist()
+def minibatch_seed(state, *, shuffle: bool, seed: int) -> int | None:
+    """grad_step's shuffle_seed for one call: None (rows in order), or one drawn from (seed,
+    state.step), so every call shuffles the global batch differently but reproducibly."""
+    return seed * 1_000_003 + state.step if shuffle else None
 
 
 def check_config(config, cls) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fsdpfn import keys as K
-from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_order, present,
+from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_seed, present,
                                  token_mean_stat)
 from fsdpfn.config import CriticConfig
 from fsdpfn.ops import aggregate_sum, value_loss_terms
@@ -50,5 +50,5 @@ def critic_step(state, batch, config: CriticConfig, *, mb_spec=None):
     old_key = K.OLD_VALUES if present(batch, K.OLD_VALUES) else K.VALUES
     objective = critic_objective(config, old_key=old_key)
     return grad_step(state, batch, objective, optimizer_steps=config.n_minibatches,
-                     order=minibatch_order(state, batch, shuffle=config.shuffle,
-                                           seed=config.seed), mb_spec=mb_spec)
+                     shuffle_seed=minibatch_seed(state, shuffle=config.shuffle,
+                                                 seed=config.seed), mb_spec=mb_spec)

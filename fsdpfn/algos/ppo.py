@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from fsdpfn import keys as K
-from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_order, present,
+from fsdpfn.algos.common import (AGG_NORMALIZER, check_config, minibatch_seed, present,
                                  token_mean_stat)
 from fsdpfn.config import PPOConfig
 from fsdpfn.ops import (aggregate_sum, behav_gap_terms, kl, masked_max, masked_values,
@@ -174,8 +174,8 @@ def ppo_step(state, batch, config: PPOConfig, *, mb_spec=None):
     this call."""
     objective = ppo_objective(config)
     state, stats = grad_step(state, batch, objective, optimizer_steps=config.n_minibatches,
-                             order=minibatch_order(state, batch, shuffle=config.shuffle,
-                                                   seed=config.seed), mb_spec=mb_spec)
+                             shuffle_seed=minibatch_seed(state, shuffle=config.shuffle,
+                                                         seed=config.seed), mb_spec=mb_spec)
     if config.check_on_policy:
         warn_if_off_policy(stats, config)
     return state, stats

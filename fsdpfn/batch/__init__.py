@@ -27,8 +27,8 @@ from fsdpfn.batch import partition, sharding
 from fsdpfn.batch.packing import (Packed, apply_scatter, next_token_targets, pack, seq_sum,
                                   shift_to_token_aligned, unpack, unpack_seqs)
 from fsdpfn.batch.partition import balanced_partition, plan_microbatches
-from fsdpfn.batch.sharding import (check_groups, dp_shard_rows, dp_shard_units,
-                                   gather_batch, gather_rows, group_units, shard_batch, shard_rows)
+from fsdpfn.batch.sharding import (check_groups, dp_shard_rows, dp_shard_units, gather_batch,
+                                   gather_rows, global_batch, group_units, shard_batch, shard_rows)
 from fsdpfn.batch.validate import row_lengths, select_rows, validate_batch
 
 ALGOS = partition.ALGOS          # module constants, still at their old address
@@ -39,5 +39,5 @@ __all__ = [
     "Packed", "pack", "unpack", "unpack_seqs", "apply_scatter", "seq_sum",
     "next_token_targets", "shift_to_token_aligned",
     "plan_microbatches", "balanced_partition", "dp_shard_rows", "dp_shard_units", "shard_rows",
-    "gather_rows", "group_units", "check_groups", "shard_batch", "gather_batch",
+    "gather_rows", "group_units", "check_groups", "shard_batch", "gather_batch", "global_batch",
 ]

@@ -17,7 +17,7 @@ from fsdpfn.batch.validate import _check_rows, _config_int, row_lengths, select_
 from fsdpfn.errors import BatchError
 
 __all__ = ["dp_shard_rows", "dp_shard_units", "shard_rows", "gather_rows", "group_units",
-           "check_groups", "shard_batch", "gather_batch"]
+           "check_groups", "shard_batch", "gather_batch", "global_batch"]
 
 
 def dp_shard_rows(seq_lens, dp_size: int, *, group_size: int = 1, algo: str = "lpt"
@@ -36,12 +36,13 @@ def dp_shard_rows(seq_lens, dp_size: int, *, group_size: int = 1, algo: str = "l
 
 
 def dp_shard_units(units: Sequence[Sequence[int]], seq_lens, dp_size: int, *,
-                   algo: str = "lpt") -> list[list[int]]:
+                   algo: str = "lpt", allow_empty: bool = False) -> list[list[int]]:
     """dp_shard_rows for units given as row lists (e.g. the rows of each group_id): every unit
-    on one rank, tokens balanced, parts ascending and ordered by their first row."""
+    on one rank, tokens balanced, parts ascending and ordered by their first row (empty parts
+    last: with ``allow_empty``, fewer units than ranks leave the last ranks without rows)."""
     _config_int("dp_size", dp_size)
     lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-    if len(units) < dp_size:
+    if len(units) < dp_size and not allow_empty:
         sizes = sorted({len(u) for u in units})
         unit = "rows" if sizes == [1] else "groups"
         raise BatchError(f"batch: needs at least dp_size={dp_size} {unit} so every "
@@ -182,17 +183,53 @@ def shard_batch(batch: TensorDictBase, mesh, *, group_size: int = 1) -> TensorDi
 def gather_batch(batch: TensorDictBase, mesh) -> TensorDictBase:
     """Inverse of shard_batch: every rank gets the global batch, rows in their original order
     (by ``row_index`` when present, else concatenated in dp-rank order)."""
-    import torch.distributed as dist
-
-    pieces: list = [None] * mesh.dp
-    dist.all_gather_object(pieces, batch.cpu(), group=mesh.group("dp"))
+    pieces = _dp_pieces(batch, mesh)
     widths = {p.get(K.INPUT_IDS).shape[1] for p in pieces}
     if len(widths) > 1:
         raise BatchError(f"input_ids: ranks must pass the same padded width T to gather_batch, "
                          f"got {sorted(widths)}")
-    whole = torch.cat(pieces, dim=0)
+    return _in_global_order(pieces).exclude(ROW_INDEX)
+
+
+def global_batch(batch: TensorDictBase, mesh) -> TensorDictBase:
+    """The global batch on every rank (CPU), for work that must not depend on how rows are
+    spread: rows by ``row_index`` when every rank's batch has it (shard_batch's), else in
+    dp-rank order; ranks' widths T may differ (narrower rows are right-padded with zeros, which
+    the masks mark as padding). ``row_index`` is kept."""
+    pieces = _dp_pieces(batch, mesh)
+    keys = [sorted(p.keys()) for p in pieces]
+    if any(k != keys[0] for k in keys):
+        raise BatchError(f"batch: every data-parallel rank must pass the same keys, got "
+                         f"{keys[0]} on rank 0 and {next(k for k in keys if k != keys[0])} on "
+                         f"rank {next(r for r, k in enumerate(keys) if k != keys[0])}")
+    T = max(p.get(K.INPUT_IDS).shape[1] for p in pieces)
+    return _in_global_order([_pad_width(p, T) for p in pieces])
+
+
+def _dp_pieces(batch: TensorDictBase, mesh) -> list[TensorDictBase]:
+    """Every data-parallel rank's batch (on the CPU), in dp-rank order."""
+    import torch.distributed as dist
+
+    pieces: list = [None] * mesh.dp
+    dist.all_gather_object(pieces, batch.cpu(), group=mesh.group("dp"))
+    return pieces
+
+
+def _in_global_order(pieces: Sequence[TensorDictBase]) -> TensorDictBase:
+    whole = torch.cat(list(pieces), dim=0)
     if ROW_INDEX in whole.keys():
-        order = torch.argsort(whole.get(ROW_INDEX))
-        whole = whole[order]
-        whole = whole.exclude(ROW_INDEX)
+        whole = whole[torch.argsort(whole.get(ROW_INDEX), stable=True)]
     return whole
+
+
+def _pad_width(batch: TensorDictBase, T: int) -> TensorDictBase:
+    """Right-pad every token-aligned [B, t, ...] entry to width T with zeros (False)."""
+    t = batch.get(K.INPUT_IDS).shape[1]
+    if t == T:
+        return batch
+    out = batch.copy()
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == t:
+            pad = value.new_zeros((value.shape[0], T - t, *value.shape[2:]))
+            out.set(key, torch.cat([value, pad], dim=1))
+    return out

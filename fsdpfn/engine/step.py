@@ -1,6 +1,13 @@
 """grad_step: the one place that runs forward, backward, gradient clipping and optimizer steps.
 
-For each of ``optimizer_steps`` minibatches (consecutive rows; groups and pairs kept whole):
+Minibatches are cut from the global batch, so that the update does not depend on how rows are
+spread over data-parallel ranks: with one minibatch each rank runs its own rows; with more, the
+ranks' rows are gathered (in ``row_index`` order when shard_batch made them, else in dp-rank
+order), cut into ``optimizer_steps`` consecutive runs of whole units (groups, pairs) of that
+order, of ``order`` or of a permutation drawn from ``shuffle_seed``, and each run is balanced over
+the ranks by tokens.
+
+For each minibatch:
   1. count the normaliser over the whole minibatch on every data-parallel rank (all-reduced):
      tokens (Σ loss_mask), sequences (rows with a loss token), rows, or pairs;
   2. for each micro-batch (token budget, count agreed over ranks): packed forward, then
@@ -21,7 +28,7 @@ micro-batches and ranks (keys ending in ``_max`` are reduced by max instead).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -31,9 +38,10 @@ from tensordict import TensorDict
 from fsdpfn import keys as K
 from fsdpfn.engine import timing
 from fsdpfn.engine.agree import world_size
-from fsdpfn.batch import pack, select_rows, unpack
+from fsdpfn.batch import dp_shard_units, global_batch, pack, row_lengths, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
-from fsdpfn.errors import ConfigError, MicroBatchOOMError
+from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
 from fsdpfn.engine.mesh import Mesh
 from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
@@ -98,25 +106,80 @@ def _clip_(model: torch.nn.Module, coef: torch.Tensor) -> None:
 
 
 def minibatch_rows(n_rows: int, n_minibatches: int, *, group_size: int = 1,
-                   order: Sequence[int] | None = None) -> list[list[int]]:
-    """Split rows into ``n_minibatches`` runs of whole units (groups), in ``order`` of units."""
+                   order: Sequence[int] | None = None,
+                   shuffle_seed: int | None = None) -> list[list[int]]:
+    """Split rows into ``n_minibatches`` runs of whole units (``group_size`` consecutive rows),
+    in ``order`` of units, or in a permutation of them drawn from ``shuffle_seed``."""
     n_units = n_rows // group_size
+    if shuffle_seed is not None:
+        order = torch.randperm(n_units, generator=torch.Generator().manual_seed(shuffle_seed))
+        order = order.tolist()
     units = list(order) if order is not None else list(range(n_units))
     bounds = [round(i * n_units / n_minibatches) for i in range(n_minibatches + 1)]
     return [[u * group_size + j for u in units[bounds[i]:bounds[i + 1]] for j in range(group_size)]
             for i in range(n_minibatches)]
 
 
-def _global_counts(state: EngineState, batch) -> tuple[int, int, int]:
+def _check_order(order, shuffle_seed) -> None:
+    """The types of grad_step's ``order`` and ``shuffle_seed`` (the permutation is checked once
+    the global batch's size is known)."""
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    if order is not None and shuffle_seed is not None:
+        raise ConfigError(f"order: give order or shuffle_seed, not both, got order={order!r} and "
+                          f"shuffle_seed={shuffle_seed!r}")
+    if shuffle_seed is not None and not integer(shuffle_seed):
+        raise ConfigError(f"shuffle_seed: must be an integer or None, got {shuffle_seed!r}")
+    if order is not None and (isinstance(order, (str, bytes)) or not hasattr(order, "__iter__")
+                              or not all(integer(u) for u in list(order))):
+        raise ConfigError(f"order: must be a sequence of unit indices (ints), got {order!r}")
+
+
+def _minibatches(state: EngineState, batch, n: int, *, group_size: int, order, shuffle_seed,
+                 fn_name: str) -> list:
+    """This rank's part of each of the call's ``n`` minibatches (module docstring): cut from the
+    global batch, each balanced over the data-parallel ranks by tokens."""
+    if n == 1:
+        return [batch]
+    dp = state.mesh.dp
+    whole = global_batch(batch, state.mesh) if dp > 1 else batch
+    n_units = whole.batch_size[0] // group_size
+    unit = "rows" if group_size == 1 else f"units of {group_size} rows"
+    error = None
+    if n_units < n:
+        error = BatchError(f"batch: {fn_name} takes {n} optimizer steps, one a minibatch, and "
+                           f"needs at least {n} {unit} in the global batch (all data-parallel "
+                           f"ranks), got {n_units}")
+    elif order is not None and sorted(order) != list(range(n_units)):
+        error = ConfigError(f"order: must be a permutation of the global batch's {n_units} "
+                            f"{unit} (0..{n_units - 1}), got {list(order)!r}")
+    agree_on_error(state.mesh if dp > 1 else None, error)
+    runs = minibatch_rows(whole.batch_size[0], n, group_size=group_size, order=order,
+                          shuffle_seed=shuffle_seed)
+    if dp == 1:
+        return [select_rows(whole, rows) for rows in runs]
+    lens, me = row_lengths(whole), state.mesh.rank("dp")
+    parts = []
+    for rows in runs:
+        units = [rows[i:i + group_size] for i in range(0, len(rows), group_size)]
+        mine = dp_shard_units(units, lens, dp, allow_empty=True)[me]
+        parts.append(select_rows(whole, mine).to(batch.device or "cpu"))
+    return parts
+
+
+def _global_counts(state: EngineState, batch) -> tuple[int, int, int, bool]:
+    """Σ loss tokens, sequences, rows over the data-parallel ranks, and whether any rank has
+    no rows (whose stats then carry no names: see _reduce_stats)."""
     if batch.batch_size[0]:
         lm = batch.get(K.LOSS_MASK) if K.LOSS_MASK in batch.keys() else batch.get(K.ATTENTION_MASK)
-        counts = torch.tensor([int(lm.sum()), int(lm.any(-1).sum()), lm.shape[0]],
+        counts = torch.tensor([int(lm.sum()), int(lm.any(-1).sum()), lm.shape[0], 0],
                               dtype=torch.int64)
     else:
-        counts = torch.zeros(3, dtype=torch.int64)
+        counts = torch.tensor([0, 0, 0, 1], dtype=torch.int64)
     if state.mesh.dp > 1:  # over dp only: cp (and tp) ranks hold the same rows, counted once
         dist.all_reduce(counts, group=state.mesh.group("dp"))
-    return tuple(int(c) for c in counts)
+    n_tokens, n_seqs, n_rows, empty = (int(c) for c in counts)
+    return n_tokens, n_seqs, n_rows, empty > 0
 
 
 def _denominator(normalizer: str, n_tokens: int, n_seqs: int, n_rows: int) -> float:
@@ -153,7 +216,17 @@ def _dummy_loss(state, packed, with_entropy, temperature) -> torch.Tensor:
 
 
 def _reduce_stats(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor], denom: float,
-                  state: EngineState) -> dict[str, float]:
+                  state: EngineState, *, some_rank_empty: bool = False) -> dict[str, float]:
+    """Sums (divided by ``denom``) and maxes over the data-parallel ranks. A rank without rows
+    ran no loss_fn and knows no stat names: then the ranks first agree on the names, the missing
+    ones counting 0 (sums) or -inf (maxes)."""
+    if some_rank_empty and state.mesh.dp > 1:
+        named: list = [None] * state.mesh.dp
+        dist.all_gather_object(named, (sorted(sums), sorted(maxes)), group=state.mesh.group("dp"))
+        for name in {n for s, _ in named for n in s} - set(sums):
+            sums[name] = torch.zeros(())
+        for name in {n for _, m in named for n in m} - set(maxes):
+            maxes[name] = torch.tensor(float("-inf"))
     names = sorted(sums)
     out: dict[str, float] = {}
     if names:
@@ -175,14 +248,29 @@ def _micro_step(state: EngineState, mb, rows, packed, loss_fn, ctx: StepContext,
     """Forward (and backward) of one micro-batch; its stats as 0-dim tensors (loss first)."""
     timing.enter("forward")
     outputs = _outputs(state, packed, with_entropy=with_entropy, temperature=temperature)
-    loss_sum, stats = loss_fn(outputs, select_rows(mb, rows).to(state.mesh.device), ctx)
+    returned = loss_fn(outputs, select_rows(mb, rows).to(state.mesh.device), ctx)
+    if not isinstance(returned, tuple) or len(returned) != 2:
+        raise ConfigError(f"loss_fn: must return a pair (loss_sum, stats), got "
+                          f"{_short(returned)}")
+    loss_sum, stats = returned
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0:
-        raise ConfigError(f"loss_fn: must return a 0-dim tensor loss sum, got {loss_sum!r}")
+        raise ConfigError(f"loss_fn: must return a 0-dim tensor loss sum, got {_short(loss_sum)}")
+    if not isinstance(stats, Mapping):
+        raise ConfigError(f"loss_fn: must return its stats as a dict of name -> 0-dim value, got "
+                          f"{_short(stats)}")
+    if backward and not loss_sum.requires_grad:
+        raise ConfigError("loss_fn: the loss sum must be computed from the outputs (it has no "
+                          f"gradient: detached, or built under no_grad), got {_short(loss_sum)}")
     if backward:
         timing.enter("backward")
         (loss_sum / ctx.denominator).backward()
     return {name: torch.as_tensor(value).detach().float().reshape(())
             for name, value in {"loss": loss_sum, **dict(stats)}.items()}
+
+
+def _short(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({type(value).__name__})"
 
 
 def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normalizer: str,
@@ -196,7 +284,7 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     memory released: no optimizer step has run, so the state is unchanged.
     """
     timing.enter("comm")
-    n_tokens, n_seqs, n_rows = _global_counts(state, mb)
+    n_tokens, n_seqs, n_rows, some_rank_empty = _global_counts(state, mb)
     timing.enter("plan")
     denom = _denominator(normalizer, n_tokens, n_seqs, n_rows)
     ctx = StepContext(mesh=state.mesh, n_tokens=n_tokens, n_sequences=n_seqs, n_rows=n_rows,
@@ -227,7 +315,7 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
         release_memory(state)
         raise oom_error(state, fn_name, failed, spec)
     timing.enter("comm")
-    return _reduce_stats(sums, maxes, denom, state), n_tokens
+    return _reduce_stats(sums, maxes, denom, state, some_rank_empty=some_rank_empty), n_tokens
 
 
 def _check_common(state, optimizer_steps, fn_name, needs_optimizer):
@@ -242,15 +330,19 @@ def _check_common(state, optimizer_steps, fn_name, needs_optimizer):
 @timing.timed("grad_step", passes=3, attach=True, step=True)
 def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
               optimizer_steps: int = 1, order: Sequence[int] | None = None,
+              shuffle_seed: int | None = None,
               mb_spec: MicroBatchSpec | None = None) -> tuple[EngineState, TensorDict]:
     """Forward, backward, clip and ``optimizer_steps`` optimizer steps; see the module docstring.
 
     ``loss_fn`` is an Objective (fsdpfn.engine.objective: the loss and its options in one value) or a
     bare ``loss_fn(outputs, minibatch, ctx) -> (loss_sum, stats)``, run as an Objective with the
-    default options. ``order``: the row order its minibatches are cut from (None: as given).
+    default options. ``order``: the order of the global batch's units (rows, or the Objective's
+    groups) its minibatches are cut from, the same on every rank (None: as given);
+    ``shuffle_seed``: instead, a permutation drawn from this seed.
 
-    Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks): the
-    loss_fn's keys, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``skipped`` (optimizer steps
+    Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks; each the
+    mean over the call's minibatches, keys ending in ``_max`` their max): the loss_fn's keys,
+    ``loss``, ``grad_norm``, ``lr``; and over the call ``tokens``, ``skipped`` (optimizer steps
     skipped for a non-finite gradient norm) and ``steps`` (optimizer steps taken); with
     ``EngineConfig.timing`` also ``time_plan``, ``time_forward``, ``time_backward``,
     ``time_optimizer``, ``time_comm``, ``time_total`` (seconds), ``peak_memory_gb``,
@@ -259,12 +351,14 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     device memory raises MicroBatchOOMError with gradients dropped and memory released:
     ``state`` is then not donated and can be retried, e.g. with a smaller ``mb_spec``; only when
     earlier minibatches of the call (optimizer_steps > 1) already stepped is it donated, its
-    successor being the error's ``.state``.
+    successor being the error's ``.state``; so it is for any other error raised after a step
+    (a ``loss_fn`` failing on a later minibatch).
     """
     error, spec, obj = None, None, None
     try:
         obj = as_objective(loss_fn)
         _check_common(state, optimizer_steps, obj.name, True)
+        _check_order(order, shuffle_seed)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
@@ -276,23 +370,30 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     max_norm = state.config.optimizer.max_grad_norm
     model.train()
-    B = batch.batch_size[0]
+    parts = _minibatches(state, batch, optimizer_steps, group_size=group_size, order=order,
+                         shuffle_seed=shuffle_seed, fn_name=fn_name)
     per_step: list[dict[str, float]] = []
     taken = skipped = tokens = 0
-    for index, rows in enumerate(minibatch_rows(B, optimizer_steps, group_size=group_size,
-                                                order=order)):
+    for index, mb in enumerate(parts):
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         try:
             stats, n_tok = _run_minibatch(
-                state, select_rows(batch, rows), loss_fn,
+                state, mb, loss_fn,
                 dict(step=state.step + taken, minibatch=index, n_minibatches=optimizer_steps),
                 normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
                 temperature=obj.temperature, backward=True, spec=spec, fn_name=fn_name)
-        except MicroBatchOOMError as exc:
+        except Exception as exc:
+            optimizer.zero_grad(set_to_none=True)
             if not taken:
                 raise
-            raise _oom_after_steps(state, fn_name, exc, spec, taken) from None
+            if isinstance(exc, MicroBatchOOMError):
+                raise _oom_after_steps(state, fn_name, exc, spec, taken) from None
+            exc.state = advance(state, fn_name, steps=taken, weights_changed=True)
+            exc.add_note(f"{fn_name}: {taken} optimizer step(s) of this call had run before this "
+                         f"error (minibatch {index} of {optimizer_steps}): the state passed in is "
+                         "donated, and the error's .state is its successor")
+            raise
         timing.enter("optimizer")
         norm = global_grad_norm(model, state.mesh)
         finite = bool(torch.isfinite(norm).item())  # same value on every rank: one verdict
@@ -308,11 +409,21 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
         optimizer.zero_grad(set_to_none=True)
         tokens += n_tok
         per_step.append({**stats, "grad_norm": float(norm), "lr": lr})
-    out = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+    out = _over_minibatches(per_step)
     out.update(tokens=float(tokens), skipped=float(skipped), steps=float(taken))
     successor = advance(state, fn_name, steps=taken, weights_changed=taken > 0)
     return successor, TensorDict({k: torch.tensor(v, dtype=torch.float32)
                                   for k, v in out.items()}, batch_size=[])
+
+
+def _over_minibatches(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """A call's stats: each key's mean over the minibatches that report it (a loss_fn may vary
+    its keys), the max for keys ending in ``_max``."""
+    out = {}
+    for name in dict.fromkeys(k for stats in per_step for k in stats):
+        values = [stats[name] for stats in per_step if name in stats]
+        out[name] = max(values) if name.endswith("_max") else sum(values) / len(values)
+    return out
 
 
 def _oom_after_steps(state: EngineState, fn_name: str, exc: MicroBatchOOMError,

@@ -53,7 +53,8 @@ def gae(token_rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0):
 
 def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_one_out: bool = False,
                      eps: float = 1e-6, group_ids=None):
-    """rewards[B] -> advantages[B] float32; rows [k G, (k+1) G) form group k (GRPO / RLOO).
+    """rewards[..., B] -> advantages[..., B] float32; rows [k G, (k+1) G) of the last dimension
+    form group k (GRPO / RLOO); leading dimensions are independent batches.
 
     advantage = r - mean(group), or with leave_one_out r - mean of the other rows of the group
     (RLOO); divided by (std(group) + eps) when norm_std, std the unbiased torch.std of the group's
@@ -66,15 +67,18 @@ def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_o
     if leave_one_out and group_size < 2:
         raise ConfigError(f"group_size must be >= 2 with leave_one_out=True (no other rows to average), "
                           f"got {group_size}")
-    if rewards.dim() != 1 or rewards.shape[0] % group_size != 0:
-        raise BatchError(f"rewards must be 1-D [B] with B divisible by group_size; got shape "
-                         f"{tuple(rewards.shape)} (B = {rewards.shape[0] if rewards.dim() else None}) "
-                         f"and group_size = {group_size}")
+    if rewards.dim() < 1 or rewards.shape[-1] % group_size != 0:
+        B = rewards.shape[-1] if rewards.dim() else None
+        raise BatchError(f"rewards must be [..., B] with B divisible by group_size; got shape "
+                         f"{tuple(rewards.shape)} (B = {B}) and group_size = {group_size}")
     if group_ids is None:
         return _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, eps)
-    order = _group_order(group_ids, rewards.shape[0], group_size)
-    adv = _consecutive_group_advantages(rewards[order], group_size, norm_std, leave_one_out, eps)
-    return torch.empty_like(adv).index_put_((order,), adv)
+    order = _group_order(group_ids, rewards.shape[-1], group_size)
+    adv = _consecutive_group_advantages(rewards[..., order], group_size, norm_std, leave_one_out,
+                                        eps)
+    out = torch.empty_like(adv)
+    out[..., order] = adv
+    return out
 
 
 def _group_order(group_ids, B: int, group_size: int) -> torch.Tensor:
@@ -91,7 +95,7 @@ def _group_order(group_ids, B: int, group_size: int) -> torch.Tensor:
 
 
 def _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, eps):
-    r = rewards.float().reshape(-1, group_size)  # (n_groups, G)
+    r = rewards.float().reshape(*rewards.shape[:-1], -1, group_size)  # (..., n_groups, G)
     total = r.sum(-1, keepdim=True)
     if leave_one_out:
         adv = r - (total - r) / (group_size - 1)
@@ -100,7 +104,7 @@ def _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, 
     if norm_std:
         std = r.std(-1, keepdim=True) if group_size > 1 and r.numel() else torch.zeros_like(total)
         adv = adv / (std + eps)
-    return adv.reshape(-1)
+    return adv.reshape(rewards.shape)
 
 
 def whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8, all_reduce=None):

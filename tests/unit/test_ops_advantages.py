@@ -144,8 +144,28 @@ def test_group_advantages_bad_arguments():
         group_advantages(torch.zeros(4), 1, leave_one_out=True)
     with pytest.raises(ConfigError, match=r"group_size.*0"):
         group_advantages(torch.zeros(4), 0)
-    with pytest.raises(BatchError, match="rewards"):
-        group_advantages(torch.zeros(2, 2), 2)
+    with pytest.raises(BatchError, match=r"rewards must be \[\.\.\., B\].*shape \(\)"):
+        group_advantages(torch.tensor(1.0), 1)
+    with pytest.raises(BatchError, match=r"rewards.*shape \(2, 3\).*B = 3.*group_size = 2"):
+        group_advantages(torch.zeros(2, 3), 2)
+
+
+@pytest.mark.parametrize("lead", [(3,), (2, 2)])
+@pytest.mark.parametrize("norm_std,loo,ids", [(True, False, False), (False, True, False),
+                                              (True, True, True)])
+def test_group_advantages_on_leading_shapes_equal_each_row_alone(lead, norm_std, loo, ids):
+    """fsdpfn.ops work on any leading shape: rewards[..., B] are independent batches of B rows,
+    each grouped along the last dimension (by consecutive rows, or by group_ids [B])."""
+    g, B = 3, 9
+    rewards = torch.randn(*lead, B, generator=torch.Generator().manual_seed(4))
+    group_ids = torch.tensor([2, 7, 2, 5, 7, 5, 2, 5, 7]) if ids else None
+    adv = group_advantages(rewards, g, norm_std=norm_std, leave_one_out=loo, group_ids=group_ids)
+    assert adv.shape == rewards.shape and adv.dtype == torch.float32
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in lead]).reshape(-1, len(lead)):
+        row = rewards[tuple(index.tolist())]
+        ref = (ref_group_by_ids(row, group_ids, norm_std, loo, 1e-6) if ids else
+               ref_group(row, g, norm_std, loo, 1e-6))
+        close(adv[tuple(index.tolist())], ref, what=f"advantages of batch {index.tolist()}")
 
 
 # --------------------------------------------------------------------------------------------
