@@ -21,7 +21,7 @@ from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, 
                                   release_memory, resolve_mb_spec)
 from fsdpfn.engine.state import EngineState, check_live
 
-__all__ = ["forward_logp", "compute_values"]
+__all__ = ["forward_logp", "compute_values", "compute_scores"]
 
 
 def _check_temperature(temperature) -> float:
@@ -127,22 +127,42 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
 @torch.no_grad()
 def compute_values(state: EngineState, batch, *, out_key: str = K.VALUES,
                    mb_spec: MicroBatchSpec | None = None):
-    """Values of a critic state: ``out_key`` [B, T] float32 (0 on padding). ``out_key`` may not
-    name an input; ``mb_spec`` overrides the state's micro-batching for this call."""
+    """Values of a critic state: ``out_key`` [B, T] float32 (0 on padding), token aligned like
+    logp: values[t] is the head's output at token t-1. ``out_key`` may not name an input;
+    ``mb_spec`` overrides the state's micro-batching for this call."""
+    values = _critic_pass(state, batch, "compute_values", out_key, mb_spec, scores=False)
+    return batch.copy().set(out_key, values.to(batch.device or "cpu"))
+
+
+@timing.timed("compute_scores", passes=1, attach=False)
+@torch.no_grad()
+def compute_scores(state: EngineState, batch, *, out_key: str = "scores",
+                   mb_spec: MicroBatchSpec | None = None):
+    """Sequence scores of a critic state (a reward model): ``out_key`` [B] float32, the head's
+    output at each row's last real token, which rw_step trains. ``out_key`` may not name an
+    input; ``mb_spec`` overrides the state's micro-batching for this call."""
+    per_token = _critic_pass(state, batch, "compute_scores", out_key, mb_spec, scores=True)
+    last = batch.get(K.ATTENTION_MASK).long().sum(-1).cpu() - 1
+    scores = per_token.gather(-1, last[:, None]).squeeze(-1)
+    return batch.copy().set(out_key, scores.to(batch.device or "cpu"))
+
+
+def _critic_pass(state, batch, fn_name: str, out_key, mb_spec, *, scores: bool) -> torch.Tensor:
+    """A critic state's values (token aligned) or per-token scores, [B, T] on the CPU."""
     error, spec = None, None
     try:
         _check_out_key(out_key)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
-    prepare(state, batch, "compute_values", critic=True)
-    check_live(state, "compute_values", local_error=error)
+    prepare(state, batch, fn_name, critic=True)
+    check_live(state, fn_name, local_error=error)
     B, T = batch.get(K.INPUT_IDS).shape
-    values = torch.zeros(B, T, dtype=torch.float32)
+    out = torch.zeros(B, T, dtype=torch.float32)
     was_training = state.model.training
     state.model.eval()
     try:
-        _scatter_outputs(state, batch, "compute_values", spec, [values, None])
+        _scatter_outputs(state, batch, fn_name, spec, [None, out] if scores else [out, None])
     finally:
         state.model.train(was_training)
-    return batch.copy().set(out_key, values.to(batch.device or "cpu"))
+    return out
