@@ -110,6 +110,8 @@ def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if last and "killed" in last:
         _say(f"{run_dir}: {last}" + ("; resuming from its latest checkpoint" if resume
                                      else "; starting over"))
+    if resume and not previous:
+        _say(f"{run_dir}: --resume: no previous run to continue; starting at step 0")
     if overwrite:
         for name in _OWNED:
             path = run_dir / name
