@@ -120,9 +120,10 @@ def minibatch_rows(n_rows: int, n_minibatches: int, *, group_size: int = 1,
             for i in range(n_minibatches)]
 
 
-def _check_order(order, shuffle_seed) -> None:
-    """The types of grad_step's ``order`` and ``shuffle_seed`` (the permutation is checked once
-    the global batch's size is known)."""
+def _as_order(order, shuffle_seed) -> list[int] | None:
+    """grad_step's ``order`` as a list of ints (a sequence or an int tensor), its types and
+    ``shuffle_seed``'s checked (the permutation is checked once the global batch's size is
+    known)."""
     def integer(v):
         return isinstance(v, int) and not isinstance(v, bool)
     if order is not None and shuffle_seed is not None:
@@ -130,9 +131,14 @@ def _check_order(order, shuffle_seed) -> None:
                           f"shuffle_seed={shuffle_seed!r}")
     if shuffle_seed is not None and not integer(shuffle_seed):
         raise ConfigError(f"shuffle_seed: must be an integer or None, got {shuffle_seed!r}")
-    if order is not None and (isinstance(order, (str, bytes)) or not hasattr(order, "__iter__")
-                              or not all(integer(u) for u in list(order))):
+    if order is None:
+        return None
+    units = order.tolist() if isinstance(order, torch.Tensor) else order
+    units = list(units) if not isinstance(units, (str, bytes)) and hasattr(units, "__iter__") \
+        else None
+    if units is None or not all(integer(u) for u in units):
         raise ConfigError(f"order: must be a sequence of unit indices (ints), got {order!r}")
+    return units
 
 
 def _minibatches(state: EngineState, batch, n: int, *, group_size: int, order, shuffle_seed,
@@ -358,7 +364,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     try:
         obj = as_objective(loss_fn)
         _check_common(state, optimizer_steps, obj.name, True)
-        _check_order(order, shuffle_seed)
+        order = _as_order(order, shuffle_seed)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc

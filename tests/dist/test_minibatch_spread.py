@@ -145,3 +145,31 @@ def test_an_error_after_a_step_hands_over_the_successor(spmd1):
     assert any("1 optimizer step(s) of this call had run" in n and ".state" in n for n in notes)
     assert stale is not None and "grad_step" in stale
     assert K.LOGP in batch.keys()
+
+
+def orders():
+    """order= as a list or an int tensor (the same steps); a wrong one refused, state kept."""
+    results, errors = [], []
+    for order in ([2, 0, 3, 1], torch.tensor([2, 0, 3, 1])):
+        state = _state()
+        state, stats = ff.grad_step(state, _global_batch(state, 4), _stat_loss,
+                                    optimizer_steps=2, order=order)
+        results.append(ff.forward_logp(state, _global_batch(state, 4))[K.LOGP])
+    state = _state()
+    for order, kwargs in (([0, 1, 1, 2], {}), ("0123", {}), ([0, 1, 2, 3], {"shuffle_seed": 1})):
+        try:
+            ff.grad_step(state, _global_batch(state, 4), _stat_loss, optimizer_steps=2,
+                         order=order, **kwargs)
+        except ff.ConfigError as exc:
+            errors.append(str(exc))
+    return results, errors, state.step
+
+
+@pytest.mark.timeout(200)
+def test_order_as_a_list_or_a_tensor_and_refused_when_wrong(spmd1):
+    (by_list, by_tensor), errors, step = spmd1.run(orders, timeout=150)[0]
+    assert torch.equal(by_list, by_tensor)
+    assert len(errors) == 3 and step == 0, errors
+    assert "must be a permutation of the global batch's 4 rows" in errors[0]
+    assert "must be a sequence of unit indices" in errors[1]
+    assert "give order or shuffle_seed, not both" in errors[2]
