@@ -19,7 +19,7 @@ from typing import Any, Callable, NoReturn
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["fail", "is_number", "is_nonempty_str", "is_http_url", "is_port", "satisfies",
+__all__ = ["fail", "is_number", "is_nonempty_str", "is_port", "satisfies",
            "integer", "number", "one_of", "boolean", "str_tuple", "to_tuple", "to_float",
            "to_opt_float", "int_to_float", "to_path"]
 
@@ -38,21 +38,6 @@ def is_number(value) -> bool:
 def is_nonempty_str(value) -> bool:
     """A str with at least one character."""
     return isinstance(value, str) and bool(value)
-
-
-def is_http_url(value) -> bool:
-    """A str ``http://host[:port][/path]`` or ``https://...``: a host, and a port (if any) that
-    is a number in 1..65535."""
-    from urllib.parse import urlsplit
-
-    if not isinstance(value, str):
-        return False
-    try:
-        parts = urlsplit(value)
-        port = parts.port  # ValueError: not a number, or out of 0..65535
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 def is_port(value) -> bool:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import is_http_url
+from fsdpfn.wire.http import is_http_url
 from fsdpfn.rollout.client import generate
 
 __all__ = ["Balancer", "split_by_load", "generate_balanced", "group_work", "run_seed"]

@@ -42,7 +42,7 @@ import torch
 from fsdpfn.engine import timing
 from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.errors import ConfigError, WeightSyncError
-from fsdpfn.validators import is_http_url
+from fsdpfn.wire.http import is_http_url
 from fsdpfn.engine.state import EngineState, check_live
 from fsdpfn.weights.channel import ChannelSender
 from fsdpfn.weights.disk_push import push_disk

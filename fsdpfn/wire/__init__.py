@@ -4,6 +4,6 @@
 protocol  dtype names, the flat-bucket layout, checksums, the disk manifest, the process group
 fused     the checksums' one-pass CUDA kernel (Triton; the portable path gives the same numbers)
 frames    frames of the update channel (length-prefixed JSON over TCP)
-http      the JSON-over-HTTP client and a thread runner with a deadline
+http      the JSON-over-HTTP client, a thread runner with a deadline, the rule of a server URL
 ipc       CUDA IPC handles as plain JSON
 """

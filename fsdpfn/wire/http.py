@@ -12,10 +12,25 @@ from typing import Any, Callable
 
 from fsdpfn.errors import WeightSyncError
 
-__all__ = ["call", "Call"]
+__all__ = ["call", "Call", "is_http_url"]
 
 # receivers are addressed directly: environment proxies are never used
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def is_http_url(value) -> bool:
+    """A str ``http://host[:port][/path]`` or ``https://...``: a host, and a port (if any) that
+    is a number in 1..65535."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(value, str):
+        return False
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # ValueError: not a number, or out of 0..65535
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 def call(url: str, path: str, payload: dict | None = None, *, timeout: float) -> dict:

@@ -20,8 +20,9 @@ import attrs
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
                            ParallelStrategy, PPOConfig, RWConfig, SFTConfig)
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (boolean, fail, integer, is_http_url, is_nonempty_str, number,
-                               one_of, satisfies, to_float, to_opt_float)
+from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, number, one_of, satisfies,
+                               to_float, to_opt_float)
+from fsdpfn.wire.http import is_http_url
 from fsdpfn.app.recipes.data import DataConfig
 from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
 from fsdpfn.app.recipes.model import ModelConfig
