@@ -268,6 +268,28 @@ def test_preflight_refuses_a_model_dir_whose_files_do_not_read(tmp_path):
         check_model_dir(ModelConfig(path=str(model)))
 
 
+def test_preflight_refuses_lora_targets_the_weights_do_not_have(tmp_path):
+    """engine.lora.target_modules are checked against the decoder layers' linear weights named
+    in the safetensors headers, with shard_model's rule, before launch."""
+    from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+
+    model = save_tiny_model(tmp_path / "m", tiny_qwen2_config())
+    check = preflight.check_lora_targets
+    check(default_config("sft", [f"model.path={model}", "engine.lora.rank=4",
+                                 "engine.lora.target_modules=[q_proj,down_proj]"]))
+    check(default_config("sft", [f"model.path={model}", "engine.lora.rank=4"]))  # all-linear
+    with pytest.raises(ConfigError) as info:
+        check(default_config("sft", [f"model.path={model}", "engine.lora.rank=4",
+                                     "engine.lora.target_modules=[qproj,v_proj]"]))
+    assert str(info.value) == (
+        "engine.lora.target_modules: must name linear layers of the decoder layers (['down_proj', "
+        "'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']) or be ['all-linear'], "
+        "got ['qproj']")
+    # the model a recipe builds from its config has no weights to read: shard_model checks it
+    check(default_config("sft", [f"model.path={model}", "model.random_init=true",
+                                 "engine.lora.rank=4", "engine.lora.target_modules=[qproj]"]))
+
+
 # ---------------------------------------------------------------- the memory estimate
 
 # hidden 8, intermediate 16, 4 layers, vocab 32, 2 heads of 4, 1 kv head, lm_head untied:

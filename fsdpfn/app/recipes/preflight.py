@@ -52,6 +52,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
         check_rollout(cfg)
     hf = model_config(cfg)
     check_positions(cfg, hf)
+    check_lora_targets(cfg)
     shape = ModelShape.from_hf(hf)
     notes = [check_disk(cfg, shape)]
     if placement.device != "cuda":
@@ -63,6 +64,33 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
 
 
 # ---------------------------------------------------------------- data, reward, positions
+
+
+def check_lora_targets(cfg) -> None:
+    """engine.lora.target_modules name linear layers of the decoder layers, read from the
+    weights' safetensors headers (2-D ``*.layers.N.<...>.<leaf>.weight`` tensors, no tensor
+    loaded): the rule shard_model applies, before anything starts. A model built from its
+    config (embedded, random_init) has no weights to read: shard_model checks it."""
+    import re
+
+    lora = cfg.engine.lora
+    if lora is None or tuple(lora.target_modules) == ("all-linear",) or cfg.model.embedded \
+            or cfg.model.random_init:
+        return
+    from safetensors import safe_open
+
+    layer_weight = re.compile(r"(?:^|\.)layers\.\d+\.(?:.+\.)?([^.]+)\.weight$")
+    present = set()
+    for file in sorted(Path(cfg.model.path).glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as handle:
+            for key in handle.keys():
+                match = layer_weight.search(key)
+                if match and len(handle.get_slice(key).get_shape()) == 2:
+                    present.add(match.group(1))
+    missing = [t for t in lora.target_modules if t not in present]
+    if present and missing:
+        raise ConfigError(f"engine.lora.target_modules: must name linear layers of the decoder "
+                          f"layers ({sorted(present)}) or be ['all-linear'], got {missing}")
 
 
 def check_data(cfg) -> None:
