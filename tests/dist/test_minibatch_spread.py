@@ -18,8 +18,8 @@ from fsdpfn.testing import random_batch, tiny_qwen2_config
 B, T = 7, 12
 
 
-def _state(lr=1e-2):
-    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+def _state(lr=1e-2, tp=1):
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=tp), device_type="cpu")
     cfg = ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(), dtype="float32", seed=1,
                           optimizer=ff.OptimizerConfig(lr=lr))
     return ff.shard_model(cfg, mesh)
@@ -173,3 +173,22 @@ def test_order_as_a_list_or_a_tensor_and_refused_when_wrong(spmd1):
     assert "must be a permutation of the global batch's 4 rows" in errors[0]
     assert "must be a sequence of unit indices" in errors[1]
     assert "give order or shuffle_seed, not both" in errors[2]
+
+
+def shuffled_ppo(tp):
+    """Three shuffled minibatches of the uneven spread; dp=2 x tp=2: each dp group gathers the
+    same global batch, the tp peers of a dp rank run the same rows."""
+    state = _state(tp=tp)
+    whole = _global_batch(state)
+    config = ff.PPOConfig(clip_low=0.2, n_minibatches=3, shuffle=True, seed=2)
+    state, stats = ff.ppo_step(state, _spread(whole, state.mesh, "uneven"), config)
+    return float(stats["loss"]), ff.forward_logp(state, whole)[K.LOGP].sum(-1)
+
+
+@pytest.mark.timeout(300)
+def test_several_minibatches_at_dp2_tp2_equal_dp1(spmd1, spmd4):
+    loss1, after1 = spmd1.run(shuffled_ppo, args=(1,), timeout=240)[0]
+    four = spmd4.run(shuffled_ppo, args=(2,), timeout=240)
+    for loss, after in four:
+        assert abs(loss - loss1) <= 1e-5 * max(1.0, abs(loss1)), (loss, loss1)
+        assert torch.allclose(after, after1, rtol=1e-5, atol=1e-5), (after, after1)
