@@ -217,6 +217,22 @@ class RolloutEngine:
             out.append(row)
         return out
 
+    @property
+    def context(self) -> int:
+        """Positions the model takes (max_position_embeddings; 2048 when its config has none)."""
+        return int(getattr(self.model.config, "max_position_embeddings", None) or 2048)
+
+    def _within_context(self, prompts: list[list[int]], sp: SamplingParams) -> SamplingParams:
+        """A prompt must leave the model a position to generate in; max_new_tokens is capped at
+        what the longest prompt leaves (its outputs then finish by length), as SGLang does."""
+        for i, row in enumerate(prompts):
+            if len(row) >= self.context:
+                raise UpdateError(f"input_ids[{i}]: must be shorter than the model's context "
+                                  f"(max_position_embeddings = {self.context}), got "
+                                  f"{len(row)} tokens")
+        room = self.context - max(len(row) for row in prompts)
+        return sp.capped(room) if room < sp.max_new_tokens else sp
+
     def generate(self, input_ids: list, sampling: SamplingParams, *,
                  top_logprobs: int = 0, lists: bool = True) -> dict:
         """Returns {"weight_version", "outputs": [{"prompt_index", "output_ids",
@@ -230,6 +246,7 @@ class RolloutEngine:
         float32), for packing them as bytes without lists in between (the server's packed
         answer, fsdpfn/rollout/packing.py); HF generate's are lists either way."""
         prompts = self._check_ids(input_ids, "input_ids")
+        sampling = self._within_context(prompts, sampling)
         if sampling.stop and self.tokenizer is None:
             raise UpdateError("sampling_params.stop: stop strings need a tokenizer, and the "
                               f"model directory {self.model_path!r} has none")

@@ -117,10 +117,14 @@ def hf_generate(model, prompts: list[list[int]], sp: SamplingParams, top_logprob
     config, processors = _generation_config(sp, width, pad_token_id)
     recorder = _LogprobRecorder(sp.temperature if sp.temperature > 0 else 1.0, top_logprobs)
     handle = model.register_forward_hook(recorder, with_kwargs=True)
+    # a seed draws from a generator state of its own: the process's, which later unseeded
+    # requests draw from, is restored after the call
+    devices = [device] if torch.device(device).type == "cuda" else []
     try:
-        if sp.seed is not None:
-            torch.manual_seed(int(sp.seed))
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=devices, enabled=sp.seed is not None), \
+                torch.no_grad():
+            if sp.seed is not None:
+                torch.manual_seed(int(sp.seed))
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  generation_config=config, logits_processor=processors)
     finally:
@@ -212,7 +216,9 @@ def _generation_config(sp: SamplingParams, width: int, pad_token_id: int):
     config = GenerationConfig(
         do_sample=sample, max_new_tokens=sp.max_new_tokens,
         min_new_tokens=sp.min_new_tokens or None,
-        eos_token_id=sp.stop_token_ids or None, pad_token_id=pad_token_id,
+        # the request's stop ids, and no others: None would let generate fall back to the
+        # model's own eos ids, which a request with ignore_eos has asked to pass
+        eos_token_id=list(sp.stop_token_ids), pad_token_id=pad_token_id,
         return_dict_in_generate=True, use_cache=True,
         **({"temperature": 1.0, "top_p": 1.0, "top_k": 0} if sample else {}))
     return config, processors

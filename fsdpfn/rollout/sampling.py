@@ -62,8 +62,10 @@ class SamplingParams:
               "repetition_penalty": 1.0, "no_stop_trim": False, "skip_special_tokens": True}
 
     def __init__(self, **kwargs):
+        self._names = {}  # the key a value came under, where it differs from the field's
         if "sampling_seed" in kwargs:
             kwargs["seed"] = kwargs.pop("sampling_seed")
+            self._names["seed"] = "sampling_seed"
         refused = sorted(k for k in REFUSED if kwargs.get(k) not in (None, {}, [], ""))
         if refused:
             raise UpdateError(f"sampling_params.{refused[0]}: not supported by this server "
@@ -95,35 +97,47 @@ class SamplingParams:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        rules = [("temperature", is_num(self.temperature) and self.temperature >= 0, ">= 0"),
-                 ("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
-                 ("top_k", is_int(self.top_k, 0), "an int >= 0 (or -1: off)"),
-                 ("min_p", is_num(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
-                 ("max_new_tokens", is_int(self.max_new_tokens, 1), "an int >= 1"),
-                 ("min_new_tokens", is_int(self.min_new_tokens, 0)
+        # each rule runs only after the ones above it hold (min_new_tokens compares with a
+        # max_new_tokens already known to be an int)
+        rules = [("temperature", lambda: is_num(self.temperature) and self.temperature >= 0,
+                  ">= 0"),
+                 ("top_p", lambda: is_num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+                 ("top_k", lambda: is_int(self.top_k, 0), "an int >= 0 (or -1: off)"),
+                 ("min_p", lambda: is_num(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+                 ("max_new_tokens", lambda: is_int(self.max_new_tokens, 1), "an int >= 1"),
+                 ("min_new_tokens", lambda: is_int(self.min_new_tokens, 0)
                   and self.min_new_tokens <= self.max_new_tokens, "an int in [0, max_new_tokens]"),
-                 ("n", is_int(self.n, 1), "an int >= 1"),
-                 ("seed", self.seed is None or is_int(self.seed, 0), "null or an int >= 0"),
-                 ("frequency_penalty", is_num(self.frequency_penalty)
+                 ("n", lambda: is_int(self.n, 1), "an int >= 1"),
+                 ("seed", lambda: self.seed is None or is_int(self.seed, 0), "null or an int >= 0"),
+                 ("frequency_penalty", lambda: is_num(self.frequency_penalty)
                   and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-                 ("presence_penalty", is_num(self.presence_penalty)
+                 ("presence_penalty", lambda: is_num(self.presence_penalty)
                   and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
-                 ("repetition_penalty", is_num(self.repetition_penalty)
+                 ("repetition_penalty", lambda: is_num(self.repetition_penalty)
                   and 0 < self.repetition_penalty <= 2, "in (0, 2]"),
-                 ("stop", all(isinstance(s, str) and s for s in self.stop),
+                 ("stop", lambda: all(isinstance(s, str) and s for s in self.stop),
                   "a non-empty string or a list of them"),
-                 ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
-                 ("no_stop_trim", isinstance(self.no_stop_trim, bool), "a bool"),
-                 ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "a bool")]
+                 ("ignore_eos", lambda: isinstance(self.ignore_eos, bool), "a bool"),
+                 ("no_stop_trim", lambda: isinstance(self.no_stop_trim, bool), "a bool"),
+                 ("skip_special_tokens", lambda: isinstance(self.skip_special_tokens, bool),
+                  "a bool")]
         for key, ok, rule in rules:
-            if not ok:
-                raise UpdateError(f"sampling_params.{key}: must be {rule}, got "
-                                    f"{getattr(self, key)!r}")
+            if not ok():
+                raise UpdateError(f"sampling_params.{self._names.get(key, key)}: must be "
+                                  f"{rule}, got {getattr(self, key)!r}")
 
     @property
     def penalized(self) -> bool:
         return (self.frequency_penalty != 0 or self.presence_penalty != 0
                 or self.repetition_penalty != 1)
+
+    def capped(self, max_new_tokens: int) -> "SamplingParams":
+        """A copy that generates at most ``max_new_tokens`` (min_new_tokens lowered with it)."""
+        out = SamplingParams.__new__(SamplingParams)
+        out.__dict__.update(self.__dict__)
+        out.max_new_tokens = min(self.max_new_tokens, max_new_tokens)
+        out.min_new_tokens = min(self.min_new_tokens, out.max_new_tokens)
+        return out
 
     def with_stops(self, eos_ids: Sequence[int]) -> "SamplingParams":
         """A copy that also stops at ``eos_ids`` unless ``ignore_eos``."""

@@ -112,9 +112,12 @@ def encode(engine, text: str, field: str) -> list[int]:
         raise UpdateError(f"{field}: text needs a tokenizer, and the model directory "
                           f"{engine.model_path!r} has none; send token ids (input_ids)")
     try:
-        return engine.tokenizer.encode(text)
+        ids = engine.tokenizer.encode(text)
     except ValueError as exc:
         raise UpdateError(f"{field}: {exc}") from None
+    if not ids:
+        raise UpdateError(f"{field}: must encode to at least one token, got {text!r}")
+    return ids
 
 
 def _top_n(payload: dict) -> int:

@@ -100,6 +100,65 @@ def test_stop_tokens_seed_and_validation(engine):
         SamplingParams(temprature=1.0)
 
 
+@pytest.mark.timeout(120)
+def test_hf_generate_stops_only_at_the_requests_stop_ids(model_dir, tmp_path):
+    """HF generate stops at the request's stop ids and no others: a model whose
+    generation_config names an eos it emits runs past it with ignore_eos (no stop ids), with no
+    padding returned as tokens; with the eos among the stop ids it stops there."""
+    import json
+    import shutil
+
+    first = RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="hf")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    prompts = [[5, 6, 7], [9]]
+    free = [o["output_ids"] for o in first.generate(prompts, greedy)["outputs"]]
+    eos = free[0][1]  # the second token the first row emits
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(model_dir, eos_dir)
+    (eos_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    engine = RolloutEngine(str(eos_dir), dtype="float32", device="cpu", decode="hf")
+    out = engine.generate(prompts, greedy)["outputs"]  # no stop ids: what ignore_eos sends
+    assert [o["output_ids"] for o in out] == free
+    assert all(o["finish_reason"] == "length" for o in out)
+    out = engine.generate(prompts, greedy.with_stops([eos]))["outputs"]
+    assert out[0]["output_ids"] == free[0][:2] and out[0]["finish_reason"] == "stop"
+
+
+@pytest.mark.timeout(60)
+def test_a_seeded_request_leaves_the_process_generator_as_it_was(engine):
+    """A seed draws from a generator of its own: later unseeded requests are not fixed by it."""
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    engine.generate([[5, 6]], SamplingParams(temperature=1.0, max_new_tokens=4, seed=7))
+    assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.timeout(60)
+def test_prompts_and_lengths_within_the_models_context(engine):
+    """A prompt must leave a position to generate in (UpdateError naming it); max_new_tokens is
+    capped at what the longest prompt leaves, the outputs finishing by length."""
+    context = engine.context
+    with pytest.raises(UpdateError, match=rf"input_ids\[1\]: must be shorter than the model's "
+                                          rf"context \(max_position_embeddings = {context}\), "
+                                          rf"got {context} tokens"):
+        engine.generate([[1, 2], [3] * context], SamplingParams(max_new_tokens=4))
+    out = engine.generate([[3] * (context - 3), [4]],
+                          SamplingParams(temperature=1.0, max_new_tokens=10, seed=1))["outputs"]
+    assert [len(o["output_ids"]) for o in out] == [3, 3]
+    assert all(o["finish_reason"] == "length" for o in out)
+
+
+def test_sampling_params_refuse_a_wrong_type_by_the_key_sent():
+    for value in ("abc", "3", [1], {}):
+        with pytest.raises(UpdateError, match=r"sampling_params.max_new_tokens: must be an int "
+                                              r">= 1, got"):
+            SamplingParams(max_new_tokens=value, min_new_tokens=2)
+    with pytest.raises(UpdateError, match=r"sampling_params.sampling_seed: must be null or an int "
+                                          r">= 0, got -1"):
+        SamplingParams(sampling_seed=-1)
+
+
 @pytest.mark.timeout(60)
 def test_pause_blocks_generation_until_continue_and_expires(engine):
     engine.pause()
@@ -441,3 +500,15 @@ def test_ramped_plan_starts_and_ends_small():
     assert buckets[-1].names == ["l11.b", "l11.c"] and sizes[-1] == 2
     assert "embed" in buckets[1].names or "embed" in buckets[2].names
     assert max(b.nbytes for b in buckets[1:-1] if len(b.specs) > 1) <= 8 * ALIGN
+
+
+@pytest.mark.timeout(120)
+def test_a_text_that_encodes_to_no_token_is_refused_naming_text(tmp_path):
+    from fsdpfn.rollout.sglang_api import encode_prompts
+    from fsdpfn.testing import write_tiny_hf_dir
+
+    path = write_tiny_hf_dir(tmp_path / "tok", texts=["one two three", "four five"], seed=1)
+    engine = RolloutEngine(str(path), dtype="float32", device="cpu")
+    assert encode_prompts(engine, None, "one two")[0][0]
+    with pytest.raises(UpdateError, match=r"^text: must encode to at least one token, got ''$"):
+        encode_prompts(engine, None, "")
