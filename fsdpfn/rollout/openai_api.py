@@ -1,10 +1,13 @@
 """OpenAI's API on a RolloutEngine: /v1/models, /v1/completions, /v1/chat/completions, so the
-``openai`` client and agent frameworks can drive rollouts (non-streaming).
+``openai`` client and agent frameworks can drive rollouts.
 
 Completions: ``prompt`` a string, a token-id list, or a list of either (one choice list per
 prompt, n each, in order); ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``n``,
 ``stop``, ``seed``, ``frequency_penalty``, ``presence_penalty``, ``logprobs`` (an int N >= 0:
-choices[].logprobs {tokens, token_logprobs, top_logprobs (N best per token, or null for 0),
+choices[].logprobs {tokens, token_logprobs, top_logprobs (null for 0, else per token a dict
+text -> logprob of its N best tokens, best first; a token whose text a better one already keys,
+as byte pieces that decode to the same "\ufffd", is keyed "token_id:<id>", vLLM's form for a
+token as its id, so the dict always holds the N best and each text maps to its best token),
 text_offset}). Chat: ``messages`` rendered by the model's chat template; ``max_tokens`` or
 ``max_completion_tokens`` (default: what fits the context); ``logprobs: true`` (and
 ``top_logprobs``): choices[].logprobs.content [{token, logprob, bytes, top_logprobs}]. As in
@@ -14,19 +17,20 @@ Tools: ``tools`` (OpenAI's function tools) are rendered by the model's own chat 
 calls read back from the answer in the model's own format (fsdpfn.rollout.tool_calls): the
 choice's message gets ``tool_calls`` and finish_reason "tool_calls". ``tool_choice`` "auto" or
 "none"; "required" and a named function (constrained decoding) are refused by name.
-``stream: true`` (chat): the answer as OpenAI's server-sent chunks once it is generated (one
-content delta per choice, then the finish reason; ``stream_options.include_usage`` adds the usage
-chunk): clients and agent frameworks that only stream work, but tokens are not sent as they are
-sampled.
+``stream: true`` (both): the answer as OpenAI's server-sent chunks once it is generated (per
+choice one chunk with the whole text, or content delta, and its log-probs, then one with the
+finish reason; ``stream_options.include_usage`` adds the usage chunk; ``data: [DONE]``):
+clients and agent frameworks that only stream work, but tokens are not sent as they are sampled.
 Every choice also carries fsdpfn's ``prompt_token_ids`` (the prompt as rendered), ``token_ids``,
 ``token_logprobs`` (their behav_logp), ``weight_versions`` (per token) and ``weight_version``
 (the oldest), so a trainer records episodes without re-tokenizing (fsdpfn.rollout.agent). A key this server does
 not implement (stream, tools, response_format other than text, logit_bias, echo, suffix, ...)
-is refused by name: 400 {"error": {"message", "type", "param", "code"}}; so are ``stream`` on
-/v1/completions and ``tools`` for a model whose chat template has no tool-call format.
+is refused by name: 400 {"error": {"message", "type", "param", "code"}}; so are ``tools`` for a
+model whose chat template has no tool-call format.
 
 Log-probs follow fsdpfn's behav_logp convention: log_softmax(logits / temperature) of the
-sampled token, before penalties and top-p / top-k truncation.
+sampled token, before penalties and top-p / top-k truncation; greedy requests (temperature 0)
+report log_softmax(logits), temperature 1's.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from fsdpfn.rollout.errors import UpdateError
 from fsdpfn.rollout.sampling import SamplingParams
 from fsdpfn.rollout.tool_calls import parse_tool_calls, tool_format
 
-__all__ = ["models", "completions", "chat_completions", "chat_chunks", "error_body"]
+__all__ = ["models", "completions", "chat_completions", "chat_chunks", "completion_chunks",
+           "error_body"]
 
 # accepted and without effect here
 IGNORED = {"user", "metadata", "store", "stream_options", "service_tier", "model",
@@ -72,13 +77,13 @@ def models(engine) -> dict:
 
 
 def completions(engine, body: dict) -> dict:
-    _refuse(body, {"prompt", "max_tokens", "logprobs"})
+    _refuse(body, {"prompt", "max_tokens", "logprobs"}, stream_ok=True)
     prompts = _prompts(engine, body.get("prompt"))
     logprobs = body.get("logprobs")
     if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
                                  or not 0 <= logprobs <= 20):
         raise UpdateError(f"logprobs: must be null or an int in [0, 20], got {logprobs!r}")
-    sp = _params(engine, body, body.get("max_tokens"), 16)
+    sp = _params(engine, body, "max_tokens", 16)
     choices, usage = [], [0, 0]
     for prompt in prompts:
         answer = engine.generate([prompt], sp, top_logprobs=logprobs or 0)
@@ -107,7 +112,8 @@ def chat_completions(engine, body: dict) -> dict:
     if top and not body.get("logprobs"):
         raise UpdateError(f"top_logprobs: needs logprobs true, got logprobs "
                           f"{body.get('logprobs')!r}")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
     sp = _params(engine, body, limit, max(1, _context(engine) - len(prompt)))
     answer = engine.generate([prompt], sp, top_logprobs=top or 0)
     choices = []
@@ -236,14 +242,16 @@ def _render(engine, messages, tools=None) -> list[int]:
     return tok.encode(text)
 
 
-def _params(engine, body: dict, max_tokens, default: int) -> SamplingParams:
+def _params(engine, body: dict, limit: str, default: int) -> SamplingParams:
+    """The request's SamplingParams; ``limit`` is the key that holds max_new_tokens
+    (max_tokens, or chat's max_completion_tokens), named in its errors as sent."""
     spec = {SAMPLING[k]: v for k, v in body.items() if k in SAMPLING and v is not None}
-    spec["max_new_tokens"] = default if max_tokens is None else max_tokens
+    spec["max_new_tokens"] = default if body.get(limit) is None else body[limit]
     try:
         sp = SamplingParams(**spec)
     except UpdateError as exc:  # name the OpenAI field, not SGLang's
         message = str(exc).replace("sampling_params.", "")
-        for theirs, ours in (("max_tokens", "max_new_tokens"), ("min_tokens", "min_new_tokens"),
+        for theirs, ours in ((limit, "max_new_tokens"), ("min_tokens", "min_new_tokens"),
                              ("seed", "seed")):
             message = message.replace(f"{ours}:", f"{theirs}:", 1)
         raise UpdateError(message) from None
@@ -280,10 +288,19 @@ def _completion_logprobs(engine, o: dict, top: int) -> dict:
         at += len(t)
     tops = None
     if top:
-        tops = [{_piece(engine, t): lp for lp, t in step[:top]}
-                for step in o.get("output_top_logprobs", [])]
+        tops = [_top_dict(engine, step[:top]) for step in o.get("output_top_logprobs", [])]
     return {"tokens": tokens, "token_logprobs": o["output_logprobs"], "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def _top_dict(engine, step: list) -> dict:
+    """One position's [[logprob, id], ...] (best first) as OpenAI's {text: logprob}: a token
+    whose text is already a key (a better token decodes the same) is keyed "token_id:<id>"."""
+    out = {}
+    for lp, t in step:
+        piece = _piece(engine, t)
+        out[f"token_id:{t}" if piece in out else piece] = lp
+    return out
 
 
 def _chat_logprobs(engine, o: dict, top: int) -> list[dict]:
@@ -305,10 +322,7 @@ def chat_chunks(completion: dict, *, include_usage: bool = False) -> list[str]:
     """A chat completion as OpenAI's server-sent events: per choice a delta with the role,
     content and tool calls, then one with the finish reason (and fsdpfn's fields); the usage
     chunk when asked; ``[DONE]``."""
-    head = {"id": completion["id"], "object": "chat.completion.chunk",
-            "created": completion["created"], "model": completion["model"]}
-    events = []
-    for c in completion["choices"]:
+    def choice_chunks(c: dict) -> tuple[dict, dict]:
         delta = {"role": "assistant", "content": c["message"].get("content")}
         if c["message"].get("tool_calls"):
             delta["tool_calls"] = [{"index": k, **call}
@@ -316,8 +330,30 @@ def chat_chunks(completion: dict, *, include_usage: bool = False) -> list[str]:
         first = {"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"),
                  "finish_reason": None}
         last = {k: v for k, v in c.items() if k not in ("message", "logprobs")}
-        last["delta"] = {}
-        events += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+        return first, {**last, "delta": {}}
+
+    return _events(completion, "chat.completion.chunk", choice_chunks, include_usage)
+
+
+def completion_chunks(completion: dict, *, include_usage: bool = False) -> list[str]:
+    """A completion as OpenAI's server-sent events (object "text_completion"): per choice one
+    chunk with its text and log-probs, then one with the finish reason (and fsdpfn's fields);
+    the usage chunk when asked; ``[DONE]``."""
+    def choice_chunks(c: dict) -> tuple[dict, dict]:
+        first = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"],
+                 "finish_reason": None}
+        last = {k: v for k, v in c.items() if k not in ("text", "logprobs")}
+        return first, {**last, "text": "", "logprobs": None}
+
+    return _events(completion, "text_completion", choice_chunks, include_usage)
+
+
+def _events(completion: dict, kind: str, choice_chunks, include_usage: bool) -> list[str]:
+    head = {"id": completion["id"], "object": kind, "created": completion["created"],
+            "model": completion["model"]}
+    events = []
+    for c in completion["choices"]:
+        events += [{**head, "choices": [chunk]} for chunk in choice_chunks(c)]
     if include_usage:
         events.append({**head, "choices": [], "usage": completion["usage"]})
     return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]

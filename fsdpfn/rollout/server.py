@@ -7,7 +7,7 @@
 | GET /get_weight_version | | {weight_version} (a string, as SGLang's: the label the last update gave, else the integer version) |
 | GET /get_model_info | | SGLang's {model_path, tokenizer_path (null without a tokenizer), is_generation, preferred_sampling_params, weight_version (the label)}, then ours: {version (the int), dtype, device, eos_token_ids, params: {name: {dtype, shape}}, groups, paused, last_error, update_channel (the port of the update channel, or null)} |
 | POST, PUT /generate | SGLang's GenerateReqInput (fsdpfn/rollout/sglang_api.py) | SGLang's {text, output_ids, meta_info} (a list for several outputs); fsdpfn's {weight_version, outputs} with "return_format": "fsdpfn" |
-| GET /v1/models, POST /v1/completions, POST /v1/chat/completions | OpenAI's (fsdpfn/rollout/openai_api.py; chat takes tools and stream) | OpenAI's, with log-probs (chat with stream: server-sent chunks) |
+| GET /v1/models, POST /v1/completions, POST /v1/chat/completions | OpenAI's (fsdpfn/rollout/openai_api.py; chat takes tools, both take stream) | OpenAI's, with log-probs (with stream: server-sent chunks) |
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
 | POST /init_weights_update_group | SGLang's {master_address, master_port, rank_offset, world_size, group_name, backend}, plus timeout_s: the group formed as SGLang forms it | {success, message} |
 | POST /destroy_weights_update_group | {group_name} | {success, message} |
@@ -108,21 +108,25 @@ def build_app(engine: RolloutEngine):
     async def openai_models():
         return openai_api.models(engine)
 
+    def streamed(out, payload, chunks: Callable[..., list[str]]):
+        """The answer as server-sent chunks when the request asked for ``stream``."""
+        if out.status_code >= 400 or not (isinstance(payload, dict) and payload.get("stream")):
+            return out
+        usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(iter(chunks(json.loads(out.body), include_usage=usage)),
+                                 media_type="text/event-stream")
+
     @app.post("/v1/completions")
     async def openai_completions(payload: Any = Body(...)):
-        return await anyio.to_thread.run_sync(lambda: openai_answer(
+        out = await anyio.to_thread.run_sync(lambda: openai_answer(
             lambda: openai_api.completions(engine, payload)), limiter=generation_threads)
+        return streamed(out, payload, openai_api.completion_chunks)
 
     @app.post("/v1/chat/completions")
     async def openai_chat(payload: Any = Body(...)):
         out = await anyio.to_thread.run_sync(lambda: openai_answer(
             lambda: openai_api.chat_completions(engine, payload)), limiter=generation_threads)
-        if out.status_code >= 400 or not (isinstance(payload, dict) and payload.get("stream")):
-            return out
-        usage = bool((payload.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(iter(openai_api.chat_chunks(json.loads(out.body),
-                                                             include_usage=usage)),
-                                 media_type="text/event-stream")
+        return streamed(out, payload, openai_api.chat_chunks)
 
     @app.post("/forward")
     def forward(payload: dict = Body(...)):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError, launch_server
+from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError, launch_server, openai_api
 from fsdpfn.rollout.client import from_sglang, generate
 from fsdpfn.testing import write_tiny_hf_dir
 
@@ -287,8 +287,8 @@ def test_openai_client_completions_with_logprobs(client, model_dir, reference):
         torch.testing.assert_close(torch.tensor(lp.token_logprobs, dtype=torch.float64),
                                    _ref_logp(model, prompt, ids, 0.7), atol=LOGP_ATOL, rtol=0)
         assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(ids))]
-        for i, top in enumerate(lp.top_logprobs):  # two best (fewer when texts coincide)
-            assert 1 <= len(top) <= 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-6, \
+        for i, top in enumerate(lp.top_logprobs):  # the two best
+            assert len(top) == 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-6, \
                 (top, lp.token_logprobs[i])
         assert choice.finish_reason in ("stop", "length")
         assert choice.text == tok.decode(ids, skip_special_tokens=True)
@@ -330,9 +330,72 @@ def test_openai_client_sees_refusals_by_name(client):
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(openai.BadRequestError, match="max_tokens: must be an int >= 1"):
         client.completions.create(model="m", prompt="hi", max_tokens=0)
+    hi = [{"role": "user", "content": "hi"}]  # chat names the key it was sent
+    with pytest.raises(openai.BadRequestError,
+                       match="max_completion_tokens: must be an int >= 1, got -1"):
+        client.chat.completions.create(model="m", messages=hi, max_completion_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens: must be an int >= 1, got 0"):
+        client.chat.completions.create(model="m", messages=hi, max_tokens=0)
+
+
+@pytest.mark.timeout(120)
+def test_openai_client_streams_completions(client):
+    ask = dict(model="m", prompt=["What is 2+3?", "Paris is"], max_tokens=5, n=2,
+               temperature=1.0, seed=4, logprobs=2)
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert {c.object for c in chunks} == {"text_completion"}
+    texts, reasons, logprobs = {}, {}, {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        reasons[choice.index] = reasons.get(choice.index) or choice.finish_reason
+        if choice.logprobs is not None:
+            logprobs[choice.index] = choice.logprobs.token_logprobs
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 4
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert logprobs == {c.index: c.logprobs.token_logprobs for c in whole.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    plain = list(client.completions.create(**ask, stream=True))
+    assert all(c.choices and c.usage is None for c in plain)
 
 
 # ---------------------------------------------------------------- the engine, in one process
+
+
+class _OneText:
+    """A tokenizer whose every token decodes to one text, as byte pieces decode to "\ufffd"."""
+
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [1] * len(text)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "\ufffd" * len(ids)
+
+
+@pytest.mark.timeout(120)
+def test_completion_top_logprobs_hold_the_n_best_when_texts_coincide(model_dir, reference):
+    model, tok = reference
+    engine = RolloutEngine(str(model_dir), dtype="float32", device="cpu")
+    engine.tokenizer = _OneText()
+    prompt = tok.encode("Paris is")
+    out = openai_api.completions(engine, {"prompt": prompt, "max_tokens": 4, "logprobs": 3,
+                                          "temperature": 1.0, "seed": 2})
+    (choice,) = out["choices"]
+    ids = choice["token_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0]
+    best = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].topk(3)
+    tops = choice["logprobs"]["top_logprobs"]
+    assert len(tops) == len(ids)
+    for top, values, indices in zip(tops, best.values, best.indices):
+        # the text keys its best token; the others are keyed by id, best first
+        assert list(top) == ["\ufffd"] + [f"token_id:{t}" for t in indices[1:].tolist()]
+        torch.testing.assert_close(torch.tensor(list(top.values()), dtype=torch.float64),
+                                   values, atol=LOGP_ATOL, rtol=0)
 
 
 @pytest.mark.timeout(120)

@@ -102,8 +102,8 @@ def test_what_cannot_be_served_is_refused_by_name(engines):
                                "tool_choice")):
         with pytest.raises(UpdateError, match=words):
             openai_api.chat_completions(eng, {**ask, **extra})
-    with pytest.raises(UpdateError, match="stream"):
-        openai_api.completions(engine, {"prompt": "hi", "stream": True})
+    with pytest.raises(UpdateError, match="stream: not supported by this server, got 'yes'"):
+        openai_api.completions(engine, {"prompt": "hi", "stream": "yes"})
 
 
 def test_a_streamed_answer_is_openais_chunks_with_fsdpfns_fields_on_the_last(engines):
