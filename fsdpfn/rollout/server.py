@@ -3,6 +3,7 @@
 | endpoint | payload | answer |
 | --- | --- | --- |
 | GET /health | | {status, weight_version, server_id, groups} |
+| GET /health_generate | | SGLang's: 200, empty, once a one-token generation succeeds; 503 if it fails or takes over 20 s (a pause holds it) |
 | GET /weight_version | | {weight_version} (fsdpfn's integer version) |
 | GET /get_weight_version | | {weight_version} (a string, as SGLang's: the label the last update gave, else the integer version) |
 | GET /get_model_info | | SGLang's {model_path, tokenizer_path (null without a tokenizer), is_generation, preferred_sampling_params, weight_version (the label)}, then ours: {version (the int), dtype, device, eos_token_ids, params: {name: {dtype, shape}}, groups, paused, last_error, update_channel (the port of the update channel, or null)} |
@@ -12,9 +13,9 @@
 | POST /init_weights_update_group | SGLang's {master_address, master_port, rank_offset, world_size, group_name, backend}, plus timeout_s: the group formed as SGLang forms it | {success, message} |
 | POST /destroy_weights_update_group | {group_name} | {success, message} |
 | POST /update_weights_from_distributed | SGLang's {names, dtypes, shapes, group_name, flush_cache, load_format ("flattened_bucket": one packed broadcast), weight_version (any string)} | {success, message, weight_version (the int), seconds} |
-| POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests |
+| POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests; a refusal (a missing directory included) 400, as SGLang's |
 | POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: each bucket an aligned flat bucket in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | {success, weight_version, weights_checksum, message, seconds} |
-| POST /pause_generation, POST /continue_generation | {mode} | SGLang's {message, status: "ok"}, plus success; a pause drains (nothing is aborted) |
+| POST /pause_generation, POST /continue_generation | {mode}: SGLang's "abort" (default), "retract" or "in_place", else 400 | SGLang's {message, status: "ok"}, plus success; a pause drains whatever the mode (nothing is aborted) |
 | POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py) |
 | POST /unload_lora_adapter | {lora_name} | same: the base weights served again |
 
@@ -36,15 +37,44 @@ from typing import Any, Callable
 
 from fsdpfn.rollout import openai_api, sglang_api
 from fsdpfn.rollout.engine import RolloutEngine, UpdateError
+from fsdpfn.rollout.sampling import SamplingParams
 
 __all__ = ["build_app"]
+
+# SGLang's PauseGenerationReqInput.mode values (its default "abort")
+PAUSE_MODES = ("abort", "retract", "in_place")
+# /health_generate: SGLang's probe (one token from input_ids [0], greedy) and its time limit
+HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+HEALTH_GENERATE_S = 20.0
+
+
+def _sglang_generate(engine: RolloutEngine, payload: Any):
+    """/generate: return_logprob checked as SGLang types it, then sglang_api's answer with the
+    meta_info counts SGLang adds that are 0 here (nothing is retracted, no reasoning parser)."""
+    flag = payload.get("return_logprob") if isinstance(payload, dict) else None
+    if not (flag is None or isinstance(flag, bool) or (
+            isinstance(flag, list) and all(isinstance(f, bool) for f in flag))):
+        raise UpdateError(f"return_logprob: must be a bool (or a list of them, one per "
+                          f"prompt), got {str(flag)[:80]!r}")
+    answer = sglang_api.generate(engine, payload)
+    for item in answer if isinstance(answer, list) else [answer]:
+        if "meta_info" in item:
+            item["meta_info"].update(num_retractions=0, reasoning_tokens=0)
+    return answer
+
+
+def _pause_mode(payload: dict) -> str:
+    mode = payload.get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        raise UpdateError(f"mode: must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return mode
 
 
 def build_app(engine: RolloutEngine):
     import anyio
     import anyio.to_thread
     from fastapi import Body, FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="fsdpfn rollout server")
     receiver = engine.receiver
@@ -80,6 +110,20 @@ def build_app(engine: RolloutEngine):
     # FastAPI's shared pool of 40: many clients neither queue nor block the update handlers
     generation_threads = anyio.CapacityLimiter(4096)
 
+    @app.get("/health_generate")
+    async def health_generate():
+        """SGLang's: 200 (empty) once a one-token generation from token 0 succeeds, 503 if it
+        fails or takes longer than HEALTH_GENERATE_S (a pause holds it until resumed)."""
+        with anyio.move_on_after(HEALTH_GENERATE_S):
+            try:
+                await anyio.to_thread.run_sync(lambda: engine.generate([[0]], HEALTH_SAMPLING),
+                                               limiter=generation_threads,
+                                               abandon_on_cancel=True)
+                return Response(status_code=200)
+            except Exception:  # noqa: BLE001 - the answer is the report
+                return Response(status_code=503)
+        return Response(status_code=503)
+
     def sglang_answer(fn: Callable[[], Any]):
         """SGLang's error shape for /generate: {"object": "error", "message", "code"}."""
         out = answer(fn)
@@ -94,7 +138,7 @@ def build_app(engine: RolloutEngine):
     async def generate(payload: Any = Body(...)):
         # a plain JSONResponse: FastAPI's encoder walks each of the (many) numbers in Python
         return await anyio.to_thread.run_sync(lambda: sglang_answer(lambda: JSONResponse(
-            sglang_api.generate(engine, payload))), limiter=generation_threads)
+            _sglang_generate(engine, payload))), limiter=generation_threads)
 
     def openai_answer(fn: Callable[[], Any]):
         out = answer(lambda: JSONResponse(fn()))
@@ -153,8 +197,10 @@ def build_app(engine: RolloutEngine):
     @app.post("/update_weights_from_disk")
     def update_disk(payload: dict = Body(...)):
         out = answer(lambda: {**receiver.update_from_disk(payload), "num_paused_requests": 0})
-        if isinstance(out, JSONResponse):  # SGLang's UpdateWeightFromDiskReqOutput fields
-            return JSONResponse(status_code=out.status_code,
+        if isinstance(out, JSONResponse):  # SGLang's UpdateWeightFromDiskReqOutput fields;
+            # SGLang answers a refused update 400 (a missing directory included)
+            status = 400 if out.status_code < 500 else out.status_code
+            return JSONResponse(status_code=status,
                                 content={**json.loads(out.body), "num_paused_requests": 0})
         return out
 
@@ -175,11 +221,11 @@ def build_app(engine: RolloutEngine):
         return lora_answer(lambda: receiver.unload_lora_adapter(payload))
 
     # SGLang's answers; a pause drains (requests in flight finish, new ones wait), whatever
-    # the mode ("abort", "retract", "in_place"): nothing is aborted
+    # the mode (one of SGLang's PAUSE_MODES): nothing is aborted
     @app.post("/pause_generation")
     def pause(payload: dict = Body(default={})):
-        return answer(lambda: (engine.pause(), {
-            "message": "Generation paused successfully.", "status": "ok", "success": True})[1])
+        return answer(lambda: (_pause_mode(payload), engine.pause(), {
+            "message": "Generation paused successfully.", "status": "ok", "success": True})[2])
 
     @app.post("/continue_generation")
     def resume(payload: dict = Body(default={})):

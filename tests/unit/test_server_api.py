@@ -61,6 +61,19 @@ def _post_raw(server, path: str, payload: dict):
         return json.loads(resp.read())
 
 
+def _get_raw(server, path: str) -> tuple[int, bytes]:
+    """GET: (HTTP status, body as sent)."""
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(server.url + path, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 def _check_triples(model, prompt, meta, temperature):
     """Parse as AReaL/verl do; the log-probs are the float64 forward's."""
     triples = meta["output_token_logprobs"]
@@ -191,6 +204,8 @@ def test_penalties_follow_sglangs_definition(server, reference, freq, pres, rep)
     ({"input_ids": [1, 2], "stream": True}, "stream"),
     ({"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1, 2], "return_logprob": "abc"}, "return_logprob: must be a bool"),
+    ({"input_ids": [[1, 2]], "return_logprob": [1]}, "return_logprob: must be a bool"),
     ({"text": "hi", "input_ids": [1]}, "input_ids, text")])
 def test_unsupported_keys_are_refused_by_name(server, payload, named):
     out = server.post("/generate", payload)
@@ -229,6 +244,36 @@ def test_info_versions_pause_and_disk_update_speak_sglang(server, model_dir):
                                                    "weight_version": "4"})
     assert ok["success"] is True and ok["weight_version"] == 4
     assert server.get("/get_weight_version") == {"weight_version": "4"}
+    # the server takes the version it is given, a lower one too
+    ok = server.post("/update_weights_from_disk", {"model_path": str(model_dir),
+                                                   "weight_version": 2})
+    assert ok["success"] is True and server.get("/weight_version") == {"weight_version": 2}
+    # a missing directory: SGLang's 400 with success false, the weights kept
+    missing = server.post("/update_weights_from_disk", {"model_path": str(model_dir / "none")})
+    assert missing["status"] == 400 and missing["success"] is False
+    assert "model_path: must be a directory" in missing["message"]
+    assert missing["num_paused_requests"] == 0
+    assert server.get("/weight_version") == {"weight_version": 2}
+
+
+@pytest.mark.timeout(120)
+def test_health_generate_pause_modes_and_meta_info_speak_sglang(server):
+    assert _get_raw(server, "/health_generate") == (200, b"")  # one token generated
+    bad = server.post("/pause_generation", {"mode": "sleep"})
+    assert bad["status"] == 400 and bad["success"] is False
+    assert bad["message"] == "mode: must be one of ['abort', 'retract', 'in_place'], got 'sleep'"
+    for mode in ("retract", "in_place"):  # SGLang's "status" stands where the HTTP one would
+        paused = server.post("/pause_generation", {"mode": mode})
+        resumed = server.post("/continue_generation", {})
+        assert paused["message"] == "Generation paused successfully." and paused["success"]
+        assert resumed["message"] == "Generation continued successfully."
+    # nothing was left paused: generation answers, with SGLang's counts of what it never does
+    one = server.post("/generate", {"input_ids": [1, 2], "sampling_params": {
+        "max_new_tokens": 2}})
+    several = _post_raw(server, "/generate", {"input_ids": [[1, 2], [3]], "sampling_params": {
+        "max_new_tokens": 2}})
+    for meta in [one["meta_info"]] + [item["meta_info"] for item in several]:
+        assert meta["num_retractions"] == 0 and meta["reasoning_tokens"] == 0
 
 
 @pytest.mark.timeout(120)
