@@ -409,6 +409,24 @@ def test_openai_client_streams_completions(client):
 # ---------------------------------------------------------------- the engine, in one process
 
 
+@pytest.mark.timeout(120)
+def test_health_generate_is_503_while_generation_cannot_answer(model_dir, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from fsdpfn.rollout import server
+
+    engine = RolloutEngine(str(model_dir), dtype="float32", device="cpu")
+    monkeypatch.setattr(server, "HEALTH_GENERATE_S", 1.0)
+    client = TestClient(server.build_app(engine))
+    assert client.get("/health_generate").status_code == 200
+    engine.pause()  # the probe waits, as any request would, past its limit
+    try:
+        assert client.get("/health_generate").status_code == 503
+    finally:
+        engine.resume()
+    assert client.get("/health_generate").status_code == 200
+
+
 class _OneText:
     """A tokenizer whose every token decodes to one text, as byte pieces decode to "\ufffd"."""
 
