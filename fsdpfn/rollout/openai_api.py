@@ -73,7 +73,7 @@ def models(engine) -> dict:
     return {"object": "list", "data": [{"id": engine.model_path, "object": "model",
                                         "created": int(time.time()), "owned_by": "fsdpfn",
                                         "root": engine.model_path, "max_model_len":
-                                        _context(engine)}]}
+                                        engine.context}]}
 
 
 def completions(engine, body: dict) -> dict:
@@ -114,7 +114,7 @@ def chat_completions(engine, body: dict) -> dict:
                           f"{body.get('logprobs')!r}")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    sp = _params(engine, body, limit, max(1, _context(engine) - len(prompt)))
+    sp = _params(engine, body, limit, max(1, engine.context - len(prompt)))
     answer = engine.generate([prompt], sp, top_logprobs=top or 0)
     choices = []
     for i, o in enumerate(answer["outputs"]):
@@ -256,10 +256,6 @@ def _params(engine, body: dict, limit: str, default: int) -> SamplingParams:
             message = message.replace(f"{ours}:", f"{theirs}:", 1)
         raise UpdateError(message) from None
     return sp.with_stops(engine.eos_ids)
-
-
-def _context(engine) -> int:
-    return int(getattr(engine.model.config, "max_position_embeddings", 2048))
 
 
 # ---------------------------------------------------------------- answers
