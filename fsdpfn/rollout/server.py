@@ -48,21 +48,6 @@ HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=Tru
 HEALTH_GENERATE_S = 20.0
 
 
-def _sglang_generate(engine: RolloutEngine, payload: Any):
-    """/generate: return_logprob checked as SGLang types it, then sglang_api's answer with the
-    meta_info counts SGLang adds that are 0 here (nothing is retracted, no reasoning parser)."""
-    flag = payload.get("return_logprob") if isinstance(payload, dict) else None
-    if not (flag is None or isinstance(flag, bool) or (
-            isinstance(flag, list) and all(isinstance(f, bool) for f in flag))):
-        raise UpdateError(f"return_logprob: must be a bool (or a list of them, one per "
-                          f"prompt), got {str(flag)[:80]!r}")
-    answer = sglang_api.generate(engine, payload)
-    for item in answer if isinstance(answer, list) else [answer]:
-        if "meta_info" in item:
-            item["meta_info"].update(num_retractions=0, reasoning_tokens=0)
-    return answer
-
-
 def _pause_mode(payload: dict) -> str:
     mode = payload.get("mode", "abort")
     if mode not in PAUSE_MODES:
@@ -138,7 +123,7 @@ def build_app(engine: RolloutEngine):
     async def generate(payload: Any = Body(...)):
         # a plain JSONResponse: FastAPI's encoder walks each of the (many) numbers in Python
         return await anyio.to_thread.run_sync(lambda: sglang_answer(lambda: JSONResponse(
-            _sglang_generate(engine, payload))), limiter=generation_threads)
+            sglang_api.generate(engine, payload))), limiter=generation_threads)
 
     def openai_answer(fn: Callable[[], Any]):
         out = answer(lambda: JSONResponse(fn()))

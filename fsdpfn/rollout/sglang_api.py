@@ -13,7 +13,8 @@ Answer, per output: {"text" (when the model has a tokenizer), "output_ids", "met
 "finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"}, "prompt_tokens",
 "completion_tokens", "cached_tokens", "weight_version" (a string, as SGLang's: the label an
 update gave those weights, else the integer version),
-"weight_versions" (fsdpfn: the version of each token, ints), "e2e_latency", and with
+"weight_versions" (fsdpfn: the version of each token, ints), "e2e_latency", "num_retractions"
+and "reasoning_tokens" (0: nothing is retracted, no reasoning parser runs), and with
 return_logprob "input_token_logprobs" ([]), "output_token_logprobs" [[logprob, id, text|null]],
 with top_logprobs_num "output_top_logprobs"}}: one object for one prompt with n == 1, else a list
 (prompt-major: the n samples of prompt i are [i*n, (i+1)*n)).
@@ -130,6 +131,11 @@ def _top_n(payload: dict) -> int:
 
 
 def _flag(value) -> bool:
+    """return_logprob: a bool, or one per prompt (any true asks for them)."""
+    if not (value is None or isinstance(value, bool)
+            or (isinstance(value, list) and all(isinstance(v, bool) for v in value))):
+        raise UpdateError(f"return_logprob: must be a bool (or a list of them, one per "
+                          f"prompt), got {str(value)[:80]!r}")
     return any(value) if isinstance(value, list) else bool(value)
 
 
@@ -181,7 +187,8 @@ def output(engine, o: dict, sp: SamplingParams, prompt_tokens: int, *, rid=None,
     meta = {"id": rid or uuid.uuid4().hex, "finish_reason": reason,
             "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "cached_tokens": 0,
             "weight_version": engine.version_label(min(versions) if versions else None),
-            "weight_versions": versions, "e2e_latency": seconds}
+            "weight_versions": versions, "e2e_latency": seconds,
+            "num_retractions": 0, "reasoning_tokens": 0}  # nothing retracted, no reasoning parser
     piece = (lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)) \
         if text_in_logprobs and engine.tokenizer is not None else (lambda t: None)
     if logprobs:
