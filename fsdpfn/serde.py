@@ -18,7 +18,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["converter", "structure", "unstructure", "to_yaml", "from_yaml", "to_json", "from_json",
+__all__ = ["converter", "structure", "unstructure", "with_defaults", "to_yaml", "from_yaml", "to_json", "from_json",
            "apply_overrides", "load_config", "load_yaml", "load_json", "read_config_file"]
 
 T = TypeVar("T")
@@ -157,6 +157,37 @@ def structure(data: Any, cls: type[T]) -> T:
 
 def unstructure(value: Any) -> Any:
     return converter.unstructure(value)
+
+
+def with_defaults(data: dict, defaults: dict, cls: type) -> dict:
+    """``data`` written over ``defaults`` (an unstructured ``cls``): a section (a nested config
+    class) written in part keeps the defaults of its other keys, at any depth; any other value
+    written, a mapping field's included, replaces its default whole."""
+    out = dict(defaults)
+    sections = _sections(cls)
+    for key, value in data.items():
+        if key in sections and isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            out[key] = with_defaults(value, defaults[key], sections[key])
+        else:
+            out[key] = value
+    return out
+
+
+def _sections(cls: type) -> dict[str, type]:
+    """Field name -> config class, for the fields of ``cls`` that are sections (optional ones
+    included)."""
+    import types
+    import typing
+
+    attrs.resolve_types(cls)
+    out = {}
+    for field in attrs.fields(cls):
+        kinds = [field.type]
+        if typing.get_origin(field.type) in (typing.Union, types.UnionType):
+            kinds = [t for t in typing.get_args(field.type) if t is not type(None)]
+        if len(kinds) == 1 and isinstance(kinds[0], type) and attrs.has(kinds[0]):
+            out[field.name] = kinds[0]
+    return out
 
 
 def to_json(value: Any) -> str:

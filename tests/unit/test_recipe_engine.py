@@ -469,3 +469,54 @@ def test_free_space_is_read_where_the_run_dir_will_be(tmp_path):
 
     free = preflight._free_bytes(tmp_path / "not" / "yet" / "made")
     assert abs(free - shutil.disk_usage(tmp_path).free) < 2 ** 30
+
+
+# ---------------------------------------------------------------- a section written in part
+
+
+def _written_one_key_at_a_time(cls, defaults: dict, prefix=()):
+    """(dotted path, value, data) for every scalar or list key of every section of ``cls``, at any
+    depth: the recipe's data with that one key written, at its recipe default."""
+    for key, sub in serde._sections(cls).items():
+        section = defaults.get(key)
+        if not isinstance(section, dict):
+            continue
+        for name, value in section.items():
+            if name in serde._sections(sub) and isinstance(value, dict):
+                continue
+            data = {name: value}
+            for part in reversed(prefix + (key,)):
+                data = {part: data}
+            yield ".".join(prefix + (key, name)), value, data
+        yield from _written_one_key_at_a_time(sub, section, prefix + (key,))
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo", "sft", "rw", "dpo"])
+def test_a_section_written_in_part_keeps_the_recipes_other_defaults(recipe):
+    """Writing one key of a section (at its value) leaves the whole config as the recipe's
+    default: the keys not written keep the recipe's values, not the section class's."""
+    from fsdpfn.app.recipes import RECIPE_CONFIGS, config_from_data
+
+    default = default_config(recipe)
+    cls = RECIPE_CONFIGS[recipe]
+    cases = list(_written_one_key_at_a_time(cls, serde.unstructure(default)))
+    assert len(cases) > 50, len(cases)
+    for dotted, value, data in cases:
+        assert config_from_data({"recipe": recipe, **data}) == default, dotted
+        assert config_from_data({"recipe": recipe}, [f"{dotted}={json.dumps(value)}"]) \
+            == default, dotted
+
+
+def test_what_a_partial_section_changes_and_keeps():
+    from fsdpfn.app.recipes import config_from_data
+
+    grpo = config_from_data({"recipe": "grpo", "ppo": {"n_minibatches": 2}})
+    assert grpo.ppo == attrs.evolve(default_config("grpo").ppo, n_minibatches=2)
+    assert grpo.ppo.kl_coef == 0.01 and grpo.ppo.clip_high == 0.28  # grpo's, not PPOConfig's
+    ppo = config_from_data({"recipe": "ppo", "advantage": {"gamma": 0.99}})
+    assert ppo.advantage.estimator == "gae" and ppo.advantage.gamma == 0.99
+    sft = config_from_data({"recipe": "sft", "optimizer": {"warmup_steps": 5}})
+    assert sft.optimizer.lr == default_config("sft").optimizer.lr
+    # a section written as null where the recipe has one, or a mapping field, replaces it whole
+    assert config_from_data({"recipe": "grpo", "engine": {"lora": {"rank": 4}}}).engine.lora.rank \
+        == 4

@@ -30,14 +30,16 @@ _RUNNERS = {"grpo": "fsdpfn.app.recipes.rl:run", "ppo": "fsdpfn.app.recipes.rl:r
 
 
 def config_from_data(data: dict, overrides=()):
-    """Structure plain data (a parsed YAML) as its recipe's config class, after overrides."""
+    """Structure plain data (a parsed YAML) as its recipe's config class, after overrides: every
+    key not written keeps the recipe's default, inside a section written in part too."""
     if not isinstance(data, dict):
         raise ConfigError(f"config: must be a mapping with a 'recipe' key, got {data!r}")
     data = serde.apply_overrides(data, list(overrides))
     name = data.get("recipe")
     if name not in RECIPE_CONFIGS:
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
-    return serde.structure(data, RECIPE_CONFIGS[name])
+    cls = RECIPE_CONFIGS[name]
+    return serde.structure(serde.with_defaults(data, serde.unstructure(cls()), cls), cls)
 
 
 def load_recipe_config(path: str | Path, overrides=()):
