@@ -18,8 +18,9 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["converter", "structure", "unstructure", "with_defaults", "to_yaml", "from_yaml", "to_json", "from_json",
-           "apply_overrides", "load_config", "load_yaml", "load_json", "read_config_file"]
+__all__ = ["converter", "structure", "unstructure", "with_defaults", "to_yaml", "from_yaml",
+           "to_json", "from_json", "apply_overrides", "load_config", "load_yaml", "load_json",
+           "read_config_file"]
 
 T = TypeVar("T")
 
