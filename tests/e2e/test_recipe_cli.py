@@ -153,3 +153,20 @@ def test_grpo_with_1024_token_responses_on_default_settings(long_grpo):
     grpo = [r for r in rows if r["phase"] == "grpo"]
     assert [r["step"] for r in grpo] == [1, 2]
     assert max(r["response_len_max"] for r in grpo) > 512, grpo
+
+
+@pytest.mark.timeout(120)
+def test_the_fsdpfn_command_imports_a_reward_module_from_the_run_directory(tmp_path):
+    """reward.fn: my_rewards:score with my_rewards.py in the directory the command runs from,
+    through the installed ``fsdpfn`` script (which, unlike python -m, does not put that
+    directory on the Python path)."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def score(prompt, completion, *, answer, sample, **kwargs):\n"
+        "    return float(str(answer) in completion)\n")
+    script = Path(sys.executable).parent / "fsdpfn"
+    proc = subprocess.run([str(script), "run", str(EXAMPLES / "grpo.yaml"), "--dry-run",
+                           f"run_dir={tmp_path / 'r'}", "reward.fn=my_rewards:score"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert not _error_lines(proc.stderr)

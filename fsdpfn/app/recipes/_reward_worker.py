@@ -83,12 +83,16 @@ def _load_from_file(name: str, path: str):
 
 
 def import_target(where: str, *, light: bool = False):
-    """The module named by the part of a spec before the colon (``light``: built-ins by file)."""
+    """The module named by the part of a spec before the colon (``light``: built-ins by file).
+    A module name is looked up on the Python path and in the directory the run started from,
+    as ``python -m`` would (the ``fsdpfn`` command's own script does not put it there)."""
     try:
         if _is_path(where):
             return _import_file(where)
         if light and where in _LIGHT_MODULES:
             return _load_from_file(where, _LIGHT_MODULES[where])
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
         return importlib.import_module(where)
     except Exception as exc:  # a module that fails at import time is as unusable as a missing one
         raise SpecError(f"cannot import {where!r} ({type(exc).__name__}: {exc})") from exc
