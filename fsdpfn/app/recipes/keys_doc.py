@@ -37,6 +37,8 @@ NOTES = {
     ("*", "run_dir"): "where metrics, checkpoints, logs and the resolved config.yaml go",
     ("*", "seed"): "seed of the data order, the model's random init and the sampling seeds",
     ("*", "steps"): "training steps of the run (RL: after the warm-up)",
+    ("WarmupConfig", "steps"): "supervised warm-up steps on the embedded task (null: 600; with "
+                               "data.train_files 0 or null: RL starts from model.path)",
     ("*", "prompts_per_step"): "prompts sampled per step; rows per step = prompts_per_step x "
                                "advantage.group_size",
     ("*", "batch_size"): "rows per training step",
@@ -109,7 +111,8 @@ NOTES = {
     ("PPOConfig", "on_policy_tol"): "check_on_policy's bound on mean |logp - old_logp|",
     ("RolloutConfig", "transport"): "how weights reach the server: broadcast, ipc, disk, or "
                                     "auto (see the class text)",
-    ("RolloutConfig", "gpus"): "the server's GPU (null: the host's last GPU)",
+    ("RolloutConfig", "gpus"): "the servers' GPUs, one server each (null: the host's last "
+                               "`servers` GPUs)",
     ("RolloutConfig", "workflow_timeout_s"): "bound on one workflow call",
     ("RolloutConfig", "max_episode_tokens"): "longer episode rows are dropped and counted "
                                              "(null: the model's max_position_embeddings)",
@@ -402,7 +405,7 @@ def render() -> str:
             if path not in paths[sub]:
                 paths[sub].append(path)
     for sub, ps in paths.items():
-        ps.sort(key=lambda p: (p.count("."), p))
+        ps.sort(key=lambda p: (p.count("."), len(p), p))  # the plainest key names the section
         section_titles[sub] = _SECTION_TITLES.get(ps[0], f"{ps[0]}: {sub.__name__}")
 
     out = ["# Recipes and every YAML key", "",
