@@ -66,6 +66,7 @@ def check_rows(rows: list[dict]) -> None:
         for key in ("reward_mean", "loss", "kl", "tokens_per_s", "seconds"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
         assert 0.0 <= r["reward_mean"] <= 1.0
+        assert 0 < r["loss_tokens"] < r["tokens"], r  # the answers: fewer than the rows' tokens
     versions = [r["version"] for r in rows]
     assert all(b > a for a, b in zip(versions, versions[1:])), versions
     # the server generated each step with the weights pushed after the step before

@@ -194,6 +194,9 @@ def test_sft_exports_with_tokenizer_and_resume_continues_the_data_cursor(ws, tmp
     assert "resumed from" in second.stderr
     a, b = _metrics(whole, "sft"), _metrics(split, "sft")
     assert [r["data_cursor"] for r in a] == [r["data_cursor"] for r in b] == [8, 16, 24, 32]
+    # the trained tokens: the responses, fewer than the rows' tokens, the same on resume
+    assert [r["loss_tokens"] for r in a] == [r["loss_tokens"] for r in b]
+    assert all(0 < r["loss_tokens"] < r["tokens"] for r in a), a
     # the same examples in the same order: the same losses (a different sample would differ)
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5, abs=1e-6)
 

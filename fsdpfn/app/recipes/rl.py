@@ -397,7 +397,8 @@ def _metrics_row(phase, step, full, rollout, stats, cstats, receipt, gap, second
            "loss": float(stats["loss"]), "pg_loss": float(stats["pg_loss"]),
            "kl": float(stats["kl"]) if "kl" in stats.keys() else None,
            "approx_kl": float(stats["approx_kl"]), "clip_frac": float(stats["clip_frac"]),
-           "grad_norm": float(stats["grad_norm"]), **rollout["stats"],
+           "grad_norm": float(stats["grad_norm"]), "loss_tokens": int(stats["tokens"]),
+           **rollout["stats"],
            "tokens": tokens, "tokens_per_s": tokens / seconds, "version": receipt.version,
            "served_version": rollout["served_version"], "behav_gap": gap,
            "seconds": seconds, **times}

@@ -100,7 +100,8 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
         tokens = int(batch[K.ATTENTION_MASK].sum())
         row = {"phase": phase, "step": step, "loss": float(stats["loss"]),
                **{k: float(stats[k]) for k in keys}, "grad_norm": float(stats["grad_norm"]),
-               "tokens": tokens, "tokens_per_s": tokens / seconds, "version": state.version,
+               "tokens": tokens, "loss_tokens": int(stats["tokens"]),
+               "tokens_per_s": tokens / seconds, "version": state.version,
                "seconds": seconds, "data_cursor": cursor}
         if evaluate is not None and eval_every and (step % eval_every == 0 or step == cfg.steps
                                                     or step == start + 1):
