@@ -344,7 +344,8 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     bare ``loss_fn(outputs, minibatch, ctx) -> (loss_sum, stats)``, run as an Objective with the
     default options. ``order``: the order of the global batch's units (rows, or the Objective's
     groups) its minibatches are cut from, the same on every rank (None: as given);
-    ``shuffle_seed``: instead, a permutation drawn from this seed.
+    ``shuffle_seed``: instead, a permutation drawn from this seed (both without effect on one
+    minibatch, which is every row).
 
     Returns ``(new_state, stats)``; ``state`` is donated. Stats (identical on all ranks; each the
     mean over the call's minibatches, keys ending in ``_max`` their max): the loss_fn's keys,
