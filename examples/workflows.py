@@ -10,7 +10,8 @@ answer, ...); it returns the episode's reward. Its turns are trained where the m
                       tool calls are executed and their results sent back until an answer
     chat_answer       the openai package's async chat API directly, one turn, math reward
 
-Run: fsdpfn run examples/grpo_workflow.yaml (check_and_retry on the embedded task).
+Run: fsdpfn run examples/grpo.yaml rollout.workflow=examples/workflows.py:check_and_retry
+(check_and_retry on the embedded task).
 """
 
 from __future__ import annotations

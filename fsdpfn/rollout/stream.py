@@ -155,6 +155,9 @@ class RolloutStream:
         t0 = time.perf_counter()
         want = range(self.consumed, self.consumed + self.B)
         with self.cond:
+            if self.closed:
+                raise ConfigError("next_batch: the stream is closed (close() was called); "
+                                  "start a new RolloutStream at start=stream.cursor")
             while not all(i in self.finished for i in want):
                 if self.error is not None:
                     raise self.error
@@ -188,7 +191,8 @@ class RolloutStream:
         return self.consumed
 
     def close(self) -> None:
-        """Stop admitting; requests in flight are abandoned (their answers are dropped)."""
+        """Stop admitting; requests in flight are abandoned (their answers are dropped: the
+        servers may still finish them) and next_batch raises from now on."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
@@ -246,6 +250,12 @@ class RolloutStream:
                 ids = self.prompt_at(i)
             except IndexError:
                 ids = None
+            except Exception as exc:  # noqa: BLE001 - handed to the trainer by next_batch
+                self.error = self.error or ConfigError(
+                    f"prompt_at: must return prompt {i} (or raise IndexError past the end), "
+                    f"raised {type(exc).__name__}: {exc}")
+                self.cond.notify_all()
+                break
             if ids is None:
                 self.ended_at = i
                 break
@@ -277,7 +287,11 @@ class RolloutStream:
                             answered=answered) for i in range(len(prompts))]
             if self.score is not None:
                 with self.score_lock:
-                    scores = self.score(groups)
+                    scores = list(self.score(groups))
+                if len(scores) != len(groups):
+                    raise ConfigError(f"score: must return one result per group, got "
+                                      f"{len(scores)} for {len(groups)} groups (prompts "
+                                      f"{first}..{first + len(prompts) - 1})")
                 groups = [attrs.evolve(g, score=s) for g, s in zip(groups, scores)]
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer by next_batch
             self.balancer.done(url, work)
@@ -290,6 +304,8 @@ class RolloutStream:
             return
         self.balancer.done(url, work)
         with self.cond:
+            if self.closed:  # answers after close() are dropped
+                return
             for g in groups:
                 self.finished[g.index] = g
             self.cond.notify_all()

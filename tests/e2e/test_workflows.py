@@ -208,3 +208,25 @@ def test_a_streamed_chat_reaches_the_openai_package_and_is_recorded(server, tok)
     parts, turns = asyncio.run(streamed())
     assert len(turns) == 1 and len(turns[0].output_ids) == len(turns[0].logprobs) > 0
     assert parts[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.timeout(300)
+def test_a_workflow_step_without_a_trainable_row_lets_the_run_go_on(tmp_path):
+    """Every episode's row over max_episode_tokens: the step trains nothing, says so, and the
+    stream still admits the next step's episodes (the run used to wait for them for good)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "small.yaml"
+    config.write_text(
+        "recipe: grpo\nsteps: 2\nprompts_per_step: 4\ntask: {digits: 1}\n"
+        "model: {hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, "
+        "num_kv_heads: 1}\nwarmup: {steps: 3, batch_size: 16}\nadvantage: {group_size: 4}\n"
+        "ppo: {n_minibatches: 1, kl_coef: 0.0}\neval: {every: 0}\ncheckpoint: {every: 0}\n"
+        "launch: {nproc: 1}\nlog: {plot: false, progress: false}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdpfn", "run", str(config), f"run_dir={tmp_path / 'run'}",
+         f"rollout.workflow={EXAMPLES}:check_and_retry", "rollout.max_episode_tokens=2"],
+        capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("no trainable row") == 2, proc.stderr[-2000:]

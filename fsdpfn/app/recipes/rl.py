@@ -316,6 +316,8 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     clock.times["rollout_seconds"] = clock.start - t0  # generate + reward (+ eval), on rank 0
     if rollout["batch"] is None:  # no episode left a trainable row: nothing to train on
         log(f"step {step}: no trainable row ({rollout['stats']}); the weights stay")
+        if producer is not None:  # rank 0: the step is over, generation may go on
+            producer.advance(actor.version)
         return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times)
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
     batch = ff.shard_batch(full, mesh)  # (b, T): whole groups (group_id) on each rank
