@@ -24,26 +24,20 @@ def _stream(**kwargs):
                          runner=_runner, **kwargs)
 
 
-@pytest.mark.timeout(30)
-def test_a_score_with_the_wrong_number_of_results_is_an_error():
-    stream = _stream(score=lambda groups: [1.0])
-    try:
-        with pytest.raises(ConfigError, match=r"score: must return one result per group, got 1 "
-                                              r"for 2 groups"):
-            stream.next_batch(timeout=20)
-    finally:
-        stream.close()
+def _raising_prompt_at(i):
+    return {}[i]
 
 
 @pytest.mark.timeout(30)
-def test_a_prompt_at_that_raises_is_an_error():
-    def prompt_at(i):
-        return {}[i]
-
-    stream = _stream(prompt_at=prompt_at)
+@pytest.mark.parametrize("kwargs,message", [
+    ({"score": lambda groups: [1.0]},
+     r"score: must return one result per group, got 1 for 2 groups"),
+    ({"prompt_at": _raising_prompt_at}, r"prompt_at: must return prompt 0 .* raised KeyError: 0"),
+], ids=["score-count", "prompt_at-raises"])
+def test_a_callable_that_fails_is_an_error_of_next_batch(kwargs, message):
+    stream = _stream(**kwargs)
     try:
-        with pytest.raises(ConfigError, match=r"prompt_at: must return prompt 0 .* raised "
-                                              r"KeyError: 0"):
+        with pytest.raises(ConfigError, match=message):
             stream.next_batch(timeout=20)
     finally:
         stream.close()
