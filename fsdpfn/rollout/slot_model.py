@@ -27,10 +27,7 @@ takes it where it runs) does that rotary, q's layout and the k and v writes into
 kernel a layer instead of seven (fsdpfn/rollout/rope_kernel.py), bit for bit the same: 6.38
 against 7.50 ms a step at 512 rows of the 1.5B shape. Where the norms are Liger's (the server's
 default), ``add_norm`` runs each residual add and the norm after it as Liger's one fused kernel,
-also bit for bit: 6.34 against 6.43 ms. ``swiglu="triton-discard"`` (opt-in, not yet timed on a
-GPU) runs each MLP's SiLU(gate) · up as fsdpfn/rollout/swiglu_kernel.py, Liger's arithmetic,
-dropping the gate and up products from L2 once read so that the next attention's stream does not
-write them back. The time of each path: BENCHMARKS.md,
+also bit for bit: 6.34 against 6.43 ms. The time of each path: BENCHMARKS.md,
 "Decode step per kernel" and "Decode attention kernel". See fsdpfn/rollout/decode.py for the
 scheduling.
 """
@@ -42,14 +39,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fsdpfn.rollout import attention_kernel, rope_kernel, swiglu_kernel
+from fsdpfn.rollout import attention_kernel, rope_kernel
 
-__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION", "ROPE_KV", "SWIGLU"]
+__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION", "ROPE_KV"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = ("auto", "flash", "triton", "sdpa", "flex", "matmul")
 ROPE_KV = ("auto", "torch", "triton")
-SWIGLU = ("module", "triton", "triton-discard")
 
 
 def config_head_dim(config) -> int:
@@ -207,14 +203,6 @@ def _fusable(layers) -> bool:
     return True
 
 
-def _swiglu_mlp(mlp) -> bool:
-    """Whether mlp is Liger's SwiGLU MLP (down(SiLU(gate(x)) · up(x)), plain Linears), whose
-    SwiGLU forward the kernel of fsdpfn.rollout.swiglu_kernel repeats bit for bit."""
-    return type(mlp).__name__ == "LigerSwiGLUMLP" and all(
-        type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj",
-                                                                   "down_proj"))
-
-
 def _liger_add_norm(norms, device: torch.device):
     """Liger's fused residual add + RMSNorm forward (one kernel where the decode step runs an
     add and a norm) when every norm of the step is Liger's RMSNorm on CUDA, else None. It is
@@ -237,13 +225,11 @@ class SlotModel:
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "auto",
                  compile: bool = False, rope_kv: str = "auto", share_prefix: bool = True,
-                 add_norm: bool = True, swiglu: str = "module"):
+                 add_norm: bool = True):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         if rope_kv not in ROPE_KV:
             raise ValueError(f"rope_kv: must be one of {ROPE_KV}, got {rope_kv!r}")
-        if swiglu not in SWIGLU:
-            raise ValueError(f"swiglu: must be one of {SWIGLU}, got {swiglu!r}")
         # torch.compile of the decode step, dynamic shapes (one compile serves every bucket of
         # rows and length): inductor fuses the norms, rotary, residual adds, SwiGLU and the mask
         self.decode = torch.compile(self._decode, dynamic=True) if compile else self._decode
@@ -281,16 +267,6 @@ class SlotModel:
         norms = [layer.post_attention_layernorm for layer in self.layers] + self.after
         self.add_norm = _liger_add_norm(norms, self.device) if add_norm and not compile \
             else None
-        # swiglu: each MLP's SiLU(gate) · up as the model's module computes it ("module"), or as
-        # fsdpfn.rollout.swiglu_kernel ("triton"; "triton-discard" also drops the gate and up
-        # products from L2 once read), on Liger's SwiGLU MLPs, whose bits it repeats
-        if swiglu != "module":
-            reason = swiglu_kernel.refusal(self.device, self.dtype) or (
-                None if not compile and all(_swiglu_mlp(layer.mlp) for layer in self.layers)
-                else "the kernel runs without compile, on Liger's SwiGLU MLPs")
-            if reason:
-                raise ValueError(f"swiglu: {reason}")
-        self.swiglu = swiglu
         with torch.no_grad():  # rotary tables for every position, from the model's own module
             cos, sin = self.base.rotary_emb(torch.zeros((), dtype=self.dtype, device=self.device),
                                             torch.arange(max_len, device=self.device)[None])
@@ -456,17 +432,9 @@ class SlotModel:
                     attn_mask=mask, scale=self.scaling)  # (R, kv, G, D)
             h, x = self._add_then_norm(attn.o_proj(out.reshape(R, -1)), x,
                                        layer.post_attention_layernorm)
-            h, x = self._add_then_norm(self._mlp(layer.mlp, h), x, self.after[i])
+            h, x = self._add_then_norm(layer.mlp(h), x, self.after[i])
         logits = self.model.get_output_embeddings()(h)  # h: base.norm(x)
         return logits if raw else logits.float()
-
-    def _mlp(self, mlp, h):
-        """The layer's MLP on h: its own forward, or its three Linears around the SwiGLU
-        kernel (``swiglu``)."""
-        if self.swiglu == "module":
-            return mlp(h)
-        return mlp.down_proj(swiglu_kernel.silu_mul(
-            mlp.gate_proj(h), mlp.up_proj(h), discard=self.swiglu == "triton-discard"))
 
     def _add_then_norm(self, delta, x, norm):
         """(norm(x + delta), x + delta): HF's residual add and the norm after it."""
