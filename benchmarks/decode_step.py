@@ -38,24 +38,16 @@ OPTIONS = (("sdpa", "sdpa", False), ("flash", "flash", False), ("triton", "trito
            ("fused, flash", "flash", True), ("fused, triton", "triton", True),
            ("fused, matmul", "matmul", True), ("fused, flex", "flex", True),
            ("fused, triton, rope-kv", "triton", True),
-           ("fused, triton, rope-kv, add-norm", "triton", True),
-           ("fused, triton, rope-kv, add-norm, swiglu", "triton", True),
-           ("fused, triton, rope-kv, add-norm, swiglu-discard", "triton", True))
+           ("fused, triton, rope-kv, add-norm", "triton", True))
 # "rope-kv": SlotModel(rope_kv="triton"), the rotary, q layout and KV writes in one kernel (the
 # server's --decode-rope-kv; its default "auto" takes it where it runs); "add-norm":
 # SlotModel(add_norm=True), each residual add and the Liger norm after it as one kernel (the
-# server's default where its norms are Liger's); "swiglu": SlotModel(swiglu="triton"), the MLP's
-# SiLU(gate) · up as fsdpfn.rollout.swiglu_kernel, Liger's bits; "swiglu-discard":
-# swiglu="triton-discard", the same kernel dropping the gate and up products from L2 once read;
-# the other rows: rope_kv="torch", add_norm=False, swiglu="module"
+# server's default where its norms are Liger's); the other rows: rope_kv="torch", add_norm=False
 
 
 def kernels(name: str) -> dict:
     """The SlotModel options a row's name asks for."""
-    swiglu = ("triton-discard" if "swiglu-discard" in name else "triton" if "swiglu" in name
-              else "module")
-    return {"rope_kv": "triton" if "rope-kv" in name else "torch", "add_norm": "add-norm" in name,
-            "swiglu": swiglu}
+    return {"rope_kv": "triton" if "rope-kv" in name else "torch", "add_norm": "add-norm" in name}
 
 
 def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:

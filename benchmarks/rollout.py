@@ -108,9 +108,6 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="Liger's fused RMSNorm and SwiGLU in the served model (the default)")
     p.add_argument("--decode-rope-kv", default=None, choices=("auto", "torch", "triton"),
                    help="the rotary/KV-write kernel (default: the server's)")
-    p.add_argument("--decode-swiglu", default=None,
-                   choices=("module", "triton", "triton-discard"),
-                   help="the SwiGLU kernel of the decode step (default: the server's)")
     p.add_argument("--decode-share-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="a prompt's KV read once for its samples (the server's default)")
 
@@ -143,7 +140,6 @@ def main() -> None:
         extra += ("--decode-compile",) if args.decode_compile else ()
         extra += ("--decode-rope-kv", args.decode_rope_kv) if args.decode_rope_kv else ()
         extra += () if args.decode_share_prefix else ("--no-decode-share-prefix",)
-        extra += ("--decode-swiglu", args.decode_swiglu) if args.decode_swiglu else ()
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:

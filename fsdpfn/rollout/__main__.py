@@ -65,12 +65,6 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                         "writes: one Triton kernel a layer (triton; CUDA, bf16/fp16, no q/k "
                         "norms), torch's seven kernels (torch), or triton where it runs (auto, "
                         "the default); the same bits either way")
-    p.add_argument("--decode-swiglu", default="module",
-                   choices=("module", "triton", "triton-discard"),
-                   help="the decode step's SiLU(gate) * up: the served model's own module "
-                        "(module, the default), or fsdpfn's Triton kernel with Liger's bits "
-                        "(triton; CUDA, Liger's SwiGLU MLPs), which with triton-discard also "
-                        "drops the gate and up products from L2 once read")
     p.add_argument("--decode-share-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="with the Triton attention, the samples of one prompt read the prompt's "
                         "KV from the first sample's cache, so it leaves HBM about once per step "
@@ -119,8 +113,7 @@ def main(argv=None) -> None:
                            decode_attention=args.decode_attention,
                            decode_compile=args.decode_compile,
                            decode_rope_kv=args.decode_rope_kv,
-                           decode_share_prefix=args.decode_share_prefix,
-                           decode_swiglu=args.decode_swiglu)
+                           decode_share_prefix=args.decode_share_prefix)
     if not args.no_channel:
         from fsdpfn.rollout.receiver import UpdateChannel
 

@@ -133,9 +133,9 @@ class Decoder:
     def __init__(self, model, *, lock: threading.Lock, version: Callable[[], int],
                  slots: int, max_len: int, cuda_graphs: bool = True, sync_every: int = 16,
                  prefill_tokens: int = 16384, attention: str = "auto", compile: bool = False,
-                 rope_kv: str = "auto", share_prefix: bool = True, swiglu: str = "module"):
+                 rope_kv: str = "auto", share_prefix: bool = True):
         self.net = SlotModel(model, slots, max_len, attention, compile, rope_kv=rope_kv,
-                             share_prefix=share_prefix, swiglu=swiglu)
+                             share_prefix=share_prefix)
         self.state = _State(slots, max_len, self.net.device)
         # untruncated rows draw with draw_kernel.py (CUDA); the key of the unseeded rows'
         # uniforms, advanced by every step (in the graphs too)

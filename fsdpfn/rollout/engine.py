@@ -76,8 +76,7 @@ class RolloutEngine:
                  decode_rows: int | None = None, decode_max_len: int = 2048,
                  cuda_graphs: bool = True, fused_kernels: bool = True,
                  decode_attention: str = "auto", decode_compile: bool = False,
-                 decode_rope_kv: str = "auto", decode_share_prefix: bool = True,
-                 decode_swiglu: str = "module"):
+                 decode_rope_kv: str = "auto", decode_share_prefix: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -121,8 +120,7 @@ class RolloutEngine:
         self._decoder = generation.build_decoder(
             self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
             lock=self._model_lock, version=lambda: self.version, attention=decode_attention,
-            compile=decode_compile, rope_kv=decode_rope_kv, share_prefix=decode_share_prefix,
-            swiglu=decode_swiglu)
+            compile=decode_compile, rope_kv=decode_rope_kv, share_prefix=decode_share_prefix)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
         self.receiver = Receiver(self)  # the update state (groups, channels, turns, failures)

@@ -24,13 +24,13 @@ __all__ = ["build_decoder", "check_decode", "hf_generate"]
 def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs: bool, *,
                   device: torch.device, lock: threading.Lock, version: Callable[[], int],
                   attention: str = "auto", compile: bool = False, rope_kv: str = "auto",
-                  share_prefix: bool = True, swiglu: str = "module"):
+                  share_prefix: bool = True):
     """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
     None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
     not serve, logged). ``lock`` and ``version``: the engine's model lock and served version."""
     from fsdpfn.rollout import decode
-    from fsdpfn.rollout.slot_model import (ATTENTION, ROPE_KV, SWIGLU, SlotModel,
-                                           attention_refusal, config_head_dim)
+    from fsdpfn.rollout.slot_model import (ATTENTION, ROPE_KV, SlotModel, attention_refusal,
+                                           config_head_dim)
 
     if mode not in ("auto", "hf", "loop"):
         raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
@@ -38,8 +38,6 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
         raise UpdateError(f"decode_attention: must be one of {ATTENTION}, got {attention!r}")
     if rope_kv not in ROPE_KV:
         raise UpdateError(f"decode_rope_kv: must be one of {ROPE_KV}, got {rope_kv!r}")
-    if swiglu not in SWIGLU:
-        raise UpdateError(f"decode_swiglu: must be one of {SWIGLU}, got {swiglu!r}")
     reason = attention_refusal(attention, device, next(model.parameters()).dtype,
                                config_head_dim(model.config))
     if reason:
@@ -60,16 +58,15 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
     try:
         decoder = decode.Decoder(model, lock=lock, version=version, slots=int(rows),
                                  max_len=max_len, cuda_graphs=cuda_graphs, attention=attention,
-                                 compile=compile, rope_kv=rope_kv, share_prefix=share_prefix,
-                                 swiglu=swiglu)
+                                 compile=compile, rope_kv=rope_kv, share_prefix=share_prefix)
     except ValueError as exc:  # the kernel asked for by name cannot run here
-        if str(exc).startswith(("rope_kv: ", "swiglu: ")):
+        if str(exc).startswith("rope_kv: "):
             raise UpdateError(f"decode_{exc}") from None
         raise
     decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
-                       "graphs %s, %s attention, %s rotary and KV writes, %s SwiGLU%s%s", rows,
-                       max_len, rows * per_slot / 1e9, "on" if decoder.use_graphs else "off",
-                       decoder.net.attention, decoder.net.rope_kv, decoder.net.swiglu,
+                       "graphs %s, %s attention, %s rotary and KV writes%s%s", rows, max_len,
+                       rows * per_slot / 1e9, "on" if decoder.use_graphs else "off",
+                       decoder.net.attention, decoder.net.rope_kv,
                        ", shared prompts read once" if decoder.net.share_prefix else "",
                        ", compiled step" if compile else "")
     return decoder

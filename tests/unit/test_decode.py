@@ -89,10 +89,7 @@ def test_flex_attention_decode_equals_hf_generate(model_dir):
                            "decode_attention: 'triton' needs CUDA"),
                           (dict(decode_rope_kv="fused"), "decode_rope_kv: must be one of"),
                           (dict(decode_rope_kv="triton"),
-                           "decode_rope_kv: rope_kv='triton' needs CUDA"),
-                          (dict(decode_swiglu="fused"), "decode_swiglu: must be one of"),
-                          (dict(decode_swiglu="triton"),
-                           "decode_swiglu: the SwiGLU kernel needs CUDA")):
+                           "decode_rope_kv: rope_kv='triton' needs CUDA")):
         with pytest.raises(UpdateError, match=match):
             RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
                           decode_rows=8, decode_max_len=96, **option)
@@ -625,35 +622,6 @@ def test_rope_kv_kernel_equals_hfs_rotary_and_writes_only_each_rows_position():
     _interpreted(_ROPE_CHECKS)
 
 
-_SWIGLU_CHECKS = r"""
-import torch
-from fsdpfn.rollout import swiglu_kernel
-
-# the kernel's arithmetic (its L2 discard is PTX, so the interpreter runs it without) against
-# Liger's formula in torch, bit for bit: SiLU of the gate in float32, cast to the dtype, times
-# up; sizes that fill one block, several, and end in a partial block. float16 only: the
-# interpreter rounds to bfloat16 by truncation (the GPU test checks bfloat16 against Liger)
-g = torch.Generator().manual_seed(0)
-for shape in ((1, 64), (3, 100), (2, 4096), (5, 1700)):
-    gate = (4 * torch.randn(shape, generator=g)).half()
-    up = torch.randn(shape, generator=g).half()
-    got = swiglu_kernel.silu_mul(gate, up, discard=False)
-    a = gate.float()
-    want = (a * torch.sigmoid(a)).half() * up
-    assert torch.equal(got, want), (shape, (got.float() - want.float()).abs().max())
-    assert got.dtype == gate.dtype
-print("checked")
-"""
-
-
-@pytest.mark.timeout(600)
-def test_swiglu_kernel_computes_ligers_swiglu():
-    """swiglu_kernel.silu_mul (the decode step's optional SwiGLU on CUDA) under Triton's
-    interpreter, in a fresh process: see _SWIGLU_CHECKS. Skipped where Triton is not
-    installed; the kernel runs in bfloat16 on the GPU in test_decode_gpu.py."""
-    _interpreted(_SWIGLU_CHECKS)
-
-
 def test_share_tables_point_each_group_at_its_first_row_and_refuse_a_row_twice():
     """share_tables: every row of a group of two or more reads the group's shared length from
     the group's first row (its leader); a group of one row, or a row in no group, reads its own
@@ -673,13 +641,12 @@ def test_share_tables_point_each_group_at_its_first_row_and_refuse_a_row_twice()
         ak.share_tables([(8, [6, 8])], 8, "cpu")
 
 
-def test_decode_kernels_are_refused_where_they_cannot_run():
-    """rope_kv='triton' (the fused q/k/v epilogue) and swiglu='triton'/'triton-discard' need
-    CUDA and a half dtype: on CPU each is a ValueError naming the option, an unknown value is
-    refused by name, and the defaults fall back to (or keep) the torch path."""
+def test_rope_kv_kernel_is_refused_where_it_cannot_run():
+    """rope_kv='triton' (the fused q/k/v epilogue) needs CUDA and a half dtype: on CPU it is a
+    ValueError naming the option, an unknown value is refused by name, and "auto", the default,
+    falls back to the torch path."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from fsdpfn.rollout import swiglu_kernel
     from fsdpfn.rollout.slot_model import SlotModel
 
     model = AutoModelForCausalLM.from_config(Qwen2Config(
@@ -690,13 +657,6 @@ def test_decode_kernels_are_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="rope_kv: must be one of"):
         SlotModel(model, 2, 16, "sdpa", rope_kv="fused")
     assert SlotModel(model, 2, 16, "sdpa").rope_kv == "torch"  # "auto", the default, falls back
-    with pytest.raises(ValueError, match="swiglu: the SwiGLU kernel needs CUDA"):
-        SlotModel(model, 2, 16, "sdpa", swiglu="triton-discard")
-    with pytest.raises(ValueError, match="swiglu: must be one of"):
-        SlotModel(model, 2, 16, "sdpa", swiglu="liger")
-    assert SlotModel(model, 2, 16, "sdpa").swiglu == "module"
-    with pytest.raises(ValueError, match=r"gate and up: must have one shape and dtype"):
-        swiglu_kernel.silu_mul(torch.zeros(2, 4), torch.zeros(2, 5))
 
 
 @pytest.mark.parametrize("attention", ["matmul", "sdpa"])

@@ -28,9 +28,9 @@ def test_the_flags_reach_the_server_last_and_win_over_the_launchers_sizing():
     plain = _server("prompts_per_step=4")
     assert (plain.decode, plain.decode_rows, plain.no_cuda_graphs) == ("auto", 32, False)
     got = _server("prompts_per_step=4", "rollout.server_args=[--decode, loop, --decode-rows, "
-                  "64, --no-cuda-graphs, --decode-swiglu=triton-discard]")
-    assert (got.decode, got.decode_rows, got.no_cuda_graphs, got.decode_swiglu) == \
-        ("loop", 64, True, "triton-discard")
+                  "64, --no-cuda-graphs, --decode-rope-kv=torch]")
+    assert (got.decode, got.decode_rows, got.no_cuda_graphs, got.decode_rope_kv) == \
+        ("loop", 64, True, "torch")
     assert (got.model, got.port, got.device) == (plain.model, plain.port, plain.device)
     # one string is split as a shell would; numbers in a YAML list are written as text
     cfg = default_config("grpo", ['rollout.server_args="--decode hf --log-level info"'])
