@@ -95,6 +95,44 @@ def _check_flags(*, resume: bool, overwrite: bool) -> None:
                           "run in run_dir, --overwrite deletes it and starts over), got both")
 
 
+# the sections a run bakes into run_dir before its first step (model0, the tokenizer, the
+# prepared data) and --resume reuses as they are: a change there would not take effect
+_FIXED_ON_RESUME = ("recipe", "model", "data")
+
+
+def _check_resume_keeps(cfg, config_path: Path) -> None:
+    """--resume continues the run recorded in run_dir/config.yaml on its model0 and prepared
+    data: a ConfigError naming the first key of ``_FIXED_ON_RESUME`` that differs (a key the
+    record lacks, written by another fsdpfn version, is not compared)."""
+    import yaml
+
+    from fsdpfn import serde
+    from fsdpfn.errors import ConfigError
+
+    try:
+        before = yaml.safe_load(config_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return  # no record to hold the run to (a run_dir without one starts at step 0)
+    if not isinstance(before, dict):
+        return
+    now = json.loads(json.dumps(serde.unstructure(cfg), default=str))
+    before = json.loads(json.dumps(before, default=str))
+
+    def differ(key: str, old, new) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for sub in old:
+                if sub in new:
+                    differ(f"{key}.{sub}", old[sub], new[sub])
+        elif old != new:
+            raise ConfigError(f"{key}: cannot change on --resume (the run in run_dir was built "
+                              f"with {old!r}, recorded in {config_path}), got {new!r}; resume "
+                              f"with the recorded value, or start a new run_dir")
+
+    for key in _FIXED_ON_RESUME:
+        if key in before and key in now:
+            differ(key, before[key], now[key])
+
+
 def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     from fsdpfn.errors import ConfigError
 
@@ -301,6 +339,8 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     run_dir = Path(cfg.run_dir)
     _check_run_dir_path(run_dir)  # before count_gpus, which imports torch
     config_path = run_dir / "config.yaml"
+    if resume:
+        _check_resume_keeps(cfg, config_path)
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None
     placement = place(cfg, count_gpus(), needs_rollout=needs_rollout)

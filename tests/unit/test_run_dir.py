@@ -25,3 +25,32 @@ def test_a_previous_run_needs_resume_or_overwrite_and_resume_keeps_it(tmp_path, 
     launcher._prepare_run_dir(run_dir, resume=True, overwrite=False)
     assert "no previous run" not in capsys.readouterr().err
     assert (run_dir / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("change, key", [
+    ("model.hidden_size=64", "model.hidden_size"),
+    ("model.seed=3", "model.seed"),
+    ("data.max_prompt_tokens=64", "data.max_prompt_tokens"),
+])
+def test_resume_refuses_a_change_to_what_run_dir_was_built_with(tmp_path, change, key):
+    """--resume reuses run_dir's model0 and prepared data: a changed model or data key would
+    not take effect while config.yaml recorded it as run, so it is refused by name before
+    anything in run_dir is read or written; the other keys (steps, lr, ...) may change."""
+    from fsdpfn import serde
+    from fsdpfn.app.recipes import default_config
+
+    run_dir = tmp_path / "r"
+    cfg = default_config("sft", [f"run_dir={run_dir}"])
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(serde.to_yaml(cfg))
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    changed = default_config("sft", [f"run_dir={run_dir}", change])
+    with pytest.raises(ConfigError) as info:
+        launcher.launch(changed, resume=True)
+    message = str(info.value)
+    assert message.startswith(f"{key}: cannot change on --resume"), message
+    assert "config.yaml" in message and "got" in message
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+    launcher._check_resume_keeps(default_config("sft", [f"run_dir={run_dir}", "steps=7",
+                                                        "optimizer.lr=3e-4"]),
+                                 run_dir / "config.yaml")
