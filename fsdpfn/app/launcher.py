@@ -143,8 +143,8 @@ def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if previous and not (resume or overwrite):
         raise ConfigError(f"run_dir: {str(run_dir)!r} holds a previous run "
                           f"({', '.join(previous)}" + (f"; {last}" if last else "") + "); pass "
-                          f"--resume to continue it, --overwrite to start over, or set "
-                          f"run_dir=... to another directory")
+                          "--resume to continue it, --overwrite to start over, or set "
+                          "run_dir=... to another directory")
     if last and "killed" in last:
         _say(f"{run_dir}: {last}" + ("; resuming from its latest checkpoint" if resume
                                      else "; starting over"))
