@@ -26,14 +26,17 @@ import torch
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["VERIFIED", "VERIFY_TOL", "refusal", "check_refusals", "verify_architecture",
-           "check_model", "check_structure", "probe_config"]
+__all__ = ["VERIFIED", "TP_VERIFIED", "VERIFY_TOL", "refusal", "check_refusals",
+           "verify_architecture", "check_model", "check_structure", "probe_config"]
 
 log = logging.getLogger("fsdpfn")
 
 # model_type -> what is exact for it (docs/models.md has the table)
 VERIFIED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3",
             "olmo2")
+# of those, the families the tensor-parallel plan splits (Phi-3's fused projections and OLMo-2's
+# whole-projection q/k norms are refused under tp by fsdpfn.engine.tp.check_tp_plan)
+TP_VERIFIED = tuple(f for f in VERIFIED if f not in ("phi3", "olmo2"))
 
 # log-prob gap (nats) above which the guard refuses: float32 paths of a tiny model agree to
 # about 1e-6; an ignored window, softcap, scale or bias moves log-probs by 1e-2 or more
@@ -237,8 +240,8 @@ def check_model(hf_config, *, verify_model: str, is_critic: bool, device,
     if tp > 1 and verify_model != "never" and model_type not in VERIFIED:
         raise ConfigError(f"ParallelStrategy.tp: model_type {model_type!r} is outside the "
                           f"verified families, and the guard checks its forward at tp=1 only; "
-                          f"tensor parallelism is verified for {', '.join(VERIFIED)} (those "
-                          f"with separate projections); use tp=1 (dp and cp work), or "
+                          f"tensor parallelism is verified for {', '.join(TP_VERIFIED)}; use "
+                          f"tp=1 (dp and cp work), or "
                           f"EngineConfig.verify_model='never' to run it at your own risk, got "
                           f"tp={tp}")
     if not _wants_check(verify_model, model_type):

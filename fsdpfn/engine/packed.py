@@ -11,10 +11,18 @@ With context parallelism (``cp_group`` set), every cp rank is handed the same wh
 decoder and the head run on this rank's 1/cp of it (fsdpfn.engine.cp.split_pack, Ulysses attention) and
 the per-token results are all-gathered back to the whole pack (fsdpfn.engine.cp.gather_tokens).
 
+Rotary embeddings whose frequencies follow the longest position they are handed (dynamic NTK,
+longrope) are made to see the whole pack's under cp too: a rank's 1/cp of the pack holds only
+some of its positions, and on its own would rotate them as a shorter sequence
+(``_whole_pack_rope``).
+
 State-dict keys carry the prefix ``lm.`` (the HF model); export strips it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 from torch import nn
@@ -25,6 +33,58 @@ from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
 from fsdpfn.ops.logprobs import liger_logprobs, vocab_shard_range
 
 __all__ = ["PackedModel"]
+
+# the whole pack's highest position ([1, 1]) while a cp rank runs its part, else None
+_PACK_TOP: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "fsdpfn_pack_top_position", default=None)
+
+
+def length_dependent_rotaries(module: nn.Module) -> list[nn.Module]:
+    """The rotary embeddings under ``module`` whose frequencies depend on the highest position
+    of the call (transformers' ``dynamic`` NTK and ``longrope`` types, one type or one per
+    layer type)."""
+    found = []
+    for sub in module.modules():
+        kind = getattr(sub, "rope_type", None)
+        kinds = kind.values() if isinstance(kind, dict) else (kind,)
+        if any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+            found.append(sub)
+    return found
+
+
+def _position_arg(args, kwargs):
+    return ("kw", kwargs["position_ids"]) if "position_ids" in kwargs else ("arg", args[1])
+
+
+def _append_top(module, args, kwargs):
+    """Forward pre-hook: the pack's highest position appended to the call's positions, so that
+    the frequency update sees it (the extra entry's cos/sin are dropped by _drop_top)."""
+    top = _PACK_TOP.get()
+    if top is None:
+        return None
+    where, pos = _position_arg(args, kwargs)
+    pos = torch.cat((pos, top.to(pos.device, pos.dtype).expand(pos.shape[0], 1)), dim=1)
+    if where == "kw":
+        return args, {**kwargs, "position_ids": pos}
+    return (args[0], pos, *args[2:]), kwargs
+
+
+def _drop_top(module, args, kwargs, output):
+    """Forward hook: the appended position's entry removed from every output (cos, sin)."""
+    if _PACK_TOP.get() is None:
+        return None
+    return tuple(t[:, :-1] for t in output)
+
+
+@contextlib.contextmanager
+def _whole_pack_rope(position_ids: torch.Tensor):
+    """While a cp rank runs its part: length-dependent rotaries rotate with the whole pack's
+    highest position, as the unsplit pack (and the model's own forward on it) would."""
+    token = _PACK_TOP.set(position_ids.max().reshape(1, 1))
+    try:
+        yield
+    finally:
+        _PACK_TOP.reset(token)
 
 
 class PackedModel(nn.Module):
@@ -37,6 +97,9 @@ class PackedModel(nn.Module):
         self.compute_dtype = torch.bfloat16  # set by shard_model: picks the attention path
         self.use_varlen = True  # False: the masked SDPA path even on CUDA (attn_impl="sdpa")
         self.logprobs_impl = "chunked"  # or "liger" (set by shard_model, checked there)
+        for rotary in length_dependent_rotaries(lm):  # no-ops outside _whole_pack_rope
+            rotary.register_forward_pre_hook(_append_top, with_kwargs=True)
+            rotary.register_forward_hook(_drop_top, with_kwargs=True)
 
     @property
     def base(self) -> nn.Module:
@@ -57,8 +120,9 @@ class PackedModel(nn.Module):
         n = input_ids.shape[0]
         use_varlen = self.use_varlen and varlen_available(input_ids.device, self.compute_dtype)
         cu = cu_seqlens.to(input_ids.device, torch.int32)
-        extra = {}
+        extra, rope = {}, contextlib.nullcontext()
         if self.cp_group is not None:  # this rank's 1/cp of the pack; targets shifted before
+            rope = _whole_pack_rope(position_ids)
             part = cp.split_pack(input_ids, position_ids, cu, max_seqlen, targets,
                                  cp=self.cp_group.size(), rank=self.cp_group.rank())
             input_ids, position_ids, targets = part.input_ids, part.position_ids, part.targets
@@ -68,7 +132,7 @@ class PackedModel(nn.Module):
                         max_length_k=max_seqlen, fsdpfn_varlen=use_varlen, **extra)
         # handed down as keywords, and readable by the attention where a family's model or
         # layers do not pass them on (fsdpfn.engine.attention.packed_keywords)
-        with packed_keywords(keywords):
+        with packed_keywords(keywords), rope:
             out = self.base(
                 input_ids=input_ids[None], position_ids=position_ids[None],
                 attention_mask=packed_attention_mask(cu, n, input_ids.device,

@@ -34,7 +34,7 @@ def _linear(module) -> bool:
     return isinstance(getattr(module, "base_layer", module), nn.Linear)
 
 
-def _check_qk_norms(model: nn.Module, attn: nn.Module) -> None:
+def _check_qk_norms(model: nn.Module, attn: nn.Module, tp: int) -> None:
     """q/k norms must be per head (Qwen3's, Gemma-3's: a weight of head_dim): a norm over the
     whole projection (OLMo-2's) takes its statistic across heads that tp splits over ranks."""
     from fsdpfn.errors import ConfigError
@@ -47,10 +47,10 @@ def _check_qk_norms(model: nn.Module, attn: nn.Module) -> None:
                               f"normalises its whole {name[0]} projection across heads "
                               f"(self_attn.{name}, {weight.shape[-1]} wide, head_dim "
                               f"{head_dim}), which the tensor-parallel plan would split over "
-                              f"ranks; use tp=1 (dp and cp work)")
+                              f"ranks; use tp=1 (dp and cp work), got tp={tp}")
 
 
-def check_tp_plan(model: nn.Module) -> None:
+def check_tp_plan(model: nn.Module, tp: int) -> None:
     """ConfigError unless every decoder layer has the projections the plan splits (separate
     q/k/v/o and gate/up/down linears) and per-head q/k norms: a fused projection (Phi-3's
     qkv_proj, gate_up_proj) split column-wise would hand each rank a slice across q, k and v,
@@ -64,14 +64,14 @@ def check_tp_plan(model: nn.Module) -> None:
         missing = [f"self_attn.{n}" for n in _ATTN if not _linear(getattr(attn, n, None))]
         missing += [f"mlp.{n}" for n in _MLP if not _linear(getattr(mlp, n, None))]
         if layer is not None and not missing:
-            _check_qk_norms(model, attn)
+            _check_qk_norms(model, attn, tp)
         if layer is None or missing:
             have = sorted({n for n, m in (layer or model).named_modules()
                            if isinstance(m, nn.Linear)})[:6]
             raise ConfigError(f"ParallelStrategy.tp: model_type {model.config.model_type!r} "
                               f"lacks the separate projections the tensor-parallel plan splits "
                               f"({', '.join(missing) or 'decoder layers'}; it has {have}, e.g. "
-                              f"fused ones); use tp=1 (dp and cp work)")
+                              f"fused ones); use tp=1 (dp and cp work), got tp={tp}")
 
 
 def kv_heads_of_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
@@ -185,7 +185,7 @@ def apply_tp(model: nn.Module, mesh: Mesh) -> None:
     query heads use (see kv_heads_of_rank)."""
     if mesh.tp == 1:
         return
-    check_tp_plan(model)
+    check_tp_plan(model, mesh.tp)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)

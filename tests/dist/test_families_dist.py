@@ -16,6 +16,13 @@ from fsdpfn.testing.models import (REFERENCE_STEP, assert_update_matches, engine
                                    hf_reference_update, save_family_model, tiny_family_configs)
 
 FAMILIES = tiny_family_configs()
+# longrope (Phi-3.5's): the long factors past original_max_position_embeddings (60: only the
+# longest row of family_batch, 64 tokens, reaches it, so a cp rank without its last positions
+# would pick the short ones); like dynamic NTK it rotates with the highest position of the call
+FAMILIES["phi3-longrope"] = {
+    **FAMILIES["phi3"], "max_position_embeddings": 128, "original_max_position_embeddings": 60,
+    "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                     "short_factor": [1.0 + 0.1 * i for i in range(8)]}}
 LENGTHS = (64, 41, 53, 47)
 OPT = REFERENCE_STEP  # the step hf_reference_update computes
 
@@ -38,7 +45,8 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families_dist")
     return {name: str(save_family_model(root / name, FAMILIES[name], seed=4))
             for name in ("gemma2", "mistral", "phi3", "gemma3_text", "qwen2-sliding", "olmo2",
-                         "gemma", "llama-rope-yarn", "qwen3")}
+                         "gemma", "llama-rope-yarn", "qwen3", "llama-rope-dynamic",
+                         "phi3-longrope")}
 
 
 def run_on_ranks(model_dir, tp, cp, batch, checkpointing=False):
@@ -55,7 +63,11 @@ def run_on_ranks(model_dir, tp, cp, batch, checkpointing=False):
     ("gemma2", 2, 1), ("gemma2", 1, 2), ("mistral", 2, 1), ("mistral", 1, 2),
     ("gemma3_text", 1, 2), ("gemma3_text", 2, 1), ("qwen2-sliding", 2, 1), ("phi3", 1, 2),
     ("olmo2", 1, 2), ("gemma", 2, 1), ("gemma", 1, 2), ("qwen2-sliding", 1, 2), ("llama-rope-yarn", 2, 1), ("llama-rope-yarn", 1, 2),
-    ("qwen3", 2, 1), ("qwen3", 1, 2)])
+    ("qwen3", 2, 1), ("qwen3", 1, 2),
+    # rotaries that follow the call's highest position: a cp rank holds only some positions
+    # of the pack (rows of 41 to 64 tokens, past max_position_embeddings 32 or longrope's
+    # original 60) and must still rotate them as the whole pack
+    ("llama-rope-dynamic", 1, 2), ("phi3-longrope", 1, 2)])
 def test_tp_and_cp_equal_the_models_own_forward(family, tp, cp, dirs, spmd2):
     batch = family_batch()
     got = spmd2.run(run_on_ranks, args=(dirs[family], tp, cp, batch), timeout=400)[0]
@@ -95,7 +107,7 @@ def build_tp(model_dir):
 def test_what_tp_would_split_wrongly_is_refused_on_every_rank(family, named, dirs, spmd2):
     messages = spmd2.run(build_tp, args=(dirs[family],), timeout=200)
     assert all(m is not None and "ParallelStrategy.tp" in m and f"'{family}'" in m
-               and named in m for m in messages), messages
+               and named in m and m.endswith("got tp=2") for m in messages), messages
 
 
 def export_and_reload(model_dir, out_dir):
@@ -137,3 +149,6 @@ def test_an_unverified_family_is_refused_under_tp_on_every_rank(tmp_path, spmd2)
     messages = spmd2.run(build_tp, args=(str(tmp_path / "bitnet"),), timeout=200)
     assert all(m is not None and m.startswith("ParallelStrategy.tp:") and "'bitnet'" in m
                and "verify_model='never'" in m and "tp=2" in m for m in messages), messages
+    # the families it names are those verified at tp, not the two refused there
+    verified = messages[0].split("tensor parallelism is verified for ")[1].split(";")[0]
+    assert "llama" in verified and "phi3" not in verified and "olmo2" not in verified, verified
