@@ -19,8 +19,9 @@ def critic_loss_fn(config: CriticConfig):
     def loss_fn(outputs, mb, ctx: StepContext):
         mask = mb[K.LOSS_MASK]
         values = outputs[K.VALUES]
-        old = mb[K.OLD_VALUES] if present(mb, K.OLD_VALUES) else mb[K.VALUES]
-        clip = config.value_clip if config.value_clip is not None else float("inf")
+        clip = config.value_clip
+        old = (values.detach() if clip is None  # no clipping: the old values are not read
+               else mb[K.OLD_VALUES] if present(mb, K.OLD_VALUES) else mb[K.VALUES])
         terms = value_loss_terms(values, old, mb[K.RETURNS], mask, clip=clip)
         loss_sum, _ = aggregate_sum(terms.loss, mask, config.agg)
         return loss_sum, {"vf_clip_frac": token_mean_stat(terms.clipped, mask, ctx),
@@ -35,19 +36,22 @@ critic_loss = critic_loss_fn  # the factory's former name, kept for callers
 
 def critic_objective(config: CriticConfig, *, old_key: str = K.OLD_VALUES) -> Objective:
     """The critic's loss; ``old_key``: where the values before the update are (old_values, or
-    values from compute_values)."""
+    values from compute_values), read only for value clipping (``value_clip`` not None)."""
     check_config(config, CriticConfig)
     why = {K.RETURNS: "the value target; compute it with compute_advantages",
-           old_key: "value clipping; compute it with compute_values"}
+           old_key: f"value clipping (value_clip={config.value_clip}) around the values before "
+                    f"the update: old_values, or values from compute_values"}
+    require = (K.LOSS_MASK, K.RETURNS) + ((old_key,) if config.value_clip is not None else ())
     return Objective(critic_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg],
-                     require=(K.LOSS_MASK, K.RETURNS, old_key), why=why, name="critic_step")
+                     require=require, why=why, name="critic_step", critic=True)
 
 
 def critic_step(state, batch, config: CriticConfig, *, mb_spec=None):
     """Critic update (critic states): needs returns and the values before the update
     (``old_values``, or ``values`` from compute_values). ``mb_spec`` overrides the state's
     micro-batching for this call."""
-    old_key = K.OLD_VALUES if present(batch, K.OLD_VALUES) else K.VALUES
+    old_key = K.VALUES if present(batch, K.VALUES) and not present(batch, K.OLD_VALUES) \
+        else K.OLD_VALUES
     objective = critic_objective(config, old_key=old_key)
     return grad_step(state, batch, objective, optimizer_steps=config.n_minibatches,
                      shuffle_seed=minibatch_seed(state, shuffle=config.shuffle,

@@ -8,7 +8,6 @@ import torch
 from fsdpfn import keys as K
 from fsdpfn.algos.common import check_config
 from fsdpfn.config import RWConfig
-from fsdpfn.errors import ConfigError
 from fsdpfn.engine.objective import Objective
 from fsdpfn.ops import bradley_terry_loss_sum
 from fsdpfn.engine.step import grad_step
@@ -41,14 +40,10 @@ rw_loss = rw_loss_fn  # the factory's former name, kept for callers
 def rw_objective(config: RWConfig = RWConfig()) -> Objective:
     check_config(config, RWConfig)
     return Objective(rw_loss_fn(config), normalizer="pairs", require=(), group_size=2, pairs=True,
-                     name="rw_step")
+                     name="rw_step", critic=True)
 
 
 def rw_step(state, batch, config: RWConfig = RWConfig(), *, mb_spec=None):
     """One optimizer step of the pairwise loss, normalised by the global number of pairs;
     ``mb_spec`` overrides the state's micro-batching for this call."""
-    objective = rw_objective(config)
-    if not state.config.is_critic:
-        raise ConfigError("rw_step: needs a critic state (EngineConfig(is_critic=True)), got "
-                          "is_critic=False")
-    return grad_step(state, batch, objective, mb_spec=mb_spec)
+    return grad_step(state, batch, rw_objective(config), mb_spec=mb_spec)

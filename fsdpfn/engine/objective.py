@@ -8,7 +8,9 @@
 "pairs", "none"); ``require`` the batch keys it reads (``why``: key -> a hint shown when one is
 missing); ``group_size`` rows kept together in minibatches (GRPO groups, pairs: 2); ``pairs``:
 rows 2i, 2i+1 are a (chosen, rejected) pair; ``with_entropy`` / ``temperature`` for the actor's
-outputs; ``name`` the function named in errors. Every ``*_step`` of fsdpfn.algos builds one and
+outputs; ``name`` the function named in errors; ``critic`` the kind of state it runs on (True:
+critic states, EngineConfig(is_critic=True); False: policy states; None: either), checked before
+anything runs. Every ``*_step`` of fsdpfn.algos builds one and
 hands it to grad_step; a bare loss_fn is an Objective with these at their defaults (grad_step
 and evaluate take no option beside the loss: it is set here, once).
 """
@@ -46,6 +48,7 @@ class Objective:
     with_entropy: bool = False
     temperature: float = 1.0
     name: str = "grad_step"
+    critic: bool | None = attrs.field(default=None, validator=one_of(None, True, False))
 
 
 def as_objective(loss, name: str | None = None) -> Objective:

@@ -324,10 +324,15 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     return _reduce_stats(sums, maxes, denom, state, some_rank_empty=some_rank_empty), n_tokens
 
 
-def _check_common(state, optimizer_steps, fn_name, needs_optimizer):
+def _check_common(state, optimizer_steps, fn_name, needs_optimizer, critic=None):
     if not isinstance(optimizer_steps, int) or isinstance(optimizer_steps, bool) \
             or optimizer_steps < 1:
         raise ConfigError(f"optimizer_steps: must be an integer >= 1, got {optimizer_steps!r}")
+    if critic is not None and isinstance(state, EngineState) \
+            and bool(state.config.is_critic) != critic:
+        raise ConfigError(f"{fn_name}: needs a {'critic' if critic else 'policy'} state "
+                          f"(EngineConfig(is_critic={critic})), got is_critic="
+                          f"{state.config.is_critic}")
     if needs_optimizer and isinstance(state, EngineState) and state.optimizer is None:
         raise ConfigError(f"{fn_name}: needs a trainable state, got one built with "
                           f"optimizer=None (inference only)")
@@ -364,7 +369,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     error, spec, obj = None, None, None
     try:
         obj = as_objective(loss_fn)
-        _check_common(state, optimizer_steps, obj.name, True)
+        _check_common(state, optimizer_steps, obj.name, True, obj.critic)
         order = _as_order(order, shuffle_seed)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
@@ -452,7 +457,7 @@ def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
     error, spec, obj = None, None, None
     try:
         obj = as_objective(loss_fn, "evaluate")
-        _check_common(state, 1, "evaluate", False)
+        _check_common(state, 1, "evaluate", False, obj.critic)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc

@@ -236,7 +236,9 @@ def value_loss_terms(values, old_values, returns, mask, *, clip=0.5) -> ValueTer
         v_old = masked_values(old_values, mask)
         v_clip = v_old + (v - v_old).clamp(-clip, clip)
         loss_clip = 0.5 * (v_clip - ret).square()
-        clipped = (loss_clip > loss) & mask
+        # clipped where the clamp acts and its term is the larger: within the range v_clip is v
+        # itself (the sum v_old + (v - v_old) may differ from v in the last bit, not counted)
+        clipped = (loss_clip > loss) & ((v - v_old).abs() > clip) & mask
         loss = torch.where(clipped, loss_clip, loss)
     return ValueTerms(loss=torch.where(mask, loss, torch.zeros_like(loss)), clipped=clipped.float())
 

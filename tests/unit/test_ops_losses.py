@@ -432,6 +432,23 @@ def test_value_loss_matches_reference_and_ignores_masked_values(shape, clip, agg
     assert torch.equal(loss, loss2) and torch.equal(v.grad, v2.grad)
 
 
+def test_value_loss_counts_a_token_clipped_only_where_the_clamp_acts():
+    """Within old ± clip the clipped value is v itself: v_old + (v - v_old) can differ from v in
+    float32's last bit, which neither counts as clipping in vf_clip_frac nor picks that branch.
+    These tokens lie within 0.5 of v_old, and the sum rounds away from v for each."""
+    v = torch.tensor([0.11984150856733322, 0.0008918217499740422, -0.10247437655925751])
+    v_old = torch.tensor([0.5799434185028076, 0.2936166822910309, -0.5401241183280945])
+    ret = torch.tensor([-1.532461166381836, -0.9904566407203674, -0.05296880006790161])
+    assert (v_old + (v - v_old) != v).any()  # the rounding this test is about
+    mask = torch.ones(3, dtype=torch.bool)
+    for clip in (0.5, None):
+        terms = value_loss_terms(v, v_old, ret, mask, clip=clip)
+        assert terms.clipped.tolist() == [0.0, 0.0, 0.0], (clip, terms.clipped)
+        assert torch.equal(terms.loss, 0.5 * (v - ret).square())
+        _, stats = value_loss_with_stats(v, v_old, ret, mask, clip=clip)
+        assert float(stats["vf_clip_frac"]) == 0.0
+
+
 def test_value_loss_terms_clipped_tokens_have_zero_gradient():
     v = torch.tensor([[2.0, 0.1, -3.0]], requires_grad=True)
     terms = value_loss_terms(v, torch.zeros(1, 3), torch.tensor([[0.0, 0.0, 0.0]]),

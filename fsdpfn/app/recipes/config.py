@@ -543,7 +543,8 @@ class SFTRecipe(Recipe):
 @attrs.frozen
 class RWRecipe(Recipe):
     """Reward model (Bradley-Terry, rw_step) on pairs: the correct sum (chosen) against a near
-    miss (rejected); the value head scores the last token."""
+    miss (rejected); the value head scores the last token. The reward model trains in full:
+    ``engine.lora`` is refused (adapters on a critic are not supported)."""
 
     DEFAULTS: ClassVar[dict] = {"recipe": "rw", "steps": 60, "task": AdditionTask(digits=1),
                                 "optimizer": OptimizerConfig(lr=2e-3),
@@ -553,6 +554,10 @@ class RWRecipe(Recipe):
     rw: RWConfig = attrs.field(factory=RWConfig)
 
     def __attrs_post_init__(self):
+        if self.engine.lora is not None:
+            raise ConfigError("engine.lora: the rw recipe trains its reward model in full "
+                              "(adapters on a critic are not supported); must be null, got "
+                              f"rank={self.engine.lora.rank}")
         _check_model_data(self)
 
 

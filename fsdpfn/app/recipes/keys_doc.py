@@ -193,6 +193,8 @@ NOTES = {
 }
 
 _SECTION_TITLES = {"engine": "engine: the policy's EngineConfig"}
+# sections a recipe has (through a shared class) but refuses: not listed among its recipes
+REFUSED_IN = {"LoRAConfig": ("rw",)}
 
 
 # ---------------------------------------------------------------- reading the classes
@@ -456,7 +458,8 @@ def render() -> str:
         out += [f"### {title}", ""]
         where = ", ".join(f"`{p}:`" for p in ps)
         used = sorted(n for n, rc in RECIPE_CONFIGS.items()
-                      if any(c is sub for _, c in _sections(rc)))
+                      if any(c is sub for _, c in _sections(rc))
+                      and n not in REFUSED_IN.get(sub.__name__, ()))
         out += [f"Key{'s' if len(ps) > 1 else ''}: {where} (recipes: {', '.join(used)}). "
                 f"Class: `{sub.__module__}.{sub.__name__}`.", ""]
         if sub is EngineSection:
