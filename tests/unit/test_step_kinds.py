@@ -17,25 +17,24 @@ from fsdpfn.testing import random_batch
 OPT = ff.OptimizerConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=None)
 
 
+CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              num_labels=1)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, num_labels=1)
     torch.manual_seed(5)
     path = tmp_path_factory.mktemp("kinds")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG)).save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def critic_dir(tmp_path_factory):
     """A saved token-classification model: its value head is part of the checkpoint."""
-    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, num_labels=1)
     torch.manual_seed(6)
-    model = AutoModelForTokenClassification.from_config(config)
+    model = AutoModelForTokenClassification.from_config(Qwen2Config(**CONFIG))
     with torch.no_grad():
         model.score.weight.normal_(0.0, 0.5)  # values far from zero
     path = tmp_path_factory.mktemp("critic")
