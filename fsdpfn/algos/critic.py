@@ -47,9 +47,9 @@ def critic_objective(config: CriticConfig, *, old_key: str = K.OLD_VALUES) -> Ob
 
 
 def critic_step(state, batch, config: CriticConfig, *, mb_spec=None):
-    """Critic update (critic states): needs returns and the values before the update
-    (``old_values``, or ``values`` from compute_values). ``mb_spec`` overrides the state's
-    micro-batching for this call."""
+    """Critic update (critic states): needs returns, and with ``value_clip`` the values before
+    the update (``old_values``, or ``values`` from compute_values). ``mb_spec`` overrides the
+    state's micro-batching for this call."""
     old_key = K.VALUES if present(batch, K.VALUES) and not present(batch, K.OLD_VALUES) \
         else K.OLD_VALUES
     objective = critic_objective(config, old_key=old_key)
