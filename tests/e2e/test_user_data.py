@@ -179,6 +179,11 @@ def test_ppo_from_random_init_draws_on_the_trainer_and_the_server_starts_on_plac
     assert [r["step"] for r in rows] == [1, 2]
     # the served log-probs are the trainer's: the pushed weights replaced the placeholders
     assert all(r["behav_gap"] <= 1e-4 for r in rows), [r["behav_gap"] for r in rows]
+    # every stat of the critic's step reaches the line, under the prefix critic_
+    for row in rows:
+        assert {"critic_loss", "value_mean", "critic_vf_clip_frac", "critic_returns_mean",
+                "critic_grad_norm", "critic_steps"} <= set(row), sorted(row)
+        assert 0.0 <= row["critic_vf_clip_frac"] <= 1.0
 
 
 @pytest.mark.timeout(300)

@@ -100,7 +100,7 @@ def resolve_section(policy, overrides: dict, name: str):
     try:
         return serde.structure(_merge(base, overrides), EngineSection)
     except ConfigError as exc:
-        raise ConfigError(f"{name}.{exc}") from None
+        raise _under(name, exc) from None
 
 
 def check_engine(section, name: str) -> None:
@@ -110,7 +110,16 @@ def check_engine(section, name: str) -> None:
     try:
         EngineConfig(model_path="model", **fields)
     except ConfigError as exc:
-        raise ConfigError(f"{name}.{exc}") from None
+        raise _under(name, exc) from None
+
+
+def _under(name: str, exc: ConfigError) -> ConfigError:
+    """``exc`` of a section's own keys named under the section ``name`` (``name.key: ...``, or
+    ``name: unknown key(s) ...`` where the message names no key of its own)."""
+    message = str(exc)
+    if message.startswith("unknown key(s)"):
+        return ConfigError(f"{name}: {message}")
+    return ConfigError(f"{name}.{message}")
 
 
 def section_dtype(section, device: str) -> str:

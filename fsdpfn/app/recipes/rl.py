@@ -411,8 +411,11 @@ def _metrics_row(phase, step, full, rollout, stats, cstats, receipt, gap, second
         name = key if isinstance(key, str) else "/".join(key)
         if name not in row:
             row[name] = float(stats[key])
-    if cstats is not None:
+    if cstats is not None:  # every stat of critic_step, prefixed (value_mean as it was)
         row.update(critic_loss=float(cstats["loss"]), value_mean=float(cstats["value_mean"]))
+        for key in cstats.keys():
+            name = "critic_" + (key if isinstance(key, str) else "/".join(key))
+            row.setdefault(name, float(cstats[key]))
     return row
 
 
