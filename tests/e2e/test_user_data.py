@@ -236,7 +236,7 @@ def test_bad_inputs_fail_before_training_naming_key_and_value(ws, tmp_path, caps
     write_tiny_hf_dir(bare, texts=["a b c"])
     for f in bare.glob("tokenizer*"):
         f.unlink()
-    assert f"model.path: must hold a tokenizer" in _fails(
+    assert "model.path: must hold a tokenizer" in _fails(
         ws, tmp_path, capsys, "sft", f"model.path={bare}")
     assert "data.max_response_tokens: must be >= 1, got 0" in _fails(
         ws, tmp_path, capsys, "grpo", "data.max_response_tokens=0")
