@@ -162,7 +162,8 @@ NOTES = {
     ("AdvantageConfig", "reward_scale"): "reward x scale + bias before the estimator",
     ("AdvantageConfig", "reward_bias"): "reward x scale + bias before the estimator",
     ("AdvantageConfig", "reward_clip"): "clip rewards to [-clip, clip] (null: off)",
-    ("AdvantageConfig", "whiten"): "whiten advantages over the batch (dp-global)",
+    ("AdvantageConfig", "whiten"): "whiten advantages over the batch (dp-global): "
+                                   "(A - mean) / sqrt(unbiased var + 1e-8) over loss tokens",
     ("AdvantageConfig", "eps"): "added to standard deviations",
     ("SFTConfig", "agg"): "how token losses are aggregated",
     ("RWConfig", "margin"): "margin of the Bradley-Terry loss",
