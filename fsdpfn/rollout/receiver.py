@@ -16,8 +16,10 @@ Two ways in, each the protocol of its owner:
 - fsdpfn's update channel (UpdateChannel, below): a TCP connection per trainer, bound to a group,
   carrying whole updates. The layout is checked before any byte is sent (the server answers
   "accepted" first); every bucket's receive is posted at once, each bucket checked on the device
-  as it lands (zero padding, per-tensor checksums, finite); the checks are read once, and the
-  weights swapped in; the answer carries the version and the weights checksum.
+  as it lands (zero padding, per-tensor checksums, finite); the checks are read once and the
+  server answers "ready" with the version and the weights checksum; the weights are swapped in
+  only when the trainer, having compared that checksum with what it sent, answers "commit" (any
+  other answer, a closed connection or the group's timeout: previous weights kept).
 
 Besides: CUDA IPC handles (/update_weights_from_ipc), files (/update_weights_from_disk), and
 peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
@@ -234,11 +236,15 @@ class Receiver:
 
     # ------------------------------------------------------------ a whole update (channel)
 
-    def update(self, message: dict, layout: Layout | None = None, ack=None) -> dict:
+    def update(self, message: dict, layout: Layout | None = None, ack=None,
+               decide=None) -> dict:
         """A whole update: {buckets: [{names, dtypes, shapes}, ...] (or its parsed ``layout``),
         group_name, weight_version}, one aligned flat broadcast per bucket (fsdpfn.wire
         .protocol's layout). Refused before any byte is sent when it cannot be committed;
-        ``ack()`` is called once it is accepted (the sender then broadcasts)."""
+        ``ack()`` is called once it is accepted (the sender then broadcasts). ``decide(ready,
+        timeout_s)``, when given, is handed {weight_version, weights_checksum} of what arrived
+        and checked, and returns whether the sender commits it: the weights are swapped in
+        only then."""
         name = str(message.get("group_name"))
         group = self._group(name)
         with self._alone(group.timeout_s):
@@ -252,7 +258,9 @@ class Receiver:
                 ack()
             clock = time.perf_counter()
             tensors, sums, finite = self._receive_whole(name, group, layout)
-            return self._commit(tensors, sums, finite, version, label, clock)
+            return self._commit(tensors, sums, finite, version, label, clock,
+                                decide=None if decide is None else
+                                (lambda ready: decide(ready, group.timeout_s)))
 
     def _receive_whole(self, name: str, group: Group, layout: Layout):
         """Every bucket's receive posted at once (the sender keeps several in flight), each
@@ -324,15 +332,23 @@ class Receiver:
             torch.cuda.synchronize(self.engine.device)  # copies done before the sender frees
             return self._commit(tensors, sums, finite, version, label, clock)
 
-    def _commit(self, tensors, sums, finite, version, label, clock: float) -> dict:
-        """A whole update that arrived: checked, swapped in, answered with its timings."""
+    def _commit(self, tensors, sums, finite, version, label, clock: float,
+                decide=None) -> dict:
+        """A whole update that arrived: checked, (with ``decide``: committed by the sender),
+        swapped in, answered with its timings."""
         received = time.perf_counter()
         checksum = self._verdict(tensors, sums, finite)
+        checked = time.perf_counter()
+        if decide is not None and not decide({"weight_version": version,
+                                              "weights_checksum": checksum}):
+            raise UpdateError("update not committed by the trainer (it failed after the last "
+                              "byte, or the checksum differed), previous weights kept", 409)
+        decided = time.perf_counter()  # the wait for the decision is neither receive nor apply
         self._swap(tensors, version, label, whole=True)
         return {"success": True, "weight_version": version, "weights_checksum": checksum,
                 "message": f"updated {len(tensors)} tensors to version {version}",
                 "seconds": {"receive": received - clock,
-                            "apply": time.perf_counter() - received}}
+                            "apply": checked - received + time.perf_counter() - decided}}
 
     def update_from_disk(self, payload: dict) -> dict:
         """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,
@@ -472,7 +488,24 @@ class UpdateChannel:
             raise UpdateError(f"layout_id: must name a layout sent earlier on this connection "
                               f"(with its buckets), got {key!r}")
         return self.receiver.update(message, layouts[key], ack=lambda: send_frame(
-            conn, {"success": True, "accepted": True}))
+            conn, {"success": True, "accepted": True}),
+            decide=lambda ready, timeout_s: _await_commit(conn, ready, timeout_s))
+
+
+def _await_commit(conn: socket.socket, ready: dict, timeout_s: float) -> bool:
+    """Answer "ready" (the version and checksum of what arrived), then wait for the trainer's
+    decision: True only for {"op": "commit"}; an abort, a closed connection or no answer within
+    ``timeout_s`` is False."""
+    try:
+        send_frame(conn, {"success": True, "ready": True, **ready})
+        conn.settimeout(timeout_s)
+        decision = recv_frame(conn)
+    except (OSError, ValueError):
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            conn.settimeout(None)
+    return decision.get("op") == "commit"
 
 
 def _shut(sock) -> None:

@@ -8,10 +8,13 @@ go by one broadcast per bucket over the group (NCCL between GPUs, else gloo).
 bucket is gathered (its bucket layout only the first time a server sees that layout, then its
 id); each server checks it and answers "accepted" before any byte is broadcast, so a refused
 update never leaves a server waiting for bytes; the broadcasts follow without waiting for each
-other (gather_and_send's memory bound); each server answers once more after its swap, with the
-version and the checksum of what it holds, which must equal the checksum of what was sent. While
-waiting on the wire the channels are watched: a server's failure or exit is seen at once, not at
-the timeout.
+other (gather_and_send's memory bound); each server, once every byte arrived and was checked,
+answers "ready" with the version and the checksum of what it received, which must equal the
+checksum of what was sent; only then does rank 0 send "commit" to every server, which swaps the
+weights in and answers a last time. A failure before the commit (on the trainer after the last byte, a
+checksum that differs) leaves every server on its previous weights: the channel is closed and
+the server, waiting for the decision, keeps them. While waiting on the wire the channels are
+watched: a server's failure or exit is seen at once, not at the timeout.
 """
 
 from __future__ import annotations
@@ -175,15 +178,26 @@ class ChannelSender:
         await_wire(work, deadline, self.servers.urls, where, self._watch)
 
     def conclude(self) -> None:
+        """Every server's "ready" checked against what was sent, then "commit" to each and its
+        final answer read (two phases: a failure before the commit leaves no server changed)."""
         checksum = self.checksums.value()
         deadline = time.monotonic() + self.servers.config.timeout_s
         for url, ch in self.channels.items():
             if url not in self.answers:
                 self.answers[url] = ch.read(deadline, "the update")
         for url, answer in self.answers.items():
+            if not answer.get("ready"):
+                raise WeightSyncError(f"server {url}: the update channel must answer 'ready' "
+                                      f"once the bytes arrived, got {str(answer)[:200]}")
+            check_commit(url, answer, self.version, checksum)
+        for ch in self.channels.values():
+            ch.send({"op": "commit"})
+        deadline = time.monotonic() + self.servers.config.timeout_s
+        final = {url: ch.read(deadline, "the commit") for url, ch in self.channels.items()}
+        for url, answer in final.items():
             check_commit(url, answer, self.version, checksum)
         self.servers.last_apply_s = sum(float((a.get("seconds") or {}).get("apply", 0.0))
-                                        for a in self.answers.values())
+                                        for a in final.values())
 
     def abandon(self) -> None:
         self.servers.retire()

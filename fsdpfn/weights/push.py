@@ -8,8 +8,9 @@ A RolloutTarget pushes by one of four transports, each one path, each a Sender
   fsdpfn.weights.channel): trainer rank 0 and the servers share a process group (NCCL between
   GPUs, else gloo) formed once as SGLang forms it and reused across pushes; a TCP connection per
   server carries the update (its bucket layout the first time, then its id), each server
-  answers "accepted" before any byte is broadcast, checks each bucket as it lands, swaps, and
-  answers with the version and the checksum of what it holds.
+  answers "accepted" before any byte is broadcast, checks each bucket as it lands, answers
+  "ready" with the version and the checksum of what arrived, and swaps only on rank 0's
+  "commit", sent once every server's checksum equals what was sent.
 - SGLang's protocol (``transport="broadcast"`` to any other server: stock SGLang, or an
   fsdpfn.rollout server without a channel; fsdpfn.weights.sglang): per bucket, SGLang's
   /update_weights_from_distributed and one packed broadcast, generation paused throughout; then

@@ -311,6 +311,36 @@ def test_mismatched_push_fails_on_every_rank_and_server_keeps_serving(spmd2, ser
     assert torch.equal(after[1], before[1])  # the previous weights, bit for bit
 
 
+def _fail_at_last(index: int, n_buckets: int) -> None:
+    if index == n_buckets - 1:
+        raise RuntimeError("the trainer fails once its last bucket is out")
+
+
+def push_failing_after_the_last_bucket(path, url, bucket_bytes):
+    state = _trained(path, 1, 2, seed=7)
+    before = _on_rank0(lambda: _probe(url))
+    message = _catch(lambda: push_weights(state, RolloutTarget(url, config=PushConfig(
+        timeout_s=30, bucket_bytes=bucket_bytes, on_bucket=_fail_at_last))))
+    after = _on_rank0(lambda: _probe(url))
+    return message, before, after, state.version
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("bucket_bytes", [1 << 30, 32 * 1024], ids=["one-bucket", "buckets"])
+def test_a_push_failing_after_its_last_bucket_leaves_the_server_as_it_was(spmd2, server,
+                                                                          model_dir, bucket_bytes):
+    """Every byte went out, then the trainer fails: the server, which swaps only on the
+    trainer's commit after its "ready", keeps the weights and version it served."""
+    results = spmd2.run(push_failing_after_the_last_bucket,
+                        args=(model_dir, server.url, bucket_bytes), timeout=200)
+    for message, *_ in results:
+        assert message is not None and "the trainer fails once its last bucket is out" in \
+            message, message
+    _, before, after, version = results[0]
+    assert after[0] == before[0] != version
+    assert torch.equal(after[1], before[1])  # the previous weights, bit for bit
+
+
 # ---------------------------------------------------------------- a server dies mid-push
 
 

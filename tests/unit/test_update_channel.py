@@ -2,7 +2,9 @@
 against a real RolloutEngine in this process: member 0 of a real gloo group is this test, the engine member 1.
 
 What it must show: an update is accepted before any byte moves and lands exactly (checksum of
-what was sent, the served parameters equal, the version moves); a layout is sent once per
+what was sent, the served parameters equal, the version moves) only once the trainer commits
+it after the server's "ready": a trainer that never commits (it failed after the last byte, or
+the checksum differed) leaves the previous weights and version; a layout is sent once per
 connection and then named by id; an update the server cannot take is refused before any byte
 is sent, and the group stays in step (the next update lands); a NaN is refused after the bytes,
 with the previous weights kept bit for bit; dropping the group closes the channel (the
@@ -83,6 +85,16 @@ def _update(ch: Channel, name, version, layout_id, buckets=None):
     ch.send(message)
 
 
+def _commit(ch: Channel, version: int, sent: int | None = None) -> dict:
+    """The server's "ready" (nothing swapped yet), then the commit and its final answer."""
+    ready = ch.read(time.monotonic() + 20, "update")
+    assert ready["ready"] is True and ready["weight_version"] == version, ready
+    if sent is not None:
+        assert ready["weights_checksum"] == sent
+    ch.send({"op": "commit"})
+    return ch.read(time.monotonic() + 20, "commit")
+
+
 def _split(weights):
     names = list(weights)
     return [{n: weights[n] for n in names[:4]}, {n: weights[n] for n in names[4:]}]
@@ -100,8 +112,8 @@ def test_update_lands_and_layout_is_sent_once(served):
         _update(ch, name, version, 0, buckets if layout_buckets else None)
         assert ch.read(time.monotonic() + 10, "update")["accepted"] is True
         _send_bytes(pg, buckets)
-        answer = ch.read(time.monotonic() + 20, "update")
         sent = combine_checksums({n: tensor_checksum(t) for n, t in new.items()})
+        answer = _commit(ch, version, sent)
         assert answer["weight_version"] == version == engine.version
         assert answer["weights_checksum"] == sent == engine.weights_checksum()
         assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
@@ -143,7 +155,40 @@ def test_refusals_keep_the_weights_and_the_group_in_step(served):
     _update(ch, name, 7, 3, _split(good))
     assert ch.read(time.monotonic() + 10, "update")["accepted"]
     _send_bytes(pg, _split(good))
-    assert ch.read(time.monotonic() + 20, "update")["weight_version"] == 7 == engine.version
+    assert _commit(ch, 7)["weight_version"] == 7 == engine.version
+    ch.close()
+
+
+@pytest.mark.timeout(90)
+def test_an_update_the_trainer_does_not_commit_keeps_the_previous_weights(served):
+    """Every byte arrived and checked ("ready"), then the trainer fails instead of committing:
+    its channel closes (or it answers anything but "commit"). The server keeps the weights and
+    version it served, and the next update, on a new channel, lands."""
+    engine, channel, pg, name = served
+    kept = {n: p.detach().clone() for n, p in engine.params.items()}
+    version = engine.version
+    for ending in ("close", "abort"):
+        ch = Channel("http://test", "127.0.0.1", channel.port, name, timeout_s=10)
+        new = _split(_new_weights(engine, 6))
+        _update(ch, name, version + 1, 0, new)
+        assert ch.read(time.monotonic() + 10, "update")["accepted"]
+        _send_bytes(pg, new)
+        ready = ch.read(time.monotonic() + 20, "update")
+        assert ready["ready"] is True and engine.version == version
+        if ending == "abort":
+            ch.send({"op": "abort"})
+            with pytest.raises(WeightSyncError, match="answered 409: update not committed by "
+                                                      "the trainer.*previous weights kept"):
+                ch.read(time.monotonic() + 20, "commit")
+        ch.close()  # no commit can come any more: the weights are never swapped in
+        assert engine.version == version
+        assert all(torch.equal(p, kept[n]) for n, p in engine.params.items())
+    ch = Channel("http://test", "127.0.0.1", channel.port, name, timeout_s=10)
+    good = _split(_new_weights(engine, 7))
+    _update(ch, name, version + 2, 0, good)
+    assert ch.read(time.monotonic() + 10, "update")["accepted"]
+    _send_bytes(pg, good)
+    assert _commit(ch, version + 2)["weight_version"] == version + 2 == engine.version
     ch.close()
 
 
