@@ -10,7 +10,8 @@ adapter_config.json; written aside and renamed in) and posts SGLang's /load_lora
 name it already holds) is sent /unload_lora_adapter {lora_name} and the load once more; SGLang
 then serves requests that name ``lora_name`` (its ``lora_path`` field of /generate). fsdpfn's
 built-in server merges the adapter into the weights it serves (fsdpfn.rollout.lora), and
-answers with the pushed version. The newest ``keep_last`` directories are kept. Any failure
+answers with the pushed version. The ``keep_last`` most recently published directories are kept
+(this push's among them). Any failure
 raises WeightSyncError on every trainer rank.
 
 To push merged weights instead (base + adapters folded in, under the base names, to any
@@ -29,6 +30,7 @@ from fsdpfn.engine import lora
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.engine.state import EngineState
 from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
+from fsdpfn.weights.disk import keep_recent
 from fsdpfn.wire.http import call
 from fsdpfn.wire.protocol import dtype_from_name
 
@@ -95,7 +97,7 @@ class AdapterTarget:
             shutil.rmtree(tmp, ignore_errors=True)
         for url in self.urls:
             self._load(url, final, state.version)
-        self._rotate()
+        self._rotate(final)
 
     def _load(self, url: str, path: Path, version: int) -> None:
         payload = {"lora_name": self.lora_name, "lora_path": str(path), "weight_version": version}
@@ -116,9 +118,9 @@ class AdapterTarget:
             raise WeightSyncError(f"server {url}: /load_lora_adapter: weight_version must be the "
                                   f"pushed {version}, got {served!r}")
 
-    def _rotate(self) -> None:
-        versions = sorted((int(p.name[1:]), p) for p in self.root.glob("v*")
-                          if p.is_dir() and p.name[1:].isdigit()
-                          and (p / "adapter_config.json").is_file())
-        for _, directory in versions[:-self.keep_last]:
-            shutil.rmtree(directory, ignore_errors=True)
+    def _rotate(self, current: Path) -> None:
+        """All but the ``keep_last`` most recently published adapters deleted (this one kept)."""
+        versions = [(int(p.name[1:]), p) for p in self.root.glob("v*")
+                    if p.is_dir() and p.name[1:].isdigit()
+                    and (p / "adapter_config.json").is_file()]
+        keep_recent(versions, self.keep_last, current, "adapter_config.json")

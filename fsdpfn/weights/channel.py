@@ -11,10 +11,10 @@ update never leaves a server waiting for bytes; the broadcasts follow without wa
 other (gather_and_send's memory bound); each server, once every byte arrived and was checked,
 answers "ready" with the version and the checksum of what it received, which must equal the
 checksum of what was sent; only then does rank 0 send "commit" to every server, which swaps the
-weights in and answers a last time. A failure before the commit (on the trainer after the last byte, a
-checksum that differs) leaves every server on its previous weights: the channel is closed and
-the server, waiting for the decision, keeps them. While waiting on the wire the channels are
-watched: a server's failure or exit is seen at once, not at the timeout.
+weights in and answers a last time. A failure before the commit (on the trainer after the last
+byte, a checksum that differs) leaves every server on its previous weights: the channel is
+closed and the server, waiting for the decision, keeps them. While waiting on the wire the
+channels are watched: a server's failure or exit is seen at once, not at the timeout.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ Layout of a published version (loadable by ``AutoModelForCausalLM.from_pretraine
 Rank 0 writes each bucket as one safetensors file while the ranks gather the next one, into
 ``root/.tmp-v12-<id>/``; the manifest is written last and fsynced, then the directory is renamed
 to ``v12`` (a version pushed twice replaces the older copy). A directory without a manifest is
-never a published version. After publishing, all but the newest ``keep_last`` versions are deleted.
+never a published version. After publishing, all but the ``keep_last`` most recently published
+versions are deleted (by the time each was published, as ``save_checkpoint``'s ``keep_last``
+counts; the version just published always stays, a lower one than those on disk included: a
+trainer resumed from an older checkpoint pushes its version + 1).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def _check_dtype(dtype: str | None) -> None:
 
 
 class DiskTarget:
-    """Push into ``root/v{version}/`` (HF safetensors), keeping the newest ``keep_last``.
+    """Push into ``root/v{version}/`` (HF safetensors), keeping the ``keep_last`` most recently
+    published (this push's among them).
 
     dtype: the dtype written (None: the state's compute dtype, ``EngineConfig.dtype``).
     bucket_bytes: bytes gathered and written per file (default 1 GiB).
@@ -54,9 +58,16 @@ class DiskTarget:
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int = 2, dtype: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if not isinstance(keep_last, int) or keep_last < 1:
+        if not isinstance(root, (str, os.PathLike)) or str(root).strip() == "":
+            raise ConfigError(f"root: must be a directory path (a non-empty str or "
+                              f"os.PathLike), got {root!r}")
+        if Path(root).exists() and not Path(root).is_dir():
+            raise ConfigError(f"root: must be a directory (or not exist yet), got {str(root)!r}, "
+                              f"which is a file")
+        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             raise ConfigError(f"keep_last: must be an int >= 1, got {keep_last!r}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) \
+                or bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes: must be an int >= 1, got {bucket_bytes!r}")
         _check_dtype(dtype)
         self.root = Path(root)
@@ -74,7 +85,8 @@ class DiskTarget:
                                                      bucket_bytes=self.bucket_bytes)
         error = None
         if is_rank_zero():
-            _, error = capture_error(lambda: rotate(self.root, self.keep_last), "rotating old versions")
+            _, error = capture_error(lambda: rotate(self.root, self.keep_last, final),
+                                     "rotating old versions")
         agree_on_error(state.mesh, error)
         return n_tensors, n_bytes
 
@@ -201,8 +213,26 @@ def published_versions(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def rotate(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` published versions."""
-    for _, directory in published_versions(root)[:-keep_last]:
+def rotate(root: Path, keep_last: int, current: Path) -> None:
+    """Delete all but the ``keep_last`` most recently published versions, ``current`` (the one
+    just published) always among them."""
+    keep_recent(published_versions(root), keep_last, current, MANIFEST)
+
+
+def keep_recent(versions: list[tuple[int, Path]], keep_last: int, current: Path,
+                marker: str) -> None:
+    """Delete all of ``versions`` ((version, directory)) but ``current`` and the ``keep_last``
+    - 1 others published most recently: a directory's publication time is its ``marker``
+    file's, written last (ties: the higher version)."""
+    def published_at(item: tuple[int, Path]) -> tuple[int, int]:
+        try:
+            return (item[1] / marker).stat().st_mtime_ns, item[0]
+        except OSError:
+            return 0, item[0]
+
+    current = Path(current).resolve()
+    others = [v for v in versions if v[1].resolve() != current]
+    others.sort(key=published_at, reverse=True)
+    for _, directory in others[keep_last - 1:]:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -41,7 +41,7 @@ def push_disk(state: EngineState, servers: Servers, dtype: torch.dtype, *,
         _, error = capture_error(lambda: load(servers, final, state.version, checksum),
                                  "loading from disk")
         if error is None:
-            _, error = capture_error(lambda: rotate(cfg.disk_root, cfg.keep_last),
+            _, error = capture_error(lambda: rotate(cfg.disk_root, cfg.keep_last, final),
                                      "rotating old versions")
     agree_on_error(state.mesh, error)
     if sglang:

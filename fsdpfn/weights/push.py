@@ -192,6 +192,8 @@ class RolloutTarget:
 
 def _check_urls(urls) -> list[str]:
     """``urls`` as a list, each an http(s) URL with a host and a numeric port if any."""
+    if not isinstance(urls, (str, list, tuple)):
+        raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls or not all(isinstance(u, str) for u in urls):
         raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
@@ -200,4 +202,9 @@ def _check_urls(urls) -> list[str]:
             raise ConfigError(f"urls: must be one or more 'http://host:port' strings (http "
                               f"or https, a host, a port if any in 1..65535), got {url!r}"
                               + (f" in {urls!r}" if len(urls) > 1 else ""))
-    return [u.rstrip("/") for u in urls]
+    urls = [u.rstrip("/") for u in urls]
+    repeated = sorted({u for u in urls if urls.count(u) > 1})
+    if repeated:
+        raise ConfigError(f"urls: must name each server once (one push, one update per "
+                          f"server), got {repeated[0]!r} {urls.count(repeated[0])} times")
+    return urls

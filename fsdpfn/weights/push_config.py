@@ -61,6 +61,10 @@ _port = satisfies("must be None or a port number in 0..65535 (None or 0: a free 
                   is_port, optional=True)
 _path = satisfies("must be None or a directory path (str or os.PathLike)",
                   lambda v: isinstance(v, Path), optional=True)
+_host = satisfies("must be None or a host name or address (a non-empty string)",
+                  lambda v: isinstance(v, str) and v.strip() != "", optional=True)
+_callback = satisfies("must be None or a callable (index, n_buckets)", callable, optional=True,
+                      show=lambda v: repr(v)[:80])
 
 
 @attrs.frozen
@@ -103,10 +107,11 @@ class PushConfig:
     precheck: bool = True
     disk_root: Path | None = attrs.field(default=None, converter=to_path, validator=_path)
     keep_last: int = attrs.field(default=2, validator=_count)
-    master_address: str | None = None
+    master_address: str | None = attrs.field(default=None, validator=_host)
     master_port: int | None = attrs.field(default=None, validator=_port)
     group_name: str | None = None
-    on_bucket: Callable[[int, int], None] | None = None
+    on_bucket: Callable[[int, int], None] | None = attrs.field(default=None,
+                                                              validator=_callback)
     edge_bucket_bytes: int | None = attrs.field(default=DEFAULT_EDGE_BYTES,
                                                 validator=_opt_count)
     pause_mode: str = attrs.field(default="abort", validator=_pause_mode)

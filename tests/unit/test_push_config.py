@@ -77,6 +77,8 @@ def test_group_name_is_filled_per_target_unless_given():
     ("pause_mode", "stop", "must be one of ('abort', 'retract', 'in_place')"),
     ("probe_tol", -0.1, "must be None or a number >= 0"),
     ("probe_tol", True, "must be None or a number >= 0"),
+    ("on_bucket", 5, "must be None or a callable (index, n_buckets)"),
+    ("master_address", "", "must be None or a host name or address"),
 ])
 def test_a_bad_option_is_a_config_error_naming_field_rule_and_value(field, value, rule):
     with pytest.raises(ff.ConfigError) as info:
@@ -101,6 +103,13 @@ def test_misuse_of_the_constructor_is_refused():
         RolloutTarget(URL, config={"timeout_s": 3})
     with pytest.raises(ff.ConfigError, match="urls: must be one or more"):
         RolloutTarget("127.0.0.1:30000")
+    for urls in (None, 123, {"url": URL}):
+        with pytest.raises(ff.ConfigError, match=rf"^urls: must be one or more 'http://host:port' "
+                                                 rf"strings, got {urls!r}$".replace("{", r"\{")):
+            RolloutTarget(urls)
+    with pytest.raises(ff.ConfigError, match=rf"^urls: must name each server once .*got "
+                                             rf"'{URL}' 2 times$"):
+        RolloutTarget([URL, URL + "/"])
     target = RolloutTarget(URL)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         target.config.timeout_s = 3  # type: ignore[misc]
@@ -189,3 +198,19 @@ def test_push_weights_to_a_wrong_target_shows_the_value_received():
         assert str(info.value) == f"{rule} {shown}"
     assert state.version == 0 and ff.forward_logp(state, ff.testing.random_batch(
         2, 8, vocab_size=tiny_qwen2_config().vocab_size))["logp"].shape == (2, 8)
+
+
+def test_a_disk_target_refuses_a_root_it_cannot_publish_under(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    for root, rule in (("", "must be a directory path (a non-empty str or os.PathLike), got ''"),
+                       (5, "must be a directory path (a non-empty str or os.PathLike), got 5"),
+                       (str(a_file), f"must be a directory (or not exist yet), got "
+                                     f"{str(a_file)!r}, which is a file")):
+        with pytest.raises(ff.ConfigError) as info:
+            ff.DiskTarget(root)
+        assert str(info.value) == f"root: {rule}"
+    for field, value in (("keep_last", True), ("keep_last", 0), ("bucket_bytes", False)):
+        with pytest.raises(ff.ConfigError, match=rf"^{field}: must be an int >= 1, got {value}$"):
+            ff.DiskTarget(tmp_path / "push", **{field: value})
+    assert a_file.read_text() == "not a directory" and not (tmp_path / "push").exists()
