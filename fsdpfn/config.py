@@ -105,7 +105,8 @@ DEFAULT_MAX_TOKENS_PER_MB = 16384  # the automatic budget: the one the benchmark
 
 @attrs.frozen
 class MicroBatchSpec:
-    """Micro-batches by token budget (max_tokens_per_mb) and/or count (n_mbs, a minimum).
+    """Micro-batches by token budget (max_tokens_per_mb) and/or count (n_mbs, a minimum: never
+    more micro-batches than units, a row or a group kept whole, so none is empty).
 
     ``max_tokens_per_mb=None`` (the default) is the automatic budget: micro-batches of at most
     DEFAULT_MAX_TOKENS_PER_MB = 16384 tokens (per context-parallel rank), the fast path the

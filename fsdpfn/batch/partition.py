@@ -121,6 +121,11 @@ def balanced_partition(sizes: Sequence[int], k: int, *, algo: str = "lpt") -> li
     _config_int("k", k)
     algo = _check_algo(algo)
     sizes = list(sizes)
+    bad = [i for i, s in enumerate(sizes)
+           if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+    if bad:
+        raise ConfigError(f"sizes: must be integers >= 0 (a unit's tokens), got "
+                          f"{sizes[bad[0]]!r} at index {bad[0]}")
     cands = [_lpt(sizes, k)] + ([_kk(sizes, k)] if algo == "kk" else [])
     best = min(cands, key=lambda bins: max(sum(sizes[u] for u in b) for b in bins))
     return _refine(best, sizes)

@@ -154,14 +154,14 @@ def _check_finite(key, x, attn) -> None:
 
 
 def _check_rows(B: int, group_size: int | None, pairs: bool) -> None:
+    if pairs and B % 2:  # pairs first: a pair is the group a pairwise loss names
+        raise BatchError(f"batch: B must be even for pairs (row 2i chosen, 2i+1 rejected), "
+                         f"got B={B}")
     if group_size is not None:
         _config_int("group_size", group_size)
         if B % group_size:
             raise BatchError(f"batch: B must be divisible by group_size={group_size} (rows "
                              f"[k*G, (k+1)*G) form group k), got B={B}")
-    if pairs and B % 2:
-        raise BatchError(f"batch: B must be even for pairs (row 2i chosen, 2i+1 rejected), "
-                         f"got B={B}")
 
 
 def _config_int(name: str, value, lo: int = 1) -> None:

@@ -158,6 +158,10 @@ def test_validate_container_rows_and_config():
     with pytest.raises(BatchError, match="even for pairs.*B=3"):
         validate_batch(odd, pairs=True)
     validate_batch(make_batch([1, 2, 3, 4], 4), pairs=True, group_size=2)
+    # a pairwise loss keeps its pairs whole as groups of 2: the pairs rule is the one named
+    with pytest.raises(BatchError, match=r"^batch: B must be even for pairs \(row 2i chosen, "
+                                         r"2i\+1 rejected\), got B=3$"):
+        validate_batch(odd, pairs=True, group_size=2)
     with pytest.raises(ConfigError, match="group_size"):
         validate_batch(odd, group_size=0)
     validate_batch(make_batch([2, 2], 3, loss=False), require=())  # loss_mask optional
@@ -455,6 +459,15 @@ def test_unknown_partition_algo_names_the_choices():
                  lambda: plan_microbatches([1, 2], algo="best")):
         with pytest.raises(ConfigError, match=r"algo: must be one of \['lpt', 'kk', 'ffd'\].*'best'"):
             call()
+
+
+@pytest.mark.parametrize("sizes, bad, at", [([3, -2], -2, 1), ([3.5, 2], 3.5, 0),
+                                             ([1, True], True, 1)])
+def test_partition_sizes_must_be_token_counts(sizes, bad, at):
+    with pytest.raises(ConfigError) as info:
+        balanced_partition(sizes, 2)
+    assert str(info.value) == (f"sizes: must be integers >= 0 (a unit's tokens), got {bad!r} "
+                               f"at index {at}")
 
 
 def test_refine_fills_empty_bins_without_raising_the_largest():

@@ -132,7 +132,8 @@ NOTES = {
                                           "deterministic)",
     ("EngineSection", "logprobs_chunk_size"): "tokens per chunk of the log-prob head (float32 "
                                               "logits of one chunk at a time)",
-    ("MicroBatchSpec", "n_mbs"): "minimum number of micro-batches",
+    ("MicroBatchSpec", "n_mbs"): "minimum number of micro-batches (at most one per row, or per "
+                                 "group kept whole)",
     ("FSDPConfig", "reshard_after_forward"): "free gathered weights after each forward "
                                              "(False: keep them for the backward; more memory, "
                                              "fewer all-gathers)",
