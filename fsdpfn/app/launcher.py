@@ -43,123 +43,18 @@ import sys
 import time
 from pathlib import Path
 
+from fsdpfn.app.run_dir import (check_flags, check_resume_keeps, check_run_dir_path,
+                                prepare_run_dir)
+
 __all__ = ["launch"]
 
 TRAINER_LOG = "trainer.log"  # under run_dir: everything the trainer ranks printed
 TTY_ENV = "FSDPFN_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe)
-_OWNED = ("config.yaml", "trainer.log", "model0", "model0.tmp", "sft", "checkpoints",
-          "critic_checkpoints",
-          "push", "model", "metrics.jsonl", "metrics.png", "rollout.log", "summary.json", ".ranks",
-          "data", "tensorboard", "wandb", "reward_errors.jsonl", "run_state.json")
-
-
 def _say(message: str) -> None:
     print(f"[fsdpfn] {message}", file=sys.stderr, flush=True)
 
 
-# ---------------------------------------------------------------- run_dir and commands
-
-
-def _check_run_dir_path(run_dir: Path) -> None:
-    from fsdpfn.errors import ConfigError
-
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run_dir: must be a directory (or a path to create), got "
-                          f"{str(run_dir)!r}, which is a file")
-
-
-def _last_run(run_dir: Path) -> str | None:
-    """How the last run in ``run_dir`` ended (None: no record); a run whose launcher is alive
-    on this host is refused: two launchers must not write one run_dir."""
-    import socket
-
-    from fsdpfn.errors import ConfigError
-    from fsdpfn.app.supervise import describe_last_run, last_run
-
-    state = last_run(run_dir)
-    if state is None:
-        return None
-    if state.get("status") == "running" and state.get("host") == socket.gethostname():
-        raise ConfigError(f"run_dir: must not be in use by another run, got {str(run_dir)!r}, "
-                          f"where {describe_last_run(state)}; stop it, wait for it, or set "
-                          f"run_dir=... to another directory")
-    return describe_last_run(state)
-
-
-def _check_flags(*, resume: bool, overwrite: bool) -> None:
-    """--resume continues run_dir's run and --overwrite deletes it: never both."""
-    from fsdpfn.errors import ConfigError
-
-    if resume and overwrite:
-        raise ConfigError("--overwrite: must not be given with --resume (--resume continues the "
-                          "run in run_dir, --overwrite deletes it and starts over), got both")
-
-
-# the sections a run bakes into run_dir before its first step (model0, the tokenizer, the
-# prepared data) and --resume reuses as they are: a change there would not take effect
-_FIXED_ON_RESUME = ("recipe", "model", "data")
-
-
-def _check_resume_keeps(cfg, config_path: Path) -> None:
-    """--resume continues the run recorded in run_dir/config.yaml on its model0 and prepared
-    data: a ConfigError naming the first key of ``_FIXED_ON_RESUME`` that differs (a key the
-    record lacks, written by another fsdpfn version, is not compared)."""
-    import yaml
-
-    from fsdpfn import serde
-    from fsdpfn.errors import ConfigError
-
-    try:
-        before = yaml.safe_load(config_path.read_text())
-    except (OSError, yaml.YAMLError):
-        return  # no record to hold the run to (a run_dir without one starts at step 0)
-    if not isinstance(before, dict):
-        return
-    now = json.loads(json.dumps(serde.unstructure(cfg), default=str))
-    before = json.loads(json.dumps(before, default=str))
-
-    def differ(key: str, old, new) -> None:
-        if isinstance(old, dict) and isinstance(new, dict):
-            for sub in old:
-                if sub in new:
-                    differ(f"{key}.{sub}", old[sub], new[sub])
-        elif old != new:
-            raise ConfigError(f"{key}: cannot change on --resume (the run in run_dir was built "
-                              f"with {old!r}, recorded in {config_path}), got {new!r}; resume "
-                              f"with the recorded value, or start a new run_dir")
-
-    for key in _FIXED_ON_RESUME:
-        if key in before and key in now:
-            differ(key, before[key], now[key])
-
-
-def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    from fsdpfn.errors import ConfigError
-
-    _check_run_dir_path(run_dir)
-    last = _last_run(run_dir)
-    previous = [name for name in ("checkpoints", "metrics.jsonl", "sft")
-                if (run_dir / name).exists()]
-    if previous and not (resume or overwrite):
-        raise ConfigError(f"run_dir: {str(run_dir)!r} holds a previous run "
-                          f"({', '.join(previous)}" + (f"; {last}" if last else "") + "); pass "
-                          "--resume to continue it, --overwrite to start over, or set "
-                          "run_dir=... to another directory")
-    if last and "killed" in last:
-        _say(f"{run_dir}: {last}" + ("; resuming from its latest checkpoint" if resume
-                                     else "; starting over"))
-    if resume and not previous:
-        _say(f"{run_dir}: --resume: no previous run to continue; starting at step 0")
-    if overwrite:
-        for name in _OWNED:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-        for path in run_dir.glob("rollout[0-9]*.log"):  # the logs of servers 1, 2, ...
-            path.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+# ---------------------------------------------------------------- commands
 
 
 def _master_port(cfg, url: str | None) -> int:
@@ -335,12 +230,12 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     from fsdpfn.app.recipes.preflight import preflight
     from fsdpfn.app.supervise import write_run_state
 
-    _check_flags(resume=resume, overwrite=overwrite)
+    check_flags(resume=resume, overwrite=overwrite)
     run_dir = Path(cfg.run_dir)
-    _check_run_dir_path(run_dir)  # before count_gpus, which imports torch
+    check_run_dir_path(run_dir)  # before count_gpus, which imports torch
     config_path = run_dir / "config.yaml"
     if resume:
-        _check_resume_keeps(cfg, config_path)
+        check_resume_keeps(cfg, config_path)
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None
     placement = place(cfg, count_gpus(), needs_rollout=needs_rollout)
@@ -361,7 +256,8 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
             _worker_cmd(cfg, config_path, placement, resume=resume, url=url), placement.nproc,
             _master_port(cfg, url), cfg.launch.threads_per_rank))
         return 0
-    _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    for note in prepare_run_dir(run_dir, resume=resume, overwrite=overwrite):
+        _say(note)
     _prepare_data(cfg, run_dir, resume=resume)
     for note in notes:  # after every refusal: a refused run prints its one line alone
         _say(note)

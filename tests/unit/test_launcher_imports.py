@@ -21,12 +21,13 @@ from pathlib import Path
 from fsdpfn.app import launcher
 from fsdpfn.app.cli import _resolve
 from fsdpfn.app.recipes.placement import place
+from fsdpfn.app.run_dir import prepare_run_dir
 
 for recipe in ("sft", "dpo", "rw", "grpo", "ppo"):
     run_dir = Path(sys.argv[1]) / recipe
     cfg = _resolve(f"examples/{recipe}.yaml", [f"run_dir={run_dir}"])
     assert launcher.launch(cfg, dry_run=True) == 0  # the config, placement and preflight
-    launcher._prepare_run_dir(run_dir, resume=False, overwrite=False)
+    prepare_run_dir(run_dir, resume=False, overwrite=False)
     launcher._prepare_data(cfg, run_dir, resume=False)
     if recipe in ("grpo", "ppo"):  # a real server starts (and is stopped at once)
         for server in launcher._start_servers(cfg, run_dir, run_dir / "model0",

@@ -1,29 +1,29 @@
-"""The run_dir rules of ``fsdpfn run``: a previous run needs --resume or --overwrite, and
---resume in a run_dir without one says so and starts at step 0 (a job script may always pass
-it)."""
+"""The run_dir rules of ``fsdpfn run`` (fsdpfn.app.run_dir): a previous run needs --resume or
+--overwrite, --resume in a run_dir without one says so and starts at step 0 (a job script may
+always pass it), and --resume keeps the model, data and recipe the run was built with."""
 
 from __future__ import annotations
 
 import pytest
 
 from fsdpfn.app import launcher
+from fsdpfn.app.run_dir import check_resume_keeps, prepare_run_dir
 from fsdpfn.errors import ConfigError
 
 
-def test_resume_without_a_previous_run_says_it_starts_at_step_0(tmp_path, capsys):
-    launcher._prepare_run_dir(tmp_path / "fresh", resume=True, overwrite=False)
-    err = capsys.readouterr().err
-    assert "--resume: no previous run to continue; starting at step 0" in err, err
+def test_resume_without_a_previous_run_says_it_starts_at_step_0(tmp_path):
+    notes = prepare_run_dir(tmp_path / "fresh", resume=True, overwrite=False)
+    assert notes == [f"{tmp_path / 'fresh'}: --resume: no previous run to continue; starting "
+                     f"at step 0"], notes
     assert (tmp_path / "fresh").is_dir()
 
 
-def test_a_previous_run_needs_resume_or_overwrite_and_resume_keeps_it(tmp_path, capsys):
+def test_a_previous_run_needs_resume_or_overwrite_and_resume_keeps_it(tmp_path):
     run_dir = tmp_path / "r"
     (run_dir / "checkpoints").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"holds a previous run \(checkpoints\).*--resume"):
-        launcher._prepare_run_dir(run_dir, resume=False, overwrite=False)
-    launcher._prepare_run_dir(run_dir, resume=True, overwrite=False)
-    assert "no previous run" not in capsys.readouterr().err
+        prepare_run_dir(run_dir, resume=False, overwrite=False)
+    assert prepare_run_dir(run_dir, resume=True, overwrite=False) == []
     assert (run_dir / "checkpoints").is_dir()
 
 
@@ -51,6 +51,5 @@ def test_resume_refuses_a_change_to_what_run_dir_was_built_with(tmp_path, change
     assert message.startswith(f"{key}: cannot change on --resume"), message
     assert "config.yaml" in message and "got" in message
     assert sorted(p.name for p in run_dir.rglob("*")) == before
-    launcher._check_resume_keeps(default_config("sft", [f"run_dir={run_dir}", "steps=7",
-                                                        "optimizer.lr=3e-4"]),
-                                 run_dir / "config.yaml")
+    check_resume_keeps(default_config("sft", [f"run_dir={run_dir}", "steps=7",
+                                              "optimizer.lr=3e-4"]), run_dir / "config.yaml")
