@@ -15,6 +15,7 @@ trainer's ``forward_logp(..., temperature=T)`` computes for the same tokens.
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -133,16 +134,14 @@ class SamplingParams:
 
     def capped(self, max_new_tokens: int) -> "SamplingParams":
         """A copy that generates at most ``max_new_tokens`` (min_new_tokens lowered with it)."""
-        out = SamplingParams.__new__(SamplingParams)
-        out.__dict__.update(self.__dict__)
+        out = copy.copy(self)
         out.max_new_tokens = min(self.max_new_tokens, max_new_tokens)
         out.min_new_tokens = min(self.min_new_tokens, out.max_new_tokens)
         return out
 
     def with_stops(self, eos_ids: Sequence[int]) -> "SamplingParams":
         """A copy that also stops at ``eos_ids`` unless ``ignore_eos``."""
-        out = SamplingParams.__new__(SamplingParams)
-        out.__dict__.update(self.__dict__)
+        out = copy.copy(self)
         if not self.ignore_eos:
             out.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *eos_ids]))
         return out
