@@ -291,6 +291,9 @@ def test_flash_decode_layout_equals_masked_attention(config, monkeypatch):
         torch.testing.assert_close(flash.v[i], sdpa.v[i], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) < (5, 5),
+    reason="transformers before 5.5 asks autocast about the meta device in its rotary")
 def test_decode_step_never_reads_the_device_on_the_host():
     """The step runs on the meta device (no values): nothing in it depends on a tensor's value
     on the host, which is what a CUDA graph capture requires."""
