@@ -2,15 +2,20 @@
 ``openai`` client and agent frameworks can drive rollouts.
 
 Completions: ``prompt`` a string, a token-id list, or a list of either (one choice list per
-prompt, n each, in order); ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``n``,
+prompt, n each, in order; the prompts run as one batch, as /generate runs them: max_tokens
+capped at what the longest leaves, a seed's draws different for each prompt, a prompt's errors
+named "prompt[i]"); ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``n``,
 ``stop``, ``seed``, ``frequency_penalty``, ``presence_penalty``, ``logprobs`` (an int N >= 0:
 choices[].logprobs {tokens, token_logprobs, top_logprobs (null for 0, else per token a dict
 text -> logprob of its N best tokens, best first; a token whose text a better one already keys,
 as byte pieces that decode to the same "\ufffd", is keyed "token_id:<id>", vLLM's form for a
 token as its id, so the dict always holds the N best and each text maps to its best token),
-text_offset}). Chat: ``messages`` rendered by the model's chat template; ``max_tokens`` or
-``max_completion_tokens`` (default: what fits the context); ``logprobs: true`` (and
-``top_logprobs``): choices[].logprobs.content [{token, logprob, bytes, top_logprobs}]. As in
+text_offset}). Chat: ``messages`` (roles system, developer, user, assistant, tool; content a
+string or a list of text parts, joined by newlines; none only for an assistant message with
+tool_calls) rendered by the model's chat template; ``max_tokens`` or ``max_completion_tokens``
+(default: what fits the context); ``logprobs: true`` (and ``top_logprobs``):
+choices[].logprobs.content [{token, logprob, bytes (the token's own, byte pieces included),
+top_logprobs}]. As in
 SGLang and vLLM, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids`` and ``skip_special_tokens`` are accepted (the openai client's ``extra_body``).
 Tools: ``tools`` (OpenAI's function tools) are rendered by the model's own chat template and the
@@ -22,9 +27,10 @@ choice one chunk with the whole text, or content delta, and its log-probs, then 
 finish reason; ``stream_options.include_usage`` adds the usage chunk; ``data: [DONE]``):
 clients and agent frameworks that only stream work, but tokens are not sent as they are sampled.
 Every choice also carries fsdpfn's ``prompt_token_ids`` (the prompt as rendered), ``token_ids``,
-``token_logprobs`` (their behav_logp), ``weight_versions`` (per token) and ``weight_version``
-(the oldest), so a trainer records episodes without re-tokenizing (fsdpfn.rollout.agent). A key this server does
-not implement (stream, tools, response_format other than text, logit_bias, echo, suffix, ...)
+``token_logprobs`` (their behav_logp), ``weight_versions`` (per token), ``weight_version``
+(the oldest one's label, as /generate's meta_info) and ``temperature`` (the draw's; 0 greedy),
+so a trainer records episodes without re-tokenizing (fsdpfn.rollout.agent). A key this server
+does not implement (stream, tools, response_format other than text, logit_bias, echo, suffix, ...)
 is refused by name: 400 {"error": {"message", "type", "param", "code"}}; so are ``tools`` for a
 model whose chat template has no tool-call format.
 
@@ -36,6 +42,7 @@ report log_softmax(logits), temperature 1's.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
@@ -45,11 +52,13 @@ from fsdpfn.rollout.sampling import SamplingParams
 from fsdpfn.rollout.tool_calls import parse_tool_calls, tool_format
 
 __all__ = ["models", "completions", "chat_completions", "chat_chunks", "completion_chunks",
-           "error_body"]
+           "error_body", "param_of"]
 
 # accepted and without effect here
 IGNORED = {"user", "metadata", "store", "stream_options", "service_tier", "model",
            "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
+# the roles a chat message may have
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # request key -> SamplingParams key
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
             "seed": "seed", "frequency_penalty": "frequency_penalty",
@@ -62,6 +71,13 @@ OFF = {"stream": (None, False), "echo": (None, False), "suffix": (None, ""),
        "response_format": (None, {"type": "text"}), "best_of": (None, 1),
        "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
        "reasoning_effort": (None,), "web_search_options": (None,)}
+
+
+def param_of(message: str | None) -> str | None:
+    """The request field an error message names first ("max_tokens: ...", "messages[2].role:
+    ..."), OpenAI's ``param``; None when it names none."""
+    found = re.match(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*):", message or "")
+    return found.group(1) if found else None
 
 
 def error_body(message: str, param: str | None = None, status: int = 400) -> dict:
@@ -84,21 +100,27 @@ def completions(engine, body: dict) -> dict:
                                  or not 0 <= logprobs <= 20):
         raise UpdateError(f"logprobs: must be null or an int in [0, 20], got {logprobs!r}")
     sp = _params(engine, body, "max_tokens", 16)
-    choices, usage = [], [0, 0]
-    for prompt in prompts:
-        answer = engine.generate([prompt], sp, top_logprobs=logprobs or 0)
-        usage[0] += len(prompt)
-        for o in answer["outputs"]:
-            text = sglang_api.completion_text(engine, o, sp) if engine.tokenizer else ""
-            choice = {"index": len(choices), "text": text, "finish_reason": o["finish_reason"],
-                      "logprobs": None if logprobs is None else
-                      _completion_logprobs(engine, o, logprobs),
-                      **_ours(o, prompt)}
-            choices.append(choice)
-            usage[1] += len(o["output_ids"])
+    # the prompts of a request run as one batch, as /generate runs them: max_tokens capped at
+    # what the longest leaves, a seed's draws different for each prompt
+    try:
+        answer = engine.generate(prompts, sp, top_logprobs=logprobs or 0)
+    except UpdateError as exc:
+        message = str(exc)
+        if message.startswith("input_ids["):  # the engine's name for a prompt: OpenAI's
+            raise UpdateError("prompt[" + message[len("input_ids["):], exc.status) from None
+        raise
+    choices = []
+    for o in answer["outputs"]:
+        prompt = prompts[o["prompt_index"]]
+        text = sglang_api.completion_text(engine, o, sp) if engine.tokenizer else ""
+        choices.append({"index": len(choices), "text": text, "finish_reason": o["finish_reason"],
+                        "logprobs": None if logprobs is None else
+                        _completion_logprobs(engine, o, logprobs),
+                        **_ours(engine, o, prompt, sp)})
+    completion = sum(len(o["output_ids"]) for o in answer["outputs"])
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": body.get("model") or engine.model_path,
-            "choices": choices, "usage": _usage(*usage)}
+            "choices": choices, "usage": _usage(sum(len(p) for p in prompts), completion)}
 
 
 def chat_completions(engine, body: dict) -> dict:
@@ -123,7 +145,7 @@ def chat_completions(engine, body: dict) -> dict:
             reason = "tool_calls"
         choices.append({"index": i, "message": message, "finish_reason": reason,
                         "logprobs": {"content": _chat_logprobs(engine, o, top or 0)}
-                        if body.get("logprobs") else None, **_ours(o, prompt)})
+                        if body.get("logprobs") else None, **_ours(engine, o, prompt, sp)})
     completion = sum(len(o["output_ids"]) for o in answer["outputs"])
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.get("model") or engine.model_path,
@@ -136,6 +158,15 @@ def chat_completions(engine, body: dict) -> dict:
 def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
     if not isinstance(body, dict):
         raise UpdateError(f"body: must be a JSON object, got {type(body).__name__}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not body.get("stream"):
+            raise UpdateError(f"stream_options: only with stream true, got stream "
+                              f"{body.get('stream')!r}")
+        if not isinstance(options, dict) or not all(
+                isinstance(v, bool) for v in options.values()):
+            raise UpdateError(f"stream_options: must be an object such as "
+                              f"{{include_usage: true}}, got {str(options)[:80]!r}")
     for key, off in OFF.items():
         if key == "stream" and stream_ok and body.get(key) in (None, False, True):
             continue
@@ -198,6 +229,8 @@ def _history(messages: list[dict]) -> list[dict]:
         calls = m.get("tool_calls")
         if calls:
             m = {**m, "tool_calls": [_call_object(c) for c in calls]}
+        if isinstance(m.get("content"), list):  # text parts, joined by newlines as vLLM does
+            m = {**m, "content": "\n".join(p["text"] for p in m["content"])}
         out.append(m)
     return out
 
@@ -224,11 +257,34 @@ def _message(engine, o: dict, sp: SamplingParams, fmt: str | None) -> dict:
     return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
-def _render(engine, messages, tools=None) -> list[int]:
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and "role" in m for m in messages):
+def _check_messages(messages) -> None:
+    """OpenAI's rules for ``messages``: a known role each, and content a string or a list of
+    text parts (an assistant message with tool_calls may have none)."""
+    if not isinstance(messages, list) or not messages:
         raise UpdateError(f"messages: must be a non-empty list of {{role, content}}, got "
                           f"{str(messages)[:80]!r}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise UpdateError(f"messages[{i}]: must be an object {{role, content}}, got "
+                              f"{str(m)[:80]!r}")
+        if m.get("role") not in ROLES:
+            raise UpdateError(f"messages[{i}].role: must be one of {list(ROLES)}, got "
+                              f"{m.get('role')!r}")
+        content = m.get("content")
+        if content is None:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                continue
+            raise UpdateError(f"messages[{i}].content: required for role {m['role']!r} (a "
+                              f"string or a list of text parts), got none")
+        if not (isinstance(content, str) or isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content)):
+            raise UpdateError(f"messages[{i}].content: must be a string or a list of "
+                              f"{{type: 'text', text}} parts, got {str(content)[:80]!r}")
+
+
+def _render(engine, messages, tools=None) -> list[int]:
+    _check_messages(messages)
     tok = engine.tokenizer
     if tok is None or not getattr(tok, "chat_template", None) or not hasattr(tok, "render_chat"):
         raise UpdateError(f"messages: need a chat template, and the model directory "
@@ -261,13 +317,16 @@ def _params(engine, body: dict, limit: str, default: int) -> SamplingParams:
 # ---------------------------------------------------------------- answers
 
 
-def _ours(o: dict, prompt: list[int]) -> dict:
+def _ours(engine, o: dict, prompt: list[int], sp: SamplingParams) -> dict:
     """fsdpfn's fields of a choice: what a trainer needs to train on it without re-tokenizing
-    (the prompt as rendered, the sampled ids, their behav_logp, each token's weights version)."""
+    (the prompt as rendered, the sampled ids, their behav_logp, each token's weights version,
+    the oldest version's label as /generate gives it, and the temperature the tokens were
+    drawn at: 0 for greedy, whose behav_logp are temperature 1's)."""
     versions = o.get("weight_versions") or []
     return {"prompt_token_ids": prompt, "token_ids": o["output_ids"],
             "token_logprobs": o["output_logprobs"], "weight_versions": versions,
-            "weight_version": str(min(versions)) if versions else None}
+            "weight_version": engine.version_label(min(versions)) if versions else None,
+            "temperature": float(sp.temperature)}
 
 
 def _piece(engine, token: int) -> str:
@@ -302,7 +361,9 @@ def _top_dict(engine, step: list) -> dict:
 def _chat_logprobs(engine, o: dict, top: int) -> list[dict]:
     def entry(t, lp):
         piece = _piece(engine, t)
-        return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+        raw = engine.tokenizer.token_bytes(t) if hasattr(engine.tokenizer, "token_bytes") \
+            else list(piece.encode())
+        return {"token": piece, "logprob": lp, "bytes": raw}
 
     steps = o.get("output_top_logprobs") or [[] for _ in o["output_ids"]]
     return [{**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tlp, tt in step[:top]]}

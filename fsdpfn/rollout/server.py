@@ -61,8 +61,21 @@ def build_app(engine: RolloutEngine):
     from fastapi import Body, FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+    from fastapi.exceptions import RequestValidationError
+
     app = FastAPI(title="fsdpfn rollout server")
     receiver = engine.receiver
+
+    @app.exception_handler(RequestValidationError)
+    async def unreadable_body(request, exc):
+        """A body that is not JSON: a 400 in the endpoint's own error shape, not FastAPI's 422."""
+        message = "body: must be a JSON document, got one that does not parse"
+        errors = exc.errors() if hasattr(exc, "errors") else []
+        if errors and errors[0].get("msg"):
+            message += f" ({errors[0]['msg']})"
+        if request.url.path.startswith("/v1/"):
+            return JSONResponse(status_code=400, content=openai_api.error_body(message, "body"))
+        return JSONResponse(status_code=400, content={"success": False, "message": message})
 
     def answer(fn: Callable[[], Any]):
         try:
@@ -129,8 +142,9 @@ def build_app(engine: RolloutEngine):
         out = answer(lambda: JSONResponse(fn()))
         if out.status_code >= 400:
             body = json.loads(out.body)
+            message = body.get("message")
             return JSONResponse(status_code=out.status_code, content=openai_api.error_body(
-                body.get("message"), status=out.status_code))
+                message, openai_api.param_of(message), status=out.status_code))
         return out
 
     @app.get("/v1/models")

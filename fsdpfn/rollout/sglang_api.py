@@ -56,6 +56,8 @@ def generate(engine, payload: dict):
     own = payload.get("return_format") in ("fsdpfn", "fsdpfn_packed")
     prompts, single = encode_prompts(engine, payload.get("input_ids"), payload.get("text"))
     top_n = _top_n(payload)
+    for key in ("return_logprob", "top_logprobs_num"):  # a list: one per prompt
+        _per_prompt(payload, key, len(prompts))
     specs = payload.get("sampling_params") or {}
     if isinstance(specs, list):
         if len(specs) != len(prompts):
@@ -131,7 +133,8 @@ def _top_n(payload: dict) -> int:
 
 
 def _flag(value) -> bool:
-    """return_logprob: a bool, or one per prompt (any true asks for them)."""
+    """return_logprob: a bool, or one per prompt (any true has the engine compute them; each
+    prompt's answer carries them where its own is true)."""
     if not (value is None or isinstance(value, bool)
             or (isinstance(value, list) and all(isinstance(v, bool) for v in value))):
         raise UpdateError(f"return_logprob: must be a bool (or a list of them, one per "
@@ -157,9 +160,23 @@ def _own(answers) -> dict:
     return {"weight_version": min(a["weight_version"] for a, _ in answers), "outputs": outputs}
 
 
+def _per_prompt(payload: dict, key: str, n: int) -> list:
+    """``payload[key]`` for each of the ``n`` prompts: a list holds one per prompt."""
+    value = payload.get(key)
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise UpdateError(f"{key}: a list must hold one value per prompt ({n}), got "
+                          f"{len(value)}")
+    return value
+
+
 def _sglang(engine, payload, answers, prompts, top_n: int, seconds: float) -> list[dict]:
     rids = payload.get("rid")
-    with_logprob = _flag(payload.get("return_logprob"))
+    # return_logprob and top_logprobs_num: one for all prompts, or one per prompt
+    wants = [bool(v) for v in _per_prompt(payload, "return_logprob", len(prompts))]
+    tops = [min(int(v or 0), top_n) if w else 0 for v, w in
+            zip(_per_prompt(payload, "top_logprobs_num", len(prompts)), wants)]
     with_text = bool(payload.get("return_text_in_logprobs"))
     items, offset = [], 0
     for answer, sp in answers:
@@ -168,8 +185,8 @@ def _sglang(engine, payload, answers, prompts, top_n: int, seconds: float) -> li
             rid = rids[len(items)] if isinstance(rids, list) and len(rids) > len(items) else (
                 rids if isinstance(rids, str) and len(prompts) == 1 and sp.n == 1 else None)
             items.append(output(engine, o, sp, len(prompts[index]), rid=rid,
-                                logprobs=with_logprob, text_in_logprobs=with_text,
-                                top_n=top_n, seconds=seconds))
+                                logprobs=wants[index], text_in_logprobs=with_text,
+                                top_n=tops[index], seconds=seconds))
         offset += max(o["prompt_index"] for o in answer["outputs"]) + 1
     return items
 

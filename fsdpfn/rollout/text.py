@@ -9,7 +9,9 @@ the tokenizer's.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 __all__ = ["CharVocab", "load_tokenizer", "eos_ids"]
@@ -42,6 +44,9 @@ class CharVocab:
                        if 0 <= i < len(self.itos) and not (skip_special_tokens
                                                            and i in self.special))
 
+    def token_bytes(self, token: int) -> list[int]:
+        return list(self.decode([token], skip_special_tokens=False).encode())
+
 
 class HFText:
     """A transformers tokenizer behind the same interface (prompts encoded without special
@@ -58,9 +63,42 @@ class HFText:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token: int) -> list[int]:
+        """The token's own bytes (OpenAI's ``bytes`` of a log-prob entry): its text's UTF-8 where
+        the token decodes alone; a byte piece (part of a character, which decodes alone to
+        "\ufffd") from its vocabulary entry: byte-level BPE's character per byte, or
+        sentencepiece's "<0xNN>"."""
+        text = self.tok.decode([token], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return list(text.encode())
+        piece = self.tok.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            if byte:
+                return [int(byte.group(1), 16)]
+            table = _byte_level()
+            if piece and all(c in table for c in piece):
+                return [table[c] for c in piece]
+        return list(text.encode())
+
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                             add_generation_prompt=True)
+
+
+@functools.cache
+def _byte_level() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's table), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def load_tokenizer(model_dir: str | Path):

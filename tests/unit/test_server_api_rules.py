@@ -1,0 +1,185 @@
+"""The server's request rules and answer fields where its SGLang and OpenAI faces must agree: a
+list of prompts on /v1/completions runs as /generate runs it (one batch: one length cap, a
+seed's draws per prompt), a prompt's errors name it as the client sent it, versions carry the
+label an update gave them on both faces, per-prompt return_logprob, OpenAI's message rules, a
+byte piece's own bytes, and OpenAI-shaped 400s for bodies that do not parse.
+
+A real server process (python -m fsdpfn.rollout) on a tiny model directory; the references are
+the tokenizer itself and the request as sent.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from fsdpfn.rollout import launch_server
+from fsdpfn.testing import write_tiny_hf_dir
+
+TEXTS = ["What is 2+3? The answer is 5.", "Paris is the capital of France.",
+         "café über naïve 日本語 ÿ", "one two three four five six seven"] * 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_hf_dir(tmp_path_factory.mktemp("m") / "tiny", texts=TEXTS, seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with launch_server(model_dir, dtype="float32", extra_args=("--no-channel",)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def context(model_dir):
+    return json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+
+
+def _post(server, path: str, body, *, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.timeout(120)
+def test_a_list_of_prompts_runs_as_one_batch(server, context):
+    short = [5, 6]
+    long = [3 + i % 200 for i in range(context - 4)]  # leaves the model 4 positions
+    status, out = _post(server, "/v1/completions", {
+        "prompt": [short, long], "max_tokens": 50, "ignore_eos": True, "temperature": 1})
+    assert status == 200, out
+    # capped at what the longest prompt leaves, for every prompt, as /generate caps it
+    assert [len(c["token_ids"]) for c in out["choices"]] == [4, 4]
+    assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
+    assert out["usage"]["prompt_tokens"] == len(short) + len(long)
+    assert [c["prompt_token_ids"] for c in out["choices"]] == [short, long]
+
+
+@pytest.mark.timeout(120)
+def test_a_seed_draws_each_prompt_its_own_tokens(server):
+    prompts = [[10, 11, 12], [40, 41, 42, 43]]
+    ask = {"prompt": prompts, "seed": 5, "temperature": 1.0, "max_tokens": 12,
+           "ignore_eos": True}
+    _, first = _post(server, "/v1/completions", ask)
+    _, again = _post(server, "/v1/completions", ask)
+    ids = [c["token_ids"] for c in first["choices"]]
+    assert ids == [c["token_ids"] for c in again["choices"]]  # reproducible
+    # the two prompts' draws are not the same stream: their tails are not equal
+    assert ids[0][4:] != ids[1][4:]
+    _, sglang = _post(server, "/generate", {"input_ids": prompts, "sampling_params": {
+        "temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": 5}})
+    assert [o["output_ids"] for o in sglang] == ids  # the same batch as /generate's
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_prompt_is_named_as_sent(server, context):
+    status, out = _post(server, "/v1/completions", {
+        "prompt": [[5, 6], [7, 8], [3 + i % 200 for i in range(context + 3)]], "max_tokens": 2})
+    assert status == 400
+    assert out["error"]["message"].startswith("prompt[2]: must be shorter than the model's "
+                                              "context"), out
+    assert out["error"]["param"] == "prompt[2]"
+
+
+@pytest.mark.timeout(120)
+def test_versions_carry_the_updates_label_on_both_faces(server, model_dir):
+    status, out = _post(server, "/update_weights_from_disk",
+                        {"model_path": str(model_dir), "weight_version": "step-3"})
+    assert status == 200 and out["success"], out
+    _, chat = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    _, comp = _post(server, "/v1/completions", {"prompt": "Paris", "max_tokens": 3})
+    _, gen = _post(server, "/generate", {"text": "Paris", "sampling_params": {
+        "max_new_tokens": 3}})
+    assert gen["meta_info"]["weight_version"] == "step-3"
+    assert chat["choices"][0]["weight_version"] == "step-3"
+    assert comp["choices"][0]["weight_version"] == "step-3"
+
+
+@pytest.mark.timeout(120)
+def test_return_logprob_per_prompt(server):
+    prompts = [[10, 11, 12], [20, 21]]
+    base = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    for flags in ([True, False], [False, True]):
+        status, out = _post(server, "/generate", {**base, "return_logprob": flags})
+        assert status == 200
+        assert ["output_token_logprobs" in o["meta_info"] for o in out] == flags
+    status, out = _post(server, "/generate", {**base, "return_logprob": [True]})
+    assert status == 400 and "return_logprob: a list must hold one value per prompt (2), " \
+        "got 1" in out["message"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("messages, named", [
+    ([{"role": "user"}], "messages[0].content: required for role 'user'"),
+    ([{"role": "bogus", "content": "hi"}], "messages[0].role: must be one of"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}],
+     "messages[1].content: must be a string or a list of"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages[0].content: must be a string or a list of"),
+    (["hi"], "messages[0]: must be an object"),
+])
+def test_chat_messages_follow_openais_rules(server, messages, named):
+    status, out = _post(server, "/v1/chat/completions", {"messages": messages,
+                                                         "max_tokens": 2})
+    assert status == 400 and out["error"]["message"].startswith(named), out
+    assert out["error"]["param"] == named.split(":")[0]
+
+
+@pytest.mark.timeout(60)
+def test_text_parts_are_their_texts_joined_and_tool_call_turns_need_no_content(server):
+    def prompt(messages):
+        status, out = _post(server, "/v1/chat/completions", {
+            "messages": messages, "max_tokens": 1, "temperature": 0})
+        assert status == 200, out
+        return out["choices"][0]["prompt_token_ids"]
+
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+3?"}]
+    assert prompt([{"role": "user", "content": parts}]) == \
+        prompt([{"role": "user", "content": "What is\n2+3?"}])
+
+
+@pytest.mark.timeout(60)
+def test_stream_options_need_stream_and_bad_json_is_a_400(server):
+    status, out = _post(server, "/v1/completions", {
+        "prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert status == 400 and out["error"]["param"] == "stream_options"
+    assert "only with stream true" in out["error"]["message"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, out = _post(server, path, None, raw=b'{"prompt": "hi", ')
+        assert status == 400 and set(out) == {"error"}, out
+        assert out["error"]["message"].startswith("body: must be a JSON document")
+    status, out = _post(server, "/generate", None, raw=b"{not json")
+    assert status == 400 and out["success"] is False
+
+
+@pytest.mark.timeout(60)
+def test_each_choice_names_the_temperature_its_tokens_were_drawn_at(server):
+    for temperature in (0.3, 1.0, 0):
+        _, out = _post(server, "/v1/completions", {"prompt": "Paris", "max_tokens": 2,
+                                                   "temperature": temperature})
+        assert out["choices"][0]["temperature"] == temperature
+
+
+def test_token_bytes_rebuild_the_text_byte_for_byte(model_dir):
+    """OpenAI's ``bytes``: a token's own bytes, so byte pieces (part of a character, which
+    decode alone to U+FFFD) join back into the text."""
+    from fsdpfn.rollout.text import load_tokenizer
+
+    text = load_tokenizer(model_dir)
+    for s in ("café über naïve", "日本語 ÿ and €", "plain ascii"):
+        ids = text.encode(s)
+        pieces = [bytes(text.token_bytes(t)) for t in ids]
+        assert b"".join(pieces) == s.encode(), (s, ids, pieces)
+    pieces = [text.decode([t], skip_special_tokens=False) for t in text.encode("日本語")]
+    assert "\ufffd" in "".join(pieces)  # the case this is about: byte pieces occur
