@@ -7,8 +7,9 @@
 ``EpisodeClient`` is ``openai.OpenAI`` and ``AsyncEpisodeClient`` ``openai.AsyncOpenAI`` (so an
 agent framework that takes an OpenAI client takes these), with an httpx response hook that reads
 fsdpfn's fields of every completion choice (``prompt_token_ids``, ``token_ids``,
-``token_logprobs``, ``weight_versions``: the server's own ids, behav_logp and versions) into
-``turns``. Nothing is re-tokenized. A server that does not return these fields (a plain OpenAI
+``token_logprobs``, ``weight_versions``, ``temperature``: the server's own ids, behav_logp,
+versions and the temperature they were drawn at) into ``turns``. Nothing is re-tokenized. A
+server that does not return these fields (a plain OpenAI
 endpoint) is refused on the first call: its text cannot be trained on exactly.
 """
 
@@ -38,7 +39,7 @@ def turns_of(url: str, body: dict) -> list[Turn]:
                                   f"the server's token ids, behav_logp and versions (fsdpfn's "
                                   f"rollout server returns them), not text")
         out.append(Turn(choice["prompt_token_ids"], choice["token_ids"], choice["token_logprobs"],
-                        choice["weight_versions"]))
+                        choice["weight_versions"], choice.get("temperature")))
     return out
 
 

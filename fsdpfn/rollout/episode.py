@@ -30,12 +30,16 @@ def _ints(value) -> list:
 @attrs.frozen
 class Turn:
     """One completion: ``prompt_ids`` (as rendered by the server), ``output_ids`` (sampled),
-    ``logprobs`` (their behav_logp), ``versions`` (the weights version of each sampled token)."""
+    ``logprobs`` (their behav_logp), ``versions`` (the weights version of each sampled token),
+    ``temperature`` (what the tokens were drawn at, 0 for greedy; None where the server did
+    not say)."""
 
     prompt_ids: list = attrs.field(converter=_ints)
     output_ids: list = attrs.field(converter=_ints)
     logprobs: list = attrs.field(converter=lambda v: [float(x) for x in v])
     versions: list = attrs.field(converter=_ints)
+    temperature: float | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else float(v))
 
     def __attrs_post_init__(self):
         n = len(self.output_ids)

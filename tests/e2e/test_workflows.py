@@ -230,3 +230,47 @@ def test_a_workflow_step_without_a_trainable_row_lets_the_run_go_on(tmp_path):
         capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("no trainable row") == 2, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_workflow_that_never_calls_its_client_is_an_error(server, tok):
+    row = {"prompt_ids": tok.encode("what is two plus two")}
+    (result,) = run_episodes(server.url, load_workflow(f"{WF}:never_calls"), [row], 1,
+                             on_error=-1.0)
+    assert result.turns == [] and result.reward == -1.0
+    assert "made no request through the client it was given" in result.error
+
+
+@pytest.mark.timeout(600)
+def test_the_recipe_stops_on_another_temperature_and_caps_minibatches_at_the_rows(tmp_path):
+    """A workflow sampling at 0.3 against ppo.temperature 1 stops the run in one line before
+    anything trains; a step of 8 episodes, half of them without a call (errors), leaves 4 rows
+    and takes 4 minibatches where ppo.n_minibatches is 8."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "small.yaml"
+    config.write_text(
+        "recipe: grpo\nsteps: 1\nprompts_per_step: 4\ntask: {digits: 1}\n"
+        "model: {hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, "
+        "num_kv_heads: 1}\nwarmup: {steps: 0}\nadvantage: {group_size: 2}\n"
+        "ppo: {n_minibatches: 8, kl_coef: 0.0}\neval: {every: 0}\ncheckpoint: {every: 0}\n"
+        "launch: {nproc: 1}\nlog: {plot: false, progress: false}\n")
+
+    def run(name, workflow):
+        return subprocess.run(
+            [sys.executable, "-m", "fsdpfn", "run", str(config), f"run_dir={tmp_path / name}",
+             f"rollout.workflow={workflow}"], capture_output=True, text=True, timeout=280)
+
+    hot = run("hot", f"{WF}:low_temperature")
+    assert hot.returncode != 0
+    assert "low_temperature sampled a turn at temperature 0.3 for data row" in hot.stderr
+    assert "but ppo.temperature is 1" in hot.stderr
+    capped = run("capped", f"{WF}:every_other")
+    assert capped.returncode == 0, capped.stderr[-2000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "capped" / "metrics.jsonl").open()
+              if '"phase": "grpo"' in line]
+    assert row["episode_rows"] == 4 and row["n_minibatches"] == 4, row
+    assert row["episode_errors"] == 4 and "made no request through the client" in capped.stderr
+    assert "4 rows for ppo.n_minibatches=8" in capped.stderr

@@ -60,3 +60,30 @@ def not_a_reward(client, row):
 
 def wrong_signature(row):
     return 1.0
+
+
+def never_calls(client, row):
+    """Builds no request through its client (as a workflow with a client of its own would)."""
+    return 1.0
+
+
+def low_temperature(client, row):
+    """One call at temperature 0.3, whatever ppo.temperature is."""
+    client.completions.create(model="policy", prompt=row["prompt_ids"], max_tokens=3,
+                              temperature=0.3)
+    return 1.0
+
+
+_calls = {"n": 0}
+_calls_lock = __import__("threading").Lock()
+
+
+def every_other(client, row):
+    """A call on every other episode of the process (the others make none: errors)."""
+    with _calls_lock:
+        _calls["n"] += 1
+        call = _calls["n"] % 2 == 0
+    if call:
+        client.completions.create(model="policy", prompt=row["prompt_ids"], max_tokens=3,
+                                  temperature=1.0)
+    return 1.0

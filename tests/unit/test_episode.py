@@ -116,3 +116,33 @@ def test_each_row_carries_its_episodes_group_advantage(estimator):
         assert torch.allclose(adv[mask[b]].double(), per_episode[k].expand(int(mask[b].sum())),
                               atol=1e-6)
         assert (adv[~mask[b]] == 0).all()
+
+
+def test_turns_at_another_temperature_than_the_trainers_stop_the_run_by_name():
+    from fsdpfn.app.recipes.workflow import check_episodes
+    from fsdpfn.errors import ConfigError
+
+    def at(temperature):
+        return _result(3, 1.0, [Turn([1, 2], [3, 4], [-0.5, -0.7], [0, 0], temperature)])
+
+    check_episodes([at(1.0), at(None)], "agents:solve", 1.0)  # None: the server did not say
+    check_episodes([at(0.7)], "agents:solve", 0.7)
+    with pytest.raises(ConfigError, match=r"rollout.workflow: agents:solve sampled a turn at "
+                       r"temperature 0.3 for data row 3, but ppo.temperature is 1"):
+        check_episodes([at(1.0), at(0.3)], "agents:solve", 1.0)
+    with pytest.raises(ConfigError, match=r"sampled a turn greedily \(temperature 0\)"):
+        check_episodes([at(0.0)], "agents:solve", 1.0)
+
+
+def test_a_step_whose_every_episode_failed_stops_the_run():
+    import attrs
+
+    from fsdpfn.app.recipes.workflow import check_episodes
+    from fsdpfn.errors import ConfigError
+
+    ok = _result(0, 1.0, [Turn([1], [2], [-0.1], [0], 1.0)])
+    failed = attrs.evolve(ok, error="raised RuntimeError: tool crashed")
+    check_episodes([ok, failed], "agents:solve", 1.0)
+    with pytest.raises(ConfigError, match=r"every episode of the step failed \(2\); "
+                       r"agents:solve on data row 0: raised RuntimeError: tool crashed"):
+        check_episodes([failed, failed], "agents:solve", 1.0)

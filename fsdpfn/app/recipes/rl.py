@@ -320,6 +320,13 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
             producer.advance(actor.version)
         return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times)
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
+    groups = len(set(full[K.GROUP_ID].tolist())) if K.GROUP_ID in full.keys() else len(full)
+    if groups < mesh.dp:  # episodes: a step's rows vary, and a group stays on one rank
+        log(f"step {step}: {groups} data row(s) left trainable rows, fewer than the "
+            f"{mesh.dp} data-parallel ranks; the step is skipped, the weights stay")
+        if producer is not None:
+            producer.advance(actor.version)
+        return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times)
     batch = ff.shard_batch(full, mesh)  # (b, T): whole groups (group_id) on each rank
     batch = _logprob_passes(cfg, actor, ref, batch, clock)
     if critic is not None:
@@ -327,7 +334,12 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
         clock.mark("values")
     if not rollout["advantages_done"]:  # episodes carry theirs (groups of unequal row counts)
         batch = ff.compute_advantages(batch, cfg.advantage, mesh=mesh)  # dp-global statistics
-    actor, stats = ff.ppo_step(actor, batch, _ppo_config(cfg, batch))
+    ppo = _ppo_config(cfg, batch)
+    if len(full) < ppo.n_minibatches:  # episodes: fewer rows this step than minibatches
+        log(f"step {step}: {len(full)} rows for ppo.n_minibatches={ppo.n_minibatches}: this "
+            f"step takes {len(full)} minibatches of one row")
+        ppo = attrs.evolve(ppo, n_minibatches=len(full))
+    actor, stats = ff.ppo_step(actor, batch, ppo)
     cstats = None
     if critic is not None:
         critic, cstats = ff.critic_step(critic, batch, cfg.critic)
@@ -344,6 +356,8 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
                        times)
     if greedy is not None:
         row["greedy_accuracy"] = greedy  # of the weights this step sampled with
+    if rollout["advantages_done"]:  # episodes: the minibatches vary with the step's rows
+        row["n_minibatches"] = ppo.n_minibatches
     return actor, critic, row
 
 

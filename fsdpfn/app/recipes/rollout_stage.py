@@ -216,13 +216,17 @@ class StreamRollout:
         return self._episodes(step, got, served, seconds)
 
     def _episodes(self, step, got, served, seconds) -> dict:
-        from fsdpfn.app.recipes.workflow import episodes_batch
+        from fsdpfn.app.recipes.workflow import check_episodes, episodes_batch
 
         cfg = self.cfg
         results = [r for g in got.groups for r in g.outputs]
         failed = [r for r in results if r.error is not None]
         for r in failed[:3]:
-            log(f"step {step}: episode of data row {r.index}: {r.error}")
+            log(f"step {step}: {self.workflow.spec}: episode of data row {r.index}: {r.error}")
+        if len(failed) > 3:
+            log(f"step {step}: {self.workflow.spec}: {len(failed) - 3} more failed episodes "
+                f"(episode_errors in metrics.jsonl)")
+        check_episodes(results, self.workflow.spec, cfg.ppo.temperature)
         batch, stats = episodes_batch(results, cfg.advantage.group_size,
                                       max_tokens=self.max_episode_tokens,
                                       estimator=cfg.advantage.estimator,

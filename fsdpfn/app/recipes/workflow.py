@@ -14,10 +14,12 @@ by fsdpfn.rollout.episode (joined where each turn extends the context, loss on s
 only). Group statistics (GRPO) are taken over the ``group_size`` episodes of one data row, and
 every row of an episode carries the episode's advantage.
 
-A workflow that raises, hangs past ``timeout_s`` or returns something that is not a reward scores
-``on_error``, is counted and described, and the run goes on; the turns it made before failing
-are trained with that reward. A row longer than the data limits is dropped and counted, never
-cut.
+A workflow that raises, hangs past ``timeout_s``, returns something that is not a reward or
+makes no request through its client scores ``on_error``, is counted and described, and the run
+goes on; the turns it made before failing are trained with that reward. A step whose every
+episode failed stops the run, and so does a turn drawn at another temperature than
+ppo.temperature (check_episodes). A row longer than the data limits is dropped and counted,
+never cut.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from fsdpfn.app.recipes import _reward_worker as W
 from fsdpfn.rollout.episode import episode_rows
 
 __all__ = ["Workflow", "load_workflow", "EpisodeResult", "run_episodes", "episodes_batch",
-           "to_reward"]
+           "check_episodes", "to_reward"]
 
 
 @attrs.frozen
@@ -102,6 +104,10 @@ class EpisodeResult:
     seconds: float
 
 
+NO_TURN = ("made no request through the client it was given (only that client's completions "
+           "are recorded: a client of its own trains nothing)")
+
+
 def _finish(index, client, value, error, on_error, t0) -> EpisodeResult:
     turns = list(client.turns)
     if error is None:
@@ -109,6 +115,8 @@ def _finish(index, client, value, error, on_error, t0) -> EpisodeResult:
             reward = to_reward(value, len(turns))
         except ValueError as exc:
             error = str(exc)
+    if error is None and not turns:
+        error = NO_TURN
     if error is not None:
         reward = on_error
     return EpisodeResult(index, turns, reward, error, time.perf_counter() - t0)
@@ -182,13 +190,34 @@ def run_episodes(url: str, workflow: Workflow, rows: list[dict], group_size: int
     return _run_sync(url, workflow, jobs, timeout_s, on_error)
 
 
+def check_episodes(results: list[EpisodeResult], spec: str, temperature: float) -> None:
+    """The rules a step's episodes must meet to be trained on, else ConfigError in one line
+    naming the workflow: every turn drawn at ``temperature`` (ppo.temperature: a turn's
+    behav_logp are log_softmax(logits / its temperature), the trainer's at ``temperature``;
+    greedy turns, 0, are no samples of the policy), and not every episode failed."""
+    for r in results:
+        for turn in r.turns:
+            t = turn.temperature
+            if t is not None and not math.isclose(t, temperature, rel_tol=1e-6, abs_tol=1e-9):
+                drawn = "greedily (temperature 0)" if t == 0 else f"at temperature {t:g}"
+                raise ConfigError(
+                    f"rollout.workflow: {spec} sampled a turn {drawn} for data row {r.index}, "
+                    f"but ppo.temperature is {temperature:g}: its behav_logp are not the "
+                    f"trained policy's; sample every turn at temperature {temperature:g} (a "
+                    f"call without one samples at 1), or set ppo.temperature")
+    if results and all(r.error is not None for r in results):
+        first = results[0]
+        raise ConfigError(f"rollout.workflow: every episode of the step failed ({len(results)}); "
+                          f"{spec} on data row {first.index}: {first.error}")
+
+
 def episodes_batch(results: list[EpisodeResult], group_size: int, *, max_tokens: int,
                    estimator: str = "grpo",
                    eps: float = 1e-6) -> tuple[TensorDict | None, dict[str, Any]]:
     """The public batch of a step's episodes: their rows (fsdpfn.rollout.episode) with
     ``behav_logp``, ``rewards`` (the episode's, per row), ``advantages`` (``estimator``, as
-    compute_advantages computes it, over each data row's episodes, on the row's loss tokens) and ``group_id`` (the data row); None when no
-    episode left a row. Rows over ``max_tokens`` are dropped and counted in the stats."""
+    compute_advantages computes it, over each data row's episodes, on the row's loss tokens) and
+    ``group_id`` (the data row); None when no episode left a row. Rows over ``max_tokens`` are dropped and counted in the stats."""
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
     if estimator not in ("grpo", "drgrpo", "rloo"):
         raise ConfigError(f"advantage.estimator: episodes are grouped per data row, so it must "
