@@ -217,7 +217,8 @@ def episodes_batch(results: list[EpisodeResult], group_size: int, *, max_tokens:
     """The public batch of a step's episodes: their rows (fsdpfn.rollout.episode) with
     ``behav_logp``, ``rewards`` (the episode's, per row), ``advantages`` (``estimator``, as
     compute_advantages computes it, over each data row's episodes, on the row's loss tokens) and
-    ``group_id`` (the data row); None when no episode left a row. Rows over ``max_tokens`` are dropped and counted in the stats."""
+    ``group_id`` (the data row); None when no episode left a row. Rows over ``max_tokens`` are
+    dropped and counted in the stats."""
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
     if estimator not in ("grpo", "drgrpo", "rloo"):
         raise ConfigError(f"advantage.estimator: episodes are grouped per data row, so it must "
