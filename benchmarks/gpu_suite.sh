@@ -6,7 +6,8 @@
 #           any change to the main job's path
 #   main    the main job from YAML on real shapes, each with its stage split: Qwen2-1.5B
 #           (examples/gpu/grpo_qwen2_1p5b.yaml), Llama-3.2-1B on the defaults with 1,024-token
-#           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml)
+#           answers (grpo_llama_1b.yaml), Qwen2-7B with the per-layer step (grpo_qwen2_7b.yaml);
+#           main_llama1b: the Llama-3.2-1B job alone (under 6 minutes)
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
 #           kernel category, the attention kernel at random lengths and at the loop's equal
 #           ones, each projection's matmul per backend and against Triton tilings, the network
@@ -143,13 +144,15 @@ for suite in "$@"; do
   case $suite in
     check) check ;;
     main) main ;;
+    main_llama1b) main_job llama1b llama-3.2-1b examples/gpu/grpo_llama_1b.yaml 300 ;;
     decode) decode ;;
     train) train ;;
     push) push ;;
     cp) cp_suite ;;
     memory) memory ;;
     lora) lora ;;
-    *) echo "unknown suite $suite (check, main, decode, train, push, cp, memory, lora)"; exit 2 ;;
+    *) echo "unknown suite $suite (check, main, main_llama1b, decode, train, push, cp, memory,"\
+         "lora)"; exit 2 ;;
   esac
 done
 (cd "$out" && tar czf results.tgz --exclude=items.txt --exclude=results.tgz . 2>/dev/null)
