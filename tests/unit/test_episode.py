@@ -146,3 +146,19 @@ def test_a_step_whose_every_episode_failed_stops_the_run():
     with pytest.raises(ConfigError, match=r"every episode of the step failed \(2\); "
                        r"agents:solve on data row 0: raised RuntimeError: tool crashed"):
         check_episodes([failed, failed], "agents:solve", 1.0)
+
+
+def test_rewards_a_workflow_may_return():
+    import numpy as np
+    import torch
+
+    from fsdpfn.app.recipes.workflow import to_reward
+
+    for value, want in ((1, 1.0), (True, 1.0), (np.float32(0.25), 0.25), (torch.tensor(0.75), 0.75),
+                        (np.array(-2.0), -2.0), ([0.5, torch.tensor(0.25)], 0.75)):
+        assert to_reward(value, 2 if isinstance(value, list) else 1) == want
+    for bad in (None, "great", float("nan"), torch.tensor([1.0, 2.0]), torch.tensor(float("inf"))):
+        with pytest.raises(ValueError, match="must return a finite number"):
+            to_reward(bad, 1)
+    with pytest.raises(ValueError, match="returned 1 rewards for 2 turns"):
+        to_reward([1.0], 2)

@@ -77,13 +77,16 @@ def load_workflow(spec: str, *, key: str = "rollout.workflow") -> Workflow:
 
 
 def to_reward(value, n_turns: int) -> float:
-    """A workflow's return value as the episode's reward: a finite number or bool, or one per
-    turn (summed); anything else raises ValueError naming what was returned."""
+    """A workflow's return value as the episode's reward: a finite number or bool (a 0-d tensor
+    or array of one too), or one per turn (summed); anything else raises ValueError naming what
+    was returned."""
     if isinstance(value, (list, tuple)):
         if len(value) != n_turns:
             raise ValueError(f"returned {len(value)} rewards for {n_turns} turns (one per turn, "
                              f"or one number)")
         return float(sum(to_reward(v, 1) for v in value))
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array
+        value = value.item()
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, numbers.Real) and math.isfinite(value):
