@@ -25,8 +25,11 @@ CODE = textwrap.dedent("""
                        timeout_s=0.5, on_error=-1.0)
     assert [r.reward for r in out] == [-1.0, -1.0], out
     assert all(r.error.startswith("timeout") for r in out), out
-    out = run_episodes("http://127.0.0.1:9", Workflow(answers, False, "t:answers"), [{}, {}], 1)
-    assert [r.reward for r in out] == [1.0, 1.0], out
+    out = run_episodes("http://127.0.0.1:9", Workflow(answers, False, "t:answers"), [{}, {}], 1,
+                       on_error=-2.0)
+    # it returned, without a request through its client: an error, not a reward of 1
+    assert [r.reward for r in out] == [-2.0, -2.0], out
+    assert all(r.error.startswith("made no request") for r in out), out
     print("scored", flush=True)
 """)
 
