@@ -50,7 +50,7 @@ def build_skeleton(hf_config, *, is_critic: bool, dtype: torch.dtype, device) ->
     auto = AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
     with torch.device(device):
         model = auto.from_config(hf_config, dtype=dtype)
-        # transformers before 5.1 (or so) does not tie the head to the embeddings when it builds
+        # transformers 5.0 does not tie the head to the embeddings when it builds (5.1 does)
         # on the meta device; from_pretrained ties them after loading, so do the same here
         model.tie_weights()
     return model
