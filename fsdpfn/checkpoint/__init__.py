@@ -37,6 +37,10 @@ Decisions (documented contract):
 * ``load_checkpoint`` returns the successor with the saved ``step`` and
   ``version = max(state.version, saved version) + 1`` (weights changed, and versions never go
   back, so a rollout engine never mistakes the loaded weights for ones it holds).
+* The optimizer's moments and step counts and the LR schedule's position are the checkpoint's;
+  the hyper-parameters (lr, betas, eps, weight decay, schedule, warm-up) are the loading state's
+  OptimizerConfig: a state built with a changed config continues with it from the saved step
+  (``--resume`` with a new ``optimizer.lr``), and ``state.config`` says what runs.
 * A trainable state loading a checkpoint without optimizer state (saved from an inference-only
   state), and an inference-only state loading one with optimizer state, raise CheckpointError;
   ``weights_only=True`` loads just the model weights (the state keeps its own optimizer, LR

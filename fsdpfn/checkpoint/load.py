@@ -296,29 +296,46 @@ def _verify(planner: integrity.VerifyingPlanner, plan: _LoadPlan, mesh) -> None:
     agree_on_error(mesh, error)
 
 
-def _restore_param_groups(optimizer, saved: list) -> None:
-    for group, hyper in zip(optimizer.param_groups, saved):
-        for key, value in hyper.items():
-            if key in group:
-                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+def _hyper(optimizer) -> list[dict]:
+    """Each param group's hyper-parameters (everything but its parameters)."""
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def _schedule_at(state: EngineState, saved: dict) -> None:
+    """The scheduler at the saved position (its step count), on the state's own schedule and
+    peak rates: the rates of the state's OptimizerConfig at that step."""
+    sched = state.scheduler
+    sched.last_epoch = int(saved["last_epoch"])
+    if "_step_count" in saved:
+        sched._step_count = int(saved["_step_count"])  # noqa: SLF001 - torch's own counter
+    rates = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, rate in zip(state.optimizer.param_groups, rates):
+        group["lr"] = rate
+    sched._last_lr = rates  # noqa: SLF001 - what get_last_lr() reports
 
 
 def _apply(state: EngineState, plan: _LoadPlan) -> None:
-    """Everything is read and checked: copy it into the live model, optimizer and scheduler."""
+    """Everything is read and checked: copy it into the live model, optimizer and scheduler.
+    The optimizer's moments and step counts and the schedule's position are the checkpoint's;
+    its hyper-parameters (lr, betas, eps, weight decay, the schedule) stay the state's own,
+    those of its OptimizerConfig, so a state built with another config continues with it."""
     set_model_state_dict(state.model, plan.staging["model"], options=StateDictOptions(
         strict=state.config.lora is None))  # a LoRA checkpoint holds the adapters alone
     manifest = plan.manifest
     if plan.load_optim:
+        own = _hyper(state.optimizer)
         if "optim" in plan.staging:
             set_optimizer_state_dict(state.model, state.optimizer, plan.staging["optim"],
                                      options=_OPTIM_FLAT)
-        else:  # saved before the first step: no moments, exactly as saved
+        else:  # saved before the first step: no moments
             state.optimizer.state.clear()
-            _restore_param_groups(state.optimizer, manifest["optimizer"].get("param_groups", []))
+        for group, hyper in zip(state.optimizer.param_groups, own):
+            group.update(hyper)
         for param in state.model.parameters():
             param.grad = None
         if state.scheduler is not None and manifest.get("scheduler") is not None:
-            state.scheduler.load_state_dict(copy.deepcopy(manifest["scheduler"]))
+            _schedule_at(state, manifest["scheduler"])
     if plan.rng is not None:
         _set_rng_state(plan.rng, state.mesh)
 
@@ -328,13 +345,15 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     """Load a checkpoint saved by save_checkpoint at any mesh shape into ``state``'s mesh.
 
     Returns ``(successor, extra)``; ``state`` is donated (stale afterwards). The successor has the
-    saved step and ``version = max(state.version, saved version) + 1``; model, optimizer (Adam
-    moments and hyper-parameters), LR scheduler and RNG are those saved. ``weights_only=True``
-    loads the model weights only (the successor keeps this state's optimizer, scheduler, step and
-    RNG). ``verify=True`` first checks the manifest's own CRC32 (a manifest without it, from an
-    older fsdpfn, is refused), then every chunk read against the checksums recorded at save
-    (fsdpfn.checkpoint.integrity; at any world size); a checkpoint saved with checksums=False loads with a
-    warning; ``verify=False`` reads everything unverified. Collective. Raises CheckpointError
+    saved step and ``version = max(state.version, saved version) + 1``; the model, the
+    optimizer's moments and step counts, the LR schedule's position and the RNG are those saved,
+    while the optimizer's hyper-parameters (lr, betas, eps, weight decay, schedule) are the
+    state's own OptimizerConfig (a state built with a changed config continues with it).
+    ``weights_only=True`` loads the model weights only (the successor keeps this state's
+    optimizer, scheduler, step and RNG). ``verify=True`` first checks the manifest's own CRC32 (a
+    manifest without it, from an older fsdpfn, is refused), then every chunk read against the
+    checksums recorded at save (fsdpfn.checkpoint.integrity; at any world size); a checkpoint
+    saved with checksums=False loads with a warning; ``verify=False`` reads everything unverified. Collective. Raises CheckpointError
     on every rank, with the state unchanged and live, for a missing, incomplete, truncated,
     corrupted or mismatching checkpoint (the file and the tensor named; see the module
     docstring).
