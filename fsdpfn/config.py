@@ -44,6 +44,16 @@ class OptimizerConfig:
 
     Weight decay applies to matrices only (norm weights and biases are skipped).
     ``total_steps`` is needed by the linear and cosine schedules.
+
+    The rate at optimizer step s (0-based, counting warm-up): lr * (s + 1) / warmup_steps while
+    s < warmup_steps; then lr * (m + (1 - m) * f(p)), m = min_lr_ratio, p = min((s -
+    warmup_steps) / (total_steps - warmup_steps), 1), f(p) = 1 - p (linear) or (1 + cos(pi p))
+    / 2 (cosine), 1 for constant (which ignores total_steps and min_lr_ratio): the floor is
+    first used at step total_steps. Decay is decoupled and scaled by that rate (torch's AdamW),
+    on every parameter of two or more dimensions, the embeddings and the head included (once
+    when tied). Clipping scales the gradients by max_grad_norm / (norm + 1e-6) when the global
+    norm over all parameters exceeds max_grad_norm; the step stats' ``grad_norm`` is the norm
+    before clipping.
     """
 
     lr: float = attrs.field(default=1e-5, converter=to_float, validator=number(gt=0))
