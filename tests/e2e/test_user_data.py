@@ -21,6 +21,7 @@ import yaml
 from fsdpfn.app.cli import main
 from fsdpfn.app.recipes.data import DataConfig, prepare_files
 from fsdpfn.app.recipes.model import HFTokenizer
+from fsdpfn.errors import ConfigError
 from fsdpfn.testing.hf_dir import write_tiny_hf_dir
 
 pytestmark = pytest.mark.dist
@@ -255,5 +256,76 @@ def test_chat_sft_puts_loss_on_assistant_turns_only(ws, tmp_path):
     ex = json.loads((tmp_path / "out" / "train.jsonl").read_text())
     ids, loss = ex["ids"], ex["loss"]
     trained = tok.tok.decode([t for t, m in zip(ids, loss) if m])
-    assert trained == "3<|im_end|>\n4<|im_end|>\n", trained
+    # each turn's content and its end-of-turn token; the newline after it is framing
+    assert trained == "3<|im_end|>4<|im_end|>", trained
     assert ids == tok.chat_ids(conv, generation_prompt=False)
+
+
+# a template that puts a default system turn before a conversation without one (as Qwen2.5's)
+DEFAULT_SYSTEM = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _trained(tok, ex):
+    return tok.tok.decode([t for t, m in zip(ex["ids"], ex["loss"]) if m])
+
+
+@pytest.mark.timeout(60)
+def test_a_conversation_opened_by_the_assistant_trains_its_turns_only(ws, tmp_path):
+    conv = [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "1+2?"},
+            {"role": "assistant", "content": "3"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": conv}) + "\n")
+    tok = HFTokenizer(ws / "model")
+    tok.tok.chat_template = DEFAULT_SYSTEM
+    prepare_files(DataConfig(train_files=(str(tmp_path / "chat.jsonl"),)), tok, "sft",
+                  tmp_path / "out")
+    ex = json.loads((tmp_path / "out" / "train.jsonl").read_text())
+    assert _trained(tok, ex) == "Hello<|im_end|>3<|im_end|>"  # no system turn, no header
+    assert ex["ids"] == tok.chat_ids(conv, generation_prompt=False)
+
+
+@pytest.mark.timeout(60)
+def test_templated_prompt_and_response_rows_end_their_turn_as_chat_rows_do(ws, tmp_path):
+    """chat_template: true: the response is the assistant turn of the rendered conversation,
+    closed by the template's end-of-turn token, for sft and for both sides of a dpo pair."""
+    row = {"prompt": "1+2?", "response": "3", "chosen": "3", "rejected": "4"}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    tok = HFTokenizer(ws / "model")
+    cfg = DataConfig(train_files=(str(tmp_path / "rows.jsonl"),), chat_template=True,
+                     system_prompt="Add.")
+    prepare_files(cfg, tok, "sft", tmp_path / "sft")
+    ex = json.loads((tmp_path / "sft" / "train.jsonl").read_text())
+    conv = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2?"},
+            {"role": "assistant", "content": "3"}]
+    assert ex["ids"] == tok.chat_ids(conv, generation_prompt=False)
+    assert _trained(tok, ex) == "3<|im_end|>"
+    prepare_files(cfg, tok, "dpo", tmp_path / "dpo")
+    pair = json.loads((tmp_path / "dpo" / "train.jsonl").read_text())
+    head = tok.chat_ids(conv[:2], generation_prompt=True)
+    for side, text in (("chosen", "3"), ("rejected", "4")):
+        ids, loss = pair[side]
+        assert ids[:len(head)] == head and not any(loss[:len(head)])
+        assert tok.tok.decode([t for t, m in zip(ids, loss) if m]) == f"{text}<|im_end|>"
+
+
+@pytest.mark.timeout(60)
+def test_a_system_prompt_for_untemplated_string_prompts_is_refused(ws, tmp_path):
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "Hi", "response": "yo"}) + "\n")
+    cfg = DataConfig(train_files=(str(tmp_path / "rows.jsonl"),), system_prompt="Be brief.")
+    with pytest.raises(ConfigError, match="data.system_prompt: goes into chat prompts, and "
+                       "string prompts are chat prompts only with data.chat_template: true"):
+        prepare_files(cfg, HFTokenizer(ws / "model"), "sft", tmp_path / "out")
+
+
+@pytest.mark.timeout(60)
+def test_a_split_no_file_feeds_now_is_not_left_behind(ws, tmp_path):
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "Hi", "response": "yo"}) + "\n")
+    out = tmp_path / "out"
+    files = (str(tmp_path / "rows.jsonl"),)
+    prepare_files(DataConfig(train_files=files, eval_files=files), HFTokenizer(ws / "model"),
+                  "sft", out)
+    assert (out / "eval.jsonl").is_file()
+    prepare_files(DataConfig(train_files=files), HFTokenizer(ws / "model"), "sft", out)
+    assert not (out / "eval.jsonl").exists()  # an earlier run's held-out rows are not used

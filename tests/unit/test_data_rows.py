@@ -79,9 +79,13 @@ def test_a_custom_column_name_is_named_with_its_key_and_other_bad_rows_are_count
 @pytest.mark.parametrize("recipe, row, column, key, rule, got", [
     ("grpo", _with(answer=None), "answer", "answer_key", "present (not null) in every row",
      "null"),
-    ("sft", _with(response=3), "response", "response_key", "a string", "number 3"),
-    ("dpo", _with(chosen=None), "chosen", "chosen_key", "a string", "null"),
-    ("rw", _with(rejected=_MISSING), "rejected", "rejected_key", "a string",
+    ("sft", _with(response=3), "response", "response_key", "a non-blank string", "number 3"),
+    ("sft", _with(response=" \n"), "response", "response_key", "a non-blank string",
+     "an empty string ' \\n'"),
+    ("dpo", _with(chosen=None), "chosen", "chosen_key", "a non-blank string", "null"),
+    ("dpo", _with(rejected=""), "rejected", "rejected_key", "a non-blank string",
+     "an empty string ''"),
+    ("rw", _with(rejected=_MISSING), "rejected", "rejected_key", "a non-blank string",
      "no such key in the row"),
 ])
 def test_every_column_a_recipe_reads_is_checked(tmp_path, recipe, row, column, key, rule, got):
@@ -91,7 +95,18 @@ def test_every_column_a_recipe_reads_is_checked(tmp_path, recipe, row, column, k
         f"got {got}")
 
 
+def test_a_pair_of_equal_responses_is_refused(tmp_path):
+    row = {**GOOD, "chosen": "same", "rejected": "same"}
+    f = _jsonl(tmp_path / "train.jsonl", [GOOD, row])
+    assert _refused(tmp_path, "dpo", train_files=(f,)) == (
+        f"data.train_files: {f!r} line 2: columns 'chosen' (data.chosen_key) and 'rejected' "
+        f"(data.rejected_key) must differ (a pair of equal responses prefers nothing), got "
+        f"string 'same' twice")
+
+
 @pytest.mark.parametrize("recipe, messages, rule_end", [
+    ("sft", [{"role": "user", "content": "hi"}], "with at least one assistant turn (the loss "
+                                                 "is on them)"),
     ("sft", [{"role": "user", "content": None}], "content: string}"),
     ("sft", [], "content: string}"),
     ("sft", "hello", "content: string}"),

@@ -14,14 +14,25 @@ last assistant turn is the prompt) and ``answer_key`` when present; sft reads ``
 (loss on the assistant turns only) or ``prompt_key`` + ``response_key`` (loss on the response);
 rw/dpo read ``prompt_key`` + ``chosen_key`` + ``rejected_key``. String prompts are tokenized as
 they are, or rendered as one user turn with the chat template when ``chat_template: true``; chat
-messages always go through the tokenizer's chat template.
+messages always go through the tokenizer's chat template. ``system_prompt`` goes into chat
+prompts (before a conversation without a system turn), so with string prompts it needs
+``chat_template: true``.
+
+The loss of a chat row is on each assistant turn's content and its end-of-turn token (the last
+special token the template closes the turn with, e.g. ``<|im_end|>``), not on the template's
+framing: a default system turn, the turn's header, the newline after its end. A templated
+prompt with a response (sft, and each side of an rw/dpo pair) is the conversation [user prompt,
+assistant response], so it ends the same way; an untemplated one is the prompt's ids, the
+response's and the tokenizer's first stop token. Responses must be non-blank strings, a pair's
+two responses must differ, and an sft conversation needs an assistant turn.
 
 A bad file or a bad row (a prompt missing, null or not a string, a line that is not JSON, a
 file that is not UTF-8 or is empty) refuses the split with one ConfigError naming the file, the
 line or row, the column and its key, before anything is tokenized (fsdpfn.app.recipes.data_rows).
 
 Samples that do not fit (a prompt over ``max_prompt_tokens``; for sft/rw/dpo a response over
-``max_response_tokens``) are dropped when the data is prepared, never cut, and counted: the launcher
+``max_response_tokens``, a chat's response being all its assistant tokens and its prompt the
+rest) are dropped when the data is prepared, never cut, and counted: the launcher
 prints the counts and writes them to run_dir/data/stats.json. RL responses are generated with
 ``max_new_tokens = max_response_tokens``; the clipped fraction is a per-step metric.
 
@@ -132,22 +143,48 @@ def _prompt_ids(cfg: DataConfig, tok, prompt) -> list[int]:
 
 def _chat_loss_mask(cfg: DataConfig, tok, messages: list) -> tuple[list[int], list[bool]]:
     """The whole conversation's ids, loss on the assistant turns only: each turn's tokens are
-    the difference between the template rendered up to it and up to the turn before."""
+    the difference between the template rendered up to it (with the generation prompt, so its
+    header is framing) and rendered through it; of those, the tokens after the turn's last
+    special token (its end-of-turn marker, e.g. the newline after <|im_end|>) are framing too."""
     messages = _with_system(cfg, messages)
     ids = tok.chat_ids(messages, generation_prompt=False)
     loss = [False] * len(ids)
+    special = tok.special_ids
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        start = len(tok.chat_ids(messages[:i], generation_prompt=True)) if i else 0
-        end = len(tok.chat_ids(messages[:i + 1], generation_prompt=False))
-        if ids[:end] != tok.chat_ids(messages[:i + 1], generation_prompt=False):
+        through = tok.chat_ids(messages[:i + 1], generation_prompt=False)
+        if ids[:len(through)] != through:
             raise ConfigError("data.messages_key: the chat template does not render a "
                               "conversation's prefixes as prefixes of the whole, so assistant "
                               "turns cannot be located; use prompt_key + response_key")
-        for t in range(start, min(end, len(ids))):
+        start = (len(tok.chat_ids(messages[:i], generation_prompt=True)) if i
+                 else _first_turn_start(tok, m, through))
+        end = len(through)
+        marks = [t for t in range(start, end) if ids[t] in special]
+        if marks and marks[-1] > start:  # the turn's own end-of-turn token closes its loss
+            end = marks[-1] + 1
+        for t in range(start, end):
             loss[t] = True
     return ids, loss
+
+
+def _first_turn_start(tok, message: dict, through: list[int]) -> int:
+    """Where the content of a conversation's first turn (an assistant's) begins: the tokens it
+    shares with the same turn rendered empty are the template's (BOS, a default system turn,
+    the turn's header)."""
+    empty = tok.chat_ids([{**message, "content": ""}], generation_prompt=False)
+    n = 0
+    while n < min(len(empty), len(through)) and empty[n] == through[n]:
+        n += 1
+    return n
+
+
+def _chat_pair(cfg: DataConfig, prompt, response: str) -> list[dict]:
+    """A string or chat prompt and its response as one conversation (chat_template or chat
+    prompts), for the template to render; the loss goes on the response's turn."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return messages + [{"role": "assistant", "content": response}]
 
 
 def _response_ids(tok, text) -> list[int]:
@@ -156,8 +193,30 @@ def _response_ids(tok, text) -> list[int]:
     return ids + ([tok.stop_ids[0]] if tok.stop_ids else [])
 
 
+def _templated(cfg: DataConfig, prompt) -> bool:
+    """Whether a prompt goes through the chat template (chat messages, or chat_template)."""
+    return not isinstance(prompt, str) or cfg.chat_template
+
+
+def _pair_rows(cfg: DataConfig, tok, prompt, response: str):
+    """(ids, loss, prompt tokens) of a prompt and response: through the chat template as a
+    conversation (its end-of-turn token closing the response, as chat rows end their turns),
+    else the prompt as tokenized then the response and the tokenizer's stop token."""
+    if _templated(cfg, prompt):
+        ids, loss = _chat_loss_mask(cfg, tok, _chat_pair(cfg, prompt, response))
+        return ids, loss, loss.index(True) if True in loss else len(ids)
+    head = _prompt_ids(cfg, tok, prompt)
+    body = _response_ids(tok, response)
+    return head + body, [False] * len(head) + [True] * len(body), len(head)
+
+
 def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
     """(example, None) or (None, reason it was dropped)."""
+    if cfg.system_prompt and "prompt" in cols and isinstance(row[cols["prompt"]], str) \
+            and not cfg.chat_template:
+        raise ConfigError(f"data.system_prompt: goes into chat prompts, and string prompts "
+                          f"are chat prompts only with data.chat_template: true, got "
+                          f"system_prompt {cfg.system_prompt[:60]!r} with chat_template false")
     ex: dict = {"sample": row}
     if "answer" in cols:
         ex["answer"] = row[cols["answer"]]
@@ -176,31 +235,28 @@ def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
     if recipe == "sft":
         if "messages" in cols:
             ids, loss = _chat_loss_mask(cfg, tok, list(row[cols["messages"]]))
-            first = loss.index(True) if True in loss else len(ids)
-            if first > cfg.max_prompt_tokens:
-                return None, "prompt over max_prompt_tokens"
-            if len(ids) - first > cfg.max_response_tokens:
-                return None, "response over max_response_tokens"
         else:
-            prompt = _prompt_ids(cfg, tok, row[cols["prompt"]])
-            response = _response_ids(tok, row[cols["response"]])
-            if len(prompt) > cfg.max_prompt_tokens:
-                return None, "prompt over max_prompt_tokens"
-            if len(response) > cfg.max_response_tokens:
-                return None, "response over max_response_tokens"
-            ids, loss = prompt + response, [False] * len(prompt) + [True] * len(response)
+            ids, loss, _ = _pair_rows(cfg, tok, row[cols["prompt"]], row[cols["response"]])
+        # the response: every token trained on (all assistant turns); the prompt: the rest
+        if len(ids) - sum(loss) > cfg.max_prompt_tokens:
+            return None, "prompt over max_prompt_tokens"
+        if sum(loss) > cfg.max_response_tokens:
+            return None, "response over max_response_tokens"
         if not any(loss[1:]):
             return None, "no response tokens"
         ex.update(ids=ids, loss=loss)
         return ex, None
-    prompt = _prompt_ids(cfg, tok, row[cols["prompt"]])
-    if len(prompt) > cfg.max_prompt_tokens:
-        return None, "prompt over max_prompt_tokens"
     for side in ("chosen", "rejected"):
-        response = _response_ids(tok, row[cols[side]])
-        if len(response) > cfg.max_response_tokens:
+        ids, loss, head = _pair_rows(cfg, tok, row[cols["prompt"]], row[cols[side]])
+        if head > cfg.max_prompt_tokens:
+            return None, "prompt over max_prompt_tokens"
+        if sum(loss) > cfg.max_response_tokens:
             return None, f"{side} response over max_response_tokens"
-        ex[side] = (prompt + response, [False] * len(prompt) + [True] * len(response))
+        ex[side] = (ids, loss)
+    if ex["chosen"][0][:head] != ex["rejected"][0][:head]:
+        raise ConfigError("data.chat_template: the chat template renders the same prompt "
+                          "differently before two responses, so a pair cannot share it; use "
+                          "string prompts with chat_template: false")
     return ex, None
 
 
@@ -219,6 +275,9 @@ def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path) -> dict:
             splits.append((split, key, data, cols))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "eval"):  # a split no file feeds now (left by an earlier run)
+        if split not in {name for name, *_ in splits}:
+            (out_dir / f"{split}.jsonl").unlink(missing_ok=True)
     report = {split: _write_split(cfg, tok, recipe, data, cols, out_dir / f"{split}.jsonl", key)
               for split, key, data, cols in splits}
     (out_dir / "stats.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -183,14 +183,24 @@ def _rl_messages_problem(value) -> str | None:
     return problem
 
 
+def _sft_messages_problem(value) -> str | None:
+    """sft trains on the assistant turns: one must be there."""
+    problem = _messages_problem(value)
+    if problem is None and not any(m["role"] == "assistant" for m in value):
+        return MESSAGES_RULE + " with at least one assistant turn (the loss is on them)"
+    return problem
+
+
 def _rules(recipe: str) -> dict:
     def text(value):
-        return None if isinstance(value, str) else "a string"
+        """A response: trained on, so an empty or blank one would teach answering nothing."""
+        return None if isinstance(value, str) and value.strip() else "a non-blank string"
 
     def present(value):
         return None if value is not None else "present (not null) in every row"
 
-    messages = _rl_messages_problem if recipe in ("grpo", "ppo") else _messages_problem
+    messages = {"grpo": _rl_messages_problem, "ppo": _rl_messages_problem,
+                "sft": _sft_messages_problem}.get(recipe, _messages_problem)
     return {"prompt": _prompt_problem, "messages": messages, "answer": present,
             "response": text, "chosen": text, "rejected": text}
 
@@ -203,6 +213,10 @@ def _row_problem(row: dict, cols: dict, rules: dict) -> str | None:
         if problem is not None:
             return (f"column {col!r} (data.{_FIELDS[role]}) must be {problem}, got "
                     f"{_describe(value, missing=missing)}")
+    if "chosen" in cols and row.get(cols["chosen"]) == row.get(cols["rejected"]):
+        return (f"columns {cols['chosen']!r} (data.chosen_key) and {cols['rejected']!r} "
+                f"(data.rejected_key) must differ (a pair of equal responses prefers nothing), "
+                f"got {_describe(row.get(cols['chosen']))} twice")
     return None
 
 

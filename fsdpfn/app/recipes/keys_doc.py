@@ -77,7 +77,9 @@ NOTES = {
     ("DataConfig", "max_response_tokens"): "RL: max new tokens; sft/rw/dpo: longer responses "
                                            "are dropped (counted)",
     ("DataConfig", "shuffle"): "a permutation per epoch drawn under (seed, epoch)",
-    ("DataConfig", "eval_size"): "use at most this many held-out rows (null: all)",
+    ("DataConfig", "eval_size"): "sft, rw, dpo: use at most this many held-out rows (null: "
+                                 "every row of eval_files; the embedded task: 256, rw 128); "
+                                 "grpo/ppo evaluate eval.n_prompts",
     ("AdditionTask", "digits"): "operand digits",
     ("AdditionTask", "reverse"): "answer written least-significant digit first",
     ("AdditionTask", "zero_pad"): "operands written with all their digits (07+48=)",

@@ -199,6 +199,10 @@ class HFTokenizer:
         self.eos_id = stops[0] if stops else None
         self.vocab_size = len(self.tok)
         self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+        # special tokens (a chat template's end-of-turn markers among them)
+        self.special_ids = {int(i) for i in self.tok.all_special_ids} | {
+            int(i) for i, t in getattr(self.tok, "added_tokens_decoder", {}).items()
+            if getattr(t, "special", False)}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))

@@ -144,7 +144,12 @@ def _held_out(cfg, ctx, tok, n: int):
     held = load_source(cfg, tok, ctx.run_dir, "eval")
     if held is None and not cfg.data.from_files:
         held = load_source(cfg, tok, ctx.run_dir, "train")
-    return held.head(n if cfg.data.eval_size is None else cfg.data.eval_size) if held else None
+    if held is None:
+        return None
+    if cfg.data.eval_size is not None:
+        return held.head(cfg.data.eval_size)
+    # null: every held-out row of the eval files; the embedded task's endless stream: n
+    return held.head(len(held) if cfg.data.from_files else n)
 
 
 # ---------------------------------------------------------------- recipes
