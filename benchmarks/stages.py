@@ -3,8 +3,10 @@
     python benchmarks/stages.py runs/demo [runs/other ...] [--skip 1]
 
 One row per run: mean seconds of each stage over the steps (the first ``--skip`` steps left out:
-they include compilation and allocator warm-up), tokens/s, generated tokens/s, response length,
-and reward of the first and last five steps.
+they include compilation and allocator warm-up; a stage a step did not run, as a checkpoint,
+counts 0 s there), the step's seconds (its checkpoint included), tokens/s, generated tokens/s,
+response length (its clipped fraction: response_clip_frac), and reward of the first and last
+five steps.
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ def summarize(run_dir: Path, skip: int) -> dict:
     timed = rows[skip:] or rows
 
     def mean(key):
+        """Over the timed steps; a stage a step did not run (a checkpoint) counts as 0 s."""
         vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
-        return round(sum(vals) / len(vals), 3) if vals else ""
+        if not vals:
+            return ""
+        if key.endswith("_seconds"):
+            return round(sum(vals) / len(timed), 3)
+        return round(sum(vals) / len(vals), 3)
 
     out = {"run": run_dir.name, "steps": len(rows), "s/step": mean("seconds")}
     out.update({f"{s} s": mean(f"{s}_seconds") for s in STAGES if mean(f"{s}_seconds") != ""})

@@ -271,8 +271,8 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         write_run_state(run_dir, "failed", exit_code=None,
                         error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
-    _summarize(cfg, run_dir, seconds, rc, interrupted, servers)
-    status = 130 if interrupted else rc
+    status = 130 if interrupted else rc  # the process's exit status
+    _summarize(cfg, run_dir, seconds, status, interrupted, servers)
     failure = {}
     if rc != 0 and not interrupted:
         failure["error"] = _report_failure(run_dir, rc, failed)

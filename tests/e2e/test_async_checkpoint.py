@@ -224,6 +224,13 @@ def test_async_saves_are_exact_and_a_kill_mid_save_resumes_from_the_last_publish
     assert names == sorted(set(names)) and set(names) <= set(_published(async_dir))
     assert names[-1] == "step_000006" and named[-1]["step"] == 6
     assert all(r["checkpoint_write_seconds"] > 0 for r in named)
+    # every published checkpoint is named by some row (step 4's, in flight while step 6's
+    # final save is written directly, by step 6's row beside it)
+    every = {Path(p).name for r in rows for p in r.get("checkpoints_published", ())} | set(names)
+    assert every == set(_published(async_dir))
+    # a step's seconds include the save it was blocked by; its step stats are in the row
+    assert all(r["seconds"] >= r["checkpoint_seconds"] > 0 for r in saved)
+    assert all({"time_total", "time_forward", "lr", "peak_memory_gb"} <= set(r) for r in rows)
 
     # 2. a SIGKILL while step 4's save is in flight: step 2 is the last published checkpoint
     leftovers = _kill_mid_save(config, killed_dir, tmp_path / "killed.log")

@@ -138,5 +138,6 @@ def test_sigint_stops_cleanly(tmp_path):
     assert "stopped" in err and "--resume" in err
     state = json.loads((run_dir / "run_state.json").read_text())
     assert state["status"] == "interrupted" and state["exit_code"] == 130
-    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["exit_code"] == 130
     assert read_png(run_dir / "metrics.png")

@@ -43,7 +43,7 @@ from fsdpfn.app.recipes.model import has_weights, initial_model_dir, load_tokeni
 from fsdpfn.app.recipes.reward import build_reward_pool, reward_spec
 from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunContext,
                                         all_reduce_sum, broadcast_from_main, is_main, log,
-                                        mean_sequence_prob)
+                                        mean_sequence_prob, step_stats, with_checkpoint)
 from fsdpfn.app.recipes.rollout_stage import build_rollout, sampling, score
 from fsdpfn.app.recipes.task import sequences_batch
 from fsdpfn.engine.timing import Phases, peak_tflops
@@ -89,8 +89,9 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
         state, stats = ff.sft_step(state, ff.shard_batch(batch, mesh), ff.SFTConfig())
         seconds = time.perf_counter() - t0
         tokens = int(batch[K.ATTENTION_MASK].sum())
-        row = {"phase": "warmup", "step": i + 1, "loss": float(stats["loss"]),
-               "tokens_per_s": tokens / seconds, "seconds": seconds}
+        row = {**step_stats(stats, skip=("tokens",)), "phase": "warmup", "step": i + 1,
+               "loss": float(stats["loss"]), "tokens_per_s": tokens / seconds,
+               "seconds": seconds}
         done = False
         if w.target_reward is not None and (i + 1) % w.check_every == 0:
             row["expected_reward"] = mean_sequence_prob(state, mesh, held_out)
@@ -288,6 +289,7 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
                              final=step == cfg.steps or stop))
         else:
             row.update(saves.poll())
+        with_checkpoint(row)
         metrics.write(row)
         bar.update(step, reward=row["reward_mean"], loss=row["loss"],
                    **({"greedy": row["greedy_accuracy"]} if evaluate else {}),

@@ -107,6 +107,27 @@ class RunContext:
         return [u for u in (self.rollout_url or "").split(",") if u]
 
 
+def step_stats(stats, *, skip=()) -> dict:
+    """A step function's stats as a metrics row's floats (the time_* parts, peak_memory_gb,
+    lr, steps, skipped, ...), nested keys joined by "/"; ``skip``: keys the row names itself."""
+    out = {}
+    for key in stats.keys():
+        name = key if isinstance(key, str) else "/".join(key)
+        if name not in skip:
+            out[name] = float(stats[key])
+    return out
+
+
+def with_checkpoint(row: dict) -> dict:
+    """A step's row with its checkpoint counted in the step: ``seconds`` the whole step, the
+    save it was blocked by included, and ``tokens_per_s`` over it."""
+    if row.get("checkpoint_seconds"):
+        row["seconds"] += row["checkpoint_seconds"]
+        if row.get("tokens"):
+            row["tokens_per_s"] = row["tokens"] / row["seconds"]
+    return row
+
+
 class Checkpoints:
     """The recipe's checkpoint saves (``cfg.checkpoint``), at most one in flight.
 
@@ -115,7 +136,9 @@ class Checkpoints:
     once the state's shards are copied to host memory and publishes in the background; the next
     save waits for it first, and a ``final`` save (the end of the run, a clean stop) is written
     directly. Rows name only published checkpoints: ``checkpoint`` (the newest published by
-    the row's step) and its ``checkpoint_write_seconds`` (its start to its publication).
+    the row's step) and its ``checkpoint_write_seconds`` (its start to its publication), and
+    ``checkpoints_published`` every one a save published at that step (the save in flight,
+    which a new save waits for, and the new one when it is written directly).
     Collective: every rank calls every method at the same step.
     """
 
@@ -133,12 +156,14 @@ class Checkpoints:
         import fsdpfn as ff
 
         t0 = time.perf_counter()
-        row = self.wait()
+        row = self.wait()  # the save in flight publishes first: named in this row too
+        earlier = row.get("checkpoint")
         if self._copy is None:
             from fsdpfn.checkpoint.save import copy_bytes
 
             self._copy = sum(copy_bytes(state) for state, _, _ in items)
         copy = self._copy
+        t1 = time.perf_counter()  # this save's own start (its write time excludes the wait)
         use_async = self.async_save and not final and self._fits(copy)
         handles, after = [], None
         for state, path, extra in items:
@@ -147,10 +172,13 @@ class Checkpoints:
             handles += [after] if after is not None else []
         path = Path(items[-1][1])
         if handles:
-            self._pending = (path, t0, handles)
+            self._pending = (path, t1, handles)
             row["checkpoint_copy_bytes"] = copy
         else:
-            row.update(checkpoint=str(path), checkpoint_write_seconds=time.perf_counter() - t0)
+            row.update(checkpoint=str(path), checkpoint_write_seconds=time.perf_counter() - t1)
+        published = [p for p in (earlier, row.get("checkpoint") if not handles else None) if p]
+        if published:
+            row["checkpoints_published"] = published
         row["checkpoint_seconds"] = time.perf_counter() - t0
         return row
 

@@ -27,7 +27,7 @@ from fsdpfn.app.recipes.data import load_source
 from fsdpfn.app.recipes.engine import build_engine, engines
 from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.app.recipes.runtime import Checkpoints, Metrics, Progress, RunContext, is_main, \
-    log, mean_sequence_prob
+    log, mean_sequence_prob, step_stats, with_checkpoint
 from fsdpfn.app.recipes.task import sequences_batch
 
 __all__ = ["run_sft", "run_rw", "run_dpo", "nll_loss", "pairwise_loss"]
@@ -98,7 +98,8 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
         state, stats = step_fn(state, ff.shard_batch(batch, mesh, group_size=group_size))
         seconds = time.perf_counter() - t0
         tokens = int(batch[K.ATTENTION_MASK].sum())
-        row = {"phase": phase, "step": step, "loss": float(stats["loss"]),
+        row = {**step_stats(stats),  # the step's time_* parts, lr, ...; the row's own below
+               "phase": phase, "step": step, "loss": float(stats["loss"]),
                **{k: float(stats[k]) for k in keys}, "grad_norm": float(stats["grad_norm"]),
                "tokens": tokens, "loss_tokens": int(stats["tokens"]),
                "tokens_per_s": tokens / seconds, "version": state.version,
@@ -115,6 +116,7 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
                                   final=step == cfg.steps or stop))
         else:
             row.update(saves.poll())
+        with_checkpoint(row)
         metrics.write(row)
         bar.update(step, loss=row["loss"], **{k: row[k] for k in keys[:2]},
                    **{k: v for k, v in row.items() if k.startswith("eval_")},
