@@ -400,6 +400,7 @@ def _logprob_passes(cfg, actor, ref, batch, clock):
 def _empty_row(phase, step, rollout, actor, times) -> dict:
     return {"phase": phase, "step": step, "version": actor.version,
             "served_version": rollout["served_version"], **rollout["stats"], **times,
+            "seconds": sum(v for k, v in times.items() if k.endswith("_seconds")),
             "reward_mean": float("nan"), "loss": float("nan"), "tokens_per_s": 0.0,
             "response_len_mean": rollout["stats"].get("response_len_mean", 0.0)}
 

@@ -122,7 +122,7 @@ def with_checkpoint(row: dict) -> dict:
     """A step's row with its checkpoint counted in the step: ``seconds`` the whole step, the
     save it was blocked by included, and ``tokens_per_s`` over it."""
     if row.get("checkpoint_seconds"):
-        row["seconds"] += row["checkpoint_seconds"]
+        row["seconds"] = row.get("seconds", 0.0) + row["checkpoint_seconds"]
         if row.get("tokens"):
             row["tokens_per_s"] = row["tokens"] / row["seconds"]
     return row
