@@ -180,7 +180,7 @@ def _first_turn_start(tok, message: dict, through: list[int]) -> int:
     return n
 
 
-def _chat_pair(cfg: DataConfig, prompt, response: str) -> list[dict]:
+def _chat_pair(prompt, response: str) -> list[dict]:
     """A string or chat prompt and its response as one conversation (chat_template or chat
     prompts), for the template to render; the loss goes on the response's turn."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -203,7 +203,7 @@ def _pair_rows(cfg: DataConfig, tok, prompt, response: str):
     conversation (its end-of-turn token closing the response, as chat rows end their turns),
     else the prompt as tokenized then the response and the tokenizer's stop token."""
     if _templated(cfg, prompt):
-        ids, loss = _chat_loss_mask(cfg, tok, _chat_pair(cfg, prompt, response))
+        ids, loss = _chat_loss_mask(cfg, tok, _chat_pair(prompt, response))
         return ids, loss, loss.index(True) if True in loss else len(ids)
     head = _prompt_ids(cfg, tok, prompt)
     body = _response_ids(tok, response)
