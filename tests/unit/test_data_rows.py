@@ -264,3 +264,12 @@ def test_fsdpfn_run_prints_one_line_and_exits_2_before_launching(tmp_path):
     assert proc.stdout == ""
     launched = ("run_state.json", "config.yaml", "rollout.log", "metrics.jsonl", "data")
     assert not any((run_dir / name).exists() for name in launched)
+
+
+def test_a_pretty_printed_object_is_named_as_such(tmp_path):
+    f = tmp_path / "train.json"
+    f.write_text(json.dumps({"prompt": "1+2?", "response": "3"}, indent=2))
+    message = _refused(tmp_path, "sft", train_files=(str(f),))
+    assert message.startswith(f"data.train_files: {str(f)!r} line 1: not valid JSON")
+    assert message.endswith("it holds one JSON object over several lines: write one object a "
+                            "line (JSON lines) or an array of objects")

@@ -110,8 +110,11 @@ def _columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str) -> 
     def need(field: str) -> str:
         col = getattr(cfg, field)
         if col not in columns:
-            raise ConfigError(f"data.{field}: column {col!r} is not in {key} (columns: "
-                              f"{columns})")
+            files = list(getattr(cfg, key))
+            alt = (f"; sft reads data.messages_key ({cfg.messages_key!r}) or data.prompt_key + "
+                   f"data.response_key" if recipe == "sft" else "")
+            raise ConfigError(f"data.{field}: column {col!r} is not in {key} {files} (columns: "
+                              f"{columns}){alt}")
         return col
 
     if recipe in ("grpo", "ppo"):

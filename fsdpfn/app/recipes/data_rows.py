@@ -135,8 +135,16 @@ def _json_rows(path: str, key: str) -> tuple[list, list[int] | None]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
+            whole = ""
+            if not rows:  # one object over several lines (a pretty-printed file)?
+                try:
+                    whole = "" if not isinstance(json.loads(text), dict) else (
+                        "; it holds one JSON object over several lines: write one object a "
+                        "line (JSON lines) or an array of objects")
+                except json.JSONDecodeError:
+                    pass
             raise ConfigError(f"data.{key}: {path!r} line {n}: not valid JSON ({exc.msg} at "
-                              f"column {exc.colno})") from None
+                              f"column {exc.colno}){whole}") from None
         lines.append(n)
     return rows, lines
 
