@@ -38,7 +38,9 @@ prints the counts and writes them to run_dir/data/stats.json. RL responses are g
 
 Order: with ``shuffle`` every epoch is a permutation drawn under (seed, epoch); sample k of the
 run is a pure function of k, so the data cursor (samples consumed, saved in each checkpoint's
-``extra``) is all a resumed run needs to continue with the next unseen sample.
+``extra``) is all a resumed run needs to continue with the next unseen sample. A step that
+crosses an epoch's end takes the rest of that epoch and the start of the next, so one row can
+appear twice in it.
 """
 
 from __future__ import annotations
