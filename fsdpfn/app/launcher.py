@@ -202,15 +202,16 @@ def _check_inputs(cfg) -> None:
                               "tensorboard), got true") from None
 
 
-def _prepare_data(cfg, run_dir: Path, *, resume: bool) -> None:
+def _prepare_data(cfg, run_dir: Path, *, resume: bool, out: Path | None = None) -> None:
     """Tokenize and filter the data files into run_dir/data once (reused on --resume, so the
-    data cursor points into the same examples), and report what was dropped."""
+    data cursor points into the same examples), and report what was dropped; ``out``: another
+    directory (--dry-run's, thrown away)."""
     from fsdpfn.app.recipes.data import DATA_DIR, prepare_files
     from fsdpfn.app.recipes.model import load_tokenizer
 
     if not cfg.data.from_files:
         return
-    out = run_dir / DATA_DIR
+    out = out or run_dir / DATA_DIR
     if resume and (out / "train.jsonl").is_file():
         return
     report = prepare_files(cfg.data, load_tokenizer(cfg.model), cfg.recipe, out)
@@ -244,6 +245,10 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     _check_inputs(cfg)
     notes = preflight(cfg, placement, data=dry_run)  # a real run reads the data below
     if dry_run:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="fsdpfn-dry-run-") as tmp:
+            _prepare_data(cfg, run_dir, resume=False, out=Path(tmp))  # counts, as a run's
         for note in notes:
             _say(note)
         print(serde.to_yaml(cfg), end="")

@@ -329,3 +329,22 @@ def test_a_split_no_file_feeds_now_is_not_left_behind(ws, tmp_path):
     assert (out / "eval.jsonl").is_file()
     prepare_files(DataConfig(train_files=files), HFTokenizer(ws / "model"), "sft", out)
     assert not (out / "eval.jsonl").exists()  # an earlier run's held-out rows are not used
+
+
+@pytest.mark.timeout(60)
+def test_a_dry_run_tokenizes_the_data_and_says_what_a_run_would_keep(ws, tmp_path, capsys):
+    run_dir = tmp_path / "dry"
+    sys.path.insert(0, str(ws))
+    try:
+        capsys.readouterr()
+        rc = main(["run", str(ws / "sft.yaml"), f"run_dir={run_dir}", "--dry-run"])
+        err = capsys.readouterr().err
+    finally:
+        sys.path.remove(str(ws))
+    assert rc == 0, err
+    # the long prompt of the workspace's train file is over the limit, as in a real run
+    assert "data (train): 40 of 41 samples; dropped 1: 1 prompt over max_prompt_tokens" in err
+    assert "data (eval): 6 of 6 samples" in err
+    assert not run_dir.exists()  # nothing written
+    assert "data.train_files: no sample fits the limits" in _fails(
+        ws, tmp_path, capsys, "sft", "--dry-run", "data.max_response_tokens=1")
