@@ -360,10 +360,8 @@ def _top_dict(engine, step: list) -> dict:
 
 def _chat_logprobs(engine, o: dict, top: int) -> list[dict]:
     def entry(t, lp):
-        piece = _piece(engine, t)
-        raw = engine.tokenizer.token_bytes(t) if hasattr(engine.tokenizer, "token_bytes") \
-            else list(piece.encode())
-        return {"token": piece, "logprob": lp, "bytes": raw}
+        return {"token": _piece(engine, t), "logprob": lp,
+                "bytes": engine.tokenizer.token_bytes(t)}  # chat: a tokenizer is there
 
     steps = o.get("output_top_logprobs") or [[] for _ in o["output_ids"]]
     return [{**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tlp, tt in step[:top]]}

@@ -59,9 +59,8 @@ def build_app(engine: RolloutEngine):
     import anyio
     import anyio.to_thread
     from fastapi import Body, FastAPI
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
     from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="fsdpfn rollout server")
     receiver = engine.receiver

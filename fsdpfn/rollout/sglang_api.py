@@ -56,8 +56,10 @@ def generate(engine, payload: dict):
     own = payload.get("return_format") in ("fsdpfn", "fsdpfn_packed")
     prompts, single = encode_prompts(engine, payload.get("input_ids"), payload.get("text"))
     top_n = _top_n(payload)
-    for key in ("return_logprob", "top_logprobs_num"):  # a list: one per prompt
-        _per_prompt(payload, key, len(prompts))
+    # return_logprob and top_logprobs_num: one for all prompts, or one per prompt
+    wants = [bool(v) for v in _per_prompt(payload, "return_logprob", len(prompts))]
+    tops = [min(int(v or 0), top_n) if w else 0 for v, w in
+            zip(_per_prompt(payload, "top_logprobs_num", len(prompts)), wants)]
     specs = payload.get("sampling_params") or {}
     if isinstance(specs, list):
         if len(specs) != len(prompts):
@@ -72,7 +74,7 @@ def generate(engine, payload: dict):
     if own:
         answer = _own(answers)
         return packing.pack(answer) if packed else answer
-    items = _sglang(engine, payload, answers, prompts, top_n, time.perf_counter() - start)
+    items = _sglang(engine, payload, answers, prompts, wants, tops, time.perf_counter() - start)
     n = runs[0][1].n
     return items[0] if single and n == 1 and len(items) == 1 else items
 
@@ -171,12 +173,11 @@ def _per_prompt(payload: dict, key: str, n: int) -> list:
     return value
 
 
-def _sglang(engine, payload, answers, prompts, top_n: int, seconds: float) -> list[dict]:
+def _sglang(engine, payload, answers, prompts, wants: list[bool], tops: list[int],
+            seconds: float) -> list[dict]:
+    """SGLang's answer objects; ``wants`` / ``tops``: each prompt's return_logprob and
+    top_logprobs_num."""
     rids = payload.get("rid")
-    # return_logprob and top_logprobs_num: one for all prompts, or one per prompt
-    wants = [bool(v) for v in _per_prompt(payload, "return_logprob", len(prompts))]
-    tops = [min(int(v or 0), top_n) if w else 0 for v, w in
-            zip(_per_prompt(payload, "top_logprobs_num", len(prompts)), wants)]
     with_text = bool(payload.get("return_text_in_logprobs"))
     items, offset = [], 0
     for answer, sp in answers:

@@ -424,15 +424,12 @@ def _metrics_row(phase, step, full, rollout, stats, cstats, receipt, gap, second
     # generation ahead of training: its own span, not the trainer's (near zero) wait for it
     span = row.get("generation_span_seconds") or row["generate_seconds"]
     row["generated_tokens_per_s"] = row["generated_tokens"] / max(span, 1e-9)
-    for key in stats.keys():  # every other stat of the step (corrections, diagnostics)
-        name = key if isinstance(key, str) else "/".join(key)
-        if name not in row:
-            row[name] = float(stats[key])
+    for name, value in step_stats(stats).items():  # every other stat (corrections, ...)
+        row.setdefault(name, value)
     if cstats is not None:  # every stat of critic_step, prefixed (value_mean as it was)
         row.update(critic_loss=float(cstats["loss"]), value_mean=float(cstats["value_mean"]))
-        for key in cstats.keys():
-            name = "critic_" + (key if isinstance(key, str) else "/".join(key))
-            row.setdefault(name, float(cstats[key]))
+        for name, value in step_stats(cstats).items():
+            row.setdefault("critic_" + name, value)
     return row
 
 
