@@ -40,7 +40,7 @@ _SOURCES = {
                      "latest_intact_checkpoint", "check_checkpoint"), "fsdpfn.checkpoint"),
     **dict.fromkeys(("push_weights", "PushReceipt", "DiskTarget", "RolloutTarget"),
                     "fsdpfn.weights"),
-    "PushConfig": "fsdpfn.weights",
+    **dict.fromkeys(("PushConfig", "AdapterTarget"), "fsdpfn.weights"),
     "RolloutStream": "fsdpfn.rollout.stream",
     # algorithms
     **dict.fromkeys(("compute_advantages", "ppo_step", "critic_step", "sft_step", "rw_step",

@@ -135,6 +135,8 @@ class MicroBatchSpec:
 
 
 def _names_conv(value):
+    if value is None:  # null in YAML: the default, every linear of the decoder layers
+        return ("all-linear",)
     return (value,) if isinstance(value, str) else to_tuple(value)
 
 
@@ -144,7 +146,8 @@ class LoRAConfig:
 
     The adapter delta of a target weight is (alpha / rank) · B @ A (peft's scaling).
     ``target_modules``: leaf names of those linears (``q_proj``, ``down_proj``, ...) or
-    ``["all-linear"]`` (the default: every linear of the decoder layers; never lm_head).
+    ``["all-linear"]`` (the default, also what null means: every linear of the decoder
+    layers; never lm_head).
     ``dropout`` is peft's dropout on the adapter input (kept even with
     ``EngineConfig.disable_dropout``, which concerns the base model).
     """

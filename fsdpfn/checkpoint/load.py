@@ -83,7 +83,8 @@ def _check_architecture(state: EngineState, manifest: dict, root: Path) -> None:
             raise CheckpointError(
                 f"load_checkpoint: architecture.{key}: must match the state's, got {saved[key]!r} "
                 f"in {str(root)!r} and {value!r} in the state (model "
-                f"{here['model_type']!r}); load it into a state built from the same model config")
+                f"{here['model_type']!r}); load it into a state built from the same model config"
+                + (" and EngineConfig.lora" if key.startswith("lora") else ""))
 
 
 def _read_metadata(root: Path):

@@ -40,6 +40,10 @@ def _architecture(state: EngineState) -> dict:
     arch = {key: getattr(hf, key, None) for key in ARCH_FIELDS}
     arch["is_critic"] = bool(state.config.is_critic)
     arch["lora"] = state.config.lora is not None
+    cfg = state.config.lora
+    if cfg is not None:  # what the adapters compute: loading them under other ones is refused
+        arch["lora_rank"], arch["lora_alpha"] = cfg.rank, cfg.alpha
+        arch["lora_targets"] = sorted(lora.targets_of(state.model.lm))
     return arch
 
 

@@ -240,12 +240,12 @@ def peft_config(cfg: LoRAConfig, lm: nn.Module, *, base_path: str | None):
     import peft
 
     peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                               target_modules=sorted(_targets_of(lm)), bias="none",
+                               target_modules=sorted(targets_of(lm)), bias="none",
                                task_type="CAUSAL_LM", base_model_name_or_path=base_path)
     return peft_cfg
 
 
-def _targets_of(lm: nn.Module) -> set[str]:
+def targets_of(lm: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, m in lm.named_modules() if hasattr(m, "lora_A")}
 
 

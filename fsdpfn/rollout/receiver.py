@@ -66,6 +66,9 @@ class Receiver:
         self.groups: dict[str, Group] = {}
         self.retired: list = []  # groups (and buffers) left mid-operation: kept alive
         self.adapter = None  # the adapter merged in, if any (fsdpfn.rollout.lora)
+        # the version of the served weights when a whole update sent them as a LoRA trainer's
+        # merged weights (its adapters already in them): no adapter may be loaded on top
+        self.merged_push: int | None = None
         self.last_error: str | None = None
         self.channel_port: int | None = None  # the update channel's port, when one listens
         self._channels: dict[str, list] = {}  # group name -> channel sockets bound to it
@@ -112,13 +115,22 @@ class Receiver:
         for sock in sockets:
             _shut(sock)
 
-    def _swap(self, tensors: dict, version: int, label, *, whole: bool) -> None:
-        """Hand the engine checked tensors (HF names, aliases resolved); a whole update
-        replaces the base weights, so the adapter merged in is dropped."""
+    def _swap(self, tensors: dict, version: int, label, *, whole: bool,
+              merged_adapters: bool = False) -> None:
+        """Hand the engine checked tensors (HF names, aliases resolved). The tensors are the
+        new base: a whole update drops the adapter merged in, a partial one drops it from the
+        weights it replaces (unloading then leaves them as sent). ``merged_adapters``: a whole
+        update of a LoRA trainer's merged weights, on which no adapter may be loaded."""
         canonical = {self.engine.aliases.get(n, n): t for n, t in tensors.items()}
         self.engine.swap(canonical, version, label=label)
         if whole:
             self.adapter = None
+            self.merged_push = version if merged_adapters else None
+        elif self.adapter is not None:
+            self.adapter.base = {n: t for n, t in self.adapter.base.items()
+                                 if n not in canonical}
+            if not self.adapter.base:
+                self.adapter = None
         self.last_error = None
 
     def _version(self, value) -> tuple[int, str | None]:
@@ -260,7 +272,8 @@ class Receiver:
             tensors, sums, finite = self._receive_whole(name, group, layout)
             return self._commit(tensors, sums, finite, version, label, clock,
                                 decide=None if decide is None else
-                                (lambda ready: decide(ready, group.timeout_s)))
+                                (lambda ready: decide(ready, group.timeout_s)),
+                                merged_adapters=bool(message.get("merged_adapters")))
 
     def _receive_whole(self, name: str, group: Group, layout: Layout):
         """Every bucket's receive posted at once (the sender keeps several in flight), each
@@ -330,10 +343,11 @@ class Receiver:
                 sums.append((names, s))
                 finite.append(f)
             torch.cuda.synchronize(self.engine.device)  # copies done before the sender frees
-            return self._commit(tensors, sums, finite, version, label, clock)
+            return self._commit(tensors, sums, finite, version, label, clock,
+                                merged_adapters=bool(payload.get("merged_adapters")))
 
     def _commit(self, tensors, sums, finite, version, label, clock: float,
-                decide=None) -> dict:
+                decide=None, merged_adapters: bool = False) -> dict:
         """A whole update that arrived: checked, (with ``decide``: committed by the sender),
         swapped in, answered with its timings."""
         received = time.perf_counter()
@@ -344,7 +358,7 @@ class Receiver:
             raise UpdateError("update not committed by the trainer (it failed after the last "
                               "byte, or the checksum differed), previous weights kept", 409)
         decided = time.perf_counter()  # the wait for the decision is neither receive nor apply
-        self._swap(tensors, version, label, whole=True)
+        self._swap(tensors, version, label, whole=True, merged_adapters=merged_adapters)
         return {"success": True, "weight_version": version, "weights_checksum": checksum,
                 "message": f"updated {len(tensors)} tensors to version {version}",
                 "seconds": {"receive": received - clock,
@@ -376,16 +390,18 @@ class Receiver:
             if problems:
                 raise UpdateError(f"update from {str(path)!r} rejected, previous weights kept: "
                                   + "; ".join(problems[:8]))
-            return self._commit_loaded(tensors, version, label)
+            return self._commit_loaded(tensors, version, label,
+                                       merged_adapters=bool(payload.get("merged_adapters")))
 
-    def _commit_loaded(self, tensors: dict, version: int, label) -> dict:
+    def _commit_loaded(self, tensors: dict, version: int, label, *,
+                       merged_adapters: bool = False) -> dict:
         """Swap in a whole update that is already here (IPC, disk) once it is finite; the
         answer's checksum is that of the weights served after the swap."""
         bad = first_non_finite(tensors)
         if bad:
             raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
                               f"got NaN/inf in {bad}")
-        self._swap(tensors, version, label, whole=True)
+        self._swap(tensors, version, label, whole=True, merged_adapters=merged_adapters)
         return {"success": True, "weight_version": version,
                 "weights_checksum": self.engine.weights_checksum(),
                 "message": f"updated {len(tensors)} tensors to version {version}"}
@@ -393,6 +409,13 @@ class Receiver:
     def load_lora_adapter(self, payload: dict) -> dict:
         """/load_lora_adapter (SGLang's payload): see fsdpfn.rollout.lora."""
         with self._alone(0.0):
+            if self.merged_push is not None:
+                raise UpdateError(
+                    f"lora_path: this server serves version {self.merged_push}, a LoRA "
+                    f"trainer's weights pushed whole with its adapters merged in; an adapter "
+                    f"loaded on top would count them twice: load adapters only on a server "
+                    f"whose weights are the base model (restart it, or push the base weights), "
+                    f"got {payload.get('lora_path')!r}")
             tensors, slot, version = rollout_lora.load_adapter(self.engine, self.adapter,
                                                                payload)
             self.engine.swap(tensors, version)

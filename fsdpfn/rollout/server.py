@@ -16,8 +16,11 @@
 | POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests; a refusal (a missing directory included) 400, as SGLang's |
 | POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: each bucket an aligned flat bucket in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | {success, weight_version, weights_checksum, message, seconds} |
 | POST /pause_generation, POST /continue_generation | {mode}: SGLang's "abort" (default), "retract" or "in_place", else 400 | SGLang's {message, status: "ok"}, plus success; a pause drains whatever the mode (nothing is aborted) |
-| POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py) |
+| POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py); a refusal is a 400 whose loaded_adapters names what is still served |
 | POST /unload_lora_adapter | {lora_name} | same: the base weights served again |
+
+A whole update (update channel, /update_weights_from_disk, /update_weights_from_ipc) may carry
+fsdpfn's ``merged_adapters: true``: a LoRA trainer's merged weights, on which no adapter loads.
 
 Beside the HTTP port, ``python -m fsdpfn.rollout`` listens for update channels
 (fsdpfn/rollout/receiver.py): fsdpfn's own push, a whole update per message. Every update is the
@@ -206,7 +209,9 @@ def build_app(engine: RolloutEngine):
         out = answer(fn)  # SGLang's LoRAUpdateOutput names the failure error_message
         if isinstance(out, JSONResponse):
             body = json.loads(out.body)
+            slot = receiver.adapter  # what is still served after the refusal
             body["error_message"] = body.get("message")
+            body["loaded_adapters"] = {} if slot is None else {slot.name: slot.path}
             return JSONResponse(status_code=out.status_code, content=body)
         return out
 

@@ -14,8 +14,10 @@ its probe), ipc (CUDA IPC, colocated), disk_push and disk (files; DiskTarget); a
 (AdapterTarget, LoRA adapters alone). What both ends speak lives in fsdpfn.wire.
 """
 
+from fsdpfn.weights.adapter import AdapterTarget
 from fsdpfn.weights.disk import DiskTarget
 from fsdpfn.weights.push import PushReceipt, RolloutTarget, push_weights
 from fsdpfn.weights.push_config import PushConfig
 
-__all__ = ["push_weights", "PushReceipt", "DiskTarget", "RolloutTarget", "PushConfig"]
+__all__ = ["push_weights", "PushReceipt", "DiskTarget", "RolloutTarget", "PushConfig",
+           "AdapterTarget"]

@@ -6,16 +6,18 @@
 Per push (collective): every rank takes part in gathering the adapters whole; trainer rank 0
 writes peft's adapter directory ``root/v{version}`` (adapter_model.safetensors,
 adapter_config.json; written aside and renamed in) and posts SGLang's /load_lora_adapter
-{lora_name, lora_path, weight_version} to each server. A server that refuses (SGLang refuses a
-name it already holds) is sent /unload_lora_adapter {lora_name} and the load once more; SGLang
-then serves requests that name ``lora_name`` (its ``lora_path`` field of /generate). fsdpfn's
-built-in server merges the adapter into the weights it serves (fsdpfn.rollout.lora), and
-answers with the pushed version. The ``keep_last`` most recently published directories are kept
-(this push's among them). Any failure
-raises WeightSyncError on every trainer rank.
+{lora_name, lora_path, weight_version} to each server. A server that refuses because it already
+holds the name (SGLang refuses so) is sent /unload_lora_adapter {lora_name} and the load once
+more; any other refusal is raised, the server left as it was. SGLang then serves requests that
+name ``lora_name`` (its ``lora_path`` field of /generate); fsdpfn's built-in server merges the
+adapter into the weights it serves, for every request (fsdpfn.rollout.lora), and answers with
+the pushed version. The ``keep_last`` most recently published directories are kept (this push's
+among them). Any failure raises WeightSyncError on every trainer rank.
 
 To push merged weights instead (base + adapters folded in, under the base names, to any
-server), push a LoRA state to a RolloutTarget or DiskTarget as usual.
+server), push a LoRA state to a RolloutTarget or DiskTarget as usual. Use one way per server:
+the built-in server refuses to load an adapter on weights a merged push sent (it would count
+the adapters twice); SGLang cannot tell, so never mix the two on one SGLang server.
 """
 
 from __future__ import annotations
@@ -103,7 +105,11 @@ class AdapterTarget:
         payload = {"lora_name": self.lora_name, "lora_path": str(path), "weight_version": version}
         try:
             answer = call(url, "/load_lora_adapter", payload, timeout=self.timeout_s)
-        except WeightSyncError as first:  # SGLang refuses a loaded name: unload, load again
+        except WeightSyncError as first:
+            # SGLang refuses a name it holds ("LoRA with name ... already exists"): unload it and
+            # load again. Any other refusal leaves the server serving what it served
+            if "already" not in str(first):
+                raise
             try:
                 call(url, "/unload_lora_adapter", {"lora_name": self.lora_name},
                      timeout=self.timeout_s)

@@ -115,8 +115,10 @@ class ChannelSender:
     flat = True
     start_before_finish = True
 
-    def __init__(self, servers, buckets: list[Bucket], version: int, layout_id: int):
+    def __init__(self, servers, buckets: list[Bucket], version: int, layout_id: int, *,
+                 merged_adapters: bool = False):
         self.servers = servers
+        self.merged_adapters = merged_adapters
         self.buckets = buckets
         self.version = version
         self.checksums = SentChecksums()
@@ -128,7 +130,7 @@ class ChannelSender:
     def _send_update(self, layout_id: int) -> None:
         message = {"op": "update", "layout_id": layout_id,
                    "group_name": self.servers.config.group_name,
-                   "weight_version": self.version}
+                   "weight_version": self.version, "merged_adapters": self.merged_adapters}
         metadata = None
         for ch in self.channels.values():
             if layout_id not in ch.layouts:

@@ -37,8 +37,10 @@ def push_disk(state: EngineState, servers: Servers, dtype: torch.dtype, *,
         state, cfg.disk_root, dtype=dtype, bucket_bytes=cfg.bucket_bytes)
     error = None
     if is_rank_zero():
-        load = _load_sglang if sglang else _load
-        _, error = capture_error(lambda: load(servers, final, state.version, checksum),
+        merged = state.config.lora is not None
+        _, error = capture_error(lambda: _load_sglang(servers, final, state.version, checksum)
+                                 if sglang else _load(servers, final, state.version, checksum,
+                                                      merged_adapters=merged),
                                  "loading from disk")
         if error is None:
             _, error = capture_error(lambda: rotate(cfg.disk_root, cfg.keep_last, final),
@@ -49,9 +51,11 @@ def push_disk(state: EngineState, servers: Servers, dtype: torch.dtype, *,
     return n_tensors, n_bytes
 
 
-def _load(servers: Servers, directory: Path, version: int, checksum: int) -> None:
+def _load(servers: Servers, directory: Path, version: int, checksum: int, *,
+          merged_adapters: bool = False) -> None:
     payload = {"model_path": str(directory.resolve()), "weight_version": version,
-               "flush_cache": servers.config.flush_cache, "verify_checksums": True}
+               "flush_cache": servers.config.flush_cache, "verify_checksums": True,
+               "merged_adapters": merged_adapters}
 
     def update() -> None:
         for url, answer in _post_to_all(servers, payload).items():

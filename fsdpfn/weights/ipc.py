@@ -31,8 +31,9 @@ class IpcSender:
     flat = True
     start_before_finish = True
 
-    def __init__(self, servers, version: int):
+    def __init__(self, servers, version: int, *, merged_adapters: bool = False):
         self.servers = servers
+        self.merged_adapters = merged_adapters
         self.version = version
         self.buffers: list[torch.Tensor] = []
         self.buckets: list[dict] = []
@@ -50,7 +51,8 @@ class IpcSender:
         checksum = self.checksums.value()  # also: every buffer is complete before any read
         servers = self.servers
         payload = {"buckets": self.buckets, "weight_version": self.version,
-                   "flush_cache": servers.config.flush_cache}
+                   "flush_cache": servers.config.flush_cache,
+                   "merged_adapters": self.merged_adapters}
         servers.pause()
         try:
             applied = 0.0
@@ -84,7 +86,8 @@ def push_ipc(state: EngineState, params, buckets: list[Bucket], servers) -> tupl
     if hand_back_needed(torch.cuda.mem_get_info(state.mesh.device)[0],
                         sum(b.nbytes for b in buckets), len(servers.urls)):
         torch.cuda.empty_cache()
-    sender = IpcSender(servers, state.version) if is_rank_zero() else None
+    sender = IpcSender(servers, state.version, merged_adapters=state.config.lora is not None) \
+        if is_rank_zero() else None
     return send(state, params, buckets, sender, out_device=state.mesh.device)
 
 

@@ -164,7 +164,8 @@ class RolloutTarget:
         sender = None
         if is_rank_zero():
             sender = SGLangSender(self._servers, buckets, state.version) if sglang else \
-                ChannelSender(self._servers, buckets, state.version, layout_id)
+                ChannelSender(self._servers, buckets, state.version, layout_id,
+                              merged_adapters=state.config.lora is not None)
         sent = send(state, params, buckets, sender,
                     out_device=state.mesh.device if backend == "nccl" else torch.device("cpu"))
         if sglang:

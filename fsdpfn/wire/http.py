@@ -46,7 +46,9 @@ def call(url: str, path: str, payload: dict | None = None, *, timeout: float) ->
     except urllib.error.HTTPError as exc:
         message = exc.read().decode(errors="replace")
         try:
-            message = json.loads(message).get("message", message)
+            body = json.loads(message)
+            if isinstance(body, dict):
+                message = body.get("message") or body.get("error_message") or message
         except ValueError:
             pass
         raise WeightSyncError(f"{where} answered HTTP {exc.code}: {message}") from None
@@ -59,7 +61,8 @@ def call(url: str, path: str, payload: dict | None = None, *, timeout: float) ->
     except ValueError:
         raise WeightSyncError(f"{where} answered non-JSON: {body[:200]!r}") from None
     if isinstance(answer, dict) and answer.get("success") is False:
-        raise WeightSyncError(f"{where} reported failure: {answer.get('message')}")
+        raise WeightSyncError(f"{where} reported failure: "
+                              f"{answer.get('message') or answer.get('error_message')}")
     return answer
 
 

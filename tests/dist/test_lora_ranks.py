@@ -206,6 +206,30 @@ def test_adapter_only_checkpoint_round_trip(model_dir, tmp_path, spmd1):
     assert optim_keys and all(lora.is_adapter(k) for k in optim_keys), optim_keys[:4]
 
 
+def _checkpoint_of_other_adapters(model_dir, root):
+    """A checkpoint of alpha=8 adapters loaded into a state whose adapters scale by 32, or
+    cover other layers: the error, for each."""
+    state = _state(model_dir)
+    ff.save_checkpoint(state, Path(root) / "ckpt")
+    errors = []
+    for cfg in (ff.LoRAConfig(rank=4, alpha=32.0), ff.LoRAConfig(rank=4, alpha=8.0,
+                                                                 target_modules=["q_proj"])):
+        try:
+            ff.load_checkpoint(_state(model_dir, lora_cfg=cfg), Path(root) / "ckpt")
+            errors.append(None)
+        except ff.CheckpointError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_a_checkpoint_of_other_adapters_is_refused_by_name(model_dir, tmp_path, spmd1):
+    alpha, targets = run_spmd(_checkpoint_of_other_adapters, 1,
+                              args=(model_dir, str(tmp_path)), timeout=300, pool=spmd1)[0]
+    assert alpha is not None and "architecture.lora_alpha: must match" in alpha, alpha
+    assert "8.0" in alpha and "32.0" in alpha and "EngineConfig.lora" in alpha
+    assert targets is not None and "architecture.lora_targets: must match" in targets, targets
+
+
 def _hf_logp(model, batch) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"],
@@ -297,3 +321,63 @@ def test_pushed_adapters_on_the_built_in_server_reproduce_the_trainers_logprobs(
     assert results[0][3] != results[1][3]  # the second push served the second adapter
     assert info["loaded_adapters"] == {} and info["success"] is True
     torch.testing.assert_close(torch.tensor(served_base), torch.tensor(base), atol=2e-4, rtol=0)
+
+
+def _refused_pushes(model_dir, other_dir, root, url):
+    """A good adapter push, then one the server refuses (adapters of another model's shapes),
+    then a merged push followed by an adapter push: what the server serves after each."""
+    from fsdpfn.weights.adapter import AdapterTarget
+    from fsdpfn.wire.http import call
+
+    probe = _batch(7, B=1, T=10)
+    ids = probe["input_ids"][0][probe["attention_mask"][0]].tolist()
+
+    def served():
+        out = call(url, "/forward", {"input_ids": [ids]}, timeout=60)
+        return out["weight_version"], out["token_logprobs"][0]
+
+    state = _state(model_dir)
+    state, _ = ff.sft_step(state, _batch(0), ff.SFTConfig())
+    ff.push_weights(state, AdapterTarget(url, root=Path(root) / "a", lora_name="policy"))
+    good = served()
+    other = _state(other_dir)
+    other, _ = ff.sft_step(other, _batch(1), ff.SFTConfig())
+    errors = []
+    try:
+        ff.push_weights(other, AdapterTarget(url, root=Path(root) / "b", lora_name="policy"))
+    except ff.WeightSyncError as exc:
+        errors.append(str(exc))
+    after_refusal = served()
+    ff.push_weights(state, ff.RolloutTarget(url))  # merged weights, whole
+    merged = served()
+    state = ff.sft_step(state, _batch(2), ff.SFTConfig())[0]
+    try:
+        ff.push_weights(state, AdapterTarget(url, root=Path(root) / "a", lora_name="policy"))
+    except ff.WeightSyncError as exc:
+        errors.append(str(exc))
+    return good, after_refusal, merged, served(), errors
+
+
+def test_a_refused_adapter_push_leaves_the_server_serving_what_it_served(model_dir, tmp_path,
+                                                                         spmd1):
+    """A refusal other than SGLang's "already exists" is raised as it is: the server keeps the
+    adapter it served (no unload, no version the trainer never made). An adapter pushed onto
+    the merged weights of a LoRA trainer's whole push is refused (it would count twice)."""
+    from fsdpfn.rollout import launch_server
+
+    other_dir = str(save_tiny_model(tmp_path / "other", tiny_qwen2_config(intermediate_size=96),
+                                    seed=1))
+    server = launch_server(model_dir, log_dir=tmp_path, health_timeout=120)
+    try:
+        good, after_refusal, merged, last, errors = run_spmd(
+            _refused_pushes, 1, args=(model_dir, other_dir, str(tmp_path), server.url),
+            timeout=300, pool=spmd1)[0]
+    finally:
+        server.close()
+    assert len(errors) == 2, errors
+    assert "B @ A must have the weight's shape" in errors[0], errors[0]
+    assert after_refusal == good
+    assert merged[0] == good[0]  # the same state version, pushed whole
+    torch.testing.assert_close(torch.tensor(merged[1]), torch.tensor(good[1]), atol=2e-4, rtol=0)
+    assert "count them twice" in errors[1], errors[1]
+    assert last == merged

@@ -208,3 +208,161 @@ def test_engine_refuses_a_bad_adapter_and_keeps_its_weights(engine_and_dir):
     with pytest.raises(UpdateError, match="lora_name: must name the loaded adapter"):
         engine.receiver.unload_lora_adapter({"lora_name": "nothing"})
     assert engine.version == version and engine.weights_checksum() == checksum
+
+
+# ---------------------------------------------------------------- what the server reads from peft
+
+
+@pytest.fixture()
+def fresh_engine(tmp_path):
+    from fsdpfn.rollout.engine import RolloutEngine
+
+    model_dir = save_tiny_model(tmp_path / "tiny", tiny_qwen2_config(), seed=0)
+    return RolloutEngine(str(model_dir)), tmp_path
+
+
+def test_rank_and_alpha_patterns_and_rslora_scale_each_module_as_peft_does(fresh_engine):
+    """peft's rank_pattern/alpha_pattern give a module its own r and alpha (the first pattern
+    matching the module path whole or as its tail); use_rslora divides by sqrt(r). Checked
+    against the float64 merge with each module's scale worked out here."""
+    engine, root = fresh_engine
+    q = "model.layers.0.self_attn.q_proj"
+    down = "model.layers.1.mlp.down_proj"
+    base = {m: engine.params[f"{m}.weight"].data.double().clone() for m in (q, down)}
+    g = torch.Generator().manual_seed(5)
+    ranks = {q: 3, down: 2}  # q_proj from rank_pattern, down_proj the default r
+    tensors = {}
+    for m, r in ranks.items():
+        out, inp = base[m].shape
+        tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(r, inp, generator=g)
+        tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(out, r, generator=g)
+    from safetensors.torch import save_file
+
+    for rslora in (False, True):
+        path = root / f"patterns_{rslora}"
+        path.mkdir()
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 2, "lora_alpha": 4.0, "use_rslora": rslora,
+             "rank_pattern": {"q_proj": 3}, "alpha_pattern": {"layers.1.mlp.down_proj": 32},
+             "target_modules": ["q_proj", "down_proj"]}))
+        engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(path)})
+        for m, alpha in ((q, 4.0), (down, 32.0)):
+            r = ranks[m]
+            scale = alpha / (r ** 0.5 if rslora else r)
+            a = tensors[f"base_model.model.{m}.lora_A.weight"].double()
+            b = tensors[f"base_model.model.{m}.lora_B.weight"].double()
+            torch.testing.assert_close(engine.params[f"{m}.weight"].data.double(),
+                                       base[m] + scale * b @ a, atol=1e-5, rtol=1e-5)
+
+
+def _write_adapter(path, tensors: dict, config) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(config if isinstance(config, str)
+                                               else json.dumps(config))
+
+
+_Q = "base_model.model.model.layers.0.self_attn.q_proj"
+_GOOD = {f"{_Q}.lora_A.weight": torch.ones(2, 64), f"{_Q}.lora_B.weight": torch.ones(64, 2)}
+_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4.0, "target_modules": ["q_proj"]}
+
+
+@pytest.mark.parametrize("tensors, config, words", [
+    (_GOOD, {**_CONFIG, "r": 4}, "lora_A must have r=4 rows"),
+    (_GOOD, {**_CONFIG, "rank_pattern": {"q_proj": 3}}, "r=3"),
+    (_GOOD, {**_CONFIG, "lora_alpha": float("nan")}, "lora_alpha: must be a finite number"),
+    (_GOOD, {**_CONFIG, "alpha_pattern": {"q_proj": "big"}}, "alpha_pattern['q_proj']"),
+    (_GOOD, {**_CONFIG, "fan_in_fan_out": True}, "fan_in_fan_out: must be unset or false"),
+    (_GOOD, {**_CONFIG, "use_dora": True}, "use_dora: must be unset or false"),
+    (_GOOD, {**_CONFIG, "alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens"),
+    (_GOOD, '{"r": 2, lora_alpha: 4}', "must be a JSON object, got unreadable JSON"),
+    (_GOOD, '[1, 2]', "must be a JSON object, got a list"),
+    ({k: v.to(torch.int32) for k, v in _GOOD.items()}, _CONFIG, "floating-point matrix"),
+    ({"base_model.model.model.norm.lora_A.weight": torch.ones(2),
+      "base_model.model.model.norm.lora_B.weight": torch.ones(64, 2)}, _CONFIG,
+     "floating-point matrix"),
+    ({"base_model.model.model.embed_tokens.lora_A.weight": torch.ones(2, 64),
+      "base_model.model.model.embed_tokens.lora_B.weight": torch.ones(128, 2)}, _CONFIG,
+     "must be a linear layer of the served model, got Embedding"),
+])
+def test_an_adapter_peft_would_not_compute_so_is_a_400_and_the_weights_stay(
+        fresh_engine, tensors, config, words):
+    from fsdpfn.rollout.engine import UpdateError
+
+    engine, root = fresh_engine
+    good = root / "good"
+    _write_adapter(good, _GOOD, _CONFIG)
+    engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(good)})
+    version, checksum = engine.version, engine.weights_checksum()
+    bad = root / "bad"
+    _write_adapter(bad, tensors, config)
+    with pytest.raises(UpdateError) as info:
+        engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(bad)})
+    assert words in str(info.value) and info.value.status == 400, str(info.value)
+    assert (engine.version, engine.weights_checksum()) == (version, checksum)
+    assert engine.receiver.adapter.path == str(good)
+
+
+def test_a_corrupt_safetensors_file_is_a_400_naming_the_file(fresh_engine):
+    from fsdpfn.rollout.engine import UpdateError
+
+    engine, root = fresh_engine
+    path = root / "corrupt"
+    _write_adapter(path, _GOOD, _CONFIG)
+    (path / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(UpdateError, match="adapter_model.safetensors' must be a safetensors "
+                                          "file") as info:
+        engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(path)})
+    assert info.value.status == 400
+
+
+def _save_weights(engine, path, scale: float = 1.0):
+    """The engine's own weights (times ``scale``) as a safetensors directory: a whole update."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file({n: (t.data * scale).contiguous() for n, t in engine.params.items()},
+              str(path / "model.safetensors"))
+
+
+def test_weight_updates_replace_the_base_under_an_adapter(fresh_engine):
+    """A partial update (SGLang's per-bucket requests) drops the adapter from the weights it
+    sends, and unloading leaves them as sent; a whole update of a LoRA trainer's merged
+    weights refuses an adapter on top (it would count them twice) until plain weights come."""
+    engine, root = fresh_engine
+    q = "model.layers.0.self_attn.q_proj.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+    two, _ = _adapter_dir(root, "two_modules", seed=4)
+    engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(two)})
+    down_base = engine.receiver.adapter.base[down].clone()
+    new_q = torch.full_like(engine.params[q].data, 0.5)
+    engine.receiver._swap({q: new_q}, engine.version + 1, None, whole=False)
+    assert torch.equal(engine.params[q].data, new_q)
+    engine.receiver.unload_lora_adapter({"lora_name": "p"})
+    assert torch.equal(engine.params[q].data, new_q)  # as sent, not the old base
+    assert torch.equal(engine.params[down].data, down_base)
+
+    merged = root / "merged"
+    _save_weights(engine, merged, scale=1.01)
+    engine.receiver.update_from_disk({"model_path": str(merged), "merged_adapters": True})
+    from fsdpfn.rollout.engine import UpdateError
+
+    version, checksum = engine.version, engine.weights_checksum()
+    with pytest.raises(UpdateError, match="count them twice") as info:
+        engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(two)})
+    assert info.value.status == 400
+    assert (engine.version, engine.weights_checksum()) == (version, checksum)
+    plain = root / "plain"
+    _save_weights(engine, plain)
+    engine.receiver.update_from_disk({"model_path": str(plain)})
+    engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(two)})
+    assert engine.receiver.adapter is not None
+
+
+def test_lora_config_target_modules_null_is_the_default():
+    assert ff.LoRAConfig(target_modules=None).target_modules == ("all-linear",)
+    assert serde.structure({"target_modules": None}, ff.LoRAConfig).target_modules == \
+        ("all-linear",)
