@@ -59,9 +59,10 @@ def _error(message: str, status: int = 400):
 
 # peft options that change what an adapter computes beyond base + scale · B @ A: refused by name
 _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan-in-fan-out (Conv1D) weights",
-                "alora_invocation_tokens": "activated LoRA", "layer_replication": "layer replication",
-                "use_qalora": "QA-LoRA", "lora_bias": "a trained bias",
-                "target_parameters": "LoRA on parameters", "modules_to_save": "modules saved whole",
+                "alora_invocation_tokens": "activated LoRA",
+                "layer_replication": "layer replication", "use_qalora": "QA-LoRA",
+                "lora_bias": "a trained bias", "target_parameters": "LoRA on parameters",
+                "modules_to_save": "modules saved whole",
                 "trainable_token_indices": "trainable tokens", "megatron_config": "Megatron layers"}
 
 
