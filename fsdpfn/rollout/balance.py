@@ -20,29 +20,37 @@ One server: the whole batch in one request with the caller's seed, exactly as ``
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from fsdpfn.errors import ConfigError
-from fsdpfn.wire.http import is_http_url
-from fsdpfn.rollout.client import generate
+from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.wire.http import check_urls
+from fsdpfn.rollout.client import check_prompts, generate
+from fsdpfn.rollout.sampling import prompt_seed
 
 __all__ = ["Balancer", "split_by_load", "generate_balanced", "group_work", "run_seed"]
 
 
-def split_by_load(loads: Sequence[float], works: Sequence[float]) -> list[tuple[int, int, int]]:
+_PROMPT_INDEX = re.compile(r"\b(input_ids|prompts)\[(\d+)\]")
+
+
+def split_by_load(loads: Sequence[float], works: Sequence[float],
+                  given: Sequence[float] | None = None) -> list[tuple[int, int, int]]:
     """Groups 0..len(works)-1 (in order, ``works[i]`` each) cut into contiguous runs
     ``(server, start, stop)`` over servers whose outstanding work is ``loads``: the least loaded
     server takes the first run, filled up to the level L at which every server's load plus its
     run would be equal (sum over servers below L of (L - load) = the work left), at least one
     group when it is below L, and a further group while that brings it closer to L; then the
     next least loaded server, with L computed again over the servers left. Runs are returned in
-    group order; servers above the level get none."""
+    group order; servers above the level get none. Among equally loaded servers the one
+    ``given`` the least work so far goes first (then the lowest index), so a batch too small
+    for every server does not always land on the first."""
     if not loads:
         raise ConfigError("loads: must name at least one server, got []")
     n = len(works)
-    order = sorted(range(len(loads)), key=lambda s: (loads[s], s))
+    order = sorted(range(len(loads)), key=lambda s: (loads[s], given[s] if given else 0.0, s))
     runs, start = [], 0
     for k, s in enumerate(order):
         if start == n:
@@ -81,11 +89,12 @@ def group_work(item, n: int, max_new_tokens: int | None) -> float:
 
 def run_seed(seed: int | None, start: int) -> int | None:
     """The seed of the request whose first group is ``start`` of a batch seeded ``seed``: the
-    seed itself for the first run (one server: today's request), a mix for the others (two
-    requests never share a seed, so their samples never share a draw)."""
+    seed itself for the first run (one server: the caller's request), else the seed its first
+    prompt has in the whole batch (fsdpfn.rollout.sampling.prompt_seed), so each prompt draws
+    what it draws with one server, however the batch is split."""
     if seed is None or start == 0:
         return seed
-    return (int(seed) * 1_000_003 + int(start)) & ((1 << 62) - 1)
+    return prompt_seed(seed, start)
 
 
 class Balancer:
@@ -94,24 +103,21 @@ class Balancer:
     counts each run's work as outstanding until ``done(url, work)``."""
 
     def __init__(self, urls: str | Sequence[str]):
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls or not all(is_http_url(u) for u in urls):
-            raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got "
-                              f"{urls!r}")
-        if len(set(urls)) != len(urls):
-            raise ConfigError(f"urls: must name each server once, got {urls!r}")
-        self.urls = urls
-        self._load = {u: 0.0 for u in urls}
+        self.urls = check_urls(urls)  # the rule RolloutTarget follows: the same servers
+        self._load = {u: 0.0 for u in self.urls}
+        self._given = {u: 0.0 for u in self.urls}  # all work ever planned: breaks ties
         self._lock = threading.Lock()
 
     def plan(self, works: Sequence[float]) -> list[tuple[str, int, int, float]]:
         """``(url, start, stop, work)`` per run, the work now outstanding on that server."""
         with self._lock:
-            runs = split_by_load([self._load[u] for u in self.urls], works)
+            runs = split_by_load([self._load[u] for u in self.urls], works,
+                                 [self._given[u] for u in self.urls])
             out = []
             for s, start, stop in runs:
                 work = float(sum(works[start:stop]))
                 self._load[self.urls[s]] += work
+                self._given[self.urls[s]] += work
                 out.append((self.urls[s], start, stop, work))
             return out
 
@@ -134,9 +140,12 @@ def generate_balanced(servers: Balancer | str | Sequence[str], prompts: Sequence
     ``generate``'s), servers (the URL of each prompt)}. A failed request raises its
     WeightSyncError once every request has ended (bad arguments: ConfigError)."""
     balancer = servers if isinstance(servers, Balancer) else Balancer(servers)
-    prompts = list(prompts)
-    if not prompts:
-        raise ConfigError("prompts: must be a non-empty list of non-empty token id lists, got []")
+    prompts = check_prompts(prompts)  # errors name the caller's index, before any split
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"n: must be an int >= 1, got {n!r}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) \
+            or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens: must be an int >= 1, got {max_new_tokens!r}")
     works = [group_work(p, n, max_new_tokens) for p in prompts]
     runs = balancer.plan(works)
 
@@ -144,6 +153,13 @@ def generate_balanced(servers: Balancer | str | Sequence[str], prompts: Sequence
         try:
             return generate(url, prompts[start:stop], n=n, max_new_tokens=max_new_tokens,
                             seed=run_seed(seed, start), timeout=timeout, **sampling)
+        except (ConfigError, WeightSyncError) as exc:
+            if start == 0:
+                raise
+            # the server numbers the prompts of its share: the caller's index is start more
+            message = _PROMPT_INDEX.sub(lambda m: f"{m.group(1)}[{int(m.group(2)) + start}]",
+                                        str(exc))
+            raise type(exc)(message) from None
         finally:
             balancer.done(url, work)
 

@@ -9,12 +9,35 @@ which is read back into the same value (``from_sglang``)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout import packing
 
-__all__ = ["generate", "from_sglang"]
+__all__ = ["generate", "from_sglang", "check_prompts"]
+
+
+def check_prompts(prompts) -> list[list[int]]:
+    """``prompts`` as lists of ints: a non-empty list of non-empty token id lists (ids >= 0);
+    else ConfigError naming the prompt (its index in ``prompts``) and the value."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ConfigError(f"prompts: must be a non-empty list of non-empty token id lists, got "
+                          f"{str(prompts)[:80]}")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p:
+            raise ConfigError(f"prompts[{i}]: must be a non-empty list of token ids (ints >= 0; "
+                              f"text is tokenized by the caller), got {str(p)[:80]!r}")
+        try:
+            ids = [operator.index(t) for t in p]
+        except TypeError:
+            ids = None
+        if ids is None or any(t < 0 for t in ids) or any(isinstance(t, bool) for t in p):
+            raise ConfigError(f"prompts[{i}]: must be a list of token ids (ints >= 0), got "
+                              f"{str(p)[:80]}")
+        out.append(ids)
+    return out
 
 
 def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
@@ -30,10 +53,7 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
     message, or why it could not be reached); bad arguments raise ConfigError."""
     from fsdpfn.wire.http import call
 
-    if not isinstance(prompts, Sequence) or not prompts or not all(
-            isinstance(p, Sequence) and len(p) > 0 for p in prompts):
-        raise ConfigError(f"prompts: must be a non-empty list of non-empty token id lists, got "
-                          f"{str(prompts)[:80]}")
+    prompts = check_prompts(prompts)
     for key, value, ok in (("n", n, isinstance(n, int) and n >= 1),
                            ("max_new_tokens", max_new_tokens,
                             isinstance(max_new_tokens, int) and max_new_tokens >= 1),
@@ -49,7 +69,7 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
         params["top_k"] = int(top_k)
     if seed is not None:
         params["sampling_seed"] = int(seed)
-    answer = call(url, "/generate", {"input_ids": [[int(t) for t in p] for p in prompts],
+    answer = call(url, "/generate", {"input_ids": prompts,
                                      "sampling_params": params, "return_logprob": True,
                                      "return_format": "fsdpfn_packed"}, timeout=float(timeout))
     if isinstance(answer, dict) and "outputs" in answer:

@@ -41,8 +41,8 @@ inverse CDF, one uniform per row, the same log-prob), instead of the float32 pas
 device_sampling.sample.
 
 Sampling options: temperature, top-p, top-k, stop token ids and a per-request seed run inside the
-step. A seeded row's draws depend only on its seed, the token's index and its logits, never on
-what else is batched: the exponential race from a hash of (seed, step, token id) on the CPU and
+step. A seeded row (sample j of prompt i: row_seed(seed, i, j)) draws depending only on that
+seed, the token's index and its logits, never on what else is batched: the exponential race from a hash of (seed, step, token id) on the CPU and
 for the first token, the inverse CDF at a Philox uniform keyed by (seed, step) in the CUDA loop
 (so a seed reproduces on the same kind of device, not across CPU and CUDA). Stop
 strings are matched on the finished rows by the engine. Penalties, min_new_tokens and min_p are
@@ -364,7 +364,7 @@ class Decoder:
         temperature = torch.tensor([float(sp.temperature) for sp in sps], device=device)
         top_p = torch.tensor([float(sp.top_p) for sp in sps], device=device)
         top_k = torch.tensor([sp.top_k for sp in sps], device=device)
-        seeds = torch.tensor([row_seed(r.sp.seed, r.rows[w][1]) for r, w, _ in items],
+        seeds = torch.tensor([row_seed(r.sp.seed, *r.rows[w]) for r, w, _ in items],
                              device=device)
         seeded = any(sp.seed is not None for sp in sps)
         token, logp = sample(logits, temperature, top_p, top_k,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sample", "row_seed"]
+from fsdpfn.rollout.sampling import prompt_seed
+
+__all__ = ["sample", "row_seed", "seeded_exponential"]
 
 
 def sample(logits, temperature, top_p, top_k, *, truncate: bool, seeds=None, steps=None):
@@ -25,7 +27,7 @@ def sample(logits, temperature, top_p, top_k, *, truncate: bool, seeds=None, ste
     filtered = _truncate(scaled, top_p, top_k) if truncate else scaled
     noise = torch.empty_like(scaled).exponential_()
     if seeds is not None:
-        noise = torch.where((seeds >= 0)[:, None], _seeded_exponential(seeds, steps, scaled),
+        noise = torch.where((seeds >= 0)[:, None], seeded_exponential(seeds, steps, scaled),
                             noise)
     race = filtered - noise.log()
     token = torch.where(greedy, logits.argmax(-1), race.argmax(-1))
@@ -36,7 +38,7 @@ def sample(logits, temperature, top_p, top_k, *, truncate: bool, seeds=None, ste
 _MASK = 0x7FFFFFFF  # 31-bit lanes: every product below fits in int64
 
 
-def _seeded_exponential(seeds, steps, like):
+def seeded_exponential(seeds, steps, like):
     """Exp(1) draws [R, V] from an integer hash of (seed, step, column), device ops only."""
     column = torch.arange(like.shape[-1], device=like.device)
     x = ((seeds[:, None] & _MASK) * 7919 + (steps[:, None] & _MASK) * 104729 + column) & _MASK
@@ -47,9 +49,13 @@ def _seeded_exponential(seeds, steps, like):
     return -torch.log(u)
 
 
-def row_seed(seed: int | None, sample: int) -> int:
-    """The seed of sample ``sample`` of a request seeded with ``seed`` (-1: unseeded)."""
-    return -1 if seed is None else (int(seed) * 1000003 + sample) & _MASK
+def row_seed(seed: int | None, prompt: int, sample: int) -> int:
+    """The seed of sample ``sample`` of prompt ``prompt`` of a request seeded with ``seed``
+    (-1: unseeded): the prompt's own seed (prompt_seed), mixed with the sample's index."""
+    if seed is None:
+        return -1
+    return (prompt_seed(seed, prompt) * 1000003 + sample) & _MASK
+
 
 
 def _truncate(scaled, top_p, top_k):

@@ -112,6 +112,11 @@ def hf_generate(model, prompts: list[list[int]], sp: SamplingParams, top_logprob
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     config, processors = _generation_config(sp, width, pad_token_id)
+    if sp.seed is not None and sp.temperature > 0:  # each row draws from its own seed
+        config.do_sample = False  # the last processor leaves only the drawn token
+        for key in ("temperature", "top_p", "top_k"):
+            setattr(config, key, None)
+        processors.append(_SeededDraw(sp.seed, len(prompts), sp.n, width))
     recorder = _LogprobRecorder(sp.temperature if sp.temperature > 0 else 1.0, top_logprobs)
     handle = model.register_forward_hook(recorder, with_kwargs=True)
     # a seed draws from a generator state of its own: the process's, which later unseeded
@@ -128,6 +133,31 @@ def hf_generate(model, prompts: list[list[int]], sp: SamplingParams, top_logprob
         handle.remove()
     new = out.sequences[:, width:].cpu()  # (B*n, L)
     return _outputs(new, recorder.finish(new), recorder.top(new.shape[1]), sp)
+
+
+class _SeededDraw:
+    """The last logits processor of a seeded HF generate: each row draws its token by the
+    exponential race with noise from its own seed (fsdpfn.rollout.device_sampling: prompt
+    ``i``, sample ``j`` of a request seeded ``s`` draws with row_seed(s, i, j), keyed by the
+    token's index) over the scores the warpers before it left, and only that token stays
+    finite. A row's tokens then depend on its seed, prompt index and logits, never on what
+    else is batched (one torch generator for the whole batch would tie them together)."""
+
+    def __init__(self, seed: int, n_prompts: int, n: int, width: int):
+        from fsdpfn.rollout.device_sampling import row_seed
+
+        self.seeds = torch.tensor([row_seed(seed, i, j) for i in range(n_prompts)
+                                   for j in range(n)], dtype=torch.long)
+        self.width = width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from fsdpfn.rollout.device_sampling import seeded_exponential
+
+        seeds = self.seeds.to(scores.device)
+        steps = torch.full_like(seeds, input_ids.shape[1] - self.width)
+        noise = seeded_exponential(seeds, steps, scores.float())
+        token = (scores.float() - noise.log()).argmax(-1, keepdim=True)
+        return torch.full_like(scores, float("-inf")).scatter(-1, token, 0.0)
 
 
 def _outputs(new: torch.Tensor, logps: torch.Tensor, tops, sp: SamplingParams) -> list[dict]:

@@ -52,9 +52,11 @@ class SamplingParams:
 
     ``ignore_eos``: the engine stops only at ``stop_token_ids``; the HTTP layers add the model's
     end-of-sequence ids unless it is set (SGLang's default). ``seed``: reproducible sampling on
-    both paths (HF generate seeds torch's generator; the decode loop hashes (seed, sample,
-    step, token) per row, so a seeded row does not depend on what it is batched with); the two
-    paths draw different tokens for one seed. The decode loop refuses, by name, the penalties,
+    both paths. Sample j of prompt i draws with row_seed(seed, i, j) (the prompt's own seed,
+    prompt_seed(seed, i), mixed with j): its tokens depend on the seed, i, j and its logits,
+    never on what else is batched (HF generate draws seeded rows by the decode loop's
+    exponential race on the CPU; the CUDA loop by its Philox uniforms, so a seed reproduces on
+    one kind of device). The decode loop refuses, by name, the penalties,
     min_new_tokens and min_p (fsdpfn.rollout.generation.check_decode)."""
 
     FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_new_tokens": 16,
@@ -181,3 +183,15 @@ def find_stop(ids: list[int], decode: Callable[[list[int]], str], stops: Sequenc
         if hits:
             return end, min(hits, key=text.find)
     return None
+
+
+_SEED_MASK = 0x7FFFFFFF  # the draws' seeds are 31-bit (fsdpfn.rollout.device_sampling)
+_GOLDEN = 0x9E3779B1 & _SEED_MASK  # odd: the prompt seeds of one request are all distinct
+
+
+def prompt_seed(seed: int, prompt: int) -> int:
+    """The seed prompt ``prompt`` of a request seeded ``seed`` draws with, on both generation
+    paths. Linear in the index: the request of prompts k, k+1, ... seeded prompt_seed(seed, k)
+    draws what those prompts draw in the whole request, so a batch split over servers
+    (fsdpfn.rollout.balance) or into a stream's requests draws the same tokens."""
+    return (int(seed) + int(prompt) * _GOLDEN) & _SEED_MASK

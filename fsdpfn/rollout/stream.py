@@ -43,7 +43,7 @@ import attrs
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout.balance import Balancer, group_work
 from fsdpfn.rollout.client import generate
-from fsdpfn.rollout.sampling import SamplingParams
+from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
 __all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
 
@@ -273,7 +273,8 @@ class RolloutStream:
 
     def _generate(self, url: str, first: int, prompts: list) -> list:
         """The default runner: one generate of ``prompts``, their samples split per prompt."""
-        seed = None if self.seed is None else self.seed * 1_000_003 + first
+        # group g draws with prompt_seed(seed, g) whichever request carries it
+        seed = None if self.seed is None else prompt_seed(self.seed, first)
         answer = generate(url, prompts, n=self.G, seed=seed, **self.sampling)
         return [answer["outputs"][i * self.G:(i + 1) * self.G] for i in range(len(prompts))]
 

@@ -33,7 +33,7 @@ from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.engine.state import EngineState
 from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.weights.disk import keep_recent
-from fsdpfn.wire.http import call
+from fsdpfn.wire.http import call, check_urls
 from fsdpfn.wire.protocol import dtype_from_name
 
 __all__ = ["AdapterTarget"]
@@ -46,10 +46,7 @@ class AdapterTarget:
     def __init__(self, urls: str | Sequence[str], *, root: str | os.PathLike,
                  lora_name: str = "fsdpfn", dtype: str = "float32", keep_last: int = 2,
                  timeout_s: float = 300.0):
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
-                               for u in urls):
-            raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
+        urls = check_urls(urls)
         if not isinstance(lora_name, str) or not lora_name:
             raise ConfigError(f"lora_name: must be a non-empty string, got {lora_name!r}")
         if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:

@@ -43,7 +43,7 @@ import torch
 from fsdpfn.engine import timing
 from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.errors import ConfigError, WeightSyncError
-from fsdpfn.wire.http import is_http_url
+from fsdpfn.wire.http import check_urls, is_http_url
 from fsdpfn.engine.state import EngineState, check_live
 from fsdpfn.weights.channel import ChannelSender
 from fsdpfn.weights.disk_push import push_disk
@@ -130,7 +130,7 @@ class RolloutTarget:
     applying it (None when they did not say)."""
 
     def __init__(self, urls: str | Sequence[str], *, config: PushConfig | None = None):
-        self.urls = _check_urls(urls)
+        self.urls = check_urls(urls)
         config = PushConfig() if config is None else config
         if not isinstance(config, PushConfig):
             raise ConfigError(f"config: must be a PushConfig, got {type(config).__name__}")
@@ -191,21 +191,3 @@ class RolloutTarget:
             self._servers.close()
 
 
-def _check_urls(urls) -> list[str]:
-    """``urls`` as a list, each an http(s) URL with a host and a numeric port if any."""
-    if not isinstance(urls, (str, list, tuple)):
-        raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
-    urls = [urls] if isinstance(urls, str) else list(urls)
-    if not urls or not all(isinstance(u, str) for u in urls):
-        raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
-    for url in urls:
-        if not is_http_url(url):
-            raise ConfigError(f"urls: must be one or more 'http://host:port' strings (http "
-                              f"or https, a host, a port if any in 1..65535), got {url!r}"
-                              + (f" in {urls!r}" if len(urls) > 1 else ""))
-    urls = [u.rstrip("/") for u in urls]
-    repeated = sorted({u for u in urls if urls.count(u) > 1})
-    if repeated:
-        raise ConfigError(f"urls: must name each server once (one push, one update per "
-                          f"server), got {repeated[0]!r} {urls.count(repeated[0])} times")
-    return urls

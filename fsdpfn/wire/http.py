@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from fsdpfn.errors import WeightSyncError
 
-__all__ = ["call", "Call", "is_http_url"]
+__all__ = ["call", "Call", "is_http_url", "check_urls"]
 
 # receivers are addressed directly: environment proxies are never used
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -23,14 +23,40 @@ def is_http_url(value) -> bool:
     is a number in 1..65535."""
     from urllib.parse import urlsplit
 
-    if not isinstance(value, str):
+    if not isinstance(value, str) or value != value.strip() or any(c.isspace() for c in value):
         return False
     try:
         parts = urlsplit(value)
         port = parts.port  # ValueError: not a number, or out of 0..65535
     except ValueError:
         return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
+    # a query or fragment would end up before the endpoint's path appended to the URL
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0 \
+        and not parts.query and not parts.fragment and "?" not in value and "#" not in value
+
+
+def check_urls(urls) -> list[str]:
+    """``urls`` (one URL or a list) as a list without trailing slashes, each an http(s) URL
+    with a host, a numeric port if any, no query, and each named once; else ConfigError."""
+    from fsdpfn.errors import ConfigError
+
+    if not isinstance(urls, (str, list, tuple)):
+        raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls or not all(isinstance(u, str) for u in urls):
+        raise ConfigError(f"urls: must be one or more 'http://host:port' strings, got {urls!r}")
+    for url in urls:
+        if not is_http_url(url):
+            raise ConfigError(f"urls: must be one or more 'http://host:port' strings (http "
+                              f"or https, a host, a port if any in 1..65535, no query or "
+                              f"spaces), got {url!r}" + (f" in {urls!r}" if len(urls) > 1 else ""))
+    urls = [u.rstrip("/") for u in urls]
+    repeated = sorted({u for u in urls if urls.count(u) > 1})
+    if repeated:
+        raise ConfigError(f"urls: must name each server once (one request or update per "
+                          f"server), got {repeated[0]!r} "
+                          f"{urls.count(repeated[0])} times")
+    return urls
 
 
 def call(url: str, path: str, payload: dict | None = None, *, timeout: float) -> dict:

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout import balance
 from fsdpfn.rollout.balance import Balancer, generate_balanced, split_by_load
+from fsdpfn.rollout.sampling import prompt_seed
 from fsdpfn.rollout.stream import RolloutStream
 
 A, B, C = "http://127.0.0.1:1001", "http://127.0.0.1:1002", "http://127.0.0.1:1003"
@@ -61,8 +62,8 @@ def test_groups_stay_whole_on_one_server_run_at_once_and_come_back_in_prompt_ord
     # equal loads: an even cut, contiguous, each server one request, seeds never shared
     assert sorted((u, firsts) for u, firsts, _, _ in servers.calls) == \
         [(A, [100, 101, 102, 103, 104]), (B, [105, 106, 107, 108, 109])]
-    seeds = {u: s for u, _, s, _ in servers.calls}
-    assert seeds[A] == 11 and seeds[B] not in (None, 11)
+    seeds = {u: s for u, _, s, _ in servers.calls}  # each prompt's seed as in one request
+    assert seeds[A] == 11 and seeds[B] == prompt_seed(11, 5)
     assert answer["weight_version"] == 3
 
 
@@ -74,8 +75,9 @@ def test_the_least_loaded_server_takes_the_work(servers):
     assert set(answer["servers"]) == {B, C}  # A still holds 500 tokens of work
     assert bal.loads() == {A: 500.0, B: 0.0, C: 0.0}  # answered work is no longer outstanding
     bal.done(A, 500.0)
-    # one prompt, three idle servers: one request to the first least loaded one
-    assert generate_balanced(bal, [[5, 6]], n=3, max_new_tokens=8)["servers"] == [A]
+    # one prompt, three idle servers: one request to the idle server given the least work so
+    # far (B and C took 20 tokens each, A 500: the first of B and C)
+    assert generate_balanced(bal, [[5, 6]], n=3, max_new_tokens=8)["servers"] == [B]
 
 
 def test_one_server_is_one_request_with_the_callers_seed_and_its_answer(servers):
@@ -145,3 +147,41 @@ def test_the_stream_cuts_its_groups_by_the_same_rule():
     assert [g.index for g in got.groups] == list(range(8))
     assert [g.server for g in got.groups] == [A] * 4 + [B] * 4
     assert stream.balancer.loads() == {A: 0.0, B: 0.0}
+
+
+def test_small_batches_take_turns_over_idle_servers(servers):
+    """One group a call on idle servers: each call goes to the server given the least work so
+    far, so the spare work moves round instead of always landing on the first server."""
+    bal = Balancer([A, B, C])
+    where = [generate_balanced(bal, [[1, 2]], n=2, max_new_tokens=4)["servers"][0]
+             for _ in range(6)]
+    assert where == [A, B, C, A, B, C]
+
+
+def test_errors_name_the_callers_prompt_index_on_every_server(monkeypatch):
+    def refuse_bad(url, prompts, **kw):  # a server numbering the prompts of its own share
+        bad = [i for i, p in enumerate(prompts) if p[0] == 99]
+        if bad:
+            raise WeightSyncError(f"server {url}: /generate answered HTTP 400: "
+                                  f"input_ids[{bad[0]}]: must be token ids below 128, got 99")
+        return FakeServers()(url, prompts, **kw)
+
+    monkeypatch.setattr(balance, "generate", refuse_bad)
+    prompts = [[1, 2]] * 5 + [[99, 2]]
+    with pytest.raises(WeightSyncError, match=r"input_ids\[5\]: must be token ids"):
+        generate_balanced([A, B], prompts, n=1, max_new_tokens=4)
+    with pytest.raises(ConfigError, match=r"^prompts\[5\]: must be a non-empty list"):
+        generate_balanced([A, B], [[1, 2]] * 5 + [[]], n=1)
+    with pytest.raises(ConfigError, match=r"^prompts\[0\]: must be a non-empty list of token "
+                                          r"ids \(ints >= 0; text is tokenized by the caller\)"):
+        generate_balanced([A, B], ["hello", "world"], n=1)
+    with pytest.raises(ConfigError, match=r"^prompts\[1\]: must be a list of token ids"):
+        generate_balanced([A, B], [[1], [2, -3]], n=1)
+
+
+@pytest.mark.parametrize("urls", [None, 5, [], [A, A + "/"], [" " + A], [A + "?x=1"], [A, None]])
+def test_bad_server_lists_are_config_errors_naming_urls(urls):
+    with pytest.raises(ConfigError, match=r"^urls: must"):
+        Balancer(urls)
+    with pytest.raises(ConfigError, match=r"^urls: must"):
+        generate_balanced(urls, [[1]], n=1)
