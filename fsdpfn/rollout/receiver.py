@@ -43,7 +43,8 @@ from fsdpfn.rollout.staging import (Layout, check_manifest, copy_shared, first_n
                                     receive_sglang, record_event, torch_dtypes, unpack_flat,
                                     validate, wait_events)
 from fsdpfn.wire.frames import recv_frame, send_frame
-from fsdpfn.wire.protocol import MANIFEST, combine_on_device, make_group, wait_work
+from fsdpfn.wire.protocol import (MANIFEST, combine_checksums, combine_on_device, make_group,
+                                  tensor_checksums, wait_work)
 
 __all__ = ["Receiver", "Group", "UpdateChannel"]
 
@@ -69,6 +70,9 @@ class Receiver:
         # the version of the served weights when a whole update sent them as a LoRA trainer's
         # merged weights (its adapters already in them): no adapter may be loaded on top
         self.merged_push: int | None = None
+        # a whole update loaded and checked, waiting for /update_weights_commit (disk pushes
+        # to several servers: every server stages, then every server swaps)
+        self.staged: dict | None = None
         self.last_error: str | None = None
         self.channel_port: int | None = None  # the update channel's port, when one listens
         self._channels: dict[str, list] = {}  # group name -> channel sockets bound to it
@@ -124,6 +128,7 @@ class Receiver:
         canonical = {self.engine.aliases.get(n, n): t for n, t in tensors.items()}
         self.engine.swap(canonical, version, label=label)
         if whole:
+            self.staged = None  # staged against the weights this update replaces
             self.adapter = None
             self.merged_push = version if merged_adapters else None
         elif self.adapter is not None:
@@ -366,7 +371,10 @@ class Receiver:
 
     def update_from_disk(self, payload: dict) -> dict:
         """/update_weights_from_disk: {model_path, weight_version, flush_cache, load_format,
-        verify_checksums (default true: sha256 of each tensor against fsdpfn_manifest.json)}."""
+        verify_checksums (default true: sha256 of each tensor against fsdpfn_manifest.json),
+        merged_adapters, commit (default true; false: load and check the files, keep them
+        staged and answer their checksum, the served weights untouched until
+        /update_weights_commit)}."""
         with self._alone(0.0):
             path = Path(str(payload.get("model_path") or ""))
             if not path.is_dir():
@@ -390,8 +398,48 @@ class Receiver:
             if problems:
                 raise UpdateError(f"update from {str(path)!r} rejected, previous weights kept: "
                                   + "; ".join(problems[:8]))
-            return self._commit_loaded(tensors, version, label,
-                                       merged_adapters=bool(payload.get("merged_adapters")))
+            merged = bool(payload.get("merged_adapters"))
+            if payload.get("commit", True) is False:
+                return self._stage(tensors, version, label, merged)
+            return self._commit_loaded(tensors, version, label, merged_adapters=merged)
+
+    def _stage(self, tensors: dict, version: int, label, merged: bool) -> dict:
+        """Keep a checked whole update aside (replacing any staged before); answer with the
+        checksum the weights will have once it is committed."""
+        bad = first_non_finite(tensors)
+        if bad:
+            raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
+                              f"got NaN/inf in {bad}")
+        canonical = {self.engine.aliases.get(n, n): t for n, t in tensors.items()}
+        names = list(self.engine.params)
+        sums = tensor_checksums([canonical.get(n, self.engine.params[n]) for n in names])
+        checksum = combine_checksums(dict(zip(names, sums)))
+        self.staged = {"tensors": tensors, "version": version, "label": label,
+                       "merged_adapters": merged, "checksum": checksum}
+        return {"success": True, "staged": True, "weight_version": version,
+                "weights_checksum": checksum,
+                "message": f"staged {len(tensors)} tensors of version {version}; served "
+                           f"{self.engine.version} until /update_weights_commit"}
+
+    def commit_staged(self, payload: dict) -> dict:
+        """/update_weights_commit {weight_version, commit (default true)}: swap in the staged
+        update of that version (commit false: drop it). 409 when none of that version is
+        staged: the served weights stay as they are."""
+        with self._alone(0.0):
+            staged, version = self.staged, payload.get("weight_version")
+            if staged is None or staged["version"] != version:
+                raise UpdateError(f"weight_version: must be the staged update's "
+                                  f"({None if staged is None else staged['version']}), got "
+                                  f"{version!r}; served weights kept", 409)
+            self.staged = None
+            if payload.get("commit", True) is False:
+                return {"success": True, "weight_version": self.engine.version,
+                        "message": f"staged version {version} dropped"}
+            self._swap(staged["tensors"], staged["version"], staged["label"], whole=True,
+                       merged_adapters=staged["merged_adapters"])
+            return {"success": True, "weight_version": staged["version"],
+                    "weights_checksum": self.engine.weights_checksum(),
+                    "message": f"committed version {staged['version']}"}
 
     def _commit_loaded(self, tensors: dict, version: int, label, *,
                        merged_adapters: bool = False) -> dict:

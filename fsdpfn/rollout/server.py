@@ -13,7 +13,8 @@
 | POST /init_weights_update_group | SGLang's {master_address, master_port, rank_offset, world_size, group_name, backend}, plus timeout_s: the group formed as SGLang forms it | {success, message} |
 | POST /destroy_weights_update_group | {group_name} | {success, message} |
 | POST /update_weights_from_distributed | SGLang's {names, dtypes, shapes, group_name, flush_cache, load_format ("flattened_bucket": one packed broadcast), weight_version (any string)} | {success, message, weight_version (the int), seconds} |
-| POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests; a refusal (a missing directory included) 400, as SGLang's |
+| POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums, commit (false: load, check and stage only)} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests (with commit false: staged, and the checksum the weights will have); a refusal (a missing directory included) 400, as SGLang's |
+| POST /update_weights_commit | {weight_version, commit (default true; false: drop)} | the staged update of that version swapped in: {success, weight_version, weights_checksum}; 409 when none of that version is staged |
 | POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: each bucket an aligned flat bucket in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | {success, weight_version, weights_checksum, message, seconds} |
 | POST /pause_generation, POST /continue_generation | {mode}: SGLang's "abort" (default), "retract" or "in_place", else 400 | SGLang's {message, status: "ok"}, plus success; a pause drains whatever the mode (nothing is aborted) |
 | POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py); a refusal is a 400 whose loaded_adapters names what is still served |
@@ -190,6 +191,10 @@ def build_app(engine: RolloutEngine):
     @app.post("/update_weights_from_distributed")
     def update_distributed(payload: dict = Body(...)):
         return answer(lambda: receiver.update_from_distributed(payload))
+
+    @app.post("/update_weights_commit")
+    def update_commit(payload: dict = Body(...)):
+        return answer(lambda: receiver.commit_staged(payload))
 
     @app.post("/update_weights_from_ipc")
     def update_ipc(payload: dict = Body(...)):

@@ -3,8 +3,11 @@ layout, which the servers must be able to read at the same path), then rank 0 as
 to load it with /update_weights_from_disk, generation paused around the swap, and rotates the old
 versions out (``keep_last``).
 
-fsdpfn.rollout servers answer with the version and the weights checksum, checked against what
-was written. SGLang servers take their own request fields and answer success and message only:
+fsdpfn.rollout servers load in two phases, so that a push one of them refuses leaves every
+server on the weights it served: each loads and checks the files and keeps them staged
+(``commit: false``), answering the checksum they will have, checked against what was written;
+only when every server staged them does each swap them in (/update_weights_commit), generation
+paused around the swaps alone. A failure before that drops what the others staged. SGLang servers take their own request fields and answer success and message only:
 the version is read back with /get_weight_version, and every rank then runs the log-prob probe
 (fsdpfn.weights.sglang).
 """
@@ -55,13 +58,27 @@ def _load(servers: Servers, directory: Path, version: int, checksum: int, *,
           merged_adapters: bool = False) -> None:
     payload = {"model_path": str(directory.resolve()), "weight_version": version,
                "flush_cache": servers.config.flush_cache, "verify_checksums": True,
-               "merged_adapters": merged_adapters}
-
-    def update() -> None:
-        for url, answer in _post_to_all(servers, payload).items():
+               "merged_adapters": merged_adapters, "commit": False}
+    answers, errors = _post_each(servers, "/update_weights_from_disk", payload)
+    for url, answer in answers.items():
+        try:
             check_commit(url, answer, version, checksum)
+        except WeightSyncError as exc:
+            errors.append(str(exc))
+    if errors:  # nothing swapped anywhere: what was staged is dropped
+        _post_each(servers, "/update_weights_commit",
+                   {"weight_version": version, "commit": False}, urls=list(answers))
+        raise WeightSyncError("; ".join(errors) + "; every server keeps the weights it served")
 
-    _while_paused(servers, update)
+    def commit() -> None:
+        done, failed = _post_each(servers, "/update_weights_commit",
+                                  {"weight_version": version, "commit": True})
+        for url, answer in done.items():
+            check_commit(url, answer, version, checksum)
+        if failed:
+            raise WeightSyncError("; ".join(failed) + f" (the others serve version {version})")
+
+    _while_paused(servers, commit)
 
 
 def _load_sglang(servers: Servers, directory: Path, version: int, checksum: int) -> None:
@@ -76,21 +93,27 @@ def _load_sglang(servers: Servers, directory: Path, version: int, checksum: int)
 def _post_to_all(servers: Servers, payload: dict) -> dict[str, dict]:
     """/update_weights_from_disk to every server at once; their answers, or one WeightSyncError
     naming every server that failed."""
+    answers, errors = _post_each(servers, "/update_weights_from_disk", payload)
+    if errors:
+        raise WeightSyncError("; ".join(errors))
+    return answers
+
+
+def _post_each(servers: Servers, path: str, payload: dict, urls: list[str] | None = None
+               ) -> tuple[dict[str, dict], list[str]]:
+    """``path`` to every server (of ``urls``) at once: (the answers, the failures' messages)."""
     timeout = servers.config.timeout_s
     deadline = time.monotonic() + timeout
-    calls = {url: Call(lambda url=url: call(url, "/update_weights_from_disk", payload,
-                                            timeout=timeout),
-                       f"server {url}: /update_weights_from_disk")
-             for url in servers.urls}
+    calls = {url: Call(lambda url=url: call(url, path, payload, timeout=timeout),
+                       f"server {url}: {path}")
+             for url in (servers.urls if urls is None else urls)}
     answers, errors = {}, []
     for url, c in calls.items():
         try:
             answers[url] = c.result(deadline + 1.0)
         except WeightSyncError as exc:
             errors.append(str(exc))
-    if errors:
-        raise WeightSyncError("; ".join(errors))
-    return answers
+    return answers, errors
 
 
 def _while_paused(servers: Servers, update: Callable[[], object]) -> None:

@@ -142,7 +142,10 @@ class SGLangSender:
                  f"from {bucket.names[0]!r}, {bucket.nbytes} bytes]")
         if errors or wire:
             raise WeightSyncError("; ".join(errors or [f"broadcast to {self.servers.urls} "
-                                                       f"failed: {wire}"]) + f" {where}")
+                                                       f"failed: {wire}"]) + f" {where}; "
+                                  f"SGLang's protocol applies each bucket on arrival, so the "
+                                  f"servers that took this or earlier buckets hold part of "
+                                  f"version {self.version} until a push succeeds")
 
     def conclude(self) -> None:
         """Generation resumes, then every server must report the pushed version."""
