@@ -239,7 +239,9 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         check_resume_keeps(cfg, config_path)
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None
-    placement = place(cfg, count_gpus(), needs_rollout=needs_rollout)
+    n_gpus = count_gpus()
+    placement = place(cfg, n_gpus, needs_rollout=needs_rollout)
+    _check_server_gpus(cfg, placement, n_gpus)
     model_dir = initial_model_dir(cfg.model, run_dir)
     url = cfg.rollout.url if needs_rollout else None
     _check_inputs(cfg)
@@ -284,6 +286,24 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     write_run_state(run_dir, "interrupted" if interrupted else ("done" if rc == 0 else "failed"),
                     exit_code=status, **failure)
     return status
+
+
+def _check_server_gpus(cfg, placement, n_gpus: int) -> None:
+    """rollout.gpus places the servers fsdpfn run starts on CUDA; where they run on the CPU
+    (a host without GPUs, or rollout.device auto following a trainer on the CPU) it is refused
+    rather than ignored. rollout.device cpu and rollout.url with gpus are config rules
+    (fsdpfn.app.recipes.config.RolloutConfig)."""
+    gpus = getattr(getattr(cfg, "rollout", None), "gpus", None)
+    if gpus is None or placement.server_device != "cpu":
+        return
+    from fsdpfn.errors import ConfigError
+
+    why = ("this host has no GPU" if n_gpus == 0 else
+           f"rollout.device {cfg.rollout.device!r} follows launch.device "
+           f"{cfg.launch.device!r}")
+    raise ConfigError(f"rollout.gpus: GPU indices need the rollout servers on CUDA, and they "
+                      f"would run on the CPU ({why}; rollout.servers=N starts N there), got "
+                      f"{list(gpus)}")
 
 
 def _report_failure(run_dir: Path, rc: int, failed: str | None = None) -> str:
@@ -533,6 +553,13 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool,
             f"{s['weight_version']}" for s in servers))
     _say(f"metrics {metrics}" + (f", plot {summary['plot']}" if "plot" in summary else "")
          + (f", checkpoint {summary['checkpoint']}" if "checkpoint" in summary else ""))
-    if interrupted or rc != 0:
+    if (interrupted or rc != 0) and _resumable(run_dir, summary):
         _say(f"continue with: fsdpfn run {run_dir / 'config.yaml'} --resume")
     return summary
+
+
+def _resumable(run_dir: Path, summary: dict) -> bool:
+    """Whether --resume would continue anything: a published checkpoint, or the RL warm-up's
+    result (run_dir/sft, fsdpfn.app.recipes.rl.WARMUP_MODEL); a run that failed or stopped
+    before either starts over at step 0 on --resume, so it is not suggested."""
+    return "checkpoint" in summary or (run_dir / "sft" / "config.json").is_file()

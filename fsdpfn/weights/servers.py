@@ -61,6 +61,7 @@ class Servers:
         for url in [u for u, ch in self.channels.items() if ch.stale()]:
             self.channels.pop(url).close()
         health = {url: call(url, "/health", timeout=self.config.timeout_s) for url in self.urls}
+        _check_distinct(health)
         infos = self._model_infos(health, layout)
         self.sglang = _speak_sglang(infos)
         if self.sglang:
@@ -201,6 +202,22 @@ class Servers:
         if self.group.live is not None:
             self.group.destroy_on_servers()
             self.retire()
+
+
+def _check_distinct(health: dict[str, dict]) -> None:
+    """Two URLs of one server (``http://127.0.0.1:P`` and ``http://localhost:P``) are refused
+    before anything is sent: the server would be asked to join the update group twice, and the
+    group would wait for a member that never comes. fsdpfn.rollout servers name themselves in
+    /health (``server_id``, new at each start); a server that does not is not checked."""
+    seen: dict = {}
+    for url, h in health.items():
+        server_id = h.get("server_id") if isinstance(h, dict) else None
+        if server_id is None:
+            continue
+        if server_id in seen:
+            raise WeightSyncError(f"urls: {seen[server_id]!r} and {url!r} are one server "
+                                  f"(server_id {server_id}); name each server once")
+        seen[server_id] = url
 
 
 def _speak_sglang(infos: dict[str, dict]) -> bool:

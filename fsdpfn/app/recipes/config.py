@@ -217,7 +217,9 @@ class RolloutConfig:
     Each group of answers goes to one server, the least loaded (fsdpfn.rollout.balance), and
     every push reaches all of them through one update group (their versions and checksums must
     agree). Several servers need GPUs of their own: none may be a trainer GPU (so ``transport:
-    ipc``, which shares rank 0's GPU, is for one server).
+    ipc``, which shares rank 0's GPU, is for one server). ``gpus`` places servers that fsdpfn
+    run starts on CUDA; where it cannot apply (``device: cpu``, ``url``, a host without GPUs)
+    it is refused before launch, never ignored.
 
     ``max_staleness``: 0 is the synchronous loop (generate, then train, then push); N >= 1 lets
     generation run up to N steps ahead of training (fsdpfn.rollout.stream: no trained sample is
@@ -235,11 +237,15 @@ class RolloutConfig:
                                  validator=one_of("auto", "broadcast", "ipc", "disk"))
     threads: int = attrs.field(default=1, validator=integer(1))
     device: str = attrs.field(default="auto", validator=one_of("auto", "cpu", "cuda"))
+    # the servers' GPUs, one server each (null: the host's last `servers` GPUs); for servers
+    # fsdpfn run starts on CUDA: refused with device cpu, with url and on a host without GPUs
     gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
                                                validator=_gpu_list)
     temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
     top_p: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0, le=1))
     timeout_s: float = attrs.field(default=120.0, converter=to_float, validator=number(gt=0))
+    # how long the servers fsdpfn run starts may take to answer /health, and how long the
+    # trainer waits for the external servers of url to answer it (one bound for all of them)
     health_timeout_s: float = attrs.field(default=300.0, converter=to_float,
                                           validator=number(gt=0))
     max_staleness: int = attrs.field(default=0, validator=integer(0))
@@ -275,6 +281,11 @@ class RolloutConfig:
             fail("url", "must name each server once", urls, shown=f"{twice[0]!r} twice in {urls}")
 
     def __attrs_post_init__(self):
+        self._check_external()
+        if self.gpus is not None and self.device == "cpu":
+            fail("gpus", "must be null with rollout.device 'cpu' (GPU indices place servers on "
+                         "CUDA; rollout.servers=N starts N on the CPU)", self.gpus,
+                 shown=repr(list(self.gpus)))
         if self.servers is not None and self.gpus is not None \
                 and self.servers != len(self.gpus):
             fail("servers", f"must equal the number of rollout.gpus (one server per GPU listed: "
@@ -282,6 +293,20 @@ class RolloutConfig:
         if self.url is not None and self.servers is not None and self.servers != len(self.urls):
             fail("servers", f"must equal the number of servers rollout.url lists "
                             f"({len(self.urls)}; fsdpfn run starts none then)", self.servers)
+
+    def _check_external(self) -> None:
+        """With url (external servers) nothing is placed: gpus cannot apply, and ipc, which
+        hands CUDA memory to a server fsdpfn run starts on trainer rank 0's GPU, cannot
+        either."""
+        if self.url is None:
+            return
+        if self.gpus is not None:
+            fail("gpus", "must be null when rollout.url names external servers (fsdpfn run "
+                         "starts no server to place)", self.gpus, shown=repr(list(self.gpus)))
+        if self.transport == "ipc":
+            fail("transport", "must not be 'ipc' when rollout.url names external servers (ipc "
+                              "hands CUDA memory of trainer rank 0's GPU to a server fsdpfn run "
+                              "starts on that GPU); use auto, broadcast or disk", self.transport)
 
     @property
     def urls(self) -> tuple[str, ...]:

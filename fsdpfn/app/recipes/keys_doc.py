@@ -113,8 +113,6 @@ NOTES = {
     ("PPOConfig", "on_policy_tol"): "check_on_policy's bound on mean |logp - old_logp|",
     ("RolloutConfig", "transport"): "how weights reach the server: broadcast, ipc, disk, or "
                                     "auto (see the class text)",
-    ("RolloutConfig", "gpus"): "the servers' GPUs, one server each (null: the host's last "
-                               "`servers` GPUs)",
     ("RolloutConfig", "workflow_timeout_s"): "bound on one workflow call",
     ("RolloutConfig", "max_episode_tokens"): "longer episode rows are dropped and counted "
                                              "(null: the model's max_position_embeddings)",
@@ -176,8 +174,6 @@ NOTES = {
     ("RolloutConfig", "temperature"): "sampling temperature",
     ("RolloutConfig", "top_p"): "nucleus sampling",
     ("RolloutConfig", "timeout_s"): "per generation request",
-    ("RolloutConfig", "health_timeout_s"): "how long the started server may take to answer "
-                                           "/health",
     ("RewardConfig", "batched"): "one call per batch: score(prompts, completions, *, answers, "
                                  "samples)",
     ("RewardConfig", "workers"): "reward processes (0: in-process, no timeout)",

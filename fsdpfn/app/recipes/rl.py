@@ -50,7 +50,7 @@ from fsdpfn.engine.timing import Phases, peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
 
-__all__ = ["run", "warmup", "greedy_reward", "wait_for_server", "read_progress"]
+__all__ = ["run", "warmup", "greedy_reward", "wait_for_servers", "read_progress"]
 
 WARMUP_MODEL = "sft"       # the warm-up's result: reference model and RL start
 
@@ -134,22 +134,45 @@ def greedy_reward(cfg, ctx: RunContext, tok, held_out, pool, n_prompts: int, *,
     return sum(rewards) / len(rewards)
 
 
-def wait_for_server(url: str, timeout: float) -> None:
-    """Rank 0: poll /health until the server answers (the launcher starts it in parallel)."""
+def wait_for_servers(urls: list[str], timeout: float, *, external: bool = False) -> None:
+    """Rank 0: poll every server's /health until each has answered, all within one ``timeout``
+    (rollout.health_timeout_s). The launcher starts its servers in parallel with the trainer;
+    ``external`` servers (rollout.url) are not started by anyone here: a line says which are
+    awaited and for how long, and a failure names those that never answered."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + timeout
+    if external:
+        log(f"waiting up to {timeout:g} s (rollout.health_timeout_s) for the external "
+            f"rollout server(s) {', '.join(urls)} to answer on /health")
+    waiting = list(urls)
     while True:
-        try:
-            with opener.open(url.rstrip("/") + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+        waiting = [u for u in waiting if not _healthy(opener, u)]
+        if not waiting:
+            return
         if time.monotonic() > deadline:
-            raise ff.WeightSyncError(f"rollout server {url}: no answer on /health within "
-                                     f"{timeout:.0f} s (rollout.health_timeout_s); see "
-                                     f"run_dir/rollout.log")
+            raise ff.WeightSyncError(_no_answer(urls, waiting, timeout, external))
         time.sleep(0.25)
+
+
+def _healthy(opener, url: str) -> bool:
+    try:
+        with opener.open(url.rstrip("/") + "/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _no_answer(urls: list[str], waiting: list[str], timeout: float, external: bool) -> str:
+    """The failure of wait_for_servers: external servers by URL (they write no log here), a
+    server of fsdpfn run's with its log (run_dir/rollout.log, rollout1.log, ...)."""
+    if external:
+        return (f"rollout.url: every external server must answer /health within "
+                f"rollout.health_timeout_s = {timeout:g} s (fsdpfn run starts none; they "
+                f"must be up), got no answer from {', '.join(repr(u) for u in waiting)}")
+    i = urls.index(waiting[0])
+    log_name = "rollout.log" if i == 0 else f"rollout{i}.log"
+    return (f"rollout server {waiting[0]}: no answer on /health within {timeout:g} s "
+            f"(rollout.health_timeout_s); see run_dir/{log_name}")
 
 
 # ---------------------------------------------------------------- the loop
@@ -249,8 +272,8 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
     if not urls:
         raise ff.ConfigError("rollout.url: the RL recipes need a rollout server; run them with "
                              "`fsdpfn run` (which starts one) or set rollout.url")
-    broadcast_from_main(lambda: [wait_for_server(u, cfg.rollout.health_timeout_s)
-                                 for u in urls])
+    broadcast_from_main(lambda: wait_for_servers(urls, cfg.rollout.health_timeout_s,
+                                                 external=cfg.rollout.url is not None))
     url = ", ".join(urls)
     disk = ctx.transport == "disk"
     target = RolloutTarget(urls, config=ff.PushConfig(
