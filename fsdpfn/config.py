@@ -411,6 +411,8 @@ class AdvantageConfig:
     ``gae`` (needs ``values``). ``kl_coef>0`` puts coef·KL(old_logp‖ref_logp) into the token
     rewards (the policy that sampled: the batch's ``old_logp``, else its ``logp``). Rewards are
     first scaled and shifted (r·reward_scale + reward_bias), then clipped to ±reward_clip.
+    ``group_size``: the samples per prompt of the grouped estimators; its default 1 makes each
+    row its own group, where every grpo/drgrpo advantage is 0 (compute_advantages warns).
     """
 
     estimator: str = attrs.field(default="grpo",

@@ -20,6 +20,8 @@ data-parallel batch (each dp rank passing its own rows), so advantages do not de
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -137,6 +139,11 @@ def compute_advantages(batch, config: AdvantageConfig, *, mesh: Mesh | None = No
                             clip=config.reward_clip)
     penalty = _penalty(batch, config, mask)
     if config.estimator in GROUPED:
+        if config.group_size == 1 and K.GROUP_ID not in batch.keys():
+            warnings.warn(f"AdvantageConfig.group_size is 1 with estimator "
+                          f"{config.estimator!r}: each row is its own group, so every "
+                          f"advantage is 0 (set group_size to the samples per prompt)",
+                          stacklevel=2)
         adv, returns = _grouped(batch, config, rewards, groups, penalty)
     else:
         adv, returns = _token_level(batch, config, rewards, penalty, all_reduce)
