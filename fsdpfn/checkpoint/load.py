@@ -147,7 +147,6 @@ def _plan_optim(state: EngineState, metadata, root: Path) -> dict:
     """Buffers for the flattened optimizer state, built from the metadata and checked against
     the parameters, without touching the optimizer (it may have no state yet)."""
     params = _trainable_by_fqn(state.model)
-    group_keys = {k for g in state.optimizer.param_groups for k in g if k != "params"}
     live_names = {n for s in state.optimizer.state.values() for n in s}
     staged, names, pg_keys = {}, {}, {}
     for key, md in metadata.state_dict_metadata.items():
@@ -176,12 +175,13 @@ def _plan_optim(state: EngineState, metadata, root: Path) -> dict:
             host = getattr(state.optimizer, "empty_state_like", None)
             staged[sub] = host(param) if host else torch.empty_like(param, requires_grad=False)
     for fqn in params:
-        if fqn not in names or not group_keys <= pg_keys.get(fqn, set()):
+        if fqn not in names or "lr" not in pg_keys.get(fqn, set()):
             raise CheckpointError(
                 f"load_checkpoint: optimizer state of {fqn!r}: must be in the checkpoint with "
-                f"the hyper-parameters {sorted(group_keys)}, got state "
+                f"its param group's hyper-parameters, got state "
                 f"{sorted(names.get(fqn, ()))} and hyper-parameters "
                 f"{sorted(pg_keys.get(fqn, ()))} in {str(root)!r}")
+
         if live_names and names[fqn] != live_names:
             raise CheckpointError(f"load_checkpoint: optimizer state of {fqn!r}: must hold "
                                   f"{sorted(live_names)} like the state's optimizer, got "
@@ -249,11 +249,15 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
             f"reset the Adam moments. Pass weights_only=True to load only the model weights and "
             f"keep this state's optimizer")
     load_optim = not weights_only and state.optimizer is not None
-    if load_optim and manifest["optimizer"].get("class") != type(state.optimizer).__name__:
+    metadata = _read_metadata(root)
+    if load_optim and not _same_moments(state.optimizer, manifest["optimizer"].get("class"),
+                                        metadata):
         raise CheckpointError(f"{fn}: optimizer.class: must be {type(state.optimizer).__name__} "
                               f"(the state's), got {manifest['optimizer'].get('class')!r} in "
-                              f"{str(root)!r}")
-    metadata = _read_metadata(root)
+                              f"{str(root)!r} (EngineConfig.optimizer_dtype differs between the "
+                              f"run that saved it and this state, and with it the master "
+                              f"weights' dtype: build the state with the saved run's "
+                              f"optimizer_dtype; engine.fsdp.per_layer_optim_step may differ)")
     staging = {"model": _plan_model(state, metadata, root)}
     if load_optim and status == "saved":
         staging["optim"] = _plan_optim(state, metadata, root)
@@ -267,6 +271,26 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a broken checkpoint
             raise _wrap(fn, f"reading {str(file)!r}", exc) from None
     return _LoadPlan(root, manifest, staging, load_optim, rng, checksums)
+
+
+def _same_moments(optimizer, saved_class, metadata) -> bool:
+    """Whether a checkpoint's optimizer state loads into ``optimizer``: the same class, or the
+    same moments kept elsewhere. AdamW and the per-layer step's PerLayerAdamW hold exp_avg and
+    exp_avg_sq; KahanAdamW and PerLayerAdamW over bf16 master weights add compensation. So
+    engine.fsdp.per_layer_optim_step may change across a resume; optimizer_dtype may not."""
+    here = type(optimizer).__name__
+    if saved_class == here:
+        return True
+    families = {"AdamW": False, "KahanAdamW": True}
+    if saved_class == "PerLayerAdamW":  # which moments: the checkpoint's keys say
+        saved = any(k.endswith(".compensation") for k in metadata.state_dict_metadata)
+    elif saved_class in families:
+        saved = families[saved_class]
+    else:
+        return False
+    mine = bool(getattr(optimizer, "kahan", False)) if here == "PerLayerAdamW" \
+        else families.get(here)
+    return mine is not None and mine == saved
 
 
 def _read(plan: _LoadPlan) -> integrity.VerifyingPlanner | None:
@@ -303,6 +327,21 @@ def _hyper(optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
+def _with_own_hyper(state: EngineState, staged: dict) -> dict:
+    """The flattened optimizer state with the param-group keys the checkpoint lacks (another
+    optimizer class saved it: the per-layer step has none of torch AdamW's amsgrad,
+    capturable, ...) set to the state's own; _apply keeps the state's values for every key."""
+    out = dict(staged)
+    params = _trainable_by_fqn(state.model)
+    group_of = {id(p): g for g in state.optimizer.param_groups for p in g["params"]}
+    for fqn, param in params.items():
+        group = group_of.get(id(param))
+        for key, value in (group or {}).items():
+            if key != "params":
+                out.setdefault(f"param_groups.{fqn}.{key}", copy.deepcopy(value))
+    return out
+
+
 def _schedule_at(state: EngineState, saved: dict) -> None:
     """The scheduler at the saved position (its step count), on the state's own schedule and
     peak rates: the rates of the state's OptimizerConfig at that step."""
@@ -327,7 +366,8 @@ def _apply(state: EngineState, plan: _LoadPlan) -> None:
     if plan.load_optim:
         own = _hyper(state.optimizer)
         if "optim" in plan.staging:
-            set_optimizer_state_dict(state.model, state.optimizer, plan.staging["optim"],
+            set_optimizer_state_dict(state.model, state.optimizer,
+                                     _with_own_hyper(state, plan.staging["optim"]),
                                      options=_OPTIM_FLAT)
         else:  # saved before the first step: no moments
             state.optimizer.state.clear()

@@ -85,3 +85,46 @@ def test_an_unchanged_config_continues_as_if_never_stopped(model_dir, tmp_path):
     assert first + rest == lrs
     for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a.detach(), b.detach())
+
+
+def _state_with(path, *, per_layer: bool, optimizer_dtype: str):
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    return ff.shard_model(ff.EngineConfig(
+        model_path=str(path), dtype="float32", optimizer_dtype=optimizer_dtype,
+        optimizer=ff.OptimizerConfig(lr=1e-2), fsdp=ff.FSDPConfig(per_layer_optim_step=per_layer)),
+        mesh)
+
+
+@pytest.mark.parametrize("optimizer_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("saved_per_layer", [False, True], ids=["saved-plain", "saved-per-layer"])
+def test_the_per_layer_step_may_change_across_a_resume(model_dir, tmp_path, optimizer_dtype,
+                                                       saved_per_layer):
+    """The per-layer step keeps the same moments in host memory: a checkpoint of either loads
+    into the other, and the resumed steps equal the uninterrupted ones bit for bit."""
+    state = _state_with(model_dir, per_layer=saved_per_layer, optimizer_dtype=optimizer_dtype)
+    for step in range(2):
+        state, _ = ff.sft_step(state, _batch(step), ff.SFTConfig())
+    ff.save_checkpoint(state, tmp_path / "ckpt")
+    straight = []
+    for step in (2, 3):
+        state, stats = ff.sft_step(state, _batch(step), ff.SFTConfig())
+        straight.append(float(stats["loss"]))
+    other = _state_with(model_dir, per_layer=not saved_per_layer,
+                        optimizer_dtype=optimizer_dtype)
+    other, _ = ff.load_checkpoint(other, tmp_path / "ckpt")
+    resumed = []
+    for step in (2, 3):
+        other, stats = ff.sft_step(other, _batch(step), ff.SFTConfig())
+        resumed.append(float(stats["loss"]))
+    assert resumed == straight
+
+
+def test_another_optimizer_dtype_is_refused_naming_it(model_dir, tmp_path):
+    state = _state_with(model_dir, per_layer=False, optimizer_dtype="float32")
+    state, _ = ff.sft_step(state, _batch(0), ff.SFTConfig())
+    ff.save_checkpoint(state, tmp_path / "ckpt")
+    bf16 = _state_with(model_dir, per_layer=False, optimizer_dtype="bfloat16")
+    with pytest.raises(ff.CheckpointError, match=r"optimizer.class: must be KahanAdamW .*got "
+                                                 r"'AdamW'.*optimizer_dtype differs"):
+        ff.load_checkpoint(bf16, tmp_path / "ckpt")
+    bf16, _ = ff.sft_step(bf16, _batch(0), ff.SFTConfig())  # the refused state is still usable
