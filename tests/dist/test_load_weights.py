@@ -105,14 +105,17 @@ def test_a_bad_checkpoint_is_refused_on_every_rank(tmp_path, spmd2, fault):
 
 
 _PEAK = textwrap.dedent("""
-    import json, resource, torch
+    import json, torch
     import fsdpfn as ff
     from fsdpfn.testing import tiny_qwen2_config
 
-    def rss():
+    def status(key):
         for line in open("/proc/self/status"):
-            if line.startswith("VmRSS"):
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
+
+    def rss():
+        return status("VmRSS:")
 
     cfg = tiny_qwen2_config(vocab_size=1024, hidden_size=1024, intermediate_size=2816,
                             num_hidden_layers=16, num_attention_heads=8,
@@ -121,7 +124,9 @@ _PEAK = textwrap.dedent("""
     base = rss()
     state = ff.shard_model(ff.EngineConfig(model_config=cfg, lora=ff.LoRAConfig(rank=4),
                                            dtype="bfloat16", optimizer=None), mesh)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM is this process's own peak (ru_maxrss keeps the peak of the process that started
+    # it, a large pytest worker, across fork and exec)
+    peak = status("VmHWM:")
     model = sum(p.to_local().numel() * p.to_local().element_size()
                 for p in state.model.parameters())
     layer = sum(p.numel() for p in state.hf_model.model.layers[0].parameters()) * 4

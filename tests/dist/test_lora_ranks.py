@@ -168,8 +168,10 @@ def test_lora_sft_learns_with_only_adapters_trainable_and_a_bf16_base(model_dir,
 
 
 def test_dp2_equals_dp1_after_one_step(model_dir, spmd1, spmd2):
-    one = run_spmd(_one_step, 1, args=(model_dir, 1, 1), timeout=300, pool=spmd1)[0]
-    two = run_spmd(_one_step, 2, args=(model_dir, 2, 1), timeout=300, pool=spmd2)
+    # two calls inside pytest's 300 s: each bounded below half of it, so a hang reports its
+    # ranks' stacks (SpmdTimeout) before pytest's own timeout kills the test
+    one = run_spmd(_one_step, 1, args=(model_dir, 1, 1), timeout=140, pool=spmd1)[0]
+    two = run_spmd(_one_step, 2, args=(model_dir, 2, 1), timeout=140, pool=spmd2)
     for got in two:
         assert got[0].keys() == one[0].keys()
         for key in one[0]:
@@ -181,8 +183,8 @@ def test_dp2_equals_dp1_after_one_step(model_dir, spmd1, spmd2):
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["colwise-kv", "replicated-kv"])
 def test_tp2_equals_tp1(kv_heads, spmd1, spmd2):
     config = tiny_qwen2_config(num_key_value_heads=kv_heads).to_dict()
-    one = run_spmd(_one_step, 1, args=(None, 1, 1, config), timeout=300, pool=spmd1)[0]
-    two = run_spmd(_one_step, 2, args=(None, 1, 2, config), timeout=300, pool=spmd2)
+    one = run_spmd(_one_step, 1, args=(None, 1, 1, config), timeout=140, pool=spmd1)[0]
+    two = run_spmd(_one_step, 2, args=(None, 1, 2, config), timeout=140, pool=spmd2)
     for got in two:
         for key in one[0]:
             torch.testing.assert_close(got[0][key], one[0][key], atol=1e-6, rtol=1e-5)

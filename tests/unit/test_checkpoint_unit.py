@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -130,9 +131,32 @@ def test_cleanup_removes_leftovers_of_dead_saves_only(tmp_path):
     assert not aside.exists()
 
 
-def test_discard_drops_the_marker_before_the_data(tmp_path):
+def test_discard_drops_the_marker_before_the_data(tmp_path, monkeypatch):
+    """A deletion cut short after the rename leaves a side directory without its marker (never
+    a complete-looking checkpoint), then a finished one leaves nothing."""
+    import shutil
+
+    from fsdpfn.checkpoint import files
+
     ckpt = _fake_checkpoint(tmp_path / "step_1", saved_at=1.0)
-    C._discard(ckpt)
+    seen = []
+
+    rmtree = shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):  # the process dies before the data is removed
+        if Path(path).parent != tmp_path:
+            return rmtree(path, *args, **kwargs)
+        seen.append((Path(path).name, sorted(p.name for p in Path(path).iterdir())))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        C._discard(ckpt)
+    (name, left), = seen
+    assert not ckpt.exists() and ".old-" in name  # renamed aside first
+    assert C.MARKER not in left and left  # the marker went first; the data is still there
+    monkeypatch.setattr(files.shutil, "rmtree", rmtree)
+    C._discard(tmp_path / name)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -19,6 +19,8 @@ from fsdpfn.rollout.sampling import SamplingParams
 from fsdpfn.testing.models import save_family_model, tiny_family_configs
 
 FAMILIES = tiny_family_configs()
+LOOP_SERVES = {"llama", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn", "qwen2",
+               "qwen3"}
 PROMPTS = [list(range(3, 23)), list(range(40, 47))]  # 20 and 7 tokens, then 30 new ones
 NEW = 30
 # a known, named exception (strict: it fails the suite once it no longer holds)
@@ -88,6 +90,8 @@ def test_decode_loop_logprobs_equal_forward_logp_or_refused_by_name(family, fami
     from transformers import AutoModelForCausalLM
 
     reason = unsupported_reason(AutoModelForCausalLM.from_pretrained(family_dirs[family]))
+    # the families the loop serves, named here (the code's own verdict is what is checked)
+    assert (reason is None) == (family in LOOP_SERVES), (family, reason)
     if reason is not None:
         with pytest.raises(UpdateError, match="'loop' cannot serve this model"):
             _generate(family_dirs[family], "loop")

@@ -193,15 +193,15 @@ def test_engine_refuses_a_bad_adapter_and_keeps_its_weights(engine_and_dir):
     engine, root = engine_and_dir
     version, checksum = engine.version, engine.weights_checksum()
     bad, _ = _adapter_dir(root, "bad", seed=3, modules=("model.layers.0.self_attn.q_proj",))
-    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 3,
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
                                                          "lora_alpha": 4}))
-    with pytest.raises(UpdateError, match="B @ A must have the weight's shape|lora_A"):
-        from safetensors.torch import save_file
+    from safetensors.torch import save_file
 
-        save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
-                   torch.zeros(2, 5),
-                   "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
-                   torch.zeros(64, 2)}, str(bad / "adapter_model.safetensors"))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.zeros(2, 5),  # the rank is right; A's 5 columns are not q_proj's 64
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+               torch.zeros(64, 2)}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(UpdateError, match="B @ A must have the weight's shape"):
         engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(bad)})
     with pytest.raises(UpdateError, match="lora_path: must be a peft adapter directory"):
         engine.receiver.load_lora_adapter({"lora_name": "p", "lora_path": str(root / "missing")})

@@ -193,9 +193,8 @@ def test_hanging_sample_times_out_fast_and_its_worker_is_replaced(pool):
     (killed,) = before - set(pool.pids)
     with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping
         os.kill(killed, 0)
-    t0 = time.monotonic()
-    assert _score(pool, ["a", "b", "c", "d"]).errors == []
-    assert time.monotonic() - t0 < 1.0  # full speed afterwards
+    assert _score(pool, ["a", "b", "c", "d"]).errors == []  # the pool works on afterwards
+    assert len(pool.pids) == 2
 
 
 def test_dead_worker_is_reported_and_replaced(pool):

@@ -104,19 +104,19 @@ def _closed_ports(n: int) -> list[int]:
 
 
 def test_external_servers_that_do_not_answer_are_named_after_one_announced_wait(capsys):
-    urls = [f"http://127.0.0.1:{p}" for p in _closed_ports(2)]
+    urls = [f"http://127.0.0.1:{p}" for p in _closed_ports(3)]
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as info:
         wait_for_servers(urls, 1.0, external=True)
     took = time.monotonic() - t0
-    assert took < 1.9  # one deadline for every server, not one each
+    assert took < 2.5  # one deadline for every server, not one each (3 s or more)
     err = capsys.readouterr().err
     assert err == (f"[fsdpfn] waiting up to 1 s (rollout.health_timeout_s) for the external "
-                   f"rollout server(s) {urls[0]}, {urls[1]} to answer on /health\n")
+                   f"rollout server(s) {', '.join(urls)} to answer on /health\n")
     message = str(info.value)
     assert message == (f"rollout.url: every external server must answer /health within "
                        f"rollout.health_timeout_s = 1 s (fsdpfn run starts none; they must be "
-                       f"up), got no answer from {urls[0]!r}, {urls[1]!r}")
+                       f"up), got no answer from {', '.join(repr(u) for u in urls)}")
     assert "rollout.log" not in message
 
 

@@ -147,6 +147,16 @@ def test_text_parts_are_their_texts_joined_and_tool_call_turns_need_no_content(s
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+3?"}]
     assert prompt([{"role": "user", "content": parts}]) == \
         prompt([{"role": "user", "content": "What is\n2+3?"}])
+    # an assistant turn that only calls a tool has no content (null, as OpenAI's clients send)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    turns = [{"role": "user", "content": "What is 2+3?"},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    assert len(prompt(turns)) > len(prompt(turns[:1]))
+    status, out = _post(server, "/v1/chat/completions", {  # no content and no call: refused
+        "messages": [turns[0], {"role": "assistant", "content": None}], "max_tokens": 1})
+    assert status == 400 and out["error"]["param"] == "messages[1].content", out
 
 
 @pytest.mark.timeout(60)

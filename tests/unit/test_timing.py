@@ -232,10 +232,13 @@ def test_push_receipt_positional_construction_still_works():
 
 
 def test_push_receipt_splits_gather_and_transfer_within_its_seconds(state_box, tmp_path):
+    began = time.perf_counter()
     receipt = ff.push_weights(state_box[0], ff.DiskTarget(tmp_path))
-    assert receipt.gather_s > 0 and receipt.transfer_s >= 0
+    wall = time.perf_counter() - began
     assert receipt.apply_s is None  # a directory applies nothing
-    assert receipt.gather_s + receipt.transfer_s == pytest.approx(receipt.seconds)
+    # the parts within the push's seconds, and those within the caller's own clock
+    assert 0 < receipt.gather_s <= receipt.seconds <= wall
+    assert 0 <= receipt.transfer_s <= receipt.seconds
 
 
 def test_shard_model_records_where_the_build_went():
