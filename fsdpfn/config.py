@@ -413,6 +413,8 @@ class AdvantageConfig:
     first scaled and shifted (r·reward_scale + reward_bias), then clipped to ±reward_clip.
     ``group_size``: the samples per prompt of the grouped estimators; its default 1 makes each
     row its own group, where every grpo/drgrpo advantage is 0 (compute_advantages warns).
+    ``returns`` is the signal before whitening: GAE's advantages + values, reinforce++'s
+    returns-to-go, a grouped estimator's advantages.
     """
 
     estimator: str = attrs.field(default="grpo",

@@ -8,8 +8,9 @@ estimator:
   discounted returns-to-go, whitened over the batch's loss tokens;
 - ``gae``: token rewards (outcome + optional dense ``token_rewards`` − kl_coef·KL) and the critic's
   ``values`` through GAE(gamma, lam).
-For the group estimators, kl_coef > 0 subtracts the KL penalty's return-to-go from each token's
-advantage. ``returns`` is what a critic regresses on (GAE), or a copy of the advantages.
+For the group estimators, kl_coef > 0 subtracts the KL penalty's (undiscounted) return-to-go
+from each token's advantage. ``returns`` is the signal before any whitening: what a critic regresses on (GAE:
+advantages + values), reinforce++'s returns-to-go, a grouped estimator's advantages.
 
 Groups: rows with equal ``group_id`` when the batch has one, else rows [kG, (k+1)G). A group
 split over ranks (fewer than group_size rows here, or, without group_id, rows that were not one
