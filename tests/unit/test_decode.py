@@ -309,8 +309,15 @@ def test_decode_step_never_reads_the_device_on_the_host():
 
 
 def test_buckets_round_up_within_the_cap():
-    assert [_bucket(n, 1024) for n in (1, 8, 9, 13, 17, 33, 100, 513, 1000, 5000)] == \
-        [8, 8, 12, 16, 24, 48, 128, 768, 1024, 1024]
+    """The bucket of n rows: the smallest size of the form 2^k or 3 * 2^(k-1), at least 8,
+    that holds n, capped at the cap (so a step captures a few graph sizes, none over half
+    again the rows it runs)."""
+    sizes = sorted({8} | {v for k in range(3, 16) for v in (2 ** k, 3 * 2 ** (k - 1))
+                          if v >= 8})
+    for cap in (16, 100, 1024):
+        for n in range(1, 3000):
+            want = min(next(v for v in sizes if v >= n), cap)
+            assert _bucket(n, cap) == want, (n, cap)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None)

@@ -142,18 +142,18 @@ def test_text_stop_strings_min_tokens_and_eos(server, reference):
     assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
     text = free["text"]
     cut = text[2:4] if len(text) >= 4 else None
-    if cut and cut.strip():
-        stopped = server.post("/generate", {"text": "Hello, world!", "sampling_params": {
-            "temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "stop": [cut]}})
-        reason = stopped["meta_info"]["finish_reason"]
-        assert reason == {"type": "stop", "matched": cut}
-        assert stopped["text"] == text[:text.index(cut)]
-        ids = stopped["output_ids"]
-        assert cut in tok.decode(ids) and cut not in tok.decode(ids[:-1])
-        later = server.post("/generate", {"text": "Hello, world!", "sampling_params": {
-            "temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "stop": [cut],
-            "min_new_tokens": len(free["output_ids"])}})
-        assert len(later["output_ids"]) == 12  # not ended before min_new_tokens
+    assert cut and cut.strip(), text  # the stop-string checks below always run
+    stopped = server.post("/generate", {"text": "Hello, world!", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "stop": [cut]}})
+    reason = stopped["meta_info"]["finish_reason"]
+    assert reason == {"type": "stop", "matched": cut}
+    assert stopped["text"] == text[:text.index(cut)]
+    ids = stopped["output_ids"]
+    assert cut in tok.decode(ids) and cut not in tok.decode(ids[:-1])
+    later = server.post("/generate", {"text": "Hello, world!", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "stop": [cut],
+        "min_new_tokens": len(free["output_ids"])}})
+    assert len(later["output_ids"]) == 12  # not ended before min_new_tokens
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     first = free["output_ids"][0]
     ended = server.post("/generate", {"text": "Hello, world!", "sampling_params": {

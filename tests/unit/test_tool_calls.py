@@ -87,7 +87,9 @@ def test_tools_are_rendered_by_the_models_template_and_history_calls_read_as_obj
     assert choice["prompt_token_ids"] == tok.encode(rendered, add_special_tokens=False)
     assert '"a": 2' in rendered and "<tools>" in rendered  # the call as an object, the tools
     assert choice["message"]["role"] == "assistant"
-    assert choice["finish_reason"] in ("stop", "length", "tool_calls")
+    # three tokens of a random model: "length" when all three came, "stop" when it ended
+    # sooner (a tool call cannot be complete in three tokens)
+    assert choice["finish_reason"] == ("length" if len(choice["token_ids"]) == 3 else "stop")
 
 
 def test_what_cannot_be_served_is_refused_by_name(engines):
