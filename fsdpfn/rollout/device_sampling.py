@@ -57,7 +57,6 @@ def row_seed(seed: int | None, prompt: int, sample: int) -> int:
     return (prompt_seed(seed, prompt) * 1000003 + sample) & _MASK
 
 
-
 def _truncate(scaled, top_p, top_k):
     """-inf outside each row's top-k, then outside the smallest set holding top_p of the mass
     (HF's order: top-k, then top-p; the most likely token is always kept)."""
