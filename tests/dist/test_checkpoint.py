@@ -262,7 +262,7 @@ def _save_big_rotating(root):
     return sorted(p.name for p in Path(root).iterdir())
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_save_killed_mid_write_leaves_previous_checkpoint(spmd1, tmp_path):
     root = tmp_path / "run"
     root.mkdir()
@@ -679,7 +679,7 @@ def _load_dp1_save(src, dst):
     return True
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(510)
 def test_a_chunk_split_over_ranks_is_verified_whole(spmd1, spmd2, tmp_path):
     """Saved at dp=1 (one chunk per tensor), loaded at dp=2: each rank reads half of a chunk;
     the halves' shares add up to the recorded checksum, so a flip on either half is caught."""
@@ -781,7 +781,7 @@ def test_a_retired_group_of_a_destroyed_default_group_is_forgotten(tmp_path):
     assert out == [["a", "b", "c"]] * 2, out
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_async_save_and_keep_last(spmd2, tmp_path):
     for same, extra, step in spmd2.run(_async_copy, args=(str(tmp_path / "a"),), timeout=120):
         assert same and extra == {"s": 1} and step == 1

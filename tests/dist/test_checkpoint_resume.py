@@ -102,7 +102,7 @@ def _load_all(paths):
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_one_flipped_bit_of_the_manifest_is_refused_naming_it(spmd1, tmp_path):
     src = tmp_path / "src"
     spmd1.run(_save_two, args=(str(src),), timeout=150)
@@ -170,7 +170,7 @@ def _resume_none_intact(root):
     return "ok"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(510)
 def test_resume_falls_back_to_the_newest_intact_checkpoint(spmd1, tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
     spmd1.run(_save_two, args=(str(ckpts),), timeout=150)

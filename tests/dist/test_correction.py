@@ -58,7 +58,7 @@ def corrected_steps(configs):
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)
 def test_corrections_dp2_equal_dp1(spmd1, spmd2):
     one = spmd1.run(corrected_steps, args=(CONFIGS,), timeout=240)[0]
     two = spmd2.run(corrected_steps, args=(CONFIGS,), timeout=240)

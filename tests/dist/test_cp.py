@@ -372,7 +372,7 @@ def heads_not_divisible():
     return None
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(360)
 def test_cp_errors_name_the_rule(dirs, spmd2):
     for message in spmd2.run(mismatched_rows, args=(dirs["qwen2"],), timeout=150):
         assert message is not None and "context-parallel" in message

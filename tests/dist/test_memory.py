@@ -133,6 +133,7 @@ def _in_reserved_host_memory(optimizer) -> bool:
     return bool(optimizer.state)
 
 
+@pytest.mark.timeout(600)  # the sum of its ranks' bounds, and start-up
 def test_per_layer_step_and_offload_equal_the_default_exactly(spmd2):
     names = list(OPTIONS)
     for rank, out in enumerate(spmd2.run(per_layer_equals_plain, args=(names,), timeout=540)):

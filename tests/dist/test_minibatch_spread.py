@@ -76,7 +76,7 @@ def steps_under(how):
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)
 @pytest.mark.parametrize("how", ["shard", "uneven"])
 def test_several_minibatches_equal_dp1_whatever_the_spread(spmd1, spmd2, how):
     one = spmd1.run(steps_under, args=(how,), timeout=240)[0]
@@ -185,7 +185,7 @@ def shuffled_ppo(tp):
     return float(stats["loss"]), ff.forward_logp(state, whole)[K.LOGP].sum(-1)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)
 def test_several_minibatches_at_dp2_tp2_equal_dp1(spmd1, spmd4):
     loss1, after1 = spmd1.run(shuffled_ppo, args=(1,), timeout=240)[0]
     four = spmd4.run(shuffled_ppo, args=(2,), timeout=240)

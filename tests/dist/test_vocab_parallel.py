@@ -310,7 +310,7 @@ def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(860)
 def test_checkpoints_exports_and_pushes_keep_the_real_vocabulary(engine_models, spmd1, spmd2,
                                                                  spmd4, tmp_path):
     from transformers import AutoModelForCausalLM
