@@ -292,7 +292,7 @@ def _check_server_gpus(cfg, placement, n_gpus: int) -> None:
     """rollout.gpus places the servers fsdpfn run starts on CUDA; where they run on the CPU
     (a host without GPUs, or rollout.device auto following a trainer on the CPU) it is refused
     rather than ignored. rollout.device cpu and rollout.url with gpus are config rules
-    (fsdpfn.app.recipes.config.RolloutConfig)."""
+    (fsdpfn.app.recipes.rollout_config.RolloutConfig)."""
     gpus = getattr(getattr(cfg, "rollout", None), "gpus", None)
     if gpus is None or placement.server_device != "cpu":
         return

@@ -1,0 +1,284 @@
+"""The ``rollout:`` section of the RL recipes (RolloutConfig): which rollout servers a run talks
+to or starts, how weights reach them, how they sample; and the GPU-list helpers it shares with
+``launch:``. Re-exported by fsdpfn.app.recipes.config."""
+
+from __future__ import annotations
+
+import attrs
+
+from fsdpfn.errors import ConfigError
+from fsdpfn.validators import (fail, integer, is_nonempty_str, number, one_of, satisfies,
+                               to_float)
+from fsdpfn.wire.http import is_http_url
+
+__all__ = ["RolloutConfig", "SERVER_OWNED", "SAMPLING_OWNED"]
+
+_opt_str = satisfies("must be null or a non-empty string", is_nonempty_str, optional=True)
+
+
+def _gpus(value):
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, str):
+        value = [int(v) if v.isdecimal() else v for v in value.replace(" ", "").split(",") if v]
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _distinct_indices(value) -> bool:
+    return isinstance(value, tuple) and bool(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value) \
+        and len(set(value)) == len(value)
+
+
+_gpu_list = satisfies("must be null or a list of distinct GPU indices >= 0", _distinct_indices,
+                      optional=True,
+                      show=lambda v: repr(list(v) if isinstance(v, tuple) else v))
+
+
+def _urls(value):
+    """rollout.url as one string: a list of URLs (YAML) is kept comma-separated, each stripped
+    of spaces and a trailing slash; anything else is left to the validator."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
+    if isinstance(value, str):
+        return ",".join(v.strip().rstrip("/") for v in value.split(","))
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _server_args(value):
+    """rollout.server_args as a tuple of strings: a YAML list (numbers written as text:
+    ``[--decode-rows, 64]``), or one string (``--decode hf``) split as a shell would; anything
+    else is left to the validator."""
+    import shlex
+
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]  # fsdpfn.serde reads one string as a list of one
+    if isinstance(value, str):
+        try:
+            return tuple(shlex.split(value))
+        except ValueError:  # an unclosed quote: the validator names it
+            return value
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                     for v in value)
+    return value
+
+
+# flags of python -m fsdpfn.rollout that fsdpfn run sets itself -> the key that sets them
+SERVER_OWNED = {
+    "--model": "model.path (the run's starting model)", "--port": "fsdpfn run (a free port)",
+    "--host": "fsdpfn run (127.0.0.1)", "--dtype": "engine.dtype",
+    "--device": "rollout.device and rollout.gpus", "--threads": "rollout.threads",
+    "--load-format": "model.random_init", "--wait-for-model": "rollout.health_timeout_s",
+    "--parent-pid": "fsdpfn run (the launcher's pid)",
+    "--weight-version": "fsdpfn run (the trainer's pushes)",
+    "--no-channel": "fsdpfn run (the trainer pushes over the channel)",
+    "--channel-port": "fsdpfn run (a free port)"}
+
+
+def _server_namespace(args, error=None):
+    """The server's parsed command line with these flags (fsdpfn run's own as placeholders),
+    flags written out in full; ``error`` is called with argparse's message instead of exiting."""
+    from fsdpfn.rollout.__main__ import parser
+
+    check = parser(allow_abbrev=False)
+    if error is not None:
+        check.error = error
+    return check.parse_args(["--model", "m", "--port", "0", *args])
+
+
+def _check_server_args(instance, attribute, value) -> None:
+    """Each flag must be one python -m fsdpfn.rollout accepts, with a valid value, and not one
+    fsdpfn run sets itself; with rollout.url (external servers) there is no server to pass
+    them to."""
+    import argparse
+
+    name = attribute.name
+    if isinstance(value, str):
+        fail(name, "must be a list of flags, or one string a shell can split (quotes closed)",
+             value)
+    if not isinstance(value, tuple) or not all(is_nonempty_str(v) for v in value):
+        fail(name, "must be a list of flags of python -m fsdpfn.rollout (non-empty strings)",
+             value)
+    shown = repr(list(value))
+    for v in value:
+        flag = v.split("=", 1)[0]
+        if flag in SERVER_OWNED:
+            fail(name, f"must not set {flag}, which comes from {SERVER_OWNED[flag]}", value,
+                 shown=shown)
+    def refuse(message: str):
+        fail(name, "must be flags python -m fsdpfn.rollout accepts", value,
+             shown=f"{shown} ({message})")
+
+    try:
+        _server_namespace(value, refuse)
+    except argparse.ArgumentError as exc:
+        refuse(str(exc))
+    if instance is not None and value and instance.url is not None:
+        fail(name, "must be empty when rollout.url names external servers (the flags go to the "
+             "servers fsdpfn run starts)", value, shown=shown)
+
+
+# sampling parameters a recipe sets itself -> the key that sets them
+SAMPLING_OWNED = {"temperature": "rollout.temperature", "top_p": "rollout.top_p",
+                  "n": "advantage.group_size", "seed": "seed", "sampling_seed": "seed",
+                  "max_new_tokens": "data.max_response_tokens (task.max_answer_tokens for the "
+                                    "built-in task)"}
+
+
+def _check_sampling(instance, attribute, value) -> None:
+    """Sampling parameters the server accepts (fsdpfn.rollout.SamplingParams' own rules), none
+    of them one the recipe sets itself."""
+    import difflib
+
+    from fsdpfn.rollout.errors import UpdateError
+    from fsdpfn.rollout.sampling import INERT, REFUSED, SamplingParams
+
+    name = attribute.name
+    if not isinstance(value, dict) or not all(is_nonempty_str(k) for k in value):
+        fail(name, "must be a mapping of sampling parameters (fsdpfn.rollout.SamplingParams)",
+             value)
+    for key, v in value.items():
+        if key in SAMPLING_OWNED:
+            fail(f"{name}.{key}", f"must not be set here: it comes from {SAMPLING_OWNED[key]}",
+                 v)
+    allowed = sorted(set(SamplingParams.FIELDS) - set(SAMPLING_OWNED))
+    unknown = sorted(set(value) - set(SamplingParams.FIELDS) - set(REFUSED) - set(INERT))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        raise ConfigError(f"{name}: unknown key(s) {unknown}"
+                          + (f"; did you mean {close[0]!r}?" if close else "")
+                          + f" (allowed: {', '.join(allowed)})")
+    try:
+        SamplingParams(**value)
+    except UpdateError as exc:  # "sampling_params.top_k: must be ..., got ..."
+        raise ConfigError(name + str(exc).removeprefix("sampling_params")) from None
+    if instance is not None and value and instance.workflow is not None:
+        fail(name, "must be empty with rollout.workflow (the workflow's own calls choose their "
+             "sampling)", value)
+
+
+@attrs.frozen
+class RolloutConfig:
+    """The rollout server. ``url=None``: ``fsdpfn run`` starts ``python -m fsdpfn.rollout`` on
+    the run's initial model and stops it at the end; else the trainer uses the server at ``url``
+    (it must serve a model of the same architecture). Weights are pushed after every step over
+    ``transport`` ("broadcast": a gloo/NCCL group; "ipc": CUDA IPC handles, for a server on
+    trainer rank 0's GPU; "disk": safetensors under run_dir/push; "auto": broadcast, or ipc
+    when trainer and server share a GPU, where NCCL cannot connect two processes). ``device:
+    auto`` follows the trainer; ``gpus``: the servers' GPUs, one server per GPU listed (null:
+    the host's last ``servers`` GPUs; the trainer takes the GPUs no server uses).
+
+    Several servers: ``gpus: [4, 5, 6, 7]`` starts four (the 8-GPU shape of 4 trainer GPUs and
+    4 serving), ``servers: N`` starts N (on the CPU, or on the host's last N GPUs; default
+    len(gpus), or 1), and ``url`` may list external servers (a YAML list, or comma-separated).
+    Each group of answers goes to one server, the least loaded (fsdpfn.rollout.balance), and
+    every push reaches all of them through one update group (their versions and checksums must
+    agree). Several servers need GPUs of their own: none may be a trainer GPU (so ``transport:
+    ipc``, which shares rank 0's GPU, is for one server). ``gpus`` places servers that fsdpfn
+    run starts on CUDA; where it cannot apply (``device: cpu``, ``url``, a host without GPUs)
+    it is refused before launch, never ignored.
+
+    ``max_staleness``: 0 is the synchronous loop (generate, then train, then push); N >= 1 lets
+    generation run up to N steps ahead of training (fsdpfn.rollout.stream: no trained sample is
+    more than N weight versions old, nothing is thrown away; pushes then land without pausing
+    generation). ``workflow``: "pkg.module:function" or "path.py:function", called once per
+    sample with an openai client and the data row, returning the episode's reward
+    (fsdpfn.app.recipes.workflow), each call bounded by ``workflow_timeout_s``; an episode's row
+    longer than ``max_episode_tokens`` (null: the model's max_position_embeddings) is dropped
+    and counted."""
+
+    url: str | None = attrs.field(default=None, converter=_urls)
+    # how many built-in servers fsdpfn run starts (null: one per rollout.gpus entry, else 1)
+    servers: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+    transport: str = attrs.field(default="auto",
+                                 validator=one_of("auto", "broadcast", "ipc", "disk"))
+    threads: int = attrs.field(default=1, validator=integer(1))
+    device: str = attrs.field(default="auto", validator=one_of("auto", "cpu", "cuda"))
+    # the servers' GPUs, one server each (null: the host's last `servers` GPUs); for servers
+    # fsdpfn run starts on CUDA: refused with device cpu, with url and on a host without GPUs
+    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
+                                               validator=_gpu_list)
+    temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
+    top_p: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0, le=1))
+    timeout_s: float = attrs.field(default=120.0, converter=to_float, validator=number(gt=0))
+    # how long the servers fsdpfn run starts may take to answer /health, and how long the
+    # trainer waits for the external servers of url to answer it (one bound for all of them)
+    health_timeout_s: float = attrs.field(default=300.0, converter=to_float,
+                                          validator=number(gt=0))
+    max_staleness: int = attrs.field(default=0, validator=integer(0))
+    workflow: str | None = attrs.field(default=None, validator=_opt_str)
+    workflow_timeout_s: float = attrs.field(default=600.0, converter=to_float,
+                                            validator=number(gt=0))
+    max_episode_tokens: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+    # flags added to each rollout server fsdpfn run starts (`python -m fsdpfn.rollout --help`):
+    # the decode loop's kernels, rows and lengths, HF generate (--decode hf), CUDA graphs;
+    # checked before launch, and a flag fsdpfn run sets itself is refused naming its key
+    server_args: tuple[str, ...] = attrs.field(default=(), converter=_server_args,
+                                               validator=_check_server_args)
+    # more sampling parameters for every generation request (fsdpfn.rollout.SamplingParams:
+    # top_k, min_p, stop, stop_token_ids, the penalties, ...), checked before launch; the
+    # held-out eval (greedy) takes those that decide where an answer ends. The decode loop
+    # serves top_k and stops; min_p, min_new_tokens and the penalties need HF generate
+    # (server_args: [--decode, hf] on a GPU). A workflow's calls choose their own
+    sampling: dict = attrs.field(factory=dict, validator=_check_sampling)
+
+    @url.validator
+    def _check_url(self, attribute, value):
+        if value is None:
+            return
+        if not is_nonempty_str(value):
+            fail("url", "must be None, 'http://host:port' or a list of them", value)
+        urls = value.split(",")
+        for u in urls:
+            if not is_http_url(u):
+                fail("url", "must name each server as 'http://host:port'", u,
+                     shown=repr(u) + (f" in {urls}" if len(urls) > 1 else ""))
+        twice = [u for u in urls if urls.count(u) > 1]
+        if twice:
+            fail("url", "must name each server once", urls, shown=f"{twice[0]!r} twice in {urls}")
+
+    def __attrs_post_init__(self):
+        self._check_external()
+        if self.gpus is not None and self.device == "cpu":
+            fail("gpus", "must be null with rollout.device 'cpu' (GPU indices place servers on "
+                         "CUDA; rollout.servers=N starts N on the CPU)", self.gpus,
+                 shown=repr(list(self.gpus)))
+        if self.servers is not None and self.gpus is not None \
+                and self.servers != len(self.gpus):
+            fail("servers", f"must equal the number of rollout.gpus (one server per GPU listed: "
+                            f"{list(self.gpus)})", self.servers)
+        if self.url is not None and self.servers is not None and self.servers != len(self.urls):
+            fail("servers", f"must equal the number of servers rollout.url lists "
+                            f"({len(self.urls)}; fsdpfn run starts none then)", self.servers)
+
+    def _check_external(self) -> None:
+        """With url (external servers) nothing is placed: gpus cannot apply, and ipc, which
+        hands CUDA memory to a server fsdpfn run starts on trainer rank 0's GPU, cannot
+        either."""
+        if self.url is None:
+            return
+        if self.gpus is not None:
+            fail("gpus", "must be null when rollout.url names external servers (fsdpfn run "
+                         "starts no server to place)", self.gpus, shown=repr(list(self.gpus)))
+        if self.transport == "ipc":
+            fail("transport", "must not be 'ipc' when rollout.url names external servers (ipc "
+                              "hands CUDA memory of trainer rank 0's GPU to a server fsdpfn run "
+                              "starts on that GPU); use auto, broadcast or disk", self.transport)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The external servers' URLs (empty: fsdpfn run starts its own)."""
+        return tuple(self.url.split(",")) if self.url else ()
+
+    @property
+    def n_servers(self) -> int:
+        """How many servers the run talks to: the URLs listed, else ``servers``, else one per
+        GPU in ``gpus``, else 1."""
+        if self.url:
+            return len(self.urls)
+        return self.servers or (len(self.gpus) if self.gpus else 1)
