@@ -468,6 +468,7 @@ def _start_server(cfg, run_dir: Path, model_dir: Path, placement, i: int, starte
     """Server ``i``: ``python -m fsdpfn.rollout`` on its own port and device (its GPU alone
     visible), in its own session (Ctrl-C must not reach it before the ranks finished their
     step), with the launcher's lifeline; trainer rank 0 waits for its /health."""
+    from fsdpfn.app.recipes.placement import server_log_name
     from fsdpfn.rollout.process import RolloutProcess, free_port
     from fsdpfn.wire.lifeline import die_with_parent
 
@@ -475,7 +476,7 @@ def _start_server(cfg, run_dir: Path, model_dir: Path, placement, i: int, starte
     port = free_port()
     while str(port) in taken:  # a port not yet bound by the server it was given to
         port = free_port()
-    log_path = run_dir / ("rollout.log" if i == 0 else f"rollout{i}.log")
+    log_path = run_dir / server_log_name(i)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads), **placement.server_env(i)}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(_server_cmd(cfg, model_dir, port, placement), stdout=log,

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.wire.http import check_urls
-from fsdpfn.rollout.client import check_prompts, generate
+from fsdpfn.rollout.client import check_counts, check_prompts, generate
 from fsdpfn.rollout.sampling import prompt_seed
 
 __all__ = ["Balancer", "split_by_load", "generate_balanced", "group_work", "run_seed"]
@@ -141,11 +141,7 @@ def generate_balanced(servers: Balancer | str | Sequence[str], prompts: Sequence
     WeightSyncError once every request has ended (bad arguments: ConfigError)."""
     balancer = servers if isinstance(servers, Balancer) else Balancer(servers)
     prompts = check_prompts(prompts)  # errors name the caller's index, before any split
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"n: must be an int >= 1, got {n!r}")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) \
-            or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens: must be an int >= 1, got {max_new_tokens!r}")
+    check_counts(n, max_new_tokens)  # group_work sizes the groups with them
     works = [group_work(p, n, max_new_tokens) for p in prompts]
     runs = balancer.plan(works)
 

@@ -15,7 +15,7 @@ from typing import Sequence
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout import packing
 
-__all__ = ["generate", "from_sglang", "check_prompts"]
+__all__ = ["generate", "from_sglang", "check_prompts", "check_counts"]
 
 
 def check_prompts(prompts) -> list[list[int]]:
@@ -40,6 +40,13 @@ def check_prompts(prompts) -> list[list[int]]:
     return out
 
 
+def check_counts(n, max_new_tokens) -> None:
+    """``n`` samples a prompt and ``max_new_tokens``: ints >= 1, else ConfigError."""
+    for key, value in (("n", n), ("max_new_tokens", max_new_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{key}: out of range, got {value!r}")
+
+
 def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
              max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int | None = None, stop_token_ids: Sequence[int] = (),
@@ -54,10 +61,8 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
     from fsdpfn.wire.http import call
 
     prompts = check_prompts(prompts)
-    for key, value, ok in (("n", n, isinstance(n, int) and n >= 1),
-                           ("max_new_tokens", max_new_tokens,
-                            isinstance(max_new_tokens, int) and max_new_tokens >= 1),
-                           ("temperature", temperature, float(temperature) >= 0.0),
+    check_counts(n, max_new_tokens)
+    for key, value, ok in (("temperature", temperature, float(temperature) >= 0.0),
                            ("top_p", top_p, 0.0 < float(top_p) <= 1.0),
                            ("timeout", timeout, float(timeout) > 0.0)):
         if not ok:

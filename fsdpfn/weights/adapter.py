@@ -57,7 +57,7 @@ class AdapterTarget:
             self.dtype = dtype_from_name(dtype)
         except ValueError as exc:
             raise ConfigError(f"dtype: {exc}") from None
-        self.urls = [u.rstrip("/") for u in urls]
+        self.urls = urls  # check_urls strips trailing slashes
         self.root = Path(root)
         self.lora_name = lora_name
         self.keep_last = keep_last

@@ -7,7 +7,8 @@ fsdpfn.rollout servers load in two phases, so that a push one of them refuses le
 server on the weights it served: each loads and checks the files and keeps them staged
 (``commit: false``), answering the checksum they will have, checked against what was written;
 only when every server staged them does each swap them in (/update_weights_commit), generation
-paused around the swaps alone. A failure before that drops what the others staged. SGLang servers take their own request fields and answer success and message only:
+paused around the swaps alone. A failure before that drops what the others staged. SGLang
+servers take their own request fields and answer success and message only:
 the version is read back with /get_weight_version, and every rank then runs the log-prob probe
 (fsdpfn.weights.sglang).
 """

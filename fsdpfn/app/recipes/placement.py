@@ -54,6 +54,11 @@ class Placement:
         return {"CUDA_VISIBLE_DEVICES": ",".join(visible_gpus()[i] for i in gpus)}
 
 
+def server_log_name(i: int) -> str:
+    """The log, in run_dir, of server ``i`` fsdpfn run starts: rollout.log, rollout1.log, ..."""
+    return "rollout.log" if i == 0 else f"rollout{i}.log"
+
+
 def visible_gpus() -> list[str]:
     """The launcher's GPUs as CUDA_VISIBLE_DEVICES entries (index i of the list is GPU i)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")

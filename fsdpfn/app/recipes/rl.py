@@ -169,10 +169,10 @@ def _no_answer(urls: list[str], waiting: list[str], timeout: float, external: bo
         return (f"rollout.url: every external server must answer /health within "
                 f"rollout.health_timeout_s = {timeout:g} s (fsdpfn run starts none; they "
                 f"must be up), got no answer from {', '.join(repr(u) for u in waiting)}")
-    i = urls.index(waiting[0])
-    log_name = "rollout.log" if i == 0 else f"rollout{i}.log"
+    from fsdpfn.app.recipes.placement import server_log_name
+
     return (f"rollout server {waiting[0]}: no answer on /health within {timeout:g} s "
-            f"(rollout.health_timeout_s); see run_dir/{log_name}")
+            f"(rollout.health_timeout_s); see run_dir/{server_log_name(urls.index(waiting[0]))}")
 
 
 # ---------------------------------------------------------------- the loop
