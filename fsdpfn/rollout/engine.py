@@ -211,8 +211,9 @@ class RolloutEngine:
             rows = [rows]
         out = []
         for i, row in enumerate(rows):
-            if not isinstance(row, list) or not row or \
-                    not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in row):
+            if not isinstance(row, list) or not row or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                    for t in row):
                 raise UpdateError(f"{what}[{i}]: must be a non-empty list of ints in "
                                   f"[0, {self.vocab_size}), got {str(row)[:80]}")
             out.append(row)
@@ -247,6 +248,11 @@ class RolloutEngine:
         float32), for packing them as bytes without lists in between (the server's packed
         answer, fsdpfn/rollout/packing.py); HF generate's are lists either way."""
         prompts = self._check_ids(input_ids, "input_ids")
+        beyond = [t for t in sampling.stop_token_ids
+                  if t >= self.vocab_size and t not in self.eos_ids]
+        if beyond:  # an id the model cannot sample never stops a row
+            raise UpdateError(f"sampling_params.stop_token_ids: must be ids the model samples, "
+                              f"in [0, {self.vocab_size}), got {beyond[0]}")
         sampling = self._within_context(prompts, sampling)
         if sampling.stop and self.tokenizer is None:
             raise UpdateError("sampling_params.stop: stop strings need a tokenizer, and the "

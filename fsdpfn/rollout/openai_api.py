@@ -10,9 +10,10 @@ choices[].logprobs {tokens, token_logprobs, top_logprobs (null for 0, else per t
 text -> logprob of its N best tokens, best first; a token whose text a better one already keys,
 as byte pieces that decode to the same "\ufffd", is keyed "token_id:<id>", vLLM's form for a
 token as its id, so the dict always holds the N best and each text maps to its best token),
-text_offset}). Chat: ``messages`` (roles system, developer, user, assistant, tool; content a
-string or a list of text parts, joined by newlines; none only for an assistant message with
-tool_calls) rendered by the model's chat template; ``max_tokens`` or ``max_completion_tokens``
+text_offset}: every sampled token's, a stop string's tokens included, which ``text`` cuts and
+``token_ids`` keep for training). Chat: ``messages`` (roles system, developer, user, assistant,
+tool; content a string or a list of text parts, joined by newlines; none only for an assistant
+message with tool_calls) rendered by the model's chat template; ``max_tokens`` or ``max_completion_tokens``
 (default: what fits the context); ``logprobs: true`` (and ``top_logprobs``):
 choices[].logprobs.content [{token, logprob, bytes (the token's own, byte pieces included),
 top_logprobs}]. As in
@@ -20,8 +21,13 @@ SGLang and vLLM, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, `
 ``stop_token_ids`` and ``skip_special_tokens`` are accepted (the openai client's ``extra_body``).
 Tools: ``tools`` (OpenAI's function tools) are rendered by the model's own chat template and the
 calls read back from the answer in the model's own format (fsdpfn.rollout.tool_calls): the
-choice's message gets ``tool_calls`` and finish_reason "tool_calls". ``tool_choice`` "auto" or
-"none"; "required" and a named function (constrained decoding) are refused by name.
+choice's message gets ``tool_calls`` and finish_reason "tool_calls", its content the text before
+the first call (vLLM's rule); a call is returned as the model wrote it, declared in ``tools`` or
+not (as vLLM does: the agent checks the name). ``parallel_tool_calls: false`` keeps the first call
+(vLLM's rule; ``token_ids`` still hold every token sampled). ``tool_choice`` "auto" or "none";
+"required" and a named function (constrained decoding) are refused by name. History messages
+follow OpenAI's shapes: an assistant's ``tool_calls`` [{id, type, function: {name,
+arguments}}], a tool message's ``tool_call_id``.
 ``stream: true`` (both): the answer as OpenAI's server-sent chunks once it is generated (per
 choice one chunk with the whole text, or content delta, and its log-probs, then one with the
 finish reason; ``stream_options.include_usage`` adds the usage chunk; ``data: [DONE]``):
@@ -56,7 +62,7 @@ __all__ = ["models", "completions", "chat_completions", "chat_chunks", "completi
 
 # accepted and without effect here
 IGNORED = {"user", "metadata", "store", "stream_options", "service_tier", "model",
-           "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
+           "prompt_cache_key", "safety_identifier"}
 # the roles a chat message may have
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # request key -> SamplingParams key
@@ -73,16 +79,24 @@ OFF = {"stream": (None, False), "echo": (None, False), "suffix": (None, ""),
        "reasoning_effort": (None,), "web_search_options": (None,)}
 
 
+def _same(value, off) -> bool:
+    """``value`` is ``off`` itself: equal and of its type (1 is not true, 0 not false)."""
+    return value is off if off is None or isinstance(off, bool) else \
+        type(value) is type(off) and value == off
+
+
 def param_of(message: str | None) -> str | None:
     """The request field an error message names first ("max_tokens: ...", "messages[2].role:
     ..."), OpenAI's ``param``; None when it names none."""
-    found = re.match(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*):", message or "")
+    found = re.match(r"([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*):", message or "")
     return found.group(1) if found else None
 
 
 def error_body(message: str, param: str | None = None, status: int = 400) -> dict:
+    """OpenAI's error answer; a server error (status >= 500) names no request field."""
     return {"error": {"message": message, "type": "invalid_request_error"
-                      if status < 500 else "server_error", "param": param, "code": status}}
+                      if status < 500 else "server_error",
+                      "param": param if status < 500 else None, "code": status}}
 
 
 def models(engine) -> dict:
@@ -102,13 +116,7 @@ def completions(engine, body: dict) -> dict:
     sp = _params(engine, body, "max_tokens", 16)
     # the prompts of a request run as one batch, as /generate runs them: max_tokens capped at
     # what the longest leaves, a seed's draws different for each prompt
-    try:
-        answer = engine.generate(prompts, sp, top_logprobs=logprobs or 0)
-    except UpdateError as exc:
-        message = str(exc)
-        if message.startswith("input_ids["):  # the engine's name for a prompt: OpenAI's
-            raise UpdateError("prompt[" + message[len("input_ids["):], exc.status) from None
-        raise
+    answer = _generate(engine, prompts, sp, logprobs or 0, "prompt", "max_tokens")
     choices = []
     for o in answer["outputs"]:
         prompt = prompts[o["prompt_index"]]
@@ -125,11 +133,16 @@ def completions(engine, body: dict) -> dict:
 
 def chat_completions(engine, body: dict) -> dict:
     _refuse(body, {"messages", "max_tokens", "max_completion_tokens", "logprobs",
-                   "top_logprobs", "tools", "tool_choice"}, stream_ok=True)
+                   "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"},
+            stream_ok=True)
+    for key in ("logprobs", "parallel_tool_calls"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise UpdateError(f"{key}: must be null or a bool, got {str(body[key])[:80]!r}")
     tools, fmt = _tools(engine, body)
     prompt = _render(engine, body.get("messages"), tools)
     top = body.get("top_logprobs")
-    if top is not None and (not isinstance(top, int) or not 0 <= top <= 20):
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                            or not 0 <= top <= 20):
         raise UpdateError(f"top_logprobs: must be null or an int in [0, 20], got {top!r}")
     if top and not body.get("logprobs"):
         raise UpdateError(f"top_logprobs: needs logprobs true, got logprobs "
@@ -137,10 +150,12 @@ def chat_completions(engine, body: dict) -> dict:
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     sp = _params(engine, body, limit, max(1, engine.context - len(prompt)))
-    answer = engine.generate([prompt], sp, top_logprobs=top or 0)
+    answer = _generate(engine, [prompt], sp, top or 0, "messages", limit)
     choices = []
     for i, o in enumerate(answer["outputs"]):
         message, reason = _message(engine, o, sp, fmt), o["finish_reason"]
+        if message.get("tool_calls") and body.get("parallel_tool_calls") is False:
+            message["tool_calls"] = message["tool_calls"][:1]  # vLLM's rule: the first call
         if message.get("tool_calls"):
             reason = "tool_calls"
         choices.append({"index": i, "message": message, "finish_reason": reason,
@@ -168,9 +183,10 @@ def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
             raise UpdateError(f"stream_options: must be an object such as "
                               f"{{include_usage: true}}, got {str(options)[:80]!r}")
     for key, off in OFF.items():
-        if key == "stream" and stream_ok and body.get(key) in (None, False, True):
+        if key == "stream" and stream_ok and (body.get(key) is None
+                                              or isinstance(body[key], bool)):
             continue
-        if key in body and body[key] not in off:
+        if key in body and not any(_same(body[key], o) for o in off):
             raise UpdateError(f"{key}: not supported by this server, got "
                               f"{str(body[key])[:80]!r}")
     unknown = sorted(set(body) - own - set(SAMPLING) - IGNORED - set(OFF))
@@ -179,9 +195,13 @@ def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
                           f"{sorted(own | set(SAMPLING))}), got {str(body[unknown[0]])[:80]!r}")
 
 
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _prompts(engine, prompt) -> list[list[int]]:
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(isinstance(t, int) for t in prompt)):
+                                   and all(_is_id(t) for t in prompt)):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise UpdateError(f"prompt: must be a string, a token-id list, or a non-empty list of "
@@ -190,7 +210,7 @@ def _prompts(engine, prompt) -> list[list[int]]:
     for p in prompt:
         if isinstance(p, str):
             out.append(sglang_api.encode(engine, p, "prompt"))
-        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        elif isinstance(p, list) and p and all(_is_id(t) for t in p):
             out.append(p)
         else:
             raise UpdateError(f"prompt: each prompt must be a string or a non-empty token-id "
@@ -249,7 +269,10 @@ def _message(engine, o: dict, sp: SamplingParams, fmt: str | None) -> dict:
     text = sglang_api.completion_text(engine, o, sp)
     if fmt is None:
         return {"role": "assistant", "content": text}
-    raw = engine.tokenizer.decode(o["output_ids"], skip_special_tokens=False) \
+    ids = o["output_ids"]
+    if o["finish_reason"] == "stop" and isinstance(o.get("matched"), int):
+        ids = ids[:-1]  # the end-of-sequence token the answer stopped at is not the call's
+    raw = engine.tokenizer.decode(ids, skip_special_tokens=False) \
         if fmt == "mistral" else text
     content, calls = parse_tool_calls(raw, fmt)
     if not calls:
@@ -270,6 +293,7 @@ def _check_messages(messages) -> None:
         if m.get("role") not in ROLES:
             raise UpdateError(f"messages[{i}].role: must be one of {list(ROLES)}, got "
                               f"{m.get('role')!r}")
+        _check_tool_fields(i, m)
         content = m.get("content")
         if content is None:
             if m["role"] == "assistant" and m.get("tool_calls"):
@@ -281,6 +305,32 @@ def _check_messages(messages) -> None:
                 for p in content)):
             raise UpdateError(f"messages[{i}].content: must be a string or a list of "
                               f"{{type: 'text', text}} parts, got {str(content)[:80]!r}")
+
+
+def _check_tool_fields(i: int, m: dict) -> None:
+    """An assistant message's ``tool_calls`` (OpenAI's [{id, type: "function", function:
+    {name, arguments}}]) and a tool message's ``tool_call_id``, as OpenAI requires them."""
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if m["role"] != "assistant":
+            raise UpdateError(f"messages[{i}].tool_calls: only on an assistant message, got "
+                              f"role {m['role']!r}")
+        if not isinstance(calls, list):
+            raise UpdateError(f"messages[{i}].tool_calls: must be a list of {{id, type: "
+                              f"'function', function: {{name, arguments}}}}, got "
+                              f"{str(calls)[:80]!r}")
+        for k, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]
+                    and isinstance(fn.get("arguments", ""), (str, dict))
+                    and c.get("type", "function") == "function"):
+                raise UpdateError(f"messages[{i}].tool_calls[{k}]: must be {{id, type: "
+                                  f"'function', function: {{name, arguments (a JSON string)}}}}"
+                                  f", got {str(c)[:80]!r}")
+    if m["role"] == "tool" and not (isinstance(m.get("tool_call_id"), str)
+                                    and m["tool_call_id"]):
+        raise UpdateError(f"messages[{i}].tool_call_id: required for role 'tool' (the id of "
+                          f"the call it answers), got {m.get('tool_call_id')!r}")
 
 
 def _render(engine, messages, tools=None) -> list[int]:
@@ -298,6 +348,31 @@ def _render(engine, messages, tools=None) -> list[int]:
     return tok.encode(text)
 
 
+def _openai_name(message: str, limit: str) -> str:
+    """An error of SGLang's names (sampling_params.max_new_tokens: ...) in the request's own
+    (max_tokens: ...)."""
+    message = message.replace("sampling_params.", "", 1)
+    for theirs, ours in ((limit, "max_new_tokens"), ("min_tokens", "min_new_tokens"),
+                         ("seed", "seed")):
+        if message.startswith(f"{ours}:"):
+            return theirs + message[len(ours):]
+    return message
+
+
+def _generate(engine, prompts: list, sp: SamplingParams, top: int, prompt_key: str,
+              limit: str) -> dict:
+    """engine.generate, its refusals named as the request names things: a prompt
+    ``prompt[i]`` (completions) or ``messages`` (chat), the sampling fields OpenAI's way."""
+    try:
+        return engine.generate(prompts, sp, top_logprobs=top)
+    except UpdateError as exc:
+        message = str(exc)
+        if message.startswith("input_ids["):  # the engine's name for a prompt
+            message = (prompt_key + "[" + message[len("input_ids["):] if prompt_key == "prompt"
+                       else prompt_key + message[message.index("]") + 1:])
+        raise UpdateError(_openai_name(message, limit), exc.status) from None
+
+
 def _params(engine, body: dict, limit: str, default: int) -> SamplingParams:
     """The request's SamplingParams; ``limit`` is the key that holds max_new_tokens
     (max_tokens, or chat's max_completion_tokens), named in its errors as sent."""
@@ -306,11 +381,7 @@ def _params(engine, body: dict, limit: str, default: int) -> SamplingParams:
     try:
         sp = SamplingParams(**spec)
     except UpdateError as exc:  # name the OpenAI field, not SGLang's
-        message = str(exc).replace("sampling_params.", "")
-        for theirs, ours in ((limit, "max_new_tokens"), ("min_tokens", "min_new_tokens"),
-                             ("seed", "seed")):
-            message = message.replace(f"{ours}:", f"{theirs}:", 1)
-        raise UpdateError(message) from None
+        raise UpdateError(_openai_name(str(exc), limit)) from None
     return sp.with_stops(engine.eos_ids)
 
 

@@ -80,7 +80,7 @@ class SamplingParams:
         for key, default in self.FIELDS.items():
             value = kwargs.get(key)
             setattr(self, key, default if value is None else value)
-        ids, stop = self.stop_token_ids or (), self.stop or ()
+        ids, stop = self.stop_token_ids, self.stop  # "" stays "": refused below, not "none"
         if not isinstance(ids, (list, tuple)) or not all(_token_id(t) for t in ids):
             raise UpdateError(f"sampling_params.stop_token_ids: must be a list of token ids "
                               f"(ints >= 0), got {str(ids)[:80]}")
@@ -111,7 +111,8 @@ class SamplingParams:
                  ("min_new_tokens", lambda: is_int(self.min_new_tokens, 0)
                   and self.min_new_tokens <= self.max_new_tokens, "an int in [0, max_new_tokens]"),
                  ("n", lambda: is_int(self.n, 1), "an int >= 1"),
-                 ("seed", lambda: self.seed is None or is_int(self.seed, 0), "null or an int >= 0"),
+                 ("seed", lambda: self.seed is None or is_int(self.seed, 0)
+                  and self.seed < 2 ** 63, "null or an int in [0, 2**63)"),
                  ("frequency_penalty", lambda: is_num(self.frequency_penalty)
                   and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
                  ("presence_penalty", lambda: is_num(self.presence_penalty)

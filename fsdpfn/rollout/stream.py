@@ -16,8 +16,12 @@ belongs to step s(m) = (m - start) // groups_per_step. It is sent to a server on
 advances + max_staleness, where advances counts ``advance`` calls (one push per step). Groups are
 handed to the trainer in data order, so the trainer of step s holds the weights of advance s; a
 group admitted after advance a (a >= s - max_staleness) carries tokens of version >= that
-advance's, so its staleness (the version trained minus the oldest version among its tokens) is at
-most ``max_staleness``. Nothing is thrown away: generation that would exceed the bound waits.
+advance's, so its staleness is at most ``max_staleness``. Staleness counts pushes: how many
+``advance`` calls before the trained weights the oldest of a sample's tokens was served (the
+version trained minus the oldest token's version when every push moves the version on by one,
+as ``ppo_step`` does; a loop that changes the weights twice between pushes still has its bound
+kept and reported in pushes). Nothing is thrown away: generation that would exceed the bound
+waits.
 With ``max_staleness=0`` a step's groups are sent only after the previous step's push: the
 synchronous loop. In order of data also means a resumed run's data cursor is a prefix: the groups
 handed out, no more (groups in flight at a stop are generated again).
@@ -33,6 +37,8 @@ decode steps and tags every token with the version that produced it.
 
 from __future__ import annotations
 
+import bisect
+import operator
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +48,7 @@ import attrs
 
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout.balance import Balancer, group_work
-from fsdpfn.rollout.client import generate
+from fsdpfn.rollout.client import check_prompts, generate
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
 __all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
@@ -87,8 +93,9 @@ def token_versions(output) -> list:
 @attrs.frozen
 class StreamBatch:
     """One step's groups (data order), the version they are trained at, and the step's stream
-    statistics: staleness_mean / staleness_max (over samples), off_policy_token_frac (tokens of
-    an older version than the one trained), trainer_wait_seconds (next_batch blocked),
+    statistics: staleness_mean / staleness_max (over samples, in pushes: module doc),
+    off_policy_token_frac (tokens of an older version than the one trained),
+    trainer_wait_seconds (next_batch blocked),
     rollout_wait_seconds (generation held back by the bound since the last batch),
     generation_span_seconds (from the first of the step's requests sent to the last answered)."""
 
@@ -97,11 +104,24 @@ class StreamBatch:
     stats: dict
 
 
+def _int(name: str, value, low: int) -> int:
+    """``value`` as an int >= ``low`` (an int, or a numpy / 0-d torch integer; never a bool, a
+    float or a string of digits), else ConfigError naming it."""
+    try:
+        out = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = None
+    if out is None or out < low:
+        raise ConfigError(f"{name}: must be an integer >= {low}, got {value!r}")
+    return out
+
+
 def _check_args(group_size, groups_per_step, max_staleness, start, sampling) -> None:
     for name, value, low in (("group_size", group_size, 1), ("groups_per_step", groups_per_step, 1),
                              ("max_staleness", max_staleness, 0), ("start", start, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not isinstance(value, int):  # plain ints: they size the stream's pools
             raise ConfigError(f"{name}: must be an integer >= {low}, got {value!r}")
+        _int(name, value, low)
     unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
     if unknown:
         raise ConfigError(f"sampling: unknown key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
@@ -123,6 +143,11 @@ class RolloutStream:
                  runner: Callable[[str, int, list], list] | None = None):
         sampling = dict(sampling or {})
         _check_args(group_size, groups_per_step, max_staleness, start, sampling)
+        version = _int("version", version, 0)
+        seed = None if seed is None else _int("seed", seed, 0)
+        if runner is not None and not callable(runner):
+            raise ConfigError(f"runner: must be callable (url, first, items) -> outputs, got "
+                              f"{runner!r}")
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ConfigError("urls: must name at least one rollout server, got []")
@@ -131,7 +156,8 @@ class RolloutStream:
         self.runner, self.token_items = runner or self._generate, runner is None
         self.G, self.B, self.N = group_size, groups_per_step, max_staleness
         self.start = self.next_index = self.consumed = start
-        self.version, self.advances = int(version), 0
+        self.version, self.advances = version, 0
+        self.pushed = [version]  # the version served after each advance (index 0: at the start)
         self.cond = threading.Condition()
         self.finished: dict[int, Group] = {}
         self.error: BaseException | None = None
@@ -171,17 +197,20 @@ class RolloutStream:
             groups = [self.finished.pop(i) for i in want]
             self.consumed = want.stop
             held = self._take_held_seconds()
+            pushed = list(self.pushed)
         return StreamBatch(groups, self.version,
-                           _stats(groups, self.version, time.perf_counter() - t0, held))
+                           _stats(groups, pushed, time.perf_counter() - t0, held))
 
     def advance(self, version: int) -> None:
         """The servers now serve ``version`` (call it after each step's push): generation may
         run one step further ahead."""
+        version = _int("version", version, 0)
         with self.cond:
-            if int(version) < self.version:
+            if version < self.version:
                 raise ConfigError(f"version: must not go backwards, got {version} after "
                                   f"{self.version}")
-            self.version = int(version)
+            self.version = version
+            self.pushed.append(version)
             self.advances += 1
             self.cond.notify_all()
 
@@ -219,6 +248,15 @@ class RolloutStream:
         return held
 
     def _schedule(self) -> None:
+        try:
+            self._admit()
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer by next_batch
+            with self.cond:
+                self.error = self.error or WeightSyncError(
+                    f"rollout stream: admission failed: {type(exc).__name__}: {exc}")
+                self.cond.notify_all()
+
+    def _admit(self) -> None:
         while True:
             with self.cond:
                 while not self.closed and self.error is None and self.ended_at is None \
@@ -251,16 +289,29 @@ class RolloutStream:
             except IndexError:
                 ids = None
             except Exception as exc:  # noqa: BLE001 - handed to the trainer by next_batch
-                self.error = self.error or ConfigError(
+                self._fail(ConfigError(
                     f"prompt_at: must return prompt {i} (or raise IndexError past the end), "
-                    f"raised {type(exc).__name__}: {exc}")
-                self.cond.notify_all()
+                    f"raised {type(exc).__name__}: {exc}"))
                 break
             if ids is None:
                 self.ended_at = i
                 break
-            out.append([int(t) for t in ids] if self.token_items else ids)
+            if self.token_items:  # the default runner sends token ids: checked here, by index
+                try:
+                    ids = check_prompts([ids])[0]
+                except ConfigError:
+                    self._fail(ConfigError(
+                        f"prompt_at: must return prompt {i} as a non-empty list of token ids "
+                        f"(ints >= 0; a workflow runner takes other items), got "
+                        f"{str(ids)[:80]!r}"))
+                    break
+            out.append(ids)
         return out
+
+    def _fail(self, error: BaseException) -> None:
+        """Hand ``error`` to the trainer's next next_batch (lock held)."""
+        self.error = self.error or error
+        self.cond.notify_all()
 
     def _plan(self, prompts: list) -> list:
         """The admitted groups cut by load over the servers: (url, start, stop, work) runs."""
@@ -282,13 +333,22 @@ class RolloutStream:
                  work: float) -> None:
         try:
             sent = time.perf_counter()
-            outputs = self.runner(url, first, prompts)
+            outputs = list(self.runner(url, first, prompts))
             answered = time.perf_counter()
+            if len(outputs) != len(prompts):
+                raise ConfigError(f"runner: must return one output list per item, got "
+                                  f"{len(outputs)} for {len(prompts)} items (prompts "
+                                  f"{first}..{first + len(prompts) - 1})")
             groups = [Group(first + i, prompts[i], outputs[i], url, admitted, sent=sent,
                             answered=answered) for i in range(len(prompts))]
             if self.score is not None:
                 with self.score_lock:
-                    scores = list(self.score(groups))
+                    try:
+                        scores = list(self.score(groups))
+                    except Exception as exc:  # noqa: BLE001 - the user's scorer, named
+                        raise ConfigError(
+                            f"score: failed on the groups of prompts {first}.."
+                            f"{first + len(prompts) - 1}: {type(exc).__name__}: {exc}") from exc
                 if len(scores) != len(groups):
                     raise ConfigError(f"score: must return one result per group, got "
                                       f"{len(scores)} for {len(groups)} groups (prompts "
@@ -312,14 +372,24 @@ class RolloutStream:
             self.cond.notify_all()
 
 
-def _stats(groups: list, version: int, waited: float, held: float) -> dict:
-    """A step's stream statistics (StreamBatch)."""
+def staleness(version: int, pushed: Sequence[int]) -> int:
+    """How many pushes before the last of ``pushed`` (the versions served after each advance,
+    in order) a token of ``version`` was sampled: the index of the last push serving a version
+    <= it, counted back from the end; a version older than the first is counted in versions."""
+    at = bisect.bisect_right(pushed, version) - 1
+    return len(pushed) - 1 - at if at >= 0 else len(pushed) - 1 + pushed[0] - version
+
+
+def _stats(groups: list, pushed: list, waited: float, held: float) -> dict:
+    """A step's stream statistics (StreamBatch); ``pushed``: the versions served after each
+    advance so far, the last the one trained."""
+    version = pushed[-1]
     stale, tokens, off = [], 0, 0
     for g in groups:
         for o in g.outputs:
             versions = token_versions(o)
             if versions:
-                stale.append(version - min(versions))
+                stale.append(staleness(min(versions), pushed))
             tokens += len(versions)
             off += sum(v < version for v in versions)
     sent = [g.sent for g in groups if g.sent is not None]

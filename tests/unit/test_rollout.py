@@ -154,9 +154,10 @@ def test_sampling_params_refuse_a_wrong_type_by_the_key_sent():
         with pytest.raises(UpdateError, match=r"sampling_params.max_new_tokens: must be an int "
                                               r">= 1, got"):
             SamplingParams(max_new_tokens=value, min_new_tokens=2)
-    with pytest.raises(UpdateError, match=r"sampling_params.sampling_seed: must be null or an int "
-                                          r">= 0, got -1"):
-        SamplingParams(sampling_seed=-1)
+    for value in (-1, 2 ** 63):
+        with pytest.raises(UpdateError, match=r"sampling_params.sampling_seed: must be null or an "
+                                              rf"int in \[0, 2\*\*63\), got {value}"):
+            SamplingParams(sampling_seed=value)
 
 
 @pytest.mark.timeout(60)

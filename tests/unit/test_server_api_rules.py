@@ -193,3 +193,51 @@ def test_token_bytes_rebuild_the_text_byte_for_byte(model_dir):
         assert b"".join(pieces) == s.encode(), (s, ids, pieces)
     pieces = [text.decode([t], skip_special_tokens=False) for t in text.encode("日本語")]
     assert "\ufffd" in "".join(pieces)  # the case this is about: byte pieces occur
+
+
+USER = [{"role": "user", "content": "What is 2+3?"}]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path, body, param", [
+    # a bool is not an int, a 1 not a bool: each is named, never a 500 or a silent "true"
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": True},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": "yes"}, "logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "echo": 0}, "echo"),
+    ("/v1/chat/completions", {"messages": USER, "parallel_tool_calls": "no"},
+     "parallel_tool_calls"),
+    # values past what the draws take, and ids past the vocabulary: 400s, not overflows
+    ("/v1/chat/completions", {"messages": USER, "seed": 2 ** 64}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 30]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+    # the empty stop string is not "no stop"
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, "stop"),
+    # bools are not token ids
+    ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    # OpenAI's shapes of a tool turn
+    ("/v1/chat/completions", {"messages": USER + [
+        {"role": "assistant", "content": None, "tool_calls": "add(2, 3)"}]},
+     "messages[1].tool_calls"),
+    ("/v1/chat/completions", {"messages": USER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": ""}}]}]},
+     "messages[1].tool_calls[0]"),
+    ("/v1/chat/completions", {"messages": USER + [{"role": "tool", "content": "5"}]},
+     "messages[1].tool_call_id"),
+])
+def test_loose_values_are_refused_by_name(server, path, body, param):
+    status, out = _post(server, path, {"max_tokens": 2, **body})
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+@pytest.mark.timeout(60)
+def test_the_largest_seed_draws_and_a_generate_seed_past_it_is_named(server):
+    status, out = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                    "seed": 2 ** 63 - 1})
+    assert status == 200 and len(out["choices"][0]["token_ids"]) == 2, out
+    status, out = _post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 2, "sampling_seed": 2 ** 64}})
+    assert status == 400 and "sampling_params.sampling_seed" in out["message"], out

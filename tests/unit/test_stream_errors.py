@@ -21,7 +21,7 @@ def _runner(url, first, prompts):
 def _stream(**kwargs):
     kwargs = {"prompt_at": lambda i: [3, 4, i % 50], **kwargs}
     return RolloutStream([URL], kwargs.pop("prompt_at"), group_size=1, groups_per_step=2,
-                         runner=_runner, **kwargs)
+                         **{"runner": _runner, **kwargs})
 
 
 def _raising_prompt_at(i):
@@ -52,3 +52,106 @@ def test_next_batch_after_close_raises_and_a_good_stream_still_works():
     with pytest.raises(ConfigError, match=r"next_batch: the stream is closed .* "
                                           r"start=stream.cursor"):
         stream.next_batch(timeout=5)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("prompt", ["hello", [1.5, 2], [True, 2], [], [-1, 2]],
+                         ids=["text", "floats", "bool", "empty", "negative"])
+def test_a_prompt_that_is_not_token_ids_is_an_error_of_next_batch_not_a_hang(prompt):
+    """The default runner sends token ids: anything else is named by next_batch, not truncated
+    (1.5 sent as 1) and not a dead admission thread the trainer waits on for good."""
+    stream = RolloutStream([URL], lambda i: prompt if i == 1 else [3, 4], group_size=1,
+                           groups_per_step=2)  # the default runner: never reached
+    try:
+        with pytest.raises(ConfigError, match=r"prompt_at: must return prompt 1 as a non-empty "
+                                              r"list of token ids"):
+            stream.next_batch()  # no timeout: a hang fails the test's own
+    finally:
+        stream.close()
+
+
+def _runner_off_by(k):
+    def runner(url, first, prompts):
+        return _runner(url, first, prompts + [None] * k if k > 0 else prompts[:k])
+    return runner
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("k", [-1, 1], ids=["too-few", "too-many"])
+def test_a_runner_must_answer_each_item_once(k):
+    stream = _stream(runner=_runner_off_by(k))
+    try:
+        with pytest.raises(ConfigError, match=r"runner: must return one output list per item, "
+                                              rf"got {2 + k} for 2 items"):
+            stream.next_batch(timeout=20)
+    finally:
+        stream.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_score_is_named_as_the_scorer():
+    stream = _stream(score=lambda groups: 1 / 0)
+    try:
+        with pytest.raises(ConfigError, match=r"score: failed on the groups of prompts 0\.\.1: "
+                                              r"ZeroDivisionError"):
+            stream.next_batch(timeout=20)
+    finally:
+        stream.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kwargs,message", [
+    ({"version": "x"}, r"version: must be an integer >= 0, got 'x'"),
+    ({"version": -1}, r"version: must be an integer >= 0, got -1"),
+    ({"seed": "abc"}, r"seed: must be an integer >= 0, got 'abc'"),
+    ({"seed": 1.5}, r"seed: must be an integer >= 0, got 1.5"),
+    ({"runner": 3}, r"runner: must be callable"),
+])
+def test_bad_constructor_values_are_refused_by_name(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        RolloutStream([URL], lambda i: [1], group_size=1, groups_per_step=1,
+                      **{"runner": _runner, **kwargs})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("version", ["6", 6.7, None, True],
+                         ids=["string", "float", "none", "bool"])
+def test_advance_takes_an_integer_version_and_a_refusal_changes_nothing(version):
+    stream = _stream()
+    try:
+        with pytest.raises(ConfigError, match=r"version: must be an integer >= 0"):
+            stream.advance(version)
+        assert stream.version == 0 and stream.advances == 0
+        stream.advance(1)
+        assert stream.version == 1 and stream.advances == 1
+    finally:
+        stream.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("jump", [1, 3])
+def test_staleness_is_kept_and_reported_in_pushes_whatever_a_push_moves_the_version_by(jump):
+    """A loop whose pushes move the version on by 3 (two weight changes between pushes, or a
+    resume) keeps the bound in pushes, and reports staleness in pushes too: never above the
+    bound it keeps (it once reported 3 against a bound of 1)."""
+    served = {"version": 10}
+
+    def runner(url, first, prompts):  # every token sampled by what the servers serve now
+        return [[{"output_ids": [1], "output_logprobs": [-0.5],
+                  "weight_versions": [served["version"]]}] for _ in prompts]
+
+    stream = RolloutStream([URL], lambda i: [3, 4], group_size=1, groups_per_step=2,
+                           max_staleness=1, version=10, runner=runner)
+    stats = []
+    try:
+        for _ in range(6):
+            batch = stream.next_batch(timeout=20)
+            oldest = min(g.oldest_version for g in batch.groups)
+            stats.append((batch.stats["staleness_max"], (batch.version - oldest) // jump))
+            served["version"] += jump
+            stream.advance(served["version"])
+    finally:
+        stream.close()
+    # in pushes: the version gap divided by what each push moved it on by
+    assert [s for s, _ in stats] == [pushes for _, pushes in stats], stats
+    assert all(s <= 1 for s, _ in stats) and stats[0][0] == 0, stats

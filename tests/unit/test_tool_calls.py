@@ -123,3 +123,45 @@ def test_a_streamed_answer_is_openais_chunks_with_fsdpfns_fields_on_the_last(eng
         assert first["delta"]["content"] == choice["message"]["content"]
         assert last["finish_reason"] == choice["finish_reason"]
         assert last["token_ids"] == choice["token_ids"] and "prompt_token_ids" in last
+
+
+def _answer(engine, text: str, *, eos: bool) -> dict:
+    """A choice as the engine gives it: the text's tokens, then the eos it stopped at."""
+    ids = engine.tokenizer.encode(text)
+    stop = engine.eos_ids[0]
+    return {"output_ids": ids + [stop] * eos, "output_logprobs": [-1.0] * (len(ids) + eos),
+            "finish_reason": "stop" if eos else "length", "matched": stop if eos else None}
+
+
+@pytest.mark.parametrize("eos", [True, False], ids=["stopped-at-eos", "cut-by-length"])
+def test_a_mistral_call_is_read_back_when_the_answer_ends_with_its_eos(engines, eos):
+    """The mistral format is read with special tokens kept ([TOOL_CALLS]); the eos a finished
+    answer carries is not part of the call (it once made every finished call plain text)."""
+    _, engine = engines
+    o = _answer(engine, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]', eos=eos)
+    sp = openai_api.SamplingParams(max_new_tokens=64)
+    message = openai_api._message(engine, o, sp, "mistral")
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"a": 2}]
+    assert message["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(engines, monkeypatch):
+    """Two hermes calls in one answer: both by default, the first with parallel_tool_calls
+    false (vLLM's rule), the tokens unchanged."""
+    _, engine = engines
+    text = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
+    o = _answer(engine, text, eos=True)
+
+    def generate(prompts, sp, top_logprobs=0):
+        return {"weight_version": 0, "outputs": [{**o, "prompt_index": 0,
+                                                  "weight_versions": [0] * len(o["output_ids"])}]}
+
+    monkeypatch.setattr(engine, "generate", generate)  # the answer above, as if sampled
+    ask = {"messages": [{"role": "user", "content": "add"}], "tools": TOOLS, "max_tokens": 64}
+    both = openai_api.chat_completions(engine, ask)["choices"][0]
+    one = openai_api.chat_completions(engine, {**ask, "parallel_tool_calls": False})["choices"][0]
+    assert [c["function"]["arguments"] for c in both["message"]["tool_calls"]] == \
+        ['{"a": 1}', '{"a": 2}']
+    assert [c["function"]["arguments"] for c in one["message"]["tool_calls"]] == ['{"a": 1}']
+    assert one["finish_reason"] == "tool_calls" and one["token_ids"] == both["token_ids"]
