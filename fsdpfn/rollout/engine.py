@@ -37,6 +37,7 @@ from fsdpfn.rollout.errors import UpdateError
 from fsdpfn.rollout.receiver import Receiver
 from fsdpfn.rollout.sampling import SamplingParams, find_stop
 from fsdpfn.rollout.text import eos_ids, load_tokenizer
+from fsdpfn.wire.model_fingerprint import config_fields, config_fingerprint
 from fsdpfn.wire.protocol import combine_checksums, dtype_from_name, dtype_name, tensor_checksums
 
 __all__ = ["RolloutEngine", "UpdateError", "SamplingParams"]
@@ -141,8 +142,16 @@ class RolloutEngine:
         return self._labels.get(version, str(version))
 
     def info(self) -> dict:
-        """SGLang's model info (weight_version: the label), then fsdpfn's (version: the int)."""
+        """SGLang's model info (weight_version: the label), then fsdpfn's (version: the int).
+
+        ``model_type``, ``config_fields`` and ``config_fingerprint``
+        (fsdpfn.wire.model_fingerprint) say what the served forward computes beyond its
+        tensors' names and shapes (rope, windows, norm eps, softcaps, scales): a trainer whose
+        config differs there is refused before it sends a byte (the push's precheck)."""
+        fields = config_fields(self.model.config)
         return {"model_path": self.model_path, "load_format": self.load_format,
+                "model_type": fields.get("model_type"), "config_fields": fields,
+                "config_fingerprint": config_fingerprint(fields),
                 "server_id": self.server_id,
                 "dtype": dtype_name(self.dtype), "device": str(self.device),
                 "weight_version": self.version_label(), "version": self.version,

@@ -28,6 +28,7 @@ peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -38,13 +39,13 @@ import torch
 
 from fsdpfn.rollout import lora as rollout_lora
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.rollout.staging import (Layout, check_manifest, copy_shared, first_non_finite,
-                                    load_safetensors, parse_version, post_flat, read_json,
-                                    receive_sglang, record_event, torch_dtypes, unpack_flat,
-                                    validate, wait_events)
+from fsdpfn.rollout.staging import (Abandoned, Layout, check_manifest, copy_shared,
+                                    first_non_finite, load_safetensors, parse_version, post_flat,
+                                    read_json, receive_sglang, record_event, torch_dtypes,
+                                    unpack_flat, validate, wait_events, wait_work_or_abandon)
 from fsdpfn.wire.frames import recv_frame, send_frame
 from fsdpfn.wire.protocol import (MANIFEST, combine_checksums, combine_on_device, make_group,
-                                  tensor_checksums, wait_work)
+                                  tensor_checksums)
 
 __all__ = ["Receiver", "Group", "UpdateChannel"]
 
@@ -87,11 +88,12 @@ class Receiver:
     # ------------------------------------------------------------ turns and failures
 
     @contextlib.contextmanager
-    def _alone(self, wait_s: float):
-        """No other update or group change runs meanwhile (409 after ``wait_s``); an
-        UpdateError is recorded, and generation resumed, before it is raised."""
+    def _alone(self, wait_s: float, busy: str = ""):
+        """No other update or group change runs meanwhile (409 after ``wait_s``, ``busy``
+        added to its message); an UpdateError is recorded, and generation resumed, before it
+        is raised."""
         if not self._turn.acquire(timeout=max(wait_s, 0.0)):
-            raise UpdateError("update: another update is in progress", 409)
+            raise UpdateError("update: another update is in progress" + busy, 409)
         try:
             yield
         except UpdateError as exc:
@@ -120,17 +122,19 @@ class Receiver:
             _shut(sock)
 
     def _swap(self, tensors: dict, version: int, label, *, whole: bool,
-              merged_adapters: bool = False) -> None:
+              merged_adapters: bool = False, timeout_s: float = 300.0) -> None:
         """Hand the engine checked tensors (HF names, aliases resolved). The tensors are the
         new base: a whole update drops the adapter merged in, a partial one drops it from the
         weights it replaces (unloading then leaves them as sent). ``merged_adapters``: a whole
         update of a LoRA trainer's merged weights, on which no adapter may be loaded."""
         canonical = {self.engine.aliases.get(n, n): t for n, t in tensors.items()}
-        self.engine.swap(canonical, version, label=label)
+        self.engine.swap(canonical, version, label=label, timeout_s=timeout_s)
         if whole:
             self.staged = None  # staged against the weights this update replaces
             self.adapter = None
             self.merged_push = version if merged_adapters else None
+        elif merged_adapters:  # a LoRA trainer's merged weights, sent in SGLang's requests
+            self.merged_push = version
         elif self.adapter is not None:
             self.adapter.base = {n: t for n, t in self.adapter.base.items()
                                  if n not in canonical}
@@ -138,8 +142,9 @@ class Receiver:
                 self.adapter = None
         self.last_error = None
 
-    def _version(self, value) -> tuple[int, str | None]:
-        return parse_version(value, self.engine.version, self.engine.version_label())
+    def _version(self, value, *, partial: bool = False) -> tuple[int, str | None]:
+        return parse_version(value, self.engine.version, self.engine.version_label(),
+                             partial=partial)
 
     # ------------------------------------------------------------ groups (SGLang's request)
 
@@ -200,27 +205,40 @@ class Receiver:
         {names, dtypes, shapes, group_name="weight_update_group", flush_cache, weight_version
         (any string), load_format ("flattened_bucket": one packed broadcast)}: the named tensors
         received, checked (known, shapes, dtypes, finite) and swapped in at once. A request the
-        server refuses still takes its bytes, so the group stays in step."""
-        try:
-            names = [str(n) for n in payload["names"]]
-            dtypes = [str(d) for d in payload["dtypes"]]
-            shapes = [[int(d) for d in s] for s in payload["shapes"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UpdateError(f"update_weights_from_distributed: payload must hold names, "
-                              f"dtypes, shapes; got {sorted(payload)} "
-                              f"({type(exc).__name__}: {exc})") from None
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
-                              f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+        server refuses after its bytes were sent takes them, so the group stays in step; one
+        refused before (its fields cannot size the bytes, or another update holds the turn)
+        drops the group, so the bytes sent for it are never read as the next request's.
+        ``merged_adapters`` (fsdpfn's): a LoRA trainer's merged weights (no adapter on top)."""
         name = str(payload.get("group_name") or "weight_update_group")
         group = self._group(name)
-        with self._alone(group.timeout_s):
-            clock = time.perf_counter()
-            tensors = self._receive_request(name, group, names, dtypes, shapes,
-                                            payload.get("load_format") == "flattened_bucket")
-            received = time.perf_counter()
-            version, label = self._version(payload.get("weight_version"))
-            self._swap(tensors, version, label, whole=False)
+        try:
+            names, dtypes, shapes = _request_fields(payload)
+            self._version(payload.get("weight_version"), partial=True)  # refused before bytes
+        except UpdateError as exc:
+            self._drop_group(name)
+            self.last_error = f"{exc}; group {name!r} dropped, re-initialise it"
+            raise UpdateError(self.last_error, exc.status) from None
+        busy = f"; group {name!r} dropped (the bytes sent for this request are unread), " \
+               f"re-initialise it"
+        try:
+            with self._alone(group.timeout_s, busy):
+                return self._apply_request(payload, name, group, names, dtypes, shapes)
+        except UpdateError as exc:
+            if exc.status == 409 and str(exc).endswith(busy):
+                self._drop_group(name)
+            raise
+
+    def _apply_request(self, payload: dict, name: str, group: Group, names, dtypes,
+                       shapes) -> dict:
+        """One SGLang request's tensors received, checked and swapped in (turn held)."""
+        clock = time.perf_counter()
+        tensors = self._receive_request(name, group, names, dtypes, shapes,
+                                        payload.get("load_format") == "flattened_bucket")
+        received = time.perf_counter()
+        version, label = self._version(payload.get("weight_version"), partial=True)
+        self._swap(tensors, version, label, whole=False,
+                   merged_adapters=bool(payload.get("merged_adapters")),
+                   timeout_s=group.timeout_s)
         return {"success": True, "message": f"updated {len(names)} tensors",
                 "weight_version": version, "seconds": {
                     "receive": received - clock, "apply": time.perf_counter() - received}}
@@ -254,14 +272,16 @@ class Receiver:
     # ------------------------------------------------------------ a whole update (channel)
 
     def update(self, message: dict, layout: Layout | None = None, ack=None,
-               decide=None) -> dict:
+               decide=None, abandoned=None) -> dict:
         """A whole update: {buckets: [{names, dtypes, shapes}, ...] (or its parsed ``layout``),
         group_name, weight_version}, one aligned flat broadcast per bucket (fsdpfn.wire
         .protocol's layout). Refused before any byte is sent when it cannot be committed;
         ``ack()`` is called once it is accepted (the sender then broadcasts). ``decide(ready,
         timeout_s)``, when given, is handed {weight_version, weights_checksum} of what arrived
         and checked, and returns whether the sender commits it: the weights are swapped in
-        only then."""
+        only then, within what the sender waits for the answer (swap_bound). ``abandoned()``
+        true while the bytes are awaited (the sender closed its channel: it failed elsewhere)
+        ends the wait at once, so this server's turn is free for the sender's next push."""
         name = str(message.get("group_name"))
         group = self._group(name)
         with self._alone(group.timeout_s):
@@ -274,13 +294,14 @@ class Receiver:
             if ack is not None:
                 ack()
             clock = time.perf_counter()
-            tensors, sums, finite = self._receive_whole(name, group, layout)
+            tensors, sums, finite = self._receive_whole(name, group, layout, abandoned)
             return self._commit(tensors, sums, finite, version, label, clock,
                                 decide=None if decide is None else
                                 (lambda ready: decide(ready, group.timeout_s)),
-                                merged_adapters=bool(message.get("merged_adapters")))
+                                merged_adapters=bool(message.get("merged_adapters")),
+                                swap_s=swap_bound(group.timeout_s))
 
-    def _receive_whole(self, name: str, group: Group, layout: Layout):
+    def _receive_whole(self, name: str, group: Group, layout: Layout, abandoned=None):
         """Every bucket's receive posted at once (the sender keeps several in flight), each
         bucket unpacked and checked as it lands; over NCCL on a side stream (the host waits
         once, for the last). Returns (tensors, [(names, checksums)], [finite flags])."""
@@ -298,14 +319,19 @@ class Receiver:
                         out, s, f = unpack_flat(buf, b)
                     done.append(record_event(self._stream))
                 else:
-                    wait_work(work, group.backend, group.timeout_s)
+                    wait_work_or_abandon(work, group.backend, group.timeout_s, abandoned)
                     out, s, f = unpack_flat(buf.to(self.engine.device), b)
                 tensors.update(zip(names, out))
                 sums.append((names, s))
                 finite.append(f)
-            wait_events(done, group.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a dead or stalled sender
+            wait_events(done, group.timeout_s, abandoned)
+        except Exception as exc:  # noqa: BLE001 - a dead, stalled or departed sender
             self._drop_group(name, posted)  # buffers may still be written: keep them alive
+            if nccl:
+                self._stream = None  # it waits on receives that may never complete
+            if isinstance(exc, Abandoned):
+                raise UpdateError(f"receiving over group {name!r}: {exc}; group dropped, "
+                                  f"previous weights kept", 409) from None
             raise UpdateError(f"receiving over group {name!r} failed: {type(exc).__name__}: "
                               f"{exc}; group dropped, previous weights kept", 500) from None
         return tensors, sums, finite
@@ -330,10 +356,13 @@ class Receiver:
         weight_version, flush_cache}: each bucket an aligned flat bucket (the update channel's
         layout) in a device buffer of a process on this GPU, named by its CUDA IPC handle
         (fsdpfn.wire.ipc); copied into memory of this server, checked on the device and swapped
-        in like a whole update. The sender frees its buffers after the answer."""
+        in like a whole update. The sender frees its buffers after the answer. fsdpfn's sender
+        adds ``weights_checksum`` (what arrived must have it, else refused before the swap) and
+        ``timeout_s`` (its call's: the swap waits for the model lock a little less)."""
         if self.engine.device.type != "cuda":
             raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
                               f"runs on {self.engine.device}")
+        start = time.monotonic()
         with self._alone(0.0):
             layout = Layout(self.engine.params, self.engine.aliases, payload.get("buckets"))
             if layout.problems:
@@ -349,21 +378,29 @@ class Receiver:
                 finite.append(f)
             torch.cuda.synchronize(self.engine.device)  # copies done before the sender frees
             return self._commit(tensors, sums, finite, version, label, clock,
-                                merged_adapters=bool(payload.get("merged_adapters")))
+                                merged_adapters=bool(payload.get("merged_adapters")),
+                                swap_s=_http_swap_s(payload, start),
+                                expected=payload.get("weights_checksum"))
 
     def _commit(self, tensors, sums, finite, version, label, clock: float,
-                decide=None, merged_adapters: bool = False) -> dict:
-        """A whole update that arrived: checked, (with ``decide``: committed by the sender),
-        swapped in, answered with its timings."""
+                decide=None, merged_adapters: bool = False, swap_s: float = 300.0,
+                expected=None) -> dict:
+        """A whole update that arrived: checked (with ``expected``: its checksum must be the
+        sender's), (with ``decide``: committed by the sender), swapped in within ``swap_s``,
+        answered with its timings."""
         received = time.perf_counter()
         checksum = self._verdict(tensors, sums, finite)
+        if expected is not None and checksum != expected:
+            raise UpdateError(f"weights_checksum: what arrived must have the sender's checksum "
+                              f"{expected}, got {checksum}; previous weights kept", 409)
         checked = time.perf_counter()
         if decide is not None and not decide({"weight_version": version,
                                               "weights_checksum": checksum}):
             raise UpdateError("update not committed by the trainer (it failed after the last "
                               "byte, or the checksum differed), previous weights kept", 409)
         decided = time.perf_counter()  # the wait for the decision is neither receive nor apply
-        self._swap(tensors, version, label, whole=True, merged_adapters=merged_adapters)
+        self._swap(tensors, version, label, whole=True, merged_adapters=merged_adapters,
+                   timeout_s=swap_s)
         return {"success": True, "weight_version": version, "weights_checksum": checksum,
                 "message": f"updated {len(tensors)} tensors to version {version}",
                 "seconds": {"receive": received - clock,
@@ -374,21 +411,27 @@ class Receiver:
         verify_checksums (default true: sha256 of each tensor against fsdpfn_manifest.json),
         merged_adapters, commit (default true; false: load and check the files, keep them
         staged and answer their checksum, the served weights untouched until
-        /update_weights_commit)}."""
+        /update_weights_commit), timeout_s (fsdpfn's senders: their call's, which bounds the
+        swap's wait for the model lock)}. With fsdpfn's manifest the version is the manifest's
+        (a label given beside it names that version)."""
+        start = time.monotonic()
         with self._alone(0.0):
-            path = Path(str(payload.get("model_path") or ""))
+            if not isinstance(payload.get("model_path"), str) or not payload["model_path"]:
+                raise UpdateError(f"model_path: required, a directory of safetensors files, got "
+                                  f"{payload.get('model_path')!r}")
+            path = Path(payload["model_path"])
             if not path.is_dir():
                 raise UpdateError(f"model_path: must be a directory of safetensors files, got "
                                   f"{str(path)!r}", 404)
             manifest = read_json(path / MANIFEST)
+            saved = _manifest_version(manifest, path)
             given = payload.get("weight_version")
             version, label = self._version(given)
-            if manifest is not None and given is not None and label is None and \
-                    int(manifest["version"]) != version:
+            if saved is not None and given is not None and label is None and saved != version:
                 raise UpdateError(f"weight_version: must equal the manifest's version "
-                                  f"{manifest['version']} in {str(path)!r}, got {given!r}")
-            if manifest is not None and label is None:
-                version = int(manifest["version"])
+                                  f"{saved} in {str(path)!r}, got {given!r}")
+            if saved is not None:
+                version = saved
             tensors = load_safetensors(path, self.engine.device)
             problems = validate(self.engine.params, self.engine.aliases, list(tensors),
                                 [t.dtype for t in tensors.values()],
@@ -401,7 +444,8 @@ class Receiver:
             merged = bool(payload.get("merged_adapters"))
             if payload.get("commit", True) is False:
                 return self._stage(tensors, version, label, merged)
-            return self._commit_loaded(tensors, version, label, merged_adapters=merged)
+            return self._commit_loaded(tensors, version, label, merged_adapters=merged,
+                                       swap_s=_http_swap_s(payload, start))
 
     def _stage(self, tensors: dict, version: int, label, merged: bool) -> dict:
         """Keep a checked whole update aside (replacing any staged before); answer with the
@@ -425,8 +469,11 @@ class Receiver:
         """/update_weights_commit {weight_version, commit (default true)}: swap in the staged
         update of that version (commit false: drop it). 409 when none of that version is
         staged: the served weights stay as they are."""
+        start = time.monotonic()
         with self._alone(0.0):
             staged, version = self.staged, payload.get("weight_version")
+            if isinstance(version, str) and version.strip().isdecimal():
+                version = int(version)  # SGLang's clients send versions as strings
             if staged is None or staged["version"] != version:
                 raise UpdateError(f"weight_version: must be the staged update's "
                                   f"({None if staged is None else staged['version']}), got "
@@ -436,20 +483,22 @@ class Receiver:
                 return {"success": True, "weight_version": self.engine.version,
                         "message": f"staged version {version} dropped"}
             self._swap(staged["tensors"], staged["version"], staged["label"], whole=True,
-                       merged_adapters=staged["merged_adapters"])
+                       merged_adapters=staged["merged_adapters"],
+                       timeout_s=_http_swap_s(payload, start))
             return {"success": True, "weight_version": staged["version"],
                     "weights_checksum": self.engine.weights_checksum(),
                     "message": f"committed version {staged['version']}"}
 
     def _commit_loaded(self, tensors: dict, version: int, label, *,
-                       merged_adapters: bool = False) -> dict:
+                       merged_adapters: bool = False, swap_s: float = 300.0) -> dict:
         """Swap in a whole update that is already here (IPC, disk) once it is finite; the
         answer's checksum is that of the weights served after the swap."""
         bad = first_non_finite(tensors)
         if bad:
             raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
                               f"got NaN/inf in {bad}")
-        self._swap(tensors, version, label, whole=True, merged_adapters=merged_adapters)
+        self._swap(tensors, version, label, whole=True, merged_adapters=merged_adapters,
+                   timeout_s=swap_s)
         return {"success": True, "weight_version": version,
                 "weights_checksum": self.engine.weights_checksum(),
                 "message": f"updated {len(tensors)} tensors to version {version}"}
@@ -527,15 +576,18 @@ class UpdateChannel:
                 except (OSError, ValueError):
                     return  # the trainer went away (or broke the protocol)
                 try:
-                    send_frame(conn, self._handle(conn, message, state, layouts))
+                    answer = self._handle(conn, message, state, layouts)
                 except UpdateError as exc:
-                    send_frame(conn, {"success": False, "message": str(exc),
-                                      "status": exc.status})
+                    answer = {"success": False, "message": str(exc), "status": exc.status}
                 except OSError:
                     return
                 except Exception as exc:  # noqa: BLE001 - report, keep serving
-                    send_frame(conn, {"success": False, "status": 500,
-                                      "message": f"{type(exc).__name__}: {exc}"})
+                    answer = {"success": False, "status": 500,
+                              "message": f"{type(exc).__name__}: {exc}"}
+                try:
+                    send_frame(conn, answer)
+                except OSError:
+                    return  # the trainer went away meanwhile (it gave the update up)
         finally:
             self.receiver.detach_channel(conn)
             conn.close()
@@ -560,7 +612,73 @@ class UpdateChannel:
                               f"(with its buckets), got {key!r}")
         return self.receiver.update(message, layouts[key], ack=lambda: send_frame(
             conn, {"success": True, "accepted": True}),
-            decide=lambda ready, timeout_s: _await_commit(conn, ready, timeout_s))
+            decide=lambda ready, timeout_s: _await_commit(conn, ready, timeout_s),
+            abandoned=lambda: _readable(conn))
+
+
+def _manifest_version(manifest: dict | None, path: Path) -> int | None:
+    """The version fsdpfn's manifest names (None without a manifest); UpdateError when it
+    names none."""
+    if manifest is None:
+        return None
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise UpdateError(f"{MANIFEST}: must name the files' version (an int >= 0), got "
+                          f"{version!r} in {str(path)!r}")
+    return version
+
+
+def swap_bound(timeout_s: float) -> float:
+    """How long a swap may wait for the model lock when its sender waits ``timeout_s`` for the
+    answer: a little less, so that a swap the lock holds up is answered as a failure (previous
+    weights kept) before the sender gives up, never done after the sender reported one."""
+    return max(0.01, float(timeout_s) - min(2.0, 0.1 * float(timeout_s)))
+
+
+def _http_swap_s(payload: dict, start: float) -> float:
+    """What is left of a request's swap bound: its sender's ``timeout_s`` (fsdpfn's senders
+    send the timeout of their HTTP call; 300 s without one), less the time spent since
+    ``start`` (time.monotonic())."""
+    timeout = payload.get("timeout_s")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        timeout = 300.0
+    return max(0.01, swap_bound(timeout) - (time.monotonic() - start))
+
+
+def _request_fields(payload: dict) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtypes, shapes) of an SGLang update request, typed as SGLang's pydantic types
+    them (lists of strings, lists of lists of ints) and of equal lengths; else UpdateError."""
+    fields = {key: payload.get(key) for key in ("names", "dtypes", "shapes")}
+    for key in ("names", "dtypes"):
+        value = fields[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UpdateError(f"{key}: must be a list of strings, got {str(value)[:80]!r}")
+    shapes = fields["shapes"]
+
+    def dim(d):  # pydantic's lax int: an int, or a string of one
+        if isinstance(d, str) and d.strip().isdecimal():
+            return int(d)
+        return d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else None
+
+    if isinstance(shapes, list) and all(isinstance(s, list) for s in shapes):
+        shapes = [[dim(d) for d in s] for s in shapes]
+    if not isinstance(shapes, list) or not all(
+            isinstance(s, list) and None not in s for s in shapes):
+        raise UpdateError(f"shapes: must be a list of lists of ints >= 0, got "
+                          f"{str(fields['shapes'])[:80]!r}")
+    if not len(fields["names"]) == len(fields["dtypes"]) == len(shapes):
+        raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
+                          f"{len(fields['names'])}, {len(fields['dtypes'])}, {len(shapes)}")
+    return fields["names"], fields["dtypes"], shapes
+
+
+def _readable(conn: socket.socket) -> bool:
+    """Whether the trainer's end of a channel sent something, or closed it, while this server
+    awaits an update's bytes: the trainer sends nothing then unless it gave the update up
+    (it closes its channels when a push fails elsewhere, on another server or on its ranks)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
 
 
 def _await_commit(conn: socket.socket, ready: dict, timeout_s: float) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -186,22 +187,47 @@ def first_non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, ok in zip(tensors, flags) if not ok][:3]
 
 
-def events_done(events, until: float) -> bool:
-    """Whether every event completes before the monotonic time ``until`` (polled)."""
+def events_done(events, until: float, abandoned=None) -> bool:
+    """Whether every event completes before the monotonic time ``until`` (polled);
+    ``abandoned()`` true meanwhile raises Abandoned."""
+    polls = 0
     for event in events:
         while not event.query():
             if time.monotonic() > until:
                 return False
+            polls += 1
+            if abandoned is not None and polls % 256 == 0 and abandoned():
+                raise Abandoned("the sender abandoned the update (its channel closed)")
             time.sleep(2e-5)
     return True
 
 
-def wait_events(events, timeout_s: float) -> None:
+class Abandoned(RuntimeError):
+    """The sender of an update gave it up while this side waited for its bytes."""
+
+
+def wait_events(events, timeout_s: float, abandoned=None) -> None:
     """Poll each bucket's "checked" event in turn, each within ``timeout_s`` of the one before
-    (the host is free meanwhile); TimeoutError after that."""
+    (the host is free meanwhile); TimeoutError after that, Abandoned once ``abandoned()``."""
     for event in events:
-        if not events_done([event], time.monotonic() + timeout_s):
+        if not events_done([event], time.monotonic() + timeout_s, abandoned):
             raise TimeoutError(f"a bucket did not arrive within {timeout_s:g} s")
+
+
+def wait_work_or_abandon(work, backend: str, timeout_s: float, abandoned=None) -> None:
+    """wait_work, polled so that ``abandoned()`` (the sender closed its channel) ends the wait
+    at once with Abandoned instead of at the timeout."""
+    if abandoned is None:
+        wait_work(work, backend, timeout_s)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if abandoned():
+            raise Abandoned("the sender abandoned the update (its channel closed)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the transfer did not complete within {timeout_s:g} s")
+        time.sleep(0.001)
+    work.wait()
 
 
 def record_event(stream):
@@ -210,30 +236,54 @@ def record_event(stream):
     return event
 
 
-def parse_version(value, current: int, current_label: str) -> tuple[int, str | None]:
+def parse_version(value, current: int, current_label: str, *,
+                  partial: bool = False) -> tuple[int, str | None]:
     """(fsdpfn's integer version, the label to report) of an update's ``weight_version``.
 
     fsdpfn counts weight changes with an int; SGLang takes any string as a label. An int, or a
     string of one, is the version itself (no label of its own). Any other string is a label:
-    the version moves on by one, unless the label is the one served now (a trainer sending the
-    buckets of one version in several requests, each naming it). None: one more, no label."""
+    the version moves on by one. Only a ``partial`` update (SGLang's request of some tensors)
+    keeps the served version: when it names the label served now (a trainer sending the buckets
+    of one version in several requests, each naming it), or names none (SGLang's rule: a
+    request without weight_version leaves the version alone, so a push that fails half way
+    never labels its part with a version of its own). None on a whole update: one more, no
+    label."""
     if value is None:
+        if partial:
+            return current, (None if current_label == str(current) else current_label)
         return current + 1, None
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value), None
+    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
+        value = int(value)
+        if value < 0:
+            raise UpdateError(f"weight_version: must be >= 0 (a version counts weight "
+                              f"changes), got {value}")
+        return value, None
     if isinstance(value, str) and value:
-        return (current if value == current_label else current + 1), value
+        return (current if partial and value == current_label else current + 1), value
     if isinstance(value, bool) or not isinstance(value, int):
         raise UpdateError(f"weight_version: must be an int or a non-empty string, got "
                           f"{value!r}")
+    if value < 0:
+        raise UpdateError(f"weight_version: must be >= 0 (a version counts weight changes), "
+                          f"got {value}")
     return value, None
 
 
 def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path`` (None when there is no such file); UpdateError naming the
+    file when it is not one."""
     if not path.is_file():
         return None
-    with open(path) as fh:
-        return json.load(fh)
+    try:
+        with open(path) as fh:
+            out = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise UpdateError(f"{path.name}: must be a JSON object (fsdpfn's manifest), got "
+                          f"{type(exc).__name__}: {exc} in {str(path)!r}") from None
+    if not isinstance(out, dict):
+        raise UpdateError(f"{path.name}: must be a JSON object, got {type(out).__name__} in "
+                          f"{str(path)!r}")
+    return out
 
 
 def load_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:

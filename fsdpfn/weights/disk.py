@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -213,10 +214,22 @@ def published_versions(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+STALE_S = 3600.0  # a .tmp-/.old- directory untouched this long was left by a crash
+
+
 def rotate(root: Path, keep_last: int, current: Path) -> None:
     """Delete all but the ``keep_last`` most recently published versions, ``current`` (the one
-    just published) always among them."""
+    just published) always among them, and what crashed writes left (``.tmp-*`` and ``.old-*``
+    directories untouched for STALE_S)."""
     keep_recent(published_versions(root), keep_last, current, MANIFEST)
+    now = time.time()
+    for entry in [*Path(root).glob(".tmp-v*-*"), *Path(root).glob(".old-v*-*")]:
+        try:
+            stale = entry.is_dir() and now - entry.stat().st_mtime > STALE_S
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def keep_recent(versions: list[tuple[int, Path]], keep_last: int, current: Path,

@@ -15,6 +15,7 @@ the version is read back with /get_weight_version, and every rank then runs the 
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,8 @@ def push_disk(state: EngineState, servers: Servers, dtype: torch.dtype, *,
         if error is None:
             _, error = capture_error(lambda: rotate(cfg.disk_root, cfg.keep_last, final),
                                      "rotating old versions")
+        elif not sglang:  # refused everywhere, served nowhere: a full copy nobody needs
+            shutil.rmtree(final, ignore_errors=True)
     agree_on_error(state.mesh, error)
     if sglang:
         probe(state, servers.urls, dtype, probe_tol=cfg.probe_tol, timeout_s=cfg.timeout_s)
@@ -59,7 +62,8 @@ def _load(servers: Servers, directory: Path, version: int, checksum: int, *,
           merged_adapters: bool = False) -> None:
     payload = {"model_path": str(directory.resolve()), "weight_version": version,
                "flush_cache": servers.config.flush_cache, "verify_checksums": True,
-               "merged_adapters": merged_adapters, "commit": False}
+               "merged_adapters": merged_adapters, "commit": False,
+               "timeout_s": servers.config.timeout_s}
     answers, errors = _post_each(servers, "/update_weights_from_disk", payload)
     for url, answer in answers.items():
         try:
@@ -68,12 +72,15 @@ def _load(servers: Servers, directory: Path, version: int, checksum: int, *,
             errors.append(str(exc))
     if errors:  # nothing swapped anywhere: what was staged is dropped
         _post_each(servers, "/update_weights_commit",
-                   {"weight_version": version, "commit": False}, urls=list(answers))
+                   {"weight_version": version, "commit": False,
+                    "timeout_s": servers.config.timeout_s}, urls=list(answers))
         raise WeightSyncError("; ".join(errors) + "; every server keeps the weights it served")
 
     def commit() -> None:
+        # each server swaps within the call's timeout or answers a failure, its weights kept
         done, failed = _post_each(servers, "/update_weights_commit",
-                                  {"weight_version": version, "commit": True})
+                                  {"weight_version": version, "commit": True,
+                                   "timeout_s": servers.config.timeout_s})
         for url, answer in done.items():
             check_commit(url, answer, version, checksum)
         if failed:

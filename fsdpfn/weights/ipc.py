@@ -50,9 +50,12 @@ class IpcSender:
     def conclude(self) -> None:
         checksum = self.checksums.value()  # also: every buffer is complete before any read
         servers = self.servers
+        # the server refuses, before its swap, what does not have the checksum sent, and swaps
+        # within the call's timeout or not at all
         payload = {"buckets": self.buckets, "weight_version": self.version,
                    "flush_cache": servers.config.flush_cache,
-                   "merged_adapters": self.merged_adapters}
+                   "merged_adapters": self.merged_adapters, "weights_checksum": checksum,
+                   "timeout_s": servers.config.timeout_s}
         servers.pause()
         try:
             applied = 0.0

@@ -20,8 +20,9 @@ A RolloutTarget pushes by one of four transports, each one path, each a Sender
 
 Per push: trainer rank 0 checks the servers (with an update channel open to every server and a
 layout seen before, this costs nothing; else /health and, after a restart or a layout change,
-/get_model_info: the push dtype, and with ``precheck`` names and shapes), builds the group when
-needed; its verdict reaches every rank before any gather. Then every rank gathers the buckets
+/get_model_info: the push dtype, and with ``precheck`` names, shapes and the model's config),
+builds the group when needed; its verdict reaches every rank before any gather. Then every rank
+gathers the buckets
 (``bucket_bytes`` in the middle, ``edge_bucket_bytes`` at both ends) while rank 0 sends. Every
 request and transfer is bounded by ``timeout_s`` (group set-up by ``init_timeout_s``); any
 failure raises WeightSyncError on every rank, and each server keeps its previous weights (with
@@ -163,7 +164,8 @@ class RolloutTarget:
             return push_ipc(state, params, buckets, self._servers)
         sender = None
         if is_rank_zero():
-            sender = SGLangSender(self._servers, buckets, state.version) if sglang else \
+            sender = SGLangSender(self._servers, buckets, state.version,
+                                  merged_adapters=state.config.lora is not None) if sglang else \
                 ChannelSender(self._servers, buckets, state.version, layout_id,
                               merged_adapters=state.config.lora is not None)
         sent = send(state, params, buckets, sender,

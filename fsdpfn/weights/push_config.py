@@ -79,7 +79,8 @@ class PushConfig:
     backend: "gloo" or "nccl" (None: nccl when the trainer and every server are on CUDA).
     timeout_s: bound on every HTTP request and every bucket's transfer; init_timeout_s on
     creating the group. pause_generation: pause around the swap. flush_cache: ask the servers to
-    drop their KV cache with the update. precheck: compare names and shapes with each server's
+    drop their KV cache with the update. precheck: compare names and shapes with each server's,
+    and the model's config (fsdpfn.wire.model_fingerprint) with a server that reports one,
     before sending. disk_root / keep_last: where transport="disk" publishes versions and how many
     it keeps. master_address / master_port: where the servers reach trainer rank 0's store
     (None: 127.0.0.1 for local servers, else the address of the interface that routes to the

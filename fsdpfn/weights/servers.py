@@ -21,8 +21,9 @@ from fsdpfn.weights.push_config import PushConfig
 from fsdpfn.weights.sglang import is_sglang
 from fsdpfn.weights.update_group import UpdateGroup
 from fsdpfn.wire.http import call
+from fsdpfn.wire.model_fingerprint import config_fields, config_fingerprint, diff_config_fields
 
-__all__ = ["Servers", "precheck"]
+__all__ = ["Servers", "precheck", "check_config"]
 
 
 class Servers:
@@ -45,7 +46,7 @@ class Servers:
 
     def prepare(self, state: EngineState, params, layout: tuple) -> tuple[str, str, bool]:
         """(push dtype name, backend, whether the push goes in SGLang's protocol); checks
-        names/shapes; (re)builds the group if needed.
+        names/shapes and the model's config (``precheck``); (re)builds the group if needed.
 
         The servers' model info (and the precheck against it) is cached per server_id and
         trainer layout. With an update channel to every server (fsdpfn.rollout), a push whose
@@ -68,7 +69,7 @@ class Servers:
             return self._prepare_sglang(state)
         dtype = self._push_dtype(infos)
         if self.config.precheck:
-            self._precheck(infos, params, dtype)
+            self._precheck(infos, params, dtype, getattr(state, "hf_config", None))
         on_cuda = state.mesh.device_type == "cuda" and all(
             str(info.get("device", "cpu")).startswith("cuda") for info in infos.values())
         backend = self.config.backend or ("nccl" if on_cuda else "gloo")
@@ -115,10 +116,10 @@ class Servers:
                               f"one explicitly: RolloutTarget(urls, "
                               f"config=PushConfig(dtype=...))")
 
-    def _precheck(self, infos: dict[str, dict], params, dtype: str) -> None:
+    def _precheck(self, infos: dict[str, dict], params, dtype: str, hf_config) -> None:
         for url, info in infos.items():
             try:
-                precheck(url, info, params, dtype)
+                precheck(url, info, params, dtype, hf_config=hf_config)
             except WeightSyncError:
                 self.infos.pop(url, None)  # look again next time
                 raise
@@ -228,8 +229,11 @@ def _speak_sglang(infos: dict[str, dict]) -> bool:
     return next(iter(kinds.values()))
 
 
-def precheck(url: str, info: dict, params, dtype: str) -> None:
-    """The trainer's names, shapes and push dtype against a server's /get_model_info."""
+def precheck(url: str, info: dict, params, dtype: str, *, hf_config=None) -> None:
+    """The trainer's names, shapes and push dtype against a server's /get_model_info; then,
+    when the server reports a ``config_fingerprint`` (fsdpfn.rollout servers do; SGLang and
+    older fsdpfn servers do not, and are not checked), the trainer's ``hf_config`` against it
+    (check_config)."""
     served = info.get("params") or {}
     ours = {name: list(p.shape) for name, p in params}
     problems = []
@@ -253,3 +257,50 @@ def precheck(url: str, info: dict, params, dtype: str) -> None:
         raise WeightSyncError(f"server {url}: the trainer's weights do not match the served "
                               f"model ({info.get('model_path')}): " + "; ".join(problems[:4])
                               + more)
+    if hf_config is not None:
+        check_config(url, info, hf_config)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_config(url: str, info: dict, hf_config) -> None:
+    """The trainer's model config against a server's: the same tensors under another family or
+    config (rope_theta, a sliding window, norm eps, softcaps, scales) compute other log-probs,
+    so a push there would be accepted and then serve a model the trainer never trained.
+
+    Compares the fingerprint of fsdpfn.wire.model_fingerprint (the trainer's from
+    ``hf_config``, the server's from its /get_model_info) and, when they differ, raises a
+    WeightSyncError naming each differing field with both values. A server that reports no
+    fingerprint is not checked."""
+    theirs = info.get("config_fingerprint")
+    if not theirs:
+        return
+    ours = config_fields(hf_config)
+    if config_fingerprint(ours) == theirs:
+        return
+    served = info.get("config_fields")
+    served = served if isinstance(served, dict) else {}
+    problems = []
+    for name in diff_config_fields(ours, served):
+        if name not in served:
+            problems.append(f"config.{name}: the trainer's config has {_shown(ours[name])}, "
+                            f"the served model's has none")
+        elif name not in ours:
+            problems.append(f"config.{name}: the served model's config has "
+                            f"{_shown(served[name])}, the trainer's has none")
+        else:
+            problems.append(f"config.{name} must equal the trainer's {_shown(ours[name])}, "
+                            f"got {_shown(served[name])}")
+    if not problems:  # a server that reports the fingerprint alone
+        problems.append(f"config_fingerprint must equal the trainer's "
+                        f"{config_fingerprint(ours)}, got {theirs}")
+    more = f"; ... {len(problems) - 4} more" if len(problems) > 4 else ""
+    raise WeightSyncError(f"server {url}: " + "; ".join(problems[:4]) + more
+                          + f" (the served model {info.get('model_path')} has the trainer's "
+                          f"tensor names and shapes but another family or config, so the "
+                          f"same weights would compute other log-probs there; serve the "
+                          f"trainer's config.json, or pass PushConfig(precheck=False) to "
+                          f"push anyway)")

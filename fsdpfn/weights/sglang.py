@@ -72,12 +72,16 @@ def pack(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
 
 
 def update_request(bucket: Bucket, *, group_name: str, version: int | None,
-                   flush_cache: bool) -> dict:
-    """An UpdateWeightsFromDistributedReqInput body (SGLang's fields and types only)."""
+                   flush_cache: bool, merged_adapters: bool = False) -> dict:
+    """An UpdateWeightsFromDistributedReqInput body: SGLang's fields and types, and fsdpfn's
+    ``merged_adapters`` (a LoRA trainer's weights with its adapters merged in: fsdpfn's server
+    then refuses an adapter on top; SGLang ignores keys it does not know)."""
     body = {"names": bucket.names, "dtypes": [dtype_name(s.dtype) for s in bucket.specs],
             "shapes": [list(s.shape) for s in bucket.specs], "group_name": group_name,
             "flush_cache": bool(flush_cache), "abort_all_requests": False,
             "load_format": "flattened_bucket"}
+    if merged_adapters:
+        body["merged_adapters"] = True
     if version is not None:
         body["weight_version"] = str(version)
     return body
@@ -98,10 +102,12 @@ class SGLangSender:
     flat = True
     start_before_finish = False
 
-    def __init__(self, servers, buckets: list[Bucket], version: int):
+    def __init__(self, servers, buckets: list[Bucket], version: int, *,
+                 merged_adapters: bool = False):
         self.servers = servers
         self.buckets = buckets
         self.version = version
+        self.merged_adapters = merged_adapters
         self.paused = False
 
     def start(self, bucket: Bucket, flat: torch.Tensor):
@@ -113,7 +119,8 @@ class SGLangSender:
         last = bucket.index == len(self.buckets) - 1
         body = update_request(bucket, group_name=s.group.wire_name,
                               version=self.version if last else None,
-                              flush_cache=last and cfg.flush_cache)
+                              flush_cache=last and cfg.flush_cache,
+                              merged_adapters=self.merged_adapters)
         calls = {url: Call(lambda url=url: call(url, "/update_weights_from_distributed", body,
                                                 timeout=cfg.timeout_s),
                            f"server {url}: /update_weights_from_distributed")

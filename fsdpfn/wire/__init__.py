@@ -6,4 +6,5 @@ fused     the checksums' one-pass CUDA kernel (Triton; the portable path gives t
 frames    frames of the update channel (length-prefixed JSON over TCP)
 http      the JSON-over-HTTP client, a thread runner with a deadline, the rule of a server URL
 ipc       CUDA IPC handles as plain JSON
+model_fingerprint  the config fields that change the forward, hashed alike on both ends
 """

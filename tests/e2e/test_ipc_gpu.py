@@ -4,7 +4,8 @@ Skipped without CUDA. The server is ``python -m fsdpfn.rollout`` on GPU 0 and th
 one-rank job on the same GPU (``python tests/e2e/test_ipc_gpu.py trainer ...``): NCCL cannot
 connect the two, so the push hands the server CUDA IPC handles. Checks: the served version and
 checksum equal the pushed ones (the push verifies), the served log-probs match the trainer's in
-bf16, a NaN is refused with the served weights kept, and the next push lands; prints the IPC and
+bf16, a NaN is refused with the served weights kept, so are bytes whose checksum is not the
+sender's (refused before the swap), and the next push lands; prints the IPC and
 disk push times of a Qwen2-1.5B shape.
 
     python -m pytest -q -s tests/e2e/test_ipc_gpu.py
@@ -72,6 +73,22 @@ def trainer(model_dir: str, url: str, disk_root: str, out: str):
         param.copy_(kept)
     again = call(url, "/forward", {"input_ids": probe.tolist()}, timeout=60)
     unchanged = again["token_logprobs"] == served["token_logprobs"]
+    # bytes that arrive other than sent (here: the sender's checksum off by one) are refused
+    # by the server before its swap, not found by the trainer after it
+    from fsdpfn.weights.channel import SentChecksums
+
+    state, _ = ff.sft_step(state, batch, ff.SFTConfig())  # weights the server does not hold
+    value = SentChecksums.value
+    SentChecksums.value = lambda self: value(self) + 1
+    try:
+        push_weights(state, target)
+        checksum_error = None
+    except ff.WeightSyncError as exc:
+        checksum_error = str(exc)
+    finally:
+        SentChecksums.value = value
+    after = call(url, "/forward", {"input_ids": probe.tolist()}, timeout=60)
+    unchanged_after_checksum = after["token_logprobs"] == served["token_logprobs"]
     receipt = push_weights(state, target)
     disk = push_weights(state, RolloutTarget(url, config=PushConfig(
         transport="disk", disk_root=disk_root, timeout_s=300)))
@@ -79,7 +96,8 @@ def trainer(model_dir: str, url: str, disk_root: str, out: str):
     Path(out).write_text(json.dumps({
         "ipc_seconds": seconds, "disk_seconds": disk.seconds, "n_bytes": receipt.n_bytes,
         "version": state.version, "served_version": version, "logp_max_diff": diff,
-        "nan_error": nan_error, "unchanged_after_nan": unchanged}))
+        "nan_error": nan_error, "unchanged_after_nan": unchanged,
+        "checksum_error": checksum_error, "unchanged_after_checksum": unchanged_after_checksum}))
 
 
 @pytest.mark.timeout(900)
@@ -108,6 +126,10 @@ def test_ipc_push_to_a_server_on_the_same_gpu(tmp_path, shape):
     assert result["logp_max_diff"] < BF16_TOL
     assert result["nan_error"] is not None and "must be finite" in result["nan_error"]
     assert result["unchanged_after_nan"]
+    assert result["checksum_error"] is not None and \
+        "weights_checksum: what arrived must have the sender's checksum" in \
+        result["checksum_error"], result["checksum_error"]
+    assert result["unchanged_after_checksum"]
 
 
 if __name__ == "__main__" and sys.argv[1] == "trainer":

@@ -208,13 +208,13 @@ def test_update_waits_for_generation_in_flight(engine, tmp_path):
 class _Pair:
     """Member 0 (this thread) and the engine's receiver (member 1) in one gloo group."""
 
-    def __init__(self, engine, name="g"):
+    def __init__(self, engine, name="g", timeout_s=20):
         port = free_port()
         answer = {}
         self.receiver = engine.receiver
         t = threading.Thread(target=lambda: answer.update(self.receiver.init_group({
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": name, "backend": "gloo", "timeout_s": 20})))
+            "world_size": 2, "group_name": name, "backend": "gloo", "timeout_s": timeout_s})))
         t.start()
         self.store, self.pg = make_group(master_address="127.0.0.1", master_port=port, rank=0,
                                          world_size=2, group_name=name, backend="gloo",
@@ -322,13 +322,18 @@ def test_sglang_request_is_checked_then_lands_at_once(engine):
     assert r["ok"]["weight_version"] == 1 == engine.version  # the same version, completed
     assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
     assert engine.version_label(1) == "rl-step-1" and engine.receiver.last_error is None
-    # one broadcast per tensor; a numeric string is the version itself; none: one more
+    # one broadcast per tensor; a numeric string is the version itself; none: the version
+    # stays (SGLang's rule: a push that fails half way labels no part with a version of its own)
     one = {names[3]: torch.full_like(new[names[3]], 0.5)}
     r = pair.send(one, packed=False, weight_version="8")
     assert r["ok"]["weight_version"] == 8 == engine.version and engine.version_label() == "8"
     assert bool((engine.params[names[3]] == 0.5).all())
-    assert pair.send(one)["ok"]["weight_version"] == 9
-    assert engine.info()["weight_version"] == "9" and engine.info()["version"] == 9
+    assert pair.send(one)["ok"]["weight_version"] == 8
+    assert engine.info()["weight_version"] == "8" and engine.info()["version"] == 8
+    # a label keeps its version only across requests of one push; a whole update moves it on
+    r = pair.send(one, weight_version="rl-step-9")
+    assert r["ok"]["weight_version"] == 9 and engine.version_label() == "rl-step-9"
+    assert pair.send(one)["ok"]["weight_version"] == 9 and engine.version_label() == "rl-step-9"
 
 
 @pytest.mark.timeout(60)
@@ -376,6 +381,98 @@ def test_update_from_disk_verifies_before_swapping(engine, tmp_path):
     answer = engine.receiver.update_from_disk({"model_path": good})
     assert answer["weight_version"] == 3 == engine.version
     assert all(torch.equal(p, new[n]) for n, p in engine.params.items())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fields, named", [
+    ({"dtypes": ["float32", "float32"]}, "names, dtypes, shapes: must have equal lengths"),
+    ({"names": "abc"}, "names: must be a list of strings"),
+    ({"shapes": [[2, True]]}, "shapes: must be a list of lists of ints"),
+    ({"weight_version": -2}, "weight_version: must be >= 0"),
+    ("busy", "update: another update is in progress"),
+])
+def test_a_request_refused_before_its_bytes_drops_the_group(engine, fields, named):
+    """A request refused before its bytes are read (fields that cannot size them, or another
+    update holding the turn) drops the group: the sender's bytes for it are never read as the
+    next request's (they once were: the next request served the refused one's values)."""
+    pair = _Pair(engine, name="g-early", timeout_s=1)
+    name = next(iter(engine.params))
+    payload = {"names": [name], "dtypes": ["float32"],
+               "shapes": [list(engine.params[name].shape)], "group_name": pair.name}
+    before = {n: p.detach().clone() for n, p in engine.params.items()}
+    if fields == "busy":
+        engine.receiver._turn.acquire()  # another update holds the turn
+    try:
+        with pytest.raises(UpdateError, match=named) as info:
+            engine.receiver.update_from_distributed(
+                payload if fields == "busy" else {**payload, **fields})
+    finally:
+        if fields == "busy":
+            engine.receiver._turn.release()
+    assert "group 'g-early' dropped" in str(info.value)
+    assert "g-early" not in engine.info()["groups"] and engine.version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.params.items())
+
+
+@pytest.mark.timeout(90)
+def test_sglang_requests_keep_the_version_unless_named_and_carry_a_merged_push(engine):
+    """SGLang's rule: a request without weight_version leaves the version alone (a push that
+    fails half way labels nothing); a label names one push, whose requests share its version,
+    while a whole update under the same label is another version. A LoRA trainer's merged
+    weights sent in SGLang's requests refuse an adapter on top, as on the other transports."""
+    pair = _Pair(engine, name="g-versions")
+    new = _perturbed(engine, seed=4)
+    names = list(new)
+    assert pair.send({n: new[n] for n in names[:2]})["ok"]["weight_version"] == 0
+    assert engine.version == 0 and engine.version_label() == "0"
+    r = pair.send({n: new[n] for n in names[2:]}, weight_version="step-1", merged_adapters=True)
+    assert r["ok"]["weight_version"] == 1 and engine.version_label() == "step-1"
+    with pytest.raises(UpdateError, match="merged"):
+        engine.receiver.load_lora_adapter({"lora_name": "a", "lora_path": "/nonexistent"})
+
+
+def test_a_whole_update_under_the_served_label_is_a_new_version(engine, tmp_path):
+    from safetensors.torch import save_file
+
+    versions = []
+    for seed in (1, 2):
+        directory = tmp_path / f"d{seed}"
+        directory.mkdir()
+        save_file(_perturbed(engine, seed=seed), str(directory / "model.safetensors"))
+        versions.append(engine.receiver.update_from_disk({
+            "model_path": str(directory), "weight_version": "rl-step"})["weight_version"])
+    assert versions == [1, 2] and engine.version_label(2) == "rl-step"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case, named", [
+    ("truncated", "fsdpfn_manifest.json: must be a JSON object"),
+    ("no-version", "fsdpfn_manifest.json: must name the files' version"),
+    ("no-path", "model_path: required"),
+])
+def test_disk_updates_name_a_bad_manifest_or_a_missing_path(engine, tmp_path, case, named):
+    from safetensors.torch import save_file
+
+    tmp_path.joinpath("model.safetensors").write_bytes(b"")
+    save_file(_perturbed(engine, seed=1), str(tmp_path / "model.safetensors"))
+    manifest = tmp_path / "fsdpfn_manifest.json"
+    manifest.write_text('{"version": 3, "tensors": {' if case == "truncated" else '{"x": 1}')
+    with pytest.raises(UpdateError, match=named) as info:
+        engine.receiver.update_from_disk({} if case == "no-path" else
+                                         {"model_path": str(tmp_path)})
+    assert info.value.status == 400 and engine.version == 0
+    assert engine.receiver.last_error.startswith(named.split(":")[0])
+
+
+def test_a_staged_update_commits_under_its_version_as_a_string(engine, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(_perturbed(engine, seed=1), str(tmp_path / "model.safetensors"))
+    staged = engine.receiver.update_from_disk({"model_path": str(tmp_path),
+                                               "weight_version": 9, "commit": False})
+    assert staged["staged"] and engine.version == 0
+    assert engine.receiver.commit_staged({"weight_version": "9"})["weight_version"] == 9
+    assert engine.version == 9
 
 
 # ---------------------------------------------------------------- formats
