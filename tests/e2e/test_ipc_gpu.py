@@ -106,6 +106,13 @@ def test_ipc_push_to_a_server_on_the_same_gpu(tmp_path, shape):
     from fsdpfn.rollout import launch_server
     from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 
+    # the GPU is shared by three processes here (this one, the server, the trainer): what the
+    # tests before this one left cached in this process goes back first (34 GiB on an 80 GiB
+    # card ran the 1.5B trainer out of memory)
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
     config = tiny_qwen2_config(**(QWEN2_1_5B if shape != "tiny" else {}))
     model_dir = save_tiny_model(tmp_path / "model", config, seed=0)
     out = tmp_path / "result.json"
