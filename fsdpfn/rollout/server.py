@@ -10,7 +10,7 @@
 | POST, PUT /generate | SGLang's GenerateReqInput (fsdpfn/rollout/sglang_api.py) | SGLang's {text, output_ids, meta_info} (a list for several outputs); fsdpfn's {weight_version, outputs} with "return_format": "fsdpfn" |
 | GET /v1/models, POST /v1/completions, POST /v1/chat/completions | OpenAI's (fsdpfn/rollout/openai_api.py; chat takes tools, both take stream) | OpenAI's, with log-probs (with stream: server-sent chunks) |
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
-| POST /init_weights_update_group | SGLang's {master_address, master_port, rank_offset, world_size, group_name, backend}, plus timeout_s: the group formed as SGLang forms it | {success, message} |
+| POST /init_weights_update_group | SGLang's {master_address, master_port, rank_offset, world_size, group_name, backend}, plus timeout_s: the group formed as SGLang forms it | {success, message}; any refusal 400, as SGLang's (also on /destroy_weights_update_group and /update_weights_from_distributed) |
 | POST /destroy_weights_update_group | {group_name} | {success, message} |
 | POST /update_weights_from_distributed | SGLang's {names, dtypes, shapes, group_name, flush_cache, load_format ("flattened_bucket": one packed broadcast), weight_version (any string)} | {success, message, weight_version (the int), seconds} |
 | POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums, commit (false: load, check and stage only)} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests (with commit false: staged, and the checksum the weights will have); a refusal (a missing directory included) 400, as SGLang's |
@@ -80,11 +80,13 @@ def build_app(engine: RolloutEngine):
             return JSONResponse(status_code=400, content=openai_api.error_body(message, "body"))
         return JSONResponse(status_code=400, content={"success": False, "message": message})
 
-    def answer(fn: Callable[[], Any]):
+    def answer(fn: Callable[[], Any], refused: int | None = None):
+        """``fn()``; an UpdateError answers its status (``refused``: that status instead),
+        anything else 500."""
         try:
             return fn()
         except UpdateError as exc:
-            return JSONResponse(status_code=exc.status,
+            return JSONResponse(status_code=refused or exc.status,
                                 content={"success": False, "message": str(exc)})
         except Exception as exc:  # noqa: BLE001 - report, keep serving
             return JSONResponse(status_code=500, content={
@@ -180,17 +182,23 @@ def build_app(engine: RolloutEngine):
             payload.get("input_ids"), temperature=float(payload.get("temperature", 1.0)),
             return_logits=bool(payload.get("return_logits", False))))
 
+    def sglang_answer(fn: Callable[[], Any]):
+        """SGLang's group endpoints answer every refusal 400 {success: false, message}, as
+        SGLang does (its clients test for it); the message says what failed (a busy turn, an
+        unknown group, a rendezvous or a transfer that failed)."""
+        return answer(fn, refused=400)
+
     @app.post("/init_weights_update_group")
     def init_group(payload: dict = Body(...)):
-        return answer(lambda: receiver.init_group(payload))
+        return sglang_answer(lambda: receiver.init_group(payload))
 
     @app.post("/destroy_weights_update_group")
     def destroy_group(payload: dict = Body(...)):
-        return answer(lambda: receiver.destroy_group(payload))
+        return sglang_answer(lambda: receiver.destroy_group(payload))
 
     @app.post("/update_weights_from_distributed")
     def update_distributed(payload: dict = Body(...)):
-        return answer(lambda: receiver.update_from_distributed(payload))
+        return sglang_answer(lambda: receiver.update_from_distributed(payload))
 
     @app.post("/update_weights_commit")
     def update_commit(payload: dict = Body(...)):

@@ -241,3 +241,18 @@ def test_the_largest_seed_draws_and_a_generate_seed_past_it_is_named(server):
     status, out = _post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {
         "max_new_tokens": 2, "sampling_seed": 2 ** 64}})
     assert status == 400 and "sampling_params.sampling_seed" in out["message"], out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path, body, named", [
+    ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"],
+                                          "shapes": [[1]], "group_name": "nobody"},
+     "no weights-update group 'nobody'"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1"},
+     "payload must hold master_address, master_port"),
+])
+def test_sglangs_group_endpoints_answer_a_refusal_400_as_sglang_does(server, path, body, named):
+    """SGLang answers every refusal of these endpoints 400 {success: false, message}; its
+    clients test for that status (an unknown group was a 404 here)."""
+    status, out = _post(server, path, body)
+    assert status == 400 and out["success"] is False and named in out["message"], out
