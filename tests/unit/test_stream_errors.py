@@ -1,5 +1,6 @@
 """RolloutStream's failures reach next_batch as errors, never as a wait: a score that returns
-the wrong number of results, a prompt_at that raises, and next_batch after close(). The runner
+the wrong number of results or raises, a runner that answers too few or too many items, a
+prompt_at that raises or returns what is not token ids, and next_batch after close(). The runner
 stands in for the servers (the stream's own hook for custom generation)."""
 
 from __future__ import annotations
@@ -28,12 +29,25 @@ def _raising_prompt_at(i):
     return {}[i]
 
 
+def _runner_off_by(k):
+    def runner(url, first, prompts):
+        return _runner(url, first, prompts + [None] * k if k > 0 else prompts[:k])
+    return runner
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kwargs,message", [
     ({"score": lambda groups: [1.0]},
      r"score: must return one result per group, got 1 for 2 groups"),
     ({"prompt_at": _raising_prompt_at}, r"prompt_at: must return prompt 0 .* raised KeyError: 0"),
-], ids=["score-count", "prompt_at-raises"])
+    ({"runner": _runner_off_by(-1)}, r"runner: must return one output list per item, got 1 "
+                                     r"for 2 items"),
+    ({"runner": _runner_off_by(1)}, r"runner: must return one output list per item, got 3 "
+                                    r"for 2 items"),
+    ({"score": lambda groups: 1 / 0}, r"score: failed on the groups of prompts 0\.\.1: "
+                                      r"ZeroDivisionError"),
+], ids=["score-count", "prompt_at-raises", "runner-too-few", "runner-too-many",
+        "score-raises"])
 def test_a_callable_that_fails_is_an_error_of_next_batch(kwargs, message):
     stream = _stream(**kwargs)
     try:
@@ -66,35 +80,6 @@ def test_a_prompt_that_is_not_token_ids_is_an_error_of_next_batch_not_a_hang(pro
         with pytest.raises(ConfigError, match=r"prompt_at: must return prompt 1 as a non-empty "
                                               r"list of token ids"):
             stream.next_batch()  # no timeout: a hang fails the test's own
-    finally:
-        stream.close()
-
-
-def _runner_off_by(k):
-    def runner(url, first, prompts):
-        return _runner(url, first, prompts + [None] * k if k > 0 else prompts[:k])
-    return runner
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("k", [-1, 1], ids=["too-few", "too-many"])
-def test_a_runner_must_answer_each_item_once(k):
-    stream = _stream(runner=_runner_off_by(k))
-    try:
-        with pytest.raises(ConfigError, match=r"runner: must return one output list per item, "
-                                              rf"got {2 + k} for 2 items"):
-            stream.next_batch(timeout=20)
-    finally:
-        stream.close()
-
-
-@pytest.mark.timeout(30)
-def test_a_failing_score_is_named_as_the_scorer():
-    stream = _stream(score=lambda groups: 1 / 0)
-    try:
-        with pytest.raises(ConfigError, match=r"score: failed on the groups of prompts 0\.\.1: "
-                                              r"ZeroDivisionError"):
-            stream.next_batch(timeout=20)
     finally:
         stream.close()
 
