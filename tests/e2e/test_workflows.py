@@ -7,6 +7,7 @@ against the tokenizer's chat template) and the Hugging Face model's own forward 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -213,7 +214,9 @@ def test_a_streamed_chat_reaches_the_openai_package_and_is_recorded(server, tok)
 @pytest.mark.timeout(300)
 def test_a_workflow_step_without_a_trainable_row_lets_the_run_go_on(tmp_path):
     """Every episode's row over max_episode_tokens: the step trains nothing, says so, and the
-    stream still admits the next step's episodes (the run used to wait for them for good)."""
+    stream still admits the next step's episodes (the run used to wait for them for good); a
+    step that evaluates keeps its greedy accuracy in its row (it once crashed the run on a
+    KeyError instead)."""
     import subprocess
     import sys
 
@@ -222,7 +225,8 @@ def test_a_workflow_step_without_a_trainable_row_lets_the_run_go_on(tmp_path):
         "recipe: grpo\nsteps: 2\nprompts_per_step: 4\ntask: {digits: 1}\n"
         "model: {hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, "
         "num_kv_heads: 1}\nwarmup: {steps: 3, batch_size: 16}\nadvantage: {group_size: 4}\n"
-        "ppo: {n_minibatches: 1, kl_coef: 0.0}\neval: {every: 0}\ncheckpoint: {every: 0}\n"
+        "ppo: {n_minibatches: 1, kl_coef: 0.0}\neval: {every: 1, n_prompts: 4}\n"
+        "checkpoint: {every: 0}\n"
         "launch: {nproc: 1}\nlog: {plot: false, progress: false}\n")
     proc = subprocess.run(
         [sys.executable, "-m", "fsdpfn", "run", str(config), f"run_dir={tmp_path / 'run'}",
@@ -230,6 +234,9 @@ def test_a_workflow_step_without_a_trainable_row_lets_the_run_go_on(tmp_path):
         capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("no trainable row") == 2, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [r for r in rows if r.get("phase") == "grpo"]
+    assert len(steps) == 2 and all(0 <= r["greedy_accuracy"] <= 1 for r in steps), steps
 
 
 @pytest.mark.timeout(60)

@@ -20,7 +20,8 @@ import attrs
 from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerConfig,
                            ParallelStrategy, PPOConfig, RWConfig, SFTConfig)
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, number, one_of, satisfies,
+from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, is_port, number, one_of,
+                               satisfies,
                                to_opt_float)
 from fsdpfn.app.recipes.data import DataConfig
 from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
@@ -51,7 +52,10 @@ class LaunchConfig:
     device: str = attrs.field(default="auto", validator=one_of("cpu", "cuda", "auto"))
     gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
                                                validator=_gpu_list)
-    master_port: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+    master_port: int | None = attrs.field(
+        default=None, validator=satisfies("must be a port in 1..65535",
+                                          lambda v: is_port(v) and v > 0, optional=True,
+                                          section="launch."))
 
 
 @attrs.frozen

@@ -93,7 +93,9 @@ class DataConfig:
     chosen_key: str = attrs.field(default="chosen", validator=_key)
     rejected_key: str = attrs.field(default="rejected", validator=_key)
     chat_template: bool = attrs.field(default=False, validator=boolean)
-    system_prompt: str | None = attrs.field(default=None)
+    system_prompt: str | None = attrs.field(
+        default=None, validator=satisfies("must be a non-empty string",
+                                          is_nonempty_str, optional=True, section="data."))
     max_prompt_tokens: int = attrs.field(default=1024, validator=integer(1))
     max_response_tokens: int = attrs.field(default=1024, validator=integer(1))
     shuffle: bool = attrs.field(default=True, validator=boolean)

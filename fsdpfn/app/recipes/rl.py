@@ -343,7 +343,8 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
         log(f"step {step}: no trainable row ({rollout['stats']}); the weights stay")
         if producer is not None:  # rank 0: the step is over, generation may go on
             producer.advance(actor.version)
-        return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times)
+        return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times,
+                                         greedy)
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
     groups = len(set(full[K.GROUP_ID].tolist())) if K.GROUP_ID in full.keys() else len(full)
     if groups < mesh.dp:  # episodes: a step's rows vary, and a group stays on one rank
@@ -351,7 +352,8 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
             f"{mesh.dp} data-parallel ranks; the step is skipped, the weights stay")
         if producer is not None:
             producer.advance(actor.version)
-        return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times)
+        return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times,
+                                         greedy)
     batch = ff.shard_batch(full, mesh)  # (b, T): whole groups (group_id) on each rank
     batch = _logprob_passes(cfg, actor, ref, batch, clock)
     if critic is not None:
@@ -420,12 +422,15 @@ def _logprob_passes(cfg, actor, ref, batch, clock):
     return batch
 
 
-def _empty_row(phase, step, rollout, actor, times) -> dict:
+def _empty_row(phase, step, rollout, actor, times, greedy=None) -> dict:
+    """The metrics row of a step that trained nothing (its held-out evaluation, if it made
+    one, included: the weights it sampled with were evaluated all the same)."""
     return {"phase": phase, "step": step, "version": actor.version,
             "served_version": rollout["served_version"], **rollout["stats"], **times,
             "seconds": sum(v for k, v in times.items() if k.endswith("_seconds")),
             "reward_mean": float("nan"), "loss": float("nan"), "tokens_per_s": 0.0,
-            "response_len_mean": rollout["stats"].get("response_len_mean", 0.0)}
+            "response_len_mean": rollout["stats"].get("response_len_mean", 0.0),
+            **({} if greedy is None else {"greedy_accuracy": greedy})}
 
 
 def _metrics_row(phase, step, full, rollout, stats, cstats, receipt, gap, seconds,

@@ -40,7 +40,7 @@ def _engine(cfg, ctx: RunContext, *, optimizer, critic: bool = False,
     """The YAML's ``engine`` (or ``ref_engine``) section plus what the recipe owns; the rw
     model is a critic."""
     return build_engine(engines(cfg)[role], model_path=initial_model_dir(cfg.model, ctx.run_dir),
-                        device=ctx.device, optimizer=optimizer, seed=cfg.model.seed,
+                        device=ctx.device, optimizer=optimizer, seed=cfg.seed,
                         critic=critic)
 
 

@@ -1,0 +1,73 @@
+"""What the trainer ranks would refuse once started is refused before launch, in one line that
+names the key, the rule and the value (`fsdpfn run ... --dry-run`, exit 2; the main job's
+audit found each of these surfacing in a rank after the server had started, or as a
+traceback), and the supervised recipes' engine draws under the run's `seed`.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from fsdpfn.app import cli
+from fsdpfn.app.recipes import default_config
+from fsdpfn.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "workflows.py"
+CPU = ["launch.device=cpu", "log.progress=false"]
+
+
+@pytest.mark.parametrize("recipe,overrides,line", [
+    ("grpo", ["model.num_heads=3", "model.num_kv_heads=1", "parallel.tp=2", "launch.nproc=2"],
+     "parallel.tp: must divide the model's num_attention_heads (3, model.num_heads), got tp=2"),
+    ("grpo", ["model.num_heads=8", "model.num_kv_heads=3"],
+     "model.num_kv_heads: the attention heads must be a whole number of kv heads each, got 8 "
+     "heads on 3 kv heads"),
+    ("grpo", ["prompts_per_step=1", "launch.nproc=2", "ppo.n_minibatches=1"],
+     "prompts_per_step: must be >= the 2 data-parallel ranks (each rank trains whole groups of "
+     "a step), got 1"),
+    ("sft", ["batch_size=1", "launch.nproc=2"],
+     "batch_size: must be >= the 2 data-parallel ranks (each rank trains whole rows of a step), "
+     "got 1"),
+    ("grpo", ["engine.attn_impl=varlen"],
+     "engine.attn_impl: 'varlen' needs CUDA and this run's trainer is on cpu (launch.device), "
+     "got 'varlen'"),
+    ("grpo", ["engine.logprobs_impl=liger"],
+     "engine.logprobs_impl: 'liger' needs CUDA and this run's trainer is on cpu "
+     "(launch.device), got 'liger'"),
+    ("grpo", ["launch.master_port=70000"],
+     "launch.master_port: must be a port in 1..65535, got 70000"),
+    ("grpo", [f"rollout.workflow={EXAMPLES}:check_and_retry", "advantage.reward_scale=3.0"],
+     "advantage.reward_scale: not applied to workflow episodes (their advantages are the group "
+     "statistics alone), got 3.0; use ppo.kl_coef for a KL term"),
+])
+def test_what_a_rank_would_refuse_is_one_line_before_launch(tmp_path, capsys, recipe,
+                                                             overrides, line):
+    run_dir = tmp_path / "run"
+    rc = cli.main(["run", recipe, f"run_dir={run_dir}", *CPU, *overrides, "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"fsdpfn: error: {line}\n", err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("value", ["5", "[1, 2]", "''"])
+def test_a_system_prompt_is_a_string(value):
+    with pytest.raises(ConfigError, match=r"^data.system_prompt: must be a non-empty "
+                                          r"string, got "):
+        default_config("sft", [f"data.system_prompt={value}"])
+
+
+@pytest.mark.parametrize("recipe", ["sft", "rw", "dpo"])
+def test_the_supervised_engines_draw_under_the_runs_seed(tmp_path, recipe):
+    """The run's `seed` is documented as the model's random init (a value head, adapters,
+    random_init weights); the supervised recipes once drew under `model.seed`, the embedded
+    model's own, as grpo and ppo never did."""
+    import fsdpfn as ff
+    from fsdpfn.app.recipes import supervised
+
+    cfg = default_config(recipe, ["seed=7", "model.seed=5"])
+    ctx = types.SimpleNamespace(run_dir=tmp_path, device="cpu")
+    engine = supervised._engine(cfg, ctx, optimizer=ff.OptimizerConfig(), critic=recipe == "rw")
+    assert engine.seed == 7
