@@ -21,14 +21,17 @@ and ``optim.param_groups.<fqn>.<hyper-parameter>``. Tensors are the fp32 master 
 Adam moments (``optimizer_dtype``), saved as sharded DTensors.
 
 Atomic publication: every rank writes into ``<path>.tmp-<token>`` next to the target (rank 0 puts
-an OWNER file there naming its host and pid); rank 0 then records the file sizes in the manifest,
-writes COMPLETE, fsyncs and renames the directory to ``<path>``. An existing checkpoint at
+an OWNER file there naming its host and pid, removed once published); rank 0 then records the
+file sizes in the manifest, writes COMPLETE, fsyncs and renames the directory to ``<path>``. An existing checkpoint at
 ``<path>`` is first renamed aside to ``<path>.old-<token>`` and deleted after the new one is in
 place. A crash at any point leaves either the previous
 checkpoint or the new one complete, and no directory that carries COMPLETE without all of its data;
 ``load_checkpoint`` of a ``<path>`` whose publication was interrupted between the two renames reads
-the complete sibling. Leftovers (``*.old-*``, ``*.tmp-*`` of processes that died) are removed by
-the next save into the same directory. Saves to the same path must not overlap (``wait()`` an
+the complete sibling. The next save into the same directory finishes such a publication (the
+complete ``*.tmp-*`` of a dead save, else the ``*.old-*`` copy, takes the missing ``<path>``) and
+removes the other leftovers (``*.old-*``, ``*.tmp-*`` of processes that died). ``keep_last``
+never deletes a checkpoint saved after the one being published. One run per directory: rotation
+and ``latest_checkpoint`` count every fsdpfn checkpoint beside ``path``. Saves to the same path must not overlap (``wait()`` an
 asynchronous save before starting the next one to that path). Every rank must see the same file
 system (one host, or a shared file system).
 
@@ -98,7 +101,8 @@ _SOURCES = {
     **dict.fromkeys(("export_hf", "_check_export_target", "_shard_bytes"),
                     "fsdpfn.checkpoint.export"),
     **dict.fromkeys(("FORMAT", "FORMAT_VERSION", "MANIFEST", "MARKER", "OWNER", "_cleanup",
-                     "_discard", "_file_sizes", "_is_complete", "_publish", "_rotate",
+                     "_discard", "_file_sizes", "_is_complete", "_is_fsdpfn_checkpoint",
+                     "_publish", "_rotate",
                      "_side_path", "latest_checkpoint"), "fsdpfn.checkpoint.files"),
     **dict.fromkeys(("check_checkpoint", "latest_intact_checkpoint"), "fsdpfn.checkpoint.intact"),
     **dict.fromkeys(("_check_files", "_resolve", "load_checkpoint"), "fsdpfn.checkpoint.load"),

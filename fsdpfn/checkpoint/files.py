@@ -126,9 +126,15 @@ def _get(obj, key):
 
 
 def _is_fsdpfn_checkpoint(path: Path) -> bool:
-    """A directory fsdpfn wrote (complete or not): it carries the marker or the manifest."""
-    if _is_complete(path):
-        return True
+    """A directory fsdpfn wrote (complete or not): its manifest names fsdpfn's format, or its
+    marker is fsdpfn's ("fsdpfn-checkpoint step N"). A file that is merely named COMPLETE (a
+    tool's own results beside the checkpoints) is not: such a directory is never rotated,
+    resumed from or overwritten."""
+    try:
+        if (path / MARKER).read_bytes().startswith(FORMAT.encode()):
+            return True
+    except OSError:
+        pass
     try:
         return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
@@ -182,28 +188,57 @@ def _owner_dead(path: Path) -> bool:
 
 
 def _cleanup(parent: Path) -> None:
-    """Remove leftovers of interrupted saves in ``parent``: every ``*.old-*`` directory, and
-    ``*.tmp-*`` directories whose creating process is dead."""
+    """Finish or remove what interrupted saves left in ``parent``. A publication cut short
+    (the target missing) is finished: a complete ``*.tmp-*`` of a dead save is renamed to its
+    target, else the ``*.old-*`` copy that publication set aside (the same token; a deletion's
+    ``*.old-*`` has none) goes back. Then every ``*.old-*`` directory and the ``*.tmp-*``
+    directories whose creating process is dead are removed."""
     try:
-        entries = list(parent.iterdir())
+        entries = sorted(parent.iterdir(), key=lambda e: e.name)
     except OSError:
         return
-    for entry in entries:
-        match = _SIDE.match(entry.name)
-        if match is None or not entry.is_dir():
+    sides = [(e, m) for e in entries if e.is_dir() for m in [_SIDE.match(e.name)] if m]
+    # a save still running (its tmp's owner alive) may be between its two renames: its target
+    # is its own to publish
+    running = {m["name"] for e, m in sides if m["kind"] == "tmp" and not _owner_dead(e)}
+    publishing = {(m["name"], m["token"]) for _, m in sides if m["kind"] == "tmp"}
+    # the new copy first: a complete tmp of a dead save, then the old copy it was to replace
+    for entry, match in sorted(sides, key=lambda s: s[1]["kind"] != "tmp"):
+        target = parent / match["name"]
+        if not entry.exists() or target.exists() or match["name"] in running \
+                or not _is_complete(entry) or not _is_fsdpfn_checkpoint(entry):
             continue
-        if match["kind"] == "old" or _owner_dead(entry):
+        if match["kind"] == "old":  # set aside by a publication (its tmp shares the token)
+            finish = (match["name"], match["token"]) in publishing
+        else:
+            finish = _owner_dead(entry)
+        if finish:
+            try:
+                os.rename(entry, target)
+                (target / OWNER).unlink(missing_ok=True)
+                _fsync_dir(parent)
+                log.warning("checkpoint %s: a save interrupted while publishing it is "
+                            "finished (from %s)", target, entry.name)
+            except OSError:
+                pass
+    for entry, match in sides:
+        if entry.exists() and (match["kind"] == "old" or _owner_dead(entry)):
             _discard(entry)
 
 
 def _rotate(parent: Path, keep_last: int, current: Path) -> list[Path]:
     """Delete fsdpfn checkpoints in ``parent`` beyond the ``keep_last`` most recently saved
-    (manifest ``saved_at``); ``current`` is always kept. Returns the deleted paths."""
+    (manifest ``saved_at``); ``current`` is always kept, and never one saved after it (two
+    saves that publish out of order keep keep_last + 1 rather than lose the newer). Returns
+    the deleted paths."""
     found = [e for e in parent.iterdir()
-             if e.is_dir() and not _SIDE.match(e.name) and e != current and _is_complete(e)
+             if e.is_dir() and not _SIDE.match(e.name) and _is_complete(e)
              and _is_fsdpfn_checkpoint(e)]
+    if current not in found:
+        found.append(current)
     found.sort(key=_saved_at, reverse=True)
-    doomed = found[max(keep_last - 1, 0):]
+    doomed = [e for e in found[max(keep_last, 1):] if e != current
+              and _saved_at(e) <= _saved_at(current)]
     for path in doomed:
         _discard(path)
     return doomed

@@ -51,7 +51,7 @@ def check_checkpoint(path) -> None:
                               f"(a directory carrying {MARKER}), got "
                               f"{'a directory without it' if root.is_dir() else 'no directory'}")
     manifest = _read_manifest(root, _FN)
-    _check_files(root, manifest)
+    _check_files(root, manifest, "check_checkpoint")
     record = manifest.get("checksums")
     if record is None:
         return

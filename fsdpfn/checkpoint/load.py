@@ -55,10 +55,11 @@ def _resolve(path: Path) -> Path:
     return chosen
 
 
-def _check_files(root: Path, manifest: dict) -> None:
+def _check_files(root: Path, manifest: dict, fn: str = "load_checkpoint") -> None:
+    """Every file the manifest lists is there with its size; CheckpointError from ``fn``."""
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
-        raise CheckpointError(f"load_checkpoint: {str(root / MANIFEST)!r}: files must list "
+        raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: files must list "
                               f"every file with its size, including .metadata, got "
                               f"{None if not isinstance(files, dict) else sorted(files)[:5]}")
     for rel, size in files.items():
@@ -66,11 +67,11 @@ def _check_files(root: Path, manifest: dict) -> None:
         try:
             actual = file.stat().st_size
         except FileNotFoundError:
-            raise CheckpointError(f"load_checkpoint: {str(file)!r}: must exist ({size} bytes "
+            raise CheckpointError(f"{fn}: {str(file)!r}: must exist ({size} bytes "
                                   f"when saved), got no such file: the checkpoint is "
                                   f"incomplete") from None
         if actual != size:
-            raise CheckpointError(f"load_checkpoint: {str(file)!r}: must have the {size} bytes "
+            raise CheckpointError(f"{fn}: {str(file)!r}: must have the {size} bytes "
                                   f"it had when saved, got {actual} bytes: the file is "
                                   f"truncated or corrupted")
 

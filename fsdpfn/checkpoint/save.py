@@ -291,12 +291,13 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
                 small = [rel for rel in manifest["files"] if not rel.endswith(".distcp")]
                 manifest["checksums"] = integrity.record(tmp, sums, small)
             _write_file(tmp / MANIFEST, json.dumps(_seal(manifest), indent=1).encode())
-            (tmp / OWNER).unlink()  # from here on the directory is complete but for its marker
-            _fsync_dir(tmp)
             _write_file(tmp / MARKER, f"{FORMAT} step {manifest['step']}\n".encode())
             _fsync_dir(tmp)
+            # the owner stays until the directory is published: a save that dies before that
+            # leaves a side directory the next save can tell is dead (and, complete, publishes)
             _publish(tmp, target, token)
             published = True
+            (target / OWNER).unlink(missing_ok=True)
             _tidy(target.parent, keep_last, target)
         except (OSError, CheckpointError) as exc:
             error = _wrap(fn, f"publishing {str(target)!r}", exc)
@@ -467,16 +468,49 @@ def _test_delay(target: Path) -> None:
 def _stage(state_dict):
     """A host copy of ``state_dict`` (DTensors keep their layout), taken in the calling thread:
     what the background write reads while training mutates the live tensors. Returns the copy
-    and the stager that owns its memory (closed once the write ends)."""
+    and the stager that owns its memory (closed once the write ends).
+
+    DTensors over a view at an offset (the per-layer step's moments live in reserved blocks of
+    host memory) report a storage of their own, which torch's stager cannot copy ("invalid
+    python storage"): those are copied here, one contiguous host copy each, and the rest by the
+    stager."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+    own: dict[tuple, torch.Tensor] = {}
+    rest = _set_aside(state_dict, own)
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                           use_async_staging=False, use_non_blocking_copy=False))
     try:
-        return stager.stage(state_dict), stager
+        staged = stager.stage(rest)
+        for path, value in own.items():
+            node = staged
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = _host_copy(value)
+        return staged, stager
     except BaseException:
         stager.close()
         raise
+
+
+def _set_aside(node, own: dict, path: tuple = ()):
+    """``node`` (a tree of dicts) with every DTensor whose wrapper reports a storage replaced by
+    None, each recorded in ``own`` under its path."""
+    if isinstance(node, dict):
+        return {k: _set_aside(v, own, path + (k,)) for k, v in node.items()}
+    if isinstance(node, torch.Tensor) and hasattr(node, "_local_tensor") and node.data_ptr():
+        own[path] = node
+        return None
+    return node
+
+
+def _host_copy(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor of the same layout over a contiguous host copy of ``value``'s local part."""
+    from torch.distributed.tensor import DTensor
+
+    local = value._local_tensor.detach()  # noqa: SLF001
+    copy = torch.empty(local.shape, dtype=local.dtype, device="cpu").copy_(local)
+    return DTensor(copy, value._spec, requires_grad=False)  # noqa: SLF001
 
 
 def _save_async(state_dict, tmp, target, token, manifest, keep_last, sums,

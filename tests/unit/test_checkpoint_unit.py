@@ -131,6 +131,71 @@ def test_cleanup_removes_leftovers_of_dead_saves_only(tmp_path):
     assert not aside.exists()
 
 
+def _owned(path, pid):
+    (path / C.OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    return path
+
+
+@pytest.mark.parametrize("new_complete", [True, False], ids=["new-complete", "new-cut"])
+def test_cleanup_finishes_a_publication_cut_between_its_renames(tmp_path, new_complete):
+    """A save died between setting the old copy aside and renaming its own into place: the
+    target is missing. The next save's cleanup publishes the complete new copy (it once
+    deleted the old copy at once and the new one an hour later, losing both), else puts the
+    old copy back."""
+    target, token = tmp_path / "step_2", uuid.uuid4().hex  # one token: one publication
+    aside = _fake_checkpoint(C._side_path(target, "old", token), saved_at=1.0, payload="old")
+    tmp = _owned(_fake_checkpoint(C._side_path(target, "tmp", token), saved_at=2.0,
+                                  complete=new_complete, payload="new"), _dead_pid())
+    C._cleanup(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+    assert (target / "__0_0.distcp").read_text() == ("new" if new_complete else "old")
+    assert not (target / C.OWNER).exists() and not aside.exists() and not tmp.exists()
+    assert C.latest_checkpoint(tmp_path) == target
+
+
+def test_cleanup_never_brings_back_a_deletion_cut_short(tmp_path):
+    """A rotation's deletion renames the checkpoint aside (a token of its own), then removes
+    it: that ``.old-`` copy is finished off, not put back."""
+    _fake_checkpoint(C._side_path(tmp_path / "step_1", "old", uuid.uuid4().hex), saved_at=1.0)
+    C._cleanup(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cleanup_leaves_a_running_save_its_own_publication(tmp_path):
+    target = tmp_path / "step_2"
+    _fake_checkpoint(C._side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
+    running = _owned(_fake_checkpoint(C._side_path(target, "tmp", uuid.uuid4().hex),
+                                      saved_at=2.0), os.getpid())
+    C._cleanup(tmp_path)
+    assert not target.exists() and running.exists()  # the save renames it itself
+
+
+def test_rotation_never_deletes_a_checkpoint_saved_after_the_one_it_publishes(tmp_path):
+    """Two saves that publish out of order (the older last) keep keep_last + 1: the newer
+    state is never the one lost (it once was, with keep_last=1)."""
+    newer = _fake_checkpoint(tmp_path / "step_2", saved_at=20.0)
+    older = _fake_checkpoint(tmp_path / "step_1", saved_at=10.0)
+    _fake_checkpoint(tmp_path / "step_0", saved_at=5.0)
+    assert [p.name for p in C._rotate(tmp_path, 1, older)] == ["step_0"]
+    assert newer.exists() and older.exists() and C.latest_checkpoint(tmp_path) == newer
+
+
+def test_a_directory_merely_holding_a_file_named_complete_is_not_a_checkpoint(tmp_path):
+    """A tool's results beside the checkpoints, with a COMPLETE file of its own, are never
+    rotated away, resumed from or overwritten."""
+    results = tmp_path / "eval_results"
+    results.mkdir()
+    (results / "COMPLETE").write_text("done\n")
+    (results / "scores.csv").write_text("a,b\n")
+    os.utime(results / "COMPLETE", (time.time() + 60, time.time() + 60))
+    for step, saved_at in ((1, 10.0), (2, 20.0), (3, 30.0)):
+        current = _fake_checkpoint(tmp_path / f"step_{step}", saved_at=saved_at)
+        C._rotate(tmp_path, 1, current)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval_results", "step_3"]
+    assert (results / "scores.csv").exists() and not C._is_fsdpfn_checkpoint(results)
+    assert C.latest_checkpoint(tmp_path).name == "step_3"
+
+
 def test_discard_drops_the_marker_before_the_data(tmp_path, monkeypatch):
     """A deletion cut short after the rename leaves a side directory without its marker (never
     a complete-looking checkpoint), then a finished one leaves nothing."""

@@ -166,8 +166,13 @@ class Checkpoints:
         t1 = time.perf_counter()  # this save's own start (its write time excludes the wait)
         use_async = self.async_save and not final and self._fits(copy)
         handles, after = [], None
-        for state, path, extra in items:
-            after = ff.save_checkpoint(state, path, extra=extra, keep_last=self.keep_last,
+        for i, (state, path, extra) in enumerate(items):
+            # an earlier item (the critic) keeps one more: until the last (the policy) is
+            # published, the policy checkpoint --resume would read is the one before, and its
+            # critic must still be there
+            keep = self.keep_last + 1 if self.keep_last and i < len(items) - 1 \
+                else self.keep_last
+            after = ff.save_checkpoint(state, path, extra=extra, keep_last=keep,
                                        async_save=use_async, publish_after=after)
             handles += [after] if after is not None else []
         path = Path(items[-1][1])
