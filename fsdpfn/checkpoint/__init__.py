@@ -20,20 +20,20 @@ flattened optimizer state dict under ``optim.``: ``optim.state.<fqn>.<exp_avg|ex
 and ``optim.param_groups.<fqn>.<hyper-parameter>``. Tensors are the fp32 master weights and fp32
 Adam moments (``optimizer_dtype``), saved as sharded DTensors.
 
-Atomic publication: every rank writes into ``<path>.tmp-<token>`` next to the target (rank 0 puts
-an OWNER file there naming its host and pid, removed once published); rank 0 then records the
-file sizes in the manifest, writes COMPLETE, fsyncs and renames the directory to ``<path>``. An existing checkpoint at
-``<path>`` is first renamed aside to ``<path>.old-<token>`` and deleted after the new one is in
-place. A crash at any point leaves either the previous
-checkpoint or the new one complete, and no directory that carries COMPLETE without all of its data;
-``load_checkpoint`` of a ``<path>`` whose publication was interrupted between the two renames reads
-the complete sibling. The next save into the same directory finishes such a publication (the
-complete ``*.tmp-*`` of a dead save, else the ``*.old-*`` copy, takes the missing ``<path>``) and
-removes the other leftovers (``*.old-*``, ``*.tmp-*`` of processes that died). ``keep_last``
-never deletes a checkpoint saved after the one being published. One run per directory: rotation
-and ``latest_checkpoint`` count every fsdpfn checkpoint beside ``path``. Saves to the same path must not overlap (``wait()`` an
-asynchronous save before starting the next one to that path). Every rank must see the same file
-system (one host, or a shared file system).
+Atomic publication: every rank writes into ``<path>.tmp-<token>`` next to the target (rank 0 puts an
+OWNER file there naming its host and pid, removed once published); rank 0 then records the file
+sizes in the manifest, writes COMPLETE, fsyncs and renames the directory to ``<path>``. An existing
+checkpoint at ``<path>`` is first renamed aside to ``<path>.old-<token>`` and deleted after the new
+one is in place. A crash at any point leaves either the previous checkpoint or the new one complete,
+and no directory that carries COMPLETE without all of its data; ``load_checkpoint`` of a ``<path>``
+whose publication was interrupted between the two renames reads the complete sibling. The next save
+into the same directory finishes such a publication (the complete ``*.tmp-*`` of a dead save, else
+the ``*.old-*`` copy, takes the missing ``<path>``) and removes the other leftovers (``*.old-*``,
+``*.tmp-*`` of processes that died). ``keep_last`` never deletes a checkpoint saved after the one
+being published. One run per directory: rotation and ``latest_checkpoint`` count every fsdpfn
+checkpoint beside ``path``. Saves to the same path must not overlap (``wait()`` an asynchronous save
+before starting the next one to that path). Every rank must see the same file system (one host, or a
+shared file system).
 
 Decisions (documented contract):
 
