@@ -71,3 +71,42 @@ def test_the_supervised_engines_draw_under_the_runs_seed(tmp_path, recipe):
     ctx = types.SimpleNamespace(run_dir=tmp_path, device="cpu")
     engine = supervised._engine(cfg, ctx, optimizer=ff.OptimizerConfig(), critic=recipe == "rw")
     assert engine.seed == 7
+
+
+def test_every_push_option_is_reachable_from_yaml(tmp_path):
+    """rollout.push holds fsdpfn.PushConfig's options less the four the recipe owns, with
+    PushConfig's defaults, and each value set in YAML reaches the PushConfig the run pushes
+    with (only transport, timeout_s, pause_generation and disk_root did, timeout_s from the
+    generation requests' rollout.timeout_s)."""
+    import attrs
+
+    import fsdpfn as ff
+    from fsdpfn.app.recipes.rl import push_config
+    from fsdpfn.app.recipes.rollout_config import PUSH_OWNED, PushSection
+
+    ours = {a.name: a.default for a in attrs.fields(PushSection)}
+    theirs = {a.name: a.default for a in attrs.fields(ff.PushConfig) if a.name not in PUSH_OWNED}
+    assert ours == theirs and set(PUSH_OWNED) <= {a.name for a in attrs.fields(ff.PushConfig)}
+    values = {"dtype": "bfloat16", "bucket_bytes": 1 << 20, "edge_bucket_bytes": None,
+              "backend": "gloo", "timeout_s": 42.0, "init_timeout_s": 7.0,
+              "flush_cache": False, "precheck": False, "keep_last": 3,
+              "master_address": "10.0.0.5", "master_port": 29123, "group_name": "mine",
+              "pause_mode": "retract", "probe_tol": 0.5}
+    assert set(values) == set(ours)
+    cfg = default_config("grpo", [f"rollout.push.{k}={'null' if v is None else v}"
+                                  for k, v in values.items()] + ["rollout.timeout_s=11"])
+    built = push_config(cfg, "disk", tmp_path)
+    assert {k: getattr(built, k) for k in values} == values
+    assert built.transport == "disk" and built.disk_root == tmp_path / "push"
+    assert built.pause_generation is True  # max_staleness 0: the synchronous loop
+
+
+@pytest.mark.parametrize("override,line", [
+    ("rollout.push.transport=disk",
+     "rollout.push.transport: not a key here, set by rollout.transport"),
+    ("rollout.push.timeout_s=0", "rollout.push.timeout_s: must be > 0, got 0.0"),
+])
+def test_push_keys_the_recipe_owns_or_bad_values_are_refused_by_name(override, line):
+    with pytest.raises(ConfigError) as info:
+        default_config("grpo", [override])
+    assert str(info.value).startswith(line), str(info.value)

@@ -275,17 +275,23 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
     broadcast_from_main(lambda: wait_for_servers(urls, cfg.rollout.health_timeout_s,
                                                  external=cfg.rollout.url is not None))
     url = ", ".join(urls)
-    disk = ctx.transport == "disk"
-    target = RolloutTarget(urls, config=ff.PushConfig(
-        transport=ctx.transport, timeout_s=cfg.rollout.timeout_s,
-        # generation ahead of training: requests in flight continue on the new weights
-        pause_generation=cfg.rollout.max_staleness == 0,
-        disk_root=ctx.run_dir / "push" if disk else None))
+    target = RolloutTarget(urls, config=push_config(cfg, ctx.transport, ctx.run_dir))
     receipt = push_weights(actor, target)
     log(f"pushed weights version {receipt.version} to {url} by {ctx.transport} "
         f"({receipt.n_tensors} tensors, {receipt.n_bytes / 1e6:.1f} MB, "
         f"{receipt.seconds:.2f} s)")
     return target
+
+
+def push_config(cfg, transport: str, run_dir) -> ff.PushConfig:
+    """The run's PushConfig: ``rollout.push`` and what the recipe owns (the transport placed,
+    run_dir/push for disk, generation paused around a push only in the synchronous loop)."""
+    return ff.PushConfig(
+        transport=transport,
+        # generation ahead of training: requests in flight continue on the new weights
+        pause_generation=cfg.rollout.max_staleness == 0,
+        disk_root=Path(run_dir) / "push" if transport == "disk" else None,
+        **attrs.asdict(cfg.rollout.push))
 
 
 def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target, pool, data,

@@ -7,13 +7,68 @@ from __future__ import annotations
 import attrs
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (fail, integer, is_nonempty_str, number, one_of, satisfies,
-                               to_float)
+from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, is_port, number, one_of,
+                               satisfies, to_float)
 from fsdpfn.wire.http import is_http_url
 
-__all__ = ["RolloutConfig", "SERVER_OWNED", "SAMPLING_OWNED"]
+__all__ = ["RolloutConfig", "PushSection", "PUSH_OWNED", "SERVER_OWNED", "SAMPLING_OWNED"]
 
 _opt_str = satisfies("must be null or a non-empty string", is_nonempty_str, optional=True)
+
+# PushConfig fields the recipe sets itself -> where the YAML sets them
+PUSH_OWNED = {
+    "transport": "rollout.transport",
+    "disk_root": "the recipe (run_dir/push with rollout.transport: disk)",
+    "pause_generation": "rollout.max_staleness (0: generation paused around each push; >= 1: "
+                        "requests go on across it)",
+    "on_bucket": "the recipe (a callback)",
+}
+
+
+@attrs.frozen
+class PushSection:
+    """How each step's weights reach the servers (``rollout.push``): fsdpfn.PushConfig's
+    options, less those the recipe sets itself (PUSH_OWNED)."""
+
+    # the dtype sent (null: the servers' served dtype)
+    dtype: str | None = attrs.field(default=None, validator=one_of(
+        None, "bfloat16", "float16", "float32", rule="must be null, 'bfloat16', 'float16' or "
+        "'float32'"))
+    # the size of the middle buckets of a push
+    bucket_bytes: int = attrs.field(default=1 << 30, validator=integer(1))
+    # the size of its first and last buckets (null: every bucket bucket_bytes)
+    edge_bucket_bytes: int | None = attrs.field(default=256 << 20,
+                                                validator=integer(1, allow=(None,)))
+    # gloo or nccl (null: nccl when the trainer and every server are on CUDA)
+    backend: str | None = attrs.field(default=None, validator=one_of(None, "gloo", "nccl"))
+    # bound on every request and bucket of a push (a generation request's: rollout.timeout_s)
+    timeout_s: float = attrs.field(default=300.0, converter=to_float, validator=number(gt=0))
+    # bound on setting up the update group with the servers
+    init_timeout_s: float = attrs.field(default=120.0, converter=to_float,
+                                        validator=number(gt=0))
+    # the servers drop their KV cache with each update
+    flush_cache: bool = attrs.field(default=True, validator=boolean)
+    # names, shapes and the model's config compared with each server's before a byte is sent
+    precheck: bool = attrs.field(default=True, validator=boolean)
+    # the pushed versions kept under run_dir/push (rollout.transport: disk)
+    keep_last: int = attrs.field(default=2, validator=integer(1))
+    # where the servers reach trainer rank 0 (null: 127.0.0.1 for local servers, else the
+    # address of the interface that routes to the first server)
+    master_address: str | None = attrs.field(default=None, validator=_opt_str)
+    # its port (null or 0: a free one)
+    master_port: int | None = attrs.field(default=None, validator=satisfies(
+        "must be null or a port in 0..65535 (0: a free one)", is_port, optional=True))
+    # the update group's name (null: a fresh one per run)
+    group_name: str | None = attrs.field(default=None, validator=_opt_str)
+    # SGLang servers: their /pause_generation mode around an update
+    pause_mode: str = attrs.field(default="abort", validator=one_of("abort", "retract",
+                                                                    "in_place"))
+    # SGLang servers: the largest gap of their greedy log-probs to the trainer's after a push
+    # (null: 1e-3 for a float32 push, 0.1 for 16-bit dtypes)
+    probe_tol: float | None = attrs.field(default=None, validator=number(ge=0, optional=True))
+
+
+PushSection.__fsdpfn_moved__ = {k: f"set by {v}" for k, v in PUSH_OWNED.items()}
 
 
 def _gpus(value):
@@ -190,7 +245,9 @@ class RolloutConfig:
     sample with an openai client and the data row, returning the episode's reward
     (fsdpfn.app.recipes.workflow), each call bounded by ``workflow_timeout_s``; an episode's row
     longer than ``max_episode_tokens`` (null: the model's max_position_embeddings) is dropped
-    and counted."""
+    and counted. ``push``: how the weights travel (PushSection: fsdpfn.PushConfig's options less
+    those the recipe owns; ``push.timeout_s`` bounds a push, ``timeout_s`` a generation
+    request)."""
 
     url: str | None = attrs.field(default=None, converter=_urls)
     # how many built-in servers fsdpfn run starts (null: one per rollout.gpus entry, else 1)
@@ -226,6 +283,8 @@ class RolloutConfig:
     # serves top_k and stops; min_p, min_new_tokens and the penalties need HF generate
     # (server_args: [--decode, hf] on a GPU). A workflow's calls choose their own
     sampling: dict = attrs.field(factory=dict, validator=_check_sampling)
+    # how each step's weights reach the servers: fsdpfn.PushConfig less what the recipe owns
+    push: PushSection = attrs.field(factory=PushSection)
 
     @url.validator
     def _check_url(self, attribute, value):
