@@ -215,6 +215,11 @@ def run(cfg, ctx: RunContext) -> int:
                                   if ctx.resume else None),
                       tensorboard=ctx.run_dir / "tensorboard" if cfg.log.tensorboard else None,
                       wandb=cfg.log.wandb)
+    if cfg.rollout.url is not None and ctx.rollout_urls:  # external servers: found answering
+        # before the warm-up spends its steps (the servers fsdpfn run starts load meanwhile)
+        broadcast_from_main(lambda: wait_for_servers(ctx.rollout_urls,
+                                                     cfg.rollout.health_timeout_s,
+                                                     external=True))
     # 1. supervised warm-up on the embedded task (its result is reused on --resume)
     if steps > 0 and not warm_done:
         if not warmup(cfg, ctx, mesh, tok, metrics):
@@ -272,8 +277,8 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
     if not urls:
         raise ff.ConfigError("rollout.url: the RL recipes need a rollout server; run them with "
                              "`fsdpfn run` (which starts one) or set rollout.url")
-    broadcast_from_main(lambda: wait_for_servers(urls, cfg.rollout.health_timeout_s,
-                                                 external=cfg.rollout.url is not None))
+    if cfg.rollout.url is None:  # external servers (rollout.url) were awaited before the warm-up
+        broadcast_from_main(lambda: wait_for_servers(urls, cfg.rollout.health_timeout_s))
     url = ", ".join(urls)
     target = RolloutTarget(urls, config=push_config(cfg, ctx.transport, ctx.run_dir))
     receipt = push_weights(actor, target)
