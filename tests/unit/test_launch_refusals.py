@@ -110,3 +110,23 @@ def test_push_keys_the_recipe_owns_or_bad_values_are_refused_by_name(override, l
     with pytest.raises(ConfigError) as info:
         default_config("grpo", [override])
     assert str(info.value).startswith(line), str(info.value)
+
+
+@pytest.mark.parametrize("recipe,overrides,line", [
+    ("sft", ["model.path=/tmp", "model.hidden_size=4096"],
+     "model.hidden_size: applies to the embedded model only (model.path's config.json sets the "
+     "shape; the run's seed the init of random_init), got 4096"),
+    ("sft", ["model.random_init=true"],
+     "model.random_init: must be false without model.path (the embedded model is always built "
+     "fresh, under model.seed), got True"),
+    ("grpo", ["rollout.max_episode_tokens=64"],
+     "rollout.max_episode_tokens: applies to rollout.workflow's episodes only, and no workflow "
+     "is set, got 64"),
+    ("sft", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "task.digits=3"],
+     "task.digits: applies to the embedded task only, and data.train_files is set, got 3"),
+])
+def test_keys_that_would_have_no_effect_are_refused_by_name(recipe, overrides, line):
+    """Keys for the other kind of model, data or loop were accepted and silently unused."""
+    with pytest.raises(ConfigError) as info:
+        default_config(recipe, overrides)
+    assert str(info.value) == line

@@ -162,6 +162,12 @@ def _check_rl_data(cfg) -> None:
 
 def _check_model_data(cfg) -> None:
     check_recipe_engines(cfg)
+    default = type(cfg).DEFAULTS.get("task")
+    if cfg.data.from_files and default is not None and cfg.task != default:
+        name = next(a.name for a in attrs.fields(type(cfg.task))
+                    if getattr(cfg.task, a.name) != getattr(default, a.name))
+        raise ConfigError(f"task.{name}: applies to the embedded task only, and "
+                          f"data.train_files is set, got {getattr(cfg.task, name)!r}")
     if cfg.data.from_files and cfg.model.embedded:
         raise ConfigError("model.path: data files need the model's own tokenizer; set "
                           "model.path to an HF model directory, got None (the embedded "

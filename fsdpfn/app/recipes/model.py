@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from fsdpfn.validators import boolean, integer, is_nonempty_str, satisfies
+from fsdpfn.validators import boolean, fail, integer, is_nonempty_str, satisfies
 from fsdpfn.errors import ConfigError
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
@@ -59,6 +59,20 @@ class ModelConfig:
     num_heads: int = attrs.field(default=8, validator=integer(1))
     num_kv_heads: int = attrs.field(default=4, validator=integer(1))
     seed: int = attrs.field(default=0, validator=integer(0))
+
+    def __attrs_post_init__(self):
+        """Keys that apply to one kind of model only are refused on the other, never
+        ignored."""
+        if self.path is None:
+            if self.random_init:
+                fail("random_init", "must be false without model.path (the embedded model is "
+                     "always built fresh, under model.seed)", self.random_init)
+            return
+        for a in attrs.fields(type(self)):
+            if a.name not in ("path", "random_init") and getattr(self, a.name) != a.default:
+                fail(a.name, "applies to the embedded model only (model.path's config.json "
+                     "sets the shape; the run's seed the init of random_init)",
+                     getattr(self, a.name))
 
     @property
     def embedded(self) -> bool:

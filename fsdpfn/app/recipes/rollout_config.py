@@ -185,6 +185,14 @@ SAMPLING_OWNED = {"temperature": "rollout.temperature", "top_p": "rollout.top_p"
                                     "built-in task)"}
 
 
+def _workflow_only(instance, attribute, value) -> None:
+    """A workflow's own bound: refused without rollout.workflow (never silently unused)."""
+    default = attribute.default
+    if value != default and instance.workflow is None:
+        fail(attribute.name, "applies to rollout.workflow's episodes only, and no workflow is "
+             "set", value)
+
+
 def _check_sampling(instance, attribute, value) -> None:
     """Sampling parameters the server accepts (fsdpfn.rollout.SamplingParams' own rules), none
     of them one the recipe sets itself."""
@@ -270,8 +278,9 @@ class RolloutConfig:
     max_staleness: int = attrs.field(default=0, validator=integer(0))
     workflow: str | None = attrs.field(default=None, validator=_opt_str)
     workflow_timeout_s: float = attrs.field(default=600.0, converter=to_float,
-                                            validator=number(gt=0))
-    max_episode_tokens: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
+                                            validator=[number(gt=0), _workflow_only])
+    max_episode_tokens: int | None = attrs.field(
+        default=None, validator=[integer(1, allow=(None,)), _workflow_only])
     # flags added to each rollout server fsdpfn run starts (`python -m fsdpfn.rollout --help`):
     # the decode loop's kernels, rows and lengths, HF generate (--decode hf), CUDA graphs;
     # checked before launch, and a flag fsdpfn run sets itself is refused naming its key
