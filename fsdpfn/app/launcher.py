@@ -220,6 +220,19 @@ def _prepare_data(cfg, run_dir: Path, *, resume: bool, out: Path | None = None) 
         _say(f"data ({split}): {r['kept']} of {r['rows']} samples"
              + (f"; dropped {dropped}: " + ", ".join(f"{n} {why}" for why, n in
                                                     r["dropped"].items()) if dropped else ""))
+    per_step = _rows_per_step(cfg)
+    kept = report.get("train", {}).get("kept", 0)
+    if per_step is not None and 0 < kept < per_step[1]:
+        _say(f"data (train): {kept} samples for {per_step[0]}={per_step[1]} a step: each "
+             f"step takes every sample about {per_step[1] / kept:.0f} times")
+
+
+def _rows_per_step(cfg) -> tuple[str, int] | None:
+    """(key, value): how many data samples one step of ``cfg``'s recipe reads."""
+    for key in ("prompts_per_step", "batch_size", "pairs_per_step"):
+        if hasattr(cfg, key):
+            return key, getattr(cfg, key)
+    return None
 
 
 def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool = False) -> int:

@@ -345,6 +345,18 @@ def test_a_dry_run_tokenizes_the_data_and_says_what_a_run_would_keep(ws, tmp_pat
     # the long prompt of the workspace's train file is over the limit, as in a real run
     assert "data (train): 40 of 41 samples; dropped 1: 1 prompt over max_prompt_tokens" in err
     assert "data (eval): 6 of 6 samples" in err
+    assert "each step takes every sample" not in err  # the workspace's batch fits its data
     assert not run_dir.exists()  # nothing written
+    # a step larger than the data is said, with how often each sample comes back a step
+    capsys.readouterr()
+    sys.path.insert(0, str(ws))
+    try:
+        rc = main(["run", str(ws / "sft.yaml"), f"run_dir={run_dir}", "batch_size=120",
+                   "--dry-run"])
+    finally:
+        sys.path.remove(str(ws))
+    assert rc == 0
+    assert ("data (train): 40 samples for batch_size=120 a step: each step takes every "
+            "sample about 3 times") in capsys.readouterr().err
     assert "data.train_files: no sample fits the limits" in _fails(
         ws, tmp_path, capsys, "sft", "--dry-run", "data.max_response_tokens=1")
