@@ -182,7 +182,7 @@ def build_app(engine: RolloutEngine):
             payload.get("input_ids"), temperature=float(payload.get("temperature", 1.0)),
             return_logits=bool(payload.get("return_logits", False))))
 
-    def sglang_answer(fn: Callable[[], Any]):
+    def group_answer(fn: Callable[[], Any]):
         """SGLang's group endpoints answer every refusal 400 {success: false, message}, as
         SGLang does (its clients test for it); the message says what failed (a busy turn, an
         unknown group, a rendezvous or a transfer that failed)."""
@@ -190,15 +190,15 @@ def build_app(engine: RolloutEngine):
 
     @app.post("/init_weights_update_group")
     def init_group(payload: dict = Body(...)):
-        return sglang_answer(lambda: receiver.init_group(payload))
+        return group_answer(lambda: receiver.init_group(payload))
 
     @app.post("/destroy_weights_update_group")
     def destroy_group(payload: dict = Body(...)):
-        return sglang_answer(lambda: receiver.destroy_group(payload))
+        return group_answer(lambda: receiver.destroy_group(payload))
 
     @app.post("/update_weights_from_distributed")
     def update_distributed(payload: dict = Body(...)):
-        return sglang_answer(lambda: receiver.update_from_distributed(payload))
+        return group_answer(lambda: receiver.update_from_distributed(payload))
 
     @app.post("/update_weights_commit")
     def update_commit(payload: dict = Body(...)):
