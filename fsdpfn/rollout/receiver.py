@@ -125,21 +125,23 @@ class Receiver:
               merged_adapters: bool = False, timeout_s: float = 300.0) -> None:
         """Hand the engine checked tensors (HF names, aliases resolved). The tensors are the
         new base: a whole update drops the adapter merged in, a partial one drops it from the
-        weights it replaces (unloading then leaves them as sent). ``merged_adapters``: a whole
-        update of a LoRA trainer's merged weights, on which no adapter may be loaded."""
+        weights it replaces (unloading then leaves them as sent). ``merged_adapters``: a LoRA
+        trainer's merged weights (a whole update, or SGLang's requests of one), on which no
+        adapter may be loaded."""
         canonical = {self.engine.aliases.get(n, n): t for n, t in tensors.items()}
         self.engine.swap(canonical, version, label=label, timeout_s=timeout_s)
         if whole:
             self.staged = None  # staged against the weights this update replaces
             self.adapter = None
             self.merged_push = version if merged_adapters else None
-        elif merged_adapters:  # a LoRA trainer's merged weights, sent in SGLang's requests
-            self.merged_push = version
-        elif self.adapter is not None:
-            self.adapter.base = {n: t for n, t in self.adapter.base.items()
-                                 if n not in canonical}
-            if not self.adapter.base:
-                self.adapter = None
+        else:
+            if merged_adapters:  # a LoRA trainer's merged weights, sent in SGLang's requests
+                self.merged_push = version
+            if self.adapter is not None:
+                self.adapter.base = {n: t for n, t in self.adapter.base.items()
+                                     if n not in canonical}
+                if not self.adapter.base:
+                    self.adapter = None
         self.last_error = None
 
     def _version(self, value, *, partial: bool = False) -> tuple[int, str | None]:
