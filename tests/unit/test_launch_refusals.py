@@ -130,3 +130,16 @@ def test_keys_that_would_have_no_effect_are_refused_by_name(recipe, overrides, l
     with pytest.raises(ConfigError) as info:
         default_config(recipe, overrides)
     assert str(info.value) == line
+
+
+def test_the_warm_ups_loss_and_the_pair_recipes_eval_cadence_have_keys():
+    """The warm-up's sft_step took SFTConfig() and rw/dpo evaluated every steps // 5 with no
+    key for either."""
+    from fsdpfn.app.recipes.supervised import _eval_every
+
+    assert default_config("grpo", ["warmup.sft.agg=seq-mean-token-sum"]).warmup.sft.agg == \
+        "seq-mean-token-sum"
+    for recipe in ("rw", "dpo"):
+        assert _eval_every(default_config(recipe, ["steps=60"])) == 12
+        assert _eval_every(default_config(recipe, ["steps=60", "eval_every=7"])) == 7
+        assert _eval_every(default_config(recipe, ["eval_every=0"])) == 0

@@ -123,6 +123,8 @@ class WarmupConfig:
     check_every: int = attrs.field(default=10, validator=integer(1))
     optimizer: OptimizerConfig = attrs.field(
         factory=lambda: OptimizerConfig(lr=2e-3, warmup_steps=50))
+    # the warm-up's loss (sft_step's SFTConfig: how its token losses are aggregated)
+    sft: SFTConfig = attrs.field(factory=SFTConfig)
 
 
 @attrs.frozen
@@ -318,6 +320,8 @@ class RWRecipe(Recipe):
                                 "checkpoint": CheckpointConfig(every=0)}
 
     pairs_per_step: int = attrs.field(default=32, validator=integer(1))
+    # held-out accuracy every this many steps (null: steps // 5; 0: off)
+    eval_every: int | None = attrs.field(default=None, validator=integer(0, allow=(None,)))
     rw: RWConfig = attrs.field(factory=RWConfig)
 
     def __attrs_post_init__(self):
@@ -339,6 +343,8 @@ class DPORecipe(Recipe):
                                 "checkpoint": CheckpointConfig(every=0)}
 
     pairs_per_step: int = attrs.field(default=32, validator=integer(1))
+    # held-out p(correct) every this many steps (null: steps // 5; 0: off)
+    eval_every: int | None = attrs.field(default=None, validator=integer(0, allow=(None,)))
     ref_engine: dict = attrs.field(factory=dict, hash=False)
     dpo: DPOConfig = attrs.field(factory=lambda: DPOConfig(beta=0.1))
 

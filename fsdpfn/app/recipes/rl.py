@@ -86,7 +86,7 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
         t0 = time.perf_counter()
         batch = sequences_batch([(e["ids"], e["loss"])
                                  for e in train.take(i * w.batch_size, w.batch_size)])
-        state, stats = ff.sft_step(state, ff.shard_batch(batch, mesh), ff.SFTConfig())
+        state, stats = ff.sft_step(state, ff.shard_batch(batch, mesh), cfg.warmup.sft)
         seconds = time.perf_counter() - t0
         tokens = int(batch[K.ATTENTION_MASK].sum())
         row = {**step_stats(stats, skip=("tokens",)), "phase": "warmup", "step": i + 1,

@@ -197,7 +197,7 @@ def run_rw(cfg, ctx: RunContext):
     _loop(cfg, ctx, state, source=load_source(cfg, tok, ctx.run_dir, "train"),
           per_step=cfg.pairs_per_step, make_batch=_pair_batch,
           step_fn=lambda s, b: ff.rw_step(s, b, cfg.rw), group_size=2,
-          evaluate=evaluate, eval_every=max(cfg.steps // 5, 1), keys=("accuracy", "margin"))
+          evaluate=evaluate, eval_every=_eval_every(cfg), keys=("accuracy", "margin"))
 
 
 def run_dpo(cfg, ctx: RunContext):
@@ -224,5 +224,10 @@ def run_dpo(cfg, ctx: RunContext):
 
     _loop(cfg, ctx, state, source=load_source(cfg, tok, ctx.run_dir, "train"),
           per_step=cfg.pairs_per_step, make_batch=_pair_batch, step_fn=step_fn, group_size=2,
-          evaluate=evaluate, eval_every=max(cfg.steps // 5, 1),
+          evaluate=evaluate, eval_every=_eval_every(cfg),
           keys=("reward_accuracy", "margin"))
+
+
+def _eval_every(cfg) -> int:
+    """rw's and dpo's ``eval_every``: null is a fifth of the run (0: off)."""
+    return max(cfg.steps // 5, 1) if cfg.eval_every is None else cfg.eval_every
