@@ -37,6 +37,10 @@ CPU = ["launch.device=cpu", "log.progress=false"]
     ("grpo", ["engine.logprobs_impl=liger"],
      "engine.logprobs_impl: 'liger' needs CUDA and this run's trainer is on cpu "
      "(launch.device), got 'liger'"),
+    ("sft", ["engine.lora.rank=4", "engine.lora.target_modules=[nope_proj]"],
+     "engine.lora.target_modules: must name linear layers of the decoder layers (['down_proj', "
+     "'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']) or be ['all-linear'], "
+     "got ['nope_proj']"),
     ("grpo", ["launch.master_port=70000"],
      "launch.master_port: must be a port in 1..65535, got 70000"),
     ("grpo", [f"rollout.workflow={EXAMPLES}:check_and_retry", "advantage.reward_scale=3.0"],

@@ -67,27 +67,32 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
 # ---------------------------------------------------------------- data, reward, positions
 
 
+# the linear layers of the embedded model's decoder layers (a Qwen2)
+EMBEDDED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def check_lora_targets(cfg) -> None:
     """engine.lora.target_modules name linear layers of the decoder layers, read from the
     weights' safetensors headers (2-D ``*.layers.N.<...>.<leaf>.weight`` tensors, no tensor
-    loaded): the rule shard_model applies, before anything starts. A model built from its
-    config (embedded, random_init) has no weights to read: shard_model checks it."""
+    loaded): the rule shard_model applies, before anything starts. The embedded model's are
+    Qwen2's; a model built from its config alone (random_init) has no weights to read:
+    shard_model checks it."""
     import re
 
     lora = cfg.engine.lora
-    if lora is None or tuple(lora.target_modules) == ("all-linear",) or cfg.model.embedded \
-            or cfg.model.random_init:
+    if lora is None or tuple(lora.target_modules) == ("all-linear",) or cfg.model.random_init:
         return
-    from safetensors import safe_open
+    present = set(EMBEDDED_LINEARS) if cfg.model.embedded else set()
+    if not cfg.model.embedded:
+        from safetensors import safe_open
 
-    layer_weight = re.compile(r"(?:^|\.)layers\.\d+\.(?:.+\.)?([^.]+)\.weight$")
-    present = set()
-    for file in sorted(Path(cfg.model.path).glob("*.safetensors")):
-        with safe_open(str(file), framework="numpy") as handle:
-            for key in handle.keys():
-                match = layer_weight.search(key)
-                if match and len(handle.get_slice(key).get_shape()) == 2:
-                    present.add(match.group(1))
+        layer_weight = re.compile(r"(?:^|\.)layers\.\d+\.(?:.+\.)?([^.]+)\.weight$")
+        for file in sorted(Path(cfg.model.path).glob("*.safetensors")):
+            with safe_open(str(file), framework="numpy") as handle:
+                for key in handle.keys():
+                    match = layer_weight.search(key)
+                    if match and len(handle.get_slice(key).get_shape()) == 2:
+                        present.add(match.group(1))
     missing = [t for t in lora.target_modules if t not in present]
     if present and missing:
         raise ConfigError(f"engine.lora.target_modules: must name linear layers of the decoder "
