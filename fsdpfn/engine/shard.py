@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from torch import nn
@@ -87,10 +88,27 @@ def load_hf_config(config: EngineConfig):
     if config.is_critic:
         hf_config.num_labels = 1
     if config.disable_dropout:
-        for key in ("attention_dropout", "hidden_dropout", "classifier_dropout", "dropout"):
-            if getattr(hf_config, key, None):
-                setattr(hf_config, key, 0.0)
+        _zero_dropout_fields(hf_config)
     return hf_config
+
+
+# config fields that drop activations in training, by their names in transformers' configs:
+# attention_dropout, hidden_dropout_prob, residual_dropout (Seed-OSS), attn_pdrop / resid_pdrop
+# / embd_pdrop (GPT-2 and kin), layerdrop (whole layers), drop_path_rate, ...
+_DROPOUT_FIELD = re.compile(r"dropout|pdrop|layerdrop|drop_path")
+
+
+def _zero_dropout_fields(hf_config) -> None:
+    """Every dropout-like field of ``hf_config`` (and of its text config) set to 0: families
+    apply some of them functionally, outside any nn.Dropout module (Seed-OSS's
+    residual_dropout, GPT-BigCode's attn_pdrop, BioGPT's hidden_dropout_prob), so zeroing the
+    modules alone left those training with dropout on."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    for cfg in {id(c): c for c in (hf_config, text)}.values():
+        for key, value in list(vars(cfg).items()):
+            if _DROPOUT_FIELD.search(key) and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and value:
+                setattr(cfg, key, 0.0 if isinstance(value, float) else 0)
 
 
 def _check_supported(config: EngineConfig, mesh: Mesh) -> None:

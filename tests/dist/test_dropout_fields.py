@@ -1,0 +1,64 @@
+"""disable_dropout (the default) turns off every dropout a family applies, its functional ones
+included: Seed-OSS's residual_dropout, GPT-BigCode's attn_pdrop and BioGPT's
+hidden_dropout_prob are read by the modeling code itself, outside any nn.Dropout module, and
+trained with dropout on while the log-probs (an evaluation forward) were exact.
+
+The reference is the definition of an on-policy step: on the weights that computed old_logp,
+every PPO ratio is exactly 1 (it was up to 1.48 with transformers' default 0.1 rates), and the
+SFT loss equals the mean of the log-probs forward_logp gives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import fsdpfn as ff
+from fsdpfn import keys as K
+from fsdpfn.testing.models import save_family_model
+
+pytestmark = pytest.mark.dist
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# transformers' defaults for these rates are 0.1: written out, so the test holds if they change
+FAMILIES = {
+    "seed_oss": dict(model_type="seed_oss", head_dim=16, residual_dropout=0.1,
+                     attention_dropout=0.1),
+    "gpt_bigcode": dict(model_type="gpt_bigcode", attn_pdrop=0.1, resid_pdrop=0.1,
+                        embd_pdrop=0.1),
+    "biogpt": dict(model_type="biogpt", hidden_dropout_prob=0.1,
+                   attention_probs_dropout_prob=0.1, layerdrop=0.1),
+}
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([40, 23, 33, 17])
+    attn = torch.arange(40)[None] < lengths[:, None]
+    ids = torch.where(attn, torch.randint(3, 97, (4, 40), generator=g), 0)
+    loss = attn.clone()
+    loss[:, :3] = False
+    return TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss},
+                      batch_size=[4])
+
+
+def on_policy_step(path):
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(model_path=path, dtype="float32",
+                                           optimizer=ff.OptimizerConfig(lr=1e-6)), mesh)
+    batch = ff.forward_logp(state, ff.shard_batch(_batch(), mesh), out_key=K.OLD_LOGP)
+    batch[K.ADVANTAGES] = torch.linspace(-1, 1, batch[K.INPUT_IDS].numel()).view(
+        batch[K.INPUT_IDS].shape) * batch[K.LOSS_MASK]
+    _, stats = ff.ppo_step(state, batch, ff.PPOConfig())
+    return float(stats["ratio_max"]), float(stats["ratio_mean"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_dropout_of_a_family_is_off_in_training(spmd1, tmp_path, family):
+    path = save_family_model(tmp_path / family, {**TINY, **FAMILIES[family]})
+    ratio_max, ratio_mean = spmd1.run(on_policy_step, args=(str(path),), timeout=200)[0]
+    assert ratio_max == 1.0 and ratio_mean == 1.0, (family, ratio_max, ratio_mean)
