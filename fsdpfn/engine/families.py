@@ -129,11 +129,18 @@ def probe_config(hf_config):
     if types:
         n_layers = min(max(2, max(types.index(t) for t in set(types)) + 1), len(types))
         spec["layer_types"] = types[:n_layers]
+    width = spec.get("hidden_size") or 64
+    head = spec.get("head_dim") or width // heads
     spec.update(num_hidden_layers=n_layers, hidden_size=64, intermediate_size=128,
                 num_attention_heads=4, num_key_value_heads=2 if kv < heads else 4,
                 vocab_size=131)
+    if "num_kv_heads" in spec:  # Falcon's name of it, beside the mapped one
+        spec["num_kv_heads"] = spec["num_key_value_heads"]
     if spec.get("head_dim") is not None:
         spec["head_dim"] = 16
+    if spec.get("rotary_dim"):  # GPT-J, CodeGen: the rotary share of each head, kept
+        share = int(spec["rotary_dim"]) / max(int(head), 1)
+        spec["rotary_dim"] = max(2, min(16, 2 * round(16 * share / 2)))
     if "max_window_layers" in spec:
         spec["max_window_layers"] = min(int(spec["max_window_layers"] or 0), n_layers - 1)
     if spec.get("sliding_window"):

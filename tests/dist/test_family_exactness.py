@@ -1,4 +1,7 @@
-"""disable_dropout (the default) turns off every dropout a family applies, its functional ones
+"""Two things that kept a model from being computed as its own forward computes it, or refused
+it when it was:
+
+- disable_dropout (the default) turns off every dropout a family applies, its functional ones
 included: Seed-OSS's residual_dropout, GPT-BigCode's attn_pdrop and BioGPT's
 hidden_dropout_prob are read by the modeling code itself, outside any nn.Dropout module, and
 trained with dropout on while the log-probs (an evaluation forward) were exact.
@@ -6,6 +9,12 @@ trained with dropout on while the log-probs (an evaluation forward) were exact.
 The reference is the definition of an on-policy step: on the weights that computed old_logp,
 every PPO ratio is exactly 1 (it was up to 1.48 with transformers' default 0.1 rates), and the
 SFT loss equals the mean of the log-probs forward_logp gives.
+
+- the architecture probe (the small model of the same architecture that families outside the
+verified list are checked on) keeps a real model's rotary share (GPT-J's and CodeGen's
+rotary_dim) and Falcon's num_kv_heads in step with its smaller heads: real-shaped models were
+refused with a tensor-size error. They build, and their log-probs equal their own float64
+forward.
 """
 
 from __future__ import annotations
@@ -62,3 +71,39 @@ def test_every_dropout_of_a_family_is_off_in_training(spmd1, tmp_path, family):
     path = save_family_model(tmp_path / family, {**TINY, **FAMILIES[family]})
     ratio_max, ratio_mean = spmd1.run(on_policy_step, args=(str(path),), timeout=200)[0]
     assert ratio_max == 1.0 and ratio_mean == 1.0, (family, ratio_max, ratio_mean)
+
+
+PROBED = {
+    "gptj": dict(model_type="gptj", hidden_size=256, num_attention_heads=4, rotary_dim=32),
+    "codegen": dict(model_type="codegen", hidden_size=256, num_attention_heads=4,
+                    rotary_dim=32),
+    "falcon-40b-like": dict(model_type="falcon", hidden_size=128, num_attention_heads=16,
+                            num_kv_heads=8, new_decoder_architecture=True),
+}
+
+
+def logp_of(path):
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(model_path=path, dtype="float32"), mesh)
+    return ff.gather_batch(ff.forward_logp(state, ff.shard_batch(_batch(), mesh)), mesh)[K.LOGP]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(PROBED))
+def test_real_shaped_rotary_and_kv_head_settings_pass_the_probe_and_are_exact(spmd1, tmp_path,
+                                                                              name):
+    from transformers import AutoModelForCausalLM
+
+    from fsdpfn.testing.models import hf_reference_logp
+
+    spec = {**TINY, **PROBED[name]}
+    if "num_kv_heads" in spec:  # Falcon's own name of it
+        del spec["num_key_value_heads"]
+    path = save_family_model(tmp_path / name, spec)
+    ours = spmd1.run(logp_of, args=(str(path),), timeout=200)[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    batch = _batch()
+    gap = max(float((ours[i, :n] - hf_reference_logp(
+        model, batch[K.INPUT_IDS][i:i + 1, :n], batch[K.ATTENTION_MASK][i:i + 1, :n])[0][0]
+    ).abs().max()) for i, n in enumerate(batch[K.ATTENTION_MASK].sum(1).tolist()))
+    assert gap < 1e-5, (name, gap)
