@@ -177,10 +177,15 @@ def apply_ac(model: nn.Module, config: EngineConfig) -> None:
     if config.gradient_checkpointing:
         # the recomputation sees the packed keywords its layer's forward saw (attention.py)
         kwargs = {"use_reentrant": False, "context_fn": attention.recompute_context}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        try:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        except ValueError as exc:  # a family whose modeling code has no checkpointing (CTRL)
+            raise ConfigError(f"gradient_checkpointing: model_type "
+                              f"{getattr(model.config, 'model_type', '?')!r} does not support "
+                              f"it ({exc}); must be False for this model, got True") from None
 
 
 def apply_compile(model: nn.Module, config: EngineConfig) -> int:

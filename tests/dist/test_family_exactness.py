@@ -107,3 +107,24 @@ def test_real_shaped_rotary_and_kv_head_settings_pass_the_probe_and_are_exact(sp
         model, batch[K.INPUT_IDS][i:i + 1, :n], batch[K.ATTENTION_MASK][i:i + 1, :n])[0][0]
     ).abs().max()) for i, n in enumerate(batch[K.ATTENTION_MASK].sum(1).tolist()))
     assert gap < 1e-5, (name, gap)
+
+
+def build(path, checkpointing):
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    try:
+        ff.shard_model(ff.EngineConfig(model_path=path, dtype="float32",
+                                       gradient_checkpointing=checkpointing), mesh)
+    except Exception as exc:  # noqa: BLE001 - the error's type is what is checked
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_a_family_without_checkpointing_is_refused_by_a_typed_error(spmd1, tmp_path):
+    """CTRL's modeling code has no activation checkpointing: transformers' ValueError reached
+    the caller as it was; it is a ConfigError naming the family and the field."""
+    path = save_family_model(tmp_path / "ctrl", {**TINY, "model_type": "ctrl"})
+    assert spmd1.run(build, args=(str(path), False), timeout=200)[0] is None
+    kind, message = spmd1.run(build, args=(str(path), True), timeout=200)[0]
+    assert kind == "ConfigError" and message.startswith(
+        "gradient_checkpointing: model_type 'ctrl' does not support it"), message
