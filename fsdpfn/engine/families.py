@@ -48,6 +48,13 @@ _MOE_HINTS = ("moe", "mixtral", "dbrx", "jamba", "deepseek_v2", "deepseek_v3", "
 _MULTIMODAL_FIELDS = ("vision_config", "audio_config", "speech_config", "vision_tower",
                       "text_config")
 _LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+# families whose attention adds ALiBi's per-head position biases to its scores
+_ALIBI_TYPES = ("bloom", "mpt")
+# recurrent and state-space families (whole models, or layers beside attention)
+_RECURRENT_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "bamba",
+                    "zamba", "zamba2", "falcon_h1", "xlstm", "nemotron_h", "lfm2_vl")
+# layer types the packed attention computes
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "attention")
 
 
 def _experts(hf_config) -> int:
@@ -68,6 +75,17 @@ def refusal(hf_config, *, is_critic: bool = False) -> str | None:
                 f"holds text token rows only; use its text-only model_type if it has one")
     if getattr(hf_config, "use_bidirectional_attention", False):
         return "bidirectional attention: the packed attention is causal"
+    attn_config = getattr(hf_config, "attn_config", None)
+    if model_type in _ALIBI_TYPES or getattr(hf_config, "alibi", False) \
+            or getattr(attn_config, "alibi", False):
+        return ("ALiBi position biases: the packed attention adds no per-head bias to its "
+                "scores")
+    layers = [t for t in (getattr(hf_config, "layer_types", None) or [])
+              if isinstance(t, str) and t not in _ATTENTION_LAYERS]
+    if model_type in _RECURRENT_TYPES or layers:
+        kinds = f" (layer types {sorted(set(layers))})" if layers else ""
+        return (f"recurrent or state-space layers{kinds}: the engine packs attention layers "
+                f"only")
     for name in _LOGIT_SCALES:
         value = getattr(hf_config, name, None)
         if value is not None and float(value) != 1.0:

@@ -44,10 +44,18 @@ def _build(spec: dict, **kwargs):
     (dict(model_type="t5"), "encoder-decoder"),
     (dict(model_type="gemma3"), "multimodal"),
     (dict(model_type="cohere", logit_scale=0.25), "logit_scale"),
-], ids=["mixtral", "qwen2_moe", "llama-with-experts", "t5", "gemma3-multimodal", "cohere"])
+    (dict(model_type="falcon", alibi=True), "ALiBi"),
+    (dict(model_type="mpt"), "ALiBi"),
+    (dict(model_type="mamba2"), "recurrent or state-space"),
+    (dict(model_type="bamba"), "recurrent or state-space"),
+    (dict(model_type="recurrent_gemma"), "recurrent or state-space"),
+], ids=["mixtral", "qwen2_moe", "llama-with-experts", "t5", "gemma3-multimodal", "cohere",
+        "falcon-alibi", "mpt", "mamba2", "bamba", "recurrent_gemma"])
 def test_unsupported_models_are_refused_by_model_type_and_reason(spec, reason):
+    """Each names its reason (ALiBi and recurrent families were refused with an internal error
+    of the architecture probe as their reason: an AttributeError, an invalid small config)."""
     model_type = spec["model_type"]
-    if model_type in ("t5", "gemma3"):
+    if model_type in ("t5", "gemma3", "mpt", "mamba2", "bamba", "recurrent_gemma"):
         spec = dict(spec)
     else:
         spec = _common({"vocab_size": 131, **spec})
