@@ -103,8 +103,25 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
 
     ``env`` adds variables to the server's environment (e.g. CUDA_VISIBLE_DEVICES).
     ``new_session``: start it in its own session, so a Ctrl-C (SIGINT to the terminal's process
-    group) in the caller does not reach it; close() still kills it."""
-    port = port or free_port()
+    group) in the caller does not reach it; close() still kills it. A port of its own choosing
+    (``port`` None) that another process takes between the choice and the bind is chosen again
+    (three tries)."""
+    kwargs = dict(device=device, dtype=dtype, threads=threads, weight_version=weight_version,
+                  health_timeout=health_timeout, log_dir=log_dir, extra_args=extra_args,
+                  env=env, new_session=new_session)
+    tries = 1 if port else 3
+    while True:
+        tries -= 1
+        try:
+            return _launch(model, port=port or free_port(), **kwargs)
+        except RuntimeError as exc:
+            if not tries or "address already in use" not in str(exc):
+                raise
+
+
+def _launch(model, *, port: int, device: str, dtype: str, threads: int | None,
+            weight_version: int, health_timeout: float, log_dir, extra_args: tuple[str, ...],
+            env: dict | None, new_session: bool) -> RolloutProcess:
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="fsdpfn-rollout-"))
     log_path = log_dir / f"rollout-{port}.log"
     cmd = [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model), "--port", str(port),

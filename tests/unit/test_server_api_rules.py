@@ -256,3 +256,25 @@ def test_sglangs_group_endpoints_answer_a_refusal_400_as_sglang_does(server, pat
     clients test for that status (an unknown group was a 404 here)."""
     status, out = _post(server, path, body)
     assert status == 400 and out["success"] is False and named in out["message"], out
+
+
+@pytest.mark.timeout(120)
+def test_a_port_taken_before_the_server_binds_it_is_chosen_again(model_dir, monkeypatch):
+    """Another process may take the free port launch_server chose before the server binds it
+    (a clean-clone CI run lost a test to that race): the server is started on another."""
+    import socket
+
+    from fsdpfn.rollout import process
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = process.free_port
+    monkeypatch.setattr(process, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        with launch_server(model_dir, dtype="float32", extra_args=("--no-channel",)) as srv:
+            assert srv.get("/health")["status"] == "ok"
+            assert not srv.url.endswith(f":{taken.getsockname()[1]}")
+    finally:
+        taken.close()
