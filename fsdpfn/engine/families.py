@@ -82,10 +82,11 @@ def refusal(hf_config, *, is_critic: bool = False) -> str | None:
                 "scores")
     layers = [t for t in (getattr(hf_config, "layer_types", None) or [])
               if isinstance(t, str) and t not in _ATTENTION_LAYERS]
-    if model_type in _RECURRENT_TYPES or layers:
-        kinds = f" (layer types {sorted(set(layers))})" if layers else ""
-        return (f"recurrent or state-space layers{kinds}: the engine packs attention layers "
-                f"only")
+    if model_type in _RECURRENT_TYPES:
+        return "a recurrent or state-space model: the engine packs attention layers only"
+    if layers:
+        return (f"layers that are not attention (layer types {sorted(set(layers))}): the "
+                f"engine packs attention layers only")
     for name in _LOGIT_SCALES:
         value = getattr(hf_config, name, None)
         if value is not None and float(value) != 1.0:

@@ -49,8 +49,10 @@ def _build(spec: dict, **kwargs):
     (dict(model_type="mamba2"), "recurrent or state-space"),
     (dict(model_type="bamba"), "recurrent or state-space"),
     (dict(model_type="recurrent_gemma"), "recurrent or state-space"),
+    (dict(model_type="lfm2", layer_types=["conv", "full_attention"], num_hidden_layers=2),
+     "layers that are not attention (layer types ['conv'])"),
 ], ids=["mixtral", "qwen2_moe", "llama-with-experts", "t5", "gemma3-multimodal", "cohere",
-        "falcon-alibi", "mpt", "mamba2", "bamba", "recurrent_gemma"])
+        "falcon-alibi", "mpt", "mamba2", "bamba", "recurrent_gemma", "lfm2-conv"])
 def test_unsupported_models_are_refused_by_model_type_and_reason(spec, reason):
     """Each names its reason (ALiBi and recurrent families were refused with an internal error
     of the architecture probe as their reason: an AttributeError, an invalid small config)."""
