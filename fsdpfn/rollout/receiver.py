@@ -13,13 +13,13 @@ Two ways in, each the protocol of its owner:
   packed back to back (else one broadcast per tensor), loaded at once, as SGLang loads them.
   ``weight_version`` may be any string: it is reported back as given (/get_weight_version),
   beside fsdpfn's own integer version (staging.parse_version).
-- fsdpfn's update channel (UpdateChannel, below): a TCP connection per trainer, bound to a group,
-  carrying whole updates. The layout is checked before any byte is sent (the server answers
-  "accepted" first); every bucket's receive is posted at once, each bucket checked on the device
-  as it lands (zero padding, per-tensor checksums, finite); the checks are read once and the
-  server answers "ready" with the version and the weights checksum; the weights are swapped in
-  only when the trainer, having compared that checksum with what it sent, answers "commit" (any
-  other answer, a closed connection or the group's timeout: previous weights kept).
+- fsdpfn's update channel (UpdateChannel, below): a TCP connection per trainer, bound to a
+  group, carrying whole updates. The layout is checked before any byte is sent (the server answers
+  "accepted" first); every bucket's receive is posted at once, each bucket checked on the device as
+  it lands (zero padding, per-tensor checksums, finite); the checks are read once and the server
+  answers "ready" with the version and the weights checksum; the weights are swapped in only when
+  the trainer, having compared that checksum with what it sent, answers "commit" (any other answer,
+  a closed connection or the group's timeout: previous weights kept).
 
 Besides: CUDA IPC handles (/update_weights_from_ipc), files (/update_weights_from_disk), and
 peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
@@ -40,9 +40,11 @@ import torch
 from fsdpfn.rollout import lora as rollout_lora
 from fsdpfn.rollout.errors import UpdateError
 from fsdpfn.rollout.staging import (Abandoned, Layout, check_manifest, copy_shared,
-                                    first_non_finite, load_safetensors, parse_version, post_flat,
-                                    read_json, receive_sglang, record_event, torch_dtypes,
-                                    unpack_flat, validate, wait_events, wait_work_or_abandon)
+                                    first_non_finite, http_swap_s, load_safetensors,
+                                    manifest_version, parse_version, post_flat, read_json,
+                                    receive_sglang, record_event, request_fields, swap_bound,
+                                    torch_dtypes, unpack_flat, validate, wait_events,
+                                    wait_work_or_abandon)
 from fsdpfn.wire.frames import recv_frame, send_frame
 from fsdpfn.wire.protocol import (MANIFEST, combine_checksums, combine_on_device, make_group,
                                   tensor_checksums)
@@ -214,7 +216,7 @@ class Receiver:
         name = str(payload.get("group_name") or "weight_update_group")
         group = self._group(name)
         try:
-            names, dtypes, shapes = _request_fields(payload)
+            names, dtypes, shapes = request_fields(payload)
             self._version(payload.get("weight_version"), partial=True)  # refused before bytes
         except UpdateError as exc:
             self._drop_group(name)
@@ -381,7 +383,7 @@ class Receiver:
             torch.cuda.synchronize(self.engine.device)  # copies done before the sender frees
             return self._commit(tensors, sums, finite, version, label, clock,
                                 merged_adapters=bool(payload.get("merged_adapters")),
-                                swap_s=_http_swap_s(payload, start),
+                                swap_s=http_swap_s(payload, start),
                                 expected=payload.get("weights_checksum"))
 
     def _commit(self, tensors, sums, finite, version, label, clock: float,
@@ -426,7 +428,7 @@ class Receiver:
                 raise UpdateError(f"model_path: must be a directory of safetensors files, got "
                                   f"{str(path)!r}", 404)
             manifest = read_json(path / MANIFEST)
-            saved = _manifest_version(manifest, path)
+            saved = manifest_version(manifest, path)
             given = payload.get("weight_version")
             version, label = self._version(given)
             if saved is not None and given is not None and label is None and saved != version:
@@ -447,7 +449,7 @@ class Receiver:
             if payload.get("commit", True) is False:
                 return self._stage(tensors, version, label, merged)
             return self._commit_loaded(tensors, version, label, merged_adapters=merged,
-                                       swap_s=_http_swap_s(payload, start))
+                                       swap_s=http_swap_s(payload, start))
 
     def _stage(self, tensors: dict, version: int, label, merged: bool) -> dict:
         """Keep a checked whole update aside (replacing any staged before); answer with the
@@ -486,7 +488,7 @@ class Receiver:
                         "message": f"staged version {version} dropped"}
             self._swap(staged["tensors"], staged["version"], staged["label"], whole=True,
                        merged_adapters=staged["merged_adapters"],
-                       timeout_s=_http_swap_s(payload, start))
+                       timeout_s=http_swap_s(payload, start))
             return {"success": True, "weight_version": staged["version"],
                     "weights_checksum": self.engine.weights_checksum(),
                     "message": f"committed version {staged['version']}"}
@@ -616,62 +618,6 @@ class UpdateChannel:
             conn, {"success": True, "accepted": True}),
             decide=lambda ready, timeout_s: _await_commit(conn, ready, timeout_s),
             abandoned=lambda: _readable(conn))
-
-
-def _manifest_version(manifest: dict | None, path: Path) -> int | None:
-    """The version fsdpfn's manifest names (None without a manifest); UpdateError when it
-    names none."""
-    if manifest is None:
-        return None
-    version = manifest.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise UpdateError(f"{MANIFEST}: must name the files' version (an int >= 0), got "
-                          f"{version!r} in {str(path)!r}")
-    return version
-
-
-def swap_bound(timeout_s: float) -> float:
-    """How long a swap may wait for the model lock when its sender waits ``timeout_s`` for the
-    answer: a little less, so that a swap the lock holds up is answered as a failure (previous
-    weights kept) before the sender gives up, never done after the sender reported one."""
-    return max(0.01, float(timeout_s) - min(2.0, 0.1 * float(timeout_s)))
-
-
-def _http_swap_s(payload: dict, start: float) -> float:
-    """What is left of a request's swap bound: its sender's ``timeout_s`` (fsdpfn's senders
-    send the timeout of their HTTP call; 300 s without one), less the time spent since
-    ``start`` (time.monotonic())."""
-    timeout = payload.get("timeout_s")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        timeout = 300.0
-    return max(0.01, swap_bound(timeout) - (time.monotonic() - start))
-
-
-def _request_fields(payload: dict) -> tuple[list[str], list[str], list[list[int]]]:
-    """(names, dtypes, shapes) of an SGLang update request, typed as SGLang's pydantic types
-    them (lists of strings, lists of lists of ints) and of equal lengths; else UpdateError."""
-    fields = {key: payload.get(key) for key in ("names", "dtypes", "shapes")}
-    for key in ("names", "dtypes"):
-        value = fields[key]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UpdateError(f"{key}: must be a list of strings, got {str(value)[:80]!r}")
-    shapes = fields["shapes"]
-
-    def dim(d):  # pydantic's lax int: an int, or a string of one
-        if isinstance(d, str) and d.strip().isdecimal():
-            return int(d)
-        return d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else None
-
-    if isinstance(shapes, list) and all(isinstance(s, list) for s in shapes):
-        shapes = [[dim(d) for d in s] for s in shapes]
-    if not isinstance(shapes, list) or not all(
-            isinstance(s, list) and None not in s for s in shapes):
-        raise UpdateError(f"shapes: must be a list of lists of ints >= 0, got "
-                          f"{str(fields['shapes'])[:80]!r}")
-    if not len(fields["names"]) == len(fields["dtypes"]) == len(shapes):
-        raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
-                          f"{len(fields['names'])}, {len(fields['dtypes'])}, {len(shapes)}")
-    return fields["names"], fields["dtypes"], shapes
 
 
 def _readable(conn: socket.socket) -> bool:

@@ -20,13 +20,15 @@ from pathlib import Path
 import torch
 
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.wire.protocol import (bucket_layout, broadcast, dtype_from_name, dtype_name,
+from fsdpfn.wire.protocol import (MANIFEST, bucket_layout, broadcast, dtype_from_name, dtype_name,
                                   flat_checksums, padded_size, sha256_of, wait_work,
                                   zero_padding)
 
 __all__ = ["BucketLayout", "Layout", "validate", "torch_dtypes", "receive_sglang", "post_flat",
            "unpack_flat", "copy_shared", "events_done", "wait_events", "parse_version", "record_event",
-           "read_json", "load_safetensors", "check_manifest", "first_non_finite"]
+           "read_json", "load_safetensors", "check_manifest", "first_non_finite", "Abandoned",
+           "wait_work_or_abandon", "manifest_version", "swap_bound", "http_swap_s",
+           "request_fields"]
 
 
 def torch_dtypes(dtypes: list[str]) -> list[torch.dtype]:
@@ -311,3 +313,59 @@ def check_manifest(manifest: dict, tensors: dict[str, torch.Tensor]) -> list[str
             problems.append(f"tensor {name!r}: sha256 must equal the manifest's, got a "
                             f"different digest (corrupted or partly written file)")
     return problems
+
+
+def manifest_version(manifest: dict | None, path: Path) -> int | None:
+    """The version fsdpfn's manifest names (None without a manifest); UpdateError when it
+    names none."""
+    if manifest is None:
+        return None
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise UpdateError(f"{MANIFEST}: must name the files' version (an int >= 0), got "
+                          f"{version!r} in {str(path)!r}")
+    return version
+
+
+def swap_bound(timeout_s: float) -> float:
+    """How long a swap may wait for the model lock when its sender waits ``timeout_s`` for the
+    answer: a little less, so that a swap the lock holds up is answered as a failure (previous
+    weights kept) before the sender gives up, never done after the sender reported one."""
+    return max(0.01, float(timeout_s) - min(2.0, 0.1 * float(timeout_s)))
+
+
+def http_swap_s(payload: dict, start: float) -> float:
+    """What is left of a request's swap bound: its sender's ``timeout_s`` (fsdpfn's senders
+    send the timeout of their HTTP call; 300 s without one), less the time spent since
+    ``start`` (time.monotonic())."""
+    timeout = payload.get("timeout_s")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        timeout = 300.0
+    return max(0.01, swap_bound(timeout) - (time.monotonic() - start))
+
+
+def request_fields(payload: dict) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtypes, shapes) of an SGLang update request, typed as SGLang's pydantic types
+    them (lists of strings, lists of lists of ints) and of equal lengths; else UpdateError."""
+    fields = {key: payload.get(key) for key in ("names", "dtypes", "shapes")}
+    for key in ("names", "dtypes"):
+        value = fields[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UpdateError(f"{key}: must be a list of strings, got {str(value)[:80]!r}")
+    shapes = fields["shapes"]
+
+    def dim(d):  # pydantic's lax int: an int, or a string of one
+        if isinstance(d, str) and d.strip().isdecimal():
+            return int(d)
+        return d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else None
+
+    if isinstance(shapes, list) and all(isinstance(s, list) for s in shapes):
+        shapes = [[dim(d) for d in s] for s in shapes]
+    if not isinstance(shapes, list) or not all(
+            isinstance(s, list) and None not in s for s in shapes):
+        raise UpdateError(f"shapes: must be a list of lists of ints >= 0, got "
+                          f"{str(fields['shapes'])[:80]!r}")
+    if not len(fields["names"]) == len(fields["dtypes"]) == len(shapes):
+        raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
+                          f"{len(fields['names'])}, {len(fields['dtypes'])}, {len(shapes)}")
+    return fields["names"], fields["dtypes"], shapes

@@ -30,6 +30,7 @@ import attrs
 from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.engine import engines, longest_row
+from fsdpfn.app.recipes.placement import check_parallel
 from fsdpfn.engine.host import available_host_memory
 
 __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
@@ -52,7 +53,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
         check_rollout(cfg)
     hf = model_config(cfg)
     check_positions(cfg, hf)
-    check_parallel(cfg, placement, hf)
+    check_parallel(cfg, placement, hf)  # fsdpfn.app.recipes.placement
     check_lora_targets(cfg)
     shape = ModelShape.from_hf(hf)
     notes = [check_disk(cfg, shape)]
@@ -142,42 +143,6 @@ def check_reward(cfg) -> None:
         raise ConfigError(f"reward.fn: {spec!r} must accept {shape} (reward.batched="
                           f"{str(cfg.reward.batched).lower()}); its signature {sig} does not "
                           f"({exc}), got {spec!r}") from None
-
-
-# the rows of one step each recipe hands its data-parallel ranks (whole groups or pairs a rank)
-STEP_ROWS = {"grpo": "prompts_per_step", "ppo": "prompts_per_step", "sft": "batch_size",
-             "rw": "pairs_per_step", "dpo": "pairs_per_step"}
-
-
-def check_parallel(cfg, placement, hf: dict) -> None:
-    """What the trainer ranks would refuse once started, refused before: tp dividing the
-    attention heads (and the heads a whole number of kv heads each), a step's rows, groups or
-    pairs at least one per data-parallel rank, and the engine options that need CUDA."""
-    p = cfg.parallel
-    dp = p.dp if p.dp != -1 else max(placement.nproc // (p.tp * p.cp), 1)
-    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
-    where = "model.num_heads" if cfg.model.embedded else f"model.path ({cfg.model.path})"
-    if isinstance(heads, int) and isinstance(kv, int) and kv and heads % kv:
-        raise ConfigError(f"{'model.num_kv_heads' if cfg.model.embedded else where}: the "
-                          f"attention heads must be a whole number of kv heads each, got "
-                          f"{heads} heads on {kv} kv heads")
-    if isinstance(heads, int) and heads % p.tp:
-        raise ConfigError(f"parallel.tp: must divide the model's num_attention_heads ({heads}, "
-                          f"{where}), got tp={p.tp}")
-    key = STEP_ROWS.get(cfg.recipe)
-    if key is not None and getattr(cfg, key) < dp:
-        raise ConfigError(f"{key}: must be >= the {dp} data-parallel ranks (each rank trains "
-                          f"whole {'groups' if key == 'prompts_per_step' else 'rows'} of a "
-                          f"step), got {getattr(cfg, key)}")
-    warmup = getattr(cfg, "warmup", None)
-    if warmup is not None and warmup.steps != 0 and warmup.batch_size < dp:
-        raise ConfigError(f"warmup.batch_size: must be >= the {dp} data-parallel ranks, got "
-                          f"{warmup.batch_size}")
-    if placement.device != "cuda":
-        for name, value in (("attn_impl", "varlen"), ("logprobs_impl", "liger")):
-            if getattr(cfg.engine, name) == value:
-                raise ConfigError(f"engine.{name}: {value!r} needs CUDA and this run's trainer "
-                                  f"is on {placement.device} (launch.device), got {value!r}")
 
 
 def check_rollout(cfg) -> None:
