@@ -220,6 +220,10 @@ def _prepare_data(cfg, run_dir: Path, *, resume: bool, out: Path | None = None) 
         _say(f"data ({split}): {r['kept']} of {r['rows']} samples"
              + (f"; dropped {dropped}: " + ", ".join(f"{n} {why}" for why, n in
                                                     r["dropped"].items()) if dropped else ""))
+    every = getattr(getattr(cfg, "eval", None), "every", 0)
+    if every and not cfg.data.eval_files:
+        _say(f"eval.every={every}: no held-out evaluation (data.eval_files is empty; the "
+             f"greedy accuracy is measured on eval files only)")
     per_step = _rows_per_step(cfg)
     kept = report.get("train", {}).get("kept", 0)
     if per_step is not None and 0 < kept < per_step[1]:

@@ -11,6 +11,15 @@ import argparse
 import os
 
 
+def _version(text: str) -> int:
+    """--weight-version: an int >= 0 (a version counts weight changes; -1 marks tokens no
+    weights sampled in fsdpfn.rollout.episode)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {value}")
+    return value
+
+
 def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
     """The server's command line (fsdpfn run checks a recipe's rollout.server_args with it)."""
     p = argparse.ArgumentParser(prog="python -m fsdpfn.rollout", allow_abbrev=allow_abbrev,
@@ -28,7 +37,8 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                         "trainer that writes the starting model as it starts, as fsdpfn run's "
                         "rank 0 writes the embedded model; default 0: it must be there)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if any)")
-    p.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
+    p.add_argument("--weight-version", type=_version, default=0,
+                   help="version of the initial weights (an int >= 0)")
     p.add_argument("--max-pause-s", type=float, default=600.0,
                    help="a /pause_generation expires by itself after this many seconds")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

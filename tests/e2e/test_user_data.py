@@ -358,5 +358,15 @@ def test_a_dry_run_tokenizes_the_data_and_says_what_a_run_would_keep(ws, tmp_pat
     assert rc == 0
     assert ("data (train): 40 samples for batch_size=120 a step: each step takes every "
             "sample about 3 times") in capsys.readouterr().err
+    # an evaluation that has no files to read says so (it was silently off)
+    sys.path.insert(0, str(ws))
+    try:
+        rc = main(["run", str(ws / "grpo.yaml"), f"run_dir={run_dir}", "data.eval_files=[]",
+                   "--dry-run"])
+    finally:
+        sys.path.remove(str(ws))
+    assert rc == 0
+    assert "eval.every=2: no held-out evaluation (data.eval_files is empty" in \
+        capsys.readouterr().err
     assert "data.train_files: no sample fits the limits" in _fails(
         ws, tmp_path, capsys, "sft", "--dry-run", "data.max_response_tokens=1")

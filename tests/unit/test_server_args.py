@@ -152,3 +152,16 @@ def test_a_decode_cache_shorter_than_the_longest_row_is_refused():
                                           r"= 700 \+ 300 = 1000 tokens .*, got 999$"):
         default_config("grpo", [*data, "rollout.server_args=[--decode-max-len=999]"])
     assert _server(*data, "rollout.server_args=[--decode-max-len, 1000]").decode_max_len == 1000
+
+
+def test_a_negative_initial_weight_version_is_refused_by_the_server_command(capsys):
+    """-1 marks tokens no weights sampled (fsdpfn.rollout.episode): a server started at it
+    labelled its tokens as not sampled; the update requests refuse negative versions too."""
+    from fsdpfn.rollout.__main__ import parser
+
+    assert parser().parse_args(["--model", "m", "--port", "1", "--weight-version", "3"]) \
+        .weight_version == 3
+    with pytest.raises(SystemExit) as info:
+        parser().parse_args(["--model", "m", "--port", "1", "--weight-version", "-1"])
+    assert info.value.code == 2
+    assert "argument --weight-version: must be an int >= 0, got -1" in capsys.readouterr().err
