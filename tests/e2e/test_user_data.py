@@ -331,16 +331,21 @@ def test_a_split_no_file_feeds_now_is_not_left_behind(ws, tmp_path):
     assert not (out / "eval.jsonl").exists()  # an earlier run's held-out rows are not used
 
 
+def _dry_run(ws, capsys, recipe: str, *overrides: str) -> tuple[int, str]:
+    """``fsdpfn run <ws>/<recipe>.yaml ... --dry-run`` in this process: (status, stderr)."""
+    capsys.readouterr()
+    sys.path.insert(0, str(ws))
+    try:
+        rc = main(["run", str(ws / f"{recipe}.yaml"), *overrides, "--dry-run"])
+    finally:
+        sys.path.remove(str(ws))
+    return rc, capsys.readouterr().err
+
+
 @pytest.mark.timeout(60)
 def test_a_dry_run_tokenizes_the_data_and_says_what_a_run_would_keep(ws, tmp_path, capsys):
     run_dir = tmp_path / "dry"
-    sys.path.insert(0, str(ws))
-    try:
-        capsys.readouterr()
-        rc = main(["run", str(ws / "sft.yaml"), f"run_dir={run_dir}", "--dry-run"])
-        err = capsys.readouterr().err
-    finally:
-        sys.path.remove(str(ws))
+    rc, err = _dry_run(ws, capsys, "sft", f"run_dir={run_dir}")
     assert rc == 0, err
     # the long prompt of the workspace's train file is over the limit, as in a real run
     assert "data (train): 40 of 41 samples; dropped 1: 1 prompt over max_prompt_tokens" in err
@@ -348,25 +353,11 @@ def test_a_dry_run_tokenizes_the_data_and_says_what_a_run_would_keep(ws, tmp_pat
     assert "each step takes every sample" not in err  # the workspace's batch fits its data
     assert not run_dir.exists()  # nothing written
     # a step larger than the data is said, with how often each sample comes back a step
-    capsys.readouterr()
-    sys.path.insert(0, str(ws))
-    try:
-        rc = main(["run", str(ws / "sft.yaml"), f"run_dir={run_dir}", "batch_size=120",
-                   "--dry-run"])
-    finally:
-        sys.path.remove(str(ws))
-    assert rc == 0
-    assert ("data (train): 40 samples for batch_size=120 a step: each step takes every "
-            "sample about 3 times") in capsys.readouterr().err
+    rc, err = _dry_run(ws, capsys, "sft", f"run_dir={run_dir}", "batch_size=120")
+    assert rc == 0 and ("data (train): 40 samples for batch_size=120 a step: each step takes "
+                        "every sample about 3 times") in err, err
     # an evaluation that has no files to read says so (it was silently off)
-    sys.path.insert(0, str(ws))
-    try:
-        rc = main(["run", str(ws / "grpo.yaml"), f"run_dir={run_dir}", "data.eval_files=[]",
-                   "--dry-run"])
-    finally:
-        sys.path.remove(str(ws))
-    assert rc == 0
-    assert "eval.every=2: no held-out evaluation (data.eval_files is empty" in \
-        capsys.readouterr().err
+    rc, err = _dry_run(ws, capsys, "grpo", f"run_dir={run_dir}", "data.eval_files=[]")
+    assert rc == 0 and "eval.every=2: no held-out evaluation (data.eval_files is empty" in err
     assert "data.train_files: no sample fits the limits" in _fails(
         ws, tmp_path, capsys, "sft", "--dry-run", "data.max_response_tokens=1")
