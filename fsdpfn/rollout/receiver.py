@@ -90,12 +90,18 @@ class Receiver:
     # ------------------------------------------------------------ turns and failures
 
     @contextlib.contextmanager
-    def _alone(self, wait_s: float, busy: str = ""):
-        """No other update or group change runs meanwhile (409 after ``wait_s``, ``busy``
-        added to its message); an UpdateError is recorded, and generation resumed, before it
+    def _alone(self, wait_s: float, drop_on_busy: str | None = None):
+        """No other update or group change runs meanwhile (409 after ``wait_s``; with
+        ``drop_on_busy``, that group is dropped first: the bytes sent for a request that never
+        got the turn are unread); an UpdateError is recorded, and generation resumed, before it
         is raised."""
         if not self._turn.acquire(timeout=max(wait_s, 0.0)):
-            raise UpdateError("update: another update is in progress" + busy, 409)
+            note = ""
+            if drop_on_busy is not None:
+                self._drop_group(drop_on_busy)
+                note = (f"; group {drop_on_busy!r} dropped (the bytes sent for this request are "
+                        f"unread), re-initialise it")
+            raise UpdateError("update: another update is in progress" + note, 409)
         try:
             yield
         except UpdateError as exc:
@@ -222,15 +228,8 @@ class Receiver:
             self._drop_group(name)
             self.last_error = f"{exc}; group {name!r} dropped, re-initialise it"
             raise UpdateError(self.last_error, exc.status) from None
-        busy = f"; group {name!r} dropped (the bytes sent for this request are unread), " \
-               f"re-initialise it"
-        try:
-            with self._alone(group.timeout_s, busy):
-                return self._apply_request(payload, name, group, names, dtypes, shapes)
-        except UpdateError as exc:
-            if exc.status == 409 and str(exc).endswith(busy):
-                self._drop_group(name)
-            raise
+        with self._alone(group.timeout_s, drop_on_busy=name):
+            return self._apply_request(payload, name, group, names, dtypes, shapes)
 
     def _apply_request(self, payload: dict, name: str, group: Group, names, dtypes,
                        shapes) -> dict:

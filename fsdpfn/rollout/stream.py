@@ -156,7 +156,7 @@ class RolloutStream:
         self.runner, self.token_items = runner or self._generate, runner is None
         self.G, self.B, self.N = group_size, groups_per_step, max_staleness
         self.start = self.next_index = self.consumed = start
-        self.version, self.advances = version, 0
+        self.version = version
         self.pushed = [version]  # the version served after each advance (index 0: at the start)
         self.cond = threading.Condition()
         self.finished: dict[int, Group] = {}
@@ -211,8 +211,12 @@ class RolloutStream:
                                   f"{self.version}")
             self.version = version
             self.pushed.append(version)
-            self.advances += 1
             self.cond.notify_all()
+
+    @property
+    def advances(self) -> int:
+        """How many ``advance`` calls the stream has seen."""
+        return len(self.pushed) - 1
 
     @property
     def cursor(self) -> int:
