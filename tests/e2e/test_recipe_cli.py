@@ -95,8 +95,9 @@ def test_resume_with_overwrite_is_refused_and_the_run_dir_is_kept(tmp_path, comm
 @pytest.mark.timeout(150)
 def test_a_rank_failure_is_one_line_with_the_log_path(tmp_path):
     """A typed error raised inside the trainer rank (a wrap policy naming no module class of
-    the model: known once the model is built) reaches the terminal as one line; the traceback
-    and the launcher's line on the failed rank are in trainer.log."""
+    the model: known once the model is built) reaches the terminal as one line that names the
+    YAML key (`engine.fsdp.wrap_policy`, where the engine's own error says `fsdp.wrap_policy`);
+    the traceback and the launcher's line on the failed rank are in trainer.log."""
     run_dir = tmp_path / "r"
     proc = _fsdpfn("run", EXAMPLES / "sft.yaml", f"run_dir={run_dir}", "launch.nproc=1",
                    "steps=2", "engine.fsdp.wrap_policy=[NopeLayer]", timeout=140)
@@ -104,8 +105,8 @@ def test_a_rank_failure_is_one_line_with_the_log_path(tmp_path):
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
     log = run_dir / "trainer.log"
-    assert lines[0].startswith("fsdpfn: error: ConfigError: fsdp.wrap_policy: must name module "
-                               "classes of the model")
+    assert lines[0].startswith("fsdpfn: error: ConfigError: engine.fsdp.wrap_policy: must name "
+                               "module classes of the model")
     assert lines[0].endswith(f"(trace in {log})"), lines[0]
     for noise in ("Traceback", "ChildFailedError", "torch.distributed", "===="):
         assert noise not in proc.stderr, proc.stderr
@@ -114,7 +115,7 @@ def test_a_rank_failure_is_one_line_with_the_log_path(tmp_path):
     assert "[fsdpfn] trainer rank 0 exited with status 1\n" in text
     state = json.loads((run_dir / "run_state.json").read_text())
     assert state["status"] == "failed" and state["error"].startswith(
-        "ConfigError: fsdp.wrap_policy")
+        "ConfigError: engine.fsdp.wrap_policy")
 
 
 @pytest.mark.timeout(120)

@@ -147,3 +147,25 @@ def test_the_warm_ups_loss_and_the_pair_recipes_eval_cadence_have_keys():
         assert _eval_every(default_config(recipe, ["steps=60"])) == 12
         assert _eval_every(default_config(recipe, ["steps=60", "eval_every=7"])) == 7
         assert _eval_every(default_config(recipe, ["eval_every=0"])) == 0
+
+
+@pytest.mark.parametrize("role,raised,line", [
+    ("ref_engine", "fsdp.wrap_policy: must name module classes of the model, got ['X']",
+     "ref_engine.fsdp.wrap_policy: must name module classes of the model, got ['X']"),
+    ("critic_engine", "lora: a critic takes no adapters, got 4",
+     "critic_engine.lora: a critic takes no adapters, got 4"),
+    ("engine", "ParallelStrategy.tp: must divide the model's num_key_value_heads (3), got tp=2",
+     "parallel.tp: must divide the model's num_key_value_heads (3), got tp=2"),
+    ("engine", "model_type: 'mpt' is not supported: ALiBi positions",
+     "model.path: model_type: 'mpt' is not supported: ALiBi positions"),
+    ("engine", "model_path: no config.json in /x, got '/x'",
+     "model.path: no config.json in /x, got '/x'"),
+    ("engine", "loss_fn: must return a pair, got 3", "loss_fn: must return a pair, got 3"),
+])
+def test_a_rank_side_engine_error_names_the_yaml_key(role, raised, line):
+    """The engine names its own fields (`fsdp.wrap_policy`, `ParallelStrategy.tp`,
+    `model_type`); a rank of the main job re-raises such an error under the YAML key that sets
+    it, and leaves any other message as it was."""
+    from fsdpfn.app.recipes.engine import yaml_named
+
+    assert str(yaml_named(role, ConfigError(raised))) == line

@@ -31,7 +31,7 @@ from fsdpfn.validators import one_of
 from fsdpfn.errors import ConfigError
 
 __all__ = ["EngineSection", "OWNED", "MOVED", "resolve_section", "build_engine",
-           "section_dtype"]
+           "section_dtype", "shard", "yaml_named"]
 
 # EngineConfig fields a recipe sets itself -> where the YAML sets them
 OWNED = {
@@ -138,6 +138,36 @@ def build_engine(section, *, model_path, device: str, optimizer, seed: int,
         fields["lora"] = None
     return EngineConfig(**model_source(model_path), optimizer=optimizer, is_critic=critic,
                         seed=seed, **fields)
+
+
+def shard(config: EngineConfig, mesh, role: str = "engine"):
+    """``fsdpfn.shard_model`` on a rank of the main job, its ConfigError named as the YAML
+    names the setting (``yaml_named``)."""
+    import fsdpfn as ff
+
+    try:
+        return ff.shard_model(config, mesh)
+    except ConfigError as exc:
+        raise yaml_named(role, exc) from exc
+
+
+# the leading name of a shard_model ConfigError -> the YAML key that sets it
+_YAML_HOME = {"ParallelStrategy.": "parallel.", "model_path": "model.path",
+              "model_config.": "model.path: config.json: ", "model_type": "model.path: model_type"}
+
+
+def yaml_named(role: str, exc: ConfigError) -> ConfigError:
+    """A ConfigError raised by the engine for one of ``role``'s fields (``fsdp.wrap_policy:
+    ...``) renamed under its section (``engine.fsdp.wrap_policy: ...``); one about parallelism
+    or the model under ``parallel.`` or ``model.path``; any other unchanged."""
+    message = str(exc)
+    head = message.split(":", 1)[0].split(".", 1)[0].strip()
+    if head in {a.name for a in attrs.fields(EngineSection)}:
+        return _under(role, exc)
+    for engine_name, yaml_name in _YAML_HOME.items():
+        if message.startswith(engine_name):
+            return ConfigError(yaml_name + message[len(engine_name):])
+    return exc
 
 
 def model_source(model_path) -> dict:

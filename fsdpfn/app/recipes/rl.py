@@ -38,7 +38,7 @@ from tensordict import TensorDict
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.app.recipes.data import AdditionSource, load_source
-from fsdpfn.app.recipes.engine import build_engine, engines
+from fsdpfn.app.recipes.engine import build_engine, engines, shard
 from fsdpfn.app.recipes.model import has_weights, initial_model_dir, load_tokenizer
 from fsdpfn.app.recipes.reward import build_reward_pool, reward_spec
 from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunContext,
@@ -63,6 +63,12 @@ def _engine(cfg, ctx: RunContext, model_path: Path, *, optimizer,
                         optimizer=optimizer, seed=cfg.seed, critic=role == "critic_engine")
 
 
+def _state(cfg, ctx: RunContext, mesh, model_path: Path, *, optimizer,
+           role: str = "engine") -> ff.EngineState:
+    """``_engine``'s model sharded over ``mesh``; a ConfigError names the YAML key."""
+    return shard(_engine(cfg, ctx, model_path, optimizer=optimizer, role=role), mesh, role)
+
+
 def warmup_steps(cfg) -> int:
     if cfg.warmup.steps is not None:
         return cfg.warmup.steps
@@ -77,7 +83,7 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
     run_dir = ctx.run_dir
     w = cfg.warmup
     steps = warmup_steps(cfg)
-    state = ff.shard_model(_engine(cfg, ctx, run_dir / "model0", optimizer=w.optimizer), mesh)
+    state = _state(cfg, ctx, mesh, run_dir / "model0", optimizer=w.optimizer)
     train = AdditionSource(cfg.task, tok, seed=cfg.seed * 1_000_003 + 17)
     held_out = sequences_batch([(e["ids"], e["loss"]) for e in train.head(256)])
     bar = Progress("warm-up (sft)", steps, every=max(steps // 10, 1), enabled=cfg.log.progress)
@@ -253,14 +259,14 @@ def run(cfg, ctx: RunContext) -> int:
 
 
 def _states(cfg, ctx: RunContext, mesh, source: Path, latest, start: int):
-    actor = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.optimizer), mesh)
+    actor = _state(cfg, ctx, mesh, source, optimizer=cfg.optimizer)
     ref = None  # with lora: the actor with its adapters disabled (forward_logp adapters=False)
     if cfg.engine.lora is None:
-        ref = ff.shard_model(_engine(cfg, ctx, source, optimizer=None, role="ref_engine"), mesh)
+        ref = _state(cfg, ctx, mesh, source, optimizer=None, role="ref_engine")
     critic = None
     if cfg.recipe == "ppo":
-        critic = ff.shard_model(_engine(cfg, ctx, source, optimizer=cfg.critic_optimizer,
-                                        role="critic_engine"), mesh)
+        critic = _state(cfg, ctx, mesh, source, optimizer=cfg.critic_optimizer,
+                        role="critic_engine")
     if latest is not None:
         actor, _ = ff.load_checkpoint(actor, latest)
         if critic is not None:

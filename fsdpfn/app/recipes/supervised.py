@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.app.recipes.data import load_source
-from fsdpfn.app.recipes.engine import build_engine, engines
+from fsdpfn.app.recipes.engine import build_engine, engines, shard
 from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.app.recipes.runtime import Checkpoints, Metrics, Progress, RunContext, is_main, \
     log, mean_sequence_prob, step_stats, with_checkpoint
@@ -42,6 +42,11 @@ def _engine(cfg, ctx: RunContext, *, optimizer, critic: bool = False,
     return build_engine(engines(cfg)[role], model_path=initial_model_dir(cfg.model, ctx.run_dir),
                         device=ctx.device, optimizer=optimizer, seed=cfg.seed,
                         critic=critic)
+
+
+def _state(cfg, ctx: RunContext, mesh, *, role: str = "engine", **kwargs) -> ff.EngineState:
+    """``_engine``'s model sharded over ``mesh``; a ConfigError names the YAML key."""
+    return shard(_engine(cfg, ctx, role=role, **kwargs), mesh, role)
 
 
 def _sft_batch(examples):
@@ -160,7 +165,7 @@ def _held_out(cfg, ctx, tok, n: int):
 def run_sft(cfg, ctx: RunContext):
     mesh = ff.build_mesh(cfg.parallel, device_type=ctx.device)
     tok = load_tokenizer(cfg.model)
-    state = ff.shard_model(_engine(cfg, ctx, optimizer=cfg.optimizer), mesh)
+    state = _state(cfg, ctx, mesh, optimizer=cfg.optimizer)
     held = _held_out(cfg, ctx, tok, 256)
     evaluate = None
     if held:
@@ -182,7 +187,7 @@ def run_sft(cfg, ctx: RunContext):
 def run_rw(cfg, ctx: RunContext):
     mesh = ff.build_mesh(cfg.parallel, device_type=ctx.device)
     tok = load_tokenizer(cfg.model)
-    state = ff.shard_model(_engine(cfg, ctx, optimizer=cfg.optimizer, critic=True), mesh)
+    state = _state(cfg, ctx, mesh, optimizer=cfg.optimizer, critic=True)
     held = _held_out(cfg, ctx, tok, 128)
     evaluate = None
     if held:
@@ -203,11 +208,11 @@ def run_rw(cfg, ctx: RunContext):
 def run_dpo(cfg, ctx: RunContext):
     mesh = ff.build_mesh(cfg.parallel, device_type=ctx.device)
     tok = load_tokenizer(cfg.model)
-    state = ff.shard_model(_engine(cfg, ctx, optimizer=cfg.optimizer), mesh)
+    state = _state(cfg, ctx, mesh, optimizer=cfg.optimizer)
     ref = None  # with lora: the policy with its adapters disabled, no second model
     if cfg.engine.lora is None:
         # the same initial weights
-        ref = ff.shard_model(_engine(cfg, ctx, optimizer=None, role="ref_engine"), mesh)
+        ref = _state(cfg, ctx, mesh, optimizer=None, role="ref_engine")
     held = _held_out(cfg, ctx, tok, 256)
 
     def step_fn(s, local):
