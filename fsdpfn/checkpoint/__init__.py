@@ -59,7 +59,10 @@ Decisions (documented contract):
   or that torch's loader cannot read, raises CheckpointError naming the file and the tensor; at
   any world size: each rank sums the parts of saved chunks it reads, on the device, and the
   parts are added over the ranks), the architecture (model_type, sizes, heads, vocabulary, tied
-  embeddings, critic), and every key's shape and dtype against the DCP metadata (DCP itself
+  embeddings, critic; the config fields that change the forward for the same weights, such as
+  rope_theta or a window, are compared too, and a difference is a UserWarning naming them, not
+  a refusal: continued training under a longer rotary base loads on purpose), and every key's
+  shape and dtype against the DCP metadata (DCP itself
   would silently cast dtypes and ignore extra keys). The data are read into fresh buffers and
   applied only after every rank read them, so a failure at any stage leaves the state unchanged
   and live, on every rank.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _i
 from fsdpfn.checkpoint.save import _architecture, _model_state, _rng_file, _set_rng_state
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, advance, check_live, stale_reason
+from fsdpfn.wire.model_fingerprint import config_fields, diff_config_fields
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,24 @@ def _check_architecture(state: EngineState, manifest: dict, root: Path) -> None:
                 f"in {str(root)!r} and {value!r} in the state (model "
                 f"{here['model_type']!r}); load it into a state built from the same model config"
                 + (" and EngineConfig.lora" if key.startswith("lora") else ""))
+
+
+def _warn_config_fields(state: EngineState, manifest: dict, root: Path) -> None:
+    """A checkpoint saved under other values of a field that changes the forward for the same
+    weights (rope_theta, a window, a softcap: ``fsdpfn.wire.model_fingerprint``) loads, as
+    continued training under a longer rotary base does on purpose; a UserWarning names each
+    field with both values. A manifest from before the fields were recorded is not compared."""
+    saved = manifest.get("config_fields")
+    if not isinstance(saved, dict):
+        return
+    here = config_fields(state.hf_config)
+    names = diff_config_fields(saved, here)
+    if names and rank() == 0:
+        shown = ", ".join(f"{n}: {saved.get(n, '(absent)')!r} saved, {here.get(n, '(absent)')!r} "
+                          f"here" for n in names)
+        warnings.warn(f"load_checkpoint: {str(root)!r} was saved from a model config that "
+                      f"computes differently from the state's ({shown}); its weights are loaded "
+                      f"and run under the state's config", UserWarning, stacklevel=3)
 
 
 def _read_metadata(root: Path):
@@ -234,6 +254,7 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
     checksums = _checksums_to_verify(root, manifest, verify)
     integrity.check_file(root, ".metadata", checksums)
     _check_architecture(state, manifest, root)
+    _warn_config_fields(state, manifest, root)
     status = _get(manifest.get("optimizer"), "status")
     if status not in ("saved", "empty", "none"):
         raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: optimizer.status must be one of "

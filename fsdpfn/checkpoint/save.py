@@ -28,6 +28,7 @@ from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFE
                                      _write_file)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
+from fsdpfn.wire.model_fingerprint import config_fields
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ def _manifest(state: EngineState, extra: dict, saved_at: float, status: str) -> 
             "version": state.version, "saved_at": saved_at,
             "mesh": {"dp": mesh.dp, "tp": mesh.tp, "cp": mesh.cp, "world_size": world_size()},
             "architecture": _architecture(state),
+            # what else changes the forward for the same weights (rope_theta, windows, ...)
+            "config_fields": config_fields(state.hf_config),
             "dtypes": {"dtype": state.config.dtype,
                        "optimizer_dtype": state.config.optimizer_dtype},
             "optimizer": optimizer, "scheduler": scheduler, "extra": extra,
