@@ -65,14 +65,31 @@ def _computed_buffers(hf_config, *, is_critic: bool, dtype: torch.dtype) -> dict
     for prefix in sorted({name.rpartition(".")[0] for name in names}):
         module = ref.get_submodule(prefix)
         for name in module._non_persistent_buffers_set:  # noqa: SLF001 - torch's own record
-            if module._buffers.get(name) is not None:  # noqa: SLF001
-                module._buffers[name] = torch.full_like(module._buffers[name], float("nan"),
+            buffer = module._buffers.get(name)  # noqa: SLF001
+            if buffer is not None:
+                module._buffers[name] = torch.full_like(buffer, _unset(buffer.dtype),  # noqa: SLF001
                                                         device="cpu")
         for param in module.parameters(recurse=False):
             param._is_hf_initialized = True  # HF's init functions skip it
         with torch.no_grad():
             ref._init_weights(module)  # noqa: SLF001 - HF's own init, per module
     return {name: ref.get_buffer(name) for name in names}
+
+
+def _unset(dtype: torch.dtype):
+    """What a buffer holds before HF's init computes it: NaN, or an integer's least value (an
+    int64 ``position_ids`` cannot hold NaN); a bool buffer cannot be told unset."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _is_unset(value: torch.Tensor) -> bool:
+    if value.dtype == torch.bool:
+        return False
+    if value.is_floating_point() or value.is_complex():
+        return bool(torch.isnan(value).any())
+    return bool((value == _unset(value.dtype)).any())
 
 
 def restore_buffers(lm: nn.Module, hf_config, *, is_critic: bool, dtype: torch.dtype,
@@ -82,7 +99,7 @@ def restore_buffers(lm: nn.Module, hf_config, *, is_critic: bool, dtype: torch.d
     model's own loading gives them; see _computed_buffers. A buffer HF's init leaves unset is
     refused by name rather than left holding garbage."""
     for name, value in _computed_buffers(hf_config, is_critic=is_critic, dtype=dtype).items():
-        if value.is_floating_point() and torch.isnan(value).any():
+        if _is_unset(value):
             raise ConfigError(f"model_config.model_type: {hf_config.model_type!r} keeps buffer "
                               f"{name!r} outside its checkpoint and its init does not compute "
                               f"it; this family is not supported")

@@ -123,6 +123,18 @@ def test_guard_refuses_an_unlisted_architecture_the_packed_path_computes_wrongly
     assert _build(spec, verify_model="never").model is not None
 
 
+def test_a_family_with_an_integer_buffer_outside_its_checkpoint_is_probed():
+    """OpenAI GPT keeps an int64 ``position_ids`` buffer outside its checkpoint: filling it
+    with NaN to detect what HF's init leaves unset overflowed, and the model was refused with
+    that overflow as its reason. The buffer is now restored and the probe measures the model:
+    its attention ignores the packed rows' bounds, and the refusal says so by its gap."""
+    spec = dict(model_type="openai-gpt", vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+                n_positions=64)
+    with pytest.raises(ConfigError, match=r"^model_type: 'openai-gpt' is not computed exactly "
+                                          r"by the engine: its packed forward differs"):
+        _build(spec)
+
+
 def test_guard_lets_a_correct_unlisted_architecture_run_and_says_so(caplog):
     from transformers import AutoModelForCausalLM
 
