@@ -162,16 +162,22 @@ def _check_consecutive(rows: torch.Tensor, G: int) -> None:
             f"shard_batch(batch, mesh, group_size={G}), or give the batch a {K.GROUP_ID} key")
 
 
-def shard_batch(batch: TensorDictBase, mesh, *, group_size: int = 1) -> TensorDictBase:
+def shard_batch(batch: TensorDictBase, mesh, *, group_size: int | None = None) -> TensorDictBase:
     """This data-parallel rank's rows of a global batch held by every rank.
 
     Groups stay on one rank: rows with equal ``group_id`` when the batch has one, else
-    ``group_size`` consecutive rows (GRPO groups; DPO/RW pairs: 2). Tokens are balanced over
-    ranks; ranks that share a dp coordinate get the same rows. The result carries ``row_index``
-    (global row of each row) so gather_batch can restore the order and grouped estimators can
-    refuse groups that were split (sharded with group_size=1 and no group_id).
+    ``group_size`` consecutive rows (GRPO groups). ``group_size=None`` (the default) keeps
+    pairs whole: rows 2i and 2i+1 go to one rank whenever B is even and at least 2·dp (so an
+    RW/DPO batch needs no argument; any other batch is as exact, its balance a little
+    coarser), else rows go one by one; ``group_size=1`` always moves single rows. Tokens are
+    balanced over ranks; ranks that share a dp coordinate get the same rows. The result carries
+    ``row_index`` (global row of each row) so gather_batch can restore the order and grouped
+    estimators and pair losses can refuse groups or pairs that were split.
     """
     has_ids = K.GROUP_ID in batch.keys()
+    if group_size is None:
+        B = batch.batch_size[0] if len(batch.batch_size) == 1 else 0
+        group_size = 2 if not has_ids and B % 2 == 0 and B >= 2 * mesh.dp else 1
     validate_batch(batch, group_size=group_size if group_size > 1 and not has_ids else None)
     units = group_units(batch, group_size)
     rows = dp_shard_units(units, row_lengths(batch), mesh.dp)[mesh.rank("dp")]

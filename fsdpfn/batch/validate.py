@@ -30,7 +30,8 @@ def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None
     (only when loss_mask is in `require`) at least one True in the batch; every key of
     keys.TOKEN_FLOAT_KEYS present is float32 [B, T] and finite on real tokens; rewards float32 [B]
     finite; group_id and row_index int64 [B]; B divisible by group_size; B even when `pairs`
-    (row 2i chosen, 2i+1 rejected). Group membership is checked by check_groups.
+    (row 2i chosen, 2i+1 rejected), and with row_index (shard_batch's) each pair one pair of
+    the global batch. Group membership is checked by check_groups.
     Padding positions are not inspected. All checks are vectorized.
     """
     B = _check_container(batch)
@@ -57,6 +58,21 @@ def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None
         if key in batch.keys():
             _check_tensor(key, batch.get(key), torch.int64, (B,), B)
     _check_rows(B, group_size, pairs)
+    if pairs and K.ROW_INDEX in batch.keys():
+        _check_pairs_whole(batch.get(K.ROW_INDEX))
+
+
+def _check_pairs_whole(row_index: torch.Tensor) -> None:
+    """Rows 2k, 2k+1 of a pair batch that shard_batch made must be one pair of the global batch,
+    global rows (2j, 2j+1): else its sharding moved single rows and split the pairs."""
+    rows = row_index.view(-1, 2)
+    bad = (rows[:, 0] % 2 != 0) | (rows[:, 1] != rows[:, 0] + 1)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0])
+        raise BatchError(f"{K.ROW_INDEX}: pair {k} (rows {2 * k}, {2 * k + 1} of this batch) must "
+                         f"be one pair of the global batch, global rows (2j, 2j+1), got global "
+                         f"rows {rows[k].tolist()}: the sharding split the pairs; shard with "
+                         f"shard_batch(batch, mesh) or shard_batch(batch, mesh, group_size=2)")
 
 
 def _check_container(batch) -> int:

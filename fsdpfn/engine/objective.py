@@ -17,6 +17,7 @@ and evaluate take no option beside the loss: it is set here, once).
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import attrs
@@ -49,6 +50,13 @@ class Objective:
     temperature: float = 1.0
     name: str = "grad_step"
     critic: bool | None = attrs.field(default=None, validator=one_of(None, True, False))
+
+    @property
+    def unit(self) -> int:
+        """Rows kept together in minibatches and micro-batches: ``group_size``, and with
+        ``pairs`` whole pairs too (the least common multiple with 2: a pair objective of
+        ``group_size=1`` moves its rows two by two)."""
+        return math.lcm(self.group_size, 2) if self.pairs else self.group_size
 
 
 def as_objective(loss, name: str | None = None) -> Objective:

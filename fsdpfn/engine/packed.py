@@ -29,8 +29,8 @@ from torch import nn
 
 from fsdpfn.engine import cp
 from fsdpfn.engine.attention import packed_attention_mask, packed_keywords, varlen_available
-from fsdpfn.ops import chunked_logprobs, vocab_parallel_logprobs
-from fsdpfn.ops.logprobs import liger_logprobs, vocab_shard_range
+from fsdpfn.ops import vocab_parallel_logprobs
+from fsdpfn.ops.logprobs import head_logprobs, liger_logprobs, vocab_shard_range
 
 __all__ = ["PackedModel"]
 
@@ -176,8 +176,8 @@ class PackedModel(nn.Module):
                 and softcap is None:
             logp, entropy = liger_logprobs(hidden, weight, targets, temperature=temperature), None
         else:
-            logp, entropy = chunked_logprobs(hidden, weight, targets, chunk_size=chunk_size,
-                                             temperature=temperature, with_entropy=with_entropy,
-                                             bias=bias, softcap=softcap)
+            logp, entropy = head_logprobs(hidden, weight, targets, chunk_size=chunk_size,
+                                          temperature=temperature, with_entropy=with_entropy,
+                                          bias=bias, softcap=softcap)
         # fresh tensors, not views: FSDP2 hooks the module's outputs for backward
         return logp.clone(), (None if entropy is None else entropy.clone())

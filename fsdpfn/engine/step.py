@@ -376,9 +376,9 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
         error = exc
     fn_name = obj.name if obj is not None else "grad_step"
     check_live(state, fn_name, local_error=error)
-    loss_fn, group_size = obj.loss_fn, obj.group_size
+    loss_fn, group_size = obj.loss_fn, obj.unit
     prepare(state, batch, fn_name, require=obj.require, why=obj.why,
-            group_size=group_size if group_size > 1 else None, pairs=obj.pairs)
+            group_size=obj.group_size if obj.group_size > 1 else None, pairs=obj.pairs)
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     max_norm = state.config.optimizer.max_grad_norm
     model.train()
@@ -462,9 +462,9 @@ def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
     except ConfigError as exc:
         error = exc
     check_live(state, "evaluate", local_error=error)
-    group_size = obj.group_size
+    group_size = obj.unit
     prepare(state, batch, "evaluate", require=obj.require, why=obj.why,
-            group_size=group_size if group_size > 1 else None, pairs=obj.pairs)
+            group_size=obj.group_size if obj.group_size > 1 else None, pairs=obj.pairs)
     was_training = state.model.training
     state.model.eval()
     try:

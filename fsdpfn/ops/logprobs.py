@@ -40,9 +40,23 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     if logits.shape[:-1] != targets.shape:
         raise BatchError(f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
+    _check_targets(targets, logits.shape[-1], "logits.shape[-1]")
     z = _scaled_logits(logits, temperature)  # (..., V) fp32
     picked = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(z, dim=-1)
+
+
+def _check_targets(targets: torch.Tensor, vocab: int, source: str) -> None:
+    """BatchError unless every target is a row of the head: in [0, V). Without it a target past
+    the vocabulary is an index error on the CPU, a device assert on CUDA, and a finite but
+    meaningless log-prob in the chunked head (which reads it as another shard's row)."""
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool or not targets.numel():
+        return  # the dtype is refused by the caller's own check; nothing to read
+    bad = (targets < 0) | (targets >= vocab)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise BatchError(f"targets: must be token ids in [0, V) with V = {source} = {vocab}, got "
+                         f"{int(targets[index])} at index {list(index)}")
 
 
 def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -268,7 +282,18 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     entropy[N] float32 or None). At most chunk_size x V float32 logits exist at a time (a small
     constant number of such buffers), in the forward and in the backward, which recomputes each
     chunk's logits from the saved hidden and weight. Grads flow to hidden and weight, in their dtypes.
+    A target outside [0, V) is a BatchError.
     """
+    if targets.shape == hidden.shape[:-1]:  # else _chunked names the shape
+        _check_targets(targets, weight.shape[0], "weight.shape[0]")
+    return head_logprobs(hidden, weight, targets, chunk_size=chunk_size, temperature=temperature,
+                         with_entropy=with_entropy, bias=bias, softcap=softcap)
+
+
+def head_logprobs(hidden, weight, targets, *, chunk_size: int = 1024, temperature: float = 1.0,
+                  with_entropy: bool = False, bias=None, softcap=None):
+    """``chunked_logprobs`` without its range check of the targets (a device sync): the
+    engine's head, whose batches were checked against the vocabulary before (validate_batch)."""
     return _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, None, 0,
                     bias, softcap)
 

@@ -328,3 +328,18 @@ def test_chunked_peak_memory_grows_with_chunk_size_not_n():
     # 4x the chunk size: 4x the chunk buffers (2 x 16 MiB -> 2 x 62 MiB), with a quarter of the rows
     assert big_chunk > 2 * n_small, \
         f"chunk_size {4 * chunk} peaked at {big_chunk / mib:.0f} MiB, chunk_size {chunk} at {n_small / mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("bad", [7, 9, -1])
+def test_a_target_outside_the_vocabulary_is_a_batch_error_naming_it(bad):
+    """chunked_logprobs read a target past its V rows as another vocabulary shard's row and
+    returned a finite log-prob for a token that does not exist; token_logprobs raised torch's
+    index error (a device assert on CUDA). Both name the target and V now."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(3, 5, generator=g), torch.randn(7, 5, generator=g)
+    targets = torch.tensor([0, bad, 1])
+    with pytest.raises(BatchError, match=rf"^targets: must be token ids in \[0, V\) with V = "
+                                         rf"weight.shape\[0\] = 7, got {bad} at index \[1\]"):
+        chunked_logprobs(hidden, weight, targets, chunk_size=2)
+    with pytest.raises(BatchError, match=rf"^targets: .* = 7, got {bad} at index \[1\]"):
+        token_logprobs(hidden @ weight.T, targets)
