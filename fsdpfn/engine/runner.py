@@ -8,6 +8,7 @@ oom_error's MicroBatchOOMError after release_memory.
 
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import torch
@@ -21,33 +22,66 @@ from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, MicroBatchSpec
 from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
 from fsdpfn.engine.agree import world_size
 from fsdpfn.engine.state import EngineState, check_live
+from fsdpfn.wire import checksum
 
 __all__ = ["prepare", "plan", "model_outputs", "empty_packed", "resolve_mb_spec",
            "release_memory", "oom_error"]
 
 
-def _batch_fingerprint(batch) -> torch.Tensor:
-    ids = batch.get(K.INPUT_IDS).long()
-    attn = batch.get(K.ATTENTION_MASK).long()
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64).view_as(ids) % 1000003
-    return torch.stack([(ids * weights).sum(), (attn * weights).sum(),
-                        torch.tensor(ids.shape[0]), torch.tensor(ids.shape[1])])
+def _tensor_keys(batch) -> list:
+    return sorted((k for k in batch.keys(include_nested=True, leaves_only=True)
+                   if isinstance(batch.get(k), torch.Tensor)), key=str)
+
+
+def _key_hashes(batch, keys, device) -> torch.Tensor:
+    """The content checksum (fsdpfn.wire.checksum) of each key's bytes, int64 [len(keys)],
+    computed on ``device`` (the mesh's: a GPU hashes a CPU batch faster than the host)."""
+    return checksum.tensor_hashes([batch.get(k).detach().to(device) for k in keys])
+
+
+def _batch_fingerprint(batch, device) -> torch.Tensor:
+    """Every tensor of ``batch`` (each key's name, dtype, shape and bytes) as three int64s: the
+    content checksums of the keys in name order, combined (a change, a swap, a negation of any
+    value of any key changes it: masks, advantages, log-probs as well as the token ids), a CRC
+    of the keys' names, dtypes and shapes, and the number of keys. On input_ids' device."""
+    keys = _tensor_keys(batch)
+    layout = ";".join(f"{k}:{batch.get(k).dtype}:{list(batch.get(k).shape)}" for k in keys)
+    hashes = _key_hashes(batch, keys, device)
+    content = checksum.combine(hashes, torch.arange(1, len(keys) + 1, device=hashes.device))
+    return torch.tensor([int(content), zlib.crc32(layout.encode()), len(keys)],
+                        dtype=torch.int64, device=batch.get(K.INPUT_IDS).device)
+
+
+def _differing_keys(batch, gathered: list[torch.Tensor], group, device) -> str:
+    """Which keys differ over ``group``, for the message: the keys' own checksums compared when
+    every rank has the same keys, dtypes and shapes (every rank of the group takes the same
+    branch: the fingerprints it reads were gathered), else that the layouts differ."""
+    if any(not torch.equal(g[1:], gathered[0][1:]) for g in gathered):
+        return "their keys, dtypes or shapes differ"
+    keys = _tensor_keys(batch)
+    mine = _key_hashes(batch, keys, device).to(gathered[0].device)
+    every = [torch.zeros_like(mine) for _ in gathered]
+    dist.all_gather(every, mine, group=group)
+    differ = [str(k) for i, k in enumerate(keys) if any(h[i] != every[0][i] for h in every)]
+    return f"the values of {differ} differ"
 
 
 def _check_replicas(state: EngineState, batch) -> BatchError | None:
-    """Ranks that differ only in their tp (or cp) coordinate must pass identical rows."""
+    """Ranks that differ only in their tp (or cp) coordinate must pass identical rows: every
+    key's bytes, compared by _batch_fingerprint."""
     mesh, error = state.mesh, None
     for axis, what in (("tp", "tensor-parallel"), ("cp", "context-parallel")):
         size = getattr(mesh, axis)
         if size == 1:
             continue
-        fp = _batch_fingerprint(batch)
+        fp = _batch_fingerprint(batch, mesh.device)
         gathered = [torch.zeros_like(fp) for _ in range(size)]
         dist.all_gather(gathered, fp, group=mesh.group(axis))  # every axis: no rank left waiting
-        if error is None and any(not torch.equal(g, gathered[0]) for g in gathered):
-            error = BatchError(f"batch: ranks of one {what} group must pass identical rows, "
-                               f"got different batches on {axis} ranks (fingerprints "
-                               f"{[g.tolist() for g in gathered]})")
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            which = _differing_keys(batch, gathered, mesh.group(axis), mesh.device)
+            error = error or BatchError(
+                f"batch: ranks of one {what} group must pass identical rows (every key, "
+                f"byte for byte), got different batches on its {size} {axis} ranks: {which}")
     return error
 
 
