@@ -102,6 +102,12 @@ class FSDPConfig:
     per_layer_optim_step: bool = attrs.field(default=False, validator=boolean)
     optim_step_prefetch_layers: int = attrs.field(default=1, validator=integer(0))
 
+    @wrap_policy.validator
+    def _check_wrap_policy(self, attribute, value):
+        if value is not None and not value:  # () would read as None: the model's default
+            fail(attribute.name, "must name at least one module class (or be None: the model's "
+                 "_no_split_modules)", value)
+
     def __attrs_post_init__(self):
         if self.optim_step_prefetch_layers != 1 and not self.per_layer_optim_step:
             raise ConfigError(f"optim_step_prefetch_layers: only used with "

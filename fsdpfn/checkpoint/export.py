@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, _as_path, _cleanup,
                                      _fsync_dir, _publish, _side_path)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
+from fsdpfn.engine.shard import source_config
 
 log = logging.getLogger("fsdpfn")
 
@@ -175,7 +175,7 @@ def _write_hf(state: EngineState, full: dict, target: Path, dtype: torch.dtype,
         if state.config.lora is not None:  # adapters folded into their base weights
             tensors = lora.merge_full_state(full, state.config.lora)
         _write_safetensors(tmp, _hf_tensors(state, tensors, dtype), max_bytes)
-        config = copy.deepcopy(state.hf_config)
+        config = source_config(state.hf_config)  # the model's own dropout fields
         config._attn_implementation = None  # fsdpfn's packed kernel is not an HF option
         config.architectures = [type(state.model.lm).__name__]
         config.dtype = dtype

@@ -19,9 +19,11 @@ shards allocated, buffers computed), ``time_weights`` (read or drawn, copied in)
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
+import weakref
 from pathlib import Path
 
 from torch import nn
@@ -46,7 +48,7 @@ log = logging.getLogger("fsdpfn")
 # modules) are re-exported: their home was this module
 __all__ = ["shard_model", "load_hf_config", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp",
            "kv_heads_of_rank", "build_optimizer", "build_scheduler", "lr_factor", "base_model",
-           "torch_dtype", "build_skeleton", "apply_fused_kernels"]
+           "torch_dtype", "build_skeleton", "apply_fused_kernels", "source_config"]
 
 
 # ---------------------------------------------------------------- config and skeleton
@@ -98,17 +100,39 @@ def load_hf_config(config: EngineConfig):
 _DROPOUT_FIELD = re.compile(r"dropout|pdrop|layerdrop|drop_path")
 
 
+# id(hf_config) -> [(its config or text config, field, the model's own value)] of the fields
+# _zero_dropout_fields set to 0; an entry leaves with its config (weakref.finalize)
+_ZEROED: dict[int, list] = {}
+
+
 def _zero_dropout_fields(hf_config) -> None:
     """Every dropout-like field of ``hf_config`` (and of its text config) set to 0: families
     apply some of them functionally, outside any nn.Dropout module (Seed-OSS's
     residual_dropout, GPT-BigCode's attn_pdrop, BioGPT's hidden_dropout_prob), so zeroing the
-    modules alone left those training with dropout on."""
+    modules alone left those training with dropout on. The model's own values are kept for
+    ``source_config`` (an exported model keeps them)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    zeroed = []
     for cfg in {id(c): c for c in (hf_config, text)}.values():
         for key, value in list(vars(cfg).items()):
             if _DROPOUT_FIELD.search(key) and isinstance(value, (int, float)) \
                     and not isinstance(value, bool) and value:
                 setattr(cfg, key, 0.0 if isinstance(value, float) else 0)
+                zeroed.append((cfg is text and cfg is not hf_config, key, value))
+    if zeroed:
+        _ZEROED[id(hf_config)] = zeroed
+        weakref.finalize(hf_config, _ZEROED.pop, id(hf_config), None)
+
+
+def source_config(hf_config):
+    """A copy of a state's ``hf_config`` as the model's own config has it, for a config.json
+    written out (export_hf, a disk push): the dropout fields that ``disable_dropout`` set to 0
+    for training at the model's own values again."""
+    config = copy.deepcopy(hf_config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for in_text, key, value in _ZEROED.get(id(hf_config), ()):
+        setattr(text if in_text else config, key, value)
+    return config
 
 
 def _check_supported(config: EngineConfig, mesh: Mesh) -> None:

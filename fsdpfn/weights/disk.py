@@ -19,7 +19,6 @@ trainer resumed from an older checkpoint pushes its version + 1).
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ import torch
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.engine.state import EngineState
+from fsdpfn.engine.shard import source_config
 from fsdpfn.weights.gather import Bucket, plan_buckets, send, weight_params
 from fsdpfn.wire.protocol import (DEFAULT_BUCKET_BYTES, MANIFEST, combine_checksums,
                                   dtype_from_name, dtype_name, sha256_of, tensor_checksum,
@@ -147,7 +147,7 @@ class _Writer:
 
 
 def _write_config(state: EngineState, directory: Path, dtype: torch.dtype) -> None:
-    config = copy.deepcopy(state.hf_config)
+    config = source_config(state.hf_config)  # the model's own dropout fields
     config.architectures = [type(state.model.lm).__name__]
     config.dtype = dtype_name(dtype)
     config.save_pretrained(str(directory))

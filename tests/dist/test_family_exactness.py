@@ -73,6 +73,34 @@ def test_every_dropout_of_a_family_is_off_in_training(spmd1, tmp_path, family):
     assert ratio_max == 1.0 and ratio_mean == 1.0, (family, ratio_max, ratio_mean)
 
 
+def export_and_push(path, out):
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(model_path=path, dtype="float32",
+                                           optimizer=ff.OptimizerConfig(lr=1e-6)), mesh)
+    ff.export_hf(state, f"{out}/export")
+    ff.push_weights(state, ff.DiskTarget(f"{out}/push"))
+    return {k: v for k, v in vars(state.hf_config).items() if "drop" in k}
+
+
+@pytest.mark.timeout(240)
+def test_a_written_config_keeps_the_models_own_dropout_fields(spmd1, tmp_path):
+    """Training runs with the dropout fields at 0 (the test above), but the config.json that
+    export_hf and a disk push write is the model's own: it once carried the zeros, so an
+    exported model's config depended on a training switch."""
+    import json
+
+    spec = {**TINY, **FAMILIES["seed_oss"]}
+    path = save_family_model(tmp_path / "m", spec)
+    trained = spmd1.run(export_and_push, args=(str(path), str(tmp_path)), timeout=200)[0]
+    assert trained["residual_dropout"] == 0 and trained["attention_dropout"] == 0
+    source = json.loads((path / "config.json").read_text())
+    pushed = next((tmp_path / "push").glob("v*/config.json"))
+    for written in (tmp_path / "export" / "config.json", pushed):
+        config = json.loads(written.read_text())
+        for key in ("residual_dropout", "attention_dropout"):
+            assert config[key] == source[key] == 0.1, (written, key, config[key])
+
+
 PROBED = {
     "gptj": dict(model_type="gptj", hidden_size=256, num_attention_heads=4, rotary_dim=32),
     "codegen": dict(model_type="codegen", hidden_size=256, num_attention_heads=4,

@@ -315,3 +315,12 @@ def test_microbatch_algo_names_what_runs_and_keeps_its_old_name():
     for algo in ("lpt", "kk", "ffd"):  # "ffd": the former name of lpt, still accepted
         spec = serde.from_yaml(f"algo: {algo}\n", ff.MicroBatchSpec)
         assert spec == ff.MicroBatchSpec(algo=algo)
+
+
+def test_an_empty_wrap_policy_is_refused_rather_than_read_as_the_default():
+    """wrap_policy=[] passed the list check and then read as None (the model's
+    _no_split_modules), wrapping the default classes without a word."""
+    with pytest.raises(ff.ConfigError, match=r"^wrap_policy: must name at least one module class "
+                                          r"\(or be None: the model's _no_split_modules\), "
+                                          r"got \(\)$"):
+        ff.FSDPConfig(wrap_policy=[])
