@@ -281,3 +281,29 @@ def test_the_recipe_stops_on_another_temperature_and_caps_minibatches_at_the_row
     assert row["episode_rows"] == 4 and row["n_minibatches"] == 4, row
     assert row["episode_errors"] == 4 and "made no request through the client" in capped.stderr
     assert "4 rows for ppo.n_minibatches=8" in capped.stderr
+
+
+@pytest.mark.timeout(600)
+def test_episodes_carry_their_data_row_over_several_servers_and_ranks(tmp_path):
+    """A step's rows run as one request a server, and each request numbered its episodes from
+    0: with two servers two data rows shared a group_id, so a two-rank run counted one
+    trainable data row and skipped every step (the version stayed 0), and a failed episode
+    was described with its place in the request, not its row in the data."""
+    from cli_runs import fsdpfn, grpo_rows  # tests/cli_runs.py
+
+    run_dir = tmp_path / "r"
+    done = fsdpfn("demo", f"run_dir={run_dir}", f"rollout.workflow={WF}:first_fails",
+                  "steps=2", "prompts_per_step=2", "advantage.group_size=2",
+                  "ppo.n_minibatches=2", "launch.nproc=2", "rollout.servers=2",
+                  "warmup.steps=5", "warmup.target_reward=null", "eval.every=0", "log.every=1",
+                  "log.plot=false", "checkpoint.every=0", timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = grpo_rows(run_dir)
+    assert [(r["data_first"], r["data_last"]) for r in rows] == [(0, 1), (2, 3)], rows
+    assert rows[-1]["version"] == 2, rows[-1]
+    log = (run_dir / "trainer.log").read_text()
+    assert "fewer than the 2 data-parallel ranks" not in log
+    named = sorted(int(line.split("episode of data row ")[1].split(":")[0])
+                   for line in log.splitlines() if "step 2:" in line and "episode of data row"
+                   in line)
+    assert named == [2, 3], log[-3000:]

@@ -87,3 +87,19 @@ def every_other(client, row):
         client.completions.create(model="policy", prompt=row["prompt_ids"], max_tokens=3,
                                   temperature=1.0)
     return 1.0
+
+
+_seen: dict = {}
+
+
+def first_fails(client, row):
+    """One call; the first episode of each data row of the process then raises, the others
+    score 1."""
+    client.completions.create(model="policy", prompt=row["prompt_ids"], max_tokens=4,
+                              temperature=1.0)
+    with _calls_lock:
+        k = _seen.get(row["prompt"], 0)
+        _seen[row["prompt"]] = k + 1
+    if k == 0:
+        raise RuntimeError(f"boom on {row['prompt']!r}")
+    return 1.0

@@ -183,7 +183,8 @@ class StreamRollout:
         runner = None
         if self.workflow is not None:
             def runner(url, first, rows):
-                results = run_episodes(url, self.workflow, rows, G, timeout_s=r.workflow_timeout_s,
+                results = run_episodes(url, self.workflow, rows, G, first=first,
+                                       timeout_s=r.workflow_timeout_s,
                                        on_error=cfg.reward.on_error)
                 return [results[i * G:(i + 1) * G] for i in range(len(rows))]
 

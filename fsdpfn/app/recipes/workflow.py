@@ -184,10 +184,13 @@ def _on_daemon_thread(fn, *args) -> concurrent.futures.Future:
 
 
 def run_episodes(url: str, workflow: Workflow, rows: list[dict], group_size: int, *,
-                 timeout_s: float = 600.0, on_error: float = 0.0) -> list[EpisodeResult]:
+                 first: int = 0, timeout_s: float = 600.0,
+                 on_error: float = 0.0) -> list[EpisodeResult]:
     """``group_size`` episodes of every data row, all at once; results row-major (the episodes
-    of rows[i] are results[i*G:(i+1)*G])."""
-    jobs = [(i, row) for i, row in enumerate(rows) for _ in range(group_size)]
+    of rows[i] are results[i*G:(i+1)*G]). ``first``: the data row of rows[0], so that each
+    result's ``index`` is its row in the data (what errors name and ``group_id`` carries: one
+    step's rows run as several requests, one a server, and must not share numbers)."""
+    jobs = [(first + i, row) for i, row in enumerate(rows) for _ in range(group_size)]
     if workflow.is_async:
         return asyncio.run(_run_async(url, workflow, jobs, timeout_s, on_error))
     return _run_sync(url, workflow, jobs, timeout_s, on_error)
