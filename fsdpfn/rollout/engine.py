@@ -97,6 +97,10 @@ class RolloutEngine:
         else:
             raise ValueError(f"load_format: must be 'auto' or 'dummy', got {load_format!r}")
         self.model = model.to(self.device).eval().requires_grad_(False)
+        # generate fills every field a request leaves unset from the model's own
+        # generation_config.json (a repetition_penalty of 1.05, a top_k of 20, ...): the served
+        # distribution is the request's alone, so the model's defaults are HF's neutral ones
+        self.model.generation_config = generation.neutral_generation_config(self.model)
         if fused_kernels:  # Liger's fused RMSNorm and SwiGLU, as the trainer runs by default
             from fsdpfn.wire.kernels import apply_fused_kernels
 

@@ -223,6 +223,18 @@ class _LogprobRecorder:
         return torch.stack([v for v, _ in steps], 1), torch.stack([i for _, i in steps], 1)
 
 
+def neutral_generation_config(model):
+    """transformers' default GenerationConfig (no penalty, no truncation, no forced or
+    suppressed tokens) with the model's own token ids: what ``generate`` may fill a request's
+    unset fields from without changing the request's distribution."""
+    from transformers import GenerationConfig
+
+    own = getattr(model, "generation_config", None)
+    ids = {key: getattr(own, key, None) for key in ("bos_token_id", "eos_token_id",
+                                                     "pad_token_id", "decoder_start_token_id")}
+    return GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
+
+
 def _generation_config(sp: SamplingParams, width: int, pad_token_id: int):
     """(GenerationConfig, logits processors) of ``sp`` for HF generate. Sampling transforms are
     given as processors in HF's own order (temperature, top-k, top-p, min-p), after the

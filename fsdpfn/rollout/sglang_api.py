@@ -33,7 +33,7 @@ import uuid
 
 from fsdpfn.rollout import packing
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.rollout.sampling import SamplingParams
+from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
 __all__ = ["generate", "encode_prompts"]
 
@@ -65,7 +65,8 @@ def generate(engine, payload: dict):
         if len(specs) != len(prompts):
             raise UpdateError(f"sampling_params: a list must hold one dict per prompt "
                               f"({len(prompts)}), got {len(specs)}")
-        runs = [([p], _params(engine, s, own)) for p, s in zip(prompts, specs)]
+        runs = [([p], _at_prompt(_params(engine, s, own), i))
+                for i, (p, s) in enumerate(zip(prompts, specs))]
     else:
         runs = [(prompts, _params(engine, specs, own))]
     packed = payload.get("return_format") == "fsdpfn_packed"  # bytes straight from the tensors
@@ -153,6 +154,14 @@ def _params(engine, spec, own: bool) -> SamplingParams:
     return sp if own else sp.with_stops(engine.eos_ids)
 
 
+def _at_prompt(sp: SamplingParams, index: int) -> SamplingParams:
+    """``sp`` of prompt ``index`` run as a request of its own: a seed becomes the prompt's own,
+    prompt_seed(seed, index), so it draws what it draws in one request of every prompt."""
+    if sp.seed is not None and index:
+        sp.seed = prompt_seed(sp.seed, index)
+    return sp
+
+
 def _own(answers) -> dict:
     outputs, offset = [], 0
     for answer, _ in answers:
@@ -224,10 +233,15 @@ def output(engine, o: dict, sp: SamplingParams, prompt_tokens: int, *, rid=None,
 
 
 def completion_text(engine, o: dict, sp: SamplingParams) -> str:
-    """The output's text: special tokens skipped per ``skip_special_tokens``; a matched stop
-    string and what follows it cut unless ``no_stop_trim``."""
-    text = engine.tokenizer.decode(o["output_ids"], skip_special_tokens=sp.skip_special_tokens)
+    """The output's text: special tokens skipped per ``skip_special_tokens``; unless
+    ``no_stop_trim``, a matched stop string and what follows it cut, and a matched stop token
+    id left out of the text (SGLang's trim_matched_stop; output_ids keep it)."""
+    ids = o["output_ids"]
     matched = o.get("matched")
+    if isinstance(matched, int) and not isinstance(matched, bool) and not sp.no_stop_trim \
+            and len(ids) and int(ids[-1]) == matched:
+        ids = ids[:-1]
+    text = engine.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
     if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
         text = text[:text.index(matched)]
     return text
