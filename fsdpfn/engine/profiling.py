@@ -61,8 +61,14 @@ class ProfileSession:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if self.memory and self._cuda:
             torch.cuda.memory._record_memory_history(max_entries=_MEMORY_ENTRIES)  # noqa: SLF001
-        self._prof = torch.profiler.profile(activities=activities, **self.options)
-        self._prof.__enter__()
+        try:
+            prof = torch.profiler.profile(activities=activities, **self.options)
+            prof.__enter__()
+        except BaseException:
+            if self.memory and self._cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)  # noqa: SLF001
+            raise
+        self._prof = prof  # only a started profiler is one to stop
 
     def _stop(self, stem: str | None) -> None:
         """Stop the running trace; write it under ``stem`` (None: drop it)."""
@@ -120,8 +126,10 @@ def profile(out_dir: str | os.PathLike, *, steps: Iterable[int] | None = None,
     docstring. Yields the session; its ``written`` lists the files written so far. Every rank
     enters the block (each writes its own files); not re-entrant."""
     steps = _check_steps(steps)
-    if not isinstance(memory, bool):
-        raise ConfigError(f"memory: must be a bool, got {memory!r}")
+    for name, value in (("memory", memory), ("record_shapes", record_shapes),
+                        ("with_stack", with_stack)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: must be a bool, got {value!r}")
     if PROFILER.get() is not None:
         raise ConfigError("profile: already inside an fsdpfn.profile block (one torch profiler "
                           "at a time), got a nested one")
@@ -131,8 +139,8 @@ def profile(out_dir: str | os.PathLike, *, steps: Iterable[int] | None = None,
                              with_stack=with_stack)
     token = PROFILER.set(session)
     ok = False
-    session.open()
     try:
+        session.open()  # inside: a profiler that fails to start leaves no session behind
         yield session
         ok = True
     finally:

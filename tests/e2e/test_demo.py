@@ -73,6 +73,32 @@ def check_rows(rows: list[dict]) -> None:
     assert all(r["served_version"] == prev["version"] for prev, r in zip(rows, rows[1:])), rows
 
 
+def documented_metrics() -> tuple[set[str], list[re.Pattern]]:
+    """The keys docs/observability.md's metrics section and docs/api.md's step stats name
+    (`rollout_rows_server{i}` as a pattern; `critic_*` and `time_*` as prefixes)."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "observability.md").read_text()
+    names = set(re.findall(r"`([a-z_{}0-9*]+)`", text))
+    api = (root / "docs" / "api.md").read_text().split("## Minibatches and stats")[1]
+    names |= set(re.findall(r"`([a-z_{}0-9*]+)`", api.split("\n## ")[0]))
+    patterns = [re.compile("^" + n.replace("{i}", r"\d+").replace("*", ".*") + "$")
+                for n in names if "{i}" in n or "*" in n]
+    return names, patterns
+
+
+def check_documented(rows: list[dict]) -> None:
+    """Every key of a metrics row is documented; a warm-up row states its tokens as an RL row
+    does (they were dropped, leaving a tokens_per_s over a count no row named)."""
+    names, patterns = documented_metrics()
+    extra = {k for r in rows for k in r if k not in names and not any(p.match(k)
+                                                                       for p in patterns)}
+    assert not extra, sorted(extra)
+    for r in rows:
+        if r["phase"] == "warmup":
+            assert 0 < r["loss_tokens"] < r["tokens"], r
+            assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]), r
+
+
 @pytest.mark.timeout(300)
 def test_demo_runs_resumes_and_plots(tmp_path):
     run_dir = tmp_path / "demo"
@@ -84,6 +110,7 @@ def test_demo_runs_resumes_and_plots(tmp_path):
     assert all(r["behav_gap"] < 1e-3 for r in rows), [r["behav_gap"] for r in rows]
     assert checkpoint_steps(run_dir) == [2, 4]  # keep_last=2
     assert len(metrics(run_dir, "warmup")) == 10
+    check_documented(metrics(run_dir) + metrics(run_dir, "warmup"))
     assert read_png(run_dir / "metrics.png")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["exit_code"] == 0

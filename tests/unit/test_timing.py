@@ -222,6 +222,34 @@ def test_profile_refuses_nesting(tmp_path):
                 pass
 
 
+@pytest.mark.parametrize("key", ["memory", "record_shapes", "with_stack"])
+def test_profile_refuses_a_flag_that_is_not_a_bool_by_name(tmp_path, key):
+    """record_shapes="yes" reached torch's profiler and came back as its TypeError."""
+    with pytest.raises(ff.ConfigError, match=rf"^{key}: must be a bool, got 'yes'$"):
+        with ff.profile(tmp_path, **{key: "yes"}):
+            pass
+
+
+def test_a_profile_that_fails_to_start_leaves_no_session_behind(tmp_path, monkeypatch):
+    """The session was set before the profiler started and outside the block that resets it:
+    a start that raised left every later profile refused as nested."""
+    class Broken:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("the profiler cannot start")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.profiler, "profile", Broken)
+        with pytest.raises(RuntimeError, match="cannot start"):
+            with ff.profile(tmp_path / "a"):
+                pass
+    with ff.profile(tmp_path / "b", steps=[]) as session:
+        pass
+    assert session.written == []
+
+
 # ---------------------------------------------------------------- push receipts
 
 

@@ -96,7 +96,8 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
         seconds = time.perf_counter() - t0
         tokens = int(batch[K.ATTENTION_MASK].sum())
         row = {**step_stats(stats, skip=("tokens",)), "phase": "warmup", "step": i + 1,
-               "loss": float(stats["loss"]), "tokens_per_s": tokens / seconds,
+               "loss": float(stats["loss"]), "tokens": tokens,
+               "loss_tokens": int(stats["tokens"]), "tokens_per_s": tokens / seconds,
                "seconds": seconds}
         done = False
         if w.target_reward is not None and (i + 1) % w.check_every == 0:
