@@ -190,3 +190,40 @@ def test_the_fsdpfn_command_imports_a_reward_module_from_the_run_directory(tmp_p
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert not _error_lines(proc.stderr)
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_keeps_the_uninterrupted_runs_evaluations_and_draws(tmp_path):
+    """A run of 4 steps against one of 2 resumed to 4 (sft, eval_every=2):
+
+    - the held-out evaluations fall on the same steps (1, the baseline, then 2 and 4: a
+      resumption evaluated its own first step, step 3, as well);
+    - the global RNGs are seeded from `seed`, so each checkpoint's saved state is a function of
+      the seed, and the resumed run's step-4 state is the uninterrupted run's (two runs of one
+      seed saved different states: nothing seeded them);
+    - every row states data_first, data_last and elapsed, as RL rows do.
+    """
+    import torch
+
+    common = ["launch.device=cpu", "launch.nproc=1", "log.progress=false", "log.plot=false",
+              "batch_size=8", "checkpoint.every=2", "eval_every=2"]
+    for run_dir, steps in (("a", 4), ("b", 2)):
+        done = _fsdpfn("run", "sft", f"run_dir={tmp_path / run_dir}", f"steps={steps}", *common)
+        assert done.returncode == 0, done.stderr[-3000:]
+    done = _fsdpfn("run", "sft", f"run_dir={tmp_path / 'b'}", "steps=4", *common, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    evaluated = {name: [r["step"] for r in rows(name) if "eval_loss" in r] for name in "ab"}
+    assert evaluated["a"] == evaluated["b"] == [1, 2, 4], evaluated
+    for r in rows("a"):
+        assert (r["data_first"], r["data_last"], r["data_cursor"]) == (
+            8 * (r["step"] - 1), 8 * r["step"] - 1, 8 * r["step"]), r
+        assert 0 < r["elapsed"], r
+    saved = {name: torch.load(tmp_path / name / "checkpoints" / "step_000004" / "rng" /
+                              "rank_00000.pt", weights_only=False) for name in "ab"}
+    assert torch.equal(saved["a"]["torch"], saved["b"]["torch"])
+    assert repr(saved["a"]["python"]) == repr(saved["b"]["python"])

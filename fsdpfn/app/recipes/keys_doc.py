@@ -43,7 +43,8 @@ NOTES = {
                                "advantage.group_size",
     ("*", "batch_size"): "rows per training step",
     ("*", "pairs_per_step"): "chosen/rejected pairs per training step",
-    ("*", "eval_every"): "held-out loss every N steps (0: off)",
+    ("*", "eval_every"): "held-out loss at step 1, every N steps and the last (0: off); a "
+                         "resumed run keeps that cadence",
     ("*", "export"): "export_hf of the result to run_dir/model at the end",
     ("*", "task"): "the embedded addition task (used when data.train_files is empty)",
     ("*", "ref_engine"): "the reference model's engine: only the engine: keys that differ "
@@ -182,7 +183,8 @@ NOTES = {
     ("RewardConfig", "kwargs"): "keyword arguments passed to the function",
     ("WarmupConfig", "batch_size"): "rows per warm-up step",
     ("WarmupConfig", "optimizer"): "the warm-up's optimizer (the keys of optimizer:)",
-    ("EvalConfig", "every"): "greedy accuracy every N steps (0: off)",
+    ("EvalConfig", "every"): "greedy accuracy at step 1, every N steps and the last (0: off); a "
+                             "resumed run keeps that cadence",
     ("EvalConfig", "n_prompts"): "held-out problems per evaluation",
     ("LaunchConfig", "master_port"): "the ranks' rendezvous port (null: a free one)",
     ("CheckpointConfig", "every"): "save every N steps (0: only at the end)",

@@ -316,8 +316,8 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
     saves = Checkpoints(cfg.checkpoint)
     t_run = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
-        evaluate = held_out is not None and bool(cfg.eval.every) and (
-            step == start + 1 or step % cfg.eval.every == 0 or step == cfg.steps)
+        evaluate = held_out is not None and bool(cfg.eval.every) and (  # as supervised._loop
+            step == 1 or step % cfg.eval.every == 0 or step == cfg.steps)
         actor, critic, row = _rl_step(cfg, ctx, mesh, tok, actor, ref, critic, target, pool,
                                       (producer, held_out if evaluate else None), step, cursor)
         cursor += cfg.prompts_per_step

@@ -96,10 +96,11 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
                       wandb=cfg.log.wandb)
     bar = Progress(phase, cfg.steps, start=start, every=cfg.log.every, enabled=cfg.log.progress)
     saves = Checkpoints(cfg.checkpoint)
+    began = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         batch = make_batch(source.take(cursor, per_step))  # the global batch, on every rank
-        cursor += per_step
+        first, cursor = cursor, cursor + per_step
         state, stats = step_fn(state, ff.shard_batch(batch, mesh, group_size=group_size))
         seconds = time.perf_counter() - t0
         tokens = int(batch[K.ATTENTION_MASK].sum())
@@ -108,9 +109,12 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
                **{k: float(stats[k]) for k in keys}, "grad_norm": float(stats["grad_norm"]),
                "tokens": tokens, "loss_tokens": int(stats["tokens"]),
                "tokens_per_s": tokens / seconds, "version": state.version,
-               "seconds": seconds, "data_cursor": cursor}
+               "seconds": seconds, "data_first": first, "data_last": cursor - 1,
+               "data_cursor": cursor, "elapsed": time.perf_counter() - began}
+        # the run's first step (the initial weights' baseline), every N and the last: a
+        # resumption keeps the cadence of the run it continues
         if evaluate is not None and eval_every and (step % eval_every == 0 or step == cfg.steps
-                                                    or step == start + 1):
+                                                    or step == 1):
             row.update(evaluate(state))
         stop = ctx.stop.agreed()
         every = cfg.checkpoint.every

@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     pid_file.write_text(str(os.getpid()))
     try:
         prepare_initial_model(cfg.model, ctx.run_dir, rank=int(rank))
+        seed_globals(cfg.seed, int(rank))
         run_recipe(cfg, ctx)
     except Exception as exc:  # noqa: BLE001 - reported as one line by the launcher
         pid_file.unlink(missing_ok=True)
@@ -71,6 +72,25 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def seed_globals(seed: int, rank: int) -> None:
+    """Rank ``rank``'s global generators (torch CPU and CUDA, python's random, numpy's) seeded
+    from the run's ``seed``: what draws from them (LoRA's dropout, a user's reward or workflow
+    code in the rank) repeats from run to run, and a checkpoint's saved RNG state is a function
+    of the seed, so a resumed run continues the uninterrupted run's draws."""
+    import random
+
+    import torch
+
+    value = (int(seed) * 1_000_003 + rank) % 2**32
+    random.seed(value)
+    torch.manual_seed(value)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(value)
 
 
 def report_error(run_dir: Path, rank: str, exc: BaseException) -> None:
