@@ -35,7 +35,8 @@ PAGE = Path(__file__).resolve().parents[3] / "docs" / "recipes.md"
 NOTES = {
     ("*", "recipe"): "which recipe this file runs (fixed per recipe)",
     ("*", "run_dir"): "where metrics, checkpoints, logs and the resolved config.yaml go",
-    ("*", "seed"): "seed of the data order, the model's random init and the sampling seeds",
+    ("*", "seed"): "seed of the data order, the model's random init, the sampling seeds and "
+                   "each trainer rank's global RNGs (torch, random, numpy)",
     ("*", "steps"): "training steps of the run (RL: after the warm-up)",
     ("WarmupConfig", "steps"): "supervised warm-up steps on the embedded task (null: 600; with "
                                "data.train_files 0 or null: RL starts from model.path)",
