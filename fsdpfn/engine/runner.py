@@ -69,12 +69,13 @@ def _differing_keys(batch, gathered: list[torch.Tensor], group, device) -> str:
 def _check_replicas(state: EngineState, batch) -> BatchError | None:
     """Ranks that differ only in their tp (or cp) coordinate must pass identical rows: every
     key's bytes, compared by _batch_fingerprint."""
-    mesh, error = state.mesh, None
+    mesh, error, fp = state.mesh, None, None
     for axis, what in (("tp", "tensor-parallel"), ("cp", "context-parallel")):
         size = getattr(mesh, axis)
         if size == 1:
             continue
-        fp = _batch_fingerprint(batch, mesh.device)
+        if fp is None:  # once for both axes: it hashes every byte of the batch
+            fp = _batch_fingerprint(batch, mesh.device)
         gathered = [torch.zeros_like(fp) for _ in range(size)]
         dist.all_gather(gathered, fp, group=mesh.group(axis))  # every axis: no rank left waiting
         if any(not torch.equal(g, gathered[0]) for g in gathered):
