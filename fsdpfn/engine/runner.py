@@ -149,8 +149,34 @@ def oom_error(state: EngineState, fn_name: str, n_tokens: int, spec: MicroBatchS
         f"{fn_name}: out of device memory on a micro-batch of {n_tokens} tokens "
         f"(max_tokens_per_mb={shown}, n_mbs={spec.n_mbs}). Gradients were dropped and cached "
         f"memory released; {what}. Lower EngineConfig.mb_spec.max_tokens_per_mb, or retry the "
-        f"call with mb_spec=MicroBatchSpec(max_tokens_per_mb={smaller})",
+        f"call with mb_spec=MicroBatchSpec(max_tokens_per_mb={smaller}).{device_memory_note()}",
         fn_name=fn_name, n_tokens=n_tokens, max_tokens_per_mb=budget)
+
+
+def device_memory_note() -> str:
+    """Where the GPU's memory is, for an out-of-memory error: what this process holds against
+    what the rest of the device does (another process on the same GPU, such as a rollout
+    server's KV cache, is a cause no micro-batch budget fixes). Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except RuntimeError:  # no device context to ask
+        return ""
+    return memory_note(free=free, total=total, held=torch.cuda.memory_reserved())
+
+
+def memory_note(*, free: int, total: int, held: int) -> str:
+    """The sentence of device_memory_note for a device of ``total`` bytes with ``free`` bytes
+    free, of which this process's allocator holds ``held``."""
+    gib = 2 ** 30
+    rest = max(0, total - free - held)
+    note = (f" Device memory: {total / gib:.1f} GiB in all, {held / gib:.1f} GiB held by this "
+            f"process, {rest / gib:.1f} GiB outside it, {free / gib:.1f} GiB free")
+    if rest > total // 4:
+        note += (" (another process on this GPU holds most of that: a rollout server sizes its "
+                 "KV cache with --decode-rows)")
+    return note + "."
 
 
 def budget_kwargs(spec: MicroBatchSpec) -> dict:

@@ -116,8 +116,12 @@ def test_ipc_push_to_a_server_on_the_same_gpu(tmp_path, shape):
     config = tiny_qwen2_config(**(QWEN2_1_5B if shape != "tiny" else {}))
     model_dir = save_tiny_model(tmp_path / "model", config, seed=0)
     out = tmp_path / "result.json"
+    # the server's cache sized as the RL recipes size it (rows of the step), not its default
+    # half of the free memory: the trainer shares the GPU (on an 80 GB card the default 38 GB
+    # of KV cache ran the 1.5B trainer's fp32 state out of memory)
     server = launch_server(model_dir, device="cuda", dtype="bfloat16", threads=4,
                            log_dir=tmp_path, health_timeout=300,
+                           extra_args=("--decode-rows", "64", "--decode-max-len", "256"),
                            env={"CUDA_VISIBLE_DEVICES": "0"})
     try:
         proc = subprocess.run([sys.executable, __file__, "trainer", str(model_dir), server.url,

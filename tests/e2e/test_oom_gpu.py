@@ -61,6 +61,7 @@ def test_oom_is_typed_memory_is_released_and_a_smaller_budget_retries():
         assert f"micro-batch of {error.n_tokens} tokens" in message
         assert f"max_tokens_per_mb={BIG}" in message
         assert "EngineConfig.mb_spec.max_tokens_per_mb" in message and "mb_spec=" in message
+        assert "GiB held by this process" in message and "GiB in all" in message, message
         assert isinstance(error, torch.OutOfMemoryError)
         assert state.is_live and state.version == version
         assert all(p.grad is None for p in state.model.parameters())
