@@ -31,7 +31,7 @@ from fsdpfn.batch import check_groups, validate_batch
 from fsdpfn.config import AdvantageConfig
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.engine.mesh import Mesh
-from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.engine.agree import agree_on_error, require_loss_tokens
 from fsdpfn.ops import gae, group_advantages, kl, kl_in_reward, scale_rewards, whiten
 
 __all__ = ["compute_advantages"]
@@ -76,6 +76,10 @@ def _dp_sum(mesh: Mesh | None):
     return all_reduce
 
 
+def _several_dp(mesh) -> bool:
+    return isinstance(mesh, Mesh) and mesh.dp > 1
+
+
 def _check(batch, config: AdvantageConfig, mesh) -> torch.Tensor | None:
     """Validate; the group of each row (with group_id) or None. Raises ConfigError/BatchError."""
     if not isinstance(config, AdvantageConfig):
@@ -84,7 +88,9 @@ def _check(batch, config: AdvantageConfig, mesh) -> torch.Tensor | None:
         raise ConfigError(f"mesh: must be an fsdpfn Mesh (build_mesh) or None, got "
                           f"{type(mesh).__name__}")
     require, why = _require(batch, config)
-    validate_batch(batch, require=require, why=why)
+    # over dp ranks the loss tokens are counted globally (require_loss_tokens): a rank's part
+    # may have none
+    validate_batch(batch, require=require, why=why, nonempty=not _several_dp(mesh))
     return check_groups(batch, config.group_size) if config.estimator in GROUPED else None
 
 
@@ -134,6 +140,8 @@ def compute_advantages(batch, config: AdvantageConfig, *, mesh: Mesh | None = No
     except (BatchError, ConfigError) as exc:
         error = exc
     agree_on_error(mesh if isinstance(mesh, Mesh) else None, error)
+    if _several_dp(mesh):
+        require_loss_tokens(mesh, batch[K.LOSS_MASK])
     all_reduce = _dp_sum(mesh)
     mask = batch[K.LOSS_MASK]
     rewards = scale_rewards(batch[K.REWARDS], scale=config.reward_scale, bias=config.reward_bias,

@@ -19,7 +19,7 @@ __all__ = ["validate_batch", "row_lengths", "select_rows"]
 
 def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None = None,
                    group_size: int | None = None, pairs: bool = False,
-                   why: Mapping[str, str] | None = None) -> None:
+                   why: Mapping[str, str] | None = None, nonempty: bool | None = None) -> None:
     """Raise BatchError unless `batch` follows the public layout; never mutates it.
 
     input_ids and attention_mask are always required; `require` adds keys (e.g. loss_mask,
@@ -27,7 +27,9 @@ def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None
     batch_size [B] with B >= 1; input_ids int64 [B, T]; attention_mask bool [B, T], a contiguous
     prefix with at least one True per row; token ids in [0, vocab_size) on real tokens (>= 0
     when vocab_size is None); loss_mask bool [B, T], False at t=0, implies attention_mask, and
-    (only when loss_mask is in `require`) at least one True in the batch; every key of
+    (only when loss_mask is in `require`, or `nonempty` says so) at least one True in the batch
+    (a data-parallel rank's part may have none: the caller then checks the global batch with
+    `nonempty=False` here and engine.agree.require_loss_tokens); every key of
     keys.TOKEN_FLOAT_KEYS present is float32 [B, T] and finite on real tokens; rewards float32 [B]
     finite; group_id and row_index int64 [B]; B divisible by group_size; B even when `pairs`
     (row 2i chosen, 2i+1 rejected), and with row_index (shard_batch's) each pair one pair of
@@ -44,7 +46,7 @@ def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None
     _check_token_ids(ids, attn, vocab_size)
     if K.LOSS_MASK in batch.keys():
         _check_loss_mask(batch.get(K.LOSS_MASK), attn, (B, T), B,
-                         nonempty=K.LOSS_MASK in require)
+                         nonempty=K.LOSS_MASK in require if nonempty is None else nonempty)
     for key in K.TOKEN_FLOAT_KEYS:
         if key in batch.keys():
             x = batch.get(key)

@@ -7,6 +7,7 @@ is_rank_zero             the rank that talks to the outside (receivers, servers)
 rank, world_size         this process's rank and the job's size (0 and 1 without a process group)
 capture_error            run a step on rank 0 and keep its failure as a typed error to agree on
 share_from_rank_zero     rank 0's value (or error) on every rank, in one collective
+require_loss_tokens      a BatchError on every dp rank when the global batch has no loss token
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from fsdpfn.errors import WeightSyncError
+from fsdpfn.errors import BatchError, WeightSyncError
 
 if TYPE_CHECKING:
     from fsdpfn.engine.mesh import Mesh
 
 __all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "rank", "world_size",
-           "capture_error", "share_from_rank_zero"]
+           "capture_error", "share_from_rank_zero", "require_loss_tokens"]
 
 
 def agree_on_error(mesh: Mesh | None, exc: BaseException | None) -> None:
@@ -55,6 +56,22 @@ def agree_on_error_in_group(group, exc: BaseException | None, *,
         raise exc
     rank, (etype, message) = next((r, p) for r, p in enumerate(gathered) if p is not None)
     raise (error_type or etype)(f"(raised on rank {rank}) {message}")
+
+
+def require_loss_tokens(mesh: Mesh | None, loss_mask: torch.Tensor) -> None:
+    """BatchError on every data-parallel rank when the global batch (every dp rank's part of it)
+    has no loss token. A rank's own part may have none: shard_batch can place only untrained
+    rows on one rank, and the losses are normalised over the global batch. Every rank of the
+    dp group must call it (an all-reduce of one count)."""
+    count = torch.tensor([int(loss_mask.sum()), loss_mask.shape[0]], dtype=torch.int64)
+    if mesh is not None and mesh.dp > 1:
+        dist.all_reduce(count, group=mesh.group("dp"))
+    tokens, rows = (int(c) for c in count)
+    if tokens == 0:
+        where = (f"on any of the {mesh.dp} data-parallel ranks" if mesh is not None and mesh.dp > 1
+                 else "in the batch")
+        raise BatchError(f"loss_mask: must have at least one True, got none {where} (all {rows} "
+                         f"rows are all False; nothing would be trained on)")
 
 
 def _raise_local(exc: BaseException | None) -> None:

@@ -20,7 +20,7 @@ from fsdpfn.batch import (Packed, next_token_targets, plan_microbatches, row_len
                           shift_to_token_aligned, validate_batch)
 from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, MicroBatchSpec
 from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
-from fsdpfn.engine.agree import world_size
+from fsdpfn.engine.agree import require_loss_tokens, world_size
 from fsdpfn.engine.state import EngineState, check_live
 from fsdpfn.wire import checksum
 
@@ -89,8 +89,12 @@ def _check_replicas(state: EngineState, batch) -> BatchError | None:
 def prepare(state: EngineState, batch, fn_name: str, *, require: Sequence[str] = (),
             why: dict | None = None, group_size: int | None = None, pairs: bool = False,
             critic: bool | None = None) -> None:
-    """Check the state's lease and the batch on every rank; all ranks raise if any rank fails."""
+    """Check the state's lease and the batch on every rank; all ranks raise if any rank fails.
+    A batch whose loss_mask is required must have a loss token in the global batch, not on
+    every rank (a dp rank's rows may all be untrained)."""
     error = None
+    mesh = state.mesh if isinstance(state, EngineState) else None
+    global_tokens = K.LOSS_MASK in require and mesh is not None and mesh.dp > 1
     try:
         if critic is not None and isinstance(state, EngineState) and \
                 state.config.is_critic != critic:
@@ -101,11 +105,13 @@ def prepare(state: EngineState, batch, fn_name: str, *, require: Sequence[str] =
             raise BatchError(f"batch: must be a tensordict.TensorDict, got {type(batch).__name__}")
         vocab = state.hf_config.vocab_size if isinstance(state, EngineState) else None
         validate_batch(batch, require=require, vocab_size=vocab, group_size=group_size,
-                       pairs=pairs, why=why)
+                       pairs=pairs, why=why, nonempty=False if global_tokens else None)
     except (BatchError, ConfigError) as exc:
         error = exc
     check_live(state, fn_name, local_error=error)
     check_live(state, fn_name, local_error=_check_replicas(state, batch))
+    if global_tokens:
+        require_loss_tokens(mesh, batch.get(K.LOSS_MASK))
 
 
 def resolve_mb_spec(state: EngineState, mb_spec) -> MicroBatchSpec:
