@@ -125,17 +125,25 @@ def _tensor_md(metadata, key: str, root: Path):
     return md
 
 
-def _check_tensor(key: str, md, shape, dtype, root: Path) -> None:
+def _check_tensor(key: str, md, shape, dtype, root: Path, *, hint: str = "") -> None:
     if tuple(md.size) != tuple(shape):
         raise CheckpointError(f"load_checkpoint: key {key!r}: shape must be {tuple(shape)} (the "
                               f"state's), got {tuple(md.size)} in {str(root)!r}")
     if md.properties.dtype != dtype:
         raise CheckpointError(f"load_checkpoint: key {key!r}: dtype must be {dtype} (the state's; "
                               f"DCP would cast silently), got {md.properties.dtype} in "
-                              f"{str(root)!r}")
+                              f"{str(root)!r}{hint}")
 
 
-def _plan_model(state: EngineState, metadata, root: Path) -> dict:
+def _castable(saved: torch.dtype, here: torch.dtype) -> bool:
+    return saved != here and saved.is_floating_point and here.is_floating_point
+
+
+def _plan_model(state: EngineState, metadata, root: Path, *, cast: bool = False) -> dict:
+    """Buffers for the model's tensors, each checked against the checkpoint's metadata. With
+    ``cast`` (weights_only), a floating tensor saved in another dtype (a run of another
+    optimizer_dtype) is read in its own dtype, so its checksums hold, and cast to the state's
+    on apply (_cast_model); without it, another dtype is refused."""
     model_sd = _model_state(state)
     saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
     missing = sorted(set(model_sd) - saved)
@@ -145,11 +153,23 @@ def _plan_model(state: EngineState, metadata, root: Path) -> dict:
                               f"{len(missing)} missing (e.g. {missing[:3]}) and {len(unexpected)} "
                               f"unexpected (e.g. {unexpected[:3]}) in {str(root)!r}")
     staged = {}
+    hint = "" if cast else ("; pass weights_only=True to load the weights cast to the state's "
+                            "dtype")
     for key, value in model_sd.items():
-        _check_tensor(f"model.{key}", _tensor_md(metadata, f"model.{key}", root), value.shape,
-                      value.dtype, root)
-        staged[key] = torch.empty_like(value)  # same DTensor layout; the live tensors stay as-is
+        md = _tensor_md(metadata, f"model.{key}", root)
+        dtype = value.dtype
+        if cast and _castable(md.properties.dtype, value.dtype):
+            dtype = md.properties.dtype
+        _check_tensor(f"model.{key}", md, value.shape, dtype, root, hint=hint)
+        # same DTensor layout; the live tensors stay as-is
+        staged[key] = torch.empty_like(value, dtype=dtype)
     return staged
+
+
+def _cast_model(state: EngineState, staged: dict) -> dict:
+    """The staged model tensors in the state's dtypes (a no-op for those read in them)."""
+    live = _model_state(state)
+    return {k: v if v.dtype == live[k].dtype else v.to(live[k].dtype) for k, v in staged.items()}
 
 
 def _trainable_by_fqn(model) -> dict:
@@ -279,8 +299,10 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
                               f"{str(root)!r} (EngineConfig.optimizer_dtype differs between the "
                               f"run that saved it and this state, and with it the master "
                               f"weights' dtype: build the state with the saved run's "
-                              f"optimizer_dtype; engine.fsdp.per_layer_optim_step may differ)")
-    staging = {"model": _plan_model(state, metadata, root)}
+                              f"optimizer_dtype, or pass weights_only=True to load the weights "
+                              f"alone, cast to this state's dtype; "
+                              f"engine.fsdp.per_layer_optim_step may differ)")
+    staging = {"model": _plan_model(state, metadata, root, cast=weights_only)}
     if load_optim and status == "saved":
         staging["optim"] = _plan_optim(state, metadata, root)
     rng = None
@@ -382,8 +404,9 @@ def _apply(state: EngineState, plan: _LoadPlan) -> None:
     The optimizer's moments and step counts and the schedule's position are the checkpoint's;
     its hyper-parameters (lr, betas, eps, weight decay, the schedule) stay the state's own,
     those of its OptimizerConfig, so a state built with another config continues with it."""
-    set_model_state_dict(state.model, plan.staging["model"], options=StateDictOptions(
-        strict=state.config.lora is None))  # a LoRA checkpoint holds the adapters alone
+    set_model_state_dict(state.model, _cast_model(state, plan.staging["model"]),
+                         options=StateDictOptions(strict=state.config.lora is None))
+    # (strict=False for LoRA: a LoRA checkpoint holds the adapters alone)
     manifest = plan.manifest
     if plan.load_optim:
         own = _hyper(state.optimizer)
@@ -413,10 +436,12 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     while the optimizer's hyper-parameters (lr, betas, eps, weight decay, schedule) are the
     state's own OptimizerConfig (a state built with a changed config continues with it).
     ``weights_only=True`` loads the model weights only (the successor keeps this state's
-    optimizer, scheduler, step and RNG). ``verify=True`` first checks the manifest's own CRC32 (a
+    optimizer, scheduler, step and RNG), cast to the state's dtype where they were saved in
+    another (a run of another optimizer_dtype; the checksums are verified before the cast). ``verify=True`` first checks the manifest's own CRC32 (a
     manifest without it, from an older fsdpfn, is refused), then every chunk read against the
     checksums recorded at save (fsdpfn.checkpoint.integrity; at any world size); a checkpoint
-    saved with checksums=False loads with a warning; ``verify=False`` reads everything unverified. Collective. Raises CheckpointError
+    saved with checksums=False loads with a logged warning; ``verify=False`` reads everything
+    unverified. Collective. Raises CheckpointError
     on every rank, with the state unchanged and live, for a missing, incomplete, truncated,
     corrupted or mismatching checkpoint (the file and the tensor named; see the module
     docstring).
