@@ -40,6 +40,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     if logits.shape[:-1] != targets.shape:
         raise BatchError(f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise BatchError(f"targets must be an integer tensor, got dtype {targets.dtype}")
     _check_targets(targets, logits.shape[-1], "logits.shape[-1]")
     z = _scaled_logits(logits, temperature)  # (..., V) fp32
     picked = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

@@ -95,6 +95,9 @@ def _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level, k
                           f"is token 'tis' at behav_high=cap), got {behav_cap!r}")
 
 
+LOG_RATIO_MAX = 88.0  # exp(88) = 1.65e38, the largest round exponent fp32 holds
+
+
 def _log_ratio(logp, old_logp, mask, ratio_level):
     """log r per token (0 under the mask); 'sequence' is the masked mean over each row (GSPO)."""
     log_r = masked_values(logp, mask) - masked_values(old_logp, mask)
@@ -158,7 +161,10 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_hi
     hi = clip_low if clip_high is None else clip_high
     adv = masked_values(advantages, mask)
     log_r = _log_ratio(logp, old_logp, mask, ratio_level)
-    ratio = log_r.exp()  # 1 under the mask
+    # 1 under the mask. The exponent stops below fp32's overflow (88.72): past it exp is inf,
+    # and the branch that where() leaves out, or A = 0, would turn 0 * inf into a NaN loss or
+    # gradient. Below it the ratio is the formula's.
+    ratio = log_r.clamp(max=LOG_RATIO_MAX).exp()
     if kind == "cispo":
         pg, clipped = _cispo_pg(adv, log_r, ratio, clip_low, hi)
         dual = torch.zeros_like(clipped)

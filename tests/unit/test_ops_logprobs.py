@@ -343,3 +343,11 @@ def test_a_target_outside_the_vocabulary_is_a_batch_error_naming_it(bad):
         chunked_logprobs(hidden, weight, targets, chunk_size=2)
     with pytest.raises(BatchError, match=rf"^targets: .* = 7, got {bad} at index \[1\]"):
         token_logprobs(hidden @ weight.T, targets)
+
+
+@pytest.mark.parametrize("targets", [torch.tensor([1.7]), torch.tensor([True])])
+def test_token_logprobs_refuses_targets_that_are_not_integers(targets):
+    # a float id was truncated (1.7 read as 1) and a bool read as 1; chunked_logprobs refused both
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    with pytest.raises(BatchError, match="targets must be an integer tensor, got dtype"):
+        token_logprobs(logits, targets)

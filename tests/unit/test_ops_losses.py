@@ -573,3 +573,34 @@ def test_pair_losses_bad_arguments():
         bradley_terry_loss_sum(x, torch.zeros(2))
     with pytest.raises(BatchError, match="logp must have the shape of mask"):
         sft_loss_sum(x, torch.zeros(2, dtype=torch.bool))
+
+
+def _policy_loss64(logp, old, adv, mask, clip=0.2, dual_clip=None):
+    """The contract's formula in float64: token-mean of max(-A r, -A clamp(r)), dual-capped."""
+    logp, old, adv = logp.double(), old.double(), adv.double()
+    r = torch.exp(logp - old)
+    pg = torch.maximum(-adv * r, -adv * r.clamp(1 - clip, 1 + clip))
+    if dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+    return (pg * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("adv, dual_clip", [([1.0, 1.0], None), ([0.0, 1.0], None),
+                                            ([-1.0, 1.0], 3.0)])
+def test_policy_loss_stays_finite_past_fp32_exp_overflow(adv, dual_clip):
+    # token 0's log-ratio is 99 (exp overflows fp32 past 88.72): the clipped branch, A = 0 or the
+    # dual cap make its true loss finite and its gradient 0, and they must stay so (0 * inf was
+    # a NaN that spoiled every parameter's gradient); token 1 is an ordinary one
+    logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-100.0, -0.6]])
+    advantages = torch.tensor([adv])
+    mask = torch.tensor([[True, True]])
+    loss, _ = policy_loss(logp, old, advantages, mask, dual_clip=dual_clip)
+    (grad,) = torch.autograd.grad(loss, logp)
+    logp64 = logp.detach().double().requires_grad_()
+    want = _policy_loss64(logp64, old, advantages, mask, dual_clip=dual_clip)
+    (want_grad,) = torch.autograd.grad(want, logp64)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all(), (loss, grad)
+    assert abs(float(loss) - float(want)) <= 1e-6 * (1 + abs(float(want))), (loss, want)
+    assert torch.allclose(grad.double(), want_grad, atol=1e-6), (grad, want_grad)
+    assert float(grad[0, 0]) == 0.0
