@@ -7,6 +7,8 @@ mask. Values under a False mask never reach an output or a gradient (torch.where
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -64,6 +66,8 @@ def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_o
     """
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ConfigError(f"group_size must be an int >= 1, got {group_size!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ConfigError(f"eps must be a finite number >= 0, got {eps!r}")
     if leave_one_out and group_size < 2:
         raise ConfigError(f"group_size must be >= 2 with leave_one_out=True (no other rows to average), "
                           f"got {group_size}")

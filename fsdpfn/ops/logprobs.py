@@ -11,6 +11,8 @@ All math is float32, whatever the input dtype; gradients come back in the input 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -21,8 +23,8 @@ __all__ = ["token_logprobs", "token_entropy", "chunked_logprobs", "vocab_paralle
 
 
 def _check_temperature(temperature: float) -> float:
-    if not float(temperature) > 0.0:
-        raise ConfigError(f"temperature must be > 0, got {temperature!r}")
+    if not 0.0 < float(temperature) < math.inf:
+        raise ConfigError(f"temperature must be a finite number > 0, got {temperature!r}")
     return float(temperature)
 
 

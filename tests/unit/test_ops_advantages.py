@@ -341,3 +341,10 @@ def test_compute_advantages_refuses_split_groups():
         compute_advantages(ids, AdvantageConfig(group_size=4))
     # token-level estimators have no groups: a sharded batch is fine
     compute_advantages(piece, AdvantageConfig(estimator="reinforce++"))
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("inf"), float("nan")])
+def test_group_advantages_refuses_an_eps_that_is_not_finite_and_non_negative(eps):
+    # a negative eps could cancel the std (a division by ~0) or flip the advantages' sign
+    with pytest.raises(ConfigError, match="eps must be a finite number >= 0"):
+        group_advantages(torch.tensor([1.0, 2.0, 4.0]), 3, eps=eps)

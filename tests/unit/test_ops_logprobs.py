@@ -351,3 +351,8 @@ def test_token_logprobs_refuses_targets_that_are_not_integers(targets):
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     with pytest.raises(BatchError, match="targets must be an integer tensor, got dtype"):
         token_logprobs(logits, targets)
+
+
+def test_an_infinite_temperature_is_refused():
+    with pytest.raises(ConfigError, match="temperature must be a finite number > 0"):
+        token_entropy(torch.zeros(2, 5), temperature=float("inf"))
