@@ -9,6 +9,7 @@ which is read back into the same value (``from_sglang``)."""
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Sequence
 
@@ -62,7 +63,7 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
 
     prompts = check_prompts(prompts)
     check_counts(n, max_new_tokens)
-    for key, value, ok in (("temperature", temperature, float(temperature) >= 0.0),
+    for key, value, ok in (("temperature", temperature, 0.0 <= float(temperature) < math.inf),
                            ("top_p", top_p, 0.0 < float(top_p) <= 1.0),
                            ("timeout", timeout, float(timeout) > 0.0)):
         if not ok:

@@ -16,6 +16,7 @@ trainer's ``forward_logp(..., temperature=T)`` computes for the same tokens.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -44,8 +45,12 @@ def _token_id(t) -> bool:
         return False
 
 
+GREEDY_BELOW = 1e-6  # SGLang's rule: a temperature below it is greedy
+
+
 class SamplingParams:
-    """temperature (0: greedy), top_p, top_k (0 or -1: off), min_p, max_new_tokens (16 here,
+    """temperature (0: greedy, as is any below 1e-6, SGLang's rule: dividing the logits by
+    it would overflow them), top_p, top_k (0 or -1: off), min_p, max_new_tokens (16 here,
     SGLang's /generate sends its own default 128), min_new_tokens, stop_token_ids, stop (str or
     list of str), ignore_eos, n, seed (SGLang: sampling_seed), frequency_penalty,
     presence_penalty, repetition_penalty, no_stop_trim, skip_special_tokens.
@@ -102,8 +107,8 @@ class SamplingParams:
 
         # each rule runs only after the ones above it hold (min_new_tokens compares with a
         # max_new_tokens already known to be an int)
-        rules = [("temperature", lambda: is_num(self.temperature) and self.temperature >= 0,
-                  ">= 0"),
+        rules = [("temperature", lambda: is_num(self.temperature)
+                  and 0 <= self.temperature < math.inf, "a finite number >= 0"),
                  ("top_p", lambda: is_num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
                  ("top_k", lambda: is_int(self.top_k, 0), "an int >= 0 (or -1: off)"),
                  ("min_p", lambda: is_num(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
@@ -129,6 +134,8 @@ class SamplingParams:
             if not ok():
                 raise UpdateError(f"sampling_params.{self._names.get(key, key)}: must be "
                                   f"{rule}, got {getattr(self, key)!r}")
+        if 0 < self.temperature < GREEDY_BELOW:  # logits / T would overflow to inf
+            self.temperature = 0.0
 
     @property
     def penalized(self) -> bool:

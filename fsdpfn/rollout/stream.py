@@ -191,8 +191,13 @@ class RolloutStream:
                     raise StopIteration(f"the data ended at prompt {self.ended_at}")
                 left = None if timeout is None else timeout - (time.perf_counter() - t0)
                 if left is not None and left <= 0:
+                    step = (want.start - self.start) // self.B
+                    bound = ("" if step <= self.advances + self.N else
+                             f"; they wait for advance(): step {step} is past "
+                             f"{self.advances} advance(s) + max_staleness={self.N} (call "
+                             f"stream.advance(version) after each step's push)")
                     raise TimeoutError(f"next_batch: groups {want.start}..{want.stop - 1} not "
-                                       f"generated within {timeout} s")
+                                       f"generated within {timeout} s{bound}")
                 self.cond.wait(left)
             groups = [self.finished.pop(i) for i in want]
             self.consumed = want.stop
@@ -203,12 +208,21 @@ class RolloutStream:
 
     def advance(self, version: int) -> None:
         """The servers now serve ``version`` (call it after each step's push): generation may
-        run one step further ahead."""
+        run one step further ahead. Once per batch handed out (a step whose weights did not
+        change advances with the same version); more is a ConfigError."""
         version = _int("version", version, 0)
         with self.cond:
             if version < self.version:
                 raise ConfigError(f"version: must not go backwards, got {version} after "
                                   f"{self.version}")
+            handed = (self.consumed - self.start) // self.B
+            if self.advances >= handed:  # each advance lets admission run one step further
+                raise ConfigError(
+                    f"advance: must be called once after each step's push, at most once per "
+                    f"batch next_batch handed out: {handed} handed out, {self.advances} "
+                    f"advance(s) already, got another (version {version}); an extra advance "
+                    f"would let generation run past max_staleness={self.N}. Weights pushed "
+                    f"before the first step belong in RolloutStream(version=...)")
             self.version = version
             self.pushed.append(version)
             self.cond.notify_all()

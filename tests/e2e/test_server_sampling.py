@@ -9,6 +9,8 @@ plain HF model in float64 (the same weights).
 - A request with one sampling_params dict per prompt ran each prompt as prompt 0 of its own
   request, so a seed drew the same tokens for every prompt; prompt i draws from its own seed,
   prompt_seed(seed, i), in either form.
+- A temperature below 1e-6 is greedy (SGLang's rule; it overflowed the logits, an HTTP 500), and
+  an infinite one is refused by name.
 - A matched stop token id is left out of `text`, as SGLang's trim_matched_stop (and vLLM) do;
   `output_ids` keep it.
 """
@@ -73,12 +75,16 @@ def _last_logits(model, ids):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("text", ["Hello, world!", "Paris is"])
-def test_greedy_is_the_argmax_whatever_the_models_generation_defaults(url, reference, text):
+@pytest.mark.parametrize("text, temperature", [("Hello, world!", 0), ("Paris is", 0),
+                                               ("Paris is", 1e-45)])
+def test_greedy_is_the_argmax_whatever_the_models_generation_defaults(url, reference, text,
+                                                                      temperature):
+    # a temperature below 1e-6 is greedy, as SGLang serves it: dividing the logits by 1e-45
+    # overflowed them to inf and the draw failed with an HTTP 500
     model, tok = reference
     prompt = tok.encode(text)
     out = _generate(url, {"input_ids": prompt, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 20, "ignore_eos": True}})
+        "temperature": temperature, "max_new_tokens": 20, "ignore_eos": True}})
     context = list(prompt)
     for step, got in enumerate(out["output_ids"]):
         logits = _last_logits(model, context)
@@ -127,3 +133,13 @@ def test_a_matched_stop_token_id_is_left_out_of_the_text(url, reference):
     kept = _generate(url, {"input_ids": prompt, "sampling_params": {
         **base, "stop_token_ids": [stop], "no_stop_trim": True}})
     assert kept["text"] == tok.decode(kept["output_ids"], skip_special_tokens=True)
+
+
+@pytest.mark.timeout(120)
+def test_an_infinite_temperature_is_refused_by_name(url):
+    response = httpx.post(f"{url}/generate", content='{"input_ids": [1, 2, 3], '
+                          '"sampling_params": {"temperature": Infinity}}',
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "sampling_params.temperature: must be a finite number >= 0" in response.text
+    assert _generate(url, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})

@@ -104,6 +104,7 @@ def test_bad_constructor_values_are_refused_by_name(kwargs, message):
 def test_advance_takes_an_integer_version_and_a_refusal_changes_nothing(version):
     stream = _stream()
     try:
+        stream.next_batch(timeout=20)
         with pytest.raises(ConfigError, match=r"version: must be an integer >= 0"):
             stream.advance(version)
         assert stream.version == 0 and stream.advances == 0
@@ -140,3 +141,31 @@ def test_staleness_is_kept_and_reported_in_pushes_whatever_a_push_moves_the_vers
     # in pushes: the version gap divided by what each push moved it on by
     assert [s for s, _ in stats] == [pushes for _, pushes in stats], stats
     assert all(s <= 1 for s, _ in stats) and stats[0][0] == 0, stats
+
+
+@pytest.mark.timeout(60)
+def test_an_advance_beyond_the_batches_handed_out_is_refused_and_a_missing_one_is_named():
+    """advance() is once per step: a second one for the same batch (a loop that re-pushes
+    unchanged weights) let admission run a step further each time, past max_staleness (a
+    trainer at version 2 got tokens of version 1 at max_staleness=0). And a next_batch that
+    times out because no advance came says so."""
+    stream = _stream(max_staleness=0)
+    try:
+        with pytest.raises(ConfigError, match=r"advance: must be called once after each step's "
+                                              r"push.*0 handed out, 0 advance\(s\) already"):
+            stream.advance(1)   # before any batch: belongs in RolloutStream(version=...)
+        assert stream.version == 0 and stream.advances == 0
+        stream.next_batch(timeout=20)
+        with pytest.raises(TimeoutError, match=r"wait for advance\(\): step 1 is past 0 "
+                                               r"advance\(s\) \+ max_staleness=0"):
+            stream.next_batch(timeout=0.5)
+        stream.advance(1)
+        with pytest.raises(ConfigError, match=r"1 handed out, 1 advance\(s\) already, got "
+                                              r"another \(version 1\)"):
+            stream.advance(1)   # the same push again
+        assert stream.version == 1 and stream.advances == 1
+        stream.next_batch(timeout=20)
+        stream.advance(1)       # a step that left the weights as they were: same version
+        assert stream.advances == 2
+    finally:
+        stream.close()
