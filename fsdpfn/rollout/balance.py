@@ -36,6 +36,13 @@ __all__ = ["Balancer", "split_by_load", "generate_balanced", "group_work", "run_
 _PROMPT_INDEX = re.compile(r"\b(input_ids|prompts)\[(\d+)\]")
 
 
+def renumbered(exc: BaseException, start: int) -> BaseException:
+    """``exc`` (a request's error) with each prompt index it names moved on by ``start``: a
+    server numbers the prompts of its own request, the caller those of its whole list."""
+    message = _PROMPT_INDEX.sub(lambda m: f"{m.group(1)}[{int(m.group(2)) + start}]", str(exc))
+    return type(exc)(message)
+
+
 def split_by_load(loads: Sequence[float], works: Sequence[float],
                   given: Sequence[float] | None = None) -> list[tuple[int, int, int]]:
     """Groups 0..len(works)-1 (in order, ``works[i]`` each) cut into contiguous runs
@@ -152,10 +159,7 @@ def generate_balanced(servers: Balancer | str | Sequence[str], prompts: Sequence
         except (ConfigError, WeightSyncError) as exc:
             if start == 0:
                 raise
-            # the server numbers the prompts of its share: the caller's index is start more
-            message = _PROMPT_INDEX.sub(lambda m: f"{m.group(1)}[{int(m.group(2)) + start}]",
-                                        str(exc))
-            raise type(exc)(message) from None
+            raise renumbered(exc, start) from None
         finally:
             balancer.done(url, work)
 

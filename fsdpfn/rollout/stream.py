@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from fsdpfn.errors import ConfigError, WeightSyncError
-from fsdpfn.rollout.balance import Balancer, group_work
+from fsdpfn.rollout.balance import Balancer, group_work, renumbered
 from fsdpfn.rollout.client import check_prompts, generate
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
@@ -344,7 +344,10 @@ class RolloutStream:
         """The default runner: one generate of ``prompts``, their samples split per prompt."""
         # group g draws with prompt_seed(seed, g) whichever request carries it
         seed = None if self.seed is None else prompt_seed(self.seed, first)
-        answer = generate(url, prompts, n=self.G, seed=seed, **self.sampling)
+        try:
+            answer = generate(url, prompts, n=self.G, seed=seed, **self.sampling)
+        except (ConfigError, WeightSyncError) as exc:  # its indices: those of the data order
+            raise renumbered(exc, first) from None
         return [answer["outputs"][i * self.G:(i + 1) * self.G] for i in range(len(prompts))]
 
     def _request(self, url: str, first: int, prompts: list, admitted: int,

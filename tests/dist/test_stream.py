@@ -146,3 +146,23 @@ def test_no_trained_sample_is_staler_than_the_bound(spmd1, server, model_dir, ma
         assert stat == max(trained - v for v in oldest)
     # generation ran ahead: some step trained on samples of an older version
     assert any(max(trained - v for v in oldest) >= 1 for trained, _, oldest, _ in versions)
+
+
+@pytest.mark.timeout(120)
+def test_a_servers_refusal_names_the_prompt_of_the_data_order(server):
+    """The server numbers the prompts of its own request: a stream's error named input_ids[1]
+    for data prompt 3 (the second of the request of prompts 2..3). It names the data index."""
+    vocab = tiny_qwen2_config().vocab_size
+    bad = 3
+
+    def prompt_at(i):
+        return [3, 5, vocab + 7] if i == bad else PROMPTS[i]
+
+    with RolloutStream(server.url, prompt_at, group_size=1, groups_per_step=2, max_staleness=0,
+                       sampling=SAMPLING) as stream:
+        stream.next_batch(timeout=60)
+        stream.advance(0)
+        with pytest.raises(ff.WeightSyncError) as info:
+            stream.next_batch(timeout=60)
+    assert f"input_ids[{bad}]" in str(info.value), str(info.value)
+    assert "input_ids[1]" not in str(info.value), str(info.value)
