@@ -82,6 +82,9 @@ def _bad_batches():
     }
 
 
+GLOBAL = ("empty loss_mask",)  # bad for the global batch, not for one rank's part
+
+
 def _call(kind, state, batch):
     if kind == "sft":
         return ff.sft_step(state, batch, ff.SFTConfig())
@@ -98,8 +101,10 @@ def bad_batches_leave_state_unchanged():
     out = {}
     for name, (kind, batch) in _bad_batches().items():
         before = _snapshot(state)
-        # only rank 1 gets the bad batch: the error must still be raised on every rank
-        mine = batch if dist.get_rank() == 1 else _good()
+        # only rank 1 gets the bad batch: the error must still be raised on every rank. No
+        # loss token is bad only for the global batch (a rank's rows may all be untrained):
+        # every rank gets that one
+        mine = batch if dist.get_rank() == 1 or name in GLOBAL else _good()
         try:
             _call(kind, state, mine)
             out[name] = "no error"
@@ -117,7 +122,7 @@ def test_batch_errors_leave_state_unchanged(spmd2):
             assert res != "no error", f"rank {rank}: {name}"
             message, unchanged, live = res
             assert unchanged and live, f"rank {rank}: {name}"
-            if rank == 0:
+            if rank == 0 and name not in GLOBAL:
                 assert message.startswith("(raised on rank 1)"), message
     messages = {name: res[0] for name, res in results[1].items()}
     assert "old_logp" in messages["missing old_logp"]
@@ -125,6 +130,7 @@ def test_batch_errors_leave_state_unchanged(spmd2):
         messages["kl without ref_logp"]
     assert "int64" in messages["wrong dtype"] and "torch.int32" in messages["wrong dtype"]
     assert "128" in messages["token id out of vocabulary"]
+    assert "on any of the 2 data-parallel ranks" in messages["empty loss_mask"]
 
 
 def nonfinite_gradient_skips():
