@@ -437,8 +437,9 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     state's own OptimizerConfig (a state built with a changed config continues with it).
     ``weights_only=True`` loads the model weights only (the successor keeps this state's
     optimizer, scheduler, step and RNG), cast to the state's dtype where they were saved in
-    another (a run of another optimizer_dtype; the checksums are verified before the cast). ``verify=True`` first checks the manifest's own CRC32 (a
-    manifest without it, from an older fsdpfn, is refused), then every chunk read against the
+    another (a run of another optimizer_dtype; the checksums are verified before the cast).
+    ``verify=True`` first checks the manifest's own CRC32 (a manifest without it, from an older
+    fsdpfn, is refused), then every chunk read against the
     checksums recorded at save (fsdpfn.checkpoint.integrity; at any world size); a checkpoint
     saved with checksums=False loads with a logged warning; ``verify=False`` reads everything
     unverified. Collective. Raises CheckpointError

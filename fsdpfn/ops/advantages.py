@@ -8,7 +8,6 @@ mask. Values under a False mask never reach an output or a gradient (torch.where
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 import torch

@@ -18,7 +18,6 @@ plain HF model in float64 (the same weights).
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
