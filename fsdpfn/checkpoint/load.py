@@ -139,11 +139,13 @@ def _castable(saved: torch.dtype, here: torch.dtype) -> bool:
     return saved != here and saved.is_floating_point and here.is_floating_point
 
 
-def _plan_model(state: EngineState, metadata, root: Path, *, cast: bool = False) -> dict:
+def _plan_model(state: EngineState, metadata, root: Path, *,
+                cast: bool = False) -> tuple[dict, dict]:
     """Buffers for the model's tensors, each checked against the checkpoint's metadata. With
     ``cast`` (weights_only), a floating tensor saved in another dtype (a run of another
     optimizer_dtype) is read in its own dtype, so its checksums hold, and cast to the state's
-    on apply (_cast_model); without it, another dtype is refused."""
+    on apply (_cast_model); without it, another dtype is refused. Returns the buffers and the
+    state's dtype of each key read in another."""
     model_sd = _model_state(state)
     saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
     missing = sorted(set(model_sd) - saved)
@@ -152,24 +154,23 @@ def _plan_model(state: EngineState, metadata, root: Path, *, cast: bool = False)
         raise CheckpointError(f"load_checkpoint: model keys: must match the state's, got "
                               f"{len(missing)} missing (e.g. {missing[:3]}) and {len(unexpected)} "
                               f"unexpected (e.g. {unexpected[:3]}) in {str(root)!r}")
-    staged = {}
+    staged, casts = {}, {}
     hint = "" if cast else ("; pass weights_only=True to load the weights cast to the state's "
                             "dtype")
     for key, value in model_sd.items():
         md = _tensor_md(metadata, f"model.{key}", root)
         dtype = value.dtype
         if cast and _castable(md.properties.dtype, value.dtype):
-            dtype = md.properties.dtype
+            dtype, casts[key] = md.properties.dtype, value.dtype
         _check_tensor(f"model.{key}", md, value.shape, dtype, root, hint=hint)
         # same DTensor layout; the live tensors stay as-is
         staged[key] = torch.empty_like(value, dtype=dtype)
-    return staged
+    return staged, casts
 
 
-def _cast_model(state: EngineState, staged: dict) -> dict:
-    """The staged model tensors in the state's dtypes (a no-op for those read in them)."""
-    live = _model_state(state)
-    return {k: v if v.dtype == live[k].dtype else v.to(live[k].dtype) for k, v in staged.items()}
+def _cast_model(staged: dict, casts: dict) -> dict:
+    """The staged model tensors in the state's dtypes (``casts``: those read in another)."""
+    return {k: v.to(casts[k]) if k in casts else v for k, v in staged.items()}
 
 
 def _trainable_by_fqn(model) -> dict:
@@ -231,8 +232,9 @@ def _plan_optim(state: EngineState, metadata, root: Path) -> dict:
 
 
 class _LoadPlan:
-    def __init__(self, root, manifest, staging, load_optim, rng, checksums=None):
+    def __init__(self, root, manifest, staging, load_optim, rng, checksums=None, casts=None):
         self.root, self.manifest, self.staging = root, manifest, staging
+        self.casts = casts or {}  # model keys read in the saved dtype, to cast on apply
         self.load_optim, self.rng = load_optim, rng
         self.checksums = checksums  # the manifest's record to verify against; None: no check
 
@@ -302,7 +304,8 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
                               f"optimizer_dtype, or pass weights_only=True to load the weights "
                               f"alone, cast to this state's dtype; "
                               f"engine.fsdp.per_layer_optim_step may differ)")
-    staging = {"model": _plan_model(state, metadata, root, cast=weights_only)}
+    model, casts = _plan_model(state, metadata, root, cast=weights_only)
+    staging = {"model": model}
     if load_optim and status == "saved":
         staging["optim"] = _plan_optim(state, metadata, root)
     rng = None
@@ -314,7 +317,7 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
             rng = torch.load(file, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a broken checkpoint
             raise _wrap(fn, f"reading {str(file)!r}", exc) from None
-    return _LoadPlan(root, manifest, staging, load_optim, rng, checksums)
+    return _LoadPlan(root, manifest, staging, load_optim, rng, checksums, casts)
 
 
 def _same_moments(optimizer, saved_class, metadata) -> bool:
@@ -404,7 +407,7 @@ def _apply(state: EngineState, plan: _LoadPlan) -> None:
     The optimizer's moments and step counts and the schedule's position are the checkpoint's;
     its hyper-parameters (lr, betas, eps, weight decay, the schedule) stay the state's own,
     those of its OptimizerConfig, so a state built with another config continues with it."""
-    set_model_state_dict(state.model, _cast_model(state, plan.staging["model"]),
+    set_model_state_dict(state.model, _cast_model(plan.staging["model"], plan.casts),
                          options=StateDictOptions(strict=state.config.lora is None))
     # (strict=False for LoRA: a LoRA checkpoint holds the adapters alone)
     manifest = plan.manifest
