@@ -105,7 +105,10 @@ def ppo_loss_fn(config: PPOConfig):
             loss = loss - config.entropy_coef * ent_sum
             stats["entropy"] = token_mean_stat(outputs[K.ENTROPY], mask, ctx)
         if config.kl_coef > 0:
-            kl_tok = kl(logp, mb[K.REF_LOGP], config.kl_kind)
+            # untrained tokens (prompt, padding) may hold any finite fill in ref_logp: zeroed
+            # first, so no value there reaches the loss or its gradient
+            kl_tok = kl(masked_values(logp, mask), masked_values(mb[K.REF_LOGP], mask),
+                        config.kl_kind)
             kl_sum, _ = aggregate_sum(kl_tok, mask, config.agg)
             loss = loss + config.kl_coef * kl_sum
             stats["kl"] = token_mean_stat(kl_tok, mask, ctx)
