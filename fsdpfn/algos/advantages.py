@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -31,7 +32,7 @@ from fsdpfn.batch import check_groups, validate_batch
 from fsdpfn.config import AdvantageConfig
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.engine.mesh import Mesh
-from fsdpfn.engine.agree import agree_on_error, require_loss_tokens
+from fsdpfn.engine.agree import agree_on_error, require_loss_tokens, same_on_every_rank
 from fsdpfn.ops import gae, group_advantages, kl, kl_in_reward, scale_rewards, whiten
 
 __all__ = ["compute_advantages"]
@@ -140,6 +141,11 @@ def compute_advantages(batch, config: AdvantageConfig, *, mesh: Mesh | None = No
     except (BatchError, ConfigError) as exc:
         error = exc
     agree_on_error(mesh if isinstance(mesh, Mesh) else None, error)
+    if isinstance(mesh, Mesh):  # a config that differs by rank: one error, not a hang
+        same_on_every_rank("compute_advantages", {
+            "batch keys": sorted(str(k) for k in batch.keys()),
+            **{f"AdvantageConfig.{f.name}": getattr(config, f.name)
+               for f in attrs.fields(AdvantageConfig)}}, batch_names=("batch keys",))
     if _several_dp(mesh):
         require_loss_tokens(mesh, batch[K.LOSS_MASK])
     all_reduce = _dp_sum(mesh)

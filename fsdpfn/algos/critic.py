@@ -43,7 +43,7 @@ def critic_objective(config: CriticConfig, *, old_key: str = K.OLD_VALUES) -> Ob
                     f"the update: old_values, or values from compute_values"}
     require = (K.LOSS_MASK, K.RETURNS) + ((old_key,) if config.value_clip is not None else ())
     return Objective(critic_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg],
-                     require=require, why=why, name="critic_step", critic=True)
+                     require=require, why=why, name="critic_step", critic=True, config=config)
 
 
 def critic_step(state, batch, config: CriticConfig, *, mb_spec=None):

@@ -37,7 +37,8 @@ def dpo_objective(config: DPOConfig = DPOConfig()) -> Objective:
     why = {K.REF_LOGP: "the DPO reference; compute it with forward_logp(ref, batch, "
                        "out_key='ref_logp')"}
     return Objective(dpo_loss_fn(config), normalizer="pairs", require=(K.LOSS_MASK, K.REF_LOGP),
-                     why=why, group_size=2, pairs=True, name="dpo_step", critic=False)
+                     why=why, group_size=2, pairs=True, name="dpo_step", critic=False,
+                     config=config)
 
 
 def dpo_step(state, batch, config: DPOConfig = DPOConfig(), *, mb_spec=None):

@@ -166,7 +166,7 @@ def ppo_objective(config: PPOConfig) -> Objective:
     require, why = _requirements(config)
     return Objective(ppo_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg], require=require,
                      why=why, with_entropy=config.entropy_coef > 0,
-                     temperature=config.temperature, name="ppo_step", critic=False)
+                     temperature=config.temperature, name="ppo_step", critic=False, config=config)
 
 
 def ppo_step(state, batch, config: PPOConfig, *, mb_spec=None):

@@ -40,7 +40,7 @@ rw_loss = rw_loss_fn  # the factory's former name, kept for callers
 def rw_objective(config: RWConfig = RWConfig()) -> Objective:
     check_config(config, RWConfig)
     return Objective(rw_loss_fn(config), normalizer="pairs", require=(), group_size=2, pairs=True,
-                     name="rw_step", critic=True)
+                     name="rw_step", critic=True, config=config)
 
 
 def rw_step(state, batch, config: RWConfig = RWConfig(), *, mb_spec=None):

@@ -26,7 +26,7 @@ def sft_loss_fn(config: SFTConfig):
 def sft_objective(config: SFTConfig = SFTConfig()) -> Objective:
     check_config(config, SFTConfig)
     return Objective(sft_loss_fn(config), normalizer=AGG_NORMALIZER[config.agg], name="sft_step",
-                     critic=False)
+                     critic=False, config=config)
 
 
 def sft_step(state, batch, config: SFTConfig = SFTConfig(), *, mb_spec=None):

@@ -6,15 +6,17 @@ balanced over ranks with balanced_partition. shard_batch / gather_batch are publ
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDictBase
 
 from fsdpfn import keys as K
 from fsdpfn.batch.partition import _units, balanced_partition
 from fsdpfn.batch.validate import _check_rows, _config_int, row_lengths, select_rows, validate_batch
-from fsdpfn.errors import BatchError
+from fsdpfn.errors import BatchError, ConfigError
 
 __all__ = ["dp_shard_rows", "dp_shard_units", "shard_rows", "gather_rows", "group_units",
            "check_groups", "shard_batch", "gather_batch", "global_batch"]
@@ -178,12 +180,46 @@ def shard_batch(batch: TensorDictBase, mesh, *, group_size: int | None = None) -
     if group_size is None:
         B = batch.batch_size[0] if len(batch.batch_size) == 1 else 0
         group_size = 2 if not has_ids and B % 2 == 0 and B >= 2 * mesh.dp else 1
-    validate_batch(batch, group_size=group_size if group_size > 1 and not has_ids else None)
+    error = None
+    try:
+        validate_batch(batch, group_size=group_size if group_size > 1 and not has_ids else None)
+    except (BatchError, ConfigError) as exc:
+        error = exc
+    _same_global_batch(batch, error, group_size)
     units = group_units(batch, group_size)
     rows = dp_shard_units(units, row_lengths(batch), mesh.dp)[mesh.rank("dp")]
     out = select_rows(batch, rows)
     out.set(ROW_INDEX, torch.as_tensor(rows, dtype=torch.int64, device=batch.device or "cpu"))
     return out
+
+
+def _same_global_batch(batch, error: Exception | None, group_size: int) -> None:
+    """Every rank of the job holds the same global batch: a batch refused on one rank is refused
+    on every rank (no rank left waiting in its next collective), and keys, dtypes and shapes
+    that differ by rank are a BatchError on every rank. One all-reduce of three int64."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    layout = None if error is not None else (group_size, sorted(
+        (str(k), str(v.dtype), tuple(v.shape)) for k, v in batch.items(include_nested=True,
+                                                                       leaves_only=True)))
+    mark = zlib.crc32(repr(layout).encode())
+    vec = torch.tensor([error is not None, mark, -mark], dtype=torch.int64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    if int(vec[0]) == 0 and int(vec[1]) == -int(vec[2]):
+        return
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (None if error is None else str(error), layout))
+    if error is not None:
+        raise error
+    failed = next(((r, m) for r, (m, _) in enumerate(every) if m is not None), None)
+    if failed is not None:
+        raise BatchError(f"(raised on rank {failed[0]}) {failed[1]}")
+    shown = "; ".join(f"rank {r}: {lay}" for r, (_, lay) in enumerate(every))
+    raise BatchError(f"batch: shard_batch takes the global batch, the same on every rank, got "
+                     f"different keys, dtypes, shapes or group_size on the ranks: "
+                     f"{shown[:600]}")
 
 
 def gather_batch(batch: TensorDictBase, mesh) -> TensorDictBase:

@@ -43,13 +43,22 @@ def check_checkpoint(path) -> None:
     doc); one process, no state needed. Returns None, or raises CheckpointError naming the file
     (and the tensor or item). A checkpoint saved with checksums=False is checked as far as it
     can be (marker, manifest, sizes)."""
-    from fsdpfn.checkpoint.load import _check_files
-
     root = _as_path(path, _FN)
     if not root.is_dir() or not _is_complete(root):
         raise CheckpointError(f"{_FN}: path {str(root)!r}: must be a complete fsdpfn checkpoint "
                               f"(a directory carrying {MARKER}), got "
                               f"{'a directory without it' if root.is_dir() else 'no directory'}")
+    try:
+        _check_bytes(root)
+    except OSError as exc:  # a file the manifest lists is missing or unreadable
+        raise CheckpointError(f"{_FN}: {str(exc.filename or root)!r}: every file the checkpoint "
+                              f"records must be readable, got {type(exc).__name__}: "
+                              f"{exc.strerror or exc}") from None
+
+
+def _check_bytes(root: Path) -> None:
+    from fsdpfn.checkpoint.load import _check_files
+
     manifest = _read_manifest(root, _FN)
     _check_files(root, manifest, "check_checkpoint")
     record = manifest.get("checksums")

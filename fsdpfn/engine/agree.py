@@ -8,22 +8,24 @@ rank, world_size         this process's rank and the job's size (0 and 1 without
 capture_error            run a step on rank 0 and keep its failure as a typed error to agree on
 share_from_rank_zero     rank 0's value (or error) on every rank, in one collective
 require_loss_tokens      a BatchError on every dp rank when the global batch has no loss token
+same_on_every_rank       a call's arguments (config fields, batch keys, a path) equal on every rank
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import zlib
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from fsdpfn.errors import BatchError, WeightSyncError
+from fsdpfn.errors import BatchError, ConfigError, WeightSyncError
 
 if TYPE_CHECKING:
     from fsdpfn.engine.mesh import Mesh
 
 __all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "rank", "world_size",
-           "capture_error", "share_from_rank_zero", "require_loss_tokens"]
+           "capture_error", "share_from_rank_zero", "require_loss_tokens", "same_on_every_rank"]
 
 
 def agree_on_error(mesh: Mesh | None, exc: BaseException | None) -> None:
@@ -72,6 +74,43 @@ def require_loss_tokens(mesh: Mesh | None, loss_mask: torch.Tensor) -> None:
                  else "in the batch")
         raise BatchError(f"loss_mask: must have at least one True, got none {where} (all {rows} "
                          f"rows are all False; nothing would be trained on)")
+
+
+def same_on_every_rank(fn_name: str, values: Mapping[str, Any], *,
+                       error_type: type[Exception] = ConfigError, group=None,
+                       batch_names: tuple[str, ...] = ()) -> None:
+    """``error_type`` on every rank of ``group`` (None: the job) when some of ``values`` (name ->
+    value, compared by repr) differ between its ranks, naming each and its value on every rank;
+    BatchError when one of them is among ``batch_names`` (what the batch holds, not an option).
+
+    SPMD: every rank runs the same call. A call whose options differ by rank would run different
+    collectives (another minibatch count, another set of stats) and leave ranks waiting on each
+    other; this turns that into one clear error. The names must be the same on every rank (the
+    caller's code, not its data); the check is one all-reduce of two int64 a value."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or not values:
+        return
+    names = list(values)
+    prints = [zlib.crc32(repr(values[name]).encode()) for name in names]
+    both = torch.tensor(prints + [-p for p in prints], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = len(names)
+    differ = [names[i] for i in range(n) if int(both[i]) != -int(both[n + i])]
+    if not differ:
+        return
+    shown: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shown, {name: _shorten(repr(values[name])) for name in differ},
+                           group=group)
+    detail = "; ".join(f"{name}: " + ", ".join(f"{value[name]} on rank {r}"
+                                               for r, value in enumerate(shown))
+                       for name in differ)
+    if any(name in batch_names for name in differ):
+        error_type = BatchError
+    raise error_type(f"{fn_name}: every rank must make the same call (SPMD), got different "
+                     f"{', '.join(differ)} on the ranks: {detail}")
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _raise_local(exc: BaseException | None) -> None:

@@ -10,7 +10,8 @@ missing); ``group_size`` rows kept together in minibatches (GRPO groups, pairs: 
 rows 2i, 2i+1 are a (chosen, rejected) pair; ``with_entropy`` / ``temperature`` for the actor's
 outputs; ``name`` the function named in errors; ``critic`` the kind of state it runs on (True:
 critic states, EngineConfig(is_critic=True); False: policy states; None: either), checked before
-anything runs. Every ``*_step`` of fsdpfn.algos builds one and
+anything runs; ``config`` the settings behind loss_fn (a step's PPOConfig, ...), compared
+over the ranks with the call's other options. Every ``*_step`` of fsdpfn.algos builds one and
 hands it to grad_step; a bare loss_fn is an Objective with these at their defaults (grad_step
 and evaluate take no option beside the loss: it is set here, once).
 """
@@ -18,7 +19,7 @@ and evaluate take no option beside the loss: it is set here, once).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 
@@ -50,6 +51,9 @@ class Objective:
     temperature: float = 1.0
     name: str = "grad_step"
     critic: bool | None = attrs.field(default=None, validator=one_of(None, True, False))
+    # the settings behind loss_fn (a step's PPOConfig, ...): compared over the ranks, field by
+    # field, with the call's other options, so a config that differs by rank is one clear error
+    config: Any = attrs.field(default=None, eq=False)
 
     @property
     def unit(self) -> int:

@@ -28,6 +28,7 @@ micro-batches and ranks (keys ending in ``_max`` are reduced by max instead).
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Callable, Mapping, Sequence
 
 import attrs
@@ -40,7 +41,7 @@ from fsdpfn.engine import timing
 from fsdpfn.engine.agree import world_size
 from fsdpfn.batch import dp_shard_units, global_batch, pack, row_lengths, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
-from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.engine.agree import agree_on_error, same_on_every_rank
 from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
 from fsdpfn.engine.mesh import Mesh
 from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective
@@ -221,18 +222,75 @@ def _dummy_loss(state, packed, with_entropy, temperature) -> torch.Tensor:
     return loss
 
 
+class _LossFnFailed(Exception):
+    """loss_fn, or what it returned, failed on this rank; the pass joined its peers' collectives
+    first (a zero backward), and the minibatch's verdict hands the error to every rank."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+_NO_NAMES = -(2 ** 62)  # a rank without rows knows no stat names: neutral in the MAX below
+
+
+def _agree_on_stats(sums: dict, maxes: dict, state: EngineState, failure: Exception | None,
+                    fn_name: str) -> None:
+    """Every rank's verdict on the minibatch before its stats are reduced by name: a loss_fn
+    that failed on any rank raises on every rank, and the ranks that ran a loss_fn must report
+    the same stat names (a rank without rows takes the others' names, counting 0 or -inf).
+    One all-reduce of four int64 over the job."""
+    if world_size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    named = bool(sums or maxes)
+    names = (sorted(sums), sorted(maxes))
+    mark = zlib.crc32(repr(names).encode()) if named else None
+    vec = torch.tensor([failure is not None, mark if named else _NO_NAMES,
+                        -mark if named else _NO_NAMES, not named], dtype=torch.int64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    failed, high, neg_low, some_empty = (int(v) for v in vec)
+    if failed:
+        _raise_everywhere(failure, fn_name)
+    if high == -neg_low and not some_empty:
+        return
+    every: list = [None] * world_size()
+    dist.all_gather_object(every, names if named else None)
+    given = {r: n for r, n in enumerate(every) if n is not None}
+    if len({repr(n) for n in given.values()}) > 1:
+        shown = "; ".join(f"rank {r}: {sorted(set(n[0]) | set(n[1]))}" for r, n in given.items())
+        raise ConfigError(f"loss_fn: must return the same stat names on every rank (stats are "
+                          f"reduced by name over the ranks), got {shown}")
+    if not named and given:
+        sums_names, max_names = next(iter(given.values()))
+        sums.update({name: torch.zeros(()) for name in sums_names})
+        maxes.update({name: torch.tensor(float("-inf")) for name in max_names})
+
+
+def _raise_everywhere(failure: Exception | None, fn_name: str) -> None:
+    """The failing ranks raise their own error; the others an error naming the first failing
+    rank and its message (its type when it is one of fsdpfn's, else RuntimeError)."""
+    every: list = [None] * world_size()
+    dist.all_gather_object(every, None if failure is None else (
+        type(failure).__name__, str(failure), isinstance(failure, (ConfigError, BatchError))))
+    if failure is not None:
+        raise failure
+    where, (tname, message, ours) = next((r, p) for r, p in enumerate(every) if p is not None)
+    etype = {t.__name__: t for t in (ConfigError, BatchError)}.get(tname) if ours else None
+    if etype is None:
+        raise RuntimeError(f"{fn_name}: loss_fn failed on rank {where} ({tname}: {message}); "
+                           f"every rank stops with it, before any optimizer step of this "
+                           f"minibatch")
+    raise etype(f"(raised on rank {where}) {message}")
+
+
 def _reduce_stats(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor], denom: float,
-                  state: EngineState, *, some_rank_empty: bool = False) -> dict[str, float]:
-    """Sums (divided by ``denom``) and maxes over the data-parallel ranks. A rank without rows
-    ran no loss_fn and knows no stat names: then the ranks first agree on the names, the missing
-    ones counting 0 (sums) or -inf (maxes)."""
-    if some_rank_empty and state.mesh.dp > 1:
-        named: list = [None] * state.mesh.dp
-        dist.all_gather_object(named, (sorted(sums), sorted(maxes)), group=state.mesh.group("dp"))
-        for name in {n for s, _ in named for n in s} - set(sums):
-            sums[name] = torch.zeros(())
-        for name in {n for _, m in named for n in m} - set(maxes):
-            maxes[name] = torch.tensor(float("-inf"))
+                  state: EngineState, *, failure: Exception | None = None,
+                  fn_name: str = "grad_step") -> dict[str, float]:
+    """Sums (divided by ``denom``) and maxes over the data-parallel ranks, after the ranks'
+    verdict (_agree_on_stats)."""
+    _agree_on_stats(sums, maxes, state, failure, fn_name)
     names = sorted(sums)
     out: dict[str, float] = {}
     if names:
@@ -251,10 +309,32 @@ def _reduce_stats(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
 
 def _micro_step(state: EngineState, mb, rows, packed, loss_fn, ctx: StepContext, *,
                 with_entropy: bool, temperature: float, backward: bool) -> dict:
-    """Forward (and backward) of one micro-batch; its stats as 0-dim tensors (loss first)."""
+    """Forward (and backward) of one micro-batch; its stats as 0-dim tensors (loss first). A
+    loss_fn that fails (or returns what grad_step cannot use) raises _LossFnFailed after a zero
+    backward, so that this rank's peers are not left waiting in the backward's collectives."""
     timing.enter("forward")
     outputs = _outputs(state, packed, with_entropy=with_entropy, temperature=temperature)
-    returned = loss_fn(outputs, select_rows(mb, rows).to(state.mesh.device), ctx)
+    try:
+        loss_sum, stats = _call_loss_fn(loss_fn, outputs, select_rows(mb, rows).to(
+            state.mesh.device), ctx, backward)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code: handed to every rank by the verdict
+        if backward:
+            timing.enter("backward")
+            zero = sum(t.sum() for t in outputs.values() if t.requires_grad)
+            if isinstance(zero, torch.Tensor):
+                (zero * 0.0).backward()
+        raise _LossFnFailed(exc) from exc
+    if backward:
+        timing.enter("backward")
+        (loss_sum / ctx.denominator).backward()
+    return stats
+
+
+def _call_loss_fn(loss_fn, outputs, minibatch, ctx: StepContext, backward: bool):
+    """``loss_fn``'s (loss_sum, stats as 0-dim float tensors, loss first), checked."""
+    returned = loss_fn(outputs, minibatch, ctx)
     if not isinstance(returned, tuple) or len(returned) != 2:
         raise ConfigError(f"loss_fn: must return a pair (loss_sum, stats), got "
                           f"{_short(returned)}")
@@ -267,11 +347,8 @@ def _micro_step(state: EngineState, mb, rows, packed, loss_fn, ctx: StepContext,
     if backward and not loss_sum.requires_grad:
         raise ConfigError("loss_fn: the loss sum must be computed from the outputs (it has no "
                           f"gradient: detached, or built under no_grad), got {_short(loss_sum)}")
-    if backward:
-        timing.enter("backward")
-        (loss_sum / ctx.denominator).backward()
-    return {name: torch.as_tensor(value).detach().float().reshape(())
-            for name, value in {"loss": loss_sum, **dict(stats)}.items()}
+    return loss_sum, {name: torch.as_tensor(value).detach().float().reshape(())
+                      for name, value in {"loss": loss_sum, **dict(stats)}.items()}
 
 
 def _short(value, limit: int = 120) -> str:
@@ -290,14 +367,14 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     memory released: no optimizer step has run, so the state is unchanged.
     """
     timing.enter("comm")
-    n_tokens, n_seqs, n_rows, some_rank_empty = _global_counts(state, mb)
+    n_tokens, n_seqs, n_rows, _ = _global_counts(state, mb)
     timing.enter("plan")
     denom = _denominator(normalizer, n_tokens, n_seqs, n_rows)
     ctx = StepContext(mesh=state.mesh, n_tokens=n_tokens, n_sequences=n_seqs, n_rows=n_rows,
                       normalizer=normalizer, denominator=denom, **ctx_fields)
     sums: dict[str, torch.Tensor] = {}
     maxes: dict[str, torch.Tensor] = {}
-    failed = None
+    failed, failure = None, None
     for rows in plan(state, mb, group_size=group_size, mb_spec=spec):
         if not rows:
             if backward:
@@ -306,12 +383,21 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
             continue
         timing.enter("plan")
         packed = pack(mb, rows=rows)
+        if failure is not None:  # after a failed loss_fn: the peers' passes, joined with zeros
+            zero = _dummy_loss(state, packed, with_entropy, temperature)
+            if backward:
+                timing.enter("backward")
+                zero.backward()
+            continue
         try:
             stats = _micro_step(state, mb, rows, packed, loss_fn, ctx, with_entropy=with_entropy,
                                 temperature=temperature, backward=backward)
         except torch.OutOfMemoryError:
             failed = packed.n_tokens
             break
+        except _LossFnFailed as exc:
+            failure = exc.error
+            continue
         for name, value in stats.items():
             if name.endswith("_max"):
                 maxes[name] = torch.maximum(maxes[name], value) if name in maxes else value
@@ -321,7 +407,7 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
         release_memory(state)
         raise oom_error(state, fn_name, failed, spec)
     timing.enter("comm")
-    return _reduce_stats(sums, maxes, denom, state, some_rank_empty=some_rank_empty), n_tokens
+    return _reduce_stats(sums, maxes, denom, state, failure=failure, fn_name=fn_name), n_tokens
 
 
 def _check_common(state, optimizer_steps, fn_name, needs_optimizer, critic=None):
@@ -364,7 +450,9 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     ``state`` is then not donated and can be retried, e.g. with a smaller ``mb_spec``; only when
     earlier minibatches of the call (optimizer_steps > 1) already stepped is it donated, its
     successor being the error's ``.state``; so it is for any other error raised after a step
-    (a ``loss_fn`` failing on a later minibatch).
+    (a ``loss_fn`` failing on a later minibatch). A ``loss_fn`` that fails on some ranks only
+    raises on every rank (the failing ranks join their peers' passes with zero losses first),
+    and a call whose batch keys, options or config differ by rank is one error on every rank.
     """
     error, spec, obj = None, None, None
     try:
@@ -379,6 +467,8 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     loss_fn, group_size = obj.loss_fn, obj.unit
     prepare(state, batch, fn_name, require=obj.require, why=obj.why,
             group_size=obj.group_size if obj.group_size > 1 else None, pairs=obj.pairs)
+    _same_call(fn_name, batch, obj, optimizer_steps=optimizer_steps, order=order,
+               shuffle_seed=shuffle_seed, mb_spec=spec)
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     max_norm = state.config.optimizer.max_grad_norm
     model.train()
@@ -428,6 +518,20 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
                                   for k, v in out.items()}, batch_size=[])
 
 
+def _same_call(fn_name: str, batch, obj: Objective, **options) -> None:
+    """The same call on every rank: the batch's keys (BatchError), the call's options and the
+    Objective's, its config field by field (ConfigError naming each that differs)."""
+    values = {"batch keys": sorted(str(k) for k in batch.keys()), **options,
+              **{f"Objective.{name}": getattr(obj, name) for name in (
+                  "normalizer", "require", "group_size", "pairs", "with_entropy", "temperature",
+                  "critic")}}
+    config = obj.config
+    if config is not None and attrs.has(type(config)):
+        values.update({f"{type(config).__name__}.{f.name}": getattr(config, f.name)
+                       for f in attrs.fields(type(config))})
+    same_on_every_rank(fn_name, values, batch_names=("batch keys",))
+
+
 def _over_minibatches(per_step: list[dict[str, float]]) -> dict[str, float]:
     """A call's stats: each key's mean over the minibatches that report it (a loss_fn may vary
     its keys), the max for keys ending in ``_max``."""
@@ -465,6 +569,7 @@ def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
     group_size = obj.unit
     prepare(state, batch, "evaluate", require=obj.require, why=obj.why,
             group_size=obj.group_size if obj.group_size > 1 else None, pairs=obj.pairs)
+    _same_call("evaluate", batch, obj, mb_spec=spec)
     was_training = state.model.training
     state.model.eval()
     try:

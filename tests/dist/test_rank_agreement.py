@@ -1,0 +1,130 @@
+"""Bad input on one rank only: every rank raises the same typed error, none is left waiting.
+
+SPMD: every rank runs the same call. When one rank's call differs (its loss_fn fails, returns
+something else, reports other stat names; its batch lacks a key; its config, checkpoint path or
+global batch differs), the ranks used to take different collectives: one raised while the
+others waited in the backward's reduce-scatter or the stats all-reduce (a hang), gloo aborted a
+process, stats came back mislabelled, or a checkpoint missing rank 1's shard was published as
+complete. Each case now ends in one typed error on every rank, and the state stays usable: a
+valid step after it equals the same step from a state that never saw the failed call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdpfn as ff
+from fsdpfn import keys as K
+from fsdpfn.testing import random_batch, tiny_qwen2_config
+from fsdpfn.testing.models import full_model_state
+
+pytestmark = pytest.mark.dist
+
+
+def _state(mesh):
+    cfg = ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(), dtype="float32", seed=2,
+                          optimizer=ff.OptimizerConfig(lr=1e-2, weight_decay=0.0))
+    return ff.shard_model(cfg, mesh)
+
+
+def _local_batch(mesh):
+    batch = random_batch(4, 12, seed=7, min_len=6)
+    me = mesh.rank("dp")
+    local = batch[2 * me:2 * me + 2]
+    lm, attn = local[K.LOSS_MASK], local[K.ATTENTION_MASK]
+    gen = torch.Generator().manual_seed(11 + me)
+    local.set(K.OLD_LOGP, torch.where(attn & (torch.arange(12) > 0), -3.0, 0.0))
+    local.set(K.ADVANTAGES, torch.where(lm, torch.randn(lm.shape, generator=gen), 0.0))
+    return local
+
+
+def _loss_fn(mode: str, odd: bool):
+    def loss_fn(outputs, mb, ctx):
+        loss = -(outputs[K.LOGP] * mb[K.LOSS_MASK]).sum()
+        stats = {"nll": loss.detach()}
+        if odd and mode == "raise":
+            raise RuntimeError("this rank's loss_fn failed")
+        if odd and mode == "float":
+            return float(loss), stats
+        if odd and mode == "names":
+            stats = {"other": loss.detach()}
+        if odd and mode == "more":
+            stats["extra"] = loss.detach()
+        return loss, stats
+    return loss_fn
+
+
+def _outcome(call) -> tuple[str, str]:
+    try:
+        call()
+        return "accepted", ""
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test compares
+        return type(exc).__name__, str(exc)
+
+
+def one_rank_differs(root: str) -> dict:
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=2), device_type="cpu")
+    odd = mesh.rank("dp") == 1
+    state, batch = _state(mesh), _local_batch(mesh)
+    out = {}
+    cases = {
+        "raise": lambda: ff.grad_step(state, batch.clone(), _loss_fn("raise", odd)),
+        "float": lambda: ff.grad_step(state, batch.clone(), _loss_fn("float", odd)),
+        "names": lambda: ff.grad_step(state, batch.clone(), _loss_fn("names", odd)),
+        "more": lambda: ff.grad_step(state, batch.clone(), _loss_fn("more", odd)),
+        "evaluate": lambda: ff.evaluate(state, batch.clone(), _loss_fn("raise", odd)),
+        "behav_key": lambda: ff.ppo_step(state, batch.clone().set(
+            K.BEHAV_LOGP, batch[K.OLD_LOGP].clone()) if not odd else batch.clone(),
+            ff.PPOConfig()),
+        "n_minibatches": lambda: ff.ppo_step(state, batch.clone(),
+                                             ff.PPOConfig(n_minibatches=2 if odd else 1)),
+        "advantages": lambda: ff.compute_advantages(
+            batch.clone().set(K.REWARDS, torch.ones(2)),
+            ff.AdvantageConfig(estimator="grpo", group_size=2, whiten=False) if odd
+            else ff.AdvantageConfig(estimator="reinforce++"), mesh=mesh),
+        "save_path": lambda: ff.save_checkpoint(state, os.path.join(root, f"ck_{dist.get_rank()}")),
+        "shard_batch": lambda: ff.shard_batch(
+            random_batch(6, 12, seed=3, min_len=6).exclude(K.ATTENTION_MASK) if odd
+            else random_batch(6, 12, seed=3, min_len=6), mesh),
+    }
+    for name, call in cases.items():
+        out[name] = _outcome(call)
+    dist.barrier()
+    out["listing"] = sorted(os.listdir(root))
+    # the state that saw every failed call trains as a fresh one does
+    state, _ = ff.sft_step(state, batch, ff.SFTConfig())
+    fresh, _ = ff.sft_step(_state(mesh), batch, ff.SFTConfig())
+    mine, theirs = full_model_state(state), full_model_state(fresh)
+    out["weights_equal"] = all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    return out
+
+
+EXPECTED = {"raise": "RuntimeError", "float": "ConfigError", "names": "ConfigError",
+            "more": "ConfigError", "evaluate": "RuntimeError", "behav_key": "BatchError",
+            "n_minibatches": "ConfigError", "advantages": "ConfigError",
+            "save_path": "CheckpointError", "shard_batch": "BatchError"}
+
+
+@pytest.mark.timeout(240)
+def test_a_call_that_differs_on_one_rank_raises_on_every_rank(spmd2, tmp_path):
+    results = spmd2.run(one_rank_differs, args=(str(tmp_path),), timeout=180)
+    for name, kind in EXPECTED.items():
+        got = [r[name] for r in results]
+        assert [g[0] for g in got] == [kind, kind], (name, got)
+    raised = [r["raise"][1] for r in results]
+    assert raised[1] == "this rank's loss_fn failed", raised
+    assert "loss_fn failed on rank 1" in raised[0] and "this rank's loss_fn failed" in raised[0]
+    for name, fragment in (("names", "must return the same stat names on every rank"),
+                           ("n_minibatches", "PPOConfig.n_minibatches"),
+                           ("advantages", "AdvantageConfig.estimator"),
+                           ("save_path", "path"), ("behav_key", "batch keys")):
+        for r in results:
+            assert fragment in r[name][1], (name, r[name])
+    assert "'reinforce++' on rank 0" in results[0]["advantages"][1], results[0]["advantages"]
+    # nothing was published: no checkpoint directory, no temporary one left behind
+    assert results[0]["listing"] == [], results[0]["listing"]
+    assert results[0]["weights_equal"] is True
