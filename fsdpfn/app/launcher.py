@@ -473,7 +473,7 @@ def _start_servers(cfg, run_dir: Path, model_dir: Path, placement) -> list:
     servers = []
     try:
         for i in range(placement.servers):
-            servers.append(_start_server(cfg, run_dir, model_dir, placement, i, servers))
+            servers.append(_start_server(cfg, run_dir, model_dir, placement, i))
     except BaseException:
         for server in servers:
             server.close()
@@ -481,24 +481,34 @@ def _start_servers(cfg, run_dir: Path, model_dir: Path, placement) -> list:
     return servers
 
 
-def _start_server(cfg, run_dir: Path, model_dir: Path, placement, i: int, started: list):
+def _start_server(cfg, run_dir: Path, model_dir: Path, placement, i: int):
     """Server ``i``: ``python -m fsdpfn.rollout`` on its own port and device (its GPU alone
     visible), in its own session (Ctrl-C must not reach it before the ranks finished their
     step), with the launcher's lifeline; trainer rank 0 waits for its /health."""
+    import socket
+
     from fsdpfn.app.recipes.placement import server_log_name
-    from fsdpfn.rollout.process import RolloutProcess, free_port
+    from fsdpfn.rollout.process import RolloutProcess
     from fsdpfn.wire.lifeline import die_with_parent
 
-    taken = {s.url.rsplit(":", 1)[1] for s in started}
-    port = free_port()
-    while str(port) in taken:  # a port not yet bound by the server it was given to
-        port = free_port()
-    log_path = run_dir / server_log_name(i)
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads), **placement.server_env(i)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(_server_cmd(cfg, model_dir, port, placement), stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent())
+    # the port is bound here and the socket handed to the server (--fd): a server waits for
+    # the starting model (the warm-up) before it serves, and a port only chosen, not bound,
+    # could be taken meanwhile by any other process of the host
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(128)
+        port = listening.getsockname()[1]
+        log_path = run_dir / server_log_name(i)
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads),
+               **placement.server_env(i)}
+        cmd = _server_cmd(cfg, model_dir, port, placement) + ["--fd", str(listening.fileno())]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, preexec_fn=die_with_parent(),
+                                    pass_fds=(listening.fileno(),))
+    finally:
+        listening.close()  # the server holds its own copy
     return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 

@@ -27,6 +27,10 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF model directory (safetensors)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--fd", type=int, default=None,
+                   help="serve on this inherited listening socket (bound to --host:--port by the "
+                        "process that started the server, so no other process can take the port "
+                        "while the model loads) instead of binding the port itself")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="auto: the directory's weights; dummy: placeholder weights of its "
@@ -132,7 +136,15 @@ def main(argv=None) -> None:
     print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}{dummy}) on "
           f"http://{args.host}:{args.port} (update channel: {engine.receiver.channel_port}) pid "
           f"{os.getpid()}", flush=True)
-    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    if args.fd is None:
+        uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+        return
+    import socket
+
+    listening = socket.socket(fileno=args.fd)  # bound and listening already: its backlog holds
+    # the /health polls that came while the model loaded
+    uvicorn.Server(uvicorn.Config(build_app(engine), log_level=args.log_level)).run(
+        sockets=[listening])
 
 
 def _wait_for_model(model: str, timeout_s: float) -> None:

@@ -170,3 +170,57 @@ def test_two_servers_of_the_launcher_ahead_of_training_reach_the_final_version(t
     assert all(s["device"] == "cpu" for s in servers)
     assert "2 rollout servers" in done.stderr and "CPU, 2 servers" in done.stderr
     assert not any(port_open(s["url"]) for s in servers), "a rollout server is still running"
+
+
+@pytest.mark.timeout(180)
+def test_a_server_on_an_inherited_socket_holds_its_port_while_it_waits_for_the_model(tmp_path):
+    """--fd (the servers of `fsdpfn run`): the launcher binds the port and hands the listening
+    socket to the server, so that no other process of the host can take the port while the
+    server waits for the starting model; a /health poll sent meanwhile is answered once the
+    model is served."""
+    import errno
+    import socket
+    import threading
+
+    from fsdpfn.app.recipes import demo_config
+    from fsdpfn.app.recipes.model import load_tokenizer, write_initial_model
+
+    model, model_dir = demo_config([]).model, tmp_path / "model0"
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(16)
+    port = listening.getsockname()[1]
+    log = tmp_path / "rollout.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir), "--port",
+             str(port), "--device", "cpu", "--wait-for-model", "90", "--fd",
+             str(listening.fileno())], stdout=out, stderr=subprocess.STDOUT,
+            pass_fds=(listening.fileno(),))
+    listening.close()
+    answers: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting up to 90 s for" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with pytest.raises(OSError) as taken:  # the port is held while the server waits
+            other.bind(("127.0.0.1", port))
+        other.close()
+        assert taken.value.errno == errno.EADDRINUSE
+
+        def poll():  # sent before the model exists: it waits in the socket's backlog
+            import urllib.request
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with opener.open(f"http://127.0.0.1:{port}/health", timeout=120) as r:
+                answers.append(r.status)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        write_initial_model(model, model_dir, load_tokenizer(model))
+        poller.join(timeout=150)
+        assert answers == [200], (answers, log.read_text()[-2000:])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

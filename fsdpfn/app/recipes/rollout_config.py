@@ -132,7 +132,8 @@ SERVER_OWNED = {
     "--parent-pid": "fsdpfn run (the launcher's pid)",
     "--weight-version": "fsdpfn run (the trainer's pushes)",
     "--no-channel": "fsdpfn run (the trainer pushes over the channel)",
-    "--channel-port": "fsdpfn run (a free port)"}
+    "--channel-port": "fsdpfn run (a free port)",
+    "--fd": "fsdpfn run (the port's socket, bound by the launcher)"}
 
 
 def _server_namespace(args, error=None):
