@@ -202,8 +202,8 @@ def _same_global_batch(batch, error: Exception | None, group_size: int) -> None:
             raise error
         return
     layout = None if error is not None else (group_size, sorted(
-        (str(k), str(v.dtype), tuple(v.shape)) for k, v in batch.items(include_nested=True,
-                                                                       leaves_only=True)))
+        (str(k), str(getattr(v, "dtype", None)), tuple(getattr(v, "shape", ())))
+        for k, v in batch.items(include_nested=True, leaves_only=True)))
     mark = zlib.crc32(repr(layout).encode())
     vec = torch.tensor([error is not None, mark, -mark], dtype=torch.int64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX)

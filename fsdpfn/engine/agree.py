@@ -13,6 +13,7 @@ same_on_every_rank       a call's arguments (config fields, batch keys, a path) 
 
 from __future__ import annotations
 
+import re
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -90,7 +91,7 @@ def same_on_every_rank(fn_name: str, values: Mapping[str, Any], *,
     if not dist.is_initialized() or dist.get_world_size(group) == 1 or not values:
         return
     names = list(values)
-    prints = [zlib.crc32(repr(values[name]).encode()) for name in names]
+    prints = [zlib.crc32(_stable_repr(values[name]).encode()) for name in names]
     both = torch.tensor(prints + [-p for p in prints], dtype=torch.int64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     n = len(names)
@@ -107,6 +108,11 @@ def same_on_every_rank(fn_name: str, values: Mapping[str, Any], *,
         error_type = BatchError
     raise error_type(f"{fn_name}: every rank must make the same call (SPMD), got different "
                      f"{', '.join(differ)} on the ranks: {detail}")
+
+
+def _stable_repr(value: Any) -> str:
+    """repr without object addresses, which differ by process for equal settings."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
 def _shorten(text: str, limit: int = 160) -> str:
