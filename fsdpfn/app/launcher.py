@@ -266,6 +266,9 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     if dry_run:
         import tempfile
 
+        notes = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite,
+                                dry_run=True) + notes
+
         with tempfile.TemporaryDirectory(prefix="fsdpfn-dry-run-") as tmp:
             _prepare_data(cfg, run_dir, resume=False, out=Path(tmp))  # counts, as a run's
         for note in notes:

@@ -93,7 +93,11 @@ def check_resume_keeps(cfg, config_path: Path) -> None:
             differ(key, before[key], now[key])
 
 
-def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
+def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool,
+                    dry_run: bool = False) -> list[str]:
+    """Refuse a run_dir holding a previous run (without --resume or --overwrite) and return the
+    notes to print; then clear what --overwrite replaces and create the directory, except with
+    ``dry_run`` (the checks alone: --dry-run changes nothing)."""
     from fsdpfn.errors import ConfigError
 
     check_run_dir_path(run_dir)
@@ -111,6 +115,8 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str
                                              else "; starting over"))
     if resume and not previous:
         notes.append(f"{run_dir}: --resume: no previous run to continue; starting at step 0")
+    if dry_run:
+        return notes
     if overwrite:
         for name in OWNED:
             path = run_dir / name

@@ -42,18 +42,21 @@ class Objective:
     """A loss and what grad_step needs to run it (module doc)."""
 
     loss_fn: Callable = attrs.field(validator=_callable)
-    normalizer: str = attrs.field(default="tokens", validator=one_of(*NORMALIZERS))
-    require: tuple[str, ...] = attrs.field(default=(K.LOSS_MASK,), converter=tuple)
-    why: dict = attrs.field(factory=dict, converter=lambda v: dict(v or {}), eq=False)
-    group_size: int = attrs.field(default=1, validator=_group)
-    pairs: bool = False
-    with_entropy: bool = False
-    temperature: float = 1.0
-    name: str = "grad_step"
-    critic: bool | None = attrs.field(default=None, validator=one_of(None, True, False))
+    # every option is keyword-only, as docs/api.md gives the signature
+    normalizer: str = attrs.field(default="tokens", validator=one_of(*NORMALIZERS), kw_only=True)
+    require: tuple[str, ...] = attrs.field(default=(K.LOSS_MASK,), converter=tuple, kw_only=True)
+    why: dict = attrs.field(default=None, converter=lambda v: dict(v or {}), eq=False,
+                            kw_only=True)
+    group_size: int = attrs.field(default=1, validator=_group, kw_only=True)
+    pairs: bool = attrs.field(default=False, kw_only=True)
+    with_entropy: bool = attrs.field(default=False, kw_only=True)
+    temperature: float = attrs.field(default=1.0, kw_only=True)
+    name: str = attrs.field(default="grad_step", kw_only=True)
+    critic: bool | None = attrs.field(default=None, validator=one_of(None, True, False),
+                                      kw_only=True)
     # the settings behind loss_fn (a step's PPOConfig, ...): compared over the ranks, field by
     # field, with the call's other options, so a config that differs by rank is one clear error
-    config: Any = attrs.field(default=None, eq=False)
+    config: Any = attrs.field(default=None, eq=False, kw_only=True)
 
     @property
     def unit(self) -> int:

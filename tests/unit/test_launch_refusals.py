@@ -169,3 +169,28 @@ def test_a_rank_side_engine_error_names_the_yaml_key(role, raised, line):
     from fsdpfn.app.recipes.engine import yaml_named
 
     assert str(yaml_named(role, ConfigError(raised))) == line
+
+
+def test_a_dry_run_refuses_a_run_dir_holding_a_previous_run_and_changes_nothing(tmp_path,
+                                                                              capsys):
+    """--dry-run runs the run_dir's check too (it used to pass where the run was refused), and
+    with --overwrite it reports without clearing anything."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    rc = cli.main(["run", "sft", f"run_dir={run_dir}", *CPU, "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"fsdpfn: error: run_dir: {str(run_dir)!r} holds a "
+                                      f"previous run (metrics.jsonl"), err
+    rc = cli.main(["run", "sft", f"run_dir={run_dir}", *CPU, "--dry-run", "--overwrite"])
+    capsys.readouterr()
+    assert rc == 0
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
+def test_an_objectives_options_are_keyword_only():
+    import fsdpfn as ff
+
+    with pytest.raises(TypeError):
+        ff.Objective(lambda outputs, mb, ctx: None, "sequences")
+    assert ff.Objective(lambda outputs, mb, ctx: None, normalizer="sequences").why == {}
