@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model
                                                      set_optimizer_state_dict)
 
 from fsdpfn.checkpoint import integrity
-from fsdpfn.engine.agree import agree_on_error, rank
+from fsdpfn.engine.agree import agree_on_error, given_path, rank, same_on_every_rank
 from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
 from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _is_complete,
                                      _read_manifest, _saved_at)
@@ -452,6 +452,9 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     """
     fn = "load_checkpoint"
     error, plan = None, None
+    # a path or option that differs by rank would load a mix of checkpoints, or wait forever
+    same_on_every_rank(fn, {"path": given_path(path), "weights_only": weights_only,
+                            "verify": verify}, error_type=CheckpointError)
     if stale_reason(state, fn) is None:
         try:
             plan = _plan_load(state, path, weights_only, verify)

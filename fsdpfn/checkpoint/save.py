@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from fsdpfn.checkpoint import integrity
 from fsdpfn.engine import lora
-from fsdpfn.engine.agree import (agree_on_error, agree_on_error_in_group, rank,
+from fsdpfn.engine.agree import (agree_on_error, agree_on_error_in_group, given_path, rank,
                                   same_on_every_rank, world_size)
 from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,
@@ -345,7 +345,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     check_live(state, fn, local_error=error)
     # every rank writes its shards under its own path: a path that differs by rank (a timestamp,
     # a rank's own clock) would publish rank 0's part alone as a complete checkpoint
-    same_on_every_rank(fn, {"path": str(target), "keep_last": keep_last,
+    same_on_every_rank(fn, {"path": given_path(path), "keep_last": keep_last,
                             "async_save": bool(async_save), "checksums": checksums},
                        error_type=CheckpointError)
     mesh = state.mesh

@@ -9,14 +9,18 @@ capture_error            run a step on rank 0 and keep its failure as a typed er
 share_from_rank_zero     rank 0's value (or error) on every rank, in one collective
 require_loss_tokens      a BatchError on every dp rank when the global batch has no loss token
 same_on_every_rank       a call's arguments (config fields, batch keys, a path) equal on every rank
+given_path               a path argument as given, for same_on_every_rank
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
     from fsdpfn.engine.mesh import Mesh
 
 __all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "rank", "world_size",
-           "capture_error", "share_from_rank_zero", "require_loss_tokens", "same_on_every_rank"]
+           "capture_error", "share_from_rank_zero", "require_loss_tokens", "same_on_every_rank", "given_path"]
 
 
 def agree_on_error(mesh: Mesh | None, exc: BaseException | None) -> None:
@@ -99,8 +103,8 @@ def same_on_every_rank(fn_name: str, values: Mapping[str, Any], *,
     if not differ:
         return
     shown: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shown, {name: _shorten(repr(values[name])) for name in differ},
-                           group=group)
+    dist.all_gather_object(shown, {name: _shorten(_stable_repr(values[name]))
+                                   for name in differ}, group=group)
     detail = "; ".join(f"{name}: " + ", ".join(f"{value[name]} on rank {r}"
                                                for r, value in enumerate(shown))
                        for name in differ)
@@ -110,8 +114,36 @@ def same_on_every_rank(fn_name: str, values: Mapping[str, Any], *,
                      f"{', '.join(differ)} on the ranks: {detail}")
 
 
+def given_path(path: Any) -> str:
+    """A path argument as the caller gave it (not resolved: nodes may differ in their working
+    directory or home), for same_on_every_rank."""
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
+
+
 def _stable_repr(value: Any) -> str:
-    """repr without object addresses, which differ by process for equal settings."""
+    """A repr equal on every rank for equal settings: sets in sorted order (their iteration
+    order follows each process's hash seed), a device by its type (each rank has its own
+    cuda:N), a tensor by dtype and shape, attrs classes field by field, no object addresses."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
+    if isinstance(value, torch.device):
+        return f"device({value.type!r})"
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.dtype}, {tuple(value.shape)})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_stable_repr(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_stable_repr(k)}: {_stable_repr(v)}"
+                               for k, v in value.items()) + "}"
+    if attrs.has(type(value)):  # fields left out of equality (eq=False) are not settings
+        return type(value).__name__ + "(" + ", ".join(
+            f"{f.name}={_stable_repr(getattr(value, f.name))}"
+            for f in attrs.fields(type(value)) if f.eq) + ")"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__name__ + "(" + ", ".join(
+            f"{f.name}={_stable_repr(getattr(value, f.name))}"
+            for f in dataclasses.fields(value) if f.compare) + ")"
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 

@@ -19,6 +19,7 @@ from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
                                   release_memory, resolve_mb_spec)
+from fsdpfn.engine.agree import same_on_every_rank
 from fsdpfn.engine.state import EngineState, check_live
 
 __all__ = ["forward_logp", "compute_values", "compute_scores"]
@@ -105,6 +106,9 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
         error = exc
     prepare(state, batch, "forward_logp", critic=False)
     check_live(state, "forward_logp", local_error=error)
+    same_on_every_rank("forward_logp", {"out_key": out_key, "with_entropy": with_entropy,
+                                        "temperature": temperature, "mb_spec": spec,
+                                        "adapters": adapters})
     B, T = batch.get(K.INPUT_IDS).shape
     logp = torch.zeros(B, T, dtype=torch.float32)
     entropy = torch.zeros(B, T, dtype=torch.float32) if with_entropy else None
@@ -157,6 +161,7 @@ def _critic_pass(state, batch, fn_name: str, out_key, mb_spec, *, scores: bool) 
         error = exc
     prepare(state, batch, fn_name, critic=True)
     check_live(state, fn_name, local_error=error)
+    same_on_every_rank(fn_name, {"out_key": out_key, "mb_spec": spec})
     B, T = batch.get(K.INPUT_IDS).shape
     out = torch.zeros(B, T, dtype=torch.float32)
     was_training = state.model.training

@@ -522,13 +522,13 @@ def _same_call(fn_name: str, batch, obj: Objective, **options) -> None:
     """The same call on every rank: the batch's keys (BatchError), the call's options and the
     Objective's, its config field by field (ConfigError naming each that differs)."""
     values = {"batch keys": sorted(str(k) for k in batch.keys()), **options,
+              "Objective.require": sorted(obj.require),  # a set's order is the process's own
               **{f"Objective.{name}": getattr(obj, name) for name in (
-                  "normalizer", "require", "group_size", "pairs", "with_entropy", "temperature",
-                  "critic")}}
+                  "normalizer", "group_size", "pairs", "with_entropy", "temperature", "critic")}}
     config = obj.config
     if config is not None and attrs.has(type(config)):
         values.update({f"{type(config).__name__}.{f.name}": getattr(config, f.name)
-                       for f in attrs.fields(type(config))})
+                       for f in attrs.fields(type(config)) if f.eq})
     same_on_every_rank(fn_name, values, batch_names=("batch keys",))
 
 

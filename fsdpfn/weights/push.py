@@ -42,7 +42,8 @@ import attrs
 import torch
 
 from fsdpfn.engine import timing
-from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
+from fsdpfn.engine.agree import (capture_error, is_rank_zero, same_on_every_rank,
+                                  share_from_rank_zero)
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.wire.http import check_urls, is_http_url
 from fsdpfn.engine.state import EngineState, check_live
@@ -96,6 +97,11 @@ def push_weights(state: EngineState, target) -> PushReceipt:
         error = WeightSyncError("push_weights: state must be an actor (a causal LM), got a "
                                 "critic (is_critic=True); rollout engines serve policies")
     check_live(state, "push_weights", local_error=error)
+    # a target whose options differ by rank would gather other buckets or dtypes: one error
+    same_on_every_rank("push_weights", {
+        "target": type(target).__name__,
+        **{f"target.{name}": getattr(target, name, None)
+           for name in ("urls", "config", "root", "keep_last", "dtype", "bucket_bytes")}})
     profiling = timing.PROFILER.get() is not None
     with torch.profiler.record_function("fsdpfn.push_weights") if profiling \
             else contextlib.nullcontext():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,3 +129,57 @@ def test_a_call_that_differs_on_one_rank_raises_on_every_rank(spmd2, tmp_path):
     # nothing was published: no checkpoint directory, no temporary one left behind
     assert results[0]["listing"] == [], results[0]["listing"]
     assert results[0]["weights_equal"] is True
+
+
+@attrs.frozen
+class _LossSettings:
+    keys: frozenset = frozenset(f"key_{i}" for i in range(12))  # iterates in the hash seed's order
+    device: object = None  # the rank's own device: the same setting on every rank
+
+
+def equal_settings_and_differing_arguments(root: str) -> dict:
+    """Equal settings whose repr differs by process are one call; arguments that differ by rank
+    in load_checkpoint, push_weights and forward_logp (at tp=2) are an error on every rank."""
+    out = {}
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=2), device_type="cpu")
+    odd = mesh.rank("dp") == 1
+    state, batch = _state(mesh), _local_batch(mesh)
+    objective = ff.Objective(_loss_fn("none", odd), config=_LossSettings(
+        device=torch.device("cuda", dist.get_rank())), require={K.LOSS_MASK, K.INPUT_IDS,
+                                                                K.ATTENTION_MASK, K.ADVANTAGES})
+    out["equal settings"] = _outcome(lambda: ff.grad_step(state, batch, objective))
+    state = ff.shard_model(ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(),
+                                           dtype="float32", seed=2), mesh)  # the stepped one
+    ff.save_checkpoint(state, os.path.join(root, "a"))
+    ff.save_checkpoint(state, os.path.join(root, "b"))
+    out["load verify"] = _outcome(lambda: ff.load_checkpoint(
+        state, os.path.join(root, "a"), verify=not odd))
+    out["load path"] = _outcome(lambda: ff.load_checkpoint(
+        state, os.path.join(root, "b" if odd else "a")))
+    out["push bucket"] = _outcome(lambda: ff.push_weights(state, ff.DiskTarget(
+        os.path.join(root, "push"), bucket_bytes=1 << (10 if odd else 20))))
+    tp = ff.build_mesh(ff.ParallelStrategy(dp=1, tp=2), device_type="cpu")
+    actor = ff.shard_model(ff.EngineConfig(model_config=tiny_qwen2_config().to_dict(),
+                                           dtype="float32", seed=2, optimizer=None), tp)
+    whole = random_batch(2, 12, seed=7, min_len=6)
+    out["tp temperature"] = _outcome(lambda: ff.forward_logp(actor, whole,
+                                                             temperature=0.5 if odd else 1.0))
+    out["tp entropy"] = _outcome(lambda: ff.forward_logp(actor, whole, with_entropy=odd))
+    out["tp same"] = _outcome(lambda: ff.forward_logp(actor, whole, temperature=0.5))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_equal_settings_pass_and_differing_arguments_raise_on_every_rank(spmd2, tmp_path):
+    results = spmd2.run(equal_settings_and_differing_arguments, args=(str(tmp_path),),
+                        timeout=180)
+    expected = {"equal settings": "accepted", "load verify": "CheckpointError",
+                "load path": "CheckpointError", "push bucket": "ConfigError",
+                "tp temperature": "ConfigError", "tp entropy": "ConfigError",
+                "tp same": "accepted"}
+    for name, kind in expected.items():
+        got = [r[name] for r in results]
+        assert [g[0] for g in got] == [kind, kind], (name, got)
+    assert "verify" in results[0]["load verify"][1], results[0]["load verify"]
+    assert "target.bucket_bytes" in results[0]["push bucket"][1], results[0]["push bucket"]
+    assert "temperature" in results[0]["tp temperature"][1], results[0]["tp temperature"]
