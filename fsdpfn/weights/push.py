@@ -97,11 +97,13 @@ def push_weights(state: EngineState, target) -> PushReceipt:
         error = WeightSyncError("push_weights: state must be an actor (a causal LM), got a "
                                 "critic (is_critic=True); rollout engines serve policies")
     check_live(state, "push_weights", local_error=error)
-    # a target whose options differ by rank would gather other buckets or dtypes: one error
+    # every rank gathers the same buckets in the same dtype; what only rank 0 uses (URLs,
+    # directories, timeouts) may differ. Options that change the gathers: one error if they do
+    config = getattr(target, "config", None) or target
     same_on_every_rank("push_weights", {
         "target": type(target).__name__,
-        **{f"target.{name}": getattr(target, name, None)
-           for name in ("urls", "config", "root", "keep_last", "dtype", "bucket_bytes")}})
+        **{f"target.{name}": getattr(config, name, None)
+           for name in ("transport", "dtype", "bucket_bytes", "edge_bucket_bytes")}})
     profiling = timing.PROFILER.get() is not None
     with torch.profiler.record_function("fsdpfn.push_weights") if profiling \
             else contextlib.nullcontext():
