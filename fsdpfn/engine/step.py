@@ -174,19 +174,18 @@ def _minibatches(state: EngineState, batch, n: int, *, group_size: int, order, s
     return parts
 
 
-def _global_counts(state: EngineState, batch) -> tuple[int, int, int, bool]:
-    """Σ loss tokens, sequences, rows over the data-parallel ranks, and whether any rank has
-    no rows (whose stats then carry no names: see _reduce_stats)."""
+def _global_counts(state: EngineState, batch) -> tuple[int, int, int]:
+    """Σ loss tokens, sequences, rows over the data-parallel ranks."""
     if batch.batch_size[0]:
         lm = batch.get(K.LOSS_MASK) if K.LOSS_MASK in batch.keys() else batch.get(K.ATTENTION_MASK)
-        counts = torch.tensor([int(lm.sum()), int(lm.any(-1).sum()), lm.shape[0], 0],
+        counts = torch.tensor([int(lm.sum()), int(lm.any(-1).sum()), lm.shape[0]],
                               dtype=torch.int64)
     else:
-        counts = torch.tensor([0, 0, 0, 1], dtype=torch.int64)
+        counts = torch.zeros(3, dtype=torch.int64)
     if state.mesh.dp > 1:  # over dp only: cp (and tp) ranks hold the same rows, counted once
         dist.all_reduce(counts, group=state.mesh.group("dp"))
-    n_tokens, n_seqs, n_rows, empty = (int(c) for c in counts)
-    return n_tokens, n_seqs, n_rows, empty > 0
+    n_tokens, n_seqs, n_rows = (int(c) for c in counts)
+    return n_tokens, n_seqs, n_rows
 
 
 def _denominator(normalizer: str, n_tokens: int, n_seqs: int, n_rows: int) -> float:
@@ -367,7 +366,7 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     memory released: no optimizer step has run, so the state is unchanged.
     """
     timing.enter("comm")
-    n_tokens, n_seqs, n_rows, _ = _global_counts(state, mb)
+    n_tokens, n_seqs, n_rows = _global_counts(state, mb)
     timing.enter("plan")
     denom = _denominator(normalizer, n_tokens, n_seqs, n_rows)
     ctx = StepContext(mesh=state.mesh, n_tokens=n_tokens, n_sequences=n_seqs, n_rows=n_rows,
