@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from fsdpfn.engine.mesh import Mesh
 
 __all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "rank", "world_size",
-           "capture_error", "share_from_rank_zero", "require_loss_tokens", "same_on_every_rank", "given_path"]
+           "capture_error", "share_from_rank_zero", "require_loss_tokens", "same_on_every_rank",
+           "given_path"]
 
 
 def agree_on_error(mesh: Mesh | None, exc: BaseException | None) -> None:
