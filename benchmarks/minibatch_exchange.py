@@ -8,7 +8,7 @@ balancing over the ranks, against nothing (one minibatch runs each rank's own ro
 Each rank holds --rows / dp rows of an RL batch right-padded to --width (lognormal lengths, mean
 --width / 4): input_ids, the masks, rewards, old_logp, ref_logp, behav_logp and advantages, as
 ppo_step reads them. Times are the median of --repeats calls of the same path grad_step takes
-(``fsdpfn.engine.step._minibatches``). Prints one Markdown table (rank 0).
+(``fsdpfn.engine.minibatch.minibatches``). Prints one Markdown table (rank 0).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.engine.step import _minibatches
+from fsdpfn.engine.minibatch import minibatches
 
 try:
     from _table import print_markdown_table
@@ -31,7 +31,7 @@ except ImportError:  # run as a module
 
 
 class _Shell:
-    """What _minibatches reads of a state: its mesh."""
+    """What minibatches reads of a state: its mesh."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -67,7 +67,7 @@ def main() -> None:
         for _ in range(args.repeats):
             torch.distributed.barrier()
             start = time.perf_counter()
-            parts = _minibatches(shell, local, n, group_size=1, order=None, shuffle_seed=None,
+            parts = minibatches(shell, local, n, group_size=1, order=None, shuffle_seed=None,
                                  fn_name="ppo_step")
             times.append(time.perf_counter() - start)
         rows.append({"minibatches": n, "dp": mesh.dp, "rows (global)": args.rows,

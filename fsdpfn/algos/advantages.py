@@ -32,7 +32,7 @@ from fsdpfn.batch import check_groups, validate_batch
 from fsdpfn.config import AdvantageConfig
 from fsdpfn.errors import BatchError, ConfigError
 from fsdpfn.engine.mesh import Mesh
-from fsdpfn.engine.agree import agree_on_error, require_loss_tokens, same_on_every_rank
+from fsdpfn.agree import agree_on_error, require_loss_tokens, same_on_every_rank
 from fsdpfn.ops import gae, group_advantages, kl, kl_in_reward, scale_rewards, whiten
 
 __all__ = ["compute_advantages"]

@@ -6,14 +6,13 @@ balanced over ranks with balanced_partition. shard_batch / gather_batch are publ
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDictBase
 
 from fsdpfn import keys as K
+from fsdpfn.agree import verdict
 from fsdpfn.batch.partition import _units, balanced_partition
 from fsdpfn.batch.validate import _check_rows, _config_int, row_lengths, select_rows, validate_batch
 from fsdpfn.errors import BatchError, ConfigError
@@ -196,30 +195,16 @@ def shard_batch(batch: TensorDictBase, mesh, *, group_size: int | None = None) -
 def _same_global_batch(batch, error: Exception | None, group_size: int) -> None:
     """Every rank of the job holds the same global batch: a batch refused on one rank is refused
     on every rank (no rank left waiting in its next collective), and keys, dtypes and shapes
-    that differ by rank are a BatchError on every rank. One all-reduce of three int64."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
+    that differ by rank are a BatchError on every rank (fsdpfn.agree.verdict)."""
     layout = None if error is not None else (group_size, sorted(
         (str(k), str(getattr(v, "dtype", None)), tuple(getattr(v, "shape", ())))
         for k, v in batch.items(include_nested=True, leaves_only=True)))
-    mark = zlib.crc32(repr(layout).encode())
-    vec = torch.tensor([error is not None, mark, -mark], dtype=torch.int64)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-    if int(vec[0]) == 0 and int(vec[1]) == -int(vec[2]):
-        return
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (None if error is None else str(error), layout))
-    if error is not None:
-        raise error
-    failed = next(((r, m) for r, (m, _) in enumerate(every) if m is not None), None)
-    if failed is not None:
-        raise BatchError(f"(raised on rank {failed[0]}) {failed[1]}")
-    shown = "; ".join(f"rank {r}: {lay}" for r, (_, lay) in enumerate(every))
-    raise BatchError(f"batch: shard_batch takes the global batch, the same on every rank, got "
-                     f"different keys, dtypes, shapes or group_size on the ranks: "
-                     f"{shown[:600]}")
+    every = verdict(error, layout)
+    if every is not None:
+        shown = "; ".join(f"rank {r}: {lay}" for r, lay in enumerate(every))
+        raise BatchError(f"batch: shard_batch takes the global batch, the same on every rank, "
+                         f"got different keys, dtypes, shapes or group_size on the ranks: "
+                         f"{shown[:600]}")
 
 
 def gather_batch(batch: TensorDictBase, mesh) -> TensorDictBase:

@@ -29,7 +29,7 @@ def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None
     when vocab_size is None); loss_mask bool [B, T], False at t=0, implies attention_mask, and
     (only when loss_mask is in `require`, or `nonempty` says so) at least one True in the batch
     (a data-parallel rank's part may have none: the caller then checks the global batch with
-    `nonempty=False` here and engine.agree.require_loss_tokens); every key of
+    `nonempty=False` here and fsdpfn.agree.require_loss_tokens); every key of
     keys.TOKEN_FLOAT_KEYS present is float32 [B, T] and finite on real tokens; rewards float32 [B]
     finite; group_id and row_index int64 [B]; B divisible by group_size; B even when `pairs`
     (row 2i chosen, 2i+1 rejected), and with row_index (shard_batch's) each pair one pair of

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from fsdpfn.engine.agree import world_size
+from fsdpfn.agree import world_size
 from fsdpfn.errors import CheckpointError
 
 _OPTIM_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

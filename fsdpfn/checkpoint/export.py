@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdpfn.engine import lora
-from fsdpfn.engine.agree import agree_on_error, is_rank_zero
+from fsdpfn.agree import agree_on_error, is_rank_zero
 from fsdpfn.checkpoint.dcp import _wrap
 from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, _as_path, _cleanup, _discard,
                                      _fsync_dir, _publish, _side_path)

@@ -28,7 +28,7 @@ from fsdpfn.checkpoint import integrity
 from fsdpfn.checkpoint.dcp import _broadcast
 from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _is_complete,
                                      _is_fsdpfn_checkpoint, _read_manifest, _saved_at)
-from fsdpfn.engine.agree import rank
+from fsdpfn.agree import rank
 from fsdpfn.errors import CheckpointError
 
 log = logging.getLogger(__name__)

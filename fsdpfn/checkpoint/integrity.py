@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
-from fsdpfn.engine import agree
+import fsdpfn.agree as agree
 from fsdpfn.errors import CheckpointError
 from fsdpfn.wire import checksum
 

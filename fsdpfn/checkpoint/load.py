@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model
                                                      set_optimizer_state_dict)
 
 from fsdpfn.checkpoint import integrity
-from fsdpfn.engine.agree import agree_on_error, given_path, rank, same_on_every_rank
+from fsdpfn.agree import agree_on_error, given_path, rank, same_on_every_rank
 from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
 from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _is_complete,
                                      _read_manifest, _saved_at)

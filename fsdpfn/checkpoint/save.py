@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from fsdpfn.checkpoint import integrity
 from fsdpfn.engine import lora
-from fsdpfn.engine.agree import (agree_on_error, agree_on_error_in_group, given_path, rank,
+from fsdpfn.agree import (agree_on_error, agree_on_error_in_group, given_path, rank,
                                   same_on_every_rank, world_size)
 from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,

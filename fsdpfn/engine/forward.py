@@ -19,7 +19,7 @@ from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
                                   release_memory, resolve_mb_spec)
-from fsdpfn.engine.agree import same_on_every_rank
+from fsdpfn.agree import same_on_every_rank
 from fsdpfn.engine.state import EngineState, check_live
 
 __all__ = ["forward_logp", "compute_values", "compute_scores"]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdpfn.engine import lora
-from fsdpfn.engine.agree import agree_on_error, is_rank_zero, world_size
+from fsdpfn.agree import agree_on_error, is_rank_zero, world_size
 from fsdpfn.errors import ConfigError
 
 log = logging.getLogger("fsdpfn")

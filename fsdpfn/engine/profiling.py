@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.engine.agree import rank
+from fsdpfn.agree import rank
 from fsdpfn.engine.timing import PROFILER
 
 __all__ = ["profile", "ProfileSession"]

@@ -20,7 +20,7 @@ from fsdpfn.batch import (Packed, next_token_targets, plan_microbatches, row_len
                           shift_to_token_aligned, validate_batch)
 from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB, MicroBatchSpec
 from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
-from fsdpfn.engine.agree import require_loss_tokens, world_size
+from fsdpfn.agree import require_loss_tokens, world_size
 from fsdpfn.engine.state import EngineState, check_live
 from fsdpfn.wire import checksum
 

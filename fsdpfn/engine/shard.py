@@ -29,7 +29,7 @@ from pathlib import Path
 from torch import nn
 
 from fsdpfn.engine import attention, cp, families, lora, timing
-from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.load_weights import build_skeleton, load_weights, restore_buffers, torch_dtype

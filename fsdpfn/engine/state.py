@@ -18,7 +18,7 @@ import attrs
 import torch
 from torch import nn
 
-from fsdpfn.engine.agree import agree_on_error
+from fsdpfn.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import StaleStateError
 from fsdpfn.engine.mesh import Mesh

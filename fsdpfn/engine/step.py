@@ -1,11 +1,7 @@
 """grad_step: the one place that runs forward, backward, gradient clipping and optimizer steps.
 
-Minibatches are cut from the global batch, so that the update does not depend on how rows are
-spread over data-parallel ranks: with one minibatch each rank runs its own rows; with more, the
-ranks' rows are gathered (in ``row_index`` order when shard_batch made them, else in dp-rank
-order), cut into ``optimizer_steps`` consecutive runs of whole units (groups, pairs) of that
-order, of ``order`` or of a permutation drawn from ``shuffle_seed``, and each run is balanced over
-the ranks by tokens.
+The call's minibatches are cut from the global batch (fsdpfn.engine.minibatch), so that the
+update does not depend on how rows are spread over data-parallel ranks.
 
 For each minibatch:
   1. count the normaliser over the whole minibatch on every data-parallel rank (all-reduced):
@@ -28,7 +24,6 @@ micro-batches and ranks (keys ending in ``_max`` are reduced by max instead).
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Callable, Mapping, Sequence
 
 import attrs
@@ -37,20 +32,19 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from fsdpfn import keys as K
-from fsdpfn.engine import timing
-from fsdpfn.engine.agree import world_size
-from fsdpfn.batch import dp_shard_units, global_batch, pack, row_lengths, select_rows, unpack
+from fsdpfn.agree import same_on_every_rank, verdict, world_size
+from fsdpfn.batch import pack, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
-from fsdpfn.engine.agree import agree_on_error, same_on_every_rank
-from fsdpfn.errors import BatchError, ConfigError, MicroBatchOOMError
+from fsdpfn.engine import timing
+from fsdpfn.errors import ConfigError, MicroBatchOOMError
 from fsdpfn.engine.mesh import Mesh
+from fsdpfn.engine.minibatch import as_order, denominator, global_counts, minibatches
 from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
                                   release_memory, resolve_mb_spec)
 from fsdpfn.engine.state import EngineState, advance, check_live, record_own_writes
 
-__all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS",
-           "minibatch_rows"]
+__all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS"]
 
 
 @attrs.frozen
@@ -106,94 +100,6 @@ def _clip_(model: torch.nn.Module, coef: torch.Tensor) -> None:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
-def minibatch_rows(n_rows: int, n_minibatches: int, *, group_size: int = 1,
-                   order: Sequence[int] | None = None,
-                   shuffle_seed: int | None = None) -> list[list[int]]:
-    """Split rows into ``n_minibatches`` runs of whole units (``group_size`` consecutive rows),
-    in ``order`` of units, or in a permutation of them drawn from ``shuffle_seed``."""
-    n_units = n_rows // group_size
-    if shuffle_seed is not None:
-        order = torch.randperm(n_units, generator=torch.Generator().manual_seed(shuffle_seed))
-        order = order.tolist()
-    units = list(order) if order is not None else list(range(n_units))
-    bounds = [round(i * n_units / n_minibatches) for i in range(n_minibatches + 1)]
-    return [[u * group_size + j for u in units[bounds[i]:bounds[i + 1]] for j in range(group_size)]
-            for i in range(n_minibatches)]
-
-
-def _as_order(order, shuffle_seed) -> list[int] | None:
-    """grad_step's ``order`` as a list of ints (a sequence or an int tensor), its types and
-    ``shuffle_seed``'s checked (the permutation is checked once the global batch's size is
-    known)."""
-    def integer(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-    if order is not None and shuffle_seed is not None:
-        raise ConfigError(f"order: give order or shuffle_seed, not both, got order={order!r} and "
-                          f"shuffle_seed={shuffle_seed!r}")
-    if shuffle_seed is not None and not integer(shuffle_seed):
-        raise ConfigError(f"shuffle_seed: must be an integer or None, got {shuffle_seed!r}")
-    if order is None:
-        return None
-    units = order.tolist() if isinstance(order, torch.Tensor) else order
-    units = list(units) if not isinstance(units, (str, bytes)) and hasattr(units, "__iter__") \
-        else None
-    if units is None or not all(integer(u) for u in units):
-        raise ConfigError(f"order: must be a sequence of unit indices (ints), got {order!r}")
-    return units
-
-
-def _minibatches(state: EngineState, batch, n: int, *, group_size: int, order, shuffle_seed,
-                 fn_name: str) -> list:
-    """This rank's part of each of the call's ``n`` minibatches (module docstring): cut from the
-    global batch, each balanced over the data-parallel ranks by tokens."""
-    if n == 1:
-        return [batch]
-    dp = state.mesh.dp
-    whole = global_batch(batch, state.mesh) if dp > 1 else batch
-    n_units = whole.batch_size[0] // group_size
-    unit = "rows" if group_size == 1 else f"units of {group_size} rows"
-    error = None
-    if n_units < n:
-        error = BatchError(f"batch: {fn_name} takes {n} optimizer steps, one a minibatch, and "
-                           f"needs at least {n} {unit} in the global batch (all data-parallel "
-                           f"ranks), got {n_units}")
-    elif order is not None and sorted(order) != list(range(n_units)):
-        error = ConfigError(f"order: must be a permutation of the global batch's {n_units} "
-                            f"{unit} (0..{n_units - 1}), got {list(order)!r}")
-    agree_on_error(state.mesh if dp > 1 else None, error)
-    runs = minibatch_rows(whole.batch_size[0], n, group_size=group_size, order=order,
-                          shuffle_seed=shuffle_seed)
-    if dp == 1:
-        return [select_rows(whole, rows) for rows in runs]
-    lens, me = row_lengths(whole), state.mesh.rank("dp")
-    parts = []
-    for rows in runs:
-        units = [rows[i:i + group_size] for i in range(0, len(rows), group_size)]
-        mine = dp_shard_units(units, lens, dp, allow_empty=True)[me]
-        parts.append(select_rows(whole, mine).to(batch.device or "cpu"))
-    return parts
-
-
-def _global_counts(state: EngineState, batch) -> tuple[int, int, int]:
-    """Σ loss tokens, sequences, rows over the data-parallel ranks."""
-    if batch.batch_size[0]:
-        lm = batch.get(K.LOSS_MASK) if K.LOSS_MASK in batch.keys() else batch.get(K.ATTENTION_MASK)
-        counts = torch.tensor([int(lm.sum()), int(lm.any(-1).sum()), lm.shape[0]],
-                              dtype=torch.int64)
-    else:
-        counts = torch.zeros(3, dtype=torch.int64)
-    if state.mesh.dp > 1:  # over dp only: cp (and tp) ranks hold the same rows, counted once
-        dist.all_reduce(counts, group=state.mesh.group("dp"))
-    n_tokens, n_seqs, n_rows = (int(c) for c in counts)
-    return n_tokens, n_seqs, n_rows
-
-
-def _denominator(normalizer: str, n_tokens: int, n_seqs: int, n_rows: int) -> float:
-    value = {"tokens": n_tokens, "sequences": n_seqs, "rows": n_rows, "pairs": n_rows // 2,
-             "none": 1}[normalizer]
-    return float(max(value, 1))
-
-
 def _outputs(state: EngineState, packed, *, with_entropy: bool, temperature: float) -> TensorDict:
     """Model outputs of one packed micro-batch, as the padded [S, T] view of its rows."""
     S, T = packed.n_seqs, packed.T
@@ -230,32 +136,18 @@ class _LossFnFailed(Exception):
         self.error = error
 
 
-_NO_NAMES = -(2 ** 62)  # a rank without rows knows no stat names: neutral in the MAX below
-
-
-def _agree_on_stats(sums: dict, maxes: dict, state: EngineState, failure: Exception | None,
-                    fn_name: str) -> None:
+def _agree_on_stats(sums: dict, maxes: dict, failure: Exception | None, fn_name: str) -> None:
     """Every rank's verdict on the minibatch before its stats are reduced by name: a loss_fn
     that failed on any rank raises on every rank, and the ranks that ran a loss_fn must report
     the same stat names (a rank without rows takes the others' names, counting 0 or -inf).
-    One all-reduce of four int64 over the job."""
-    if world_size() == 1:
-        if failure is not None:
-            raise failure
-        return
+    One all-reduce of three int64 over the job (fsdpfn.agree.verdict)."""
     named = bool(sums or maxes)
-    names = (sorted(sums), sorted(maxes))
-    mark = zlib.crc32(repr(names).encode()) if named else None
-    vec = torch.tensor([failure is not None, mark if named else _NO_NAMES,
-                        -mark if named else _NO_NAMES, not named], dtype=torch.int64)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-    failed, high, neg_low, some_empty = (int(v) for v in vec)
-    if failed:
-        _raise_everywhere(failure, fn_name)
-    if high == -neg_low and not some_empty:
+    every = verdict(failure, (sorted(sums), sorted(maxes)) if named else None, foreign=lambda
+                    where, tname, message: RuntimeError(
+                        f"{fn_name}: loss_fn failed on rank {where} ({tname}: {message}); every "
+                        f"rank stops with it, before any optimizer step of this minibatch"))
+    if every is None:
         return
-    every: list = [None] * world_size()
-    dist.all_gather_object(every, names if named else None)
     given = {r: n for r, n in enumerate(every) if n is not None}
     if len({repr(n) for n in given.values()}) > 1:
         shown = "; ".join(f"rank {r}: {sorted(set(n[0]) | set(n[1]))}" for r, n in given.items())
@@ -267,29 +159,12 @@ def _agree_on_stats(sums: dict, maxes: dict, state: EngineState, failure: Except
         maxes.update({name: torch.tensor(float("-inf")) for name in max_names})
 
 
-def _raise_everywhere(failure: Exception | None, fn_name: str) -> None:
-    """The failing ranks raise their own error; the others an error naming the first failing
-    rank and its message (its type when it is one of fsdpfn's, else RuntimeError)."""
-    every: list = [None] * world_size()
-    dist.all_gather_object(every, None if failure is None else (
-        type(failure).__name__, str(failure), isinstance(failure, (ConfigError, BatchError))))
-    if failure is not None:
-        raise failure
-    where, (tname, message, ours) = next((r, p) for r, p in enumerate(every) if p is not None)
-    etype = {t.__name__: t for t in (ConfigError, BatchError)}.get(tname) if ours else None
-    if etype is None:
-        raise RuntimeError(f"{fn_name}: loss_fn failed on rank {where} ({tname}: {message}); "
-                           f"every rank stops with it, before any optimizer step of this "
-                           f"minibatch")
-    raise etype(f"(raised on rank {where}) {message}")
-
-
 def _reduce_stats(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor], denom: float,
                   state: EngineState, *, failure: Exception | None = None,
                   fn_name: str = "grad_step") -> dict[str, float]:
     """Sums (divided by ``denom``) and maxes over the data-parallel ranks, after the ranks'
     verdict (_agree_on_stats)."""
-    _agree_on_stats(sums, maxes, state, failure, fn_name)
+    _agree_on_stats(sums, maxes, failure, fn_name)
     names = sorted(sums)
     out: dict[str, float] = {}
     if names:
@@ -366,9 +241,9 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     memory released: no optimizer step has run, so the state is unchanged.
     """
     timing.enter("comm")
-    n_tokens, n_seqs, n_rows = _global_counts(state, mb)
+    n_tokens, n_seqs, n_rows = global_counts(state, mb)
     timing.enter("plan")
-    denom = _denominator(normalizer, n_tokens, n_seqs, n_rows)
+    denom = denominator(normalizer, n_tokens, n_seqs, n_rows)
     ctx = StepContext(mesh=state.mesh, n_tokens=n_tokens, n_sequences=n_seqs, n_rows=n_rows,
                       normalizer=normalizer, denominator=denom, **ctx_fields)
     sums: dict[str, torch.Tensor] = {}
@@ -430,9 +305,9 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
               mb_spec: MicroBatchSpec | None = None) -> tuple[EngineState, TensorDict]:
     """Forward, backward, clip and ``optimizer_steps`` optimizer steps; see the module docstring.
 
-    ``loss_fn`` is an Objective (fsdpfn.engine.objective: the loss and its options in one value) or a
-    bare ``loss_fn(outputs, minibatch, ctx) -> (loss_sum, stats)``, run as an Objective with the
-    default options. ``order``: the order of the global batch's units (rows, or the Objective's
+    ``loss_fn`` is an Objective (fsdpfn.engine.objective: the loss and its options in one value)
+    or a bare ``loss_fn(outputs, minibatch, ctx) -> (loss_sum, stats)``, run as an Objective with
+    the default options. ``order``: the order of the global batch's units (rows, or the Objective's
     groups) its minibatches are cut from, the same on every rank (None: as given);
     ``shuffle_seed``: instead, a permutation drawn from this seed (both without effect on one
     minibatch, which is every row).
@@ -457,7 +332,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     try:
         obj = as_objective(loss_fn)
         _check_common(state, optimizer_steps, obj.name, True, obj.critic)
-        order = _as_order(order, shuffle_seed)
+        order = as_order(order, shuffle_seed)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
@@ -471,7 +346,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     max_norm = state.config.optimizer.max_grad_norm
     model.train()
-    parts = _minibatches(state, batch, optimizer_steps, group_size=group_size, order=order,
+    parts = minibatches(state, batch, optimizer_steps, group_size=group_size, order=order,
                          shuffle_seed=shuffle_seed, fn_name=fn_name)
     per_step: list[dict[str, float]] = []
     taken = skipped = tokens = 0
@@ -510,7 +385,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
         optimizer.zero_grad(set_to_none=True)
         tokens += n_tok
         per_step.append({**stats, "grad_norm": float(norm), "lr": lr})
-    out = _over_minibatches(per_step)
+    out = _overminibatches(per_step)
     out.update(tokens=float(tokens), skipped=float(skipped), steps=float(taken))
     successor = advance(state, fn_name, steps=taken, weights_changed=taken > 0)
     return successor, TensorDict({k: torch.tensor(v, dtype=torch.float32)
@@ -531,7 +406,7 @@ def _same_call(fn_name: str, batch, obj: Objective, **options) -> None:
     same_on_every_rank(fn_name, values, batch_names=("batch keys",))
 
 
-def _over_minibatches(per_step: list[dict[str, float]]) -> dict[str, float]:
+def _overminibatches(per_step: list[dict[str, float]]) -> dict[str, float]:
     """A call's stats: each key's mean over the minibatches that report it (a loss_fn may vary
     its keys), the max for keys ending in ``_max``."""
     out = {}

@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fsdpfn.engine.agree import world_size
+from fsdpfn.agree import world_size
 
 __all__ = ["STAGES", "KEYS", "Clock", "enter", "region", "timed", "last_timings",
            "measure_peak_tflops", "peak_tflops", "matmul_params", "model_flops"]

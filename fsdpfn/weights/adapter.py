@@ -31,7 +31,7 @@ from typing import Sequence
 from fsdpfn.engine import lora
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.engine.state import EngineState
-from fsdpfn.engine.agree import capture_error, is_rank_zero, share_from_rank_zero
+from fsdpfn.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.weights.disk import keep_recent
 from fsdpfn.wire.http import call, check_urls
 from fsdpfn.wire.protocol import dtype_from_name

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
+from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.engine.state import EngineState
 from fsdpfn.engine.shard import source_config
 from fsdpfn.weights.gather import Bucket, plan_buckets, send, weight_params

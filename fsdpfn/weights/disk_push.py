@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
+from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.engine.state import EngineState
 from fsdpfn.weights.disk import rotate, write_version

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdpfn.engine import lora
 from fsdpfn.engine import timing
 from fsdpfn.errors import WeightSyncError
-from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero
+from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.engine.state import EngineState, param_index
 from fsdpfn.wire.protocol import ALIGN, dtype_name, nbytes_of, padded_size, zero_padding
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdpfn.engine.agree import is_rank_zero
+from fsdpfn.agree import is_rank_zero
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.state import EngineState
 from fsdpfn.weights.channel import SentChecksums, check_commit

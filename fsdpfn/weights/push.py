@@ -42,7 +42,7 @@ import attrs
 import torch
 
 from fsdpfn.engine import timing
-from fsdpfn.engine.agree import (capture_error, is_rank_zero, same_on_every_rank,
+from fsdpfn.agree import (capture_error, is_rank_zero, same_on_every_rank,
                                   share_from_rank_zero)
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.wire.http import check_urls, is_http_url

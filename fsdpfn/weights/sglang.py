@@ -241,7 +241,7 @@ def probe(state, urls: Sequence[str], dtype: torch.dtype, *, probe_tol: float | 
     """Collective: each server's greedy log-probs on a fixed prompt against the trainer's
     forward_logp on the same tokens (``probe_tol``; None: 1e-3 for a float32 push, 0.1 for
     16-bit dtypes). Rank 0 asks the servers; every rank runs the forward."""
-    from fsdpfn.engine.agree import agree_on_error, capture_error, is_rank_zero, share_from_rank_zero
+    from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero, share_from_rank_zero
 
     prompt = probe_tokens(state.hf_config.vocab_size)
     probes, error = (capture_error(lambda: run_probes(urls, prompt, timeout_s),

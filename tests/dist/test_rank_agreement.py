@@ -183,3 +183,39 @@ def test_equal_settings_pass_and_differing_arguments_raise_on_every_rank(spmd2, 
     assert "verify" in results[0]["load verify"][1], results[0]["load verify"]
     assert "target.bucket_bytes" in results[0]["push bucket"][1], results[0]["push bucket"]
     assert "temperature" in results[0]["tp temperature"][1], results[0]["tp temperature"]
+
+
+def verdicts() -> dict:
+    """fsdpfn.agree.verdict, the primitive every check above is built on."""
+    from fsdpfn.agree import agree_on_error_in_group, verdict
+
+    odd = dist.get_rank() == 1
+
+    class LocalError(Exception):
+        """Defined in a function: the class itself does not pickle."""
+
+    return {"local": _outcome(lambda: agree_on_error_in_group(
+                None, LocalError("odd rank's own") if odd else None)),
+            "builtin": _outcome(lambda: verdict(KeyError("k") if odd else None)),
+            "ours": _outcome(lambda: verdict(ff.BatchError("b") if odd else None)),
+            "values": verdict(None, {"n": 2 if odd else 1, "same": [1, 2]}),
+            "equal": verdict(None, {"n": 1, "set": {f"k{i}" for i in range(9)}})}
+
+
+@pytest.mark.timeout(120)
+def test_a_verdict_carries_any_error_type_and_every_differing_value(spmd2):
+    """An error whose class does not pickle still reaches the other rank (as a RuntimeError
+    naming it) instead of leaving it waiting; a builtin or fsdpfn error keeps its type; values
+    that differ come back from every rank, in rank order; equal ones (a set in each process's
+    hash order) are no verdict at all."""
+    results = spmd2.run(verdicts, timeout=90)
+    assert results[1]["local"] == ("LocalError", "odd rank's own")
+    assert results[0]["local"][0] == "RuntimeError"
+    assert results[0]["local"][1].startswith("(raised on rank 1) ")
+    assert "LocalError: odd rank's own" in results[0]["local"][1]
+    assert [r["builtin"][0] for r in results] == ["KeyError", "KeyError"]
+    assert [r["ours"] for r in results] == [("BatchError", "(raised on rank 1) b"),
+                                            ("BatchError", "b")]
+    for r in results:
+        assert r["values"] == [{"n": 1, "same": [1, 2]}, {"n": 2, "same": [1, 2]}]
+        assert r["equal"] is None

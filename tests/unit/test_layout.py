@@ -3,9 +3,10 @@
 Every module of fsdpfn belongs to one package; a package imports only the packages below it:
 
     contract   config, errors, keys, lazy, serde, validators, ops/  (imports: errors)
+    agree      every rank agreeing on one verdict              (imports: errors)
     wire/      what both ends of the push speak                (imports: errors)
-    batch/     the batch format                                (contract)
-    engine/    mesh, state, forward, step                      (contract, batch, wire)
+    batch/     the batch format                                (contract, agree)
+    engine/    mesh, state, forward, step                      (contract, agree, batch, wire)
     algos/     one file per algorithm                          (engine and below)
     checkpoint/, weights/   the trainer's wings                (engine and below)
     rollout/   the built-in server and its clients             (errors, lazy, wire: nothing of the
@@ -32,9 +33,9 @@ BELOW = {
     "errors": set(), "keys": set(), "lazy": set(), "validators": {"errors"},
     "config": {"errors", "validators"},
     "serde": {"errors"}, "ops": {"errors"},
-    "wire": {"errors"},
-    "batch": CONTRACT,
-    "engine": CONTRACT | {"batch", "wire"},
+    "agree": {"errors"}, "wire": {"errors"},
+    "batch": CONTRACT | {"agree"},
+    "engine": CONTRACT | {"agree", "batch", "wire"},
 }
 BELOW["algos"] = BELOW["engine"] | {"engine"}
 BELOW["checkpoint"] = BELOW["engine"] | {"engine"}

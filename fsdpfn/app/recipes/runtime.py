@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpfn.engine.host import available_host_memory
-from fsdpfn.engine.agree import is_rank_zero
+from fsdpfn.agree import is_rank_zero
 
 __all__ = ["RunContext", "StopFlag", "Metrics", "Progress", "Checkpoints", "log", "is_main",
            "wandb_run", "broadcast_from_main", "all_reduce_sum", "mean_sequence_prob"]

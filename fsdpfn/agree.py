@@ -1,48 +1,108 @@
 """Helpers through which every rank agrees on one outcome, so one failing rank never leaves the
-others waiting in a collective.
+others waiting in a collective. The one home of these helpers: the engine, the batch layer and
+the trainer's wings all agree through them (they import only torch.distributed and
+fsdpfn.errors).
 
+verdict                  the primitive: any rank's error, or a value that differs by rank, seen
+                         by every rank in one all-reduce of three int64
 agree_on_error           every rank of the job raises if any rank has an error
 agree_on_error_in_group  the same over one process group (e.g. an async save's own group)
+same_on_every_rank       a call's arguments (config fields, batch keys, a path) equal on every rank
+given_path               a path argument as given, for same_on_every_rank
+require_loss_tokens      a BatchError on every dp rank when the global batch has no loss token
 is_rank_zero             the rank that talks to the outside (receivers, servers) for the job
 rank, world_size         this process's rank and the job's size (0 and 1 without a process group)
 capture_error            run a step on rank 0 and keep its failure as a typed error to agree on
 share_from_rank_zero     rank 0's value (or error) on every rank, in one collective
-require_loss_tokens      a BatchError on every dp rank when the global batch has no loss token
-same_on_every_rank       a call's arguments (config fields, batch keys, a path) equal on every rank
-given_path               a path argument as given, for same_on_every_rank
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
 import re
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from fsdpfn import errors
 from fsdpfn.errors import BatchError, ConfigError, WeightSyncError
 
-if TYPE_CHECKING:
-    from fsdpfn.engine.mesh import Mesh
-
-__all__ = ["agree_on_error", "agree_on_error_in_group", "is_rank_zero", "rank", "world_size",
-           "capture_error", "share_from_rank_zero", "require_loss_tokens", "same_on_every_rank",
-           "given_path"]
+__all__ = ["verdict", "agree_on_error", "agree_on_error_in_group", "is_rank_zero", "rank",
+           "world_size", "capture_error", "share_from_rank_zero", "require_loss_tokens",
+           "same_on_every_rank", "given_path"]
 
 
-def agree_on_error(mesh: Mesh | None, exc: BaseException | None) -> None:
+def verdict(error: BaseException | None, value: Any = None, *, group=None,
+            error_type: type[BaseException] | None = None,
+            foreign: Callable[[int, str, str], BaseException] | None = None) -> list | None:
+    """Every rank's verdict on one call, over ``group`` (None: every rank of the job).
+
+    Returns None when no rank has an error and ``value`` (compared by its stable repr) is the
+    same on every rank: one all-reduce of three int64, the whole cost on the happy path.
+    Otherwise every rank's report is gathered, and
+
+    - a rank with an error raises its own;
+    - the other ranks raise the first failing rank's error, "(raised on rank r) message", as
+      ``error_type`` when given, else in that rank's type when it is one of fsdpfn's errors;
+      ``foreign(rank, type name, message)`` builds any other, when given; else a builtin
+      exception keeps its type, and any other type is a RuntimeError naming it;
+    - when no rank has an error, every rank's ``value`` is returned in rank order, for the
+      caller's own error naming what differs.
+
+    Only the type's name travels, never the type (a class that does not pickle must not
+    leave the other ranks waiting). Every rank of ``group`` must call it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        _raise_local(error)
+        return None
+    mark = zlib.crc32(_stable_repr(value).encode())
+    vec = torch.tensor([error is not None, mark, -mark], dtype=torch.int64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    if int(vec[0]) == 0 and int(vec[1]) == -int(vec[2]):
+        return None
+    report = (value, None) if error is None else (None, (type(error).__module__,
+                                                         type(error).__qualname__, str(error)))
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, report, group=group)
+    _raise_local(error)
+    failed = next(((r, e) for r, (_, e) in enumerate(every) if e is not None), None)
+    if failed is not None:
+        where, (module, name, message) = failed
+        raise _remote_error(where, module, name, message, error_type, foreign)
+    return [v for v, _ in every]
+
+
+def _remote_error(where: int, module: str, name: str, message: str,
+                  error_type: type[BaseException] | None,
+                  foreign: Callable[[int, str, str], BaseException] | None) -> BaseException:
+    """The error another rank raised, as this rank raises it."""
+    etype = error_type or _error_type(errors if module == errors.__name__ else None, name)
+    if etype is None and foreign is not None:
+        return foreign(where, name, message)
+    etype = etype or _error_type(builtins if module == "builtins" else None, name)
+    if etype is None:
+        return RuntimeError(f"(raised on rank {where}) {name}: {message}")
+    return etype(f"(raised on rank {where}) {message}")
+
+
+def _error_type(module, name: str) -> type[BaseException] | None:
+    value = getattr(module, name, None) if module is not None else None
+    return value if isinstance(value, type) and issubclass(value, BaseException) else None
+
+
+def agree_on_error(mesh, exc: BaseException | None) -> None:
     """Collective verdict: if any rank has an error, every rank raises (no rank is left waiting).
 
     Ranks with their own error raise it; the others raise the same type naming the failing rank.
-    With ``mesh`` None the verdict is local (``exc`` is raised if given)."""
+    With ``mesh`` (a fsdpfn Mesh) None the verdict is local (``exc`` is raised if given)."""
     if mesh is None:
         _raise_local(exc)
         return
-    agree_on_error_in_group(None, exc)
+    verdict(exc)
 
 
 def agree_on_error_in_group(group, exc: BaseException | None, *,
@@ -50,23 +110,10 @@ def agree_on_error_in_group(group, exc: BaseException | None, *,
     """agree_on_error over ``group`` (None: the default group, every rank of the job). Ranks
     without an error raise ``error_type`` (default: the failing rank's own type) naming the
     failing rank and its message."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        _raise_local(exc)
-        return
-    flag = torch.tensor([0 if exc is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, group=group)
-    if int(flag.item()) == 0:
-        return
-    payload = None if exc is None else (type(exc), str(exc))
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, payload, group=group)
-    if exc is not None:
-        raise exc
-    rank, (etype, message) = next((r, p) for r, p in enumerate(gathered) if p is not None)
-    raise (error_type or etype)(f"(raised on rank {rank}) {message}")
+    verdict(exc, group=group, error_type=error_type)
 
 
-def require_loss_tokens(mesh: Mesh | None, loss_mask: torch.Tensor) -> None:
+def require_loss_tokens(mesh, loss_mask: torch.Tensor) -> None:
     """BatchError on every data-parallel rank when the global batch (every dp rank's part of it)
     has no loss token. A rank's own part may have none: shard_batch can place only untrained
     rows on one rank, and the losses are normalised over the global batch. Every rank of the
@@ -92,22 +139,16 @@ def same_on_every_rank(fn_name: str, values: Mapping[str, Any], *,
     SPMD: every rank runs the same call. A call whose options differ by rank would run different
     collectives (another minibatch count, another set of stats) and leave ranks waiting on each
     other; this turns that into one clear error. The names must be the same on every rank (the
-    caller's code, not its data); the check is one all-reduce of two int64 a value."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1 or not values:
+    caller's code, not its data); the check is one all-reduce of three int64 (verdict)."""
+    if not values:
         return
-    names = list(values)
-    prints = [zlib.crc32(_stable_repr(values[name]).encode()) for name in names]
-    both = torch.tensor(prints + [-p for p in prints], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    n = len(names)
-    differ = [names[i] for i in range(n) if int(both[i]) != -int(both[n + i])]
-    if not differ:
+    shown = {name: _stable_repr(value) for name, value in values.items()}
+    every = verdict(None, shown, group=group)
+    if every is None:
         return
-    shown: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shown, {name: _shorten(_stable_repr(values[name]))
-                                   for name in differ}, group=group)
-    detail = "; ".join(f"{name}: " + ", ".join(f"{value[name]} on rank {r}"
-                                               for r, value in enumerate(shown))
+    differ = [name for name in shown if len({value.get(name) for value in every}) > 1]
+    detail = "; ".join(f"{name}: " + ", ".join(f"{_shorten(str(value.get(name)))} on rank {r}"
+                                               for r, value in enumerate(every))
                        for name in differ)
     if any(name in batch_names for name in differ):
         error_type = BatchError
