@@ -129,7 +129,7 @@ def main(argv=None) -> None:
                            decode_rope_kv=args.decode_rope_kv,
                            decode_share_prefix=args.decode_share_prefix)
     if not args.no_channel:
-        from fsdpfn.rollout.receiver import UpdateChannel
+        from fsdpfn.rollout.channel import UpdateChannel
 
         UpdateChannel(engine.receiver, args.host, args.channel_port)
     dummy = ", placeholder weights until the first push" if args.load_format == "dummy" else ""

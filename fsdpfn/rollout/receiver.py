@@ -13,13 +13,8 @@ Two ways in, each the protocol of its owner:
   packed back to back (else one broadcast per tensor), loaded at once, as SGLang loads them.
   ``weight_version`` may be any string: it is reported back as given (/get_weight_version),
   beside fsdpfn's own integer version (staging.parse_version).
-- fsdpfn's update channel (UpdateChannel, below): a TCP connection per trainer, bound to a
-  group, carrying whole updates. The layout is checked before any byte is sent (the server answers
-  "accepted" first); every bucket's receive is posted at once, each bucket checked on the device as
-  it lands (zero padding, per-tensor checksums, finite); the checks are read once and the server
-  answers "ready" with the version and the weights checksum; the weights are swapped in only when
-  the trainer, having compared that checksum with what it sent, answers "commit" (any other answer,
-  a closed connection or the group's timeout: previous weights kept).
+- fsdpfn's update channel (fsdpfn.rollout.channel serves its connections): whole updates
+  (Receiver.update), each checked as it lands and swapped in only when the trainer commits.
 
 Besides: CUDA IPC handles (/update_weights_from_ipc), files (/update_weights_from_disk), and
 peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
@@ -28,28 +23,23 @@ peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
 from __future__ import annotations
 
 import contextlib
-import select
 import socket
 import threading
 import time
-from pathlib import Path
 
 import attrs
 import torch
 
 from fsdpfn.rollout import lora as rollout_lora
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.rollout.staging import (Abandoned, Layout, check_manifest, copy_shared,
-                                    first_non_finite, http_swap_s, load_safetensors,
-                                    manifest_version, parse_version, post_flat, read_json,
-                                    receive_sglang, record_event, request_fields, swap_bound,
-                                    torch_dtypes, unpack_flat, validate, wait_events,
-                                    wait_work_or_abandon)
-from fsdpfn.wire.frames import recv_frame, send_frame
-from fsdpfn.wire.protocol import (MANIFEST, combine_checksums, combine_on_device, make_group,
-                                  tensor_checksums)
+from fsdpfn.rollout.staging import (Abandoned, Layout, checked_checksum, checksum_after,
+                                    copy_shared, first_non_finite, http_swap_s,
+                                    load_update_files, parse_version, post_flat, receive_sglang,
+                                    record_event, request_fields, swap_bound, torch_dtypes,
+                                    unpack_flat, validate, wait_events, wait_work_or_abandon)
+from fsdpfn.wire.protocol import make_group
 
-__all__ = ["Receiver", "Group", "UpdateChannel"]
+__all__ = ["Receiver", "Group"]
 
 
 @attrs.frozen
@@ -339,19 +329,6 @@ class Receiver:
                               f"{exc}; group dropped, previous weights kept", 500) from None
         return tensors, sums, finite
 
-    def _verdict(self, tensors: dict, sums: list, finite: list) -> int:
-        """The weights checksum of what arrived, after the finite flags (read at once)."""
-        flags = torch.stack(finite).to(torch.int64)
-        names = [n for batch, _ in sums for n in batch]
-        checksum = combine_on_device(torch.cat([v for _, v in sums]), names)
-        values = torch.cat([flags, checksum.view(1)]).tolist()  # one read
-        if not all(values[:len(flags)]):  # a bucket's sum is not finite: look closer
-            bad = first_non_finite(tensors)
-            if bad:
-                raise UpdateError(f"update rejected, previous weights kept: tensors must be "
-                                  f"finite, got NaN/inf in {bad}")
-        return values[-1]
-
     # ------------------------------------------------------------ IPC, disk, adapters
 
     def update_from_ipc(self, payload: dict) -> dict:
@@ -392,7 +369,7 @@ class Receiver:
         sender's), (with ``decide``: committed by the sender), swapped in within ``swap_s``,
         answered with its timings."""
         received = time.perf_counter()
-        checksum = self._verdict(tensors, sums, finite)
+        checksum = checked_checksum(tensors, sums, finite)
         if expected is not None and checksum != expected:
             raise UpdateError(f"weights_checksum: what arrived must have the sender's checksum "
                               f"{expected}, got {checksum}; previous weights kept", 409)
@@ -419,31 +396,9 @@ class Receiver:
         (a label given beside it names that version)."""
         start = time.monotonic()
         with self._alone(0.0):
-            if not isinstance(payload.get("model_path"), str) or not payload["model_path"]:
-                raise UpdateError(f"model_path: required, a directory of safetensors files, got "
-                                  f"{payload.get('model_path')!r}")
-            path = Path(payload["model_path"])
-            if not path.is_dir():
-                raise UpdateError(f"model_path: must be a directory of safetensors files, got "
-                                  f"{str(path)!r}", 404)
-            manifest = read_json(path / MANIFEST)
-            saved = manifest_version(manifest, path)
-            given = payload.get("weight_version")
-            version, label = self._version(given)
-            if saved is not None and given is not None and label is None and saved != version:
-                raise UpdateError(f"weight_version: must equal the manifest's version "
-                                  f"{saved} in {str(path)!r}, got {given!r}")
-            if saved is not None:
-                version = saved
-            tensors = load_safetensors(path, self.engine.device)
-            problems = validate(self.engine.params, self.engine.aliases, list(tensors),
-                                [t.dtype for t in tensors.values()],
-                                [list(t.shape) for t in tensors.values()], whole=True)
-            if manifest is not None and payload.get("verify_checksums", True):
-                problems += check_manifest(manifest, tensors)
-            if problems:
-                raise UpdateError(f"update from {str(path)!r} rejected, previous weights kept: "
-                                  + "; ".join(problems[:8]))
+            tensors, version, label = load_update_files(
+                payload, self.engine.params, self.engine.aliases, self.engine.device,
+                self._version)
             merged = bool(payload.get("merged_adapters"))
             if payload.get("commit", True) is False:
                 return self._stage(tensors, version, label, merged)
@@ -457,10 +412,7 @@ class Receiver:
         if bad:
             raise UpdateError(f"update rejected, previous weights kept: tensors must be finite, "
                               f"got NaN/inf in {bad}")
-        canonical = {self.engine.aliases.get(n, n): t for n, t in tensors.items()}
-        names = list(self.engine.params)
-        sums = tensor_checksums([canonical.get(n, self.engine.params[n]) for n in names])
-        checksum = combine_checksums(dict(zip(names, sums)))
+        checksum = checksum_after(self.engine.params, self.engine.aliases, tensors)
         self.staged = {"tensors": tensors, "version": version, "label": label,
                        "merged_adapters": merged, "checksum": checksum}
         return {"success": True, "staged": True, "weight_version": version,
@@ -531,117 +483,6 @@ class Receiver:
             self.engine.swap(tensors, version)
             return rollout_lora.answer(self.engine, None, f"adapter {name!r} unloaded, version "
                                        f"{version}")
-
-
-# ---------------------------------------------------------------- the update channel
-
-
-class UpdateChannel:
-    """Listen on ``host``:``port`` (0: a free port; see ``.port``) for trainers' update channels
-    (frames: fsdpfn.wire.frames) and serve them from ``receiver``, which then advertises the
-    port in the model info. A connection first attaches to a group (it is closed when the
-    server drops that group), then carries whole updates, the layout parsed once per connection
-    and layout id, "accepted" sent before any byte is broadcast."""
-
-    def __init__(self, receiver: Receiver, host: str = "127.0.0.1", port: int = 0):
-        self.receiver = receiver
-        self._listener = socket.create_server((host, int(port)), reuse_port=False)
-        self.port = self._listener.getsockname()[1]
-        receiver.channel_port = self.port
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="fsdpfn-update-channel").start()
-
-    def close(self) -> None:
-        self._closed = True
-        self.receiver.channel_port = None
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="fsdpfn-update-channel-conn").start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        layouts: dict = {}
-        state = {"group": None}  # the group this connection is attached to
-        try:
-            while True:
-                try:
-                    message = recv_frame(conn)
-                except (OSError, ValueError):
-                    return  # the trainer went away (or broke the protocol)
-                try:
-                    answer = self._handle(conn, message, state, layouts)
-                except UpdateError as exc:
-                    answer = {"success": False, "message": str(exc), "status": exc.status}
-                except OSError:
-                    return
-                except Exception as exc:  # noqa: BLE001 - report, keep serving
-                    answer = {"success": False, "status": 500,
-                              "message": f"{type(exc).__name__}: {exc}"}
-                try:
-                    send_frame(conn, answer)
-                except OSError:
-                    return  # the trainer went away meanwhile (it gave the update up)
-        finally:
-            self.receiver.detach_channel(conn)
-            conn.close()
-
-    def _handle(self, conn, message: dict, state: dict, layouts: dict) -> dict:
-        op, group = message.get("op"), state["group"]
-        if op == "attach":
-            self.receiver.attach_channel(str(message.get("group_name")), conn)
-            state["group"] = str(message.get("group_name"))
-            return {"success": True, "server_id": self.receiver.engine.server_id}
-        if op != "update":
-            raise UpdateError(f"op: must be 'attach' or 'update', got {op!r}")
-        if group is None or message.get("group_name") != group:
-            raise UpdateError(f"group_name: must be the group this channel is attached to, got "
-                              f"{message.get('group_name')!r}", 409)
-        key = message.get("layout_id")
-        if message.get("buckets") is not None:
-            engine = self.receiver.engine
-            layouts[key] = Layout(engine.params, engine.aliases, message["buckets"])
-        if key not in layouts:
-            raise UpdateError(f"layout_id: must name a layout sent earlier on this connection "
-                              f"(with its buckets), got {key!r}")
-        return self.receiver.update(message, layouts[key], ack=lambda: send_frame(
-            conn, {"success": True, "accepted": True}),
-            decide=lambda ready, timeout_s: _await_commit(conn, ready, timeout_s),
-            abandoned=lambda: _readable(conn))
-
-
-def _readable(conn: socket.socket) -> bool:
-    """Whether the trainer's end of a channel sent something, or closed it, while this server
-    awaits an update's bytes: the trainer sends nothing then unless it gave the update up
-    (it closes its channels when a push fails elsewhere, on another server or on its ranks)."""
-    poller = select.poll()
-    poller.register(conn, select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR)
-    return bool(poller.poll(0))
-
-
-def _await_commit(conn: socket.socket, ready: dict, timeout_s: float) -> bool:
-    """Answer "ready" (the version and checksum of what arrived), then wait for the trainer's
-    decision: True only for {"op": "commit"}; an abort, a closed connection or no answer within
-    ``timeout_s`` is False."""
-    try:
-        send_frame(conn, {"success": True, "ready": True, **ready})
-        conn.settimeout(timeout_s)
-        decision = recv_frame(conn)
-    except (OSError, ValueError):
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            conn.settimeout(None)
-    return decision.get("op") == "commit"
 
 
 def _shut(sock) -> None:

@@ -1,7 +1,8 @@
 """The stages of a weight update on the server, each a plain function of what it is given (the
 served parameters, a process group, the received bytes): parse and validate the layout, receive
 the bytes (SGLang's packed buckets or per-tensor broadcasts; fsdpfn's aligned buckets, their
-checks queued on the device), read a version, load and verify files. fsdpfn.rollout.receiver
+checks queued on the device), read a version, load and verify files, the weights checksum of
+what arrived or will be served. fsdpfn.rollout.receiver
 composes them; nothing here holds state.
 
 Received tensors are a second copy of the weights, validated against the served model (name
@@ -20,15 +21,16 @@ from pathlib import Path
 import torch
 
 from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.wire.protocol import (MANIFEST, bucket_layout, broadcast, dtype_from_name, dtype_name,
-                                  flat_checksums, padded_size, sha256_of, wait_work,
+from fsdpfn.wire.protocol import (MANIFEST, bucket_layout, broadcast, combine_checksums,
+                                  combine_on_device, dtype_from_name, dtype_name, flat_checksums,
+                                  padded_size, sha256_of, tensor_checksums, wait_work,
                                   zero_padding)
 
 __all__ = ["BucketLayout", "Layout", "validate", "torch_dtypes", "receive_sglang", "post_flat",
-           "unpack_flat", "copy_shared", "events_done", "wait_events", "parse_version", "record_event",
-           "read_json", "load_safetensors", "check_manifest", "first_non_finite", "Abandoned",
-           "wait_work_or_abandon", "manifest_version", "swap_bound", "http_swap_s",
-           "request_fields"]
+           "unpack_flat", "copy_shared", "events_done", "wait_events", "parse_version",
+           "record_event", "read_json", "load_safetensors", "check_manifest", "first_non_finite",
+           "Abandoned", "wait_work_or_abandon", "manifest_version", "swap_bound", "http_swap_s",
+           "request_fields", "checked_checksum", "checksum_after", "load_update_files"]
 
 
 def torch_dtypes(dtypes: list[str]) -> list[torch.dtype]:
@@ -369,3 +371,62 @@ def request_fields(payload: dict) -> tuple[list[str], list[str], list[list[int]]
         raise UpdateError(f"names, dtypes, shapes: must have equal lengths, got "
                           f"{len(fields['names'])}, {len(fields['dtypes'])}, {len(shapes)}")
     return fields["names"], fields["dtypes"], shapes
+
+
+def checked_checksum(tensors: dict, sums: list, finite: list) -> int:
+    """The weights checksum of a whole update that arrived (``sums``: [(names, per-tensor
+    checksums)], ``finite``: a flag a bucket), after its finite flags: one read of the device;
+    an UpdateError naming the tensors when any is not finite."""
+    flags = torch.stack(finite).to(torch.int64)
+    names = [n for batch, _ in sums for n in batch]
+    checksum = combine_on_device(torch.cat([v for _, v in sums]), names)
+    values = torch.cat([flags, checksum.view(1)]).tolist()  # one read
+    if not all(values[:len(flags)]):  # a bucket's sum is not finite: look closer
+        bad = first_non_finite(tensors)
+        if bad:
+            raise UpdateError(f"update rejected, previous weights kept: tensors must be "
+                              f"finite, got NaN/inf in {bad}")
+    return values[-1]
+
+
+def checksum_after(params: dict, aliases: dict, tensors: dict) -> int:
+    """The weights checksum the served model will have once ``tensors`` are swapped in."""
+    canonical = {aliases.get(n, n): t for n, t in tensors.items()}
+    names = list(params)
+    sums = tensor_checksums([canonical.get(n, params[n]) for n in names])
+    return combine_checksums(dict(zip(names, sums)))
+
+
+def load_update_files(payload: dict, params: dict, aliases: dict, device: torch.device,
+                      version_of) -> tuple[dict, int, str | None]:
+    """The tensors, version and label of /update_weights_from_disk's ``model_path``, loaded and
+    checked (known names, shapes, dtypes, every parameter present; with fsdpfn's manifest and
+    ``verify_checksums``: each tensor's sha256). ``version_of(value)`` reads a version as the
+    receiver does; with a manifest the version is the manifest's (a label given beside it names
+    that version)."""
+    if not isinstance(payload.get("model_path"), str) or not payload["model_path"]:
+        raise UpdateError(f"model_path: required, a directory of safetensors files, got "
+                          f"{payload.get('model_path')!r}")
+    path = Path(payload["model_path"])
+    if not path.is_dir():
+        raise UpdateError(f"model_path: must be a directory of safetensors files, got "
+                          f"{str(path)!r}", 404)
+    manifest = read_json(path / MANIFEST)
+    saved = manifest_version(manifest, path)
+    given = payload.get("weight_version")
+    version, label = version_of(given)
+    if saved is not None and given is not None and label is None and saved != version:
+        raise UpdateError(f"weight_version: must equal the manifest's version "
+                          f"{saved} in {str(path)!r}, got {given!r}")
+    if saved is not None:
+        version = saved
+    tensors = load_safetensors(path, device)
+    problems = validate(params, aliases, list(tensors),
+                        [t.dtype for t in tensors.values()],
+                        [list(t.shape) for t in tensors.values()], whole=True)
+    if manifest is not None and payload.get("verify_checksums", True):
+        problems += check_manifest(manifest, tensors)
+    if problems:
+        raise UpdateError(f"update from {str(path)!r} rejected, previous weights kept: "
+                          + "; ".join(problems[:8]))
+    return tensors, version, label

@@ -1,5 +1,7 @@
 """How far a push travels: followed from push_weights to the server's swap, the update channel
-push passes through at most a dozen functions in at most six files.
+push passes through at most a dozen functions in at most seven files (the trainer's push, its
+gather and its end of the channel; the wire both ends speak; the server's end of the channel,
+its receiver and its engine).
 
 A tracer (sys.setprofile, and threading.setprofile for the server's threads) records the fsdpfn
 frames on the stack where the bytes leave the trainer (fsdpfn.wire.protocol.broadcast) and where
@@ -20,7 +22,7 @@ from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 
 pytestmark = pytest.mark.dist
 
-MAX_FUNCTIONS, MAX_FILES = 12, 6
+MAX_FUNCTIONS, MAX_FILES = 12, 7
 
 
 def _where(frame) -> str | None:
@@ -51,7 +53,7 @@ def _serve(model_dir: str):
 
     from fsdpfn.wire.ports import free_port
     from fsdpfn.rollout import RolloutEngine
-    from fsdpfn.rollout.receiver import UpdateChannel
+    from fsdpfn.rollout.channel import UpdateChannel
     from fsdpfn.rollout.server import build_app
 
     engine = RolloutEngine(model_dir, dtype="float32", device="cpu")
@@ -102,7 +104,7 @@ def trace_push(model_dir: str):
 
 
 @pytest.mark.timeout(240)
-def test_a_push_passes_through_at_most_a_dozen_functions_in_six_files(spmd1, tmp_path):
+def test_a_push_passes_through_at_most_a_dozen_functions_in_seven_files(spmd1, tmp_path):
     model_dir = str(save_tiny_model(tmp_path / "tiny", tiny_qwen2_config(), seed=0))
     trainer, server, pushed, served = spmd1.run(trace_push, args=(model_dir,), timeout=200)[0]
     assert trainer and server and pushed == served  # the push landed, both ends were seen

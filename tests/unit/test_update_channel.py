@@ -23,7 +23,7 @@ import torch
 
 from fsdpfn.errors import WeightSyncError
 from fsdpfn.rollout import RolloutEngine
-from fsdpfn.rollout.receiver import UpdateChannel
+from fsdpfn.rollout.channel import UpdateChannel
 from fsdpfn.rollout.process import free_port
 from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
 from fsdpfn.weights.channel import Channel
