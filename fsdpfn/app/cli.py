@@ -8,9 +8,9 @@
     fsdpfn config my.yaml engine.dtype=float32     # a config file, resolved
 
 ``run`` and ``demo`` validate the config (fsdpfn.serde; unknown keys and bad values are errors
-naming the dotted key) and hand it to the launcher (fsdpfn/app/launcher.py: the run_dir, the rollout
-server, the trainer ranks, Ctrl-C and supervision). Exit status: 0 done, 130 stopped by a signal,
-2 bad config or command line, else the trainer's (a rank's error is one line:
+naming the dotted key) and hand it to the launcher (fsdpfn/app/launcher.py: the run_dir, the
+rollout servers, the trainer ranks, Ctrl-C and supervision). Exit status: 0 done, 130 stopped by
+a signal, 2 bad config or command line, else the trainer's (a rank's error is one line:
 ``fsdpfn: error: <Type>: <message> (trace in run_dir/trainer.log)``). Overrides may come before
 or after the flags.
 """

@@ -1,20 +1,25 @@
-"""The launcher behind ``fsdpfn run`` and ``fsdpfn demo`` (fsdpfn/app/cli.py parses their arguments).
+"""The launcher behind ``fsdpfn run`` and ``fsdpfn demo`` (fsdpfn/app/cli.py parses their
+arguments).
 
-``launch`` takes a validated recipe config, writes it to ``run_dir/config.yaml`` and starts the
-rollout servers (``python -m fsdpfn.rollout``, one per ``rollout.gpus`` entry or
+``launch`` takes a validated recipe config, checks what can fail before any process starts,
+prepares the data files, writes the config to ``run_dir/config.yaml`` and starts the rollout
+servers (fsdpfn.app.servers: ``python -m fsdpfn.rollout``, one per ``rollout.gpus`` entry or
 ``rollout.servers`` of them, each on its own port and device, its output in
 run_dir/rollout.log, rollout1.log, ...) when ``rollout.url`` is not set, then starts
 ``launch.nproc`` trainer ranks itself (fsdpfn.app.ranks: torchrun's environment, no torchrun;
 OMP_NUM_THREADS=launch.threads_per_rank each), handing them every server's URL; trainer rank 0
 writes run_dir/model0 (the embedded model, random_init's config: prepare_initial_model), which
-the servers wait for, and then waits for each server's /health. At the end it records each
-server's final weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
+the servers wait for, and then waits for each server's /health. The launcher waits for the
+ranks (a server of its own that exits stops them); at the end it records each server's final
+weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
 run_dir/metrics.png and prints a summary.
 
 Ctrl-C (SIGINT) is forwarded to the ranks, which finish the current step, save a checkpoint and
 exit; the rollout servers are then shut down. A second Ctrl-C kills the ranks at once (the last
 published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done, 130 stopped by
-a signal, 2 bad config or command line, else the trainer's.
+a signal, 2 bad config or command line, else the trainer's. The ranks' output goes to
+run_dir/trainer.log and the terminal; a failed rank is named in one line (fsdpfn.app.terminal:
+what passes between the terminal and the ranks).
 
 The launcher's children die with it, even when it is killed with SIGKILL (fsdpfn.wire.lifeline):
 the trainer ranks and the rollout servers get a parent-death signal, and every trainer rank and
@@ -25,9 +30,10 @@ gone is reported as "killed" by the next ``fsdpfn run``/``fsdpfn demo`` into tha
 (``--resume`` continues from the latest checkpoint), and a run_dir whose launcher still runs is
 refused.
 
-Only the standard library is imported here at module level: the CLI's config path stays free of
-torch (placement, data and model helpers are imported when a run starts). On a CPU host a run of
-the embedded model imports neither torch nor transformers here, only in the ranks and servers
+Only the standard library (and the app's modules that import only it: run_dir, servers,
+terminal) is imported here at module level: the CLI's config path stays free of torch
+(placement, data and model helpers are imported when a run starts). On a CPU host a run of the
+embedded model imports neither torch nor transformers here, only in the ranks and servers
 (BENCHMARKS.md, "Start-up of fsdpfn run"); a model.path's tokenizer, which tokenizes the data
 files here, imports both.
 """
@@ -37,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -45,13 +50,13 @@ from pathlib import Path
 
 from fsdpfn.app.run_dir import (check_flags, check_resume_keeps, check_run_dir_path,
                                 prepare_run_dir)
+from fsdpfn.app.servers import (check_server_gpus, describe_servers, server_records,
+                                start_servers)
+from fsdpfn.app.terminal import Relay, Signals, log_line, report_failure, say
 
 __all__ = ["launch"]
 
-TRAINER_LOG = "trainer.log"  # under run_dir: everything the trainer ranks printed
 TTY_ENV = "FSDPFN_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe)
-def _say(message: str) -> None:
-    print(f"[fsdpfn] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- commands
@@ -89,93 +94,6 @@ def _describe_trainer(cmd: list[str], nproc: int, port: int, threads: int) -> st
     env["RANK"] = env["LOCAL_RANK"] = "<rank>"
     return (f"{nproc} rank(s) (<rank> = 0..{nproc - 1}): "
             + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
-
-
-def _server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
-    return [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model_dir),
-            # run_dir/model0 is written by trainer rank 0 as it starts (prepare_initial_model)
-            *(["--wait-for-model", str(cfg.rollout.health_timeout_s)]
-              if cfg.model.embedded or cfg.model.random_init else []),
-            "--port", str(port), "--host", "127.0.0.1", "--device", placement.server_device,
-            "--dtype", placement.dtype, "--threads", str(cfg.rollout.threads),
-            "--parent-pid", str(os.getpid()), *_decode_cache(cfg),
-            # random_init: the server starts on placeholders, the first push brings the weights
-            *(["--load-format", "dummy"] if cfg.model.random_init and not cfg.model.embedded
-              else []),
-            # the recipe's own flags last: its --decode-rows or --decode-max-len wins
-            *cfg.rollout.server_args]
-
-
-def _decode_cache(cfg) -> list[str]:
-    """Each server's decode cache sized to the run: a slot for each of its share of one step's
-    answers (prompts_per_step x group_size over the servers, which the balancer fills evenly; in
-    multiples of 8, at most 1,024; rows beyond the slots queue), and, for data files,
-    positions for the longest prompt plus answer the data allows. Left to its default (half of
-    the free memory at start), a server that shares its GPU with the trainer takes memory the
-    trainer needs later, sized for far more rows than a step asks for (BENCHMARKS.md, "The main
-    job": the server cache sizing)."""
-    rows = -(-cfg.prompts_per_step * cfg.advantage.group_size // cfg.rollout.n_servers)
-    args = ["--decode-rows", str(min(1024, max(8, -(-rows // 8) * 8)))]
-    if cfg.data.from_files:
-        args += ["--decode-max-len",
-                 str(cfg.data.max_prompt_tokens + cfg.data.max_response_tokens)]
-    return args
-
-
-class _Signals:
-    """SIGINT/SIGTERM in the launcher. The first is forwarded to the trainer ranks (their pids
-    are in run_dir/.ranks/ once their stop handler is in place): they finish the current step,
-    save it and exit. Ranks that are not running yet get SIGTERM, which ends them at once.
-    The second kills every rank."""
-
-    def __init__(self, run_dir: Path):
-        self.count = 0
-        self.trainer = None  # fsdpfn.app.ranks.TrainerRanks, once started
-        self.ranks_dir = run_dir / ".ranks"
-        self._previous = {}
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handler)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def rank_pids(self) -> list[int]:
-        pids = []
-        for path in sorted(self.ranks_dir.glob("rank*.pid")):
-            try:
-                pids.append(int(path.read_text()))
-            except (OSError, ValueError):
-                pass
-        return pids
-
-    def _kill(self, pid: int, sig: int) -> None:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _handler(self, signum, frame) -> None:
-        self.count += 1
-        ranks = self.trainer
-        running = ranks is not None and ranks.running()
-        pids = self.rank_pids() if running else []
-        if self.count == 1:
-            print(file=sys.stderr)
-            _say(f"{signal.Signals(signum).name}: stopping after the current step "
-                 f"(again to abort now)")
-            for pid in pids:
-                self._kill(pid, signal.SIGINT)
-            if running and not pids:
-                ranks.signal(signal.SIGTERM)
-        else:
-            _say("aborting: killing the trainer ranks (the last published checkpoint is intact)")
-            for pid in pids:
-                self._kill(pid, signal.SIGKILL)
-            if running:
-                ranks.kill()
 
 
 def _check_inputs(cfg) -> None:
@@ -217,18 +135,18 @@ def _prepare_data(cfg, run_dir: Path, *, resume: bool, out: Path | None = None) 
     report = prepare_files(cfg.data, load_tokenizer(cfg.model), cfg.recipe, out)
     for split, r in report.items():
         dropped = sum(r["dropped"].values())
-        _say(f"data ({split}): {r['kept']} of {r['rows']} samples"
-             + (f"; dropped {dropped}: " + ", ".join(f"{n} {why}" for why, n in
-                                                    r["dropped"].items()) if dropped else ""))
+        say(f"data ({split}): {r['kept']} of {r['rows']} samples"
+            + (f"; dropped {dropped}: " + ", ".join(f"{n} {why}" for why, n in
+                                                   r["dropped"].items()) if dropped else ""))
     every = getattr(getattr(cfg, "eval", None), "every", 0)
     if every and not cfg.data.eval_files:
-        _say(f"eval.every={every}: no held-out evaluation (data.eval_files is empty; the "
-             f"greedy accuracy is measured on eval files only)")
+        say(f"eval.every={every}: no held-out evaluation (data.eval_files is empty; the "
+            f"greedy accuracy is measured on eval files only)")
     per_step = _rows_per_step(cfg)
     kept = report.get("train", {}).get("kept", 0)
     if per_step is not None and 0 < kept < per_step[1]:
-        _say(f"data (train): {kept} samples for {per_step[0]}={per_step[1]} a step: each "
-             f"step takes every sample about {per_step[1] / kept:.0f} times")
+        say(f"data (train): {kept} samples for {per_step[0]}={per_step[1]} a step: each "
+            f"step takes every sample about {per_step[1] / kept:.0f} times")
 
 
 def _rows_per_step(cfg) -> tuple[str, int] | None:
@@ -258,7 +176,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     own_server = needs_rollout and cfg.rollout.url is None
     n_gpus = count_gpus()
     placement = place(cfg, n_gpus, needs_rollout=needs_rollout)
-    _check_server_gpus(cfg, placement, n_gpus)
+    check_server_gpus(cfg, placement, n_gpus)
     model_dir = initial_model_dir(cfg.model, run_dir)
     url = cfg.rollout.url if needs_rollout else None
     _check_inputs(cfg)
@@ -272,22 +190,20 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         with tempfile.TemporaryDirectory(prefix="fsdpfn-dry-run-") as tmp:
             _prepare_data(cfg, run_dir, resume=False, out=Path(tmp))  # counts, as a run's
         for note in notes:
-            _say(note)
+            say(note)
         print(serde.to_yaml(cfg), end="")
-        _say(f"placement: {_describe(placement)}")
-        for i in range(placement.servers if own_server else 0):
-            env = placement.server_env(i)
-            _say(f"rollout server {i}: " + "".join(f"{k}={v} " for k, v in env.items())
-                 + " ".join(_server_cmd(cfg, model_dir, 0, placement)))
-        _say("trainer: " + _describe_trainer(
+        say(f"placement: {_describe(placement)}")
+        for line in describe_servers(cfg, model_dir, placement) if own_server else []:
+            say(line)
+        say("trainer: " + _describe_trainer(
             _worker_cmd(cfg, config_path, placement, resume=resume, url=url), placement.nproc,
             _master_port(cfg, url), cfg.launch.threads_per_rank))
         return 0
     for note in prepare_run_dir(run_dir, resume=resume, overwrite=overwrite):
-        _say(note)
+        say(note)
     _prepare_data(cfg, run_dir, resume=resume)
     for note in notes:  # after every refusal: a refused run prints its one line alone
-        _say(note)
+        say(note)
     config_path.write_text(serde.to_yaml(cfg))
     write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
     try:
@@ -302,52 +218,22 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     _summarize(cfg, run_dir, seconds, status, interrupted, servers)
     failure = {}
     if rc != 0 and not interrupted:
-        failure["error"] = _report_failure(run_dir, rc, failed)
+        failure["error"] = report_failure(run_dir, rc, failed)
     write_run_state(run_dir, "interrupted" if interrupted else ("done" if rc == 0 else "failed"),
                     exit_code=status, **failure)
     return status
 
 
-def _check_server_gpus(cfg, placement, n_gpus: int) -> None:
-    """rollout.gpus places the servers fsdpfn run starts on CUDA; where they run on the CPU
-    (a host without GPUs, or rollout.device auto following a trainer on the CPU) it is refused
-    rather than ignored. rollout.device cpu and rollout.url with gpus are config rules
-    (fsdpfn.app.recipes.rollout_config.RolloutConfig)."""
-    gpus = getattr(getattr(cfg, "rollout", None), "gpus", None)
-    if gpus is None or placement.server_device != "cpu":
-        return
-    from fsdpfn.errors import ConfigError
-
-    why = ("this host has no GPU" if n_gpus == 0 else
-           f"rollout.device {cfg.rollout.device!r} follows launch.device "
-           f"{cfg.launch.device!r}")
-    raise ConfigError(f"rollout.gpus: GPU indices need the rollout servers on CUDA, and they "
-                      f"would run on the CPU ({why}; rollout.servers=N starts N there), got "
-                      f"{list(gpus)}")
-
-
-def _report_failure(run_dir: Path, rc: int, failed: str | None = None) -> str:
-    """The one line a failed trainer leaves on the terminal: the first rank's error, typed,
-    else how the first failed rank ended (``failed``: "trainer rank 1 was killed by
-    SIGKILL"), and where the trace is (run_dir/trainer.log)."""
-    error = rank_error(run_dir)
-    what = f"{error['type']}: {error['message']}" if error else \
-        (failed or f"the trainer exited with status {rc}")
-    print(f"fsdpfn: error: {what} (trace in {run_dir / TRAINER_LOG})", file=sys.stderr,
-          flush=True)
-    return what[:2000]
-
-
 def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, own_server: bool,
          url: str | None, resume: bool) -> tuple[int, bool, float, list[dict], str | None]:
     """Start the servers (when ours) and the trainer ranks and wait for them; (exit status,
-    interrupted, seconds, each server's record: _server_records, how the first failed rank
+    interrupted, seconds, each server's record: server_records, how the first failed rank
     ended or None). The children die with this process (fsdpfn.wire.lifeline)."""
     from fsdpfn.app.ranks import TrainerRanks
     from fsdpfn.wire.lifeline import LAUNCHER_PID_ENV, die_with_parent
 
     t0 = time.monotonic()
-    signals = _Signals(run_dir)
+    signals = Signals(run_dir)
     shutil.rmtree(signals.ranks_dir, ignore_errors=True)
     signals.install()
     servers: list = []
@@ -355,7 +241,7 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
     ranks, failed = None, None
     try:
         if own_server:
-            servers = _start_servers(cfg, run_dir, model_dir, placement)
+            servers = start_servers(cfg, run_dir, model_dir, placement)
             url = ",".join(s.url for s in servers)
         cmd = _worker_cmd(cfg, config_path, placement, resume=resume, url=url)
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.threads_per_rank),
@@ -365,8 +251,8 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
         urls = url.split(",") if url else []
         where = (f", rollout server {urls[0]}" if len(urls) == 1 else
                  f", {len(urls)} rollout servers {' '.join(urls)}" if urls else "")
-        _say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}{where}; "
-             f"{_describe(placement)}")
+        say(f"{cfg.recipe}: {placement.nproc} trainer rank(s), run_dir {run_dir}{where}; "
+            f"{_describe(placement)}")
         if signals.count:
             return 130, True, time.monotonic() - t0, records, None
         # each in its own session: a terminal's Ctrl-C reaches the launcher only, which
@@ -374,14 +260,14 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
         ranks = TrainerRanks(cmd, placement.nproc, port=_master_port(cfg, url), env=env,
                              preexec_fn=die_with_parent())
         signals.trainer = ranks
-        relay = _Relay(ranks.stdout, run_dir)
+        relay = Relay(ranks.stdout, run_dir)
         rc = _wait(ranks, servers, signals)
         relay.join()
         failed = ranks.describe_failure()
         if failed and not signals.count:
-            _log_line(run_dir, f"[fsdpfn] {failed}" + ("; the other ranks were stopped"
+            log_line(run_dir, f"[fsdpfn] {failed}" + ("; the other ranks were stopped"
                                                        if ranks.stopped else ""))
-        records = _server_records(urls, servers, placement)
+        records = server_records(urls, servers, placement)
     finally:
         if ranks is not None and ranks.running():  # an error in the launcher itself
             ranks.kill()
@@ -389,73 +275,6 @@ def _run(cfg, run_dir: Path, config_path: Path, placement, model_dir: Path, *, o
             server.close()
         signals.restore()
     return rc, signals.count > 0, time.monotonic() - t0, records, failed
-
-
-def _log_line(run_dir: Path, line: str) -> None:
-    with open(run_dir / TRAINER_LOG, "a") as log:
-        log.write(line + "\n")
-
-
-def _server_records(urls: list[str], servers: list, placement) -> list[dict]:
-    """Each rollout server as the summary names it: its URL, where it ran (ours: its device
-    and log) and the weights version it serves at the end (None: it did not answer)."""
-    from fsdpfn.wire.http import call
-
-    records = []
-    for i, url in enumerate(urls):
-        record: dict = {"url": url}
-        if i < len(servers):
-            record["device"] = (f"cuda (GPU {placement.server_gpus[i]})"
-                                if placement.server_gpus else placement.server_device)
-            record["log"] = str(servers[i].log_path)
-        try:
-            record["weight_version"] = call(url, "/health", timeout=5.0).get("weight_version")
-        except Exception:  # noqa: BLE001 - a server that is gone is named without a version
-            record["weight_version"] = None
-        records.append(record)
-    return records
-
-
-class _Relay:
-    """The trainer ranks' output (one pipe) copied to run_dir/trainer.log and to the terminal
-    as it comes (progress bars redraw), until a rank reports a failure
-    (run_dir/.ranks/error_rank*.json): what follows, the rank's traceback and the launcher's
-    line on which rank failed, goes to the log only, and the launcher prints the one-line
-    error."""
-
-    def __init__(self, pipe, run_dir: Path):
-        import threading
-
-        self.pipe, self.ranks_dir = pipe, run_dir / ".ranks"
-        self.log_path = run_dir / TRAINER_LOG
-        self.thread = threading.Thread(target=self._copy, daemon=True)
-        self.thread.start()
-
-    def _copy(self) -> None:
-        fd = self.pipe.fileno()
-        quiet = False
-        with open(self.log_path, "ab") as log:
-            while chunk := os.read(fd, 65536):
-                log.write(chunk)
-                log.flush()
-                quiet = quiet or any(self.ranks_dir.glob("error_rank*.json"))
-                if not quiet:
-                    sys.stderr.buffer.write(chunk)
-                    sys.stderr.flush()
-
-    def join(self) -> None:
-        self.thread.join(timeout=30)
-
-
-def rank_error(run_dir: Path) -> dict | None:
-    """The first failure a trainer rank reported (fsdpfn.app.recipes.worker.report_error)."""
-    records = []
-    for path in (run_dir / ".ranks").glob("error_rank*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            pass
-    return min(records, key=lambda r: (r.get("time", 0), r.get("rank", 0))) if records else None
 
 
 def _describe(p) -> str:
@@ -471,51 +290,7 @@ def _describe(p) -> str:
     return f"{train}, {serve}, weights pushed by {p.transport}, {p.dtype}"
 
 
-def _start_servers(cfg, run_dir: Path, model_dir: Path, placement) -> list:
-    """Every server of the placement; a failure to start one stops those already started."""
-    servers = []
-    try:
-        for i in range(placement.servers):
-            servers.append(_start_server(cfg, run_dir, model_dir, placement, i))
-    except BaseException:
-        for server in servers:
-            server.close()
-        raise
-    return servers
-
-
-def _start_server(cfg, run_dir: Path, model_dir: Path, placement, i: int):
-    """Server ``i``: ``python -m fsdpfn.rollout`` on its own port and device (its GPU alone
-    visible), in its own session (Ctrl-C must not reach it before the ranks finished their
-    step), with the launcher's lifeline; trainer rank 0 waits for its /health."""
-    import socket
-
-    from fsdpfn.app.recipes.placement import server_log_name
-    from fsdpfn.rollout.process import RolloutProcess
-    from fsdpfn.wire.lifeline import die_with_parent
-
-    # the port is bound here and the socket handed to the server (--fd): a server waits for
-    # the starting model (the warm-up) before it serves, and a port only chosen, not bound,
-    # could be taken meanwhile by any other process of the host
-    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen(128)
-        port = listening.getsockname()[1]
-        log_path = run_dir / server_log_name(i)
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rollout.threads),
-               **placement.server_env(i)}
-        cmd = _server_cmd(cfg, model_dir, port, placement) + ["--fd", str(listening.fileno())]
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, preexec_fn=die_with_parent(),
-                                    pass_fds=(listening.fileno(),))
-    finally:
-        listening.close()  # the server holds its own copy
-    return RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
-
-
-def _wait(ranks, servers: list, signals: _Signals) -> int:
+def _wait(ranks, servers: list, signals: Signals) -> int:
     reported = False
     while True:
         try:
@@ -526,8 +301,8 @@ def _wait(ranks, servers: list, signals: _Signals) -> int:
         if dead and not reported and not signals.count:
             reported = True
             server = dead[0]
-            _say(f"the rollout server {server.url} exited with {server.proc.returncode}; "
-                 f"stopping the trainer. Its log ({server.log_path}):\n{server.log()}")
+            say(f"the rollout server {server.url} exited with {server.proc.returncode}; "
+                f"stopping the trainer. Its log ({server.log_path}):\n{server.log()}")
             ranks.stop()
 
 
@@ -565,7 +340,7 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool,
         if png is not None:
             summary["plot"] = str(png)
         else:
-            _say("no metrics.png: plotting needs matplotlib (pip install 'fsdpfn[recipes]')")
+            say("no metrics.png: plotting needs matplotlib (pip install 'fsdpfn[recipes]')")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     minutes = f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
     status = "stopped" if interrupted else ("done" if rc == 0 else f"failed (exit {rc})")
@@ -577,15 +352,15 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool,
                  f"(mean of the first / last {k} steps)")
     if evals:
         line += f"; greedy accuracy (held-out) {evals[0]:.3f} -> {evals[-1]:.3f}"
-    _say(line)
+    say(line)
     if len(servers) > 1:
-        _say("rollout servers: " + "; ".join(
+        say("rollout servers: " + "; ".join(
             f"{s['url']} ({s.get('device', 'external')}) at weights version "
             f"{s['weight_version']}" for s in servers))
-    _say(f"metrics {metrics}" + (f", plot {summary['plot']}" if "plot" in summary else "")
-         + (f", checkpoint {summary['checkpoint']}" if "checkpoint" in summary else ""))
+    say(f"metrics {metrics}" + (f", plot {summary['plot']}" if "plot" in summary else "")
+        + (f", checkpoint {summary['checkpoint']}" if "checkpoint" in summary else ""))
     if (interrupted or rc != 0) and _resumable(run_dir, summary):
-        _say(f"continue with: fsdpfn run {run_dir / 'config.yaml'} --resume")
+        say(f"continue with: fsdpfn run {run_dir / 'config.yaml'} --resume")
     return summary
 
 

@@ -11,7 +11,7 @@ others are stopped (they would wait in a collective for it), SIGTERM first and S
 ``grace`` seconds later.
 
 Each rank runs in a session of its own (a terminal's Ctrl-C reaches the launcher alone, which
-forwards it: fsdpfn/app/launcher.py) and gets a parent-death SIGKILL (fsdpfn.wire.lifeline):
+forwards it: fsdpfn/app/terminal.py) and gets a parent-death SIGKILL (fsdpfn.wire.lifeline):
 the ranks are the launcher's children, so they die with it even when it is killed by SIGKILL.
 
 Only the standard library is imported here.

@@ -22,6 +22,7 @@ from fsdpfn.app import launcher
 from fsdpfn.app.cli import _resolve
 from fsdpfn.app.recipes.placement import place
 from fsdpfn.app.run_dir import prepare_run_dir
+from fsdpfn.app.servers import start_servers
 
 for recipe in ("sft", "dpo", "rw", "grpo", "ppo"):
     run_dir = Path(sys.argv[1]) / recipe
@@ -30,8 +31,8 @@ for recipe in ("sft", "dpo", "rw", "grpo", "ppo"):
     prepare_run_dir(run_dir, resume=False, overwrite=False)
     launcher._prepare_data(cfg, run_dir, resume=False)
     if recipe in ("grpo", "ppo"):  # a real server starts (and is stopped at once)
-        for server in launcher._start_servers(cfg, run_dir, run_dir / "model0",
-                                              place(cfg, 0, needs_rollout=True)):
+        for server in start_servers(cfg, run_dir, run_dir / "model0",
+                                    place(cfg, 0, needs_rollout=True)):
             server.close()
     (run_dir / "checkpoints").mkdir()
     launcher._summarize(cfg, run_dir, 1.0, 0, False)  # the checkpoint lookup and summary

@@ -88,14 +88,15 @@ def test_env_names_the_launchers_own_gpus(monkeypatch):
 
 def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
     """Each server `fsdpfn run` starts gets a slot per answer of its share of one step
-    (prompts_per_step x group_size over the servers, in multiples of 8, at most 1,024) and, for data files, the positions of the
-    longest prompt plus answer the data allows (its default, half the free GPU memory, took
-    60 GB beside the trainer on one H200 and ran the trainer out of memory)."""
-    from fsdpfn.app.launcher import _server_cmd
+    (prompts_per_step x group_size over the servers, in multiples of 8, at most 1,024) and, for
+    data files, the positions of the longest prompt plus answer the data allows (its default,
+    half the free GPU memory, took 60 GB beside the trainer on one H200 and ran the trainer out
+    of memory)."""
+    from fsdpfn.app.servers import server_cmd
 
     def flags(recipe, *overrides):
         cfg = default_config(recipe, list(overrides))
-        cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 1, needs_rollout=True))
+        cmd = server_cmd(cfg, "m", 0, P.place(cfg, 1, needs_rollout=True))
         return cmd[cmd.index("--parent-pid") + 2:]
 
     assert flags("grpo", "prompts_per_step=3", "advantage.group_size=5") == ["--decode-rows",
@@ -107,7 +108,7 @@ def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
                  "prompts_per_step=16") == ["--decode-rows", "128", "--decode-max-len", "3700"]
     # several servers: each holds its share of the step (the balancer fills them evenly)
     cfg = default_config("grpo", ["prompts_per_step=16", "rollout.servers=3"])
-    cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))
+    cmd = server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))
     assert cmd[cmd.index("--parent-pid") + 2:] == ["--decode-rows", "48"]  # 128 / 3 -> 43 -> 48
 
 
@@ -115,11 +116,11 @@ def test_the_server_waits_for_the_starting_model_only_where_rank_0_writes_it():
     """run_dir/model0 (the embedded model, random_init's config) is written by trainer rank 0
     as it starts, so the server `fsdpfn run` starts waits for its config.json (as long as rank
     0 waits for the server's /health); a user's model.path is there from the start."""
-    from fsdpfn.app.launcher import _server_cmd
+    from fsdpfn.app.servers import server_cmd
 
     def wait(*overrides):
         cfg = default_config("grpo", list(overrides))
-        cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 1, needs_rollout=True))
+        cmd = server_cmd(cfg, "m", 0, P.place(cfg, 1, needs_rollout=True))
         return cmd[cmd.index("--wait-for-model") + 1] if "--wait-for-model" in cmd else None
 
     assert wait() == "300.0"

@@ -21,6 +21,7 @@ import pytest
 import fsdpfn as ff
 from fsdpfn.app import cli
 from fsdpfn.app import launcher as L
+from fsdpfn.app.servers import check_server_gpus
 from fsdpfn.app.recipes import default_config
 from fsdpfn.app.recipes import placement as P
 from fsdpfn.app.recipes.rl import wait_for_servers
@@ -62,7 +63,7 @@ def test_gpus_for_servers_that_run_on_the_cpu_are_refused_at_launch(n_gpus, over
     placement = P.place(cfg, n_gpus, needs_rollout=True)
     assert placement.server_device == "cpu"  # what the launch did with them before: ignored
     with pytest.raises(ConfigError) as info:
-        L._check_server_gpus(cfg, placement, n_gpus)
+        check_server_gpus(cfg, placement, n_gpus)
     gpus = str(list(cfg.rollout.gpus))
     assert str(info.value) == (f"rollout.gpus: GPU indices need the rollout servers on CUDA, "
                                f"and they would run on the CPU ({why}; rollout.servers=N "
@@ -72,7 +73,7 @@ def test_gpus_for_servers_that_run_on_the_cpu_are_refused_at_launch(n_gpus, over
 def test_gpus_on_cuda_servers_still_place_them():
     cfg = default_config("grpo", ["rollout.gpus=[2, 3]"])
     placement = P.place(cfg, 4, needs_rollout=True)
-    L._check_server_gpus(cfg, placement, 4)  # nothing to refuse
+    check_server_gpus(cfg, placement, 4)  # nothing to refuse
     assert placement.server_gpus == (2, 3)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdpfn.app.launcher import _server_cmd
+from fsdpfn.app.servers import server_cmd
 from fsdpfn.app.recipes import default_config
 from fsdpfn.app.recipes import placement as P
 from fsdpfn.errors import ConfigError
@@ -19,7 +19,7 @@ from fsdpfn.rollout.__main__ import parse_args
 def _server(*overrides):
     """The server's parsed command line for a grpo run with these overrides, on the CPU."""
     cfg = default_config("grpo", list(overrides))
-    cmd = _server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))
+    cmd = server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))
     assert cmd[:3] and cmd[2] == "fsdpfn.rollout"
     return parse_args(cmd[3:])
 
