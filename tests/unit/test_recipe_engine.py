@@ -13,11 +13,11 @@ from fsdpfn import serde
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config
 from fsdpfn.app.recipes.engine import OWNED, EngineSection, build_engine, engines
-from fsdpfn.app.recipes import preflight
-from fsdpfn.app.recipes.preflight import (GiB, HEADROOM, ModelShape, check_data, check_disk,
-                                          check_host_memory, host_bytes,
-                                          check_memory, check_positions, check_reward,
-                                          checkpoint_bytes, estimate_memory, run_estimate)
+from fsdpfn.app.recipes import memory, preflight
+from fsdpfn.app.recipes.memory import (GiB, HEADROOM, ModelShape, check_disk, check_host_memory,
+                                       check_memory, checkpoint_bytes, estimate_memory,
+                                       host_bytes, run_estimate)
+from fsdpfn.app.recipes.preflight import check_data, check_positions, check_reward
 
 FILES = ["model.path=/models/x", "data.train_files=[train.jsonl]"]
 
@@ -404,19 +404,19 @@ def test_checkpoint_size_by_hand():
 def test_a_checkpoint_larger_than_the_disk_is_refused_naming_what_fits(monkeypatch, tmp_path):
     cfg = default_config("grpo", GRPO_7B + [f"run_dir={tmp_path / 'run'}"])
     size = 12 * Q7.params
-    monkeypatch.setattr(preflight, "_free_bytes", lambda path: size + 1.0)
+    monkeypatch.setattr(memory, "_free_bytes", lambda path: size + 1.0)
     note = check_disk(cfg, Q7)
     assert note.startswith("checkpoint estimate: 85.1 GiB each") and "keep_last=2" in note
-    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 3 * size)
+    monkeypatch.setattr(memory, "_free_bytes", lambda path: 3 * size)
     assert "keep_last" not in check_disk(cfg, Q7)
-    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 10 * Q7.params)  # 71 GiB
+    monkeypatch.setattr(memory, "_free_bytes", lambda path: 10 * Q7.params)  # 71 GiB
     with pytest.raises(ConfigError) as info:
         check_disk(cfg, Q7)
     msg = str(info.value)
     assert msg.startswith("checkpoint: one checkpoint of this run does not fit its disk, "
                           "checkpoint estimate: 85.1 GiB each, 70.9 GiB free")
     assert "engine.optimizer_dtype=bfloat16 or engine.lora.rank=16 or a run_dir" in msg, msg
-    monkeypatch.setattr(preflight, "_free_bytes", lambda path: 4 * Q7.params)
+    monkeypatch.setattr(memory, "_free_bytes", lambda path: 4 * Q7.params)
     with pytest.raises(ConfigError, match="it would fit with engine.lora.rank=16 or a run_dir"):
         check_disk(cfg, Q7)
 
@@ -478,7 +478,7 @@ def test_host_memory_is_read_from_meminfo():
 def test_free_space_is_read_where_the_run_dir_will_be(tmp_path):
     import shutil
 
-    free = preflight._free_bytes(tmp_path / "not" / "yet" / "made")
+    free = memory._free_bytes(tmp_path / "not" / "yet" / "made")
     assert abs(free - shutil.disk_usage(tmp_path).free) < 2 ** 30
 
 

@@ -18,7 +18,7 @@ def test_committed_page_equals_the_generated_one():
 def test_every_key_has_a_description():
     missing = keys_doc.undescribed()
     assert not missing, (f"describe {missing} with a comment above the field, a docstring "
-                         f"sentence starting with ``key``, or NOTES in keys_doc.py")
+                         f"sentence starting with ``key``, or NOTES in keys_notes.py")
 
 
 def test_every_recipe_and_key_is_on_the_page():

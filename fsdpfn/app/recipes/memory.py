@@ -1,0 +1,375 @@
+"""What a run's state costs in bytes, against the room it has: one trainer GPU's memory, the
+host's memory and the run_dir's disk; a run that does not fit is refused, naming the options
+that would make it fit.
+
+    check_memory(cfg, shape, n_gpus=..., capacity=..., shared=...)  # one trainer GPU
+    check_host_memory(cfg, shape, available=...)                    # state kept on the host
+    check_disk(cfg, shape)                                          # one checkpoint
+
+- one trainer GPU: weights + gradients + optimizer state + activations of every model the
+  recipe builds, plus the rollout server's weights and decode cache when it shares the GPU;
+- the host: where an option keeps state in host memory (the per-layer step's Adam moments,
+  offloaded parameters), that state summed over the host's trainer ranks;
+- the disk: one checkpoint (every trained model's weights and Adam state) against the free
+  space where run_dir will be.
+
+The estimate (``estimate_memory``) is a pure function of the model's shape (``ModelShape``, read
+from its config.json) and the engine options, written out below; it leaves out what is small
+next to these terms (biases, norms' fp32 copies, the CUDA context), and the refusal keeps
+``HEADROOM`` of the device for them. fsdpfn.app.recipes.preflight reads the device's and the
+host's memory and calls these checks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB
+from fsdpfn.errors import ConfigError
+from fsdpfn.app.recipes.engine import engines, longest_row
+
+__all__ = ["ModelShape", "estimate_memory", "run_estimate", "check_memory", "host_bytes",
+           "check_host_memory", "checkpoint_bytes", "check_disk", "HEADROOM", "GiB"]
+
+GiB = 1024 ** 3
+HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
+BYTES = {"float32": 4, "bfloat16": 2}
+
+
+# ---------------------------------------------------------------- the memory estimate
+
+
+@attrs.frozen
+class ModelShape:
+    """What the estimate needs of a decoder-only model's config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "ModelShape":
+        heads = c["num_attention_heads"]
+        return cls(hidden=c["hidden_size"], intermediate=c["intermediate_size"],
+                   layers=c["num_hidden_layers"], vocab=c["vocab_size"], heads=heads,
+                   kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   tied=bool(c.get("tie_word_embeddings", False)))
+
+    @property
+    def layer_params(self) -> int:
+        """q, k, v, o projections, gate/up/down, two norms."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, lm_head (unless tied) and the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    def lora_params(self, lora) -> int:
+        """Adapter parameters: rank x (in + out) for each targeted linear of every layer."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, \
+            self.kv_heads * self.head_dim, self.intermediate
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        names = dims if "all-linear" in lora.target_modules else \
+            [n for n in lora.target_modules if n in dims]
+        return self.layers * sum(lora.rank * sum(dims[n]) for n in names)
+
+    def act_bytes_per_token_layer(self, compute_bytes: int) -> int:
+        """What autograd keeps per token in one layer: the two norms' inputs and outputs (4h),
+        q, k, v and the attention output, gate, up, act(gate) and their product (4i)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return compute_bytes * (4 * self.hidden + 2 * q + 2 * kv + 4 * self.intermediate)
+
+
+@attrs.frozen
+class _Sizes:
+    """What one model of the run costs per parameter, from its engine section: ``master`` (the
+    weights and gradients, optimizer_dtype), ``compute`` (a frozen LoRA base, the compute
+    dtype), ``adam`` (two moments, plus the Kahan compensation with a bf16 state), and its
+    parameter counts: ``trained`` (the adapters with LoRA) and ``weights`` bytes (a LoRA base
+    in the compute dtype plus the adapters in optimizer_dtype)."""
+
+    master: int
+    compute: int
+    adam: int
+    trained: int
+    weights: int
+
+
+def _sizes(shape: ModelShape, section) -> _Sizes:
+    m = BYTES[section.optimizer_dtype]
+    c = BYTES[section.dtype if section.dtype != "auto" else "bfloat16"]
+    adam = 2 * m + (2 if section.optimizer_dtype == "bfloat16" else 0)
+    if section.lora is None:
+        return _Sizes(m, c, adam, shape.params, m * shape.params)
+    trained = shape.lora_params(section.lora)
+    return _Sizes(m, c, adam, trained, c * shape.params + m * trained)
+
+
+def _states(shape: ModelShape, section, n: int, *, train: bool) -> dict[str, float]:
+    """Per-GPU bytes of one model's sharded states (FSDP over n GPUs). Master weights and
+    gradients are in optimizer_dtype; Adam keeps two moments (plus a Kahan compensation buffer
+    in bf16); per_layer_optim_step moves Adam's state to the host (the device holds 1 +
+    optim_step_prefetch_layers layers of it); offload_params moves everything to the host; a
+    LoRA base is frozen in the compute dtype, only the adapters train."""
+    z = _sizes(shape, section)
+    fsdp = section.fsdp
+    if fsdp.offload_params:
+        return {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    if not train:
+        return {"weights": z.master * shape.params / n, "gradients": 0.0, "optimizer": 0.0}
+    optimizer = z.adam * z.trained / n
+    if fsdp.per_layer_optim_step:
+        share = min(1.0, (1 + fsdp.optim_step_prefetch_layers) / shape.layers)
+        optimizer = z.adam * z.trained * share / n
+    return {"weights": z.weights / n, "gradients": z.master * z.trained / n,
+            "optimizer": optimizer}
+
+
+def estimate_memory(shape: ModelShape, section, *, n_gpus: int, tokens: int,
+                    train: bool = True) -> dict[str, float]:
+    """Bytes on one GPU for one model: its sharded states (_states), the layers FSDP gathers
+    (two layers and the root in the compute dtype, one layer's float32 gradient before its
+    reduce-scatter) and the activations of a micro-batch of ``tokens`` tokens: every layer's
+    saved tensors, or with gradient_checkpointing each layer's input plus one layer's saved
+    tensors, and the log-prob head's float32 logits (three copies of a chunk of
+    logprobs_chunk_size tokens x vocab). ``train=False``: a forward without autograd (one
+    layer's tensors at a time)."""
+    c = _sizes(shape, section).compute
+    out = _states(shape, section, n_gpus, train=train)
+    gathered = c * (2 * shape.layer_params + shape.root_params)
+    out["gathered"] = gathered + (4 * shape.layer_params if train else 0)
+    per_layer = shape.act_bytes_per_token_layer(c)
+    if not train:
+        layers = per_layer
+    elif section.gradient_checkpointing:
+        layers = shape.layers * c * shape.hidden + per_layer
+    else:
+        layers = shape.layers * per_layer
+    chunk = min(tokens, section.logprobs_chunk_size)
+    out["activations"] = tokens * layers + 3 * 4 * chunk * shape.vocab
+    out["total"] = sum(out.values())
+    return out
+
+
+def _tokens(cfg, section, n_gpus: int) -> int:
+    """Tokens of the largest micro-batch on one GPU: the budget (automatic: the default), at
+    most what one optimizer minibatch holds per data-parallel rank, at least the longest row
+    (which goes alone), per cp rank."""
+    row = longest_row(cfg)[0]
+    rows = {"grpo": lambda: cfg.prompts_per_step * cfg.advantage.group_size
+            // cfg.ppo.n_minibatches,
+            "ppo": lambda: cfg.prompts_per_step // cfg.ppo.n_minibatches,
+            "sft": lambda: cfg.batch_size,
+            "rw": lambda: 2 * cfg.pairs_per_step, "dpo": lambda: 2 * cfg.pairs_per_step}
+    budget = section.mb_spec.max_tokens_per_mb or DEFAULT_MAX_TOKENS_PER_MB
+    cp = cfg.parallel.cp
+    dp = max(1, n_gpus // (cp * cfg.parallel.tp))
+    per_dp_rank = -(-max(1, rows[cfg.recipe]()) // dp) * row
+    return -(-max(row, min(budget * cp, per_dp_rank)) // cp)
+
+
+def _server_bytes(cfg, shape: ModelShape) -> float:
+    """The rollout server on a shared GPU: bf16 weights and its decode cache (slots x
+    positions x layers x k and v), sized as the launcher sizes it."""
+    rows = min(1024, max(8, -(-cfg.prompts_per_step * cfg.advantage.group_size // 8) * 8))
+    positions = longest_row(cfg)[0] if cfg.data.from_files else 2048
+    kv = rows * positions * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
+    return 2 * shape.params + kv
+
+
+def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[str, float]:
+    """Per-GPU bytes of the whole run: every model's states, the largest gathered layers and
+    activations among them (models run one after another), and the server when it shares."""
+    states, peak = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}, 0.0
+    for name, section in engines(cfg).items():
+        est = estimate_memory(shape, section, n_gpus=n_gpus, tokens=_tokens(cfg, section, n_gpus),
+                              train=name != "ref_engine")
+        for k in states:
+            states[k] += est[k]
+        peak = max(peak, est["gathered"] + est["activations"])
+    out = {**states, "gathered + activations": peak}
+    if shared:
+        out["rollout server"] = _server_bytes(cfg, shape)
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---------------------------------------------------------------- host memory
+
+
+def host_bytes(cfg, shape: ModelShape) -> dict[str, float]:
+    """Bytes the run keeps in the host's memory, over all its trainer ranks (one host): the
+    per-layer step's Adam state (pinned; the device holds a few layers of it at a time) and
+    offload_params' weights, gradients and Adam state (pinned; the optimizer steps on the
+    host). What each rank reads or stages in passing (a safetensors tensor, a push bucket) is
+    small next to these and left out."""
+    out = {"optimizer state": 0.0, "offloaded weights and gradients": 0.0}
+    for name, section in engines(cfg).items():
+        train = name != "ref_engine"
+        z = _sizes(shape, section)
+        if section.fsdp.offload_params:
+            out["offloaded weights and gradients"] += z.weights + (
+                z.master * z.trained if train else 0)
+            out["optimizer state"] += z.adam * z.trained if train else 0
+        elif train and section.fsdp.per_layer_optim_step:
+            out["optimizer state"] += z.adam * z.trained
+    return out
+
+
+def check_host_memory(cfg, shape: ModelShape, *, available: float | None) -> str | None:
+    """host_bytes against the host's available memory: None when the run keeps nothing there
+    (or the host's memory is unknown), a note when it fits, else a ConfigError naming what
+    would make it fit."""
+    est = host_bytes(cfg, shape)
+    total = sum(est.values())
+    if not total or available is None:
+        return None
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est.items() if v)
+    line = (f"host memory estimate: {total / GiB:.1f} GiB of {available / GiB:.1f} GiB "
+            f"available ({parts})")
+    if total <= HEADROOM * available:
+        return line
+    fixes = [name for name, fix in _smaller_state(cfg)
+             if sum(host_bytes(fix, shape).values()) <= HEADROOM * available]
+    hint = " or ".join(fixes + ["a host with more memory"])
+    raise ConfigError(f"engine: the run's host-side state does not fit this host's memory, "
+                      f"{line}, more than {HEADROOM:.0%} of it; it would fit with {hint}")
+
+
+# ---------------------------------------------------------------- disk
+
+
+def checkpoint_bytes(cfg, shape: ModelShape) -> float:
+    """Bytes of one checkpoint of the run: every trained model's weights in its optimizer_dtype
+    (a LoRA state: its adapters alone) and its Adam state (two moments, plus the Kahan
+    compensation in bf16). The reference model is not saved."""
+    total = 0.0
+    for name, section in engines(cfg).items():
+        if name == "ref_engine":
+            continue
+        z = _sizes(shape, section)
+        total += (z.master + z.adam) * z.trained
+    return total
+
+
+def _free_bytes(path: Path) -> float:
+    """Free bytes of the filesystem that holds ``path`` (its nearest existing parent)."""
+    import shutil
+
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return float(shutil.disk_usage(path).free)
+
+
+def check_disk(cfg, shape: ModelShape) -> str:
+    """One checkpoint against the run_dir's free space: a note when it fits (and a warning when
+    ``keep_last`` + 1 of them would not: the newest is written before the oldest goes), else a
+    ConfigError naming what would make it fit."""
+    size, free = checkpoint_bytes(cfg, shape), _free_bytes(Path(cfg.run_dir))
+    keep = cfg.checkpoint.keep_last + 1
+    line = (f"checkpoint estimate: {size / GiB:.1f} GiB each, {free / GiB:.1f} GiB free at "
+            f"{cfg.run_dir}")
+    if size <= free:
+        if keep * size > free:
+            line += (f" (not enough for checkpoint.keep_last={cfg.checkpoint.keep_last} plus "
+                     f"the one being written: old ones must go before the disk fills)")
+        return line
+    fixes = [name for name, fix in _smaller_state(cfg) if checkpoint_bytes(fix, shape) <= free]
+    hint = " or ".join(fixes + ["a run_dir on a disk with more room"])
+    raise ConfigError(f"checkpoint: one checkpoint of this run does not fit its disk, {line}; "
+                      f"it would fit with {hint}")
+
+
+# ---------------------------------------------------------------- the refusal
+
+
+def _policy(cfg, **changes):
+    """``cfg`` with a fix of the policy's engine (the critic and the reference inherit it)."""
+    section = cfg.engine
+    if "fsdp" in changes:
+        changes["fsdp"] = attrs.evolve(section.fsdp, **changes["fsdp"])
+    return attrs.evolve(cfg, engine=attrs.evolve(section, **changes))
+
+
+def _ref_offload(cfg):
+    if "ref_engine" not in engines(cfg):
+        return None
+    over = {**cfg.ref_engine, "fsdp": {**cfg.ref_engine.get("fsdp", {}), "offload_params": True}}
+    return attrs.evolve(cfg, ref_engine=over)
+
+
+def _lora(cfg):
+    from fsdpfn.config import LoRAConfig
+
+    return attrs.evolve(cfg, engine=attrs.evolve(cfg.engine, lora=LoRAConfig(rank=16)),
+                        ref_engine={})
+
+
+def _smaller_state(cfg) -> tuple:
+    """(option, cfg with it) of the options that shrink the state a run saves and keeps on the
+    host: the bf16 state, LoRA (what check_disk and check_host_memory offer)."""
+    return (("engine.optimizer_dtype=bfloat16", _policy(cfg, optimizer_dtype="bfloat16")),
+            ("engine.lora.rank=16", _lora(cfg)))
+
+
+# what would make a run fit, in the order a user would try them
+FIXES = {
+    "engine.fsdp.per_layer_optim_step=true": lambda c: _policy(
+        c, fsdp={"per_layer_optim_step": True}),
+    "engine.optimizer_dtype=bfloat16": lambda c: _policy(c, optimizer_dtype="bfloat16"),
+    "engine.gradient_checkpointing=true": lambda c: _policy(c, gradient_checkpointing=True),
+    "ref_engine.fsdp.offload_params=true": _ref_offload,
+    "engine.lora.rank=16": _lora,
+}
+
+
+def _fits(cfg, shape, n_gpus, capacity, shared) -> bool:
+    if cfg is None:
+        return False
+    return run_estimate(cfg, shape, n_gpus=n_gpus, shared=shared)["total"] <= HEADROOM * capacity
+
+
+def _all_fixes(cfg):
+    for name in list(FIXES)[:4]:
+        cfg = FIXES[name](cfg) or cfg
+    return cfg
+
+
+def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
+                 shared: bool = False) -> str:
+    """The estimate against ``capacity`` bytes per GPU: a note when it fits, else a ConfigError
+    naming the options (each alone, else the first four together, or more GPUs) that would."""
+    est = run_estimate(cfg, shape, n_gpus=n_gpus, shared=shared)
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est.items() if k != "total" and v)
+    line = (f"memory estimate per GPU: {est['total'] / GiB:.1f} GiB of {capacity / GiB:.1f} "
+            f"GiB ({parts})")
+    if est["total"] <= HEADROOM * capacity:
+        return line
+    fixes = [name for name, fix in FIXES.items() if _fits(fix(cfg), shape, n_gpus, capacity,
+                                                          shared)]
+    if not fixes and _fits(_all_fixes(cfg), shape, n_gpus, capacity, shared):
+        fixes = ["those of " + ", ".join(list(FIXES)[:4]) + " together"]
+    more = next((k * n_gpus for k in (2, 4, 8)
+                 if _fits(cfg, shape, k * n_gpus, capacity, shared)), None)
+    if more is not None:
+        fixes.append(f"{more} trainer GPUs (launch.nproc)")
+    hint = ("; it would fit with " + " or ".join(fixes)) if fixes else \
+        "; no option makes it fit: use a smaller model or more GPUs"
+    raise ConfigError(f"engine: the run does not fit one GPU, {line}, more than "
+                      f"{HEADROOM:.0%} of the device{hint}")
