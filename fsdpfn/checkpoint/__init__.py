@@ -88,9 +88,10 @@ warning naming it and why. The recipes resume from it.
 
 The package, by stage: ``files`` (layout, file-system helpers, atomic publication,
 ``latest_checkpoint``; the standard library only), ``dcp`` (DCP's options and errors, the
-collective helpers), ``save`` (manifest, RNG, ``save_checkpoint``, ``AsyncSave``), ``load``
-(``load_checkpoint``), ``intact`` (``check_checkpoint``, ``latest_intact_checkpoint``) and
-``export`` (``export_hf``).
+collective helpers), ``save`` (manifest, RNG, ``save_checkpoint`` and its publication),
+``save_async`` (``AsyncSave``: the background write of an asynchronous save and the process
+groups it owns), ``load`` (``load_checkpoint``), ``intact`` (``check_checkpoint``,
+``latest_intact_checkpoint``) and ``export`` (``export_hf``).
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ _SOURCES = {
                      "_side_path", "latest_checkpoint"), "fsdpfn.checkpoint.files"),
     **dict.fromkeys(("check_checkpoint", "latest_intact_checkpoint"), "fsdpfn.checkpoint.intact"),
     **dict.fromkeys(("_check_files", "_resolve", "load_checkpoint"), "fsdpfn.checkpoint.load"),
-    **dict.fromkeys(("AsyncSave", "_check_extra", "_check_save_args", "_to_save",
-                     "save_checkpoint"), "fsdpfn.checkpoint.save"),
+    **dict.fromkeys(("_check_extra", "_check_save_args", "_to_save", "save_checkpoint"),
+                    "fsdpfn.checkpoint.save"),
+    "AsyncSave": "fsdpfn.checkpoint.save_async",
 }
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint",
