@@ -121,3 +121,11 @@ def test_only_the_served_engine_touches_its_private_fields():
                 if name == "engine":
                     wrong.append(f"{path.name}:{node.lineno}: engine.{node.attr}")
     assert not wrong, wrong
+
+
+def test_no_module_is_over_500_lines():
+    """docs/architecture.md's rule: a module that grows past 500 lines holds more than one
+    concern, and is cut by concern (each part owning its state) before it lands."""
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
