@@ -84,9 +84,12 @@ def _remote_error(where: int, module: str, name: str, message: str,
     if etype is None and foreign is not None:
         return foreign(where, name, message)
     etype = etype or _error_type(builtins if module == "builtins" else None, name)
-    if etype is None:
-        return RuntimeError(f"(raised on rank {where}) {name}: {message}")
-    return etype(f"(raised on rank {where}) {message}")
+    try:  # a type whose constructor takes more than a message (UnicodeDecodeError) falls back
+        if etype is not None:
+            return etype(f"(raised on rank {where}) {message}")
+    except TypeError:
+        pass
+    return RuntimeError(f"(raised on rank {where}) {name}: {message}")
 
 
 def _error_type(module, name: str) -> type[BaseException] | None:
@@ -97,8 +100,10 @@ def _error_type(module, name: str) -> type[BaseException] | None:
 def agree_on_error(mesh, exc: BaseException | None) -> None:
     """Collective verdict: if any rank has an error, every rank raises (no rank is left waiting).
 
-    Ranks with their own error raise it; the others raise the same type naming the failing rank.
-    With ``mesh`` (a fsdpfn Mesh) None the verdict is local (``exc`` is raised if given)."""
+    Ranks with their own error raise it; the others raise it naming the failing rank, in its
+    type when that is fsdpfn's or a builtin one, else as a RuntimeError naming the type
+    (verdict). With ``mesh`` (a fsdpfn Mesh) None the verdict is local (``exc`` is raised if
+    given)."""
     if mesh is None:
         _raise_local(exc)
         return

@@ -198,6 +198,8 @@ def verdicts() -> dict:
                 None, LocalError("odd rank's own") if odd else None)),
             "builtin": _outcome(lambda: verdict(KeyError("k") if odd else None)),
             "ours": _outcome(lambda: verdict(ff.BatchError("b") if odd else None)),
+            "unicode": _outcome(lambda: verdict(
+                UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad") if odd else None)),
             "values": verdict(None, {"n": 2 if odd else 1, "same": [1, 2]}),
             "equal": verdict(None, {"n": 1, "set": {f"k{i}" for i in range(9)}})}
 
@@ -205,7 +207,8 @@ def verdicts() -> dict:
 @pytest.mark.timeout(120)
 def test_a_verdict_carries_any_error_type_and_every_differing_value(spmd2):
     """An error whose class does not pickle still reaches the other rank (as a RuntimeError
-    naming it) instead of leaving it waiting; a builtin or fsdpfn error keeps its type; values
+    naming it) instead of leaving it waiting; a builtin or fsdpfn error keeps its type (unless
+    its constructor takes more than a message); values
     that differ come back from every rank, in rank order; equal ones (a set in each process's
     hash order) are no verdict at all."""
     results = spmd2.run(verdicts, timeout=90)
@@ -214,6 +217,9 @@ def test_a_verdict_carries_any_error_type_and_every_differing_value(spmd2):
     assert results[0]["local"][1].startswith("(raised on rank 1) ")
     assert "LocalError: odd rank's own" in results[0]["local"][1]
     assert [r["builtin"][0] for r in results] == ["KeyError", "KeyError"]
+    # a builtin type whose constructor takes more than a message: named in a RuntimeError
+    assert [r["unicode"][0] for r in results] == ["RuntimeError", "UnicodeDecodeError"]
+    assert "UnicodeDecodeError: 'utf-8' codec" in results[0]["unicode"][1]
     assert [r["ours"] for r in results] == [("BatchError", "(raised on rank 1) b"),
                                             ("BatchError", "b")]
     for r in results:
