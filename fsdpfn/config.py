@@ -373,6 +373,9 @@ def _check_ppo_behav(c: PPOConfig) -> None:
         if c.behav_level != "token":
             raise ConfigError(f"behav_level: needs behav_correction 'tis' or 'mis' (an untruncated "
                               f"sequence weight has unbounded variance), got {c.behav_level!r}")
+        if c.behav_cap is not None and not c.use_behav_logp:
+            raise ConfigError(f"use_behav_logp: must be True with behav_cap={c.behav_cap!r} (the "
+                              f"cap truncates the behav_logp weights it turns off), got False")
         return
     if c.behav_cap is not None:
         raise ConfigError(f"behav_cap: must be None with behav_correction={c.behav_correction!r} "

@@ -356,6 +356,7 @@ def test_bad_arguments_name_the_argument_rule_and_value():
     (dict(behav_high=2.0), r"behav_high: needs behav_correction.*2\.0"),
     (dict(behav_correction="tis", behav_cap=2.0), r"behav_cap: must be None.*'tis'.*2\.0"),
     (dict(behav_correction="mis", use_behav_logp=False), r"use_behav_logp: must be True.*False"),
+    (dict(behav_cap=2.0, use_behav_logp=False), r"use_behav_logp: must be True.*behav_cap=2\.0"),
     (dict(behav_correction="mis", behav_low=3.0), r"behav_low: must be < behav_high \(2\.0\).*3\.0"),
     (dict(behav_correction="sis"), r"behav_correction: must be one of.*'sis'"),
     (dict(policy_loss="cispo", dual_clip=3.0), r"dual_clip: must be None.*cispo.*3\.0"),
