@@ -42,6 +42,10 @@ from fsdpfn.wire.protocol import combine_checksums, dtype_from_name, dtype_name,
 
 __all__ = ["RolloutEngine", "UpdateError", "SamplingParams"]
 
+# rows one request may ask for: every row is built before the first token (HF generate pads
+# them into one batch), so a request of 10**9 rows would take the server's memory down
+MAX_REQUEST_ROWS = 65_536
+
 
 def _attention_for(model_path: str) -> str:
     """HF's SDPA attention, or its eager one for a family transformers refuses SDPA for, and
@@ -261,6 +265,10 @@ class RolloutEngine:
         float32), for packing them as bytes without lists in between (the server's packed
         answer, fsdpfn/rollout/packing.py); HF generate's are lists either way."""
         prompts = self._check_ids(input_ids, "input_ids")
+        if len(prompts) * sampling.n > MAX_REQUEST_ROWS:  # before any row is built
+            raise UpdateError(f"sampling_params.n: a request's rows (prompts x n) must be <= "
+                              f"{MAX_REQUEST_ROWS}, got {len(prompts)} x {sampling.n}; send "
+                              f"the prompts in several requests")
         beyond = [t for t in sampling.stop_token_ids
                   if t >= self.vocab_size and t not in self.eos_ids]
         if beyond:  # an id the model cannot sample never stops a row

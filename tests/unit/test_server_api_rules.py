@@ -244,6 +244,25 @@ def test_the_largest_seed_draws_and_a_generate_seed_past_it_is_named(server):
 
 
 @pytest.mark.timeout(60)
+def test_a_request_of_more_rows_than_the_cap_is_refused_before_any_row_is_built(server):
+    """prompts x n past the cap is a 400 naming n on both faces, answered at once (a billion
+    rows would otherwise be built before the first token, taking the server's memory down);
+    the server serves the next request."""
+    from fsdpfn.rollout.engine import MAX_REQUEST_ROWS
+
+    status, out = _post(server, "/generate", {"input_ids": [[1, 2], [3, 4]], "sampling_params": {
+        "max_new_tokens": 2, "n": 10 ** 9}})
+    assert status == 400 and "sampling_params.n" in out["message"], out
+    assert f"<= {MAX_REQUEST_ROWS}, got 2 x {10 ** 9}" in out["message"], out
+    status, out = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                    "n": MAX_REQUEST_ROWS + 1})
+    assert status == 400 and out["error"]["param"] == "n", out
+    status, out = _post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 2, "n": 2}})
+    assert status == 200 and len(out) == 2, out
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("path, body, named", [
     ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"],
                                           "shapes": [[1]], "group_name": "nobody"},
