@@ -237,6 +237,11 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                                  _construct_unique_mapping)
+# a date is read as the text written (YAML 1.2's core schema has no timestamps): a run_dir or a
+# model directory named 2024-01-01 is a path, and no config field holds a date
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
 def _one_line(text: str) -> str:
@@ -301,8 +306,23 @@ def read_config_file(path: str | Path) -> Any:
 # ---------------------------------------------------------------- overrides and files
 
 
+def _check_plain(value: Any, path: str) -> None:
+    """ConfigError naming the first value that is not plain data (strings, numbers, bools,
+    null, lists, mappings): what an explicit YAML tag makes (!!binary, !!set, !!timestamp)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{path}[{i}]")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise ConfigError(f"{path or 'config'}: must be a string, number, bool, null, list or "
+                          f"mapping, got {type(value).__name__} {_one_line(repr(value))[:80]}")
+
+
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Return a copy of ``data`` with dotted ``key.sub=value`` overrides (values parsed as YAML)."""
+    _check_plain(data, "")
     out = json.loads(json.dumps(data))
     for item in overrides:
         if "=" not in item:
@@ -320,7 +340,9 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
                 raise ConfigError(f"override: {'.'.join(parts[:depth + 1])} is not a mapping, "
                                   f"got {child!r}")
             node = child
-        node[parts[-1]] = load_yaml(raw, what=f"override {item!r}")
+        value = load_yaml(raw, what=f"override {item!r}")
+        _check_plain(value, ".".join(parts))
+        node[parts[-1]] = value
     return out
 
 

@@ -94,28 +94,34 @@ def test_resume_with_overwrite_is_refused_and_the_run_dir_is_kept(tmp_path, comm
 
 @pytest.mark.timeout(150)
 def test_a_rank_failure_is_one_line_with_the_log_path(tmp_path):
-    """A typed error raised inside the trainer rank (a wrap policy naming no module class of
-    the model: known once the model is built) reaches the terminal as one line that names the
-    YAML key (`engine.fsdp.wrap_policy`, where the engine's own error says `fsdp.wrap_policy`);
-    the traceback and the launcher's line on the failed rank are in trainer.log."""
+    """A typed error raised inside the trainer rank (a model directory whose config.json says
+    one shape and whose weights hold another: known once the rank loads the weights, past every
+    check the launcher makes) reaches the terminal as one line that names the YAML key
+    (`model.path`); the traceback and the launcher's line on the failed rank are in
+    trainer.log."""
+    from fsdpfn.testing import write_tiny_hf_dir
+
+    model = write_tiny_hf_dir(tmp_path / "m", texts=["1+2=3"], seed=0)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] *= 2  # the weights keep the size they were saved with
+    (model / "config.json").write_text(json.dumps(config))
     run_dir = tmp_path / "r"
     proc = _fsdpfn("run", EXAMPLES / "sft.yaml", f"run_dir={run_dir}", "launch.nproc=1",
-                   "steps=2", "engine.fsdp.wrap_policy=[NopeLayer]", timeout=140)
+                   "steps=2", f"model.path={model}", timeout=140)
     assert proc.returncode not in (0, 2), proc.stderr
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
     log = run_dir / "trainer.log"
-    assert lines[0].startswith("fsdpfn: error: ConfigError: engine.fsdp.wrap_policy: must name "
-                               "module classes of the model")
+    assert lines[0].startswith("fsdpfn: error: ConfigError: model.path: weight "
+                               "'model.layers.0.mlp.gate_proj.weight' must have shape")
     assert lines[0].endswith(f"(trace in {log})"), lines[0]
     for noise in ("Traceback", "ChildFailedError", "torch.distributed", "===="):
         assert noise not in proc.stderr, proc.stderr
     text = log.read_text()
-    assert "Traceback" in text and "NopeLayer" in text
+    assert "Traceback" in text and "gate_proj" in text
     assert "[fsdpfn] trainer rank 0 exited with status 1\n" in text
     state = json.loads((run_dir / "run_state.json").read_text())
-    assert state["status"] == "failed" and state["error"].startswith(
-        "ConfigError: engine.fsdp.wrap_policy")
+    assert state["status"] == "failed" and state["error"].startswith("ConfigError: model.path")
 
 
 @pytest.mark.timeout(120)

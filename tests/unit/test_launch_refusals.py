@@ -20,7 +20,8 @@ CPU = ["launch.device=cpu", "log.progress=false"]
 
 
 @pytest.mark.parametrize("recipe,overrides,line", [
-    ("grpo", ["model.num_heads=3", "model.num_kv_heads=1", "parallel.tp=2", "launch.nproc=2"],
+    ("grpo", ["model.num_heads=3", "model.hidden_size=96", "model.num_kv_heads=1",
+              "parallel.tp=2", "launch.nproc=2"],
      "parallel.tp: must divide the model's num_attention_heads (3, model.num_heads), got tp=2"),
     ("grpo", ["model.num_heads=8", "model.num_kv_heads=3"],
      "model.num_kv_heads: the attention heads must be a whole number of kv heads each, got 8 "
@@ -46,6 +47,23 @@ CPU = ["launch.device=cpu", "log.progress=false"]
     ("grpo", [f"rollout.workflow={EXAMPLES}:check_and_retry", "advantage.reward_scale=3.0"],
      "advantage.reward_scale: not applied to workflow episodes (their advantages are the group "
      "statistics alone), got 3.0; use ppo.kl_coef for a KL term"),
+    # shard_model's rule, once met only inside the started ranks
+    ("sft", ["engine.fsdp.wrap_policy=[NoSuchLayer]"],
+     "engine.fsdp.wrap_policy: must name module classes of the model (e.g. "
+     "['Qwen2DecoderLayer']), got ['NoSuchLayer']"),
+    ("grpo", ["ref_engine.fsdp.wrap_policy=[Qwen2DecoderLayer, Nope]"],
+     "ref_engine.fsdp.wrap_policy: must name module classes of the model (e.g. "
+     "['Qwen2DecoderLayer']), got ['Nope']"),
+    # a head size the rotary embedding cannot turn: the first forward failed deep inside
+    ("sft", ["model.hidden_size=24"],
+     "model.hidden_size: must be num_heads (8) x an even head size (the rotary embedding turns "
+     "pairs of a head's dimensions), got 24"),
+    ("sft", ["parallel.cp=3"],
+     "parallel.cp: tp x cp = 1 x 3 = 3 must divide the 2 trainer ranks (launch.nproc), got "
+     "cp=3"),
+    ("sft", ["recipe=dpo"],
+     "recipe: is the recipe named on the command line ('sft'); run 'fsdpfn run dpo' for "
+     "another, got 'dpo'"),
 ])
 def test_what_a_rank_would_refuse_is_one_line_before_launch(tmp_path, capsys, recipe,
                                                              overrides, line):
@@ -128,6 +146,14 @@ def test_push_keys_the_recipe_owns_or_bad_values_are_refused_by_name(override, l
      "is set, got 64"),
     ("sft", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "task.digits=3"],
      "task.digits: applies to the embedded task only, and data.train_files is set, got 3"),
+    ("grpo", ["data.max_response_tokens=100000"],
+     "data.max_response_tokens: applies to data files only, and data.train_files is not set "
+     "(the embedded task reads task:), got 100000"),
+    ("sft", ["data.eval_files=[/etc/hostname]"],
+     "data.eval_files: applies to data files only, and data.train_files is not set (the "
+     "embedded task reads task:), got ('/etc/hostname',)"),
+    ("ppo", ["data.eval_size=3"],
+     "data.eval_size: applies to sft, rw and dpo (ppo evaluates eval.n_prompts prompts), got 3"),
 ])
 def test_keys_that_would_have_no_effect_are_refused_by_name(recipe, overrides, line):
     """Keys for the other kind of model, data or loop were accepted and silently unused."""
@@ -194,3 +220,48 @@ def test_an_objectives_options_are_keyword_only():
     with pytest.raises(TypeError):
         ff.Objective(lambda outputs, mb, ctx: None, "sequences")
     assert ff.Objective(lambda outputs, mb, ctx: None, normalizer="sequences").why == {}
+
+
+def test_launch_gpus_on_a_cpu_trainer_is_refused_not_ignored():
+    """rollout.gpus where it cannot apply was refused; launch.gpus placed nothing, silently."""
+    from fsdpfn.app.recipes.placement import place
+
+    cfg = default_config("sft", ["launch.gpus=[0]"])
+    with pytest.raises(ConfigError) as info:
+        place(cfg, 0, needs_rollout=False)
+    assert str(info.value) == ("launch.gpus: places trainer ranks on CUDA GPUs, and this run's "
+                               "trainer is on the CPU (this host has none), got [0]")
+    cfg = default_config("sft", ["launch.gpus=[0]", "launch.device=cpu"])
+    with pytest.raises(ConfigError, match=r"\(launch.device is 'cpu'\), got \[0\]$"):
+        place(cfg, 2, needs_rollout=False)
+
+
+@pytest.mark.parametrize("text, line", [
+    ("run_dir: !!binary aGVsbG8=\n",
+     "run_dir: must be a string, number, bool, null, list or mapping, got bytes b'hello'"),
+    ("log: {tags: !!set {a, b}}\n", "log.tags: must be a string, number, bool, null, list or "
+                                    "mapping, got set "),
+    ("data: {train_files: [!!timestamp 2024-01-01]}\n", "data.train_files[0]: must be a string, "
+                                                         "number, bool, null, list or mapping, "
+                                                         "got date datetime.date(2024, 1, 1)"),
+])
+def test_a_yaml_value_of_no_plain_type_is_one_line(tmp_path, capsys, text, line):
+    """Explicit YAML tags made values that JSON cannot hold: a traceback from inside the
+    override step, exit 1."""
+    path = tmp_path / "c.yaml"
+    path.write_text("recipe: sft\n" + text)
+    rc = cli.main(["config", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"fsdpfn: error: {line}") and err.count("\n") == 1, err
+
+
+def test_a_date_written_in_yaml_is_the_text_written(tmp_path):
+    """No config field holds a date: a run_dir or model directory named 2024-01-01 is a path
+    (YAML 1.1's implicit timestamps made it a datetime.date, and a traceback)."""
+    from fsdpfn.app.recipes import load_recipe_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("recipe: sft\nrun_dir: 2024-01-01\nlog: {wandb: {name: 2024-01-01 10:00}}\n")
+    cfg = load_recipe_config(path, ["model.path=2025-02-03"])
+    assert (cfg.run_dir, cfg.model.path, cfg.log.wandb.name) == ("2024-01-01", "2025-02-03",
+                                                               "2024-01-01 10:00")

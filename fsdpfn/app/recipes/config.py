@@ -162,6 +162,13 @@ def _check_rl_data(cfg) -> None:
     _check_model_data(cfg)
 
 
+# the data: keys that only data files read (data.eval_size holds the embedded task's held-out
+# rows too)
+FILES_ONLY = ("eval_files", "prompt_key", "answer_key", "messages_key", "response_key",
+              "chosen_key", "rejected_key", "chat_template", "system_prompt", "max_prompt_tokens",
+              "max_response_tokens", "shuffle")
+
+
 def _check_model_data(cfg) -> None:
     check_recipe_engines(cfg)
     default = type(cfg).DEFAULTS.get("task")
@@ -170,6 +177,16 @@ def _check_model_data(cfg) -> None:
                     if getattr(cfg.task, a.name) != getattr(default, a.name))
         raise ConfigError(f"task.{name}: applies to the embedded task only, and "
                           f"data.train_files is set, got {getattr(cfg.task, name)!r}")
+    if not cfg.data.from_files:
+        plain = DataConfig()
+        name = next((n for n in FILES_ONLY if getattr(cfg.data, n) != getattr(plain, n)), None)
+        if name is not None:
+            raise ConfigError(f"data.{name}: applies to data files only, and data.train_files "
+                              f"is not set (the embedded task reads task:), got "
+                              f"{getattr(cfg.data, name)!r}")
+    if cfg.recipe in ("grpo", "ppo") and cfg.data.eval_size is not None:
+        raise ConfigError(f"data.eval_size: applies to sft, rw and dpo ({cfg.recipe} evaluates "
+                          f"eval.n_prompts prompts), got {cfg.data.eval_size!r}")
     if cfg.data.from_files and cfg.model.embedded:
         raise ConfigError("model.path: data files need the model's own tokenizer; set "
                           "model.path to an HF model directory, got None (the embedded "

@@ -82,7 +82,8 @@ _key = satisfies("must be a column name", is_nonempty_str, section="data.")
 
 @attrs.frozen
 class DataConfig:
-    """Local data files; none: the embedded addition task (``task:``). See the module doc."""
+    """Local data files; none: the embedded addition task (``task:``). See the module doc.
+    Without ``train_files`` the other keys but ``eval_size`` are refused, never ignored."""
 
     train_files: tuple[str, ...] = attrs.field(default=(), converter=_files, validator=_file_list)
     eval_files: tuple[str, ...] = attrs.field(default=(), converter=_files, validator=_file_list)

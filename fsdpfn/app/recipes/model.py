@@ -67,6 +67,11 @@ class ModelConfig:
             if self.random_init:
                 fail("random_init", "must be false without model.path (the embedded model is "
                      "always built fresh, under model.seed)", self.random_init)
+            head, rest = divmod(self.hidden_size, self.num_heads)
+            if rest or head % 2:
+                fail("hidden_size", f"must be num_heads ({self.num_heads}) x an even head size "
+                     f"(the rotary embedding turns pairs of a head's dimensions)",
+                     self.hidden_size)
             return
         for a in attrs.fields(type(self)):
             if a.name not in ("path", "random_init") and getattr(self, a.name) != a.default:

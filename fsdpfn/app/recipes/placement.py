@@ -135,6 +135,10 @@ def place(cfg, n_gpus: int, *, needs_rollout: bool) -> Placement:
                               f"{len(trainer_gpus)} ({list(trainer_gpus)}), got {nproc}")
         trainer_gpus = trainer_gpus[:nproc]
     else:
+        if launch.gpus is not None:
+            why = "this host has none" if n_gpus == 0 else "launch.device is 'cpu'"
+            raise ConfigError(f"launch.gpus: places trainer ranks on CUDA GPUs, and this run's "
+                              f"trainer is on the CPU ({why}), got {list(launch.gpus)}")
         nproc = launch.nproc or 2
     _check_layout(cfg, nproc)
     shared = bool(set(trainer_gpus) & set(server_gpus))
@@ -189,8 +193,10 @@ def _check_layout(cfg, nproc: int) -> None:
     inner = p.tp * p.cp
     if p.dp == -1:
         if nproc % inner:
-            raise ConfigError(f"parallel.tp: tp x cp = {p.tp} x {p.cp} = {inner} must divide "
-                              f"the {nproc} trainer ranks (launch.nproc), got tp={p.tp}")
+            key = "cp" if p.tp == 1 else "tp"  # the one the user set (both: tp)
+            raise ConfigError(f"parallel.{key}: tp x cp = {p.tp} x {p.cp} = {inner} must divide "
+                              f"the {nproc} trainer ranks (launch.nproc), got {key}="
+                              f"{getattr(p, key)}")
     elif p.dp * inner != nproc:
         raise ConfigError(f"parallel.dp: dp x cp x tp = {p.dp} x {p.cp} x {p.tp} = "
                           f"{p.dp * inner} must equal the {nproc} trainer ranks (launch.nproc), "

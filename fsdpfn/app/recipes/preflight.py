@@ -10,7 +10,7 @@
   budget and cp were checked with the config: fsdpfn.app.recipes.engine.check_budget);
 - tp divides the model's heads, and a step has work for every data-parallel rank
   (fsdpfn.app.recipes.placement.check_parallel); engine.lora.target_modules name linear layers
-  of the model's decoder layers;
+  of the model's decoder layers, and a wrap_policy module classes of the model;
 - the run's size against the room it has (fsdpfn.app.recipes.memory): one checkpoint against
   the run_dir's free disk space; on a GPU host, an estimate of one trainer GPU's memory against
   the device's (read here, from nvidia-smi) and the state an option keeps in host memory
@@ -32,7 +32,7 @@ from fsdpfn.app.recipes.placement import check_parallel
 from fsdpfn.engine.host import available_host_memory
 
 __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
-           "check_lora_targets", "model_config"]
+           "check_lora_targets", "check_wrap_policy", "model_config"]
 
 
 def preflight(cfg, placement, *, data: bool = True) -> list[str]:
@@ -47,6 +47,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     check_positions(cfg, hf)
     check_parallel(cfg, placement, hf)  # fsdpfn.app.recipes.placement
     check_lora_targets(cfg)
+    check_wrap_policy(cfg, hf)
     shape = ModelShape.from_hf(hf)
     notes = [check_disk(cfg, shape)]
     if placement.device != "cuda":
@@ -90,6 +91,31 @@ def check_lora_targets(cfg) -> None:
     if present and missing:
         raise ConfigError(f"engine.lora.target_modules: must name linear layers of the decoder "
                           f"layers ({sorted(present)}) or be ['all-linear'], got {missing}")
+
+
+def check_wrap_policy(cfg, hf: dict) -> None:
+    """engine.fsdp.wrap_policy (and the reference's or critic's) name module classes of the
+    model: the rule shard_model applies, checked on the model built on the meta device from its
+    config (no weights), and only when a section sets one: it imports the modelling code."""
+    from fsdpfn.app.recipes.engine import engines
+
+    policies = {f"{key}.fsdp.wrap_policy": tuple(section.fsdp.wrap_policy)
+                for key, section in engines(cfg).items() if section.fsdp.wrap_policy is not None}
+    if not policies:
+        return
+    import torch
+    import transformers
+
+    fields = dict(hf)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    present = {type(m).__name__ for m in model.modules()}
+    for key, names in policies.items():
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise ConfigError(f"{key}: must name module classes of the model (e.g. "
+                              f"{sorted(n for n in present if 'Layer' in n)}), got {missing}")
 
 
 def check_data(cfg) -> None:
