@@ -58,6 +58,9 @@ CPU = ["launch.device=cpu", "log.progress=false"]
     ("sft", ["model.hidden_size=24"],
      "model.hidden_size: must be num_heads (8) x an even head size (the rotary embedding turns "
      "pairs of a head's dimensions), got 24"),
+    ("sft", ["model.num_heads=3"],
+     "model.num_heads: must divide hidden_size (128) into heads of an even size (the rotary "
+     "embedding turns pairs of a head's dimensions), got 3"),
     ("sft", ["parallel.cp=3"],
      "parallel.cp: tp x cp = 1 x 3 = 3 must divide the 2 trainer ranks (launch.nproc), got "
      "cp=3"),

@@ -43,6 +43,9 @@ _opt_path = satisfies("must be null or a directory path", is_nonempty_str, optio
                       section="model.")
 
 
+_DEFAULT_HIDDEN = 128
+
+
 @attrs.frozen
 class ModelConfig:
     """``path``: a local HF causal-LM directory (config.json, safetensors, tokenizer); None: the
@@ -53,7 +56,7 @@ class ModelConfig:
 
     path: str | None = attrs.field(default=None, validator=_opt_path)
     random_init: bool = attrs.field(default=False, validator=boolean)
-    hidden_size: int = attrs.field(default=128, validator=integer(8))
+    hidden_size: int = attrs.field(default=_DEFAULT_HIDDEN, validator=integer(8))
     intermediate_size: int = attrs.field(default=256, validator=integer(8))
     num_layers: int = attrs.field(default=2, validator=integer(1))
     num_heads: int = attrs.field(default=8, validator=integer(1))
@@ -68,10 +71,13 @@ class ModelConfig:
                 fail("random_init", "must be false without model.path (the embedded model is "
                      "always built fresh, under model.seed)", self.random_init)
             head, rest = divmod(self.hidden_size, self.num_heads)
+            why = "the rotary embedding turns pairs of a head's dimensions"
+            if (rest or head % 2) and self.hidden_size == _DEFAULT_HIDDEN:  # num_heads was set
+                fail("num_heads", f"must divide hidden_size ({self.hidden_size}) into heads of "
+                     f"an even size ({why})", self.num_heads)
             if rest or head % 2:
                 fail("hidden_size", f"must be num_heads ({self.num_heads}) x an even head size "
-                     f"(the rotary embedding turns pairs of a head's dimensions)",
-                     self.hidden_size)
+                     f"({why})", self.hidden_size)
             return
         for a in attrs.fields(type(self)):
             if a.name not in ("path", "random_init") and getattr(self, a.name) != a.default:
