@@ -100,6 +100,8 @@ def forward_logp(state: EngineState, batch, *, out_key: str = K.LOGP, with_entro
     try:
         temperature = _check_temperature(temperature)
         _check_adapters(state, adapters)
+        if not isinstance(with_entropy, bool):
+            raise ConfigError(f"with_entropy: must be a bool, got {with_entropy!r}")
         _check_out_key(out_key, with_entropy=with_entropy)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:

@@ -24,9 +24,10 @@ from typing import Any, Callable
 import attrs
 
 from fsdpfn import keys as K
-from fsdpfn.validators import one_of, satisfies
+from fsdpfn.errors import ConfigError
+from fsdpfn.validators import boolean, is_nonempty_str, number, one_of, satisfies
 
-__all__ = ["Objective", "NORMALIZERS", "as_objective"]
+__all__ = ["Objective", "NORMALIZERS", "as_objective", "check_actor_options"]
 
 NORMALIZERS = ("tokens", "sequences", "rows", "pairs", "none")
 
@@ -37,6 +38,18 @@ _group = satisfies("must be an integer >= 1",
                    lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
 
 
+def _keys(value) -> tuple[str, ...]:
+    """``require`` as a tuple of key names; a bare string is refused (tuple() would split it
+    into characters, each then a missing key)."""
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"require: must be a sequence of batch key names (one key: "
+                          f"({value!r},)), got {value!r}")
+    keys = tuple(value)
+    if not all(is_nonempty_str(k) for k in keys):
+        raise ConfigError(f"require: must hold non-empty key names, got {list(keys)!r}")
+    return keys
+
+
 @attrs.frozen
 class Objective:
     """A loss and what grad_step needs to run it (module doc)."""
@@ -44,19 +57,25 @@ class Objective:
     loss_fn: Callable = attrs.field(validator=_callable)
     # every option is keyword-only, as docs/api.md gives the signature
     normalizer: str = attrs.field(default="tokens", validator=one_of(*NORMALIZERS), kw_only=True)
-    require: tuple[str, ...] = attrs.field(default=(K.LOSS_MASK,), converter=tuple, kw_only=True)
+    require: tuple[str, ...] = attrs.field(default=(K.LOSS_MASK,), converter=_keys, kw_only=True)
     why: dict = attrs.field(default=None, converter=lambda v: dict(v or {}), eq=False,
                             kw_only=True)
     group_size: int = attrs.field(default=1, validator=_group, kw_only=True)
-    pairs: bool = attrs.field(default=False, kw_only=True)
-    with_entropy: bool = attrs.field(default=False, kw_only=True)
-    temperature: float = attrs.field(default=1.0, kw_only=True)
-    name: str = attrs.field(default="grad_step", kw_only=True)
+    pairs: bool = attrs.field(default=False, validator=boolean, kw_only=True)
+    with_entropy: bool = attrs.field(default=False, validator=boolean, kw_only=True)
+    temperature: float = attrs.field(default=1.0, validator=number(gt=0.0), kw_only=True)
+    name: str = attrs.field(default="grad_step", validator=satisfies(
+        "must be a non-empty string", is_nonempty_str), kw_only=True)
     critic: bool | None = attrs.field(default=None, validator=one_of(None, True, False),
                                       kw_only=True)
     # the settings behind loss_fn (a step's PPOConfig, ...): compared over the ranks, field by
     # field, with the call's other options, so a config that differs by rank is one clear error
     config: Any = attrs.field(default=None, eq=False, kw_only=True)
+
+    def __attrs_post_init__(self):
+        if self.critic:
+            check_actor_options(self, "critic=True")
+
 
     @property
     def unit(self) -> int:
@@ -64,6 +83,17 @@ class Objective:
         ``pairs`` whole pairs too (the least common multiple with 2: a pair objective of
         ``group_size=1`` moves its rows two by two)."""
         return math.lcm(self.group_size, 2) if self.pairs else self.group_size
+
+
+def check_actor_options(objective: Objective, why: str) -> None:
+    """``with_entropy`` and ``temperature`` shape a policy's outputs: with a critic (``why``)
+    they would be dropped, so they are refused."""
+    if objective.with_entropy:
+        raise ConfigError(f"with_entropy: applies to policy states (a critic's outputs have no "
+                          f"entropy), and {why}, got True")
+    if objective.temperature != 1.0:
+        raise ConfigError(f"temperature: applies to policy states (a critic's values take no "
+                          f"temperature), and {why}, got {objective.temperature!r}")
 
 
 def as_objective(loss, name: str | None = None) -> Objective:

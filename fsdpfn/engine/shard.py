@@ -68,6 +68,11 @@ def _read_hf_config(path: Path):
                           f"got {str(path / 'config.json')!r} ({reason})") from None
 
 
+def _one_line(exc) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
 def load_hf_config(config: EngineConfig):
     from transformers import AutoConfig
 
@@ -85,8 +90,14 @@ def load_hf_config(config: EngineConfig):
         try:
             hf_config = AutoConfig.for_model(model_type, **spec)
         except (ValueError, KeyError) as exc:
-            raise ConfigError(f"model_config.model_type: not a transformers model type, "
-                              f"got {model_type!r} ({exc})") from None
+            if isinstance(exc, KeyError) or "Unrecognized model" in str(exc):
+                raise ConfigError(f"model_config.model_type: not a transformers model type, "
+                                  f"got {model_type!r} ({exc})") from None
+            raise ConfigError(f"model_config: transformers refuses this {model_type} config: "
+                              f"{_one_line(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - transformers' strict config fields (huggingface_hub)
+            raise ConfigError(f"model_config: transformers refuses this {model_type} config: "
+                              f"{type(exc).__name__}: {_one_line(exc)}") from None
     if config.is_critic:
         hf_config.num_labels = 1
     if config.disable_dropout:

@@ -37,9 +37,10 @@ from fsdpfn.batch import pack, select_rows, unpack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.engine import timing
 from fsdpfn.errors import ConfigError, MicroBatchOOMError
+from fsdpfn.validators import is_nonempty_str
 from fsdpfn.engine.mesh import Mesh
 from fsdpfn.engine.minibatch import as_order, denominator, global_counts, minibatches
-from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective
+from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective, check_actor_options
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
                                   release_memory, resolve_mb_spec)
 from fsdpfn.engine.state import EngineState, advance, check_live, record_own_writes
@@ -221,8 +222,29 @@ def _call_loss_fn(loss_fn, outputs, minibatch, ctx: StepContext, backward: bool)
     if backward and not loss_sum.requires_grad:
         raise ConfigError("loss_fn: the loss sum must be computed from the outputs (it has no "
                           f"gradient: detached, or built under no_grad), got {_short(loss_sum)}")
-    return loss_sum, {name: torch.as_tensor(value).detach().float().reshape(())
-                      for name, value in {"loss": loss_sum, **dict(stats)}.items()}
+    return loss_sum, {"loss": loss_sum.detach().float(), **{
+        name: _stat(name, value) for name, value in dict(stats).items()}}
+
+
+# the names of the stats the engine reports itself: a loss_fn's stat of one of them would
+# replace the engine's, or be replaced by it
+ENGINE_STATS = ("loss", "grad_norm", "lr", "tokens", "skipped", "steps")
+
+
+def _stat(name, value) -> torch.Tensor:
+    """One of loss_fn's stats as a 0-dim float tensor; a ConfigError naming it otherwise."""
+    if not is_nonempty_str(name):
+        raise ConfigError(f"loss_fn: stat names must be non-empty strings, got {_short(name)}")
+    if name in ENGINE_STATS:
+        raise ConfigError(f"loss_fn: stat {name!r} is one the engine reports itself "
+                          f"({', '.join(ENGINE_STATS)}); name it otherwise, got {name!r}")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) or isinstance(
+        value, torch.Tensor) and value.numel() == 1 and value.ndim == 0 and (
+        value.is_floating_point() or not value.dtype.is_complex)
+    if not ok:
+        raise ConfigError(f"loss_fn: stat {name!r} must be a number or a 0-dim tensor, got "
+                          f"{_short(value)}")
+    return torch.as_tensor(value).detach().float().reshape(())
 
 
 def _short(value, limit: int = 120) -> str:
@@ -284,10 +306,13 @@ def _run_minibatch(state: EngineState, mb, loss_fn, ctx_fields: dict, *, normali
     return _reduce_stats(sums, maxes, denom, state, failure=failure, fn_name=fn_name), n_tokens
 
 
-def _check_common(state, optimizer_steps, fn_name, needs_optimizer, critic=None):
+def _check_common(state, optimizer_steps, fn_name, needs_optimizer, obj: Objective) -> None:
     if not isinstance(optimizer_steps, int) or isinstance(optimizer_steps, bool) \
             or optimizer_steps < 1:
         raise ConfigError(f"optimizer_steps: must be an integer >= 1, got {optimizer_steps!r}")
+    critic = obj.critic
+    if isinstance(state, EngineState) and state.config.is_critic:
+        check_actor_options(obj, "the state is a critic (EngineConfig(is_critic=True))")
     if critic is not None and isinstance(state, EngineState) \
             and bool(state.config.is_critic) != critic:
         raise ConfigError(f"{fn_name}: needs a {'critic' if critic else 'policy'} state "
@@ -331,7 +356,7 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
     error, spec, obj = None, None, None
     try:
         obj = as_objective(loss_fn)
-        _check_common(state, optimizer_steps, obj.name, True, obj.critic)
+        _check_common(state, optimizer_steps, obj.name, True, obj)
         order = as_order(order, shuffle_seed)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
@@ -435,7 +460,7 @@ def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
     error, spec, obj = None, None, None
     try:
         obj = as_objective(loss_fn, "evaluate")
-        _check_common(state, 1, "evaluate", False, obj.critic)
+        _check_common(state, 1, "evaluate", False, obj)
         spec = resolve_mb_spec(state, mb_spec) if isinstance(state, EngineState) else None
     except ConfigError as exc:
         error = exc
