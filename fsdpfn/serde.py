@@ -238,7 +238,7 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                                  _construct_unique_mapping)
 # a date is read as the text written (YAML 1.2's core schema has no timestamps): a run_dir or a
-# model directory named 2024-01-01 is a path, and no config field holds a date
+# model directory named like a date is a path, and no config field holds a date
 _UniqueKeyLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}

@@ -238,10 +238,9 @@ def _stat(name, value) -> torch.Tensor:
     if name in ENGINE_STATS:
         raise ConfigError(f"loss_fn: stat {name!r} is one the engine reports itself "
                           f"({', '.join(ENGINE_STATS)}); name it otherwise, got {name!r}")
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) or isinstance(
-        value, torch.Tensor) and value.numel() == 1 and value.ndim == 0 and (
-        value.is_floating_point() or not value.dtype.is_complex)
-    if not ok:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    scalar = isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex()
+    if not (number or scalar):
         raise ConfigError(f"loss_fn: stat {name!r} must be a number or a 0-dim tensor, got "
                           f"{_short(value)}")
     return torch.as_tensor(value).detach().float().reshape(())
