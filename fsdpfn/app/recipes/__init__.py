@@ -51,11 +51,11 @@ def load_recipe_config(path: str | Path, overrides=()):
 def default_config(name: str, overrides=()):
     if name not in RECIPE_CONFIGS:
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
-    other = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() ==
-             "recipe" and "=" in o]
-    if other and other[-1] != name:  # the defaults below are this recipe's keys, not the other's
+    asked = [value.strip() for key, sep, value in (o.partition("=") for o in overrides)
+             if sep and key.strip() == "recipe"]
+    if asked and asked[-1] != name:  # the defaults below are this recipe's keys, not the other's
         raise ConfigError(f"recipe: is the recipe named on the command line ({name!r}); run "
-                          f"'fsdpfn run {other[-1]}' for another, got {other[-1]!r}")
+                          f"'fsdpfn run {asked[-1]}' for another, got {asked[-1]!r}")
     return config_from_data(serde.unstructure(RECIPE_CONFIGS[name]()), overrides)
 
 
