@@ -417,8 +417,12 @@ class AdvantageConfig:
 
     estimator: ``grpo`` (group mean and std), ``drgrpo`` (group mean, no std), ``rloo``
     (leave-one-out mean), ``reinforce++`` (reward minus KL per token, whitened over the batch),
-    ``gae`` (needs ``values``). ``kl_coef>0`` puts coef·KL(old_logp‖ref_logp) into the token
-    rewards (the policy that sampled: the batch's ``old_logp``, else its ``logp``). Rewards are
+    ``gae`` (needs ``values``). The grouped estimators (grpo, drgrpo, rloo) read the outcome
+    ``rewards`` only (a batch's dense ``token_rewards`` are not added: compute_advantages
+    warns); reinforce++ and gae add ``token_rewards`` to the outcome at the last loss token.
+    ``kl_coef>0`` puts coef·KL(old_logp‖ref_logp) into the token rewards (the policy that
+    sampled: the batch's ``old_logp``, else its ``logp``); for a grouped estimator that is each
+    token's advantage minus the penalty's undiscounted sum from that token on. Rewards are
     first scaled and shifted (r·reward_scale + reward_bias), then clipped to ±reward_clip.
     ``group_size``: the samples per prompt of the grouped estimators; its default 1 makes each
     row its own group, where every grpo/drgrpo advantage is 0 (compute_advantages warns).

@@ -4,12 +4,14 @@ estimator:
 - ``grpo``: (r − mean(group)) / (std(group) + eps), broadcast to the row's loss tokens;
 - ``drgrpo``: r − mean(group) (no std division);
 - ``rloo``: r − mean of the other rows of the group;
-- ``reinforce++``: token rewards (outcome at the last loss token, minus kl_coef·KL per token),
-  discounted returns-to-go, whitened over the batch's loss tokens;
+- ``reinforce++``: token rewards (outcome at the last loss token, plus the optional dense
+  ``token_rewards``, minus kl_coef·KL per token), discounted returns-to-go, whitened over the
+  batch's loss tokens;
 - ``gae``: token rewards (outcome + optional dense ``token_rewards`` − kl_coef·KL) and the critic's
   ``values`` through GAE(gamma, lam).
 For the group estimators, kl_coef > 0 subtracts the KL penalty's (undiscounted) return-to-go
-from each token's advantage. ``returns`` is the signal before any whitening: what a critic regresses on (GAE:
+from each token's advantage; they read the outcome ``rewards`` only, so a batch's dense
+``token_rewards`` are not part of their advantages (compute_advantages warns). ``returns`` is the signal before any whitening: what a critic regresses on (GAE:
 advantages + values), reinforce++'s returns-to-go, a grouped estimator's advantages.
 
 Groups: rows with equal ``group_id`` when the batch has one, else rows [kG, (k+1)G). A group
@@ -158,6 +160,11 @@ def compute_advantages(batch, config: AdvantageConfig, *, mesh: Mesh | None = No
             warnings.warn(f"AdvantageConfig.group_size is 1 with estimator "
                           f"{config.estimator!r}: each row is its own group, so every "
                           f"advantage is 0 (set group_size to the samples per prompt)",
+                          stacklevel=2)
+        if K.TOKEN_REWARDS in batch.keys():
+            warnings.warn(f"batch key {K.TOKEN_REWARDS!r}: estimator {config.estimator!r} reads "
+                          f"the outcome {K.REWARDS!r} only, so the dense rewards are not part "
+                          f"of the advantages (estimator 'reinforce++' or 'gae' adds them)",
                           stacklevel=2)
         adv, returns = _grouped(batch, config, rewards, groups, penalty)
     else:

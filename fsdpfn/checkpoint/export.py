@@ -208,7 +208,8 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
     (``adapter_model.safetensors`` and ``adapter_config.json`` naming ``config.model_path`` as
     the base, which ``peft.PeftModel.from_pretrained`` loads), and with ``merged=True`` the HF
     model above with every adapter folded in (W + alpha/rank · B @ A, computed in float32).
-    ``merged`` is a no-op for a state without adapters.
+    ``merged`` is a no-op for a state without adapters. An adapter is written as one file, as peft
+    writes it: ``max_shard_size`` applies to the full weights.
     """
     fn = "export_hf"
     error, target, torch_dt, max_bytes = None, None, None, None
