@@ -26,6 +26,7 @@ at that token: temperature applied, top-p / top-k truncation not (it is what the
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 from typing import Any, Sequence
@@ -323,8 +324,19 @@ class RolloutEngine:
         """Teacher-forced scoring: token_logprobs[b][t] = log softmax(logits/T) of ids[t] given
         ids[:t] (0 at t=0); logits [b][t][V] when asked (ragged rows, no padding)."""
         rows = self._check_ids(input_ids, "input_ids")
-        if not temperature > 0:
-            raise UpdateError(f"temperature: must be > 0, got {temperature!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not math.isfinite(temperature) or temperature <= 0:
+            raise UpdateError(f"temperature: must be a finite number > 0, got {temperature!r}")
+        if not isinstance(return_logits, bool):
+            raise UpdateError(f"return_logits: must be a bool, got {return_logits!r}")
+        if len(rows) > MAX_REQUEST_ROWS:
+            raise UpdateError(f"input_ids: at most {MAX_REQUEST_ROWS} rows a request, got "
+                              f"{len(rows)}; send them in several requests")
+        for i, row in enumerate(rows):
+            if len(row) > self.context:
+                raise UpdateError(f"input_ids[{i}]: must fit the model's context "
+                                  f"(max_position_embeddings = {self.context}), got "
+                                  f"{len(row)} tokens")
         width = max(len(r) for r in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)

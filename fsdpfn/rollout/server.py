@@ -179,8 +179,8 @@ def build_app(engine: RolloutEngine):
     @app.post("/forward")
     def forward(payload: dict = Body(...)):
         return answer(lambda: engine.forward(
-            payload.get("input_ids"), temperature=float(payload.get("temperature", 1.0)),
-            return_logits=bool(payload.get("return_logits", False))))
+            payload.get("input_ids"), temperature=payload.get("temperature", 1.0),
+            return_logits=payload.get("return_logits", False)))
 
     def group_answer(fn: Callable[[], Any]):
         """SGLang's group endpoints answer every refusal 400 {success: false, message}, as

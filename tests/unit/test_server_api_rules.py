@@ -297,3 +297,29 @@ def test_a_port_taken_before_the_server_binds_it_is_chosen_again(model_dir, monk
             assert not srv.url.endswith(f":{taken.getsockname()[1]}")
     finally:
         taken.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("body, named", [
+    ({"input_ids": [[1, 2, 3]], "temperature": "hot"}, "temperature: must be a finite number"),
+    ({"input_ids": [[1, 2, 3]], "temperature": 1e400}, "temperature: must be a finite number"),
+    ({"input_ids": [[1, 2, 3]], "temperature": 0}, "temperature: must be a finite number"),
+    ({"input_ids": [[1, 2, 3]], "temperature": True}, "temperature: must be a finite number"),
+    ({"input_ids": [[1, 2, 3]], "return_logits": "false"}, "return_logits: must be a bool"),
+    ({"input_ids": [[1, 2, 3]] * 65_537}, "input_ids: at most 65536 rows a request"),
+])
+def test_forward_refuses_a_bad_field_with_a_400_naming_it(server, body, named):
+    """/forward's fields are read as sent: a string temperature was a 500, an infinite one
+    scored every token uniformly and a "false" return_logits returned the logits."""
+    status, out = _post(server, "/forward", body)
+    assert status == 400 and named in out["message"], out
+    status, out = _post(server, "/forward", {"input_ids": [[1, 2, 3]], "temperature": 2})
+    assert status == 200 and out["token_logprobs"][0][0] == 0.0 and "logits" not in out, out
+
+
+@pytest.mark.timeout(60)
+def test_forward_refuses_a_row_longer_than_the_context(server, context):
+    status, out = _post(server, "/forward", {"input_ids": [[1, 2], [4] * (context + 1)]})
+    assert status == 400 and "input_ids[1]: must fit the model's context" in out["message"], out
+    status, out = _post(server, "/forward", {"input_ids": [[4] * context]})
+    assert status == 200 and len(out["token_logprobs"][0]) == context, out
