@@ -11,8 +11,9 @@ estimator:
   ``values`` through GAE(gamma, lam).
 For the group estimators, kl_coef > 0 subtracts the KL penalty's (undiscounted) return-to-go
 from each token's advantage; they read the outcome ``rewards`` only, so a batch's dense
-``token_rewards`` are not part of their advantages (compute_advantages warns). ``returns`` is the signal before any whitening: what a critic regresses on (GAE:
-advantages + values), reinforce++'s returns-to-go, a grouped estimator's advantages.
+``token_rewards`` are not part of their advantages (compute_advantages warns). ``returns`` is
+the signal before any whitening: what a critic regresses on (GAE: advantages + values),
+reinforce++'s returns-to-go, a grouped estimator's advantages.
 
 Groups: rows with equal ``group_id`` when the batch has one, else rows [kG, (k+1)G). A group
 split over ranks (fewer than group_size rows here, or, without group_id, rows that were not one

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.wire.http import check_urls
-from fsdpfn.rollout.client import check_counts, check_prompts, generate
+from fsdpfn.rollout.client import check_prompts, check_request, generate
 from fsdpfn.rollout.sampling import prompt_seed
 
 __all__ = ["Balancer", "split_by_load", "generate_balanced", "group_work", "run_seed"]
@@ -148,7 +148,9 @@ def generate_balanced(servers: Balancer | str | Sequence[str], prompts: Sequence
     WeightSyncError once every request has ended (bad arguments: ConfigError)."""
     balancer = servers if isinstance(servers, Balancer) else Balancer(servers)
     prompts = check_prompts(prompts)  # errors name the caller's index, before any split
-    check_counts(n, max_new_tokens)  # group_work sizes the groups with them
+    # group_work sizes the groups with n and max_new_tokens; a bad value is refused before any
+    # split, with the caller's key
+    check_request(n=n, max_new_tokens=max_new_tokens, seed=seed, timeout=timeout, **sampling)
     works = [group_work(p, n, max_new_tokens) for p in prompts]
     runs = balancer.plan(works)
 

@@ -10,13 +10,14 @@ which is read back into the same value (``from_sglang``)."""
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Sequence
 
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout import packing
 
-__all__ = ["generate", "from_sglang", "check_prompts", "check_counts"]
+__all__ = ["generate", "from_sglang", "check_prompts", "check_counts", "check_request"]
 
 
 def check_prompts(prompts) -> list[list[int]]:
@@ -45,7 +46,46 @@ def check_counts(n, max_new_tokens) -> None:
     """``n`` samples a prompt and ``max_new_tokens``: ints >= 1, else ConfigError."""
     for key, value in (("n", n), ("max_new_tokens", max_new_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{key}: out of range, got {value!r}")
+            raise ConfigError(f"{key}: must be an int >= 1, got {value!r}")
+
+
+def _plain(value):
+    """A numpy or torch scalar as the Python int or float it holds; anything else as given (the
+    rules then say why it is refused: a bool, a string, 1.9 as a seed)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return float(value) if isinstance(value, numbers.Real) else value
+
+
+def check_request(*, n, max_new_tokens, seed=None, timeout=300.0, **sampling) -> dict:
+    """The request's sampling parameters as sent to the server (``seed`` as SGLang's
+    ``sampling_seed``), each checked by the server's own rule (fsdpfn.rollout.SamplingParams)
+    before anything is sent: a ConfigError names the key, the rule and the value. Values are
+    sent as given, never rounded (a seed of 1.9 is refused, not read as 1). Keys the built-in
+    server does not define go unchecked, for the server to judge (an SGLang server has more)."""
+    from fsdpfn.rollout.errors import UpdateError
+    from fsdpfn.rollout.sampling import SamplingParams
+
+    check_counts(n, max_new_tokens)
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or not 0 < float(timeout) < math.inf:
+        raise ConfigError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
+    params = {k: ([_plain(t) for t in v] if k == "stop_token_ids" and hasattr(v, "__iter__")
+                  and not isinstance(v, (str, bytes, dict)) else _plain(v))
+              for k, v in sampling.items()}
+    seed = _plain(seed)
+    known = {k: v for k, v in params.items() if k in SamplingParams.FIELDS}
+    try:
+        SamplingParams(**known, n=n, max_new_tokens=max_new_tokens, seed=seed)
+    except UpdateError as exc:
+        raise ConfigError(str(exc).removeprefix("sampling_params.")) from None
+    params.update(n=n, max_new_tokens=max_new_tokens)
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return params
 
 
 def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
@@ -62,19 +102,13 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
     from fsdpfn.wire.http import call
 
     prompts = check_prompts(prompts)
-    check_counts(n, max_new_tokens)
-    for key, value, ok in (("temperature", temperature, 0.0 <= float(temperature) < math.inf),
-                           ("top_p", top_p, 0.0 < float(top_p) <= 1.0),
-                           ("timeout", timeout, float(timeout) > 0.0)):
-        if not ok:
-            raise ConfigError(f"{key}: out of range, got {value!r}")
-    params = {**sampling, "n": n, "max_new_tokens": max_new_tokens,
-              "temperature": float(temperature), "top_p": float(top_p),
-              "stop_token_ids": [int(t) for t in stop_token_ids]}
-    if top_k is not None:
-        params["top_k"] = int(top_k)
-    if seed is not None:
-        params["sampling_seed"] = int(seed)
+    if "sampling_seed" in sampling:
+        raise ConfigError("sampling_seed: pass it as seed=, got sampling_seed="
+                          f"{sampling['sampling_seed']!r}")
+    params = check_request(n=n, max_new_tokens=max_new_tokens, seed=seed, timeout=timeout,
+                           **sampling, temperature=temperature, top_p=top_p,
+                           stop_token_ids=stop_token_ids,
+                           **({} if top_k is None else {"top_k": top_k}))
     answer = call(url, "/generate", {"input_ids": prompts,
                                      "sampling_params": params, "return_logprob": True,
                                      "return_format": "fsdpfn_packed"}, timeout=float(timeout))

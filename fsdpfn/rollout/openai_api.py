@@ -173,6 +173,8 @@ def chat_completions(engine, body: dict) -> dict:
 def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
     if not isinstance(body, dict):
         raise UpdateError(f"body: must be a JSON object, got {type(body).__name__}")
+    if stream_ok and not isinstance(body.get("stream"), (bool, type(None))):
+        raise UpdateError(f"stream: must be null or a bool, got {str(body['stream'])[:80]!r}")
     options = body.get("stream_options")
     if options is not None:
         if not body.get("stream"):

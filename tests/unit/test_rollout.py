@@ -562,11 +562,66 @@ def test_generate_client_validates_and_reports_the_server():
 
     with pytest.raises(ff.ConfigError, match="prompts: must be a non-empty list"):
         generate("http://127.0.0.1:9", [])
-    with pytest.raises(ff.ConfigError, match="n: out of range, got 0"):
+    with pytest.raises(ff.ConfigError, match=r"^n: must be an int >= 1, got 0"):
         generate("http://127.0.0.1:9", [[1, 2]], n=0)
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ff.WeightSyncError, match=f"server {url}: /generate failed"):
         generate(url, [[1, 2]], timeout=2)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"seed": 1.9}, r"^seed: must be null or an int in \[0, 2\*\*63\), got 1\.9"),
+    ({"seed": True}, r"^seed: must be null or an int .*got True"),
+    ({"seed": "x"}, r"^seed: must be null or an int .*got 'x'"),
+    ({"seed": -3}, r"^seed: must be null or an int .*got -3"),
+    ({"seed": 2 ** 63}, r"^seed: must be null or an int .*got 9223372036854775808"),
+    ({"top_k": 2.7}, r"^top_k: must be an int >= 0 \(or -1: off\), got 2\.7"),
+    ({"top_k": -2}, r"^top_k: must be an int >= 0 \(or -1: off\), got -2"),
+    ({"stop_token_ids": [5.6]}, r"^stop_token_ids: must be a list of token ids .*5\.6"),
+    ({"stop_token_ids": [-1]}, r"^stop_token_ids: must be a list of token ids .*-1"),
+    ({"temperature": "abc"}, r"^temperature: must be a finite number >= 0, got 'abc'"),
+    ({"temperature": float("nan")}, r"^temperature: must be a finite number >= 0, got nan"),
+    ({"top_p": 0}, r"^top_p: must be in \(0, 1\], got 0"),
+    ({"min_p": 2.0}, r"^min_p: must be in \[0, 1\], got 2\.0"),
+    ({"max_new_tokens": -1}, r"^max_new_tokens: must be an int >= 1, got -1"),
+    ({"timeout": 0}, r"^timeout: must be a finite number of seconds > 0, got 0"),
+    ({"timeout": "5"}, r"^timeout: must be a finite number of seconds > 0, got '5'"),
+    ({"sampling_seed": 3}, r"^sampling_seed: pass it as seed=, got sampling_seed=3"),
+])
+def test_generate_refuses_a_bad_sampling_argument_before_sending_it(kwargs, named):
+    """The server's own rule, checked where the caller passed the value and named by the
+    caller's key: a seed of 1.9 drew what seed 1 draws, a string temperature was a bare
+    ValueError, a negative seed a WeightSyncError quoting the server's 400."""
+    from fsdpfn.rollout import generate, generate_balanced
+
+    url = "http://127.0.0.1:9"  # never reached: the arguments are refused first
+    with pytest.raises(ff.ConfigError, match=named):
+        generate(url, [[1, 2]], **kwargs)
+    if "sampling_seed" not in kwargs:
+        with pytest.raises(ff.ConfigError, match=named):
+            generate_balanced([url, "http://127.0.0.1:10"], [[1, 2], [3]], **kwargs)
+
+
+def test_generate_sends_numpy_and_torch_scalars_as_the_numbers_they_hold(monkeypatch):
+    import numpy as np
+
+    from fsdpfn.rollout import client
+    from fsdpfn.wire import http
+
+    sent = {}
+
+    def fake_call(url, path, body, timeout):
+        sent.update(body["sampling_params"], timeout=timeout)
+        return {"weight_version": 0, "outputs": []}  # an unpacked answer, returned as it is
+
+    monkeypatch.setattr(http, "call", fake_call)
+    client.generate("http://x", [[1, 2]], seed=np.int64(7), top_k=torch.tensor(3),
+                    temperature=np.float32(0.5), stop_token_ids=np.array([4, 5]), timeout=9)
+    assert sent["sampling_seed"] == 7 and type(sent["sampling_seed"]) is int
+    assert sent["top_k"] == 3 and type(sent["top_k"]) is int
+    assert sent["temperature"] == 0.5 and type(sent["temperature"]) is float
+    assert sent["stop_token_ids"] == [4, 5] and all(type(t) is int for t in sent["stop_token_ids"])
+    assert sent["timeout"] == 9.0
 
 
 @settings(max_examples=60, deadline=None)

@@ -234,6 +234,19 @@ def test_loose_values_are_refused_by_name(server, path, body, param):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": USER, "stream": 1}),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes",
+                         "stream_options": {"include_usage": True}}),
+])
+def test_a_stream_that_is_not_a_bool_is_named_by_its_rule(server, path, body):
+    """Streaming is supported: a 1 is refused as not a bool, not as "not supported"."""
+    status, out = _post(server, path, {"max_tokens": 2, **body})
+    assert status == 400 and out["error"]["param"] == "stream", out
+    assert out["error"]["message"].startswith("stream: must be null or a bool, got "), out
+
+
+@pytest.mark.timeout(60)
 def test_the_largest_seed_draws_and_a_generate_seed_past_it_is_named(server):
     status, out = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
                                                     "seed": 2 ** 63 - 1})
