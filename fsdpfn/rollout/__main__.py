@@ -114,6 +114,7 @@ def main(argv=None) -> None:
 
     if args.wait_for_model > 0:  # after the imports, which take as long as the trainer's
         _wait_for_model(args.model, args.wait_for_model)
+    _check_model_dir(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,6 +146,20 @@ def main(argv=None) -> None:
     # the /health polls that came while the model loaded
     uvicorn.Server(uvicorn.Config(build_app(engine), log_level=args.log_level)).run(
         sockets=[listening])
+
+
+def _check_model_dir(model: str) -> None:
+    """One line for a --model that is no model directory (transformers would read a missing
+    path as a Hub id, and the server's start would end in a download's traceback)."""
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise SystemExit(f"fsdpfn.rollout: --model {model}: must be a model directory "
+                         f"(save_pretrained's layout), and there is no directory there")
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"fsdpfn.rollout: --model {model}: must be a model directory "
+                         f"(save_pretrained's layout), and it has no config.json")
 
 
 def _wait_for_model(model: str, timeout_s: float) -> None:

@@ -106,6 +106,24 @@ def test_a_server_told_to_wait_serves_the_model_once_written_and_gives_up_after_
         f"fsdpfn.rollout: --model {missing}: no config.json after 0.5 s (--wait-for-model)")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_a_server_on_no_model_directory_ends_with_one_line_naming_it(tmp_path, where):
+    """A typo in --model was read by transformers as a Hub id: the start ended in a download's
+    traceback. It is one line naming the flag, the path and what is missing."""
+    from fsdpfn.rollout.__main__ import main
+    from fsdpfn.rollout.process import free_port
+
+    path = tmp_path / where
+    if where == "empty":
+        path.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(path), "--port", str(free_port()), "--device", "cpu"])
+    why = "there is no directory there" if where == "missing" else "it has no config.json"
+    assert str(exc.value) == (f"fsdpfn.rollout: --model {path}: must be a model directory "
+                              f"(save_pretrained's layout), and {why}")
+
+
 @pytest.mark.timeout(300)
 def test_two_external_servers_share_the_steps_and_serve_the_last_push_exactly(tmp_path):
     from fsdpfn.app.recipes import demo_config
