@@ -14,7 +14,7 @@ from typing import Callable, Literal
 import attrs
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import int_to_float, is_port, one_of, satisfies, to_path
+from fsdpfn.validators import boolean, int_to_float, is_port, one_of, satisfies, to_path
 from fsdpfn.wire.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_EDGE_BYTES
 
 __all__ = ["PushConfig", "Transport", "TRANSPORTS", "BACKENDS", "PAUSE_MODES"]
@@ -63,6 +63,10 @@ _path = satisfies("must be None or a directory path (str or os.PathLike)",
                   lambda v: isinstance(v, Path), optional=True)
 _host = satisfies("must be None or a host name or address (a non-empty string)",
                   lambda v: isinstance(v, str) and v.strip() != "", optional=True)
+_group = satisfies("must be None or a non-empty string without whitespace (None: a fresh "
+                   "fsdpfn-<hex> per RolloutTarget)",
+                   lambda v: isinstance(v, str) and v != "" and not any(c.isspace() for c in v),
+                   optional=True)
 _callback = satisfies("must be None or a callable (index, n_buckets)", callable, optional=True,
                       show=lambda v: repr(v)[:80])
 
@@ -103,14 +107,14 @@ class PushConfig:
                                    validator=_positive_seconds)
     init_timeout_s: float = attrs.field(default=120.0, converter=int_to_float,
                                         validator=_positive_seconds)
-    pause_generation: bool = True
-    flush_cache: bool = True
-    precheck: bool = True
+    pause_generation: bool = attrs.field(default=True, validator=boolean)
+    flush_cache: bool = attrs.field(default=True, validator=boolean)
+    precheck: bool = attrs.field(default=True, validator=boolean)
     disk_root: Path | None = attrs.field(default=None, converter=to_path, validator=_path)
     keep_last: int = attrs.field(default=2, validator=_count)
     master_address: str | None = attrs.field(default=None, validator=_host)
     master_port: int | None = attrs.field(default=None, validator=_port)
-    group_name: str | None = None
+    group_name: str | None = attrs.field(default=None, validator=_group)
     on_bucket: Callable[[int, int], None] | None = attrs.field(default=None,
                                                               validator=_callback)
     edge_bucket_bytes: int | None = attrs.field(default=DEFAULT_EDGE_BYTES,

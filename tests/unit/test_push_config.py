@@ -81,6 +81,13 @@ def test_group_name_is_filled_per_target_unless_given():
     ("probe_tol", True, "must be None or a number >= 0"),
     ("on_bucket", 5, "must be None or a callable (index, n_buckets)"),
     ("master_address", "", "must be None or a host name or address"),
+    # a string "false" was truthy: the push paused, flushed or prechecked all the same
+    ("pause_generation", "false", "must be a bool"),
+    ("flush_cache", 0, "must be a bool"),
+    ("precheck", None, "must be a bool"),
+    ("group_name", "", "must be None or a non-empty string without whitespace"),
+    ("group_name", "my group", "must be None or a non-empty string without whitespace"),
+    ("group_name", 7, "must be None or a non-empty string without whitespace"),
 ])
 def test_a_bad_option_is_a_config_error_naming_field_rule_and_value(field, value, rule):
     with pytest.raises(ff.ConfigError) as info:
