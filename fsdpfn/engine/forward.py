@@ -18,7 +18,7 @@ from fsdpfn.batch import Packed, apply_scatter, pack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
-                                  release_memory, resolve_mb_spec)
+                                  release_memory, resolve_mb_spec, rope_top)
 from fsdpfn.agree import same_on_every_rank
 from fsdpfn.engine.state import EngineState, check_live
 
@@ -56,18 +56,19 @@ def _scatter_outputs(state, batch, fn_name: str, spec: MicroBatchSpec, outs: lis
     A device out-of-memory error becomes MicroBatchOOMError after memory is released (raised
     here, outside the except block, so the failed pass's tensors are already freed)."""
     failed = None
-    for packed in _mb_packs(state, batch, spec):
-        timing.enter("forward")
-        try:
-            results = model_outputs(state, packed, **kwargs)
-        except torch.OutOfMemoryError:
-            failed = packed.n_tokens
-            break
-        timing.enter("plan")  # unpacking
-        if packed.rows.numel():
-            for out, x in zip(outs, results):
-                if out is not None:
-                    apply_scatter(out, packed, x.cpu())
+    with rope_top(state, batch):
+        for packed in _mb_packs(state, batch, spec):
+            timing.enter("forward")
+            try:
+                results = model_outputs(state, packed, **kwargs)
+            except torch.OutOfMemoryError:
+                failed = packed.n_tokens
+                break
+            timing.enter("plan")  # unpacking
+            if packed.rows.numel():
+                for out, x in zip(outs, results):
+                    if out is not None:
+                        apply_scatter(out, packed, x.cpu())
     if failed is not None:
         release_memory(state)
         raise oom_error(state, fn_name, failed, spec)

@@ -12,9 +12,12 @@ decoder and the head run on this rank's 1/cp of it (fsdpfn.engine.cp.split_pack,
 the per-token results are all-gathered back to the whole pack (fsdpfn.engine.cp.gather_tokens).
 
 Rotary embeddings whose frequencies follow the longest position they are handed (dynamic NTK,
-longrope) are made to see the whole pack's under cp too: a rank's 1/cp of the pack holds only
-some of its positions, and on its own would rotate them as a shorter sequence
-(``_whole_pack_rope``).
+longrope) rotate every micro-batch of a call with the longest row of the call's whole batch,
+over every data-parallel rank (``batch_rope_top``, set by the engine's forward and step
+functions), as the model's own forward does on the padded batch: a row's log-probs then do not
+depend on how the batch is cut into micro-batches or spread over ranks. Under cp a rank's 1/cp
+of the pack also sees that position (``_whole_pack_rope``): on its own it would rotate its
+positions as a shorter sequence.
 
 State-dict keys carry the prefix ``lm.`` (the HF model); export strips it.
 """
@@ -34,9 +37,12 @@ from fsdpfn.ops.logprobs import head_logprobs, liger_logprobs, vocab_shard_range
 
 __all__ = ["PackedModel"]
 
-# the whole pack's highest position ([1, 1]) while a cp rank runs its part, else None
+# the highest position ([1, 1]) the length-dependent rotaries see, while a pack runs
 _PACK_TOP: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
     "fsdpfn_pack_top_position", default=None)
+# the highest position of the call's whole batch (every dp rank's rows), while a call runs
+_BATCH_TOP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "fsdpfn_batch_top_position", default=None)
 
 
 def length_dependent_rotaries(module: nn.Module) -> list[nn.Module]:
@@ -77,10 +83,26 @@ def _drop_top(module, args, kwargs, output):
 
 
 @contextlib.contextmanager
+def batch_rope_top(top: int | None):
+    """While a call runs: ``top``, the highest position of its whole batch, is what every pack's
+    length-dependent rotaries rotate with (None: each pack's own)."""
+    token = _BATCH_TOP.set(top)
+    try:
+        yield
+    finally:
+        _BATCH_TOP.reset(token)
+
+
+@contextlib.contextmanager
 def _whole_pack_rope(position_ids: torch.Tensor):
-    """While a cp rank runs its part: length-dependent rotaries rotate with the whole pack's
-    highest position, as the unsplit pack (and the model's own forward on it) would."""
-    token = _PACK_TOP.set(position_ids.max().reshape(1, 1))
+    """While a pack (or a cp rank's part of it) runs: length-dependent rotaries rotate with the
+    whole pack's highest position, or the call's batch's when higher, as the model's own forward
+    on the padded batch would."""
+    top = position_ids.max().reshape(1, 1)
+    batch_top = _BATCH_TOP.get()
+    if batch_top is not None:
+        top = top.clamp_min(batch_top)
+    token = _PACK_TOP.set(top)
     try:
         yield
     finally:
@@ -97,9 +119,12 @@ class PackedModel(nn.Module):
         self.compute_dtype = torch.bfloat16  # set by shard_model: picks the attention path
         self.use_varlen = True  # False: the masked SDPA path even on CUDA (attn_impl="sdpa")
         self.logprobs_impl = "chunked"  # or "liger" (set by shard_model, checked there)
-        for rotary in length_dependent_rotaries(lm):  # no-ops outside _whole_pack_rope
+        rotaries = length_dependent_rotaries(lm)
+        for rotary in rotaries:  # no-ops outside _whole_pack_rope
             rotary.register_forward_pre_hook(_append_top, with_kwargs=True)
             rotary.register_forward_hook(_drop_top, with_kwargs=True)
+        # the engine's calls then find their batch's longest row first (runner.rope_top)
+        self.length_dependent_rope = bool(rotaries)
 
     @property
     def base(self) -> nn.Module:
@@ -121,8 +146,10 @@ class PackedModel(nn.Module):
         use_varlen = self.use_varlen and varlen_available(input_ids.device, self.compute_dtype)
         cu = cu_seqlens.to(input_ids.device, torch.int32)
         extra, rope = {}, contextlib.nullcontext()
-        if self.cp_group is not None:  # this rank's 1/cp of the pack; targets shifted before
+        if self.cp_group is not None or (self.length_dependent_rope
+                                         and _BATCH_TOP.get() is not None):
             rope = _whole_pack_rope(position_ids)
+        if self.cp_group is not None:  # this rank's 1/cp of the pack; targets shifted before
             part = cp.split_pack(input_ids, position_ids, cu, max_seqlen, targets,
                                  cp=self.cp_group.size(), rank=self.cp_group.rank())
             input_ids, position_ids, targets = part.input_ids, part.position_ids, part.targets

@@ -8,6 +8,7 @@ oom_error's MicroBatchOOMError after release_memory.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Sequence
 
@@ -214,6 +215,21 @@ def plan(state: EngineState, batch, *, group_size: int = 1,
         rows = plan_microbatches(lens, **budget, n_mbs=spec.n_mbs, group_size=group_size,
                                  algo=spec.algo, min_n_mbs=int(count.item()), cp=state.mesh.cp)
     return rows
+
+
+def rope_top(state: EngineState, batch):
+    """Context for one call over ``batch`` (this rank's rows): a model whose rotary frequencies
+    follow the longest position (dynamic NTK, longrope) rotates every micro-batch with the
+    longest row of the whole batch, over every rank (one MAX all-reduce), so its numbers do not
+    depend on the micro-batches or the dp split. Other models: nothing to do, no collective."""
+    from fsdpfn.engine.packed import batch_rope_top
+
+    if not getattr(state.model, "length_dependent_rope", False):
+        return contextlib.nullcontext()
+    top = torch.tensor([max(row_lengths(batch), default=1) - 1], dtype=torch.int64)
+    if world_size() > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return batch_rope_top(int(top.item()))
 
 
 def empty_packed(batch) -> Packed:

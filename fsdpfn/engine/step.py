@@ -42,7 +42,7 @@ from fsdpfn.engine.mesh import Mesh
 from fsdpfn.engine.minibatch import as_order, denominator, global_counts, minibatches
 from fsdpfn.engine.objective import NORMALIZERS, Objective, as_objective, check_actor_options
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
-                                  release_memory, resolve_mb_spec)
+                                  release_memory, resolve_mb_spec, rope_top)
 from fsdpfn.engine.state import EngineState, advance, check_live, record_own_writes
 
 __all__ = ["grad_step", "evaluate", "StepContext", "global_grad_norm", "NORMALIZERS"]
@@ -374,41 +374,42 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
                          shuffle_seed=shuffle_seed, fn_name=fn_name)
     per_step: list[dict[str, float]] = []
     taken = skipped = tokens = 0
-    for index, mb in enumerate(parts):
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        try:
-            stats, n_tok = _run_minibatch(
-                state, mb, loss_fn,
-                dict(step=state.step + taken, minibatch=index, n_minibatches=optimizer_steps),
-                normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
-                temperature=obj.temperature, backward=True, spec=spec, fn_name=fn_name)
-        except Exception as exc:
+    with rope_top(state, batch):  # one rotary length for the whole call
+        for index, mb in enumerate(parts):
             optimizer.zero_grad(set_to_none=True)
-            if not taken:
+            lr = scheduler.get_last_lr()[0]
+            try:
+                stats, n_tok = _run_minibatch(
+                    state, mb, loss_fn,
+                    dict(step=state.step + taken, minibatch=index, n_minibatches=optimizer_steps),
+                    normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
+                    temperature=obj.temperature, backward=True, spec=spec, fn_name=fn_name)
+            except Exception as exc:
+                optimizer.zero_grad(set_to_none=True)
+                if not taken:
+                    raise
+                if isinstance(exc, MicroBatchOOMError):
+                    raise _oom_after_steps(state, fn_name, exc, spec, taken) from None
+                exc.state = advance(state, fn_name, steps=taken, weights_changed=True)
+                exc.add_note(f"{fn_name}: {taken} optimizer step(s) of this call had run before "
+                             f"this error (minibatch {index} of {optimizer_steps}): the state "
+                             "passed in is donated, and the error's .state is its successor")
                 raise
-            if isinstance(exc, MicroBatchOOMError):
-                raise _oom_after_steps(state, fn_name, exc, spec, taken) from None
-            exc.state = advance(state, fn_name, steps=taken, weights_changed=True)
-            exc.add_note(f"{fn_name}: {taken} optimizer step(s) of this call had run before this "
-                         f"error (minibatch {index} of {optimizer_steps}): the state passed in is "
-                         "donated, and the error's .state is its successor")
-            raise
-        timing.enter("optimizer")
-        norm = global_grad_norm(model, state.mesh)
-        finite = bool(torch.isfinite(norm).item())  # same value on every rank: one verdict
-        if finite:
-            if max_norm is not None:
-                _clip_(model, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-            optimizer.step()
-            scheduler.step()
-            record_own_writes(state)  # the next minibatch's plan checks only outside writes
-            taken += 1
-        else:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-        tokens += n_tok
-        per_step.append({**stats, "grad_norm": float(norm), "lr": lr})
+            timing.enter("optimizer")
+            norm = global_grad_norm(model, state.mesh)
+            finite = bool(torch.isfinite(norm).item())  # same value on every rank: one verdict
+            if finite:
+                if max_norm is not None:
+                    _clip_(model, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+                optimizer.step()
+                scheduler.step()
+                record_own_writes(state)  # the next minibatch's plan checks only outside writes
+                taken += 1
+            else:
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            tokens += n_tok
+            per_step.append({**stats, "grad_norm": float(norm), "lr": lr})
     out = _overminibatches(per_step)
     out.update(tokens=float(tokens), skipped=float(skipped), steps=float(taken))
     successor = advance(state, fn_name, steps=taken, weights_changed=taken > 0)
@@ -471,10 +472,11 @@ def evaluate(state: EngineState, batch, loss_fn: Callable | Objective, *,
     was_training = state.model.training
     state.model.eval()
     try:
-        stats, n_tok = _run_minibatch(
-            state, batch, obj.loss_fn, dict(step=state.step, minibatch=0, n_minibatches=1),
-            normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
-            temperature=obj.temperature, backward=False, spec=spec, fn_name="evaluate")
+        with rope_top(state, batch):
+            stats, n_tok = _run_minibatch(
+                state, batch, obj.loss_fn, dict(step=state.step, minibatch=0, n_minibatches=1),
+                normalizer=obj.normalizer, group_size=group_size, with_entropy=obj.with_entropy,
+                temperature=obj.temperature, backward=False, spec=spec, fn_name="evaluate")
     finally:
         state.model.train(was_training)
     stats["tokens"] = float(n_tok)

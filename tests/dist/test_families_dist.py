@@ -49,12 +49,13 @@ def dirs(tmp_path_factory):
                          "phi3-longrope")}
 
 
-def run_on_ranks(model_dir, tp, cp, batch, checkpointing=False):
+def run_on_ranks(model_dir, tp, cp, batch, checkpointing=False, n_mbs=1):
     """forward_logp, then one sft_step: (logp, loss, parameter deltas) on rank 0."""
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1, tp=tp, cp=cp), device_type="cpu")
     cfg = ff.EngineConfig(model_path=model_dir, dtype="float32",
                           optimizer=ff.OptimizerConfig(**OPT),
-                          gradient_checkpointing=checkpointing)
+                          gradient_checkpointing=checkpointing,
+                          mb_spec=ff.MicroBatchSpec(n_mbs=n_mbs))
     return engine_update(ff.shard_model(cfg, mesh), batch, mesh)
 
 
@@ -67,12 +68,27 @@ def run_on_ranks(model_dir, tp, cp, batch, checkpointing=False):
     # rotaries that follow the call's highest position: a cp rank holds only some positions
     # of the pack (rows of 41 to 64 tokens, past max_position_embeddings 32 or longrope's
     # original 60) and must still rotate them as the whole pack
-    ("llama-rope-dynamic", 1, 2), ("phi3-longrope", 1, 2)])
+    ("llama-rope-dynamic", 1, 2), ("phi3-longrope", 1, 2),
+    # and at dp=2: shard_batch leaves the 64-token row on one rank, and the other rank's rows
+    # (53 and 47 tokens) must still rotate with it, as on the padded batch (each rank rotated
+    # with its own longest row: dynamic 3e-3 nats off, longrope's short factors 4e-2)
+    ("llama-rope-dynamic", 1, 1), ("phi3-longrope", 1, 1)])
 def test_tp_and_cp_equal_the_models_own_forward(family, tp, cp, dirs, spmd2):
     batch = family_batch()
     got = spmd2.run(run_on_ranks, args=(dirs[family], tp, cp, batch), timeout=400)[0]
     assert_update_matches(f"{family} tp={tp} cp={cp}", got,
                           hf_reference_update(dirs[family], batch))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama-rope-dynamic", "phi3-longrope"])
+def test_length_following_rotaries_do_not_depend_on_the_micro_batches(family, dirs, spmd1):
+    """One row a micro-batch (n_mbs=4): every micro-batch rotates with the batch's longest row,
+    as the padded batch does, not with its own row's length."""
+    batch = family_batch()
+    got = spmd1.run(run_on_ranks, args=(dirs[family], 1, 1, batch),
+                    kwargs={"n_mbs": 4}, timeout=250)[0]
+    assert_update_matches(f"{family} n_mbs=4", got, hf_reference_update(dirs[family], batch))
 
 
 @pytest.mark.timeout(300)
