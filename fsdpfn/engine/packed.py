@@ -12,12 +12,13 @@ decoder and the head run on this rank's 1/cp of it (fsdpfn.engine.cp.split_pack,
 the per-token results are all-gathered back to the whole pack (fsdpfn.engine.cp.gather_tokens).
 
 Rotary embeddings whose frequencies follow the longest position they are handed (dynamic NTK,
-longrope) rotate every micro-batch of a call with the longest row of the call's whole batch,
-over every data-parallel rank (``batch_rope_top``, set by the engine's forward and step
-functions), as the model's own forward does on the padded batch: a row's log-probs then do not
-depend on how the batch is cut into micro-batches or spread over ranks. Under cp a rank's 1/cp
-of the pack also sees that position (``_whole_pack_rope``): on its own it would rotate its
-positions as a shorter sequence.
+longrope) rotate every micro-batch of a call with the highest position of the call's padded
+batch (T - 1, over every data-parallel rank: ``batch_rope_top``, set by the engine's forward
+and step functions), as the model's own forward on that padded batch does: a row's log-probs
+then do not depend on how the batch is cut into micro-batches or spread over ranks. Under cp
+a rank's 1/cp of the pack also sees that position (``_whole_pack_rope``): on its own it would
+rotate its positions as a shorter sequence. A dynamic-NTK rotary is reset to its original
+frequencies each call (``_forget_growth``), as a freshly loaded model's would be.
 
 State-dict keys carry the prefix ``lm.`` (the HF model); export strips it.
 """
@@ -62,12 +63,33 @@ def _position_arg(args, kwargs):
     return ("kw", kwargs["position_ids"]) if "position_ids" in kwargs else ("arg", args[1])
 
 
+def _forget_growth(module) -> None:
+    """A dynamic-NTK rotary back to its original frequencies: transformers keeps the longest
+    length a module has seen and rotates every later, shorter call with it, so a call's numbers
+    would depend on the calls before it. Reset first, each call rotates as a freshly loaded
+    model's forward on its batch does."""
+    for name in [n for n, _ in module.named_buffers(recurse=False)] + list(vars(module)):
+        if not name.endswith("original_inv_freq") or not torch.is_tensor(getattr(module, name)):
+            continue
+        prefix = name[:-len("original_inv_freq")]
+        if not hasattr(module, f"{prefix}inv_freq") or not hasattr(module, "original_max_seq_len"):
+            continue
+        original = getattr(module, name)
+        module.register_buffer(f"{prefix}inv_freq", original.to(getattr(
+            module, f"{prefix}inv_freq").device), persistent=False)
+        setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+
+
 def _append_top(module, args, kwargs):
     """Forward pre-hook: the pack's highest position appended to the call's positions, so that
     the frequency update sees it (the extra entry's cos/sin are dropped by _drop_top)."""
     top = _PACK_TOP.get()
     if top is None:
         return None
+    kind = getattr(module, "rope_type", None)
+    if any(isinstance(k, str) and "dynamic" in k
+           for k in (kind.values() if isinstance(kind, dict) else (kind,))):
+        _forget_growth(module)
     where, pos = _position_arg(args, kwargs)
     pos = torch.cat((pos, top.to(pos.device, pos.dtype).expand(pos.shape[0], 1)), dim=1)
     if where == "kw":

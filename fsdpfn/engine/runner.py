@@ -219,14 +219,15 @@ def plan(state: EngineState, batch, *, group_size: int = 1,
 
 def rope_top(state: EngineState, batch):
     """Context for one call over ``batch`` (this rank's rows): a model whose rotary frequencies
-    follow the longest position (dynamic NTK, longrope) rotates every micro-batch with the
-    longest row of the whole batch, over every rank (one MAX all-reduce), so its numbers do not
-    depend on the micro-batches or the dp split. Other models: nothing to do, no collective."""
+    follow the highest position (dynamic NTK, longrope) rotates every micro-batch with the
+    batch's padded width T, the largest over every rank (one MAX all-reduce), as the model's own
+    forward on the padded batch does (its positions run to T - 1 in every row): its numbers do
+    not depend on the micro-batches or the dp split. Other models: nothing to do."""
     from fsdpfn.engine.packed import batch_rope_top
 
     if not getattr(state.model, "length_dependent_rope", False):
         return contextlib.nullcontext()
-    top = torch.tensor([max(row_lengths(batch), default=1) - 1], dtype=torch.int64)
+    top = torch.tensor([batch.get(K.ATTENTION_MASK).shape[1] - 1], dtype=torch.int64)
     if world_size() > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
     return batch_rope_top(int(top.item()))

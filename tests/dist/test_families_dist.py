@@ -91,6 +91,38 @@ def test_length_following_rotaries_do_not_depend_on_the_micro_batches(family, di
     assert_update_matches(f"{family} n_mbs=4", got, hf_reference_update(dirs[family], batch))
 
 
+def logp_after_a_longer_batch(model_dir, first, second):
+    """forward_logp of ``first``, then of ``second``: the second's log-probs."""
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    state = ff.shard_model(ff.EngineConfig(model_path=model_dir, dtype="float32",
+                                           optimizer=None), mesh)
+    ff.forward_logp(state, first)
+    return ff.forward_logp(state, second)[K.LOGP]
+
+
+@pytest.mark.timeout(300)
+def test_a_dynamic_rotary_forgets_the_longer_batches_before_it(dirs, spmd1):
+    """transformers' dynamic NTK rotary keeps the longest length it has seen and rotates later,
+    shorter calls with it: the engine resets it each call, so a batch's log-probs are those of
+    a freshly loaded model's forward, whatever ran before."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdpfn.testing.models import hf_reference_logp
+
+    from tensordict import TensorDict
+
+    rest = family_batch(seed=1)[1:]  # rows of 41, 53 and 47 tokens, padded to their own 53
+    second = TensorDict({k: v[:, :53] for k, v in rest.items()}, batch_size=[3])
+    first = family_batch()  # padded to 64
+    got = spmd1.run(logp_after_a_longer_batch, args=(dirs["llama-rope-dynamic"], first, second),
+                    timeout=250)[0]
+    fresh = AutoModelForCausalLM.from_pretrained(dirs["llama-rope-dynamic"],
+                                                 dtype=torch.float32, attn_implementation="eager")
+    want, _ = hf_reference_logp(fresh, second[K.INPUT_IDS], second[K.ATTENTION_MASK])
+    gap = float((got - want).abs().max())
+    assert gap <= 1e-5, f"logp gap {gap:.3g} after a longer batch"
+
+
 @pytest.mark.timeout(300)
 def test_a_family_whose_layers_drop_the_packed_keywords_is_exact_at_cp2(tmp_path, spmd2):
     # StableLM's layers call their attention without the pack's keywords; under cp the Ulysses
