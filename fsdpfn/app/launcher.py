@@ -124,7 +124,7 @@ def _prepare_data(cfg, run_dir: Path, *, resume: bool, out: Path | None = None) 
     """Tokenize and filter the data files into run_dir/data once (reused on --resume, so the
     data cursor points into the same examples), and report what was dropped; ``out``: another
     directory (--dry-run's, thrown away)."""
-    from fsdpfn.app.recipes.data import DATA_DIR, prepare_files
+    from fsdpfn.app.recipes.data import DATA_DIR, answer_reason, prepare_files
     from fsdpfn.app.recipes.model import load_tokenizer
 
     if not cfg.data.from_files:
@@ -132,7 +132,8 @@ def _prepare_data(cfg, run_dir: Path, *, resume: bool, out: Path | None = None) 
     out = out or run_dir / DATA_DIR
     if resume and (out / "train.jsonl").is_file():
         return
-    report = prepare_files(cfg.data, load_tokenizer(cfg.model), cfg.recipe, out)
+    report = prepare_files(cfg.data, load_tokenizer(cfg.model), cfg.recipe, out,
+                           answer_reason=answer_reason(cfg))
     for split, r in report.items():
         dropped = sum(r["dropped"].values())
         say(f"data ({split}): {r['kept']} of {r['rows']} samples"

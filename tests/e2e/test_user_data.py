@@ -161,6 +161,14 @@ def test_other_recipes_on_user_model_and_data(ws, tmp_path, recipe):
     _run(ws, recipe, run_dir)
     rows = _metrics(run_dir, recipe)
     assert [r["step"] for r in rows] == [1, 2]
+    # the held-out pairs' loss at each evaluation (eval_every null: a fifth of the run, here
+    # every step), as recipes.md says of eval_every; dpo logged only eval_p_correct
+    evals = [r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text()
+                         .splitlines()) if "eval_loss" in r]
+    assert len(evals) >= 2, evals
+    accuracy = "eval_accuracy" if recipe == "rw" else "eval_reward_accuracy"
+    for r in evals:
+        assert r["eval_loss"] > 0 and 0 <= r[accuracy] <= 1, r
 
 
 @pytest.mark.timeout(240)
@@ -361,3 +369,25 @@ def test_a_dry_run_tokenizes_the_data_and_says_what_a_run_would_keep(ws, tmp_pat
     assert rc == 0 and "eval.every=2: no held-out evaluation (data.eval_files is empty" in err
     assert "data.train_files: no sample fits the limits" in _fails(
         ws, tmp_path, capsys, "sft", "--dry-run", "data.max_response_tokens=1")
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_answer_column_is_refused_where_the_reward_needs_it(ws, tmp_path, capsys):
+    """The built-in math reward scores against each row's answer: a file without the column
+    ran to the end on zero rewards, every call an exception; a data.answer_key naming no column
+    handed reward.fn None."""
+    plain = tmp_path / "noanswer.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in _rows(8)))
+    err = _fails(ws, tmp_path, capsys, "grpo", f"data.train_files=[{plain}]",
+                 "data.eval_files=null", "reward.fn=null")
+    assert f"data.answer_key: column 'answer' is not in train_files ['{plain}']" in err, err
+    assert "the built-in math reward (reward.fn: null) scores each completion against it" in err
+    err = _fails(ws, tmp_path, capsys, "ppo", "data.answer_key=solution")
+    assert "data.answer_key: column 'solution' is not in train_files" in err, err
+    assert "its column is what reward.fn gets as answer" in err, err
+    # a reward of the user's own, the default key: the column may be absent (answer is None)
+    from fsdpfn.app.recipes import load_recipe_config
+    from fsdpfn.app.recipes.data import answer_reason
+
+    cfg = load_recipe_config(ws / "grpo.yaml", [f"data.train_files=[{plain}]"])
+    assert answer_reason(cfg) is None

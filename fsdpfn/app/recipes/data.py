@@ -110,14 +110,32 @@ class DataConfig:
 # ---------------------------------------------------------------- reading and preparing files
 
 
-def _columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str) -> dict:
-    """Which columns this recipe reads; a missing one is a ConfigError naming its key."""
-    def need(field: str) -> str:
+def answer_reason(cfg) -> str | None:
+    """Why a grpo/ppo run's data files must hold data.answer_key's column (None: the reward
+    may go without it, and gets answer None). ``cfg``: the recipe's whole config."""
+    from fsdpfn.app.recipes.reward import DEFAULT_REWARDS
+
+    if cfg.recipe not in ("grpo", "ppo") or not cfg.data.from_files:
+        return None
+    if cfg.reward.fn in (None, DEFAULT_REWARDS["files"]):
+        return (f"the built-in math reward (reward.fn: {cfg.reward.fn or 'null'}) scores each "
+                f"completion against it; add the column, name yours with data.answer_key, or "
+                f"set reward.fn")
+    if cfg.data.answer_key != "answer":
+        return "data.answer_key is set: its column is what reward.fn gets as answer"
+    return None
+
+
+def _columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str, *,
+                 answer_reason: str | None = None) -> dict:
+    """Which columns this recipe reads; a missing one is a ConfigError naming its key.
+    ``answer_reason``: why the answer column is needed (else it is read when present)."""
+    def need(field: str, why: str = "") -> str:
         col = getattr(cfg, field)
         if col not in columns:
             files = list(getattr(cfg, key))
             alt = (f"; sft reads data.messages_key ({cfg.messages_key!r}) or data.prompt_key + "
-                   f"data.response_key" if recipe == "sft" else "")
+                   f"data.response_key" if recipe == "sft" else f"; {why}" if why else "")
             raise ConfigError(f"data.{field}: column {col!r} is not in {key} {files} (columns: "
                               f"{columns}){alt}")
         return col
@@ -125,7 +143,9 @@ def _columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str) -> 
     if recipe in ("grpo", "ppo"):
         use = {"messages": need("messages_key")} if cfg.prompt_key not in columns \
             and cfg.messages_key in columns else {"prompt": need("prompt_key")}
-        if cfg.answer_key in columns:
+        if answer_reason is not None:
+            use["answer"] = need("answer_key", answer_reason)
+        elif cfg.answer_key in columns:
             use["answer"] = cfg.answer_key
         return use
     if recipe == "sft":
@@ -268,7 +288,8 @@ def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
     return ex, None
 
 
-def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path) -> dict:
+def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path, *,
+                  answer_reason: str | None = None) -> dict:
     """Read, check, tokenize and filter the train and eval files into ``out_dir`` (JSON lines,
     one example per line); returns {split: {"rows", "kept", "dropped": {reason: count}}}. Runs
     in the launcher, so a missing file, column or a bad row fails before any rank starts; every
@@ -278,7 +299,8 @@ def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path) -> dict:
                               ("eval", cfg.eval_files, "eval_files")):
         if files:
             data = read_rows(files, key)
-            cols = _columns_for(cfg, recipe, list(data.columns), key)
+            cols = _columns_for(cfg, recipe, list(data.columns), key,
+                                answer_reason=answer_reason)
             check_rows(data, cols, recipe)
             splits.append((split, key, data, cols))
     out_dir = Path(out_dir)

@@ -23,8 +23,10 @@ NOTES = {
                                "advantage.group_size",
     ("*", "batch_size"): "rows per training step",
     ("*", "pairs_per_step"): "chosen/rejected pairs per training step",
-    ("*", "eval_every"): "held-out loss at step 1, every N steps and the last (0: off); a "
-                         "resumed run keeps that cadence",
+    ("*", "eval_every"): "held-out loss at step 1, every N steps and the last (0: off; null: "
+                         "a fifth of the run) on data.eval_files' rows (train_files without "
+                         "them: none, said in a line), or the embedded task's held-out "
+                         "problems; a resumed run keeps that cadence",
     ("*", "export"): "export_hf of the result to run_dir/model at the end",
     ("*", "task"): "the embedded addition task (used when data.train_files is empty)",
     ("*", "ref_engine"): "the reference model's engine: only the engine: keys that differ "
@@ -46,7 +48,8 @@ NOTES = {
                                    "task",
     ("DataConfig", "eval_files"): "held-out files (same columns)",
     ("DataConfig", "prompt_key"): "column of the prompt (a string, or chat messages)",
-    ("DataConfig", "answer_key"): "column handed to the reward as answer (optional)",
+    ("DataConfig", "answer_key"): "column handed to the reward as answer (grpo, ppo: required "
+                                  "by the built-in math reward and when set, else optional)",
     ("DataConfig", "messages_key"): "column of chat messages (sft: loss on assistant turns)",
     ("DataConfig", "response_key"): "sft: column of the response",
     ("DataConfig", "chosen_key"): "rw, dpo: column of the preferred response",

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import fsdpfn as ff
 from fsdpfn import keys as K
+from fsdpfn.algos import dpo_objective
 from fsdpfn.app.recipes.data import load_source
 from fsdpfn.app.recipes.engine import build_engine, engines, shard
 from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
@@ -156,6 +157,9 @@ def _held_out(cfg, ctx, tok, n: int):
     if held is None and not cfg.data.from_files:
         held = load_source(cfg, tok, ctx.run_dir, "train")
     if held is None:
+        if cfg.eval_every != 0:  # said once, rather than evaluating nothing without a word
+            log("no held-out evaluation: data.train_files without data.eval_files (eval_every "
+                "applies to the eval files' rows)")
         return None
     if cfg.data.eval_size is not None:
         return held.head(cfg.data.eval_size)
@@ -227,9 +231,18 @@ def run_dpo(cfg, ctx: RunContext):
     evaluate = None
     if held:
         held_out = _sft_batch([{"ids": e["chosen"][0], "loss": e["chosen"][1]} for e in held])
+        # the held-out pairs' reference log-probs, once: the reference never changes (with
+        # lora it is the base model, the adapters off, whatever they have learnt)
+        pairs = ff.shard_batch(_pair_batch(held), mesh, group_size=2)
+        pairs = (ff.forward_logp(ref, pairs, out_key=K.REF_LOGP) if ref is not None
+                 else ff.forward_logp(state, pairs, out_key=K.REF_LOGP, adapters=False))
+        objective = dpo_objective(cfg.dpo)
 
         def evaluate(s):
-            return {"eval_p_correct": mean_sequence_prob(s, mesh, held_out)}
+            stats = ff.evaluate(s, pairs, objective)
+            return {"eval_loss": float(stats["loss"]),
+                    "eval_reward_accuracy": float(stats["reward_accuracy"]),
+                    "eval_p_correct": mean_sequence_prob(s, mesh, held_out)}
 
     _loop(cfg, ctx, state, source=load_source(cfg, tok, ctx.run_dir, "train"),
           per_step=cfg.pairs_per_step, make_batch=_pair_batch, step_fn=step_fn, group_size=2,
