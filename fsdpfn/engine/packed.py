@@ -50,13 +50,15 @@ def length_dependent_rotaries(module: nn.Module) -> list[nn.Module]:
     """The rotary embeddings under ``module`` whose frequencies depend on the highest position
     of the call (transformers' ``dynamic`` NTK and ``longrope`` types, one type or one per
     layer type)."""
-    found = []
-    for sub in module.modules():
-        kind = getattr(sub, "rope_type", None)
-        kinds = kind.values() if isinstance(kind, dict) else (kind,)
-        if any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
-            found.append(sub)
-    return found
+    return [sub for sub in module.modules()
+            if any("dynamic" in k or k == "longrope" for k in _rope_kinds(sub))]
+
+
+def _rope_kinds(module: nn.Module) -> list[str]:
+    """A module's rotary types (transformers' ``rope_type``: one, or one per layer type)."""
+    kind = getattr(module, "rope_type", None)
+    return [k for k in (kind.values() if isinstance(kind, dict) else (kind,))
+            if isinstance(k, str)]
 
 
 def _position_arg(args, kwargs):
@@ -86,9 +88,7 @@ def _append_top(module, args, kwargs):
     top = _PACK_TOP.get()
     if top is None:
         return None
-    kind = getattr(module, "rope_type", None)
-    if any(isinstance(k, str) and "dynamic" in k
-           for k in (kind.values() if isinstance(kind, dict) else (kind,))):
+    if any("dynamic" in k for k in _rope_kinds(module)):
         _forget_growth(module)
     where, pos = _position_arg(args, kwargs)
     pos = torch.cat((pos, top.to(pos.device, pos.dtype).expand(pos.shape[0], 1)), dim=1)
