@@ -157,6 +157,22 @@ def test_push_keys_the_recipe_owns_or_bad_values_are_refused_by_name(override, l
      "embedded task reads task:), got ('/etc/hostname',)"),
     ("ppo", ["data.eval_size=3"],
      "data.eval_size: applies to sft, rw and dpo (ppo evaluates eval.n_prompts prompts), got 3"),
+    ("sft", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "data.answer_key=solution"],
+     "data.answer_key: sft does not read this column (it reads messages_key, or prompt_key + "
+     "response_key), got 'solution'"),
+    ("sft", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "data.chosen_key=good"],
+     "data.chosen_key: sft does not read this column (it reads messages_key, or prompt_key + "
+     "response_key), got 'good'"),
+    ("dpo", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "data.response_key=out"],
+     "data.response_key: dpo does not read this column (it reads prompt_key + chosen_key + "
+     "rejected_key), got 'out'"),
+    ("rw", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "data.messages_key=conv"],
+     "data.messages_key: rw does not read this column (it reads prompt_key + chosen_key + "
+     "rejected_key), got 'conv'"),
+    ("grpo", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "warmup.steps=0",
+              "data.rejected_key=bad"],
+     "data.rejected_key: grpo does not read this column (it reads prompt_key or messages_key, "
+     "and answer_key), got 'bad'"),
 ])
 def test_keys_that_would_have_no_effect_are_refused_by_name(recipe, overrides, line):
     """Keys for the other kind of model, data or loop were accepted and silently unused."""

@@ -168,6 +168,18 @@ FILES_ONLY = ("eval_files", "prompt_key", "answer_key", "messages_key", "respons
               "chosen_key", "rejected_key", "chat_template", "system_prompt", "max_prompt_tokens",
               "max_response_tokens", "shuffle")
 
+# the column keys a recipe does not read: set to another column, they are refused, never ignored
+UNREAD_KEYS = {"grpo": ("response_key", "chosen_key", "rejected_key"),
+               "ppo": ("response_key", "chosen_key", "rejected_key"),
+               "sft": ("answer_key", "chosen_key", "rejected_key"),
+               "rw": ("answer_key", "messages_key", "response_key"),
+               "dpo": ("answer_key", "messages_key", "response_key")}
+READS = {"grpo": "prompt_key or messages_key, and answer_key",
+         "ppo": "prompt_key or messages_key, and answer_key",
+         "sft": "messages_key, or prompt_key + response_key",
+         "rw": "prompt_key + chosen_key + rejected_key",
+         "dpo": "prompt_key + chosen_key + rejected_key"}
+
 
 def _check_model_data(cfg) -> None:
     check_recipe_engines(cfg)
@@ -184,6 +196,13 @@ def _check_model_data(cfg) -> None:
             raise ConfigError(f"data.{name}: applies to data files only, and data.train_files "
                               f"is not set (the embedded task reads task:), got "
                               f"{getattr(cfg.data, name)!r}")
+    if cfg.data.from_files:
+        plain = DataConfig()
+        name = next((n for n in UNREAD_KEYS[cfg.recipe]
+                     if getattr(cfg.data, n) != getattr(plain, n)), None)
+        if name is not None:
+            raise ConfigError(f"data.{name}: {cfg.recipe} does not read this column (it reads "
+                              f"{READS[cfg.recipe]}), got {getattr(cfg.data, name)!r}")
     if cfg.recipe in ("grpo", "ppo") and cfg.data.eval_size is not None:
         raise ConfigError(f"data.eval_size: applies to sft, rw and dpo ({cfg.recipe} evaluates "
                           f"eval.n_prompts prompts), got {cfg.data.eval_size!r}")

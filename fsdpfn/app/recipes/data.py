@@ -83,7 +83,8 @@ _key = satisfies("must be a column name", is_nonempty_str, section="data.")
 @attrs.frozen
 class DataConfig:
     """Local data files; none: the embedded addition task (``task:``). See the module doc.
-    Without ``train_files`` the other keys but ``eval_size`` are refused, never ignored."""
+    Without ``train_files`` the other keys but ``eval_size`` are refused, never ignored; with
+    them, so is a column key set that the recipe does not read (``chosen_key`` in sft)."""
 
     train_files: tuple[str, ...] = attrs.field(default=(), converter=_files, validator=_file_list)
     eval_files: tuple[str, ...] = attrs.field(default=(), converter=_files, validator=_file_list)
