@@ -53,6 +53,7 @@ def main() -> None:
     stream = RolloutStream(server.url, lambda i: task.prompt_ids(tok, *problems[i]),
                            group_size=G, groups_per_step=args.prompts,
                            max_staleness=args.max_staleness, version=version, seed=0,
+                           steps=args.steps,
                            sampling={"max_new_tokens": task.max_answer_tokens,
                                      "stop_token_ids": [tok.eos_id]})
     # one minibatch: the training forward is the proximal policy (old_logp_from="forward", exact)

@@ -3,7 +3,8 @@
 For asynchronous RL in a custom loop (rank 0 of the trainer holds the stream):
 
     stream = RolloutStream(urls, prompt_at, group_size=8, groups_per_step=64, max_staleness=2,
-                           sampling={"max_new_tokens": 512}, version=actor.version)
+                           sampling={"max_new_tokens": 512}, version=actor.version,
+                           steps=steps)
     for step in range(steps):
         batch = stream.next_batch()            # the step's groups, in data order; waits for them
         ...                                    # log-probs, advantages, ppo_step: actor.version + 1
@@ -21,7 +22,7 @@ advance's, so its staleness is at most ``max_staleness``. Staleness counts pushe
 version trained minus the oldest token's version when every push moves the version on by one,
 as ``ppo_step`` does; a loop that changes the weights twice between pushes still has its bound
 kept and reported in pushes). Nothing is thrown away: generation that would exceed the bound
-waits.
+waits, and with ``steps`` nothing past the last step is generated.
 With ``max_staleness=0`` a step's groups are sent only after the previous step's push: the
 synchronous loop. In order of data also means a resumed run's data cursor is a prefix: the groups
 handed out, no more (groups in flight at a stop are generated again).
@@ -134,17 +135,22 @@ class RolloutStream:
     the stream's own thread (one call at a time), its results stored on the groups.
     ``runner(url, first, items) -> [outputs of each item]``: what a request is (default: one
     ``generate`` of the items' token ids, ``group_size`` samples each; a workflow runner makes
-    episodes instead: then ``prompt_at`` may return any item, e.g. the data row)."""
+    episodes instead: then ``prompt_at`` may return any item, e.g. the data row). ``steps``: how
+    many batches the trainer will take; nothing past the last is generated (a workflow with side
+    effects is never started on a row no step trains), and a further ``next_batch`` raises
+    StopIteration. None: the stream runs on until the data ends or ``close()``."""
 
     def __init__(self, urls: str | Sequence[str], prompt_at: Callable[[int], Any],
                  *, group_size: int, groups_per_step: int, max_staleness: int = 0,
                  start: int = 0, version: int = 0, sampling: dict | None = None,
                  score: Callable[[list], list] | None = None, seed: int | None = None,
-                 runner: Callable[[str, int, list], list] | None = None):
+                 runner: Callable[[str, int, list], list] | None = None,
+                 steps: int | None = None):
         sampling = dict(sampling or {})
         _check_args(group_size, groups_per_step, max_staleness, start, sampling)
         version = _int("version", version, 0)
         seed = None if seed is None else _int("seed", seed, 0)
+        steps = None if steps is None else _int("steps", steps, 0)
         if runner is not None and not callable(runner):
             raise ConfigError(f"runner: must be callable (url, first, items) -> outputs, got "
                               f"{runner!r}")
@@ -155,6 +161,7 @@ class RolloutStream:
         self.prompt_at, self.score, self.sampling, self.seed = prompt_at, score, sampling, seed
         self.runner, self.token_items = runner or self._generate, runner is None
         self.G, self.B, self.N = group_size, groups_per_step, max_staleness
+        self.steps = steps  # batches the trainer will take (None: until the data ends)
         self.start = self.next_index = self.consumed = start
         self.version = version
         self.pushed = [version]  # the version served after each advance (index 0: at the start)
@@ -184,6 +191,8 @@ class RolloutStream:
             if self.closed:
                 raise ConfigError("next_batch: the stream is closed (close() was called); "
                                   "start a new RolloutStream at start=stream.cursor")
+            if self.steps is not None and want.start >= self.start + self.steps * self.B:
+                raise StopIteration(f"the stream's steps={self.steps} batches were handed out")
             while not all(i in self.finished for i in want):
                 if self.error is not None:
                     raise self.error
@@ -254,8 +263,10 @@ class RolloutStream:
     # ------------------------------------------------------------ admission
 
     def _admissible(self) -> int:
-        """How many groups may be sent now: up to the end of step advances + N (lock held)."""
-        limit = self.start + (self.advances + self.N + 1) * self.B
+        """How many groups may be sent now: up to the end of step advances + N, and of the
+        last of ``steps`` (lock held)."""
+        ahead = self.advances + self.N + 1
+        limit = self.start + (ahead if self.steps is None else min(ahead, self.steps)) * self.B
         return max(0, limit - self.next_index)
 
     def _take_held_seconds(self) -> float:

@@ -216,7 +216,10 @@ def test_a_workflow_step_without_a_trainable_row_lets_the_run_go_on(tmp_path):
     """Every episode's row over max_episode_tokens: the step trains nothing, says so, and the
     stream still admits the next step's episodes (the run used to wait for them for good); a
     step that evaluates keeps its greedy accuracy in its row (it once crashed the run on a
-    KeyError instead)."""
+    KeyError instead). No episode starts past the last step: the stream started a further
+    step's episodes after the last push and cut them off at the end (a workflow's side effects
+    on rows no step trains)."""
+    import os
     import subprocess
     import sys
 
@@ -230,9 +233,13 @@ def test_a_workflow_step_without_a_trainable_row_lets_the_run_go_on(tmp_path):
         "launch: {nproc: 1}\nlog: {plot: false, progress: false}\n")
     proc = subprocess.run(
         [sys.executable, "-m", "fsdpfn", "run", str(config), f"run_dir={tmp_path / 'run'}",
-         f"rollout.workflow={EXAMPLES}:check_and_retry", "rollout.max_episode_tokens=2"],
-        capture_output=True, text=True, timeout=280)
+         f"rollout.workflow={WF}:logged_retry", "rollout.max_episode_tokens=2"],
+        capture_output=True, text=True, timeout=280,
+        env={**os.environ, "FSDPFN_TEST_WF_LOG": str(tmp_path / "episodes.jsonl")})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    started = (tmp_path / "episodes.jsonl").read_text().splitlines()
+    assert len(started) == 2 * 4 * 4, len(started)  # steps x prompts_per_step x group_size
+    assert len(set(started)) <= 8  # the two steps' prompts, each group_size times
     assert proc.stderr.count("no trainable row") == 2, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     steps = [r for r in rows if r.get("phase") == "grpo"]

@@ -169,3 +169,41 @@ def test_an_advance_beyond_the_batches_handed_out_is_refused_and_a_missing_one_i
         assert stream.advances == 2
     finally:
         stream.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_nothing_past_the_last_of_steps_is_generated(max_staleness):
+    """With steps=2 the stream runs no request for a third step, however far max_staleness
+    lets it run ahead or however many advances came (a recipe's workflow was started on the
+    rows after its last step and cut off at the end), and a third next_batch is StopIteration.
+    """
+    import threading
+    import time
+
+    started, lock = [], threading.Lock()
+
+    def runner(url, first, prompts):
+        with lock:
+            started.extend(range(first, first + len(prompts)))
+        return _runner(url, first, prompts)
+
+    stream = _stream(max_staleness=max_staleness, runner=runner, steps=2, start=4)
+    try:
+        for _ in range(2):
+            stream.next_batch(timeout=20)
+            stream.advance(stream.version + 1)
+        time.sleep(0.5)  # the admission thread has every chance to send a third step
+        with pytest.raises(StopIteration, match=r"steps=2 batches were handed out"):
+            stream.next_batch(timeout=5)
+        with lock:
+            assert sorted(started) == [4, 5, 6, 7], started
+        assert stream.cursor == 8
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize("steps", [-1, 1.5, "2", True])
+def test_a_bad_steps_is_refused_by_name(steps):
+    with pytest.raises(ConfigError, match=r"steps: must be an integer >= 0, got "):
+        _stream(steps=steps)

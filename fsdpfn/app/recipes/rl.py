@@ -248,7 +248,7 @@ def run(cfg, ctx: RunContext) -> int:
                 load_source(cfg, tok, ctx.run_dir, "eval"))
         if is_main():  # generation (ahead of training with rollout.max_staleness)
             producer = build_rollout(cfg, ctx, tok, data[0], pool, cursor=cursor,
-                                     version=actor.version)
+                                     version=actor.version, steps=max(0, cfg.steps - start))
         return _train(cfg, ctx, mesh, tok, metrics, actor, ref, critic, target, pool,
                       (*data, producer), start, cursor)
     finally:

@@ -172,7 +172,8 @@ def _max_positions(cfg, ctx: RunContext) -> int:
 class StreamRollout:
     """Generation (or episodes) running up to max_staleness steps ahead (module doc)."""
 
-    def __init__(self, cfg, ctx: RunContext, tok, source, pool, *, cursor: int, version: int):
+    def __init__(self, cfg, ctx: RunContext, tok, source, pool, *, cursor: int, version: int,
+                 steps: int):
         from fsdpfn.app.recipes.workflow import load_workflow, run_episodes
         from fsdpfn.rollout.stream import RolloutStream
 
@@ -195,7 +196,8 @@ class StreamRollout:
         self.stream = RolloutStream(
             ctx.rollout_urls, item, group_size=G, groups_per_step=cfg.prompts_per_step,
             max_staleness=r.max_staleness, start=cursor, version=version, seed=cfg.seed,
-            runner=runner, sampling={**sampling(cfg, tok), "timeout": r.timeout_s})
+            runner=runner, sampling={**sampling(cfg, tok), "timeout": r.timeout_s},
+            steps=steps)
         self.balancer = self.stream.balancer
 
     def step(self, step: int, cursor: int) -> dict:
@@ -253,8 +255,11 @@ def _generated(output) -> int:
     return sum(len(t.output_ids) for t in getattr(output, "turns", ()))
 
 
-def build_rollout(cfg, ctx: RunContext, tok, source, pool, *, cursor: int, version: int):
-    """Rank 0's rollout producer for the run's settings (module doc)."""
+def build_rollout(cfg, ctx: RunContext, tok, source, pool, *, cursor: int, version: int,
+                  steps: int):
+    """Rank 0's rollout producer for the run's settings (module doc); ``steps``: the steps
+    left to train (the stream generates nothing past the last)."""
     if cfg.rollout.max_staleness == 0 and not cfg.rollout.workflow:
         return SyncRollout(cfg, ctx, tok, source, pool)
-    return StreamRollout(cfg, ctx, tok, source, pool, cursor=cursor, version=version)
+    return StreamRollout(cfg, ctx, tok, source, pool, cursor=cursor, version=version,
+                         steps=steps)
