@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 import fsdpfn as ff
-from fsdpfn import keys as K
 from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, rollout_batch,
                                      save_initial_model, sft_batch)
 from fsdpfn.rollout import launch_server
@@ -35,7 +34,8 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=1), device_type="cpu")  # one process
-    run_dir, task, tok, G = Path(args.run_dir), AdditionTask(digits=1), CharTokenizer(), args.group_size
+    run_dir, task, tok = Path(args.run_dir), AdditionTask(digits=1), CharTokenizer()
+    G = args.group_size
     shutil.rmtree(run_dir, ignore_errors=True)
     save_initial_model(run_dir / "model0", TinyModel(), tok)
 
