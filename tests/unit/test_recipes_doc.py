@@ -31,3 +31,43 @@ def test_every_recipe_and_key_is_on_the_page():
                  "ppo.old_logp_from", "rollout.max_staleness", "log.wandb.mode",
                  "engine.lora.rank"):
         assert f"| `{path}` |" in text, path
+
+
+# one override breaking each rule of keys_notes.RULES, in its order, and the key it is refused by
+FILES = ["model.path=/tmp", "data.train_files=[/etc/hostname]"]
+BROKEN = {
+    "grpo": [(["advantage.estimator=gae"], "advantage.estimator"),
+             (["advantage.group_size=1"], "advantage.group_size"),
+             (["prompts_per_step=2", "advantage.group_size=2", "ppo.n_minibatches=5"],
+              "ppo.n_minibatches"),
+             (["ppo.temperature=0.5"], "ppo.temperature"),
+             ([*FILES, "warmup.steps=5"], "warmup.steps")],
+    "ppo": [(["advantage.estimator=grpo"], "advantage.estimator"),
+            (["advantage.group_size=2"], "advantage.group_size"),
+            (["prompts_per_step=3", "critic.n_minibatches=4", "ppo.n_minibatches=1"],
+             "critic.n_minibatches"),
+            (["ppo.temperature=0.5"], "ppo.temperature"),
+            ([*FILES, "warmup.steps=5"], "warmup.steps")],
+    "rw": [(["engine.lora.rank=4"], "engine.lora")],
+}
+
+
+def test_each_rule_the_page_lists_is_refused_by_its_key():
+    """The page's list of a recipe's own rules (keys_notes.RULES) says what is refused: each
+    rule, broken by one override, is a ConfigError naming its first key."""
+    import pytest
+
+    from fsdpfn.app.recipes import default_config
+    from fsdpfn.app.recipes.keys_notes import RULES
+    from fsdpfn.errors import ConfigError
+
+    assert set(RULES) == set(BROKEN)
+    page = keys_doc.render()
+    for recipe, rules in RULES.items():
+        assert len(rules) == len(BROKEN[recipe]), recipe  # a new rule needs its case here
+        for rule, (overrides, key) in zip(rules, BROKEN[recipe]):
+            assert f"- {rule}\n" in page
+            assert f"`{key}`" in rule, (rule, key)
+            with pytest.raises(ConfigError) as info:
+                default_config(recipe, overrides)
+            assert str(info.value).startswith(f"{key}: "), (recipe, overrides, str(info.value))

@@ -27,7 +27,7 @@ from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import NEEDS_ROLLOUT, RECIPE_CONFIGS
 from fsdpfn.app.recipes.engine import MOVED, OWNED, EngineSection
-from fsdpfn.app.recipes.keys_notes import NOTES, REFUSED_IN, SECTION_TITLES
+from fsdpfn.app.recipes.keys_notes import NOTES, REFUSED_IN, RULES, SECTION_TITLES
 
 __all__ = ["render", "undescribed", "PAGE"]
 
@@ -285,6 +285,10 @@ def render() -> str:
                     "| key | class default | in this recipe |", "|---|---|---|"]
             out += [f"| `{k}` | `{_value(serde.unstructure(b))}` | "
                     f"`{_value(serde.unstructure(v))}` |" for k, b, v in own]
+        if RULES.get(name):
+            out += ["", f"Rules `{name}` adds to the sections' own (each refused before "
+                        f"launch, in one line):", ""]
+            out += [f"- {rule}" for rule in RULES[name]]
         out.append("")
     out += ["## The sections", "",
             "Each section is a frozen attrs class; a YAML mapping under its key sets its "

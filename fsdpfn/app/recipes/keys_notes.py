@@ -2,13 +2,32 @@
 
 fsdpfn.app.recipes.keys_doc renders the page from the classes; it reads from here the
 description of each key whose class neither comments nor names it in its docstring (``NOTES``),
-the titles of sections a plain ``key: Class`` would not explain (``SECTION_TITLES``) and the
-recipes that have a section through a shared class but refuse it (``REFUSED_IN``).
+the titles of sections a plain ``key: Class`` would not explain (``SECTION_TITLES``), the
+recipes that have a section through a shared class but refuse it (``REFUSED_IN``) and the rules a
+recipe adds to its sections' own (``RULES``: each refused before launch, in one line).
 """
 
 from __future__ import annotations
 
-__all__ = ["NOTES", "SECTION_TITLES", "REFUSED_IN"]
+__all__ = ["NOTES", "SECTION_TITLES", "REFUSED_IN", "RULES"]
+
+# what a recipe requires across its sections (fsdpfn.app.recipes.config refuses the rest)
+_RL = ["`ppo.temperature` equals `rollout.temperature` (old_logp and behav_logp describe one "
+       "distribution)",
+       "with `data.train_files`, `warmup.steps` is 0 or null (the warm-up trains on the "
+       "embedded task)"]
+RULES = {
+    "grpo": ["`advantage.estimator` is critic-free: grpo, drgrpo, rloo or reinforce++ (gae "
+             "needs recipe ppo)",
+             "`advantage.group_size` >= 2 (answers per problem, compared within their group)",
+             "`ppo.n_minibatches` <= the rows of a step, `prompts_per_step` x "
+             "`advantage.group_size`", *_RL],
+    "ppo": ["`advantage.estimator` is gae (the critic's values)",
+            "`advantage.group_size` is 1 (one answer per prompt; a step's rows are "
+            "`prompts_per_step`)",
+            "`ppo.n_minibatches` and `critic.n_minibatches` <= `prompts_per_step`", *_RL],
+    "rw": ["`engine.lora` is null (the reward model trains in full)"],
+}
 
 # keys whose class neither comments nor names them in its docstring: (class name, key) -> text
 NOTES = {
