@@ -2,7 +2,7 @@
 a previous run needs ``--resume`` (continue it) or ``--overwrite`` (delete what fsdpfn wrote,
 ``OWNED``, and start over), never both; a run_dir whose launcher still runs on this host is
 refused; ``--resume`` keeps the sections the run was built with (``FIXED_ON_RESUME``: its
-model0 and prepared data are reused as they are). Standard library only at module level.
+model0 and data, prepared files or the embedded task, are reused as they are). Standard library only at module level.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def check_flags(*, resume: bool, overwrite: bool) -> None:
 
 # the sections a run bakes into run_dir before its first step (model0, the tokenizer, the
 # prepared data) and --resume reuses as they are: a change there would not take effect
-FIXED_ON_RESUME = ("recipe", "model", "data")
+FIXED_ON_RESUME = ("recipe", "model", "data", "task")  # task: the embedded task's data
 
 
 def check_resume_keeps(cfg, config_path: Path) -> None:

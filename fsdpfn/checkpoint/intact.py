@@ -68,7 +68,7 @@ def _check_bytes(root: Path) -> None:
         raise CheckpointError(f"{_FN}: {str(root / MANIFEST)!r}: checksums.algorithm must be "
                               f"{integrity.ALGORITHM!r}, got {_get(record, 'algorithm')!r}")
     for rel in record.get("files", {}):
-        integrity.check_file(root, rel, record)
+        integrity.check_file(root, rel, record, _FN)
     metadata = FileSystemReader(str(root)).read_metadata()
     per_file: dict[str, list] = {}
     for index, info in metadata.storage_data.items():

@@ -161,13 +161,14 @@ def record(root: Path, gathered: Sequence[Sequence], small_files: Iterable[str])
 # ---------------------------------------------------------------- load
 
 
-def check_file(root: Path, rel: str, checksums: dict | None) -> None:
-    """CRC32 of a whole small file (``.metadata``, an RNG file) against the record."""
+def check_file(root: Path, rel: str, checksums: dict | None, fn: str = _FN) -> None:
+    """CRC32 of a whole small file (``.metadata``, an RNG file) against the record; ``fn``: the
+    public function the error names."""
     if checksums is None or rel not in checksums.get("files", {}):
         return
     expected, actual = checksums["files"][rel], file_crc(root / rel)
     if actual != expected:
-        raise CheckpointError(f"{_FN}: {str(root / rel)!r}: its CRC32 must be {expected} as "
+        raise CheckpointError(f"{fn}: {str(root / rel)!r}: its CRC32 must be {expected} as "
                               f"saved, got {actual}: the file is corrupted")
 
 

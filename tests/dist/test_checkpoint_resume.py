@@ -127,8 +127,17 @@ def test_one_flipped_bit_of_the_manifest_is_refused_naming_it(spmd1, tmp_path):
         verdict = out[str(tmp_path / name)]
         assert verdict[0] == "error" and f"{tmp_path / name / MANIFEST}'" in verdict[1] \
             and "the manifest is corrupted" in verdict[1], (name, verdict)
-        with pytest.raises(CheckpointError, match="the manifest is corrupted"):
+        with pytest.raises(CheckpointError, match="^check_checkpoint: .*the manifest is "
+                                                  "corrupted"):
             check_checkpoint(tmp_path / name)
+    # a corrupted .metadata is named by the function called (it said load_checkpoint:)
+    shutil.copytree(good, tmp_path / "metadata")
+    meta = tmp_path / "metadata" / ".metadata"
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 1
+    meta.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"^check_checkpoint: .*\.metadata'?: its CRC32"):
+        check_checkpoint(tmp_path / "metadata")
     verdict = out[str(tmp_path / "old_format")]
     assert verdict[0] == "error" and "must carry manifest_crc32" in verdict[1], verdict
     assert "verify=False" in verdict[1]

@@ -31,6 +31,7 @@ def test_a_previous_run_needs_resume_or_overwrite_and_resume_keeps_it(tmp_path):
     ("model.hidden_size=64", "model.hidden_size"),
     ("model.seed=3", "model.seed"),
     ("data.eval_size=5", "data.eval_size"),
+    ("task.digits=3", "task.digits"),  # the embedded task is the run's data
 ])
 def test_resume_refuses_a_change_to_what_run_dir_was_built_with(tmp_path, change, key):
     """--resume reuses run_dir's model0 and prepared data: a changed model or data key would
