@@ -35,6 +35,11 @@ def test_generation_runs_ahead_within_the_bound(tmp_path):
     assert all(r["staleness_max"] <= 2 for r in rows), [r["staleness_max"] for r in rows]
     assert rows[0]["staleness_max"] == 0 and max(r["staleness_max"] for r in rows) >= 1
     assert all(0.0 <= r["off_policy_token_frac"] <= 1.0 for r in rows)
+    # elapsed is stamped at the step's end: its rise covers the step's seconds, the
+    # checkpoint of every second step included (it was stamped before the save)
+    rises = [b["elapsed"] - a["elapsed"] for a, b in zip(rows, rows[1:])]
+    assert all(rise >= r["seconds"] for rise, r in zip(rises, rows[1:])), (rises, rows)
+    assert all(r["checkpoint_seconds"] > 0 for r in rows if r["step"] % 2 == 0)
     # the demo's PPO (8 minibatches, a KL to the reference) runs both log-prob passes
     assert all((r["ref_logp_pass"], r["old_logp_pass"]) == (1, 1) for r in rows)
     # each step trained the next 8 prompts of the data order: none twice, none skipped

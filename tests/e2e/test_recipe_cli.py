@@ -207,7 +207,9 @@ def test_a_resumed_run_keeps_the_uninterrupted_runs_evaluations_and_draws(tmp_pa
     - the global RNGs are seeded from `seed`, so each checkpoint's saved state is a function of
       the seed, and the resumed run's step-4 state is the uninterrupted run's (two runs of one
       seed saved different states: nothing seeded them);
-    - every row states data_first, data_last and elapsed, as RL rows do.
+    - every row states data_first, data_last and elapsed, as RL rows do; elapsed is stamped at
+      the step's end, so each step's rise covers its seconds (its checkpoint included) and its
+      eval_seconds (it was stamped before both).
     """
     import torch
 
@@ -229,6 +231,13 @@ def test_a_resumed_run_keeps_the_uninterrupted_runs_evaluations_and_draws(tmp_pa
         assert (r["data_first"], r["data_last"], r["data_cursor"]) == (
             8 * (r["step"] - 1), 8 * r["step"] - 1, 8 * r["step"]), r
         assert 0 < r["elapsed"], r
+    last = 0.0
+    for r in rows("a"):
+        spent = r["seconds"] + r.get("eval_seconds", 0.0)
+        assert r["elapsed"] - last >= spent, (r["step"], r["elapsed"] - last, spent)
+        last = r["elapsed"]
+    assert all(("eval_seconds" in r) == ("eval_loss" in r) for r in rows("a"))
+    assert all(r.get("checkpoint_seconds", 0) > 0 for r in rows("a") if r["step"] % 2 == 0)
     saved = {name: torch.load(tmp_path / name / "checkpoints" / "step_000004" / "rng" /
                               "rank_00000.pt", weights_only=False) for name in "ab"}
     assert torch.equal(saved["a"]["torch"], saved["b"]["torch"])

@@ -322,7 +322,6 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
                                       (producer, held_out if evaluate else None), step, cursor)
         cursor += cfg.prompts_per_step
         row["data_cursor"] = cursor
-        row["elapsed"] = time.perf_counter() - t_run
         stop = ctx.stop.agreed()
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps \
                 or stop:
@@ -331,6 +330,7 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
         else:
             row.update(saves.poll())
         with_checkpoint(row)
+        row["elapsed"] = time.perf_counter() - t_run  # the step's checkpoint included
         metrics.write(row)
         bar.update(step, reward=row["reward_mean"], loss=row["loss"],
                    **({"greedy": row["greedy_accuracy"]} if evaluate else {}),

@@ -111,12 +111,14 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
                "tokens": tokens, "loss_tokens": int(stats["tokens"]),
                "tokens_per_s": tokens / seconds, "version": state.version,
                "seconds": seconds, "data_first": first, "data_last": cursor - 1,
-               "data_cursor": cursor, "elapsed": time.perf_counter() - began}
+               "data_cursor": cursor}
         # the run's first step (the initial weights' baseline), every N and the last: a
         # resumption keeps the cadence of the run it continues
         if evaluate is not None and eval_every and (step % eval_every == 0 or step == cfg.steps
                                                     or step == 1):
+            t_eval = time.perf_counter()
             row.update(evaluate(state))
+            row["eval_seconds"] = time.perf_counter() - t_eval
         stop = ctx.stop.agreed()
         every = cfg.checkpoint.every
         if (every and step % every == 0) or step == cfg.steps or stop:
@@ -127,9 +129,11 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
         else:
             row.update(saves.poll())
         with_checkpoint(row)
+        row["elapsed"] = time.perf_counter() - began  # the step's evaluation and save included
         metrics.write(row)
         bar.update(step, loss=row["loss"], **{k: row[k] for k in keys[:2]},
-                   **{k: v for k, v in row.items() if k.startswith("eval_")},
+                   **{k: v for k, v in row.items()
+                      if k.startswith("eval_") and k != "eval_seconds"},
                    tok_s=row["tokens_per_s"])
         if stop:
             bar.close()
