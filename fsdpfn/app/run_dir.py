@@ -2,7 +2,8 @@
 a previous run needs ``--resume`` (continue it) or ``--overwrite`` (delete what fsdpfn wrote,
 ``OWNED``, and start over), never both; a run_dir whose launcher still runs on this host is
 refused; ``--resume`` keeps the sections the run was built with (``FIXED_ON_RESUME``: its
-model0 and data, prepared files or the embedded task, are reused as they are). Standard library only at module level.
+model0 and data, prepared files or the embedded task, are reused as they are). Standard
+library only at module level.
 """
 
 from __future__ import annotations
