@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["UpdateError"]
+__all__ = ["UpdateError", "check_flags"]
+
+# the bool fields of the update requests (SGLang's and fsdpfn's)
+UPDATE_FLAGS = ("flush_cache", "merged_adapters", "verify_checksums", "commit")
 
 
 class UpdateError(Exception):
@@ -11,3 +14,12 @@ class UpdateError(Exception):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+def check_flags(payload: dict, keys=UPDATE_FLAGS) -> None:
+    """Each of ``keys`` the request sets is a JSON bool (null: the default), else a 400 naming
+    it: read as Python truth, the string "false" committed an update meant to be staged."""
+    for key in keys:
+        value = payload.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise UpdateError(f"{key}: must be a bool (true or false), got {str(value)[:80]!r}")

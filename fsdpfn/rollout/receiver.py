@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from fsdpfn.rollout import lora as rollout_lora
-from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.errors import UpdateError, check_flags
 from fsdpfn.rollout.staging import (Abandoned, Layout, checked_checksum, checksum_after,
                                     copy_shared, first_non_finite, http_swap_s,
                                     load_update_files, parse_version, post_flat, receive_sglang,
@@ -212,6 +212,7 @@ class Receiver:
         name = str(payload.get("group_name") or "weight_update_group")
         group = self._group(name)
         try:
+            check_flags(payload)
             names, dtypes, shapes = request_fields(payload)
             self._version(payload.get("weight_version"), partial=True)  # refused before bytes
         except UpdateError as exc:
@@ -339,6 +340,7 @@ class Receiver:
         in like a whole update. The sender frees its buffers after the answer. fsdpfn's sender
         adds ``weights_checksum`` (what arrived must have it, else refused before the swap) and
         ``timeout_s`` (its call's: the swap waits for the model lock a little less)."""
+        check_flags(payload)
         if self.engine.device.type != "cuda":
             raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
                               f"runs on {self.engine.device}")
@@ -395,6 +397,7 @@ class Receiver:
         swap's wait for the model lock)}. With fsdpfn's manifest the version is the manifest's
         (a label given beside it names that version)."""
         start = time.monotonic()
+        check_flags(payload)
         with self._alone(0.0):
             tensors, version, label = load_update_files(
                 payload, self.engine.params, self.engine.aliases, self.engine.device,
@@ -425,6 +428,7 @@ class Receiver:
         update of that version (commit false: drop it). 409 when none of that version is
         staged: the served weights stay as they are."""
         start = time.monotonic()
+        check_flags(payload, ("commit",))
         with self._alone(0.0):
             staged, version = self.staged, payload.get("weight_version")
             if isinstance(version, str) and version.strip().isdecimal():

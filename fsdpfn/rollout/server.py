@@ -78,6 +78,10 @@ def build_app(engine: RolloutEngine):
             message += f" ({errors[0]['msg']})"
         if request.url.path.startswith("/v1/"):
             return JSONResponse(status_code=400, content=openai_api.error_body(message, "body"))
+        if request.url.path == "/generate":  # SGLang's error shape, as sglang_answer's
+            return JSONResponse(status_code=400, content={
+                "object": "error", "type": "BadRequestError", "param": None, "code": 400,
+                "success": False, "message": message})
         return JSONResponse(status_code=400, content={"success": False, "message": message})
 
     def answer(fn: Callable[[], Any], refused: int | None = None):

@@ -32,7 +32,7 @@ import time
 import uuid
 
 from fsdpfn.rollout import packing
-from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.errors import UpdateError, check_flags
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
 __all__ = ["generate", "encode_prompts"]
@@ -85,6 +85,12 @@ def _refuse(engine, payload: dict) -> None:
         if key in payload and payload[key] not in off:
             raise UpdateError(f"{key}: not supported by this server (must be "
                               f"{off[-1]!r} or absent), got {str(payload[key])[:80]!r}")
+    check_flags(payload, ("return_text_in_logprobs",))
+    rid = payload.get("rid")
+    if not (rid is None or isinstance(rid, str)
+            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+        raise UpdateError(f"rid: must be a string (or a list of them, one per output), got "
+                          f"{str(rid)[:80]!r}")
     lora = payload.get("lora_path")
     if lora not in (None, "", []):
         slot = engine.receiver.adapter
@@ -187,7 +193,7 @@ def _sglang(engine, payload, answers, prompts, wants: list[bool], tops: list[int
     """SGLang's answer objects; ``wants`` / ``tops``: each prompt's return_logprob and
     top_logprobs_num."""
     rids = payload.get("rid")
-    with_text = bool(payload.get("return_text_in_logprobs"))
+    with_text = bool(payload.get("return_text_in_logprobs"))  # checked by _refuse
     items, offset = [], 0
     for answer, sp in answers:
         for o in answer["outputs"]:

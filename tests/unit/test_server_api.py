@@ -206,11 +206,53 @@ def test_penalties_follow_sglangs_definition(server, reference, freq, pres, rep)
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "return_logprob": "abc"}, "return_logprob: must be a bool"),
     ({"input_ids": [[1, 2]], "return_logprob": [1]}, "return_logprob: must be a bool"),
+    ({"input_ids": [1, 2], "return_text_in_logprobs": "no"},
+     "return_text_in_logprobs: must be a bool"),
+    ({"input_ids": [1, 2], "rid": 3}, "rid: must be a string"),
     ({"text": "hi", "input_ids": [1]}, "input_ids, text")])
 def test_unsupported_keys_are_refused_by_name(server, payload, named):
     out = server.post("/generate", payload)
     assert out["status"] == 400 and out["object"] == "error" and out["code"] == 400
     assert named in out["message"]
+
+
+@pytest.mark.timeout(60)
+def test_a_body_that_is_not_json_gets_each_endpoints_error_shape(server):
+    """/generate answered a body that does not parse in the update endpoints' shape, without
+    SGLang's "object" and "code"."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    for path in ("/generate", "/update_weights_from_disk"):
+        req = urllib.request.Request(server.url + path, data=b"{not json",
+                                     headers={"Content-Type": "application/json"},
+                                     method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            opener.open(req, timeout=30)
+        body = json.loads(info.value.read())
+        assert info.value.code == 400 and body["success"] is False
+        assert body["message"].startswith("body: must be a JSON document")
+        assert (body.get("object"), body.get("code")) == (
+            ("error", 400) if path == "/generate" else (None, None)), (path, body)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("payload,named", [
+    ({"flush_cache": "maybe"}, "flush_cache"),
+    ({"commit": "false"}, "commit"),  # read as truth, it committed what was meant to be staged
+    ({"verify_checksums": 0}, "verify_checksums"),
+    ({"merged_adapters": "yes"}, "merged_adapters")])
+def test_an_update_flag_that_is_not_a_bool_is_refused_and_the_weights_stay(server, model_dir,
+                                                                           payload, named):
+    before = server.get("/get_model_info")
+    out = server.post("/update_weights_from_disk", {"model_path": str(model_dir), **payload})
+    assert out["status"] == 400 and out["success"] is False
+    assert out["message"].startswith(f"{named}: must be a bool (true or false), got "), out
+    after = server.get("/get_model_info")
+    assert (after["version"], after["weight_version"]) == (before["version"],
+                                                           before["weight_version"])
 
 
 @pytest.mark.timeout(120)
