@@ -284,3 +284,18 @@ def test_a_date_written_in_yaml_is_the_text_written(tmp_path):
     cfg = load_recipe_config(path, ["model.path=2025-02-03"])
     assert (cfg.run_dir, cfg.model.path, cfg.log.wandb.name) == ("2024-01-01", "2025-02-03",
                                                                "2024-01-01 10:00")
+
+
+def test_every_column_key_is_read_or_refused_by_each_recipe():
+    """config.UNREAD_KEYS and READS partition data's column keys for every recipe: a new
+    column key must be placed (read, or refused when set) for each."""
+    import attrs
+
+    from fsdpfn.app.recipes.config import READS, UNREAD_KEYS
+    from fsdpfn.app.recipes.data import DataConfig
+
+    keys = {a.name for a in attrs.fields(DataConfig) if a.name.endswith("_key")}
+    for recipe in ("grpo", "ppo", "sft", "rw", "dpo"):
+        read = {k for k in keys if k in READS[recipe]}
+        assert read | set(UNREAD_KEYS[recipe]) == keys, recipe
+        assert not read & set(UNREAD_KEYS[recipe]), recipe
