@@ -121,6 +121,39 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
     assert all(1.0 <= r["turns_per_episode"] <= 2.0 for r in rows)
 
 
+@pytest.mark.timeout(400)
+def test_ctrl_c_in_a_synchronous_workflow_run_starts_no_episode_it_does_not_train(tmp_path):
+    """At max_staleness 0 the next step's episodes wait for the step's end: a stop agreed there
+    starts none (they were started before the stop was read, run, and thrown away, and the
+    resumed run ran them again: a workflow's side effects twice)."""
+    import signal
+    import time
+
+    run_dir, log = tmp_path / "stop0", tmp_path / "episodes.jsonl"
+    spec = f"rollout.workflow={Path(__file__).with_name('workflows_for_tests.py')}:logged_retry"
+    short = [a if not a.startswith("prompts_per_step=") else "prompts_per_step=2" for a in SHORT]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPFN_TEST_WF_LOG": str(log)}
+    proc = subprocess.Popen([sys.executable, "-m", "fsdpfn", "demo", f"run_dir={run_dir}", spec,
+                             "advantage.group_size=2", "ppo.n_minibatches=1", *short,
+                             "steps=40"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "metrics.jsonl").is_file() and grpo_rows(run_dir):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-4000:]
+    trained = len(grpo_rows(run_dir))
+    started = log.read_text().splitlines()
+    assert len(started) == trained * 2 * 2, (len(started), trained)  # prompts x group_size
+
+
 @pytest.mark.timeout(300)
 def test_one_minibatch_skips_the_old_logp_pass_and_no_kl_skips_the_reference(tmp_path):
     run_dir = tmp_path / "passes"

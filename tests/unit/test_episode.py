@@ -134,6 +134,24 @@ def test_turns_at_another_temperature_than_the_trainers_stop_the_run_by_name():
         check_episodes([at(0.0)], "agents:solve", 1.0)
 
 
+def test_messages_name_the_row_of_the_data_files_beside_its_position():
+    """A message named the episode's position in the shuffled data order (3) as "data row 3",
+    where the row a user can look up in train_files is its own index (12)."""
+    import attrs
+
+    from fsdpfn.app.recipes.workflow import check_episodes
+    from fsdpfn.errors import ConfigError
+
+    turn = Turn([1, 2], [3, 4], [-0.5, -0.7], [0, 0], 0.3)
+    filed = attrs.evolve(_result(3, 1.0, [turn]), row_index=12)
+    assert filed.where == "data row 12 (position 3 of the run's data order)"
+    assert attrs.evolve(filed, row_index=3).where == "data row 3"  # the same: said once
+    assert attrs.evolve(filed, row_index=None).where == "data row 3"  # no index of its own
+    with pytest.raises(ConfigError, match=r"for data row 12 \(position 3 of the run's data "
+                                          r"order\), but ppo.temperature"):
+        check_episodes([filed], "agents:solve", 1.0)
+
+
 def test_a_step_whose_every_episode_failed_stops_the_run():
     import attrs
 

@@ -323,6 +323,8 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
         cursor += cfg.prompts_per_step
         row["data_cursor"] = cursor
         stop = ctx.stop.agreed()
+        if producer is not None and not stop:  # rank 0: the step's weights are served (or
+            producer.advance(row["version"])   # kept): generation may run one step further
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps \
                 or stop:
             row.update(_save(cfg, ctx, saves, actor, critic, step, cursor,
@@ -359,8 +361,6 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     clock.times["rollout_seconds"] = clock.start - t0  # generate + reward (+ eval), on rank 0
     if rollout["batch"] is None:  # no episode left a trainable row: nothing to train on
         log(f"step {step}: no trainable row ({rollout['stats']}); the weights stay")
-        if producer is not None:  # rank 0: the step is over, generation may go on
-            producer.advance(actor.version)
         return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times,
                                          greedy)
     full = TensorDict(rollout["batch"], batch_size=[len(rollout["batch"][K.REWARDS])])
@@ -368,8 +368,6 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
     if groups < mesh.dp:  # episodes: a step's rows vary, and a group stays on one rank
         log(f"step {step}: {groups} data row(s) left trainable rows, fewer than the "
             f"{mesh.dp} data-parallel ranks; the step is skipped, the weights stay")
-        if producer is not None:
-            producer.advance(actor.version)
         return actor, critic, _empty_row(cfg.recipe, step, rollout, actor, clock.times,
                                          greedy)
     batch = ff.shard_batch(full, mesh)  # (b, T): whole groups (group_id) on each rank
@@ -392,8 +390,6 @@ def _rl_step(cfg, ctx: RunContext, mesh, tok, actor, ref, critic, target, pool, 
            else float(stats["behav_gap_mean"]) if "behav_gap_mean" in stats.keys() else None)
     clock.mark("train")
     receipt = push_weights(actor, target)
-    if producer is not None:  # rank 0: generation may run one step further ahead
-        producer.advance(receipt.version)
     clock.mark("push")
     times = clock.times
     seconds = time.perf_counter() - t0

@@ -225,7 +225,7 @@ class StreamRollout:
         results = [r for g in got.groups for r in g.outputs]
         failed = [r for r in results if r.error is not None]
         for r in failed[:3]:
-            log(f"step {step}: {self.workflow.spec}: episode of data row {r.index}: {r.error}")
+            log(f"step {step}: {self.workflow.spec}: episode of {r.where}: {r.error}")
         if len(failed) > 3:
             log(f"step {step}: {self.workflow.spec}: {len(failed) - 3} more failed episodes "
                 f"(episode_errors in metrics.jsonl)")

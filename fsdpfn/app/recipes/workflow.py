@@ -97,21 +97,31 @@ def to_reward(value, n_turns: int) -> float:
 
 @attrs.frozen
 class EpisodeResult:
-    """One episode: the data row it answers (``index``), its turns, its reward, and why it
-    failed (None when it did not)."""
+    """One episode: the data row it answers (``index``: its position in the run's data order,
+    unique within a step), its turns, its reward, why it failed (None when it did not), and the
+    row's own ``index`` in the data files where it has one (``row_index``)."""
 
     index: int
     turns: list
     reward: float
     error: str | None
     seconds: float
+    row_index: int | None = None
+
+    @property
+    def where(self) -> str:
+        """The data row as messages name it: the row of the data files a user can look up."""
+        if self.row_index is None or self.row_index == self.index:
+            return f"data row {self.index}"
+        return f"data row {self.row_index} (position {self.index} of the run's data order)"
 
 
 NO_TURN = ("made no request through the client it was given (only that client's completions "
            "are recorded: a client of its own trains nothing)")
 
 
-def _finish(index, client, value, error, on_error, t0) -> EpisodeResult:
+def _finish(job, client, value, error, on_error, t0) -> EpisodeResult:
+    index, row = job
     turns = list(client.turns)
     if error is None:
         try:
@@ -122,7 +132,9 @@ def _finish(index, client, value, error, on_error, t0) -> EpisodeResult:
         error = NO_TURN
     if error is not None:
         reward = on_error
-    return EpisodeResult(index, turns, reward, error, time.perf_counter() - t0)
+    own = row.get("index") if isinstance(row, dict) else None
+    return EpisodeResult(index, turns, reward, error, time.perf_counter() - t0,
+                         own if isinstance(own, int) and not isinstance(own, bool) else None)
 
 
 def _describe(exc: BaseException, timeout_s: float) -> str:
@@ -134,17 +146,17 @@ def _describe(exc: BaseException, timeout_s: float) -> str:
 async def _run_async(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
     from fsdpfn.rollout.agent import AsyncEpisodeClient
 
-    async def one(index, row):
+    async def one(job):
         client, t0 = AsyncEpisodeClient(url, timeout=timeout_s), time.perf_counter()
         try:
-            value = await asyncio.wait_for(workflow.fn(client, dict(row)), timeout_s)
-            return _finish(index, client, value, None, on_error, t0)
+            value = await asyncio.wait_for(workflow.fn(client, dict(job[1])), timeout_s)
+            return _finish(job, client, value, None, on_error, t0)
         except Exception as exc:  # noqa: BLE001 - scored on_error, described, the run goes on
-            return _finish(index, client, None, _describe(exc, timeout_s), on_error, t0)
+            return _finish(job, client, None, _describe(exc, timeout_s), on_error, t0)
         finally:
             await client.close()
 
-    return list(await asyncio.gather(*(one(i, row) for i, row in jobs)))
+    return list(await asyncio.gather(*(one(job) for job in jobs)))
 
 
 def _run_sync(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
@@ -154,12 +166,12 @@ def _run_sync(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
     t0 = time.perf_counter()
     futures = [_on_daemon_thread(workflow.fn, c, dict(row)) for c, (_, row) in zip(clients, jobs)]
     out = []
-    for (index, _), client, future in zip(jobs, clients, futures):
+    for job, client, future in zip(jobs, clients, futures):
         try:
             left = max(0.0, timeout_s - (time.perf_counter() - t0))
-            out.append(_finish(index, client, future.result(left), None, on_error, t0))
+            out.append(_finish(job, client, future.result(left), None, on_error, t0))
         except Exception as exc:  # noqa: BLE001 - scored on_error, described, the run goes on
-            out.append(_finish(index, client, None, _describe(exc, timeout_s), on_error, t0))
+            out.append(_finish(job, client, None, _describe(exc, timeout_s), on_error, t0))
     for client in clients:  # a hung workflow's next call fails instead of reaching the server
         client.close()
     return out
@@ -207,14 +219,14 @@ def check_episodes(results: list[EpisodeResult], spec: str, temperature: float) 
             if t is not None and not math.isclose(t, temperature, rel_tol=1e-6, abs_tol=1e-9):
                 drawn = "greedily (temperature 0)" if t == 0 else f"at temperature {t:g}"
                 raise ConfigError(
-                    f"rollout.workflow: {spec} sampled a turn {drawn} for data row {r.index}, "
+                    f"rollout.workflow: {spec} sampled a turn {drawn} for {r.where}, "
                     f"but ppo.temperature is {temperature:g}: its behav_logp are not the "
                     f"trained policy's; sample every turn at temperature {temperature:g} (a "
                     f"call without one samples at 1), or set ppo.temperature")
     if results and all(r.error is not None for r in results):
         first = results[0]
         raise ConfigError(f"rollout.workflow: every episode of the step failed ({len(results)}); "
-                          f"{spec} on data row {first.index}: {first.error}")
+                          f"{spec} on {first.where}: {first.error}")
 
 
 def episodes_batch(results: list[EpisodeResult], group_size: int, *, max_tokens: int,
