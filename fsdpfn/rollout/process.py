@@ -123,6 +123,7 @@ def _launch(model, *, port: int, device: str, dtype: str, threads: int | None,
             weight_version: int, health_timeout: float, log_dir, extra_args: tuple[str, ...],
             env: dict | None, new_session: bool) -> RolloutProcess:
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="fsdpfn-rollout-"))
+    log_dir.mkdir(parents=True, exist_ok=True)  # a directory named for the logs is made
     log_path = log_dir / f"rollout-{port}.log"
     cmd = [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model), "--port", str(port),
            "--host", "127.0.0.1", "--device", device, "--dtype", dtype,

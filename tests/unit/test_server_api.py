@@ -29,9 +29,20 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    with launch_server(model_dir, dtype="float32", extra_args=("--no-channel",)) as srv:
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("s") / "logs" / "not-yet-made"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, logs):
+    # log_dir need not exist (it was a FileNotFoundError): launch_server makes it
+    with launch_server(model_dir, dtype="float32", extra_args=("--no-channel",),
+                       log_dir=logs) as srv:
         yield srv
+
+
+def test_the_server_logs_into_the_directory_it_was_given(server, logs):
+    assert [p.name for p in logs.iterdir()] == [f"rollout-{server.url.rsplit(':', 1)[1]}.log"]
 
 
 @pytest.fixture(scope="module")
