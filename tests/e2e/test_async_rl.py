@@ -83,18 +83,14 @@ def test_a_bound_with_a_server_that_is_not_fsdpfns_is_refused(tmp_path):
         assert "not fsdpfn's rollout server" in got.stderr and url in got.stderr, got.stderr
 
 
-@pytest.mark.timeout(600)
-def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp_path):
+def _stopped_after_a_step(args: list[str], run_dir: Path, env: dict) -> None:
+    """``fsdpfn *args`` (a long run) stopped by SIGINT once its first RL step is written; it
+    must exit 130, having saved its last step."""
     import signal
     import time
 
-    run_dir = tmp_path / "stop"
-    spec = f"rollout.workflow={EXAMPLES / 'workflows.py'}:check_and_retry"
-    short = [a if not a.startswith("prompts_per_step=") else "prompts_per_step=4" for a in SHORT]
-    args = ["demo", f"run_dir={run_dir}", spec, "rollout.max_staleness=1", *short]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "fsdpfn", *args, "steps=40"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "fsdpfn", *args], stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
@@ -102,12 +98,22 @@ def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp
                 break
             time.sleep(0.2)
         assert proc.poll() is None, proc.stderr.read()[-4000:]
-        proc.send_signal(signal.SIGINT)  # the next step's episodes are in flight (staleness 1)
+        proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err[-4000:]
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_with_episodes_in_flight_then_resume_trains_every_prompt_once(tmp_path):
+    run_dir = tmp_path / "stop"
+    spec = f"rollout.workflow={EXAMPLES / 'workflows.py'}:check_and_retry"
+    short = [a if not a.startswith("prompts_per_step=") else "prompts_per_step=4" for a in SHORT]
+    args = ["demo", f"run_dir={run_dir}", spec, "rollout.max_staleness=1", *short]
+    # the next step's episodes are in flight at the stop (staleness 1)
+    _stopped_after_a_step([*args, "steps=40"], run_dir, {})
     stopped = grpo_rows(run_dir)[-1]["step"]
     again = fsdpfn(*args, f"steps={stopped + 2}", "--resume")
     assert again.returncode == 0, again.stderr[-4000:]
@@ -126,29 +132,12 @@ def test_ctrl_c_in_a_synchronous_workflow_run_starts_no_episode_it_does_not_trai
     """At max_staleness 0 the next step's episodes wait for the step's end: a stop agreed there
     starts none (they were started before the stop was read, run, and thrown away, and the
     resumed run ran them again: a workflow's side effects twice)."""
-    import signal
-    import time
-
     run_dir, log = tmp_path / "stop0", tmp_path / "episodes.jsonl"
     spec = f"rollout.workflow={Path(__file__).with_name('workflows_for_tests.py')}:logged_retry"
     short = [a if not a.startswith("prompts_per_step=") else "prompts_per_step=2" for a in SHORT]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPFN_TEST_WF_LOG": str(log)}
-    proc = subprocess.Popen([sys.executable, "-m", "fsdpfn", "demo", f"run_dir={run_dir}", spec,
-                             "advantage.group_size=2", "ppo.n_minibatches=1", *short,
-                             "steps=40"], stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (run_dir / "metrics.jsonl").is_file() and grpo_rows(run_dir):
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.stderr.read()[-4000:]
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err[-4000:]
+    _stopped_after_a_step(["demo", f"run_dir={run_dir}", spec, "advantage.group_size=2",
+                           "ppo.n_minibatches=1", *short, "steps=40"], run_dir,
+                          {"FSDPFN_TEST_WF_LOG": str(log)})
     trained = len(grpo_rows(run_dir))
     started = log.read_text().splitlines()
     assert len(started) == trained * 2 * 2, (len(started), trained)  # prompts x group_size
