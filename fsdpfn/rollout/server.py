@@ -78,11 +78,16 @@ def build_app(engine: RolloutEngine):
             message += f" ({errors[0]['msg']})"
         if request.url.path.startswith("/v1/"):
             return JSONResponse(status_code=400, content=openai_api.error_body(message, "body"))
-        if request.url.path == "/generate":  # SGLang's error shape, as sglang_answer's
-            return JSONResponse(status_code=400, content={
-                "object": "error", "type": "BadRequestError", "param": None, "code": 400,
-                "success": False, "message": message})
-        return JSONResponse(status_code=400, content={"success": False, "message": message})
+        body = {"success": False, "message": message}
+        if request.url.path == "/generate":
+            return sglang_error(400, body)
+        return JSONResponse(status_code=400, content=body)
+
+    def sglang_error(status: int, body: dict) -> JSONResponse:
+        """SGLang's error shape for /generate: {"object": "error", "message", "code"}."""
+        return JSONResponse(status_code=status, content={
+            "object": "error", "type": "BadRequestError" if status < 500 else
+            "InternalServerError", "param": None, "code": status, **body})
 
     def answer(fn: Callable[[], Any], refused: int | None = None):
         """``fn()``; an UpdateError answers its status (``refused``: that status instead),
@@ -132,13 +137,10 @@ def build_app(engine: RolloutEngine):
         return Response(status_code=503)
 
     def sglang_answer(fn: Callable[[], Any]):
-        """SGLang's error shape for /generate: {"object": "error", "message", "code"}."""
+        """``answer(fn)``, its errors in SGLang's shape (sglang_error)."""
         out = answer(fn)
         if isinstance(out, JSONResponse) and out.status_code >= 400:
-            body = json.loads(out.body)
-            return JSONResponse(status_code=out.status_code, content={
-                "object": "error", "type": "BadRequestError" if out.status_code < 500 else
-                "InternalServerError", "param": None, "code": out.status_code, **body})
+            return sglang_error(out.status_code, json.loads(out.body))
         return out
 
     @app.api_route("/generate", methods=["POST", "PUT"])
