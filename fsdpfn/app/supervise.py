@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from fsdpfn.wire.lifeline import _start_time, pid_alive
+from fsdpfn.wire.lifeline import pid_alive, process_start_time
 
 __all__ = ["RUN_STATE", "write_run_state", "read_run_state", "last_run", "describe_last_run"]
 
@@ -46,7 +46,7 @@ def write_run_state(run_dir: str | os.PathLike, status: str, **fields) -> dict:
     start time, the host); any other status updates it with ``ended``."""
     path = Path(run_dir) / RUN_STATE
     if status == "running":
-        state = {"status": status, "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
+        state = {"status": status, "pid": os.getpid(), "pid_start": process_start_time(os.getpid()),
                  "host": socket.gethostname(), "started": _now(), **fields}
     else:
         state = {**(read_run_state(run_dir) or {}), "status": status, "ended": _now(),

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDictBase
 
 from fsdpfn import keys as K
-from fsdpfn.batch.validate import _check_prefix_mask, _rows_tensor
+from fsdpfn.batch.validate import check_prefix_mask, rows_tensor
 from fsdpfn.errors import BatchError
 
 __all__ = ["Packed", "pack", "unpack", "unpack_seqs", "apply_scatter", "seq_sum",
@@ -66,10 +66,10 @@ def pack(batch: TensorDictBase, keys: Sequence[str] = (), *, rows=None) -> Packe
     B = batch.batch_size[0]
     ids_full, attn_full = batch.get(K.INPUT_IDS), batch.get(K.ATTENTION_MASK)
     T = ids_full.shape[1]
-    r = _rows_tensor(range(B) if rows is None else rows, B, ids_full.device)
+    r = rows_tensor(range(B) if rows is None else rows, B, ids_full.device)
     attn = attn_full[r]                                   # (S, T)
     if attn.shape[0]:
-        _check_prefix_mask(attn)  # positions below assume right padding
+        check_prefix_mask(attn)  # positions below assume right padding
     lens = attn.sum(dim=1)                                # (S,)
     seq_ids, position_ids = attn.nonzero(as_tuple=True)   # row-major = sequence order
     cu = torch.zeros(len(r) + 1, dtype=torch.int32, device=ids_full.device)

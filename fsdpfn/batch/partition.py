@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fsdpfn.batch.validate import _config_int
+from fsdpfn.batch.validate import config_int
 from fsdpfn.errors import BatchError, ConfigError
 
 __all__ = ["balanced_partition", "plan_microbatches"]
@@ -30,10 +30,10 @@ def _check_algo(algo) -> str:
     return ALGO_ALIASES.get(algo, algo)
 
 
-def _units(seq_lens, group_size: int) -> tuple[list[int], list[int]]:
+def unit_sizes(seq_lens, group_size: int) -> tuple[list[int], list[int]]:
     """(unit sizes, first row of each unit): units are `group_size` consecutive rows."""
     lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-    _config_int("group_size", group_size)
+    config_int("group_size", group_size)
     if any(x < 0 for x in lens):
         raise BatchError(f"seq_lens: must be >= 0, got {lens}")
     if len(lens) % group_size:
@@ -118,7 +118,7 @@ def balanced_partition(sizes: Sequence[int], k: int, *, algo: str = "lpt") -> li
     No bin is empty when there are at least k units. Bins are in no
     particular order; units within a bin are unsorted.
     """
-    _config_int("k", k)
+    config_int("k", k)
     algo = _check_algo(algo)
     sizes = list(sizes)
     bad = [i for i, s in enumerate(sizes)
@@ -184,13 +184,13 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     Raises ConfigError for n_mbs/min_n_mbs/group_size/cp < 1, max_tokens_per_mb <= 0 or an
     unknown algo; BatchError when one unit is longer than a strict budget.
     """
-    _config_int("n_mbs", n_mbs)
-    _config_int("min_n_mbs", min_n_mbs)
-    _config_int("cp", cp)
+    config_int("n_mbs", n_mbs)
+    config_int("min_n_mbs", min_n_mbs)
+    config_int("cp", cp)
     if max_tokens_per_mb is not None:
-        _config_int("max_tokens_per_mb", max_tokens_per_mb)
+        config_int("max_tokens_per_mb", max_tokens_per_mb)
     _check_algo(algo)
-    sizes, starts = _units(seq_lens, group_size)
+    sizes, starts = unit_sizes(seq_lens, group_size)
     k = max(n_mbs, min_n_mbs)
     if max_tokens_per_mb is None:
         return _to_rows(balanced_partition(sizes, k, algo=algo), starts, group_size)

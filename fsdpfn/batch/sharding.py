@@ -13,8 +13,8 @@ from tensordict import TensorDictBase
 
 from fsdpfn import keys as K
 from fsdpfn.agree import verdict
-from fsdpfn.batch.partition import _units, balanced_partition
-from fsdpfn.batch.validate import _check_rows, _config_int, row_lengths, select_rows, validate_batch
+from fsdpfn.batch.partition import balanced_partition, unit_sizes
+from fsdpfn.batch.validate import check_rows, config_int, row_lengths, select_rows, validate_batch
 from fsdpfn.errors import BatchError, ConfigError
 
 __all__ = ["dp_shard_rows", "dp_shard_units", "shard_rows", "gather_rows", "group_units",
@@ -30,8 +30,8 @@ def dp_shard_rows(seq_lens, dp_size: int, *, group_size: int = 1, algo: str = "l
     Parts are ordered by their first row, so rank order follows row order. Deterministic.
     Raises BatchError when there are fewer units than dp_size.
     """
-    _config_int("dp_size", dp_size)
-    _, starts = _units(seq_lens, group_size)
+    config_int("dp_size", dp_size)
+    _, starts = unit_sizes(seq_lens, group_size)
     units = [list(range(s, s + group_size)) for s in starts]
     return dp_shard_units(units, seq_lens, dp_size, algo=algo)
 
@@ -41,7 +41,7 @@ def dp_shard_units(units: Sequence[Sequence[int]], seq_lens, dp_size: int, *,
     """dp_shard_rows for units given as row lists (e.g. the rows of each group_id): every unit
     on one rank, tokens balanced, parts ascending and ordered by their first row (empty parts
     last: with ``allow_empty``, fewer units than ranks leave the last ranks without rows)."""
-    _config_int("dp_size", dp_size)
+    config_int("dp_size", dp_size)
     lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
     if len(units) < dp_size and not allow_empty:
         sizes = sorted({len(u) for u in units})
@@ -91,10 +91,10 @@ def group_units(batch: TensorDictBase, group_size: int = 1) -> list[list[int]]:
     With ``group_id``: rows with equal ids, wherever they are (group_size > 1 then also checks
     every group has exactly group_size rows). Without: ``group_size`` consecutive rows.
     """
-    _config_int("group_size", group_size)
+    config_int("group_size", group_size)
     B = batch.batch_size[0]
     if K.GROUP_ID not in batch.keys():
-        _check_rows(B, group_size, False)
+        check_rows(B, group_size, False)
         return [list(range(s, s + group_size)) for s in range(0, B, group_size)]
     ids = batch.get(K.GROUP_ID).cpu()
     _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
@@ -129,7 +129,7 @@ def check_groups(batch: TensorDictBase, group_size: int) -> torch.Tensor | None:
     carries ``row_index`` (shard_batch's) group k must be the consecutive global rows
     [jG, (j+1)G) for some j; otherwise shard_batch split the groups.
     """
-    _config_int("group_size", group_size)
+    config_int("group_size", group_size)
     source = "AdvantageConfig.group_size"
     if K.GROUP_ID in batch.keys():
         ids = batch.get(K.GROUP_ID)

@@ -42,7 +42,7 @@ def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None
     _check_tensor(K.INPUT_IDS, ids, torch.int64, None, B)
     T = ids.shape[1]
     _check_tensor(K.ATTENTION_MASK, attn, torch.bool, (B, T), B)
-    _check_prefix_mask(attn)
+    check_prefix_mask(attn)
     _check_token_ids(ids, attn, vocab_size)
     if K.LOSS_MASK in batch.keys():
         _check_loss_mask(batch.get(K.LOSS_MASK), attn, (B, T), B,
@@ -59,7 +59,7 @@ def validate_batch(batch, *, require: Sequence[str] = (), vocab_size: int | None
     for key in (K.GROUP_ID, K.ROW_INDEX):
         if key in batch.keys():
             _check_tensor(key, batch.get(key), torch.int64, (B,), B)
-    _check_rows(B, group_size, pairs)
+    check_rows(B, group_size, pairs)
     if pairs and K.ROW_INDEX in batch.keys():
         _check_pairs_whole(batch.get(K.ROW_INDEX))
 
@@ -120,7 +120,7 @@ def _first(bad: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in bad.nonzero()[0])
 
 
-def _check_prefix_mask(attn: torch.Tensor) -> None:
+def check_prefix_mask(attn: torch.Tensor) -> None:
     empty = ~attn.any(dim=1)
     if empty.any():
         b = _first(empty)[0]
@@ -171,18 +171,18 @@ def _check_finite(key, x, attn) -> None:
         raise BatchError(f"{key}: must be finite {what}, got {float(x[idx])} at {where}")
 
 
-def _check_rows(B: int, group_size: int | None, pairs: bool) -> None:
+def check_rows(B: int, group_size: int | None, pairs: bool) -> None:
     if pairs and B % 2:  # pairs first: a pair is the group a pairwise loss names
         raise BatchError(f"batch: B must be even for pairs (row 2i chosen, 2i+1 rejected), "
                          f"got B={B}")
     if group_size is not None:
-        _config_int("group_size", group_size)
+        config_int("group_size", group_size)
         if B % group_size:
             raise BatchError(f"batch: B must be divisible by group_size={group_size} (rows "
                              f"[k*G, (k+1)*G) form group k), got B={B}")
 
 
-def _config_int(name: str, value, lo: int = 1) -> None:
+def config_int(name: str, value, lo: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ConfigError(f"{name}: must be an int >= {lo}, got {value!r}")
 
@@ -195,7 +195,7 @@ def row_lengths(batch) -> list[int]:
     return batch.get(K.ATTENTION_MASK).sum(dim=1).tolist()
 
 
-def _rows_tensor(rows, B: int, device) -> torch.Tensor:
+def rows_tensor(rows, B: int, device) -> torch.Tensor:
     r = torch.as_tensor(list(rows) if not isinstance(rows, torch.Tensor) else rows,
                         dtype=torch.int64).to(device).reshape(-1)
     if r.numel() and (int(r.min()) < 0 or int(r.max()) >= B):
@@ -205,4 +205,4 @@ def _rows_tensor(rows, B: int, device) -> torch.Tensor:
 
 def select_rows(batch: TensorDictBase, rows) -> TensorDictBase:
     """New TensorDict of batch[rows] (rows: ints or int64 tensor), in the order given."""
-    return batch[_rows_tensor(rows, batch.batch_size[0], batch.device or "cpu")]
+    return batch[rows_tensor(rows, batch.batch_size[0], batch.device or "cpu")]

@@ -100,16 +100,17 @@ from fsdpfn.lazy import lazy_exports
 
 # name -> the module that defines it; imported on first use (PEP 562), so that
 # ``fsdpfn.checkpoint.files`` (the layout, latest_checkpoint) can be read without torch. The
-# underscored names are re-exported for the unit tests and the checkpoint benchmark.
+# names outside ``__all__`` are the modules' shared helpers, reached this way by the unit tests
+# and the checkpoint benchmark.
 _SOURCES = {
     **dict.fromkeys(("export_hf", "_check_export_target", "_shard_bytes"),
                     "fsdpfn.checkpoint.export"),
-    **dict.fromkeys(("FORMAT", "FORMAT_VERSION", "MANIFEST", "MARKER", "OWNER", "_cleanup",
-                     "_discard", "_file_sizes", "_is_complete", "_is_fsdpfn_checkpoint",
-                     "_publish", "_rotate",
-                     "_side_path", "latest_checkpoint"), "fsdpfn.checkpoint.files"),
+    **dict.fromkeys(("FORMAT", "FORMAT_VERSION", "MANIFEST", "MARKER", "OWNER",
+                     "clean_up_leftovers", "discard", "file_sizes", "is_complete",
+                     "is_fsdpfn_checkpoint", "publish_dir", "rotate", "side_path",
+                     "latest_checkpoint"), "fsdpfn.checkpoint.files"),
     **dict.fromkeys(("check_checkpoint", "latest_intact_checkpoint"), "fsdpfn.checkpoint.intact"),
-    **dict.fromkeys(("_check_files", "_resolve", "load_checkpoint"), "fsdpfn.checkpoint.load"),
+    **dict.fromkeys(("check_files", "_resolve", "load_checkpoint"), "fsdpfn.checkpoint.load"),
     **dict.fromkeys(("_check_extra", "_check_save_args", "_to_save", "save_checkpoint"),
                     "fsdpfn.checkpoint.save"),
     "AsyncSave": "fsdpfn.checkpoint.save_async",

@@ -10,11 +10,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from fsdpfn.agree import world_size
 from fsdpfn.errors import CheckpointError
 
-_OPTIM_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-_DCP_ERRORS = (Exception, CheckpointException)  # DCP's own exception derives from BaseException
+OPTIM_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+DCP_ERRORS = (Exception, CheckpointException)  # DCP's own exception derives from BaseException
 
 
-def _broadcast(value):
+def from_rank_zero(value):
     if world_size() == 1:
         return value
     box = [value]
@@ -27,7 +27,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(lines[:3])[:600]}"
 
 
-def _wrap(fn: str, what: str, exc: BaseException) -> CheckpointError:
+def as_checkpoint_error(fn: str, what: str, exc: BaseException) -> CheckpointError:
     """A CheckpointError from any exception, DCP's CheckpointException (a BaseException holding
     each failing rank's exception) included."""
     failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None

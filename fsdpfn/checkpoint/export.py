@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdpfn.engine import lora
 from fsdpfn.agree import agree_on_error, is_rank_zero
-from fsdpfn.checkpoint.dcp import _wrap
-from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, _as_path, _cleanup, _discard,
-                                     _fsync_dir, _publish, _side_path)
+from fsdpfn.checkpoint.dcp import as_checkpoint_error
+from fsdpfn.checkpoint.files import (OWNER, TOKENIZER_FILES, as_path, clean_up_leftovers, discard,
+                                     fsync_dir, publish_dir, side_path)
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
 from fsdpfn.engine.shard import source_config
@@ -149,7 +149,7 @@ def _copy_tokenizer(source: Path | None, tmp: Path) -> None:
 def _write_atomic(target: Path, fill) -> None:
     """``fill(tmp)`` writes a directory next to ``target``, then it is fsynced and renamed in."""
     token = uuid.uuid4().hex
-    tmp = _side_path(target, "tmp", token)
+    tmp = side_path(target, "tmp", token)
     tmp.mkdir(parents=True)
     try:
         (tmp / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
@@ -158,12 +158,12 @@ def _write_atomic(target: Path, fill) -> None:
         for file in tmp.iterdir():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        _publish(tmp, target, token)
+        fsync_dir(tmp)
+        publish_dir(tmp, target, token)
     except BaseException:
-        _discard(tmp)
+        discard(tmp)
         raise
-    _cleanup(target.parent)
+    clean_up_leftovers(target.parent)
 
 
 def _write_hf(state: EngineState, full: dict, target: Path, dtype: torch.dtype,
@@ -217,14 +217,14 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
         try:
             if not isinstance(merged, bool):
                 raise CheckpointError(f"{fn}: merged: must be a bool, got {merged!r}")
-            target = _as_path(path, fn)
+            target = as_path(path, fn)
             torch_dt = _export_dtype(dtype, state)
             max_bytes = _shard_bytes(max_shard_size)
             _check_export_target(target)
         except CheckpointError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable directory, on one rank
-            error = _wrap(fn, f"checking {str(path)!r}", exc)
+            error = as_checkpoint_error(fn, f"checking {str(path)!r}", exc)
     check_live(state, fn, local_error=error)
     if state.config.lora is not None and not merged:
         _export_adapter(state, target, torch_dt)
@@ -237,7 +237,7 @@ def export_hf(state: EngineState, path, *, dtype: str | torch.dtype | None = Non
         try:
             _write_hf(state, full, target, torch_dt, max_bytes)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear
-            error = _wrap(fn, f"writing {str(target)!r}", exc)
+            error = as_checkpoint_error(fn, f"writing {str(target)!r}", exc)
     del full
     agree_on_error(state.mesh, error)
 
@@ -250,5 +250,5 @@ def _export_adapter(state: EngineState, target: Path, dtype: torch.dtype) -> Non
         try:
             _write_adapter(state, tensors, target, dtype)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone writes: the others must hear
-            error = _wrap("export_hf", f"writing {str(target)!r}", exc)
+            error = as_checkpoint_error("export_hf", f"writing {str(target)!r}", exc)
     agree_on_error(state.mesh, error)

@@ -36,19 +36,19 @@ ARCH_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_lay
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "spiece.model", "vocab.txt", "chat_template.jinja", "chat_template.json")
-_SIDE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>[0-9a-f]{32})$")
+SIDE_NAME = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>[0-9a-f]{32})$")
 
 
 # ---------------------------------------------------------------- small file-system helpers
 
 
-def _as_path(path, fn: str) -> Path:
+def as_path(path, fn: str) -> Path:
     if isinstance(path, Path) or (isinstance(path, (str, os.PathLike)) and os.fspath(path)):
         return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
     raise CheckpointError(f"{fn}: path: must be a non-empty str or os.PathLike, got {path!r}")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -56,18 +56,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _is_complete(path: Path) -> bool:
+def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def _side_path(target: Path, kind: str, token: str) -> Path:
+def side_path(target: Path, kind: str, token: str) -> Path:
     return target.parent / f"{target.name}.{kind}-{token}"
 
 
@@ -78,7 +78,7 @@ def _canonical(manifest: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _seal(manifest: dict) -> dict:
+def with_seal(manifest: dict) -> dict:
     """The manifest with its seal: the CRC32 of its canonical JSON."""
     return dict(manifest, **{SEAL: zlib.crc32(_canonical(manifest))})
 
@@ -98,7 +98,7 @@ def _check_seal(file: Path, manifest: dict, fn: str) -> None:
                               f"recorded in {SEAL}, got {actual}: the manifest is corrupted")
 
 
-def _read_manifest(path: Path, fn: str = "load_checkpoint", verify: bool = True) -> dict:
+def read_manifest(path: Path, fn: str = "load_checkpoint", verify: bool = True) -> dict:
     """The manifest of the checkpoint at ``path``, its seal checked unless ``verify=False``."""
     file = path / MANIFEST
     try:
@@ -111,7 +111,7 @@ def _read_manifest(path: Path, fn: str = "load_checkpoint", verify: bool = True)
                               f"{type(exc).__name__}: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{fn}: {str(file)!r}: must be an fsdpfn manifest (format "
-                              f"{FORMAT!r}), got format {_get(manifest, 'format')!r}")
+                              f"{FORMAT!r}), got format {field_of(manifest, 'format')!r}")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{fn}: {str(file)!r}: format_version must be <= "
                               f"{FORMAT_VERSION} (this fsdpfn), got "
@@ -121,11 +121,11 @@ def _read_manifest(path: Path, fn: str = "load_checkpoint", verify: bool = True)
     return manifest
 
 
-def _get(obj, key):
+def field_of(obj, key):
     return obj.get(key) if isinstance(obj, dict) else None
 
 
-def _is_fsdpfn_checkpoint(path: Path) -> bool:
+def is_fsdpfn_checkpoint(path: Path) -> bool:
     """A directory fsdpfn wrote (complete or not): its manifest names fsdpfn's format, or its
     marker is fsdpfn's ("fsdpfn-checkpoint step N"). A file that is merely named COMPLETE (a
     tool's own results beside the checkpoints) is not: such a directory is never rotated,
@@ -141,18 +141,18 @@ def _is_fsdpfn_checkpoint(path: Path) -> bool:
         return False
 
 
-def _saved_at(path: Path) -> float:
+def saved_at_of(path: Path) -> float:
     try:
         return float(json.loads((path / MANIFEST).read_text()).get("saved_at", 0.0))
     except (OSError, ValueError, AttributeError, TypeError):
         return 0.0
 
 
-def _discard(path: Path) -> None:
+def discard(path: Path) -> None:
     """Delete a directory so that no partial state of the deletion looks complete: rename it to
     a ``.old-`` name (atomic), drop the marker, then remove the rest."""
-    if not _SIDE.match(path.name):
-        aside = _side_path(path, "old", uuid.uuid4().hex)
+    if not SIDE_NAME.match(path.name):
+        aside = side_path(path, "old", uuid.uuid4().hex)
         try:
             os.rename(path, aside)
         except FileNotFoundError:
@@ -187,7 +187,7 @@ def _owner_dead(path: Path) -> bool:
     return False
 
 
-def _cleanup(parent: Path) -> None:
+def clean_up_leftovers(parent: Path) -> None:
     """Finish or remove what interrupted saves left in ``parent``. A publication cut short
     (the target missing) is finished: a complete ``*.tmp-*`` of a dead save is renamed to its
     target, else the ``*.old-*`` copy that publication set aside (the same token; a deletion's
@@ -197,7 +197,7 @@ def _cleanup(parent: Path) -> None:
         entries = sorted(parent.iterdir(), key=lambda e: e.name)
     except OSError:
         return
-    sides = [(e, m) for e in entries if e.is_dir() for m in [_SIDE.match(e.name)] if m]
+    sides = [(e, m) for e in entries if e.is_dir() for m in [SIDE_NAME.match(e.name)] if m]
     # a save still running (its tmp's owner alive) may be between its two renames: its target
     # is its own to publish
     running = {m["name"] for e, m in sides if m["kind"] == "tmp" and not _owner_dead(e)}
@@ -206,7 +206,7 @@ def _cleanup(parent: Path) -> None:
     for entry, match in sorted(sides, key=lambda s: s[1]["kind"] != "tmp"):
         target = parent / match["name"]
         if not entry.exists() or target.exists() or match["name"] in running \
-                or not _is_complete(entry) or not _is_fsdpfn_checkpoint(entry):
+                or not is_complete(entry) or not is_fsdpfn_checkpoint(entry):
             continue
         if match["kind"] == "old":  # set aside by a publication (its tmp shares the token)
             finish = (match["name"], match["token"]) in publishing
@@ -216,47 +216,47 @@ def _cleanup(parent: Path) -> None:
             try:
                 os.rename(entry, target)
                 (target / OWNER).unlink(missing_ok=True)
-                _fsync_dir(parent)
+                fsync_dir(parent)
                 log.warning("checkpoint %s: a save interrupted while publishing it is "
                             "finished (from %s)", target, entry.name)
             except OSError:
                 pass
     for entry, match in sides:
         if entry.exists() and (match["kind"] == "old" or _owner_dead(entry)):
-            _discard(entry)
+            discard(entry)
 
 
-def _rotate(parent: Path, keep_last: int, current: Path) -> list[Path]:
+def rotate(parent: Path, keep_last: int, current: Path) -> list[Path]:
     """Delete fsdpfn checkpoints in ``parent`` beyond the ``keep_last`` most recently saved
     (manifest ``saved_at``); ``current`` is always kept, and never one saved after it (two
     saves that publish out of order keep keep_last + 1 rather than lose the newer). Returns
     the deleted paths."""
     found = [e for e in parent.iterdir()
-             if e.is_dir() and not _SIDE.match(e.name) and _is_complete(e)
-             and _is_fsdpfn_checkpoint(e)]
+             if e.is_dir() and not SIDE_NAME.match(e.name) and is_complete(e)
+             and is_fsdpfn_checkpoint(e)]
     if current not in found:
         found.append(current)
-    found.sort(key=_saved_at, reverse=True)
+    found.sort(key=saved_at_of, reverse=True)
     doomed = [e for e in found[max(keep_last, 1):] if e != current
-              and _saved_at(e) <= _saved_at(current)]
+              and saved_at_of(e) <= saved_at_of(current)]
     for path in doomed:
-        _discard(path)
+        discard(path)
     return doomed
 
 
-def _publish(tmp: Path, target: Path, token: str) -> None:
+def publish_dir(tmp: Path, target: Path, token: str) -> None:
     """Rename the complete ``tmp`` to ``target``; an existing target is set aside, then deleted."""
     aside = None
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        aside = _side_path(target, "old", token)
+        aside = side_path(target, "old", token)
         os.rename(target, aside)
     os.rename(tmp, target)  # replaces an empty directory atomically
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     if aside is not None:
-        _discard(aside)
+        discard(aside)
 
 
-def _file_sizes(root: Path) -> dict[str, int]:
+def file_sizes(root: Path) -> dict[str, int]:
     sizes = {}
     for dirpath, _, files in os.walk(root):
         for name in files:
@@ -273,9 +273,9 @@ def latest_checkpoint(root) -> Path | None:
     Use it to resume: ``ckpt = latest_checkpoint(run_dir); if ckpt: state, extra =
     load_checkpoint(state, ckpt)``.
     """
-    root = _as_path(root, "latest_checkpoint")
+    root = as_path(root, "latest_checkpoint")
     if not root.is_dir():
         return None
-    found = [e for e in root.iterdir() if e.is_dir() and not _SIDE.match(e.name)
-             and _is_complete(e) and _is_fsdpfn_checkpoint(e)]
-    return max(found, key=_saved_at) if found else None
+    found = [e for e in root.iterdir() if e.is_dir() and not SIDE_NAME.match(e.name)
+             and is_complete(e) and is_fsdpfn_checkpoint(e)]
+    return max(found, key=saved_at_of) if found else None

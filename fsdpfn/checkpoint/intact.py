@@ -25,9 +25,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from fsdpfn.checkpoint import integrity
-from fsdpfn.checkpoint.dcp import _broadcast
-from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _is_complete,
-                                     _is_fsdpfn_checkpoint, _read_manifest, _saved_at)
+from fsdpfn.checkpoint.dcp import from_rank_zero
+from fsdpfn.checkpoint.files import (MANIFEST, MARKER, SIDE_NAME, as_path, field_of, is_complete,
+                                     is_fsdpfn_checkpoint, read_manifest, saved_at_of)
 from fsdpfn.agree import rank
 from fsdpfn.errors import CheckpointError
 
@@ -43,8 +43,8 @@ def check_checkpoint(path) -> None:
     doc); one process, no state needed. Returns None, or raises CheckpointError naming the file
     (and the tensor or item). A checkpoint saved with checksums=False is checked as far as it
     can be (marker, manifest, sizes)."""
-    root = _as_path(path, _FN)
-    if not root.is_dir() or not _is_complete(root):
+    root = as_path(path, _FN)
+    if not root.is_dir() or not is_complete(root):
         raise CheckpointError(f"{_FN}: path {str(root)!r}: must be a complete fsdpfn checkpoint "
                               f"(a directory carrying {MARKER}), got "
                               f"{'a directory without it' if root.is_dir() else 'no directory'}")
@@ -57,16 +57,16 @@ def check_checkpoint(path) -> None:
 
 
 def _check_bytes(root: Path) -> None:
-    from fsdpfn.checkpoint.load import _check_files
+    from fsdpfn.checkpoint.load import check_files
 
-    manifest = _read_manifest(root, _FN)
-    _check_files(root, manifest, "check_checkpoint")
+    manifest = read_manifest(root, _FN)
+    check_files(root, manifest, "check_checkpoint")
     record = manifest.get("checksums")
     if record is None:
         return
     if not isinstance(record, dict) or record.get("algorithm") != integrity.ALGORITHM:
         raise CheckpointError(f"{_FN}: {str(root / MANIFEST)!r}: checksums.algorithm must be "
-                              f"{integrity.ALGORITHM!r}, got {_get(record, 'algorithm')!r}")
+                              f"{integrity.ALGORITHM!r}, got {field_of(record, 'algorithm')!r}")
     for rel in record.get("files", {}):
         integrity.check_file(root, rel, record, _FN)
     metadata = FileSystemReader(str(root)).read_metadata()
@@ -116,9 +116,9 @@ def _candidates(root: Path) -> list[Path]:
     """The complete fsdpfn checkpoints directly under ``root``, newest first."""
     if not root.is_dir():
         return []
-    found = [e for e in root.iterdir() if e.is_dir() and not _SIDE.match(e.name)
-             and _is_complete(e) and _is_fsdpfn_checkpoint(e)]
-    return sorted(found, key=_saved_at, reverse=True)
+    found = [e for e in root.iterdir() if e.is_dir() and not SIDE_NAME.match(e.name)
+             and is_complete(e) and is_fsdpfn_checkpoint(e)]
+    return sorted(found, key=saved_at_of, reverse=True)
 
 
 def _verdict(path: Path) -> str | None:
@@ -132,7 +132,7 @@ def _verdict(path: Path) -> str | None:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint is not intact
             error = f"{_FN}: {str(path)!r}: {type(exc).__name__}: {exc}"
-    return _broadcast(error)
+    return from_rank_zero(error)
 
 
 def latest_intact_checkpoint(root, *, fallback: bool = True) -> Path | None:
@@ -142,7 +142,7 @@ def latest_intact_checkpoint(root, *, fallback: bool = True) -> Path | None:
     message names the call that falls back). Every candidate failing is a CheckpointError listing
     them. Collective when a process group is initialised (rank 0 reads the files)."""
     fn = "latest_intact_checkpoint"
-    root = _as_path(root, fn)
+    root = as_path(root, fn)
     candidates = _candidates(root)
     skipped = []
     for i, path in enumerate(candidates):

@@ -15,10 +15,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model
 
 from fsdpfn.checkpoint import integrity
 from fsdpfn.agree import agree_on_error, given_path, rank, same_on_every_rank
-from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
-from fsdpfn.checkpoint.files import (MANIFEST, MARKER, _SIDE, _as_path, _get, _is_complete,
-                                     _read_manifest, _saved_at)
-from fsdpfn.checkpoint.save import _architecture, _model_state, _rng_file, _set_rng_state
+from fsdpfn.checkpoint.dcp import DCP_ERRORS, OPTIM_FLAT, as_checkpoint_error
+from fsdpfn.checkpoint.files import (MANIFEST, MARKER, SIDE_NAME, as_path, field_of, is_complete,
+                                     read_manifest, saved_at_of)
+from fsdpfn.checkpoint.save import architecture_of, model_state_of, restore_rng_state, rng_path
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, advance, check_live, stale_reason
 from fsdpfn.wire.model_fingerprint import config_fields, diff_config_fields
@@ -33,7 +33,7 @@ def _resolve(path: Path) -> Path:
     """The complete checkpoint directory to read for ``path`` (see the module docstring)."""
     fn = "load_checkpoint"
     if path.is_dir():
-        if _is_complete(path):
+        if is_complete(path):
             return path
         raise CheckpointError(
             f"{fn}: path {str(path)!r}: must be a complete fsdpfn checkpoint (a directory "
@@ -45,19 +45,19 @@ def _resolve(path: Path) -> Path:
     siblings = []
     if path.parent.is_dir():
         for entry in path.parent.iterdir():
-            match = _SIDE.match(entry.name)
-            if match and match["name"] == path.name and entry.is_dir() and _is_complete(entry):
+            match = SIDE_NAME.match(entry.name)
+            if match and match["name"] == path.name and entry.is_dir() and is_complete(entry):
                 siblings.append(entry)
     if not siblings:
         raise CheckpointError(f"{fn}: path {str(path)!r}: must be an existing checkpoint "
                               f"directory, got a path that does not exist")
-    chosen = max(siblings, key=_saved_at)
+    chosen = max(siblings, key=saved_at_of)
     log.warning("load_checkpoint: %s does not exist; its publication was interrupted, reading "
                 "the complete %s instead", path, chosen)
     return chosen
 
 
-def _check_files(root: Path, manifest: dict, fn: str = "load_checkpoint") -> None:
+def check_files(root: Path, manifest: dict, fn: str = "load_checkpoint") -> None:
     """Every file the manifest lists is there with its size; CheckpointError from ``fn``."""
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
@@ -80,7 +80,7 @@ def _check_files(root: Path, manifest: dict, fn: str = "load_checkpoint") -> Non
 
 def _check_architecture(state: EngineState, manifest: dict, root: Path) -> None:
     saved = manifest.get("architecture") or {}
-    here = _architecture(state)
+    here = architecture_of(state)
     for key, value in here.items():
         if key in saved and saved[key] != value:
             raise CheckpointError(
@@ -111,8 +111,9 @@ def _warn_config_fields(state: EngineState, manifest: dict, root: Path) -> None:
 def _read_metadata(root: Path):
     try:
         return dcp.FileSystemReader(str(root)).read_metadata()
-    except _DCP_ERRORS as exc:
-        raise _wrap("load_checkpoint", f"reading {str(root / '.metadata')!r}", exc) from None
+    except DCP_ERRORS as exc:
+        raise as_checkpoint_error("load_checkpoint", f"reading {str(root / '.metadata')!r}",
+                                  exc) from None
 
 
 def _tensor_md(metadata, key: str, root: Path):
@@ -146,7 +147,7 @@ def _plan_model(state: EngineState, metadata, root: Path, *,
     optimizer_dtype) is read in its own dtype, so its checksums hold, and cast to the state's
     on apply (_cast_model); without it, another dtype is refused. Returns the buffers and the
     state's dtype of each key read in another."""
-    model_sd = _model_state(state)
+    model_sd = model_state_of(state)
     saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
     missing = sorted(set(model_sd) - saved)
     unexpected = sorted(saved - set(model_sd))
@@ -252,7 +253,7 @@ def _checksums_to_verify(root: Path, manifest: dict, verify: bool) -> dict | Non
         return None
     if not isinstance(record, dict) or record.get("algorithm") != integrity.ALGORITHM:
         raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: checksums.algorithm must be "
-                              f"{integrity.ALGORITHM!r}, got {_get(record, 'algorithm')!r}; "
+                              f"{integrity.ALGORITHM!r}, got {field_of(record, 'algorithm')!r}; "
                               f"upgrade fsdpfn or pass verify=False")
     return record
 
@@ -263,8 +264,8 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
         raise CheckpointError(f"{fn}: weights_only: must be a bool, got {weights_only!r}")
     if not isinstance(verify, bool):
         raise CheckpointError(f"{fn}: verify: must be a bool, got {verify!r}")
-    root = _resolve(_as_path(path, fn))
-    manifest = _read_manifest(root, fn, verify)
+    root = _resolve(as_path(path, fn))
+    manifest = read_manifest(root, fn, verify)
     if not verify:
         log.warning("load_checkpoint: %s is loaded unverified (verify=False): neither its "
                     "manifest nor its data are checked against the checksums saved", root)
@@ -272,12 +273,12 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
         if not isinstance(manifest.get(key), int) or manifest[key] < 0:
             raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: {key} must be an integer >= 0, "
                                   f"got {manifest.get(key)!r}")
-    _check_files(root, manifest)
+    check_files(root, manifest)
     checksums = _checksums_to_verify(root, manifest, verify)
     integrity.check_file(root, ".metadata", checksums)
     _check_architecture(state, manifest, root)
     _warn_config_fields(state, manifest, root)
-    status = _get(manifest.get("optimizer"), "status")
+    status = field_of(manifest.get("optimizer"), "status")
     if status not in ("saved", "empty", "none"):
         raise CheckpointError(f"{fn}: {str(root / MANIFEST)!r}: optimizer.status must be one of "
                               f"['saved', 'empty', 'none'], got {status!r}")
@@ -310,13 +311,13 @@ def _plan_load(state: EngineState, path, weights_only, verify=True) -> _LoadPlan
         staging["optim"] = _plan_optim(state, metadata, root)
     rng = None
     if not weights_only:
-        saved_world = int(_get(manifest.get("rng"), "world_size") or 1)
-        file = _rng_file(root, rank() % saved_world)
+        saved_world = int(field_of(manifest.get("rng"), "world_size") or 1)
+        file = rng_path(root, rank() % saved_world)
         integrity.check_file(root, file.relative_to(root).as_posix(), checksums)
         try:
             rng = torch.load(file, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a broken checkpoint
-            raise _wrap(fn, f"reading {str(file)!r}", exc) from None
+            raise as_checkpoint_error(fn, f"reading {str(file)!r}", exc) from None
     return _LoadPlan(root, manifest, staging, load_optim, rng, checksums, casts)
 
 
@@ -359,12 +360,12 @@ def _verify(planner: integrity.VerifyingPlanner, plan: _LoadPlan, mesh) -> None:
     try:
         local = integrity.local_shares(planner)
     except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
-        error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
+        error = as_checkpoint_error(fn, f"verifying {str(plan.root)!r}", exc)
     agree_on_error(mesh, error)
     try:
         error = integrity.verify(local, planner, plan.root)
     except Exception as exc:  # noqa: BLE001 - a failure to verify is never a pass
-        error = _wrap(fn, f"verifying {str(plan.root)!r}", exc)
+        error = as_checkpoint_error(fn, f"verifying {str(plan.root)!r}", exc)
     agree_on_error(mesh, error)
 
 
@@ -416,7 +417,7 @@ def _apply(state: EngineState, plan: _LoadPlan) -> None:
         if "optim" in plan.staging:
             set_optimizer_state_dict(state.model, state.optimizer,
                                      _with_own_hyper(state, plan.staging["optim"]),
-                                     options=_OPTIM_FLAT)
+                                     options=OPTIM_FLAT)
         else:  # saved before the first step: no moments
             state.optimizer.state.clear()
         for group, hyper in zip(state.optimizer.param_groups, own):
@@ -426,7 +427,7 @@ def _apply(state: EngineState, plan: _LoadPlan) -> None:
         if state.scheduler is not None and manifest.get("scheduler") is not None:
             _schedule_at(state, manifest["scheduler"])
     if plan.rng is not None:
-        _set_rng_state(plan.rng, state.mesh)
+        restore_rng_state(plan.rng, state.mesh)
 
 
 def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
@@ -461,7 +462,7 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
         except CheckpointError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - e.g. a malformed manifest, on one rank
-            error = _wrap(fn, f"checking {str(path)!r}", exc)
+            error = as_checkpoint_error(fn, f"checking {str(path)!r}", exc)
     check_live(state, fn, local_error=error)
 
     # read into the fresh buffers (summing each chunk as it lands); nothing live changes until
@@ -469,8 +470,8 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     error, planner = None, None
     try:
         planner = _read(plan)
-    except _DCP_ERRORS as exc:
-        error = _wrap(fn, f"reading {str(plan.root)!r}", exc)
+    except DCP_ERRORS as exc:
+        error = as_checkpoint_error(fn, f"reading {str(plan.root)!r}", exc)
     agree_on_error(state.mesh, error)
     if planner is not None:
         _verify(planner, plan, state.mesh)
@@ -479,8 +480,8 @@ def load_checkpoint(state: EngineState, path, *, weights_only: bool = False,
     try:
         _apply(state, plan)
     except Exception as exc:  # noqa: BLE001 - cannot happen after the checks; never silently
-        error = _wrap(fn, f"applying {str(plan.root)!r} (the state is now partially loaded; "
-                          f"build it again with shard_model)", exc)
+        error = as_checkpoint_error(fn, f"applying {str(plan.root)!r} (the state is now "
+                                    f"partially loaded; build it again with shard_model)", exc)
     agree_on_error(state.mesh, error)
     manifest = plan.manifest
     step = state.step if weights_only else int(manifest["step"])

@@ -23,11 +23,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from fsdpfn.checkpoint import integrity
 from fsdpfn.engine import lora
 from fsdpfn.agree import agree_on_error, given_path, rank, same_on_every_rank, world_size
-from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _OPTIM_FLAT, _wrap
+from fsdpfn.checkpoint.dcp import DCP_ERRORS, OPTIM_FLAT, as_checkpoint_error
 from fsdpfn.checkpoint.files import (ARCH_FIELDS, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, OWNER,
-                                     _as_path, _cleanup, _discard, _file_sizes, _fsync_dir,
-                                     _is_fsdpfn_checkpoint, _publish, _rotate, _seal, _side_path,
-                                     _write_file)
+                                     as_path, clean_up_leftovers, discard, file_sizes, fsync_dir,
+                                     is_fsdpfn_checkpoint, publish_dir, rotate, side_path,
+                                     with_seal, write_file)
 from fsdpfn.checkpoint.save_async import AsyncSave, save_async, start_save, wait_for_prior
 from fsdpfn.errors import CheckpointError
 from fsdpfn.engine.state import EngineState, check_live, stale_reason
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------- what a checkpoint describes
 
 
-def _architecture(state: EngineState) -> dict:
+def architecture_of(state: EngineState) -> dict:
     hf = state.hf_config
     arch = {key: getattr(hf, key, None) for key in ARCH_FIELDS}
     arch["is_critic"] = bool(state.config.is_critic)
@@ -83,7 +83,7 @@ def _manifest(state: EngineState, extra: dict, saved_at: float, status: str) -> 
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": state.step,
             "version": state.version, "saved_at": saved_at,
             "mesh": {"dp": mesh.dp, "tp": mesh.tp, "cp": mesh.cp, "world_size": world_size()},
-            "architecture": _architecture(state),
+            "architecture": architecture_of(state),
             # what else changes the forward for the same weights (rope_theta, windows, ...)
             "config_fields": config_fields(state.hf_config),
             "dtypes": {"dtype": state.config.dtype,
@@ -130,7 +130,7 @@ def _rng_state(mesh) -> dict:
     return state
 
 
-def _set_rng_state(state: dict, mesh) -> None:
+def restore_rng_state(state: dict, mesh) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "numpy" in state:
@@ -142,7 +142,7 @@ def _set_rng_state(state: dict, mesh) -> None:
         torch.cuda.set_rng_state(state["cuda"], mesh.device)
 
 
-def _rng_file(root: Path, rank: int) -> Path:
+def rng_path(root: Path, rank: int) -> Path:
     return root / "rng" / f"rank_{rank:05d}.pt"
 
 
@@ -151,7 +151,7 @@ def _rng_file(root: Path, rank: int) -> Path:
 
 def _check_save_args(path, extra, keep_last, async_save) -> tuple[Path, dict]:
     fn = "save_checkpoint"
-    target = _as_path(path, fn)
+    target = as_path(path, fn)
     extra = _check_extra(extra, fn)
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool)
                                   or keep_last < 1):
@@ -164,7 +164,7 @@ def _check_save_args(path, extra, keep_last, async_save) -> tuple[Path, dict]:
             raise CheckpointError(f"{fn}: path {str(target)!r}: must be a new path, an empty "
                                   f"directory or an fsdpfn checkpoint to replace, got a file")
         entries = sorted(p.name for p in target.iterdir())
-        if entries and not _is_fsdpfn_checkpoint(target):
+        if entries and not is_fsdpfn_checkpoint(target):
             raise CheckpointError(
                 f"{fn}: path {str(target)!r}: must be a new path, an empty directory or an fsdpfn "
                 f"checkpoint to replace, got a non-empty directory that is not an fsdpfn "
@@ -172,7 +172,7 @@ def _check_save_args(path, extra, keep_last, async_save) -> tuple[Path, dict]:
     return target, extra
 
 
-def _model_state(state: EngineState) -> dict:
+def model_state_of(state: EngineState) -> dict:
     """The model part of a checkpoint: every parameter, or the adapters alone for a LoRA state
     (its frozen base is the one of ``config.model_path``)."""
     model_sd = get_model_state_dict(state.model)
@@ -182,10 +182,10 @@ def _model_state(state: EngineState) -> dict:
 
 
 def _to_save(state: EngineState, status: str) -> dict:
-    state_dict = {"model": _model_state(state)}
+    state_dict = {"model": model_state_of(state)}
     if status == "saved":
         state_dict["optim"] = get_optimizer_state_dict(state.model, state.optimizer,
-                                                       options=_OPTIM_FLAT)
+                                                       options=OPTIM_FLAT)
     return state_dict
 
 
@@ -208,9 +208,9 @@ def _tidy(parent: Path, keep_last: int | None, current: Path) -> None:
     """Best effort, after publication: leftovers of dead saves, then rotation. A failure here
     loses nothing, so it is logged rather than raised."""
     try:
-        _cleanup(parent)
+        clean_up_leftovers(parent)
         if keep_last is not None:
-            _rotate(parent, keep_last, current)
+            rotate(parent, keep_last, current)
     except OSError as exc:
         log.warning("save_checkpoint: cleaning up %s failed (%s); the checkpoint %s is published",
                     parent, exc, current)
@@ -225,29 +225,29 @@ def _finish(tmp: Path, target: Path, token: str, manifest: dict, keep_last: int 
         agree_fn(error)
     except BaseException:
         if rank() == 0:
-            _discard(tmp)
+            discard(tmp)
         raise
     error = None
     if rank() == 0:
         published = False
         try:
-            manifest = dict(manifest, files=_file_sizes(tmp))
+            manifest = dict(manifest, files=file_sizes(tmp))
             if sums is not None:
                 small = [rel for rel in manifest["files"] if not rel.endswith(".distcp")]
                 manifest["checksums"] = integrity.record(tmp, sums, small)
-            _write_file(tmp / MANIFEST, json.dumps(_seal(manifest), indent=1).encode())
-            _write_file(tmp / MARKER, f"{FORMAT} step {manifest['step']}\n".encode())
-            _fsync_dir(tmp)
+            write_file(tmp / MANIFEST, json.dumps(with_seal(manifest), indent=1).encode())
+            write_file(tmp / MARKER, f"{FORMAT} step {manifest['step']}\n".encode())
+            fsync_dir(tmp)
             # the owner stays until the directory is published: a save that dies before that
             # leaves a side directory the next save can tell is dead (and, complete, publishes)
-            _publish(tmp, target, token)
+            publish_dir(tmp, target, token)
             published = True
             (target / OWNER).unlink(missing_ok=True)
             _tidy(target.parent, keep_last, target)
         except (OSError, CheckpointError) as exc:
-            error = _wrap(fn, f"publishing {str(target)!r}", exc)
+            error = as_checkpoint_error(fn, f"publishing {str(target)!r}", exc)
             if not published:
-                _discard(tmp)
+                discard(tmp)
     agree_fn(error)
 
 
@@ -283,7 +283,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
         except CheckpointError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable directory, on one rank
-            error = _wrap(fn, f"checking {str(path)!r}", exc)
+            error = as_checkpoint_error(fn, f"checking {str(path)!r}", exc)
     check_live(state, fn, local_error=error)
     # every rank writes its shards under its own path: a path that differs by rank (a timestamp,
     # a rank's own clock) would publish rank 0's part alone as a complete checkpoint
@@ -292,7 +292,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
                        error_type=CheckpointError)
     mesh = state.mesh
     token, saved_at = start_save((uuid.uuid4().hex, time.time()))
-    tmp = _side_path(target, "tmp", token)
+    tmp = side_path(target, "tmp", token)
     status = _optimizer_status(state)
     manifest = _manifest(state, extra_json, saved_at, status)
 
@@ -301,22 +301,22 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     try:
         if rank() == 0:
             tmp.mkdir(parents=True)
-            _write_file(tmp / OWNER, json.dumps({"host": socket.gethostname(),
-                                                 "pid": os.getpid()}).encode())
+            write_file(tmp / OWNER, json.dumps({"host": socket.gethostname(),
+                                                "pid": os.getpid()}).encode())
     except OSError as exc:
-        error = _wrap(fn, f"creating {str(tmp)!r}", exc)
+        error = as_checkpoint_error(fn, f"creating {str(tmp)!r}", exc)
     agree_on_error(mesh, error)
     try:
-        rng_file = _rng_file(tmp, rank())
+        rng_file = rng_path(tmp, rank())
         rng_file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(mesh), rng_file)
     except Exception as exc:  # noqa: BLE001 - OSError, or torch's writer failing (disk full)
-        error = _wrap(fn, f"writing {str(tmp / 'rng')!r}", exc)
+        error = as_checkpoint_error(fn, f"writing {str(tmp / 'rng')!r}", exc)
     try:
         agree_on_error(mesh, error)
     except BaseException:
         if rank() == 0:
-            _discard(tmp)
+            discard(tmp)
         raise
 
     # stage 2: the chunks' checksums, on the device, before DCP copies anything out
@@ -325,7 +325,7 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
         sums = _gather_checksums(state_dict, mesh) if checksums else None
     except BaseException:
         if rank() == 0:
-            _discard(tmp)
+            discard(tmp)
         raise
 
     # stage 3: DCP writes the shards (in the background when async); rank 0 then publishes
@@ -336,8 +336,8 @@ def save_checkpoint(state: EngineState, path, *, extra: dict | None = None,
     error = None
     try:
         dcp.save(state_dict, checkpoint_id=tmp)
-    except _DCP_ERRORS as exc:
-        error = _wrap(fn, f"writing {str(tmp)!r}", exc)
+    except DCP_ERRORS as exc:
+        error = as_checkpoint_error(fn, f"writing {str(tmp)!r}", exc)
     error = error or wait_for_prior(publish_after, target)
     _finish(tmp, target, token, manifest, keep_last, lambda e: agree_on_error(mesh, e), error,
             sums)
@@ -353,7 +353,7 @@ def _gather_checksums(state_dict: dict, mesh) -> list | None:
     except CheckpointError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - e.g. a device error, on one rank
-        error = _wrap("save_checkpoint", "checksumming the state", exc)
+        error = as_checkpoint_error("save_checkpoint", "checksumming the state", exc)
     agree_on_error(mesh, error)
     if world_size() == 1:
         return [local]

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fsdpfn.agree import agree_on_error_in_group, rank, world_size
-from fsdpfn.checkpoint.dcp import _DCP_ERRORS, _wrap
-from fsdpfn.checkpoint.files import _discard
+from fsdpfn.checkpoint.dcp import DCP_ERRORS, as_checkpoint_error
+from fsdpfn.checkpoint.files import discard
 from fsdpfn.errors import CheckpointError
 
 
@@ -49,7 +49,7 @@ class AsyncSave:
             try:
                 body()
             except BaseException as exc:  # noqa: BLE001 - handed to wait()
-                self._error = exc if isinstance(exc, CheckpointError) else _wrap(
+                self._error = exc if isinstance(exc, CheckpointError) else as_checkpoint_error(
                     "save_checkpoint", f"asynchronous save to {str(self.path)!r}", exc)
             finally:
                 self.finished_at = time.perf_counter()
@@ -205,15 +205,15 @@ def save_async(state_dict, tmp: Path, target: Path, publish_after: AsyncSave | N
     staged, stager, staging_error = None, None, None
     try:
         staged, stager = _stage(state_dict)
-    except _DCP_ERRORS as exc:
-        staging_error = _wrap("save_checkpoint", f"staging {str(tmp)!r}", exc)
+    except DCP_ERRORS as exc:
+        staging_error = as_checkpoint_error("save_checkpoint", f"staging {str(tmp)!r}", exc)
     try:
         agree_on_error_in_group(None, staging_error, error_type=CheckpointError)
     except BaseException:
         if stager is not None:
             stager.close()
         if rank() == 0:
-            _discard(tmp)
+            discard(tmp)
         raise
     group = dist.new_group(backend="gloo") if world_size() > 1 else None
     handle = AsyncSave(target, group)
@@ -222,8 +222,8 @@ def save_async(state_dict, tmp: Path, target: Path, publish_after: AsyncSave | N
         error = None
         try:
             dcp.save(staged, checkpoint_id=tmp, process_group=group)
-        except _DCP_ERRORS as exc:
-            error = _wrap("save_checkpoint", f"writing {str(tmp)!r}", exc)
+        except DCP_ERRORS as exc:
+            error = as_checkpoint_error("save_checkpoint", f"writing {str(tmp)!r}", exc)
         finally:
             stager.close()
         error = error or wait_for_prior(publish_after, target)

@@ -31,7 +31,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """The kernel's start time of ``pid`` (tells a reused pid apart), None where unknown."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -55,7 +55,7 @@ def pid_alive(pid: int, start_time: str | None = None) -> bool:
         return sys.platform != "linux"  # no /proc: trust kill(0)
     if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
         return False
-    return start_time is None or _start_time(pid) == start_time
+    return start_time is None or process_start_time(pid) == start_time
 
 
 def die_with_parent(sig: int = signal.SIGKILL):
@@ -76,7 +76,7 @@ def die_with_parent(sig: int = signal.SIGKILL):
 
 def watch_pid(pid: int, on_gone, *, interval: float = 0.5, name: str = "fsdpfn-watchdog"):
     """Start a daemon thread that calls ``on_gone()`` once ``pid`` has exited."""
-    start = _start_time(pid)
+    start = process_start_time(pid)
 
     def loop() -> None:
         while pid_alive(pid, start):

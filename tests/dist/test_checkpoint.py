@@ -412,11 +412,11 @@ def _error_cases(root):
         shard = dst / "__1_0.distcp"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         if fix_manifest:  # sizes and the manifest's CRC fixed: only DCP's own read can notice
-            from fsdpfn.checkpoint.files import _seal
+            from fsdpfn.checkpoint.files import with_seal
 
             m = json.loads((dst / MANIFEST).read_text())
             m["files"]["__1_0.distcp"] = shard.stat().st_size
-            (dst / MANIFEST).write_text(json.dumps(_seal(m)))
+            (dst / MANIFEST).write_text(json.dumps(with_seal(m)))
 
     cases = {
         "missing": (root / "nope", {}),

@@ -43,8 +43,8 @@ def _dead_pid() -> int:
 def test_publish_replaces_an_existing_checkpoint(tmp_path):
     target = _fake_checkpoint(tmp_path / "step_1", saved_at=1.0, payload="old")
     token = uuid.uuid4().hex
-    tmp = _fake_checkpoint(C._side_path(target, "tmp", token), saved_at=2.0, payload="new")
-    C._publish(tmp, target, token)
+    tmp = _fake_checkpoint(C.side_path(target, "tmp", token), saved_at=2.0, payload="new")
+    C.publish_dir(tmp, target, token)
     assert (target / "__0_0.distcp").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
 
@@ -53,20 +53,20 @@ def test_publish_into_an_empty_directory(tmp_path):
     target = tmp_path / "ckpt"
     target.mkdir()
     token = uuid.uuid4().hex
-    tmp = _fake_checkpoint(C._side_path(target, "tmp", token), saved_at=2.0)
-    C._publish(tmp, target, token)
-    assert C._is_complete(target)
+    tmp = _fake_checkpoint(C.side_path(target, "tmp", token), saved_at=2.0)
+    C.publish_dir(tmp, target, token)
+    assert C.is_complete(target)
 
 
 def test_resolve_reads_the_complete_sibling_of_an_interrupted_replace(tmp_path):
     target = tmp_path / "step_2"
     # the crash window of a replace: old set aside, new complete but not yet renamed in
-    old = _fake_checkpoint(C._side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
-    new = _fake_checkpoint(C._side_path(target, "tmp", uuid.uuid4().hex), saved_at=2.0)
+    old = _fake_checkpoint(C.side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
+    new = _fake_checkpoint(C.side_path(target, "tmp", uuid.uuid4().hex), saved_at=2.0)
     assert C._resolve(target) == new
-    C._discard(new)
+    C.discard(new)
     assert C._resolve(target) == old
-    C._discard(old)
+    C.discard(old)
     with pytest.raises(CheckpointError, match="does not exist"):
         C._resolve(target)
 
@@ -76,7 +76,7 @@ def test_resolve_never_reads_an_incomplete_directory(tmp_path):
     with pytest.raises(CheckpointError, match="without COMPLETE"):
         C._resolve(partial)
     # an incomplete sibling is no fallback either
-    _fake_checkpoint(C._side_path(tmp_path / "step_4", "tmp", uuid.uuid4().hex), saved_at=1.0,
+    _fake_checkpoint(C.side_path(tmp_path / "step_4", "tmp", uuid.uuid4().hex), saved_at=1.0,
                      complete=False)
     with pytest.raises(CheckpointError, match="does not exist"):
         C._resolve(tmp_path / "step_4")
@@ -84,15 +84,15 @@ def test_resolve_never_reads_an_incomplete_directory(tmp_path):
 
 def test_check_files_catches_truncation_and_missing_files(tmp_path):
     ckpt = _fake_checkpoint(tmp_path / "c", saved_at=1.0)
-    manifest = {"files": C._file_sizes(ckpt)}
+    manifest = {"files": C.file_sizes(ckpt)}
     assert set(manifest["files"]) == {"__0_0.distcp", ".metadata"}
-    C._check_files(ckpt, manifest)
+    C.check_files(ckpt, manifest)
     (ckpt / "__0_0.distcp").write_text("")
     with pytest.raises(CheckpointError, match="must have the 1 bytes.*got 0 bytes"):
-        C._check_files(ckpt, manifest)
+        C.check_files(ckpt, manifest)
     (ckpt / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r"\.metadata'.*no such file"):
-        C._check_files(ckpt, manifest)
+        C.check_files(ckpt, manifest)
 
 
 def test_rotate_keeps_the_most_recently_saved_and_ignores_other_directories(tmp_path):
@@ -101,7 +101,7 @@ def test_rotate_keeps_the_most_recently_saved_and_ignores_other_directories(tmp_
     (tmp_path / "user_data").mkdir()
     _fake_checkpoint(tmp_path / "half_deleted", saved_at=1.0, complete=False)
     current = _fake_checkpoint(tmp_path / "step_4", saved_at=40.0)
-    deleted = C._rotate(tmp_path, 2, current)
+    deleted = C.rotate(tmp_path, 2, current)
     assert sorted(p.name for p in deleted) == ["step_1", "step_10", "step_2"]
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["half_deleted", "step_3", "step_4", "user_data"]
@@ -110,22 +110,22 @@ def test_rotate_keeps_the_most_recently_saved_and_ignores_other_directories(tmp_
 
 def test_cleanup_removes_leftovers_of_dead_saves_only(tmp_path):
     target = tmp_path / "step_5"
-    dead = C._side_path(target, "tmp", uuid.uuid4().hex)
+    dead = C.side_path(target, "tmp", uuid.uuid4().hex)
     dead.mkdir()
     (dead / C.OWNER).write_text(json.dumps({"host": socket.gethostname(),
                                             "pid": _dead_pid()}))
-    alive = C._side_path(target, "tmp", uuid.uuid4().hex)
+    alive = C.side_path(target, "tmp", uuid.uuid4().hex)
     alive.mkdir()
     (alive / C.OWNER).write_text(json.dumps({"host": socket.gethostname(),
                                              "pid": os.getpid()}))
-    elsewhere = C._side_path(target, "tmp", uuid.uuid4().hex)
+    elsewhere = C.side_path(target, "tmp", uuid.uuid4().hex)
     elsewhere.mkdir()
     (elsewhere / C.OWNER).write_text(json.dumps({"host": "another-host", "pid": 1}))
-    ownerless_old = C._side_path(target, "tmp", uuid.uuid4().hex)
+    ownerless_old = C.side_path(target, "tmp", uuid.uuid4().hex)
     ownerless_old.mkdir()
     os.utime(ownerless_old, (time.time() - 7200, time.time() - 7200))
-    aside = _fake_checkpoint(C._side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
-    C._cleanup(tmp_path)
+    aside = _fake_checkpoint(C.side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
+    C.clean_up_leftovers(tmp_path)
     remaining = set(tmp_path.iterdir())
     assert remaining == {alive, elsewhere}
     assert not aside.exists()
@@ -143,10 +143,10 @@ def test_cleanup_finishes_a_publication_cut_between_its_renames(tmp_path, new_co
     deleted the old copy at once and the new one an hour later, losing both), else puts the
     old copy back."""
     target, token = tmp_path / "step_2", uuid.uuid4().hex  # one token: one publication
-    aside = _fake_checkpoint(C._side_path(target, "old", token), saved_at=1.0, payload="old")
-    tmp = _owned(_fake_checkpoint(C._side_path(target, "tmp", token), saved_at=2.0,
+    aside = _fake_checkpoint(C.side_path(target, "old", token), saved_at=1.0, payload="old")
+    tmp = _owned(_fake_checkpoint(C.side_path(target, "tmp", token), saved_at=2.0,
                                   complete=new_complete, payload="new"), _dead_pid())
-    C._cleanup(tmp_path)
+    C.clean_up_leftovers(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
     assert (target / "__0_0.distcp").read_text() == ("new" if new_complete else "old")
     assert not (target / C.OWNER).exists() and not aside.exists() and not tmp.exists()
@@ -156,17 +156,17 @@ def test_cleanup_finishes_a_publication_cut_between_its_renames(tmp_path, new_co
 def test_cleanup_never_brings_back_a_deletion_cut_short(tmp_path):
     """A rotation's deletion renames the checkpoint aside (a token of its own), then removes
     it: that ``.old-`` copy is finished off, not put back."""
-    _fake_checkpoint(C._side_path(tmp_path / "step_1", "old", uuid.uuid4().hex), saved_at=1.0)
-    C._cleanup(tmp_path)
+    _fake_checkpoint(C.side_path(tmp_path / "step_1", "old", uuid.uuid4().hex), saved_at=1.0)
+    C.clean_up_leftovers(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_cleanup_leaves_a_running_save_its_own_publication(tmp_path):
     target = tmp_path / "step_2"
-    _fake_checkpoint(C._side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
-    running = _owned(_fake_checkpoint(C._side_path(target, "tmp", uuid.uuid4().hex),
+    _fake_checkpoint(C.side_path(target, "old", uuid.uuid4().hex), saved_at=1.0)
+    running = _owned(_fake_checkpoint(C.side_path(target, "tmp", uuid.uuid4().hex),
                                       saved_at=2.0), os.getpid())
-    C._cleanup(tmp_path)
+    C.clean_up_leftovers(tmp_path)
     assert not target.exists() and running.exists()  # the save renames it itself
 
 
@@ -176,7 +176,7 @@ def test_rotation_never_deletes_a_checkpoint_saved_after_the_one_it_publishes(tm
     newer = _fake_checkpoint(tmp_path / "step_2", saved_at=20.0)
     older = _fake_checkpoint(tmp_path / "step_1", saved_at=10.0)
     _fake_checkpoint(tmp_path / "step_0", saved_at=5.0)
-    assert [p.name for p in C._rotate(tmp_path, 1, older)] == ["step_0"]
+    assert [p.name for p in C.rotate(tmp_path, 1, older)] == ["step_0"]
     assert newer.exists() and older.exists() and C.latest_checkpoint(tmp_path) == newer
 
 
@@ -190,9 +190,9 @@ def test_a_directory_merely_holding_a_file_named_complete_is_not_a_checkpoint(tm
     os.utime(results / "COMPLETE", (time.time() + 60, time.time() + 60))
     for step, saved_at in ((1, 10.0), (2, 20.0), (3, 30.0)):
         current = _fake_checkpoint(tmp_path / f"step_{step}", saved_at=saved_at)
-        C._rotate(tmp_path, 1, current)
+        C.rotate(tmp_path, 1, current)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval_results", "step_3"]
-    assert (results / "scores.csv").exists() and not C._is_fsdpfn_checkpoint(results)
+    assert (results / "scores.csv").exists() and not C.is_fsdpfn_checkpoint(results)
     assert C.latest_checkpoint(tmp_path).name == "step_3"
 
 
@@ -216,12 +216,12 @@ def test_discard_drops_the_marker_before_the_data(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files.shutil, "rmtree", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        C._discard(ckpt)
+        C.discard(ckpt)
     (name, left), = seen
     assert not ckpt.exists() and ".old-" in name  # renamed aside first
     assert C.MARKER not in left and left  # the marker went first; the data is still there
     monkeypatch.setattr(files.shutil, "rmtree", rmtree)
-    C._discard(tmp_path / name)
+    C.discard(tmp_path / name)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -26,7 +26,7 @@ from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, is_port,
 from fsdpfn.app.recipes.data import DataConfig
 from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
 from fsdpfn.app.recipes.model import ModelConfig
-from fsdpfn.app.recipes.rollout_config import RolloutConfig, _gpu_list, _gpus, _server_namespace
+from fsdpfn.app.recipes.rollout_config import RolloutConfig, gpu_list, as_gpus, server_namespace
 from fsdpfn.app.recipes.reward import RewardConfig
 from fsdpfn.app.recipes.task import AdditionTask
 
@@ -50,8 +50,8 @@ class LaunchConfig:
     nproc: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
     threads_per_rank: int = attrs.field(default=1, validator=integer(1))
     device: str = attrs.field(default="auto", validator=one_of("cpu", "cuda", "auto"))
-    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
-                                               validator=_gpu_list)
+    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=as_gpus,
+                                               validator=gpu_list)
     master_port: int | None = attrs.field(
         default=None, validator=satisfies("must be a port in 1..65535",
                                           lambda v: is_port(v) and v > 0, optional=True,
@@ -149,7 +149,7 @@ def _check_rl_data(cfg) -> None:
     if any(a.split("=", 1)[0] == "--decode-max-len" for a in args):
         from fsdpfn.app.recipes.engine import longest_row
 
-        cache = _server_namespace(args).decode_max_len
+        cache = server_namespace(args).decode_max_len
         row, how = longest_row(cfg)
         if cache < row:
             raise ConfigError(f"rollout.server_args: --decode-max-len must be >= {how} = {row} "

@@ -127,8 +127,8 @@ def answer_reason(cfg) -> str | None:
     return None
 
 
-def _columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str, *,
-                 answer_reason: str | None = None) -> dict:
+def columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str, *,
+                answer_reason: str | None = None) -> dict:
     """Which columns this recipe reads; a missing one is a ConfigError naming its key.
     ``answer_reason``: why the answer column is needed (else it is read when present)."""
     def need(field: str, why: str = "") -> str:
@@ -300,8 +300,8 @@ def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path, *,
                               ("eval", cfg.eval_files, "eval_files")):
         if files:
             data = read_rows(files, key)
-            cols = _columns_for(cfg, recipe, list(data.columns), key,
-                                answer_reason=answer_reason)
+            cols = columns_for(cfg, recipe, list(data.columns), key,
+                               answer_reason=answer_reason)
             check_rows(data, cols, recipe)
             splits.append((split, key, data, cols))
     out_dir = Path(out_dir)

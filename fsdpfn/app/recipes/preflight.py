@@ -122,7 +122,7 @@ def check_data(cfg) -> None:
     """Each split's files exist, read, have the columns this recipe needs and rows of the
     right types: the checks prepare_files makes before it tokenizes (which it does when the
     run starts)."""
-    from fsdpfn.app.recipes.data import _columns_for, answer_reason
+    from fsdpfn.app.recipes.data import answer_reason, columns_for
     from fsdpfn.app.recipes.data_rows import check_rows, read_rows
 
     why = answer_reason(cfg)
@@ -130,8 +130,8 @@ def check_data(cfg) -> None:
                                                                  "eval_files")):
         if files:
             data = read_rows(files, key)
-            check_rows(data, _columns_for(cfg.data, cfg.recipe, list(data.columns), key,
-                                          answer_reason=why), cfg.recipe)
+            check_rows(data, columns_for(cfg.data, cfg.recipe, list(data.columns), key,
+                                         answer_reason=why), cfg.recipe)
 
 
 def _reward_call(cfg) -> tuple[tuple, dict, str]:

@@ -71,7 +71,7 @@ class PushSection:
 PushSection.__fsdpfn_moved__ = {k: f"set by {v}" for k, v in PUSH_OWNED.items()}
 
 
-def _gpus(value):
+def as_gpus(value):
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -87,9 +87,9 @@ def _distinct_indices(value) -> bool:
         and len(set(value)) == len(value)
 
 
-_gpu_list = satisfies("must be null or a list of distinct GPU indices >= 0", _distinct_indices,
-                      optional=True,
-                      show=lambda v: repr(list(v) if isinstance(v, tuple) else v))
+gpu_list = satisfies("must be null or a list of distinct GPU indices >= 0", _distinct_indices,
+                     optional=True,
+                     show=lambda v: repr(list(v) if isinstance(v, tuple) else v))
 
 
 def _urls(value):
@@ -136,7 +136,7 @@ SERVER_OWNED = {
     "--fd": "fsdpfn run (the port's socket, bound by the launcher)"}
 
 
-def _server_namespace(args, error=None):
+def server_namespace(args, error=None):
     """The server's parsed command line with these flags (fsdpfn run's own as placeholders),
     flags written out in full; ``error`` is called with argparse's message instead of exiting."""
     from fsdpfn.rollout.__main__ import parser
@@ -171,7 +171,7 @@ def _check_server_args(instance, attribute, value) -> None:
              shown=f"{shown} ({message})")
 
     try:
-        _server_namespace(value, refuse)
+        server_namespace(value, refuse)
     except argparse.ArgumentError as exc:
         refuse(str(exc))
     if instance is not None and value and instance.url is not None:
@@ -267,8 +267,8 @@ class RolloutConfig:
     device: str = attrs.field(default="auto", validator=one_of("auto", "cpu", "cuda"))
     # the servers' GPUs, one server each (null: the host's last `servers` GPUs); for servers
     # fsdpfn run starts on CUDA: refused with device cpu, with url and on a host without GPUs
-    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=_gpus,
-                                               validator=_gpu_list)
+    gpus: tuple[int, ...] | None = attrs.field(default=None, converter=as_gpus,
+                                               validator=gpu_list)
     temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
     top_p: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0, le=1))
     timeout_s: float = attrs.field(default=120.0, converter=to_float, validator=number(gt=0))
