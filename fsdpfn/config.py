@@ -427,7 +427,9 @@ class AdvantageConfig:
     ``group_size``: the samples per prompt of the grouped estimators; its default 1 makes each
     row its own group, where every grpo/drgrpo advantage is 0 (compute_advantages warns).
     ``returns`` is the signal before whitening: GAE's advantages + values, reinforce++'s
-    returns-to-go, a grouped estimator's advantages.
+    returns-to-go, a grouped estimator's advantages. ``whiten``: whiten the advantages over the
+    batch's loss tokens (dp-global with a mesh) after the estimator; reinforce++ is whitened
+    whatever its value, as the estimator is defined.
     """
 
     estimator: str = attrs.field(default="grpo",

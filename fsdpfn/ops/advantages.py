@@ -98,7 +98,10 @@ def _group_order(group_ids, B: int, group_size: int) -> torch.Tensor:
 
 
 def _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, eps):
-    r = rewards.float().reshape(*rewards.shape[:-1], -1, group_size)  # (..., n_groups, G)
+    # float64 inside: a float32 mean of equal rewards (0.7 each) can miss the reward by an ulp,
+    # and that residue over std 0 + eps is a same-signed advantage of up to 0.06 for the whole
+    # group; in float64 a group's sum of float32 rewards is exact, so equal rewards centre to 0
+    r = rewards.float().double().reshape(*rewards.shape[:-1], -1, group_size)  # (.., groups, G)
     total = r.sum(-1, keepdim=True)
     if leave_one_out:
         adv = r - (total - r) / (group_size - 1)
@@ -107,7 +110,7 @@ def _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, 
     if norm_std:
         std = r.std(-1, keepdim=True) if group_size > 1 and r.numel() else torch.zeros_like(total)
         adv = adv / (std + eps)
-    return adv.reshape(rewards.shape)
+    return adv.float().reshape(rewards.shape)
 
 
 def whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8, all_reduce=None):

@@ -131,6 +131,18 @@ def test_group_advantages_match_reference_and_have_zero_group_mean(n_groups, g, 
         assert (adv.double().reshape(n_groups, g).sum(-1).abs() <= 1e-5 * g * scale).all()
 
 
+@pytest.mark.parametrize("loo", [False, True])
+@pytest.mark.parametrize("g", [2, 3, 5, 7, 8])
+@pytest.mark.parametrize("value", [0.7, 0.1, 1 / 3, -2.3, 1e3 + 0.1])
+def test_a_group_of_equal_rewards_has_advantage_zero(value, g, loo):
+    # the mean of equal rewards is the reward: any rounding residue of the centring, divided by
+    # std 0 + eps = 1e-6, would be a same-signed push of up to 0.06 on every row of the group
+    rewards = torch.full((3 * g,), value)
+    for norm_std in (True, False):
+        adv = group_advantages(rewards, g, norm_std=norm_std, leave_one_out=loo)
+        assert torch.equal(adv, torch.zeros_like(adv)), (norm_std, adv)
+
+
 def test_group_advantages_group_size_one_gives_zero():
     rewards = torch.tensor([1.0, -2.0, 3.0])
     assert torch.equal(group_advantages(rewards, 1), torch.zeros(3))

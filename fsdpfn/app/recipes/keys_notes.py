@@ -167,7 +167,8 @@ NOTES = {
     ("AdvantageConfig", "reward_bias"): "reward x scale + bias before the estimator",
     ("AdvantageConfig", "reward_clip"): "clip rewards to [-clip, clip] (null: off)",
     ("AdvantageConfig", "whiten"): "whiten advantages over the batch (dp-global): "
-                                   "(A - mean) / sqrt(unbiased var + 1e-8) over loss tokens",
+                                   "(A - mean) / sqrt(unbiased var + 1e-8) over loss tokens; "
+                                   "reinforce++ whitens either way (its definition)",
     ("AdvantageConfig", "eps"): "added to standard deviations",
     ("SFTConfig", "agg"): "how token losses are aggregated",
     ("RWConfig", "margin"): "margin of the Bradley-Terry loss",
