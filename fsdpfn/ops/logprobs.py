@@ -69,8 +69,9 @@ def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Te
     z = _scaled_logits(logits, temperature)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
-    # p * logp is 0 * -inf = nan for -inf logits; such entries contribute 0 to the entropy
-    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    # -inf logits contribute 0: logp is masked before the product, since p * logp would be
+    # 0 * -inf = nan there, and its gradient nan on the whole row even where discarded
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -87,6 +87,27 @@ def test_token_entropy_handles_minus_inf_logits():
     assert torch.allclose(token_entropy(logits), torch.tensor([math.log(2.0)]))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_entropy_gradient_with_minus_inf_logits_matches_float64(temperature):
+    # logits masked to -inf (a vocabulary restricted by the user) must not poison the gradient:
+    # dH/dz_i = -p_i (log p_i + H) on the finite entries, 0 on the masked ones
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7)
+    logits[0, 2] = logits[1, 0] = logits[1, 5] = float("-inf")
+    x = logits.clone().requires_grad_(True)
+    weights = torch.tensor([0.5, -1.0, 2.0])
+    (token_entropy(x, temperature=temperature) * weights).sum().backward()
+    z = logits.double() / temperature
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp()
+    plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
+    h = -plogp.sum(-1, keepdim=True)
+    ref = -torch.where(p > 0, p * (logp + h), torch.zeros_like(p)) / temperature
+    ref = ref * weights.double()[:, None]
+    assert torch.isfinite(x.grad).all(), x.grad
+    assert (x.grad.double() - ref).abs().max() < 1e-6
+
+
 def test_bad_arguments_raise():
     logits, targets = torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)
     with pytest.raises(ConfigError, match="temperature"):
