@@ -367,6 +367,9 @@ def grad_step(state: EngineState, batch, loss_fn: Callable | Objective, *,
             group_size=obj.group_size if obj.group_size > 1 else None, pairs=obj.pairs)
     _same_call(fn_name, batch, obj, optimizer_steps=optimizer_steps, order=order,
                shuffle_seed=shuffle_seed, mb_spec=spec)
+    # batch tensors are data: one with an autograd graph (advantages computed without no_grad)
+    # is read as its values, so no backward runs into the caller's graph
+    batch = batch.detach()
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     max_norm = state.config.optimizer.max_grad_norm
     model.train()
