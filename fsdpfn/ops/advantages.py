@@ -98,19 +98,21 @@ def _group_order(group_ids, B: int, group_size: int) -> torch.Tensor:
 
 
 def _consecutive_group_advantages(rewards, group_size, norm_std, leave_one_out, eps):
-    # float64 inside: a float32 mean of equal rewards (0.7 each) can miss the reward by an ulp,
-    # and that residue over std 0 + eps is a same-signed advantage of up to 0.06 for the whole
-    # group; in float64 a group's sum of float32 rewards is exact, so equal rewards centre to 0
-    r = rewards.float().double().reshape(*rewards.shape[:-1], -1, group_size)  # (.., groups, G)
-    total = r.sum(-1, keepdim=True)
+    r = rewards.float().reshape(*rewards.shape[:-1], -1, group_size)  # (..., n_groups, G)
+    # the group's sum in float64, where a sum of float32 rewards is exact: the mean (of the other
+    # rows) of equal rewards is then the reward itself, and they centre to exactly 0. A float32
+    # mean of 0.7s can miss by an ulp, and that residue over std 0 + eps is a same-signed
+    # advantage of up to 0.06 for the whole group. Other means round to float32 as before.
+    total = r.double().sum(-1, keepdim=True)
     if leave_one_out:
-        adv = r - (total - r) / (group_size - 1)
+        adv = r - ((total - r.double()) / (group_size - 1)).float()
     else:
-        adv = r - total / group_size
+        adv = r - (total / group_size).float()
     if norm_std:
-        std = r.std(-1, keepdim=True) if group_size > 1 and r.numel() else torch.zeros_like(total)
+        single = group_size == 1 or not r.numel()
+        std = torch.zeros_like(r[..., :1]) if single else r.std(-1, keepdim=True)
         adv = adv / (std + eps)
-    return adv.float().reshape(rewards.shape)
+    return adv.reshape(rewards.shape)
 
 
 def whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8, all_reduce=None):
