@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import masked_values
+from fsdpfn.ops.aggregate import as_mask, masked_values
 from fsdpfn.ops.kl import kl
 
 __all__ = ["gae", "group_advantages", "whiten", "scale_rewards", "kl_in_reward",
@@ -36,7 +36,7 @@ def gae(token_rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0):
     if token_rewards.shape != mask.shape or values.shape != mask.shape:
         raise BatchError(f"token_rewards and values must have the shape of mask {tuple(mask.shape)}, "
                          f"got {tuple(token_rewards.shape)} and {tuple(values.shape)}")
-    mask = mask.bool()
+    mask = as_mask(mask)
     r, v = masked_values(token_rewards, mask), masked_values(values, mask)
     next_v = r.new_zeros(r.shape[:-1])
     next_a = r.new_zeros(r.shape[:-1])
@@ -125,7 +125,7 @@ def whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8, all_reduce=No
     whole batch, and each part is whitened with them.
     """
     total = (lambda t: t) if all_reduce is None else all_reduce
-    mask = mask.bool()
+    mask = as_mask(mask)
     xm = masked_values(x, mask).double()
     sums = total(torch.stack([xm.sum(), mask.sum().double()]))
     n = sums[1]
@@ -152,7 +152,7 @@ def outcome_to_token_rewards(rewards, mask):
     if rewards.shape != mask.shape[:-1]:
         raise BatchError(f"rewards must have shape mask.shape[:-1] = {tuple(mask.shape[:-1])}, "
                          f"got {tuple(rewards.shape)}")
-    mask = mask.bool()
+    mask = as_mask(mask)
     pos = torch.arange(mask.shape[-1], device=mask.device)
     last = torch.where(mask, pos, -1).amax(-1, keepdim=True) if mask.shape[-1] else None
     if last is None:
@@ -168,7 +168,7 @@ def kl_in_reward(token_rewards, rewards, logp, ref_logp, mask, *, coef: float, k
     token_rewards (or None) [..., T] + each row's scalar reward rewards[...] (or None) placed at its
     last masked token, minus coef * kl(logp, ref_logp, kind) at every masked token.
     """
-    mask = mask.bool()
+    mask = as_mask(mask)
     out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     if token_rewards is not None:
         out = out + masked_values(token_rewards, mask)

@@ -13,7 +13,7 @@ import torch
 from fsdpfn.errors import BatchError, ConfigError
 
 __all__ = ["aggregate", "aggregate_sum", "aggregate_sum_packed", "masked_values", "masked_max",
-           "AGG_MODES"]
+           "as_mask", "AGG_MODES"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -33,18 +33,32 @@ def check_same_shape(like_name: str, like: torch.Tensor, **tensors) -> None:
                              f"got {tuple(t.shape)}")
 
 
+def as_mask(mask: torch.Tensor, name: str = "mask") -> torch.Tensor:
+    """``mask`` as bool: a bool tensor as it is, another dtype only where every entry is 0 or 1;
+    a weight such as 0.5 (or -1) would otherwise count as True, and a weighted mean was meant."""
+    if mask.dtype == torch.bool:
+        return mask
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        index = [int(i) for i in bad.nonzero()[0]]
+        raise BatchError(f"{name}: must be bool or hold only 0 and 1 (a mask, not weights: "
+                         f"weight the values instead), got {mask[tuple(index)].item()!r} at "
+                         f"index {index} ({mask.dtype})")
+    return mask.bool()
+
+
 def masked_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """float32 x with exact zeros under a False mask (where, not multiply: nan/inf there don't leak)."""
     if x.shape != mask.shape:
         raise BatchError(f"mask must have the shape of x {tuple(x.shape)}, got {tuple(mask.shape)}")
     x = x.float()
-    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(as_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The largest entry of ``x`` under a True mask, a detached float32 0-d tensor; 0 when the
     mask holds none (a statistic of a micro-batch without loss tokens)."""
-    mask = mask.bool()
+    mask = as_mask(mask)
     if not bool(mask.any()):
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.where(mask, x.detach().float(), float("-inf")).max()
@@ -71,7 +85,7 @@ def aggregate_sum(x: torch.Tensor, mask: torch.Tensor, mode: str):
     if x.dim() < 1:
         raise BatchError("x must have a token dim [..., T], got a 0-dim tensor")
     xm = masked_values(x, mask)
-    m = mask.bool()
+    m = as_mask(mask)
     if mode == "token-mean":
         return xm.sum(), m.sum().float()
     return _rows_sum(xm.reshape(-1, xm.shape[-1]), m.reshape(-1, m.shape[-1]), mode)
@@ -91,7 +105,7 @@ def aggregate_sum_packed(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.
     check_mode(mode)
     if x.dim() != 1:
         raise BatchError(f"x must be a flat token stream [N], got shape {tuple(x.shape)}")
-    xm, m = masked_values(x, mask), mask.bool()
+    xm, m = masked_values(x, mask), as_mask(mask)
     if mode == "token-mean":
         return xm.sum(), m.sum().float()
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)

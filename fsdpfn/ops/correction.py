@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import masked_max, masked_values
+from fsdpfn.ops.aggregate import as_mask, masked_max, masked_values
 from fsdpfn.ops.kl import kl
 
 __all__ = ["BEHAV_CORRECTIONS", "BEHAV_LEVELS", "BehavWeights", "behav_log_ratio", "behav_weights",
@@ -78,7 +78,7 @@ def behav_log_ratio(old_logp, behav_logp, mask, level: str = "token") -> torch.T
     """log w [..., T] at `level` (see the module docstring), 0 under the mask."""
     if level not in BEHAV_LEVELS:
         raise ConfigError(f"behav_level must be one of {list(BEHAV_LEVELS)}, got {level!r}")
-    mask = mask.bool()
+    mask = as_mask(mask)
     log_w = masked_values(old_logp, mask) - masked_values(behav_logp, mask)
     if level == "token":
         return log_w
@@ -99,7 +99,7 @@ def behav_weights(old_logp, behav_logp, mask, *, correction: Optional[str] = Non
     for name, t in (("old_logp", old_logp), ("behav_logp", behav_logp)):
         if t.shape != mask.shape:
             raise BatchError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(t.shape)}")
-    mask = mask.bool()
+    mask = as_mask(mask)
     low = default_low(correction, low, high)
     log_w = behav_log_ratio(old_logp.detach(), behav_logp.detach(), mask, level)
     weight = log_w.exp()  # may overflow to inf on a long row: then it is out of band
@@ -121,7 +121,7 @@ def behav_gap_terms(old_logp, behav_logp, mask) -> tuple[torch.Tensor, torch.Ten
     k3 with samples from the rollout policy: exp(old - behav) - (old - behav) - 1 (= kl(behav, old,
     'k3')), a non-negative, unbiased estimate of KL(pi_behav || pi_old).
     """
-    mask = mask.bool()
+    mask = as_mask(mask)
     old, behav = masked_values(old_logp, mask).detach(), masked_values(behav_logp, mask).detach()
     zero = torch.zeros_like(old)
     return (torch.where(mask, (old - behav).abs(), zero),
@@ -136,7 +136,7 @@ def behav_stats(old_logp, behav_logp, mask, weights: Optional[BehavWeights] = No
     """Token-mean diagnostics over the mask (0-dim float32): behav_gap_mean, behav_gap_max, behav_kl;
     with `weights` also behav_trunc_frac, behav_mask_frac (tokens) and behav_seq_trunc_frac,
     behav_seq_mask_frac (over rows with a loss token)."""
-    mask = mask.bool()
+    mask = as_mask(mask)
     gap, k3 = behav_gap_terms(old_logp, behav_logp, mask)
     stats = {"behav_gap_mean": _mean(gap, mask),
              "behav_gap_max": masked_max(gap, mask),

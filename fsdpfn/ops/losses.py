@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import (aggregate, aggregate_sum, check_mode, check_same_shape,
-                                  masked_max, masked_values)
+from fsdpfn.ops.aggregate import (aggregate, aggregate_sum, as_mask, check_mode,
+                                  check_same_shape, masked_max, masked_values)
 from fsdpfn.ops.correction import BehavWeights, behav_stats, behav_weights
 
 __all__ = [
@@ -157,7 +157,7 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_hi
     """
     _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level, kind, behav_correction)
     _check_same_shape(mask, logp=logp, old_logp=old_logp, advantages=advantages, behav_logp=behav_logp)
-    mask = mask.bool()
+    mask = as_mask(mask)
     hi = clip_low if clip_high is None else clip_high
     adv = masked_values(advantages, mask)
     log_r = _log_ratio(logp, old_logp, mask, ratio_level)
@@ -202,7 +202,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
                               dual_clip=dual_clip, behav_logp=behav_logp, behav_cap=behav_cap,
                               ratio_level=ratio_level, kind=kind, behav_correction=behav_correction,
                               behav_level=behav_level, behav_low=behav_low, behav_high=behav_high)
-    mask = mask.bool()
+    mask = as_mask(mask)
     loss = aggregate(terms.loss, mask, agg)
     stats = {
         "clip_frac": _masked_mean(terms.clipped, mask),
@@ -234,7 +234,7 @@ def value_loss_terms(values, old_values, returns, mask, *, clip=0.5) -> ValueTer
     if clip is not None and not clip >= 0.0:
         raise ConfigError(f"clip must be >= 0 or None, got {clip!r}")
     _check_same_shape(mask, values=values, old_values=old_values, returns=returns)
-    mask = mask.bool()
+    mask = as_mask(mask)
     v, ret = masked_values(values, mask), masked_values(returns, mask)
     loss = 0.5 * (v - ret).square()
     clipped = torch.zeros_like(mask)
@@ -253,7 +253,7 @@ def value_loss_with_stats(values, old_values, returns, mask, *, clip=0.5, agg="t
     """(loss, stats): `value_loss_terms` aggregated with `agg`; stats vf_clip_frac, value_mean, returns_mean."""
     check_mode(agg, "agg")
     terms = value_loss_terms(values, old_values, returns, mask, clip=clip)
-    mask = mask.bool()
+    mask = as_mask(mask)
     loss = aggregate(terms.loss, mask, agg)
     stats = {
         "vf_clip_frac": _masked_mean(terms.clipped, mask),
@@ -290,7 +290,7 @@ def sft_loss_with_stats(logp, mask):
     """
     nll_sum, count = sft_loss_sum(logp, mask)
     loss = nll_sum / count.clamp(min=1.0)
-    return loss, {"nll": _stat(loss), "n_tokens": _stat(mask.bool().sum().float())}
+    return loss, {"nll": _stat(loss), "n_tokens": _stat(as_mask(mask).sum().float())}
 
 
 def sft_loss(logp, mask) -> torch.Tensor:

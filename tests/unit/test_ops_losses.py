@@ -21,6 +21,7 @@ from fsdpfn.ops import (aggregate, aggregate_sum, aggregate_sum_packed, bradley_
                         dpo_loss_sum, dpo_loss_with_stats, kl, policy_loss, policy_loss_terms,
                         sft_loss, sft_loss_sum, sft_loss_with_stats, value_loss, value_loss_terms,
                         value_loss_with_stats)
+from fsdpfn.ops import gae
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None)
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -604,3 +605,33 @@ def test_policy_loss_stays_finite_past_fp32_exp_overflow(adv, dual_clip):
     assert abs(float(loss) - float(want)) <= 1e-6 * (1 + abs(float(want))), (loss, want)
     assert torch.allclose(grad.double(), want_grad, atol=1e-6), (grad, want_grad)
     assert float(grad[0, 0]) == 0.0
+
+
+def _mask_calls(mask):
+    """Each public op that takes a mask, called with ``mask`` on fixed inputs."""
+    g = torch.Generator().manual_seed(5)
+    x, y, z = (torch.randn(2, 4, generator=g) for _ in range(3))
+    return {
+        "aggregate": lambda: aggregate(x, mask, "seq-mean-token-mean"),
+        "policy_loss": lambda: policy_loss(x, y, z, mask, clip_high=0.3)[0],
+        "value_loss": lambda: value_loss(x, y, z, mask),
+        "gae": lambda: torch.stack(gae(x, y, mask, gamma=0.9, lam=0.8)),
+        "sft_loss": lambda: sft_loss(x, mask),
+    }
+
+
+@pytest.mark.parametrize("op", ["aggregate", "policy_loss", "value_loss", "gae", "sft_loss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8])
+def test_a_mask_of_zeros_and_ones_in_another_dtype_equals_the_bool_mask(op, dtype):
+    mask = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    assert torch.equal(_mask_calls(mask.to(dtype))[op](), _mask_calls(mask)[op]())
+
+
+@pytest.mark.parametrize("op", ["aggregate", "policy_loss", "value_loss", "gae", "sft_loss"])
+@pytest.mark.parametrize("value", [0.5, -1.0, 2.0])
+def test_a_mask_holding_weights_is_refused_not_read_as_true(op, value):
+    # a weight such as 0.5 would count as True: a weighted mean was meant, a plain one computed
+    mask = torch.tensor([[1.0, 0.0, value, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    with pytest.raises(BatchError, match=rf"mask: must be bool or hold only 0 and 1.*got "
+                                         rf"{value!r} at index \[0, 2\]"):
+        _mask_calls(mask)[op]()
