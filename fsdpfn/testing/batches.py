@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDict
 
 from fsdpfn import keys as K
-__all__ = ["random_batch"]
+__all__ = ["random_batch", "with_ppo_keys"]
 
 
 def random_batch(B: int, T: int, *, vocab_size: int = 128, seed: int = 0, min_len: int = 4,
@@ -28,3 +28,15 @@ def random_batch(B: int, T: int, *, vocab_size: int = 128, seed: int = 0, min_le
     rewards = torch.rand(B, generator=g)
     return TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss,
                        K.REWARDS: rewards}, batch_size=[B])
+
+
+def with_ppo_keys(batch: TensorDict, *, seed: int = 0) -> TensorDict:
+    """``batch`` given old_logp and ref_logp in [-2, -1) and advantages ~ N(0, 1) on its loss
+    tokens, 0 elsewhere (set in place; returned)."""
+    B, T = batch[K.LOSS_MASK].shape
+    g = torch.Generator().manual_seed(seed)
+    lm, zero = batch[K.LOSS_MASK], torch.zeros(())
+    batch[K.OLD_LOGP] = torch.where(lm, -torch.rand(B, T, generator=g) - 1.0, zero)
+    batch[K.REF_LOGP] = torch.where(lm, -torch.rand(B, T, generator=g) - 1.0, zero)
+    batch[K.ADVANTAGES] = torch.where(lm, torch.randn(B, T, generator=g), zero)
+    return batch

@@ -15,7 +15,7 @@ import torch
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.testing import random_batch, tiny_qwen2_config
+from fsdpfn.testing import random_batch, tiny_qwen2_config, with_ppo_keys
 
 
 def _state(mesh):
@@ -25,13 +25,7 @@ def _state(mesh):
 
 
 def _rl_batch():
-    batch = random_batch(6, 10, seed=0, min_len=5, prompt_len=3)
-    g = torch.Generator().manual_seed(7)
-    lm, zero = batch[K.LOSS_MASK], torch.zeros(())
-    batch[K.OLD_LOGP] = torch.where(lm, -torch.rand(6, 10, generator=g) - 1.0, zero)
-    batch[K.REF_LOGP] = torch.where(lm, -torch.rand(6, 10, generator=g) - 1.0, zero)
-    batch[K.ADVANTAGES] = torch.where(lm, torch.randn(6, 10, generator=g), zero)
-    return batch
+    return with_ppo_keys(random_batch(6, 10, seed=0, min_len=5, prompt_len=3), seed=7)
 
 
 def _with_graph(batch, keys):

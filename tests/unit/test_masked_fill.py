@@ -16,7 +16,7 @@ import torch
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn import ops
-from fsdpfn.testing import random_batch, tiny_qwen2_config
+from fsdpfn.testing import random_batch, tiny_qwen2_config, with_ppo_keys
 from fsdpfn.testing.models import full_model_state
 
 FMIN = torch.finfo(torch.float32).min
@@ -47,12 +47,8 @@ def _state(mesh):
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs"])
 def test_ppo_step_with_a_fill_in_ref_logp_over_the_prompt_equals_the_clean_step(kind):
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
-    batch = random_batch(4, 10, seed=0, min_len=5, prompt_len=3)
-    g = torch.Generator().manual_seed(100)
-    lm, zero = batch[K.LOSS_MASK], torch.zeros(())
-    batch[K.OLD_LOGP] = torch.where(lm, -torch.rand(4, 10, generator=g) - 1.0, zero)
-    batch[K.REF_LOGP] = torch.where(lm, -torch.rand(4, 10, generator=g) - 1.0, zero)
-    batch[K.ADVANTAGES] = torch.where(lm, torch.randn(4, 10, generator=g), zero)
+    batch = with_ppo_keys(random_batch(4, 10, seed=0, min_len=5, prompt_len=3), seed=100)
+    lm = batch[K.LOSS_MASK]
     prompt = batch[K.ATTENTION_MASK] & ~lm
     filled = batch.clone()
     filled[K.REF_LOGP] = torch.where(prompt, torch.tensor(FMIN), batch[K.REF_LOGP])
