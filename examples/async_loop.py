@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 import fsdpfn as ff
-from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, rollout_batch,
-                                     save_initial_model, sft_batch)
-from fsdpfn.rollout import launch_server
+from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, save_initial_model,
+                                     sft_batch)
+from fsdpfn.rollout import launch_server, rollout_batch
 from fsdpfn.rollout.stream import RolloutStream
 from fsdpfn.weights import RolloutTarget, push_weights
 

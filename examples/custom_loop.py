@@ -35,9 +35,9 @@ from tensordict import TensorDict
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, rollout_batch,
-                                     save_initial_model, sft_batch)
-from fsdpfn.rollout import generate, launch_server
+from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, save_initial_model,
+                                     sft_batch)
+from fsdpfn.rollout import generate, launch_server, rollout_batch
 from fsdpfn.weights import RolloutTarget, push_weights
 
 

@@ -28,7 +28,6 @@ import json
 import time
 
 from fsdpfn.app.recipes.runtime import RunContext, log
-from fsdpfn.app.recipes.task import rollout_batch
 from fsdpfn.rollout.balance import Balancer, generate_balanced
 
 __all__ = ["build_rollout", "SyncRollout", "StreamRollout", "max_new_tokens", "sampling",
@@ -112,6 +111,8 @@ def server_stats(urls: list[str], where: list[str], sizes: list[int]) -> dict:
 
 def _scored_batch(cfg, ctx, tok, pool, step, examples, outputs, seconds) -> dict:
     """The public batch of generated groups, scored on this thread by the reward pool."""
+    from fsdpfn.rollout.batches import rollout_batch
+
     G = cfg.advantage.group_size
     result = score(pool, tok, examples, outputs, G)
     if result.errors:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
 __all__ = ["CharTokenizer", "AdditionTask", "TinyModel", "save_initial_model", "sft_batch",
-           "rollout_batch", "sequences_batch"]
+           "sequences_batch"]
 
 
 
@@ -112,32 +112,16 @@ def sequences_batch(seqs: list[tuple[list[int], list[bool]]]) -> TensorDict:
                       batch_size=[B])
 
 
-def _pad_rows(rows: list[list[int]], prompt_lens: list[int]) -> TensorDict:
-    """input_ids, attention_mask (real tokens), loss_mask (tokens after the prompt); right pad."""
-    import torch
-    from tensordict import TensorDict
-
-    T = max(len(r) for r in rows)
-    B = len(rows)
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    attn = torch.zeros(B, T, dtype=torch.bool)
-    loss = torch.zeros(B, T, dtype=torch.bool)
-    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
-        ids[i, :len(row)] = torch.tensor(row)
-        attn[i, :len(row)] = True
-        loss[i, p:len(row)] = True
-    return TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss},
-                      batch_size=[B])
-
-
 def sft_batch(task: AdditionTask, tok: CharTokenizer, n: int, *, seed: int) -> TensorDict:
     """n solved problems: prompt + correct answer, loss on the answer (digits and <eos>)."""
+    from fsdpfn.rollout.batches import pad_rows
+
     rows, plens = [], []
     for a, b in task.sample(n, seed=seed):
         prompt = task.prompt_ids(tok, a, b)
         rows.append(prompt + task.answer_ids(tok, a + b))
         plens.append(len(prompt))
-    return _pad_rows(rows, plens)
+    return pad_rows(rows, plens)
 
 
 def wrong_answer(a: int, b: int, rng: random.Random) -> int:
@@ -148,29 +132,3 @@ def wrong_answer(a: int, b: int, rng: random.Random) -> int:
                                                                   and len(digits) > 1)]
     digits[i] = rng.choice(choices)
     return int("".join(digits))
-
-
-def rollout_batch(prompts: list[list[int]], outputs: list[dict], group_size: int,
-                  rewards: list[float]) -> TensorDict:
-    """The public batch of one rollout: rows prompt-major (group k = rows [kG, (k+1)G)).
-
-    ``outputs[i]`` is the server's answer for row i ({output_ids, output_logprobs}); its
-    log-probs become ``behav_logp`` at the positions of the generated tokens. Rows carry
-    ``group_id`` (the prompt's index), so shard_batch keeps each group on one rank.
-    """
-    import torch
-
-    rows, plens = [], []
-    for i, out in enumerate(outputs):
-        prompt = prompts[i // group_size]
-        rows.append(prompt + list(out["output_ids"]))
-        plens.append(len(prompt))
-    batch = _pad_rows(rows, plens)
-    behav = torch.zeros(batch[K.INPUT_IDS].shape, dtype=torch.float32)
-    for i, out in enumerate(outputs):
-        p, n = plens[i], len(out["output_ids"])
-        behav[i, p:p + n] = torch.tensor(out["output_logprobs"], dtype=torch.float32)
-    batch.set(K.BEHAV_LOGP, behav)
-    batch.set(K.REWARDS, torch.tensor(rewards, dtype=torch.float32))
-    batch.set(K.GROUP_ID, torch.arange(len(outputs), dtype=torch.int64) // group_size)
-    return batch
