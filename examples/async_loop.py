@@ -19,7 +19,7 @@ import torch
 import fsdpfn as ff
 from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, save_initial_model,
                                      sft_batch)
-from fsdpfn.rollout import launch_server, rollout_batch
+from fsdpfn.rollout import launch_server
 from fsdpfn.rollout.stream import RolloutStream
 from fsdpfn.weights import RolloutTarget, push_weights
 
@@ -65,7 +65,7 @@ def main() -> None:
             outputs = [o for g in got.groups for o in g.outputs]
             rewards = [task.reward(*problems[g.index], tok.decode(o["output_ids"]))
                        for g in got.groups for o in g.outputs]
-            batch = rollout_batch([g.prompt_ids for g in got.groups], outputs, G, rewards)
+            batch = ff.rollout_batch([g.prompt_ids for g in got.groups], outputs, G, rewards)
             batch = ff.compute_advantages(batch, ff.AdvantageConfig(estimator="grpo",
                                                                     group_size=G))
             # 4. the update (decoupled PPO), the push, one more step of generation allowed

@@ -37,7 +37,7 @@ import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.app.recipes.task import (AdditionTask, CharTokenizer, TinyModel, save_initial_model,
                                      sft_batch)
-from fsdpfn.rollout import generate, launch_server, rollout_batch
+from fsdpfn.rollout import generate, launch_server
 from fsdpfn.weights import RolloutTarget, push_weights
 
 
@@ -85,7 +85,7 @@ def rollout(url, task, tok, n_prompts, group_size, seed) -> dict:
     outputs = answer["outputs"]
     rewards = [task.reward(*problems[i // group_size], tok.decode(o["output_ids"]))
                for i, o in enumerate(outputs)]
-    batch = rollout_batch(prompts, outputs, group_size, rewards)
+    batch = ff.rollout_batch(prompts, outputs, group_size, rewards)
     batch.set(K.GROUP_ID, torch.arange(n_prompts).repeat_interleave(group_size))
     return batch.to_dict()
 

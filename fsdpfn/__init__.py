@@ -35,7 +35,7 @@ _SOURCES = {
     "last_timings": "fsdpfn.engine.timing", "profile": "fsdpfn.engine.profiling",
     "grad_step": "fsdpfn.engine.step", "evaluate": "fsdpfn.engine.step", "StepContext": "fsdpfn.engine.step",
     "Objective": "fsdpfn.engine.objective",
-    "shard_batch": "fsdpfn.batch", "gather_batch": "fsdpfn.batch",
+    **dict.fromkeys(("shard_batch", "gather_batch", "rollout_batch"), "fsdpfn.batch"),
     **dict.fromkeys(("save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint",
                      "latest_intact_checkpoint", "check_checkpoint"), "fsdpfn.checkpoint"),
     **dict.fromkeys(("push_weights", "PushReceipt", "DiskTarget", "RolloutTarget"),

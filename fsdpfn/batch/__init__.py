@@ -18,7 +18,8 @@ Stages, in the order the engine uses them:
 
 Modules: validate (the public layout's checks, row selection), packing (Packed and the
 token-stream helpers), partition (balanced_partition, plan_microbatches), sharding (data-parallel
-rows, groups, shard_batch / gather_batch). Every name is importable from ``fsdpfn.batch``.
+rows, groups, shard_batch / gather_batch), rows (token lists and a rollout server's answers as
+the public layout: pad_rows, rollout_batch). Every name is importable from ``fsdpfn.batch``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fsdpfn.batch import partition, sharding
 from fsdpfn.batch.packing import (Packed, apply_scatter, next_token_targets, pack, seq_sum,
                                   shift_to_token_aligned, unpack, unpack_seqs)
 from fsdpfn.batch.partition import balanced_partition, plan_microbatches
+from fsdpfn.batch.rows import pad_rows, rollout_batch
 from fsdpfn.batch.sharding import (check_groups, dp_shard_rows, dp_shard_units, gather_batch,
                                    gather_rows, global_batch, group_units, shard_batch, shard_rows)
 from fsdpfn.batch.validate import row_lengths, select_rows, validate_batch
@@ -40,4 +42,5 @@ __all__ = [
     "next_token_targets", "shift_to_token_aligned",
     "plan_microbatches", "balanced_partition", "dp_shard_rows", "dp_shard_units", "shard_rows",
     "gather_rows", "group_units", "check_groups", "shard_batch", "gather_batch", "global_batch",
+    "pad_rows", "rollout_batch",
 ]

@@ -11,8 +11,8 @@ public batch) and takes weight updates on SGLang's endpoints
 ``launch_server`` / ``RolloutProcess`` start one as a subprocess (tests, examples);
 ``generate(url, prompts, ...)`` samples from one (n per prompt, ids and behav_logp);
 ``generate_balanced(urls or Balancer, prompts, ...)`` from several, each prompt's samples from
-the least loaded server (fsdpfn.rollout.balance); ``rollout_batch(prompts, outputs,
-group_size, rewards)`` lays their answers out as the public batch (fsdpfn.rollout.batches).
+the least loaded server (fsdpfn.rollout.balance); ``fsdpfn.rollout_batch`` lays their answers
+out as the public batch.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ _SOURCES = {"Balancer": "fsdpfn.rollout.balance", "generate_balanced": "fsdpfn.r
             "generate": "fsdpfn.rollout.client",
             **dict.fromkeys(("RolloutEngine", "SamplingParams", "UpdateError"),
                             "fsdpfn.rollout.engine"),
-            **dict.fromkeys(("RolloutProcess", "launch_server"), "fsdpfn.rollout.process"),
-            "rollout_batch": "fsdpfn.rollout.batches"}
+            **dict.fromkeys(("RolloutProcess", "launch_server"), "fsdpfn.rollout.process")}
 
 __all__ = ["RolloutEngine", "SamplingParams", "UpdateError", "RolloutProcess", "launch_server",
-           "generate", "generate_balanced", "Balancer", "rollout_batch"]
+           "generate", "generate_balanced", "Balancer"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _SOURCES, __all__)

@@ -1,4 +1,4 @@
-"""fsdpfn.rollout.rollout_batch: a server's answers laid out as the public batch."""
+"""fsdpfn.rollout_batch: a rollout server's answers laid out as the public batch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from fsdpfn import keys as K
 from fsdpfn.batch import validate_batch
 from fsdpfn.errors import BatchError
-from fsdpfn.rollout import rollout_batch
+from fsdpfn import rollout_batch
 
 PROMPTS = [[5, 6, 7], [8]]
 OUTPUTS = [  # two samples of each prompt, prompt-major, as generate() returns them

@@ -111,7 +111,7 @@ def server_stats(urls: list[str], where: list[str], sizes: list[int]) -> dict:
 
 def _scored_batch(cfg, ctx, tok, pool, step, examples, outputs, seconds) -> dict:
     """The public batch of generated groups, scored on this thread by the reward pool."""
-    from fsdpfn.rollout.batches import rollout_batch
+    from fsdpfn.batch.rows import rollout_batch
 
     G = cfg.advantage.group_size
     result = score(pool, tok, examples, outputs, G)

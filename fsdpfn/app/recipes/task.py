@@ -114,7 +114,7 @@ def sequences_batch(seqs: list[tuple[list[int], list[bool]]]) -> TensorDict:
 
 def sft_batch(task: AdditionTask, tok: CharTokenizer, n: int, *, seed: int) -> TensorDict:
     """n solved problems: prompt + correct answer, loss on the answer (digits and <eos>)."""
-    from fsdpfn.rollout.batches import pad_rows
+    from fsdpfn.batch.rows import pad_rows
 
     rows, plens = [], []
     for a, b in task.sample(n, seed=seed):

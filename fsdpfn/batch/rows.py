@@ -1,9 +1,10 @@
-"""From a server's answers to the public batch (docs/api.md, Batch layout).
+"""Rows of token ids laid out as the public batch (docs/api.md, Batch layout).
 
-``rollout_batch(prompts, outputs, group_size, rewards)`` lays out what ``generate`` (or
-``generate_balanced``) returned for ``group_size`` samples of each prompt: one row per answer,
-prompt-major (the samples of prompt k are rows ``[k*G, (k+1)*G)``), the prompt followed by the
-sampled ids, right padded. ``loss_mask`` covers the sampled ids; ``behav_logp`` holds the
+``pad_rows(rows, prompt_lens)``: input_ids, attention_mask and loss_mask (after each prompt).
+``rollout_batch(prompts, outputs, group_size, rewards)`` lays out what a rollout server's
+``generate`` (or ``generate_balanced``) returned for ``group_size`` samples of each prompt: one
+row per answer, prompt-major (the samples of prompt k are rows ``[k*G, (k+1)*G)``), the prompt
+followed by the sampled ids, right padded. ``loss_mask`` covers the sampled ids; ``behav_logp`` holds the
 server's log-probs at their positions (0 elsewhere); ``group_id`` is the prompt's index, so
 ``shard_batch`` keeps a group on one rank; ``rewards`` is one float per row.
 """
