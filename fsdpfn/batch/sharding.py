@@ -215,6 +215,7 @@ def gather_batch(batch: TensorDictBase, mesh) -> TensorDictBase:
     if len(widths) > 1:
         raise BatchError(f"input_ids: ranks must pass the same padded width T to gather_batch, "
                          f"got {sorted(widths)}")
+    _same_layout(pieces, "gather_batch")
     return _in_global_order(pieces).exclude(ROW_INDEX)
 
 
@@ -224,13 +225,32 @@ def global_batch(batch: TensorDictBase, mesh) -> TensorDictBase:
     dp-rank order; ranks' widths T may differ (narrower rows are right-padded with zeros, which
     the masks mark as padding). ``row_index`` is kept."""
     pieces = _dp_pieces(batch, mesh)
-    keys = [sorted(p.keys()) for p in pieces]
-    if any(k != keys[0] for k in keys):
-        raise BatchError(f"batch: every data-parallel rank must pass the same keys, got "
-                         f"{keys[0]} on rank 0 and {next(k for k in keys if k != keys[0])} on "
-                         f"rank {next(r for r, k in enumerate(keys) if k != keys[0])}")
+    _same_layout(pieces, "the step")
     T = max(p.get(K.INPUT_IDS).shape[1] for p in pieces)
     return _in_global_order([_pad_width(p, T) for p in pieces])
+
+
+def _same_layout(pieces: Sequence[TensorDictBase], fn: str) -> None:
+    """Every data-parallel rank's part has the same keys, and each key the same dtype and the
+    same shape past its rows (and width T): else one BatchError, the same on every rank (each
+    holds every part), naming the first key that differs."""
+    def layout(piece):
+        return {str(k): (v.dtype, tuple(v.shape[2:] if v.ndim >= 2 else ()))
+                for k, v in piece.items(include_nested=True, leaves_only=True)}
+
+    first = layout(pieces[0])
+    for rank, piece in enumerate(pieces[1:], start=1):
+        other = layout(piece)
+        if sorted(other) != sorted(first):
+            raise BatchError(f"batch: every data-parallel rank must pass {fn} the same keys, "
+                             f"rank {rank} has {sorted(set(other) - set(first))} and lacks "
+                             f"{sorted(set(first) - set(other))} of rank 0's {sorted(first)}")
+        for key in sorted(first):
+            if other[key] != first[key]:
+                (d0, s0), (d1, s1) = first[key], other[key]
+                raise BatchError(f"{key}: every data-parallel rank must pass {fn} the same dtype "
+                                 f"and trailing shape, got {d0} {list(s0)} on rank 0 and {d1} "
+                                 f"{list(s1)} on rank {rank}")
 
 
 def _dp_pieces(batch: TensorDictBase, mesh) -> list[TensorDictBase]:

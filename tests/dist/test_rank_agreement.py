@@ -91,6 +91,12 @@ def one_rank_differs(root: str) -> dict:
         "shard_batch": lambda: ff.shard_batch(
             random_batch(6, 12, seed=3, min_len=6).exclude(K.ATTENTION_MASK) if odd
             else random_batch(6, 12, seed=3, min_len=6), mesh),
+        # gather_batch of parts with another key, or a key of another dtype, on one rank
+        "gather_key": lambda: ff.gather_batch(
+            batch.clone().set("extra", torch.zeros(2)) if odd else batch.clone(), mesh),
+        "gather_dtype": lambda: ff.gather_batch(
+            batch.clone().set(K.ADVANTAGES, batch[K.ADVANTAGES].double()) if odd
+            else batch.clone(), mesh),
     }
     for name, call in cases.items():
         out[name] = _outcome(call)
@@ -107,7 +113,8 @@ def one_rank_differs(root: str) -> dict:
 EXPECTED = {"raise": "RuntimeError", "float": "ConfigError", "names": "ConfigError",
             "more": "ConfigError", "evaluate": "RuntimeError", "behav_key": "BatchError",
             "n_minibatches": "ConfigError", "advantages": "ConfigError",
-            "save_path": "CheckpointError", "shard_batch": "BatchError"}
+            "save_path": "CheckpointError", "shard_batch": "BatchError",
+            "gather_key": "BatchError", "gather_dtype": "BatchError"}
 
 
 @pytest.mark.timeout(240)
@@ -122,7 +129,10 @@ def test_a_call_that_differs_on_one_rank_raises_on_every_rank(spmd2, tmp_path):
     for name, fragment in (("names", "must return the same stat names on every rank"),
                            ("n_minibatches", "PPOConfig.n_minibatches"),
                            ("advantages", "AdvantageConfig.estimator"),
-                           ("save_path", "path"), ("behav_key", "batch keys")):
+                           ("save_path", "path"), ("behav_key", "batch keys"),
+                           ("gather_key", "rank 1 has ['extra'] and lacks []"),
+                           ("gather_dtype", "advantages: every data-parallel rank must pass "
+                                            "gather_batch the same dtype")):
         for r in results:
             assert fragment in r[name][1], (name, r[name])
     assert "'reinforce++' on rank 0" in results[0]["advantages"][1], results[0]["advantages"]
