@@ -1,5 +1,6 @@
 """Context parallelism (Ulysses) on CPU ranks (gloo, float32): forward_logp, compute_values and
-ppo_step at cp > 1 (alone, with tp, with dp) equal cp=1 and a float64 per-sequence reference;
+ppo_step at cp > 1 (alone, with tp, with dp) equal cp=1 (and the log-probs a float64
+per-sequence reference; ppo_step's loss against float64 is tests/unit/test_ppo_critic_reference);
 packs whose length cp does not divide, sequences shorter than cp, fewer kv heads than cp; the
 cp-aware micro-batch budget; checkpoints crossing cp; push_weights and export_hf from a cp run."""
 

@@ -1,4 +1,6 @@
-"""fsdpfn.algos loss factories: one naming scheme, and the same math as fsdpfn.ops's tensor losses."""
+"""fsdpfn.algos loss factories: one naming scheme, and sft, rw and dpo's the same math as
+fsdpfn.ops's tensor losses (ppo's and the critic's against float64 references:
+tests/unit/test_ppo_critic_reference.py)."""
 
 from __future__ import annotations
 
