@@ -84,8 +84,8 @@ def aggregate_sum(x: torch.Tensor, mask: torch.Tensor, mode: str):
     check_mode(mode)
     if x.dim() < 1:
         raise BatchError("x must have a token dim [..., T], got a 0-dim tensor")
-    xm = masked_values(x, mask)
     m = as_mask(mask)
+    xm = masked_values(x, m)
     if mode == "token-mean":
         return xm.sum(), m.sum().float()
     return _rows_sum(xm.reshape(-1, xm.shape[-1]), m.reshape(-1, m.shape[-1]), mode)
@@ -105,7 +105,8 @@ def aggregate_sum_packed(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.
     check_mode(mode)
     if x.dim() != 1:
         raise BatchError(f"x must be a flat token stream [N], got shape {tuple(x.shape)}")
-    xm, m = masked_values(x, mask), as_mask(mask)
+    m = as_mask(mask)
+    xm = masked_values(x, m)
     if mode == "token-mean":
         return xm.sum(), m.sum().float()
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)
