@@ -96,7 +96,9 @@ def _check_required(batch, required: Sequence[str], why: Mapping[str, str]) -> N
     for key in dict.fromkeys(required):  # ordered, without repeats
         if key not in present:
             layout = key in (K.INPUT_IDS, K.ATTENTION_MASK)
-            reason = why.get(key, "the public batch layout" if layout else "this call")
+            reason = why.get(key, "the public batch layout" if layout else (
+                "the loss: bool [B, T], True on the tokens it trains (the response), False on "
+                "the prompt and padding" if key == K.LOSS_MASK else "this call"))
             raise BatchError(f"batch is missing key {key!r} (needed for {reason}); keys present: "
                              f"{sorted(present)}")
 

@@ -5,7 +5,8 @@ generation on SGLang's /generate and OpenAI's /v1/completions and /v1/chat/compl
 (batched sampling; token ids and the server's own per-token log-probs, the ``behav_logp`` of the
 public batch) and takes weight updates on SGLang's endpoints
 (/init_weights_update_group, /update_weights_from_distributed, /update_weights_from_disk,
-/pause_generation, /continue_generation). Updates are staged, validated, then swapped atomically.
+/pause_generation, /continue_generation), and SGLang's /abort_request and /flush_cache. Updates are
+staged, validated, then swapped atomically.
 
 ``RolloutEngine`` is the server without HTTP; ``build_app(engine)`` the FastAPI app;
 ``launch_server`` / ``RolloutProcess`` start one as a subprocess (tests, examples);

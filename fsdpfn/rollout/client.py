@@ -95,9 +95,10 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
     """POST /generate: ``n`` samples per prompt (prompt-major: the samples of prompt i are
     outputs [i*n, (i+1)*n)). Returns the server's answer: {weight_version, outputs: [{
     prompt_index, output_ids, output_logprobs (the behav_logp of each sampled token),
-    finish_reason}]}. temperature 0 is greedy. ``sampling``: any other sampling parameter of
-    the server (min_p, stop, min_new_tokens, the penalties, ...: fsdpfn.rollout.SamplingParams),
-    sent as it is for the server to check. A failure raises WeightSyncError (the server's
+    finish_reason ("stop", "length", or "abort": ended early by the server's /abort_request,
+    with the tokens it had)}]}. temperature 0 is greedy. ``sampling``: any other sampling
+    parameter of the server (min_p, stop, min_new_tokens, the penalties, ...:
+    fsdpfn.rollout.SamplingParams), sent as it is for the server to check. A failure raises WeightSyncError (the server's
     message, or why it could not be reached); bad arguments raise ConfigError."""
     from fsdpfn.wire.http import call
 
@@ -136,7 +137,7 @@ def from_sglang(answer, n: int) -> dict:
         outputs.append({"prompt_index": i // n, "output_ids": [int(t[1]) for t in triples]
                         or list(item.get("output_ids") or []),
                         "output_logprobs": [float(t[0]) for t in triples],
-                        "finish_reason": "length" if reason == "length" else "stop"})
+                        "finish_reason": reason if reason in ("length", "abort") else "stop"})
         version = meta.get("weight_version")
         if isinstance(version, (int, str)) and str(version).isdigit():
             versions.append(int(version))

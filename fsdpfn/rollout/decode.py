@@ -71,10 +71,14 @@ LEN_BUCKET = 256  # attended length rounded up to this
 
 
 class _Request:
-    def __init__(self, prompts: list[list[int]], sp):
+    def __init__(self, prompts: list[list[int]], sp, aborted: set[int] | None = None):
         self.prompts, self.sp = prompts, sp
         self.rows = [(i, j) for i in range(len(prompts)) for j in range(sp.n)]  # prompt-major
         self.next_row = 0
+        # rows the engine's abort marked (shared with it; read by the scheduler), and the
+        # queued ones already answered "abort" (admission skips them)
+        self.aborted = set() if aborted is None else aborted
+        self.resolved: set[int] = set()
         self.results: list[dict | None] = [None] * len(self.rows)
         self.remaining = len(self.rows)
         self.error: BaseException | None = None
@@ -167,12 +171,15 @@ class Decoder:
 
     # ------------------------------------------------------------ the client side
 
-    def generate(self, prompts: list[list[int]], sp) -> list[dict]:
+    def generate(self, prompts: list[list[int]], sp,
+                 aborted: set[int] | None = None) -> list[dict]:
         """n outputs per prompt, prompt-major: {prompt_index, output_ids, output_logprobs,
         finish_reason, weight_versions}, the ids (int64) and log-probs (float32) as CPU tensors,
         one row each (RolloutEngine.generate makes them lists, or packs them as they are).
-        Blocks until every row is done."""
-        request = _Request(prompts, sp)
+        Blocks until every row is done. ``aborted``: the set of row indices the caller marks
+        to stop (RolloutEngine.abort; ``wake`` after marking): a marked row ends at the next
+        chunk's start with the tokens it has, finish_reason "abort" (none when still queued)."""
+        request = _Request(prompts, sp, aborted)
         with self.cond:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, daemon=True,
@@ -185,6 +192,11 @@ class Decoder:
         if request.error is not None:
             raise request.error
         return request.results
+
+    def wake(self) -> None:
+        """Rows were marked aborted: the scheduler answers them at its next chunk."""
+        with self.cond:
+            self.cond.notify_all()
 
     # ------------------------------------------------------------ the scheduler
 
@@ -205,9 +217,11 @@ class Decoder:
             self._deliver(finished)
             time.sleep(0)  # let a waiting weight swap take the lock between chunks
 
-    def _iteration(self) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, bool]]:
-        """Admit queued rows, run a chunk of steps, read which rows ended (model lock held)."""
+    def _iteration(self) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, str]]:
+        """Answer the aborted rows, admit queued rows, run a chunk of steps, read which rows
+        ended (model lock held)."""
         version = self.version()
+        finished = self._take_aborted(version)
         key = tuple(p.data_ptr() for p in self.params)
         if key != self.graph_key:  # weights re-pointed by an update: old graphs read freed memory
             self.graphs.clear()
@@ -221,6 +235,8 @@ class Decoder:
         self._admit(version)
         self.prefill_seconds += time.perf_counter() - clock
         live = [s for s in range(self.slots) if self.table[s] is not None]
+        if not live:  # every row was aborted
+            return finished
         if self.groups_stale:
             self.shared = self.net.set_shared(_groups(self.table, live))
             self.groups_stale = False
@@ -237,13 +253,40 @@ class Decoder:
         clock = time.perf_counter()
         for _ in range(steps):
             self._replay(R, Lb, truncate, seeded, self.shared)
-        finished = self._collect(live)  # reads the device: the steps are done
+        finished += self._collect(live)  # reads the device: the steps are done
         self.steps += steps
         self.shared_steps += steps if self.shared else 0
         self.step_seconds += time.perf_counter() - clock
         return finished
 
-    def _collect(self, live: list[int]) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, bool]]:
+    def _take_aborted(self, version: int) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, str]]:
+        """The rows marked aborted: those in slots end with the tokens they have (their slots
+        freed), those still queued with none; each answered "abort"."""
+        st, out = self.state, []
+        ended = [s for s in range(self.slots) if self.table[s] is not None
+                 and self.table[s].row in self.table[s].request.aborted]
+        if ended:
+            index = torch.tensor(ended, device=st.tok.device)
+            gen = st.gen[index].cpu().tolist()
+            width = max(gen)
+            toks, lps = st.out_tok[index, :width].cpu(), st.out_lp[index, :width].cpu()
+            st.active[index] = False
+            for i, s in enumerate(ended):
+                out.append((self.table[s], toks[i][:gen[i]], lps[i][:gen[i]], "abort"))
+                self.table[s] = None
+            self.groups_stale = True
+        with self.cond:
+            for request in self.pending:
+                for row in range(request.next_row, len(request.rows)):
+                    if row in request.aborted and row not in request.resolved:
+                        request.resolved.add(row)
+                        prompt = request.prompts[request.rows[row][0]]
+                        out.append((_Slot(request, row, len(prompt), version),
+                                    torch.zeros(0, dtype=torch.long),
+                                    torch.zeros(0, dtype=torch.float32), "abort"))
+        return out
+
+    def _collect(self, live: list[int]) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, str]]:
         st = self.state
         flags = torch.stack([st.active.long(), st.gen, st.stopped.long()])[:, :max(live) + 1]
         active, gen, stopped = flags.cpu().tolist()
@@ -258,13 +301,14 @@ class Decoder:
         lps = st.out_lp[index, :width].cpu()
         out = []
         for i, s in enumerate(ended):
-            out.append((self.table[s], toks[i][:gen[s]], lps[i][:gen[s]], bool(stopped[s])))
+            out.append((self.table[s], toks[i][:gen[s]], lps[i][:gen[s]],
+                        "stop" if stopped[s] else "length"))
             self.table[s] = None
         self.groups_stale = True
         return out
 
     def _deliver(self, finished) -> None:
-        for slot, toks, lps, stopped in finished:
+        for slot, toks, lps, reason in finished:
             request = slot.request
             versions = []
             bounds = [b for b, _ in slot.segments[1:]] + [len(toks)]
@@ -273,7 +317,7 @@ class Decoder:
             prompt_index = request.rows[slot.row][0]
             request.results[slot.row] = {
                 "prompt_index": prompt_index, "output_ids": toks, "output_logprobs": lps,
-                "finish_reason": "stop" if stopped else "length", "weight_versions": versions}
+                "finish_reason": reason, "weight_versions": versions}
             request.remaining -= 1
             if request.remaining == 0:
                 with self.cond:
@@ -333,7 +377,8 @@ class Decoder:
             while free and self.pending:
                 request = self.pending[0]
                 while free and request.next_row < len(request.rows):
-                    taken.append((request, request.next_row, free.pop(0)))
+                    if request.next_row not in request.resolved:  # else answered "abort"
+                        taken.append((request, request.next_row, free.pop(0)))
                     request.next_row += 1
                 if request.next_row == len(request.rows):
                     self.pending.pop(0)

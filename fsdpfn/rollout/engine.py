@@ -8,6 +8,9 @@ to end (its response names it).
 ``pause()`` makes new generation requests wait and returns once none is running;
 ``resume()`` lets them go. A pause expires by itself after ``max_pause_s`` (a trainer that died
 between pause and continue cannot stall the server), and a failed update resumes generation.
+``abort(rid, abort_all)`` (SGLang's /abort_request) ends the named requests' outputs, or every
+request's: waiting for a pause or for the model, queued or decoding, each output ends with the
+tokens it has (none when it had not started) and finish_reason "abort".
 
 Generation runs the decode loop or HF generate (fsdpfn.rollout.generation picks, sizes and checks
 them). Weight updates are the receiver's (``engine.receiver``, fsdpfn.rollout.receiver): it owns
@@ -128,6 +131,7 @@ class RolloutEngine:
         self._paused = False
         self._pause_timer: threading.Timer | None = None
         self._active = 0
+        self._tickets: set[_Ticket] = set()  # the generation requests not yet answered
         self._labels: dict[int, str] = {}  # version -> the label an update gave it (recent)
         self.server_id = uuid.uuid4().hex  # changes when the server restarts
         self._decoder = generation.build_decoder(
@@ -208,11 +212,36 @@ class RolloutEngine:
                 self._pause_timer = None
             self._gen_cond.notify_all()
 
-    def _enter_generation(self) -> None:
+    def _enter_generation(self, ticket: "_Ticket | None" = None) -> bool:
+        """Wait while paused; False (not entered) when ``ticket``'s every output was aborted
+        meanwhile."""
         with self._gen_cond:
-            while self._paused:
+            while self._paused and not (ticket is not None and ticket.all_aborted()):
                 self._gen_cond.wait()
+            if ticket is not None and ticket.all_aborted():
+                return False
             self._active += 1
+            return True
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """SGLang's /abort_request: the outputs of the requests whose ``rid`` matches (a
+        request's rid, or one output's in a list of them), or of every request with
+        ``abort_all``, end where they are with finish_reason "abort". Returns how many outputs
+        were marked (0: no running or waiting request matched, as SGLang ignores an unknown
+        rid)."""
+        marked = 0
+        with self._gen_cond:
+            for ticket in self._tickets:
+                marked += ticket.mark(rid, abort_all)
+            self._gen_cond.notify_all()  # requests waiting for a pause
+        if marked and self._decoder is not None:
+            self._decoder.wake()
+        return marked
+
+    def busy(self) -> bool:
+        """Whether a generation request is running or waiting."""
+        with self._gen_cond:
+            return bool(self._tickets)
 
     def _leave_generation(self) -> None:
         with self._gen_cond:
@@ -254,7 +283,8 @@ class RolloutEngine:
         return sp.capped(room) if room < sp.max_new_tokens else sp
 
     def generate(self, input_ids: list, sampling: SamplingParams, *,
-                 top_logprobs: int = 0, lists: bool = True) -> dict:
+                 top_logprobs: int = 0, lists: bool = True,
+                 rid: str | list | None = None) -> dict:
         """Returns {"weight_version", "outputs": [{"prompt_index", "output_ids",
         "output_logprobs", "finish_reason" ("stop" | "length"), "matched" (the stop token id or
         stop string, when "stop"), "weight_versions", "output_top_logprobs" (with
@@ -264,7 +294,10 @@ class RolloutEngine:
         while the request ran in the decode loop, which swaps between steps). ``lists=False``:
         the decode loop's ids and log-probs stay as it read them, a CPU tensor a row (int64,
         float32), for packing them as bytes without lists in between (the server's packed
-        answer, fsdpfn/rollout/packing.py); HF generate's are lists either way."""
+        answer, fsdpfn/rollout/packing.py); HF generate's are lists either way. ``rid``: the
+        request's id (a string for every output, or a list of one per output, None where an
+        output has none), what ``abort`` matches; an aborted output's finish_reason is
+        "abort"."""
         prompts = self._check_ids(input_ids, "input_ids")
         if len(prompts) * sampling.n > MAX_REQUEST_ROWS:  # before any row is built
             raise UpdateError(f"sampling_params.n: a request's rows (prompts x n) must be <= "
@@ -281,22 +314,14 @@ class RolloutEngine:
                               f"model directory {self.model_path!r} has none")
         if self._decoder is not None:
             generation.check_decode(self._decoder, prompts, sampling, top_logprobs)
-        self._enter_generation()
+        ticket = _Ticket(rid, len(prompts) * sampling.n)
+        with self._gen_cond:
+            self._tickets.add(ticket)
         try:
-            if self._decoder is not None:
-                outputs = self._decoder.generate(prompts, sampling)
-                version = min(min(o["weight_versions"] or [self.version]) for o in outputs)
-            else:
-                with self._model_lock:
-                    version = self.version
-                    outputs = generation.hf_generate(self.model, prompts, sampling,
-                                                     top_logprobs,
-                                                     pad_token_id=self.pad_token_id,
-                                                     device=self.device)
-                for o in outputs:
-                    o["weight_versions"] = [version] * len(o["output_ids"])
+            outputs, version = self._generate(prompts, sampling, top_logprobs, ticket)
         finally:
-            self._leave_generation()
+            with self._gen_cond:
+                self._tickets.discard(ticket)
         for o in outputs:
             if lists or sampling.stop:  # stop strings are matched on lists
                 for key in ("output_ids", "output_logprobs"):
@@ -304,6 +329,30 @@ class RolloutEngine:
                         o[key] = o[key].tolist()
             self._finish(o, sampling)
         return {"weight_version": version, "outputs": outputs}
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, top_logprobs: int,
+                  ticket: "_Ticket") -> tuple[list[dict], int]:
+        if not self._enter_generation(ticket):  # aborted while a pause held it
+            return [{"prompt_index": i // sampling.n, "output_ids": [], "output_logprobs": [],
+                     "finish_reason": "abort", "weight_versions": []}
+                    for i in range(ticket.size)], self.version
+        try:
+            if self._decoder is not None:
+                outputs = self._decoder.generate(prompts, sampling, ticket.aborted)
+                version = min(min(o["weight_versions"] or [self.version]) for o in outputs)
+            else:
+                with self._model_lock:
+                    version = self.version
+                    outputs = generation.hf_generate(self.model, prompts, sampling,
+                                                     top_logprobs,
+                                                     pad_token_id=self.pad_token_id,
+                                                     device=self.device,
+                                                     aborted=ticket.aborted)
+                for o in outputs:
+                    o["weight_versions"] = [version] * len(o["output_ids"])
+        finally:
+            self._leave_generation()
+        return outputs, version
 
     def _finish(self, o: dict, sp: SamplingParams) -> None:
         """Cut an output at its first stop string (stop strings are matched on the finished
@@ -384,6 +433,25 @@ class RolloutEngine:
             param = self.params[name]
             previous[name] = param.data
             param.data = t
+
+
+class _Ticket:
+    """One generation request's outputs as ``abort`` sees them: each output's rid and the
+    indices (prompt-major) marked aborted, a set the generation path reads as it runs."""
+
+    def __init__(self, rid, size: int):
+        self.size = size
+        self.rids = list(rid) if isinstance(rid, list) else [rid] * size
+        self.aborted: set[int] = set()
+
+    def mark(self, rid: str | None, abort_all: bool) -> int:
+        new = {i for i, r in enumerate(self.rids[:self.size])
+               if abort_all or (rid is not None and r == rid)} - self.aborted
+        self.aborted |= new
+        return len(new)
+
+    def all_aborted(self) -> bool:
+        return len(self.aborted) >= self.size
 
 
 def _load_text(model_path: str):

@@ -100,10 +100,13 @@ def check_decode(decoder, prompts: list[list[int]], sp: SamplingParams,
 
 
 def hf_generate(model, prompts: list[list[int]], sp: SamplingParams, top_logprobs: int = 0, *,
-                pad_token_id: int, device: torch.device) -> list[dict]:
+                pad_token_id: int, device: torch.device,
+                aborted: set[int] | None = None) -> list[dict]:
     """n outputs per prompt, prompt-major, by HF ``generate`` (the caller holds the model
     lock): {prompt_index, output_ids, output_logprobs, finish_reason, output_top_logprobs (with
-    ``top_logprobs`` > 0)}."""
+    ``top_logprobs`` > 0)}. ``aborted``: row indices another thread may mark while it runs
+    (RolloutEngine.abort); a marked row stops with the tokens it has, finish_reason "abort"
+    (none when marked before the first token)."""
     rows = [p for p in prompts for _ in range(sp.n)]  # n samples per prompt, prompt-major
     width = max(len(p) for p in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
@@ -118,6 +121,9 @@ def hf_generate(model, prompts: list[list[int]], sp: SamplingParams, top_logprob
             setattr(config, key, None)
         processors.append(_SeededDraw(sp.seed, len(prompts), sp.n, width))
     recorder = _LogprobRecorder(sp.temperature if sp.temperature > 0 else 1.0, top_logprobs)
+    from transformers import StoppingCriteriaList
+
+    stopper = _AbortedRows(set() if aborted is None else aborted, width)
     handle = model.register_forward_hook(recorder, with_kwargs=True)
     # a seed draws from a generator state of its own: the process's, which later unseeded
     # requests draw from, is restored after the call
@@ -128,11 +134,30 @@ def hf_generate(model, prompts: list[list[int]], sp: SamplingParams, top_logprob
             if sp.seed is not None:
                 torch.manual_seed(int(sp.seed))
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 generation_config=config, logits_processor=processors)
+                                 generation_config=config, logits_processor=processors,
+                                 stopping_criteria=StoppingCriteriaList([stopper]))
     finally:
         handle.remove()
     new = out.sequences[:, width:].cpu()  # (B*n, L)
-    return _outputs(new, recorder.finish(new), recorder.top(new.shape[1]), sp)
+    return _outputs(new, recorder.finish(new), recorder.top(new.shape[1]), sp, stopper.ends)
+
+
+class _AbortedRows:
+    """HF generate's stopping criterion for the rows marked aborted: each ends where it is
+    when first seen marked (``ends``: row -> its tokens kept; 0 when marked before the
+    first)."""
+
+    def __init__(self, aborted: set[int], width: int):
+        self.aborted, self.width = aborted, width
+        self.ends = {row: 0 for row in list(aborted)}
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for row in list(self.aborted):
+            if row < input_ids.shape[0]:
+                self.ends.setdefault(row, input_ids.shape[1] - self.width)
+                done[row] = True
+        return done
 
 
 class _SeededDraw:
@@ -160,10 +185,13 @@ class _SeededDraw:
         return torch.full_like(scores, float("-inf")).scatter(-1, token, 0.0)
 
 
-def _outputs(new: torch.Tensor, logps: torch.Tensor, tops, sp: SamplingParams) -> list[dict]:
+def _outputs(new: torch.Tensor, logps: torch.Tensor, tops, sp: SamplingParams,
+             ends: dict[int, int] | None = None) -> list[dict]:
     """new[B*n, L] generated tokens, logps[B*n, L], tops (values, ids) or None: each row cut
-    after its first stop token id."""
+    after its first stop token id, or at its ``ends`` entry (an aborted row) when that comes
+    first."""
     stops = set(sp.stop_token_ids)
+    ends = ends or {}
     results = []
     for row in range(new.shape[0]):
         tokens = new[row].tolist()
@@ -172,6 +200,11 @@ def _outputs(new: torch.Tensor, logps: torch.Tensor, tops, sp: SamplingParams) -
             if t in stops:
                 end, reason = j + 1, "stop"
                 break
+        limit = ends.get(row)
+        if limit is not None and (limit < end or (
+                limit == end and reason == "length" and end < sp.max_new_tokens)):
+            # (ending with the batch's last row is not reaching max_new_tokens)
+            end, reason = limit, "abort"
         results.append({"prompt_index": row // sp.n, "output_ids": tokens[:end],
                         "output_logprobs": logps[row, :end].tolist(),
                         "finish_reason": reason})

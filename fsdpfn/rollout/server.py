@@ -16,6 +16,8 @@
 | POST /update_weights_from_disk | {model_path, weight_version (an int or any string), flush_cache, verify_checksums, commit (false: load, check and stage only)} | {success, weight_version, weights_checksum, message}, plus SGLang's num_paused_requests (with commit false: staged, and the checksum the weights will have); a refusal (a missing directory included) 400, as SGLang's |
 | POST /update_weights_commit | {weight_version, commit (default true; false: drop)} | the staged update of that version swapped in: {success, weight_version, weights_checksum}; 409 when none of that version is staged |
 | POST /update_weights_from_ipc | {buckets: [{names, dtypes, shapes, handle}], weight_version, flush_cache}: each bucket an aligned flat bucket in a device buffer of a process on this GPU (fsdpfn.wire.ipc) | {success, weight_version, weights_checksum, message, seconds} |
+| POST /abort_request | SGLang's {rid (a string), abort_all (a bool)} | {success, aborted (the outputs marked)}: the matching requests' outputs end with the tokens they have, finish_reason "abort" (an unknown rid marks none, as SGLang ignores it) |
+| GET, POST /flush_cache | | SGLang's text, 200 when no generation is running or waiting (no prefix cache outlives a request: nothing to drop), else 400 with the reason |
 | POST /pause_generation, POST /continue_generation | {mode}: SGLang's "abort" (default), "retract" or "in_place", else 400 | SGLang's {message, status: "ok"}, plus success; a pause drains whatever the mode (nothing is aborted) |
 | POST /load_lora_adapter | SGLang's {lora_name, lora_path (a peft adapter directory), pinned, lora_id}, plus weight_version | {success, error_message, loaded_adapters, weight_version, weights_checksum}: merged into the served weights (fsdpfn/rollout/lora.py); a refusal is a 400 whose loaded_adapters names what is still served |
 | POST /unload_lora_adapter | {lora_name} | same: the base weights served again |
@@ -241,6 +243,29 @@ def build_app(engine: RolloutEngine):
     @app.post("/unload_lora_adapter")
     def unload_lora(payload: dict = Body(...)):
         return lora_answer(lambda: receiver.unload_lora_adapter(payload))
+
+    @app.post("/abort_request")
+    def abort_request(payload: dict = Body(default={})):
+        def run():
+            rid, every = payload.get("rid"), payload.get("abort_all", False)
+            if rid is not None and not isinstance(rid, str):
+                raise UpdateError(f"rid: must be a string, got {str(rid)[:80]!r}")
+            if not isinstance(every, bool):
+                raise UpdateError(f"abort_all: must be true or false, got {every!r}")
+            marked = engine.abort(rid, every)
+            return {"success": True, "aborted": marked,
+                    "message": f"{marked} output(s) aborted"}
+        return answer(run)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    def flush_cache():
+        # SGLang's answer text; it refuses while requests run or wait, and so does this
+        text = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
+                "running or waiting requests, the operation will not be performed.)\n")
+        if engine.busy():
+            return Response(content=text + "Reason: generation requests are running or "
+                            "waiting\n", status_code=400, media_type="text/plain")
+        return Response(content=text, status_code=200, media_type="text/plain")
 
     # SGLang's answers; a pause drains (requests in flight finish, new ones wait), whatever
     # the mode (one of SGLang's PAUSE_MODES): nothing is aborted

@@ -10,7 +10,8 @@ logprob_start_len >= 0, custom_logit_processor, ...) are refused by name when se
 top-level keys are ignored, as SGLang ignores them.
 
 Answer, per output: {"text" (when the model has a tokenizer), "output_ids", "meta_info": {"id",
-"finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"}, "prompt_tokens",
+"finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"} | {"type":
+"abort", "message"} (the output ended by /abort_request), "prompt_tokens",
 "completion_tokens", "cached_tokens", "weight_version" (a string, as SGLang's: the label an
 update gave those weights, else the integer version),
 "weight_versions" (fsdpfn: the version of each token, ints), "e2e_latency", "num_retractions"
@@ -70,8 +71,13 @@ def generate(engine, payload: dict):
     else:
         runs = [(prompts, _params(engine, specs, own))]
     packed = payload.get("return_format") == "fsdpfn_packed"  # bytes straight from the tensors
-    answers = [(engine.generate(p, sp, top_logprobs=top_n, lists=not packed), sp)
-               for p, sp in runs]
+    answers, offset, rids = [], 0, payload.get("rid")
+    for p, sp in runs:  # each run's outputs' rids: what /abort_request matches
+        size = len(p) * sp.n
+        rid = rids[offset:offset + size] if isinstance(rids, list) else rids
+        answers.append((engine.generate(p, sp, top_logprobs=top_n, lists=not packed, rid=rid),
+                        sp))
+        offset += size
     if own:
         answer = _own(answers)
         return packing.pack(answer) if packed else answer
@@ -214,6 +220,8 @@ def output(engine, o: dict, sp: SamplingParams, prompt_tokens: int, *, rid=None,
     ids = o["output_ids"]
     if o["finish_reason"] == "stop":
         reason = {"type": "stop", "matched": o.get("matched")}
+    elif o["finish_reason"] == "abort":  # SGLang's FINISH_ABORT
+        reason = {"type": "abort", "message": "Abort request: /abort_request"}
     else:
         reason = {"type": "length", "length": len(ids)}
     versions = o.get("weight_versions") or []

@@ -93,6 +93,8 @@ def _setitem(key, index, value):
 BAD = {
     "missing_key": (None, dict(require=(K.REF_LOGP, K.OLD_LOGP), why={K.OLD_LOGP: "ppo ratio"}),
                     [f"missing key '{K.OLD_LOGP}'", "ppo ratio"]),
+    "missing_loss_mask": (lambda td: td.del_(K.LOSS_MASK), dict(require=(K.LOSS_MASK,)),
+                          [f"missing key '{K.LOSS_MASK}'", "True on the tokens it trains"]),
     "ids_dtype": (_set(K.INPUT_IDS, lambda x: x.int()), {}, [K.INPUT_IDS, "torch.int32"]),
     "ids_shape": (_put(K.INPUT_IDS, lambda td: td.get(K.INPUT_IDS)[:, :, None]), {},
                   [K.INPUT_IDS, "[4, 6, 1]"]),
