@@ -9,7 +9,8 @@ temperature / top-p), and its API moved between the 5.x releases we run on. What
 transformers: the model's own modules (embedding, norms, q/k/v/o projections, MLPs, rotary tables,
 lm_head) and parameters, so a weight update that re-points the parameters is what the loop reads.
 What is ours: the KV cache and attention (fsdpfn/rollout/slot_model.py), the token draws
-(fsdpfn/rollout/device_sampling.py), and the scheduling below.
+(fsdpfn/rollout/device_sampling.py), and the scheduling below (its rows, slots, per-slot device
+state and graph capture in fsdpfn/rollout/decode_rows.py).
 
 Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]).
 A request's n samples of one prompt are prefilled once (one forward of the prompt) and the
@@ -59,6 +60,8 @@ from typing import Callable
 import torch
 
 from fsdpfn.rollout import draw_kernel
+from fsdpfn.rollout.decode_rows import (MAX_STOPS, Request, Slot, State, bucket, capture,
+                                        distinct_prompts, right_padded, share_groups)
 from fsdpfn.rollout.device_sampling import row_seed, sample
 from fsdpfn.rollout.slot_model import SUPPORTED, SlotModel, unsupported_reason
 
@@ -66,65 +69,7 @@ __all__ = ["Decoder", "unsupported_reason", "sample", "row_seed", "SUPPORTED", "
 
 log = logging.getLogger("fsdpfn.rollout")
 
-MAX_STOPS = 32  # stop token ids per request
 LEN_BUCKET = 256  # attended length rounded up to this
-
-
-class _Request:
-    def __init__(self, prompts: list[list[int]], sp, aborted: set[int] | None = None):
-        self.prompts, self.sp = prompts, sp
-        self.rows = [(i, j) for i in range(len(prompts)) for j in range(sp.n)]  # prompt-major
-        self.next_row = 0
-        # rows the engine's abort marked (shared with it; read by the scheduler), and the
-        # queued ones already answered "abort" (admission skips them)
-        self.aborted = set() if aborted is None else aborted
-        self.resolved: set[int] = set()
-        self.results: list[dict | None] = [None] * len(self.rows)
-        self.remaining = len(self.rows)
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
-class _Slot:
-    """Host view of one occupied slot."""
-
-    def __init__(self, request: _Request, row: int, prompt_len: int, version: int):
-        self.request, self.row = request, row
-        self.prompt_len = prompt_len
-        self.gen = 1  # tokens generated so far (the first comes from the prefill)
-        self.segments = [(0, version)]  # (first token index, weights version)
-        self.truncate = request.sp.top_p < 1 or request.sp.top_k > 0
-        self.seeded = request.sp.seed is not None
-        self.share: tuple | None = None  # (key, length): slots of one key share that prefix
-
-    def bound(self, steps: int) -> int:
-        """An upper bound of the attended length after ``steps`` more steps."""
-        return min(self.prompt_len + self.gen - 1 + steps, self.prompt_len
-                   + self.request.sp.max_new_tokens) + 1
-
-
-class _State:
-    """Per-slot device tensors the step reads and advances (static: graphs capture them)."""
-
-    def __init__(self, slots: int, max_len: int, device):
-        def z(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=device)
-        self.tok, self.pos, self.gen, self.max_new, self.top_k = z(slots), z(slots), z(slots), \
-            z(slots), z(slots)
-        self.active, self.stopped = z(slots, dtype=torch.bool), z(slots, dtype=torch.bool)
-        self.temperature = z(slots, dtype=torch.float32)
-        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
-        self.seed = torch.full((slots,), -1, dtype=torch.long, device=device)
-        self.stops = torch.full((slots, MAX_STOPS), -1, dtype=torch.long, device=device)
-        self.out_tok = z(slots, max_len + 1)
-        self.out_lp = z(slots, max_len + 1, dtype=torch.float32)
-
-    def snapshot(self):
-        return [t.clone() for t in (self.tok, self.pos, self.gen, self.active, self.stopped)]
-
-    def restore(self, saved) -> None:
-        for t, s in zip((self.tok, self.pos, self.gen, self.active, self.stopped), saved):
-            t.copy_(s)
 
 
 class Decoder:
@@ -140,7 +85,7 @@ class Decoder:
                  rope_kv: str = "auto", share_prefix: bool = True):
         self.net = SlotModel(model, slots, max_len, attention, compile, rope_kv=rope_kv,
                              share_prefix=share_prefix)
-        self.state = _State(slots, max_len, self.net.device)
+        self.state = State(slots, max_len, self.net.device)
         # untruncated rows draw with draw_kernel.py (CUDA); the key of the unseeded rows'
         # uniforms, advanced by every step (in the graphs too)
         self.fused_draw = draw_kernel.available(self.net.device)
@@ -154,9 +99,9 @@ class Decoder:
         self.graph_key = None  # the parameters' addresses the graphs were captured with
         self.weights = None  # (version, parameter addresses) the KV cache was computed with
         self.pool = None
-        self.table: list[_Slot | None] = [None] * slots
-        self.pending: list[_Request] = []  # requests with rows not yet admitted
-        self.inflight: set[_Request] = set()  # requests not yet answered
+        self.table: list[Slot | None] = [None] * slots
+        self.pending: list[Request] = []  # requests with rows not yet admitted
+        self.inflight: set[Request] = set()  # requests not yet answered
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self.steps = 0  # decode steps run, and seconds spent in them (for benchmarks)
@@ -179,7 +124,7 @@ class Decoder:
         Blocks until every row is done. ``aborted``: the set of row indices the caller marks
         to stop (RolloutEngine.abort; ``wake`` after marking): a marked row ends at the next
         chunk's start with the tokens it has, finish_reason "abort" (none when still queued)."""
-        request = _Request(prompts, sp, aborted)
+        request = Request(prompts, sp, aborted)
         with self.cond:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, daemon=True,
@@ -217,7 +162,7 @@ class Decoder:
             self._deliver(finished)
             time.sleep(0)  # let a waiting weight swap take the lock between chunks
 
-    def _iteration(self) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, str]]:
+    def _iteration(self) -> list[tuple[Slot, torch.Tensor, torch.Tensor, str]]:
         """Answer the aborted rows, admit queued rows, run a chunk of steps, read which rows
         ended (model lock held)."""
         version = self.version()
@@ -238,9 +183,9 @@ class Decoder:
         if not live:  # every row was aborted
             return finished
         if self.groups_stale:
-            self.shared = self.net.set_shared(_groups(self.table, live))
+            self.shared = self.net.set_shared(share_groups(self.table, live))
             self.groups_stale = False
-        R = _bucket(max(live) + 1, self.slots)
+        R = bucket(max(live) + 1, self.slots)
         remaining = min(self.table[s].request.sp.max_new_tokens - self.table[s].gen
                         for s in live)
         steps = max(1, min(self.sync_every, remaining))
@@ -259,7 +204,7 @@ class Decoder:
         self.step_seconds += time.perf_counter() - clock
         return finished
 
-    def _take_aborted(self, version: int) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, str]]:
+    def _take_aborted(self, version: int) -> list[tuple[Slot, torch.Tensor, torch.Tensor, str]]:
         """The rows marked aborted: those in slots end with the tokens they have (their slots
         freed), those still queued with none; each answered "abort"."""
         st, out = self.state, []
@@ -281,12 +226,12 @@ class Decoder:
                     if row in request.aborted and row not in request.resolved:
                         request.resolved.add(row)
                         prompt = request.prompts[request.rows[row][0]]
-                        out.append((_Slot(request, row, len(prompt), version),
+                        out.append((Slot(request, row, len(prompt), version),
                                     torch.zeros(0, dtype=torch.long),
                                     torch.zeros(0, dtype=torch.float32), "abort"))
         return out
 
-    def _collect(self, live: list[int]) -> list[tuple[_Slot, torch.Tensor, torch.Tensor, str]]:
+    def _collect(self, live: list[int]) -> list[tuple[Slot, torch.Tensor, torch.Tensor, str]]:
         st = self.state
         flags = torch.stack([st.active.long(), st.gen, st.stopped.long()])[:, :max(live) + 1]
         active, gen, stopped = flags.cpu().tolist()
@@ -359,7 +304,7 @@ class Decoder:
                     self.prefill_tokens:
                 end += 1
             chunk = rows[start:end]
-            ids = _right_padded([row for _, row in chunk])
+            ids = right_padded([row for _, row in chunk])
             self.net.prefill(ids.to(device), torch.tensor([len(r) for _, r in chunk],
                                                           device=device),
                              torch.tensor([s for s, _ in chunk], device=device),
@@ -372,7 +317,7 @@ class Decoder:
         """Queued rows take free slots (lowest first); each prompt is prefilled once for all of
         its rows admitted now."""
         free = [s for s in range(self.slots) if self.table[s] is None]
-        taken: list[tuple[_Request, int, int]] = []  # (request, row, slot)
+        taken: list[tuple[Request, int, int]] = []  # (request, row, slot)
         with self.cond:
             while free and self.pending:
                 request = self.pending[0]
@@ -397,10 +342,10 @@ class Decoder:
         if chunk:
             self._prefill(chunk, version)
 
-    def _prefill(self, items: list[tuple[_Request, int, int]], version: int) -> None:
+    def _prefill(self, items: list[tuple[Request, int, int]], version: int) -> None:
         device, st = self.net.device, self.state
-        prompts, src = _distinct_prompts(items)
-        ids = _right_padded(prompts)
+        prompts, src = distinct_prompts(items)
+        ids = right_padded(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         src = torch.tensor(src, device=device)
         slots = torch.tensor([s for _, _, s in items], device=device)
@@ -429,7 +374,7 @@ class Decoder:
         st.active[slots] = ~stopped & (max_new > 1)
         self.prefills += 1
         for (request, row, s), n, i in zip(items, lengths[src].tolist(), src.tolist()):
-            self.table[s] = _Slot(request, row, n, version)
+            self.table[s] = Slot(request, row, n, version)
             self.table[s].share = ((self.prefills, i), n)  # one KV copy per distinct prompt
         self.groups_stale = True
 
@@ -463,80 +408,10 @@ class Decoder:
     def _replay(self, R: int, Lb: int, truncate: bool, seeded: bool, shared: int) -> None:
         key = (R, Lb, truncate, seeded, shared)
         if self.use_graphs and key not in self.graphs:
-            self.graphs[key], self.pool = _capture(self._step, key, self.state, self.net.device,
+            self.graphs[key], self.pool = capture(self._step, key, self.state, self.net.device,
                                                    self.pool)
         graph = self.graphs.get(key) if self.use_graphs else None
         if graph is None:
             self._step(*key)
         else:
             graph.replay()
-
-
-def _capture(step: Callable, key: tuple, state: _State, device, pool):
-    """(A CUDA graph of ``step(*key)``, the graph memory pool), the graph None (eager, logged)
-    when capture fails. The warm-up run advances the state: it is restored before capture
-    (capture runs nothing)."""
-    saved = state.snapshot()
-    try:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step(*key)
-        torch.cuda.current_stream().wait_stream(stream)
-        state.restore(saved)
-        if pool is None:
-            pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        clock = time.perf_counter()
-        with torch.cuda.graph(graph, pool=pool):
-            step(*key)
-        log.info("decode: captured rows=%d len=%d truncate=%s seeded=%s shared=%d in %.2f s",
-                 *key, time.perf_counter() - clock)
-        return graph, pool
-    except Exception:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
-        log.exception("decode: CUDA graph capture of rows=%d len=%d truncate=%s seeded=%s "
-                      "shared=%d failed; this shape runs eagerly", *key)
-        torch.cuda.synchronize(device)
-        state.restore(saved)
-        return None, pool
-
-
-def _groups(table: list, live: list[int]) -> list[tuple[int, list[int]]]:
-    """(shared length, slots) of the live slots that hold one prompt's KV copy."""
-    groups: dict = {}
-    for s in live:
-        if table[s].share is not None:
-            key, length = table[s].share
-            groups.setdefault(key, (length, []))[1].append(s)
-    return list(groups.values())
-
-
-def _distinct_prompts(items: list[tuple[_Request, int, int]]
-                      ) -> tuple[list[list[int]], list[int]]:
-    """The distinct prompts of (request, row, slot) ``items`` in order of first use, and for
-    each item the index of its prompt among them."""
-    keys: dict[tuple[int, int], int] = {}
-    prompts = []
-    for request, row, _ in items:
-        p = request.rows[row][0]
-        if (id(request), p) not in keys:
-            keys[(id(request), p)] = len(prompts)
-            prompts.append(request.prompts[p])
-    return prompts, [keys[(id(r), r.rows[w][0])] for r, w, _ in items]
-
-
-def _right_padded(rows: list[list[int]]) -> torch.Tensor:
-    """ids[len(rows), longest] on the host, each row right-padded with 0."""
-    ids = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-    return ids
-
-
-def _bucket(n: int, cap: int) -> int:
-    """n rounded up to 8, 12, 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x), at most
-    cap."""
-    size = 8
-    while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return min(size, cap)

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
-from fsdpfn.rollout.decode import Decoder, _bucket, sample
+from fsdpfn.rollout.decode import Decoder, sample
+from fsdpfn.rollout.decode_rows import bucket as _bucket
 from fsdpfn.testing import save_tiny_model, tiny_llama_config, tiny_qwen2_config, tiny_qwen3_config
 
 # float32 on both sides, different summation orders (see tests/unit/test_rollout.py)
