@@ -11,19 +11,26 @@ fsdpfn's fields of every completion choice (``prompt_token_ids``, ``token_ids``,
 versions and the temperature they were drawn at) into ``turns``. Nothing is re-tokenized. A
 server that does not return these fields (a plain OpenAI
 endpoint) is refused on the first call: its text cannot be trained on exactly.
+
+``seed``: an episode's seed. Its completion calls that set no ``seed`` of their own are sent
+``call_seed(seed, k)``, k the call's place among the client's calls (0, 1, ...), so an episode
+whose calls come in a fixed order draws the same tokens again (on the same kind of device: the
+server's seeded draws); a call's own ``seed`` is sent as it is, and still counts its place.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import openai
 
-from fsdpfn.errors import WeightSyncError
+from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout.episode import Turn
+from fsdpfn.rollout.sampling import prompt_seed
 
-__all__ = ["EpisodeClient", "AsyncEpisodeClient", "turns_of"]
+__all__ = ["EpisodeClient", "AsyncEpisodeClient", "turns_of", "call_seed"]
 
 FIELDS = ("prompt_token_ids", "token_ids", "token_logprobs", "weight_versions")
 RECORDED = ("/completions", "/chat/completions")
@@ -65,14 +72,71 @@ def _recorded(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.endswith(RECORDED)
 
 
+def call_seed(seed: int, call: int) -> int:
+    """The seed call ``call`` (0, 1, ...) of an episode seeded ``seed`` is sent with."""
+    return prompt_seed(seed, call)
+
+
+class _Seeds:
+    """An episode's seed and its calls so far: each recorded request without a ``seed`` of its
+    own is rebuilt with call_seed(seed, its place)."""
+
+    def __init__(self, seed: int | None):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 2**63):
+            raise ConfigError(f"seed: must be an int in [0, 2**63) or None, got {seed!r}")
+        self.seed, self.calls, self.lock = seed, 0, threading.Lock()
+
+    def apply(self, request: httpx.Request) -> httpx.Request:
+        if self.seed is None or not _recorded(request):
+            return request
+        with self.lock:
+            call, self.calls = self.calls, self.calls + 1
+        try:
+            body = json.loads(request.read() or b"null")
+        except ValueError:
+            return request  # not JSON: the server answers its 400
+        if not isinstance(body, dict) or body.get("seed") is not None:
+            return request
+        body["seed"] = call_seed(self.seed, call)
+        headers = [(k, v) for k, v in request.headers.multi_items()
+                   if k.lower() != "content-length"]
+        return httpx.Request(request.method, request.url, headers=headers, json=body,
+                             extensions=request.extensions)
+
+
+class _SeedingTransport(httpx.BaseTransport):
+    def __init__(self, seeds: _Seeds):
+        self.seeds, self.inner = seeds, httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self.inner.handle_request(self.seeds.apply(request))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _AsyncSeedingTransport(httpx.AsyncBaseTransport):
+    def __init__(self, seeds: _Seeds):
+        self.seeds, self.inner = seeds, httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.inner.handle_async_request(self.seeds.apply(request))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class EpisodeClient(openai.OpenAI):
     """``openai.OpenAI`` on a rollout server; ``turns`` holds every completion made (module doc).
-    ``timeout``: seconds per request."""
+    ``timeout``: seconds per request; ``seed``: the episode's seed (module doc)."""
 
-    def __init__(self, url: str, *, timeout: float = 300.0, **kwargs):
+    def __init__(self, url: str, *, timeout: float = 300.0, seed: int | None = None,
+                 **kwargs):
         self.turns: list[Turn] = []
         self.server_url = url
-        http = httpx.Client(timeout=timeout, event_hooks={"response": [self._record]})
+        http = httpx.Client(timeout=timeout, event_hooks={"response": [self._record]},
+                            transport=_SeedingTransport(_Seeds(seed)))
         super().__init__(base_url=_base(url), api_key="fsdpfn", http_client=http, max_retries=0,
                          **kwargs)
 
@@ -83,12 +147,15 @@ class EpisodeClient(openai.OpenAI):
 
 
 class AsyncEpisodeClient(openai.AsyncOpenAI):
-    """``openai.AsyncOpenAI`` on a rollout server, recording like EpisodeClient."""
+    """``openai.AsyncOpenAI`` on a rollout server, recording (and seeding) like
+    EpisodeClient."""
 
-    def __init__(self, url: str, *, timeout: float = 300.0, **kwargs):
+    def __init__(self, url: str, *, timeout: float = 300.0, seed: int | None = None,
+                 **kwargs):
         self.turns: list[Turn] = []
         self.server_url = url
-        http = httpx.AsyncClient(timeout=timeout, event_hooks={"response": [self._record]})
+        http = httpx.AsyncClient(timeout=timeout, event_hooks={"response": [self._record]},
+                                 transport=_AsyncSeedingTransport(_Seeds(seed)))
         super().__init__(base_url=_base(url), api_key="fsdpfn", http_client=http, max_retries=0,
                          **kwargs)
 

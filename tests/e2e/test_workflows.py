@@ -102,6 +102,43 @@ def test_the_openai_package_drives_the_server_and_every_turn_is_recorded(server,
 
 
 @pytest.mark.timeout(180)
+def test_seeded_episodes_draw_again_what_they_drew_wherever_they_run(server, tok):
+    """run_episodes(seed=s): episode j of data row d draws from row_seed(s, d, j), its k-th
+    call from call_seed(that, k), whichever request carries the row; a call's own seed is sent
+    as it is."""
+    from fsdpfn.rollout.agent import EpisodeClient, call_seed
+    from fsdpfn.rollout.device_sampling import row_seed
+
+    rows = [{"question": "what is two plus two"}, {"question": "a tool returned seven"}]
+    wf = load_workflow(f"{WF}:chat_twice")
+
+    def drawn(results):
+        return [[t.output_ids for t in r.turns] for r in results]
+    first, again, other = (drawn(run_episodes(server.url, wf, rows, 2, timeout_s=60, seed=s))
+                           for s in (5, 5, 6))
+    assert first == again and first != other
+    assert first[0] != first[1]  # the two episodes of a row draw from their own seeds
+    assert drawn(run_episodes(server.url, wf, rows[1:], 2, first=1, timeout_s=60,
+                              seed=5)) == first[2:]  # the row alone, in a request of its own
+    ids = tok.encode("the answer is")
+    seeded, plain = EpisodeClient(server.url, seed=9), EpisodeClient(server.url)
+    try:
+        for _ in range(2):  # calls 0 and 1 of the seeded episode, then one with its own seed
+            seeded.completions.create(model="policy", prompt=ids, max_tokens=8)
+        seeded.completions.create(model="policy", prompt=ids, max_tokens=8, seed=123)
+        for s in (call_seed(9, 0), call_seed(9, 1), 123):
+            plain.completions.create(model="policy", prompt=ids, max_tokens=8, seed=s)
+    finally:
+        seeded.close(), plain.close()
+    assert [t.output_ids for t in seeded.turns] == [t.output_ids for t in plain.turns]
+    assert seeded.turns[0].output_ids != seeded.turns[1].output_ids
+    assert row_seed(5, 1, 0) != row_seed(5, 0, 1)
+    with pytest.raises(ff.ConfigError,
+                       match=r"seed: must be an int in \[0, 2\*\*63\) or None, got -1"):
+        EpisodeClient(server.url, seed=-1)
+
+
+@pytest.mark.timeout(180)
 def test_a_turn_that_does_not_extend_the_context_becomes_its_own_row(server, tok):
     row = {"prompt_ids": tok.encode("what is two plus two"),
            "other_ids": tok.encode("a tool returned seven")}

@@ -187,7 +187,7 @@ class StreamRollout:
             def runner(url, first, rows):
                 results = run_episodes(url, self.workflow, rows, G, first=first,
                                        timeout_s=r.workflow_timeout_s,
-                                       on_error=cfg.reward.on_error)
+                                       on_error=cfg.reward.on_error, seed=cfg.seed)
                 return [results[i * G:(i + 1) * G] for i in range(len(rows))]
 
         def item(i):

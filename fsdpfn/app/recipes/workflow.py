@@ -143,11 +143,12 @@ def _describe(exc: BaseException, timeout_s: float) -> str:
     return f"raised {W.describe(exc)}"
 
 
-async def _run_async(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
+async def _run_async(url, workflow, jobs, seeds, timeout_s, on_error) -> list[EpisodeResult]:
     from fsdpfn.rollout.agent import AsyncEpisodeClient
 
-    async def one(job):
-        client, t0 = AsyncEpisodeClient(url, timeout=timeout_s), time.perf_counter()
+    async def one(job, seed):
+        client = AsyncEpisodeClient(url, timeout=timeout_s, seed=seed)
+        t0 = time.perf_counter()
         try:
             value = await asyncio.wait_for(workflow.fn(client, dict(job[1])), timeout_s)
             return _finish(job, client, value, None, on_error, t0)
@@ -156,13 +157,13 @@ async def _run_async(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeRe
         finally:
             await client.close()
 
-    return list(await asyncio.gather(*(one(job) for job in jobs)))
+    return list(await asyncio.gather(*(one(job, seed) for job, seed in zip(jobs, seeds))))
 
 
-def _run_sync(url, workflow, jobs, timeout_s, on_error) -> list[EpisodeResult]:
+def _run_sync(url, workflow, jobs, seeds, timeout_s, on_error) -> list[EpisodeResult]:
     from fsdpfn.rollout.agent import EpisodeClient
 
-    clients = [EpisodeClient(url, timeout=timeout_s) for _ in jobs]
+    clients = [EpisodeClient(url, timeout=timeout_s, seed=seed) for seed in seeds]
     t0 = time.perf_counter()
     futures = [_on_daemon_thread(workflow.fn, c, dict(row)) for c, (_, row) in zip(clients, jobs)]
     out = []
@@ -196,16 +197,22 @@ def _on_daemon_thread(fn, *args) -> concurrent.futures.Future:
 
 
 def run_episodes(url: str, workflow: Workflow, rows: list[dict], group_size: int, *,
-                 first: int = 0, timeout_s: float = 600.0,
-                 on_error: float = 0.0) -> list[EpisodeResult]:
+                 first: int = 0, timeout_s: float = 600.0, on_error: float = 0.0,
+                 seed: int | None = None) -> list[EpisodeResult]:
     """``group_size`` episodes of every data row, all at once; results row-major (the episodes
     of rows[i] are results[i*G:(i+1)*G]). ``first``: the data row of rows[0], so that each
     result's ``index`` is its row in the data (what errors name and ``group_id`` carries: one
-    step's rows run as several requests, one a server, and must not share numbers)."""
+    step's rows run as several requests, one a server, and must not share numbers). ``seed``:
+    episode j of data row d is seeded row_seed(seed, d, j) (its calls then draw from
+    fsdpfn.rollout.agent.call_seed of it), whichever server or request runs it; None: unseeded."""
+    from fsdpfn.rollout.device_sampling import row_seed
+
     jobs = [(first + i, row) for i, row in enumerate(rows) for _ in range(group_size)]
+    seeds = [None if seed is None else row_seed(seed, first + i, j)
+             for i in range(len(rows)) for j in range(group_size)]
     if workflow.is_async:
-        return asyncio.run(_run_async(url, workflow, jobs, timeout_s, on_error))
-    return _run_sync(url, workflow, jobs, timeout_s, on_error)
+        return asyncio.run(_run_async(url, workflow, jobs, seeds, timeout_s, on_error))
+    return _run_sync(url, workflow, jobs, seeds, timeout_s, on_error)
 
 
 def check_episodes(results: list[EpisodeResult], spec: str, temperature: float) -> None:
