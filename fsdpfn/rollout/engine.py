@@ -441,11 +441,13 @@ class _Ticket:
 
     def __init__(self, rid, size: int):
         self.size = size
-        self.rids = list(rid) if isinstance(rid, list) else [rid] * size
+        # a list names the outputs in order; one shorter leaves the rest without a rid
+        self.rids = (list(rid[:size]) + [None] * (size - len(rid))) if isinstance(rid, list) \
+            else [rid] * size
         self.aborted: set[int] = set()
 
     def mark(self, rid: str | None, abort_all: bool) -> int:
-        new = {i for i, r in enumerate(self.rids[:self.size])
+        new = {i for i, r in enumerate(self.rids)
                if abort_all or (rid is not None and r == rid)} - self.aborted
         self.aborted |= new
         return len(new)

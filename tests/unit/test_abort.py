@@ -131,6 +131,15 @@ def test_abort_of_a_request_held_by_a_pause_answers_it_at_once(model_dir, decode
     assert [(o["prompt_index"], list(o["output_ids"]), o["finish_reason"])
             for o in out["p"]["outputs"]] == [(0, [], "abort"), (0, [], "abort"),
                                               (1, [], "abort"), (1, [], "abort")]
+    short = engine.generate  # a rid list shorter than the outputs: abort_all still reaches all
+    rest: dict = {}
+    other = threading.Thread(target=lambda: rest.update(out=short(
+        [[5]], SamplingParams(max_new_tokens=4, n=3), rid=["only"])), daemon=True)
+    other.start()
+    _wait(lambda: len(engine._tickets) == 1)  # noqa: SLF001
+    assert engine.abort(abort_all=True) == 3
+    other.join(10)
+    assert [o["finish_reason"] for o in rest["out"]["outputs"]] == ["abort"] * 3
     done = threading.Event()  # the pause itself still holds new requests
     threading.Thread(target=lambda: (engine.generate([[1]], SamplingParams(max_new_tokens=2)),
                                      done.set()), daemon=True).start()
