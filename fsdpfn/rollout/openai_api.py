@@ -350,12 +350,12 @@ def _render(engine, messages, tools=None) -> list[int]:
     return tok.encode(text)
 
 
-def _openai_name(message: str, limit: str) -> str:
+def _openai_name(message: str, limit: str, top_key: str = "logprobs") -> str:
     """An error of SGLang's names (sampling_params.max_new_tokens: ...) in the request's own
-    (max_tokens: ...)."""
+    (max_tokens: ...; top_logprobs_num: the request's ``top_key``)."""
     message = message.replace("sampling_params.", "", 1)
     for theirs, ours in ((limit, "max_new_tokens"), ("min_tokens", "min_new_tokens"),
-                         ("seed", "seed")):
+                         ("seed", "seed"), (top_key, "top_logprobs_num")):
         if message.startswith(f"{ours}:"):
             return theirs + message[len(ours):]
     return message
@@ -372,7 +372,8 @@ def _generate(engine, prompts: list, sp: SamplingParams, top: int, prompt_key: s
         if message.startswith("input_ids["):  # the engine's name for a prompt
             message = (prompt_key + "[" + message[len("input_ids["):] if prompt_key == "prompt"
                        else prompt_key + message[message.index("]") + 1:])
-        raise UpdateError(_openai_name(message, limit), exc.status) from None
+        top_key = "logprobs" if prompt_key == "prompt" else "top_logprobs"
+        raise UpdateError(_openai_name(message, limit, top_key), exc.status) from None
 
 
 def _params(engine, body: dict, limit: str, default: int) -> SamplingParams:

@@ -39,6 +39,7 @@ so /health and generation stay responsive while an update is being received.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Callable
 
 from fsdpfn.rollout import openai_api, sglang_api
@@ -127,15 +128,18 @@ def build_app(engine: RolloutEngine):
     @app.get("/health_generate")
     async def health_generate():
         """SGLang's: 200 (empty) once a one-token generation from token 0 succeeds, 503 if it
-        fails or takes longer than HEALTH_GENERATE_S (a pause holds it until resumed)."""
+        fails or takes longer than HEALTH_GENERATE_S (a pause holds it until resumed); a probe
+        that timed out is aborted, not left queued for after the pause."""
+        rid = f"fsdpfn-health-{uuid.uuid4().hex}"
         with anyio.move_on_after(HEALTH_GENERATE_S):
             try:
-                await anyio.to_thread.run_sync(lambda: engine.generate([[0]], HEALTH_SAMPLING),
-                                               limiter=generation_threads,
-                                               abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(
+                    lambda: engine.generate([[0]], HEALTH_SAMPLING, rid=rid),
+                    limiter=generation_threads, abandon_on_cancel=True)
                 return Response(status_code=200)
             except Exception:  # noqa: BLE001 - the answer is the report
                 return Response(status_code=503)
+        engine.abort(rid)
         return Response(status_code=503)
 
     def sglang_answer(fn: Callable[[], Any]):

@@ -226,6 +226,23 @@ def test_pause_drains_the_loop_and_limits_are_named(model_dir):
         engine.generate([[1]], SamplingParams(stop_token_ids=list(range(33))))
 
 
+@pytest.mark.timeout(60)
+def test_the_loops_refusal_of_top_logprobs_names_each_endpoints_own_field(model_dir):
+    from fsdpfn.rollout import openai_api, sglang_api
+
+    engine = _engine(model_dir, max_len=32)
+    for call, body, field in (
+            (openai_api.completions, {"prompt": [1, 2], "max_tokens": 2, "logprobs": 2},
+             "logprobs"),
+            (sglang_api.generate, {"input_ids": [1, 2], "return_logprob": True,
+                                   "sampling_params": {"max_new_tokens": 2},
+                                   "top_logprobs_num": 2}, "top_logprobs_num")):
+        with pytest.raises(UpdateError, match=rf"^{field}: not supported by the decode loop "
+                                              r"\(must be 0; start the server with --decode hf\), "
+                                              r"got 2$"):
+            call(engine, body)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rolled_rotary_equals_hf_formula_bit_for_bit(dtype):
     """The decode step's rotary (roll and a sign-folded sin table) equals HF's rotate_half

@@ -10,6 +10,8 @@ loop applying SGLang's penalties (tokens), the tokenizer itself (texts).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -479,6 +481,10 @@ def test_health_generate_is_503_while_generation_cannot_answer(model_dir, monkey
     engine.pause()  # the probe waits, as any request would, past its limit
     try:
         assert client.get("/health_generate").status_code == 503
+        deadline = time.monotonic() + 10  # the timed-out probe is aborted, not left queued
+        while engine.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.busy() and engine.abort(abort_all=True) == 0
     finally:
         engine.resume()
     assert client.get("/health_generate").status_code == 200
