@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project, as a few named suites; each item prints its table.
 # Usage: bash benchmarks/gpu_suite.sh OUTDIR SUITE...
 #   check   every GPU test (but tests/e2e/test_lora_gpu.py, whose cold compile runs in `lora`)
-#           and the demo on the GPUs at hand (one GPU: under 9 minutes); the suite to run after
+#           and the demo on the GPUs at hand (one GPU: under 10 minutes); the suite to run after
 #           any change to the main job's path
 #   main    the main job from YAML on real shapes, each with its stage split: Qwen2-1.5B
 #           (examples/gpu/grpo_qwen2_1p5b.yaml), Llama-3.2-1B on the defaults with 1,024-token
@@ -50,7 +50,7 @@ pair_item() {  # pair_item NAME SECONDS COMMAND...: only with two GPUs
 pytest_gpu=(python3 -m pytest -q -p no:cacheprovider -o tmp_path_retention_policy=failed)
 
 check() {
-  item tests_gpu 420 "${pytest_gpu[@]}" tests/e2e/test_decode_gpu.py \
+  item tests_gpu 480 "${pytest_gpu[@]}" tests/e2e/test_decode_gpu.py \
     tests/e2e/test_checksum_gpu.py tests/e2e/test_oom_gpu.py tests/e2e/test_memory_gpu.py \
     tests/e2e/test_ipc_gpu.py tests/e2e/test_liger_gpu.py tests/e2e/test_families_gpu.py
   pair_item tests_pair 130 "${pytest_gpu[@]}" -x tests/e2e/test_cp_gpu.py \
