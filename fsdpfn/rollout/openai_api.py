@@ -18,7 +18,8 @@ message with tool_calls) rendered by the model's chat template; ``max_tokens`` o
 choices[].logprobs.content [{token, logprob, bytes (the token's own, byte pieces included),
 top_logprobs}]. As in
 SGLang and vLLM, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids`` and ``skip_special_tokens`` are accepted (the openai client's ``extra_body``).
+``stop_token_ids`` and ``skip_special_tokens`` are accepted (the openai client's ``extra_body``),
+and SGLang's ``rid`` (a string, or one per choice), which /abort_request names.
 Tools: ``tools`` (OpenAI's function tools) are rendered by the model's own chat template and the
 calls read back from the answer in the model's own format (fsdpfn.rollout.tool_calls): the
 choice's message gets ``tool_calls`` and finish_reason "tool_calls", its content the text before
@@ -107,7 +108,7 @@ def models(engine) -> dict:
 
 
 def completions(engine, body: dict) -> dict:
-    _refuse(body, {"prompt", "max_tokens", "logprobs"}, stream_ok=True)
+    _refuse(body, {"prompt", "max_tokens", "logprobs", "rid"}, stream_ok=True)
     prompts = _prompts(engine, body.get("prompt"))
     logprobs = body.get("logprobs")
     if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
@@ -116,7 +117,8 @@ def completions(engine, body: dict) -> dict:
     sp = _params(engine, body, "max_tokens", 16)
     # the prompts of a request run as one batch, as /generate runs them: max_tokens capped at
     # what the longest leaves, a seed's draws different for each prompt
-    answer = _generate(engine, prompts, sp, logprobs or 0, "prompt", "max_tokens")
+    answer = _generate(engine, prompts, sp, logprobs or 0, "prompt", "max_tokens",
+                       body.get("rid"))
     choices = []
     for o in answer["outputs"]:
         prompt = prompts[o["prompt_index"]]
@@ -132,7 +134,7 @@ def completions(engine, body: dict) -> dict:
 
 
 def chat_completions(engine, body: dict) -> dict:
-    _refuse(body, {"messages", "max_tokens", "max_completion_tokens", "logprobs",
+    _refuse(body, {"messages", "max_tokens", "max_completion_tokens", "logprobs", "rid",
                    "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"},
             stream_ok=True)
     for key in ("logprobs", "parallel_tool_calls"):
@@ -150,7 +152,7 @@ def chat_completions(engine, body: dict) -> dict:
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     sp = _params(engine, body, limit, max(1, engine.context - len(prompt)))
-    answer = _generate(engine, [prompt], sp, top or 0, "messages", limit)
+    answer = _generate(engine, [prompt], sp, top or 0, "messages", limit, body.get("rid"))
     choices = []
     for i, o in enumerate(answer["outputs"]):
         message, reason = _message(engine, o, sp, fmt), o["finish_reason"]
@@ -191,6 +193,11 @@ def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
         if key in body and not any(_same(body[key], o) for o in off):
             raise UpdateError(f"{key}: not supported by this server, got "
                               f"{str(body[key])[:80]!r}")
+    rid = body.get("rid")  # SGLang's: what /abort_request names (a string, or one a choice)
+    if not (rid is None or isinstance(rid, str)
+            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+        raise UpdateError(f"rid: must be a string (or a list of them, one per choice), got "
+                          f"{rid!r}"[:200])
     unknown = sorted(set(body) - own - set(SAMPLING) - IGNORED - set(OFF))
     if unknown:
         raise UpdateError(f"{unknown[0]}: not a request field this server knows (fields: "
@@ -362,11 +369,12 @@ def _openai_name(message: str, limit: str, top_key: str = "logprobs") -> str:
 
 
 def _generate(engine, prompts: list, sp: SamplingParams, top: int, prompt_key: str,
-              limit: str) -> dict:
+              limit: str, rid=None) -> dict:
     """engine.generate, its refusals named as the request names things: a prompt
-    ``prompt[i]`` (completions) or ``messages`` (chat), the sampling fields OpenAI's way."""
+    ``prompt[i]`` (completions) or ``messages`` (chat), the sampling fields OpenAI's way.
+    ``rid``: the request's SGLang rid, what /abort_request matches."""
     try:
-        return engine.generate(prompts, sp, top_logprobs=top)
+        return engine.generate(prompts, sp, top_logprobs=top, rid=rid)
     except UpdateError as exc:
         message = str(exc)
         if message.startswith("input_ids["):  # the engine's name for a prompt

@@ -219,3 +219,30 @@ def test_the_server_serves_abort_request_and_flush_cache_as_sglang(model_dir, re
             "output_ids": out["answer"]["output_ids"],
             "output_logprobs": [t[0] for t in meta["output_token_logprobs"]]})
         assert requests.post(srv.url + "/flush_cache", timeout=30).status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_openai_requests_carry_sglangs_rid_and_abort_by_it(model_dir, reference):
+    from fsdpfn.rollout import UpdateError, openai_api
+
+    engine = _engine(model_dir, decode="hf")
+    forwards = []
+
+    def count(*_):
+        forwards.append(1)
+        if len(forwards) == 4:
+            assert engine.abort("v") == 1
+
+    handle = engine.model.register_forward_hook(count)
+    try:
+        answer = openai_api.completions(engine, {"prompt": [1, 2, 3], "max_tokens": 40,
+                                                 "ignore_eos": True, "rid": "v"})
+    finally:
+        handle.remove()
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) == 4
+    _assert_exact(reference, [1, 2, 3], {"output_ids": choice["token_ids"],
+                                         "output_logprobs": choice["token_logprobs"]})
+    with pytest.raises(UpdateError, match=r"^rid: must be a string \(or a list of them, one per "
+                                          r"choice\), got 5$"):
+        openai_api.completions(engine, {"prompt": [1], "max_tokens": 2, "rid": 5})
