@@ -91,7 +91,8 @@ def check_request(*, n, max_new_tokens, seed=None, timeout=300.0, **sampling) ->
 def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
              max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int | None = None, stop_token_ids: Sequence[int] = (),
-             seed: int | None = None, timeout: float = 300.0, **sampling) -> dict:
+             seed: int | None = None, timeout: float = 300.0, rid: str | None = None,
+             **sampling) -> dict:
     """POST /generate: ``n`` samples per prompt (prompt-major: the samples of prompt i are
     outputs [i*n, (i+1)*n)). Returns the server's answer: {weight_version, outputs: [{
     prompt_index, output_ids, output_logprobs (the behav_logp of each sampled token),
@@ -99,10 +100,13 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
     with the tokens it had)}]}. temperature 0 is greedy. ``sampling``: any other sampling
     parameter of the server (min_p, stop, min_new_tokens, the penalties, ...:
     fsdpfn.rollout.SamplingParams), sent as it is for the server to check. A failure raises WeightSyncError (the server's
-    message, or why it could not be reached); bad arguments raise ConfigError."""
+    message, or why it could not be reached); bad arguments raise ConfigError. ``rid``: the
+    request's name, which the server's /abort_request takes to end its outputs early."""
     from fsdpfn.wire.http import call
 
     prompts = check_prompts(prompts)
+    if rid is not None and not isinstance(rid, str):
+        raise ConfigError(f"rid: must be a string or None, got {rid!r}"[:200])
     if "sampling_seed" in sampling:
         raise ConfigError("sampling_seed: pass it as seed=, got sampling_seed="
                           f"{sampling['sampling_seed']!r}")
@@ -112,7 +116,9 @@ def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
                            **({} if top_k is None else {"top_k": top_k}))
     answer = call(url, "/generate", {"input_ids": prompts,
                                      "sampling_params": params, "return_logprob": True,
-                                     "return_format": "fsdpfn_packed"}, timeout=float(timeout))
+                                     "return_format": "fsdpfn_packed",
+                                     **({} if rid is None else {"rid": rid})},
+                  timeout=float(timeout))
     if isinstance(answer, dict) and "outputs" in answer:
         if "output_logprobs" not in answer:  # a server that answers "fsdpfn" unpacked
             return answer

@@ -219,6 +219,24 @@ def test_the_server_serves_abort_request_and_flush_cache_as_sglang(model_dir, re
             "output_ids": out["answer"]["output_ids"],
             "output_logprobs": [t[0] for t in meta["output_token_logprobs"]]})
         assert requests.post(srv.url + "/flush_cache", timeout=30).status_code == 200
+        # fsdpfn's client names its request too, and reads the reason from the packed answer
+        from fsdpfn.errors import ConfigError
+        from fsdpfn.rollout import generate
+
+        mine: dict = {}
+        thread = threading.Thread(target=lambda: mine.update(answer=generate(
+            srv.url, [[4, 5]], n=2, max_new_tokens=500, ignore_eos=True, rid="mine")),
+            daemon=True)
+        thread.start()
+        _wait(lambda: requests.post(srv.url + "/flush_cache", timeout=30).status_code == 400)
+        assert requests.post(srv.url + "/abort_request", json={"rid": "mine"},
+                             timeout=30).json()["aborted"] == 2
+        thread.join(60)
+        for o in mine["answer"]["outputs"]:
+            assert o["finish_reason"] == "abort" and len(o["output_ids"]) < 500
+            _assert_exact(reference, [4, 5], o)
+        with pytest.raises(ConfigError, match=r"^rid: must be a string or None, got 7$"):
+            generate(srv.url, [[1]], rid=7)
 
 
 @pytest.mark.timeout(60)
