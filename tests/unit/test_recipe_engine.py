@@ -531,3 +531,14 @@ def test_what_a_partial_section_changes_and_keeps():
     # a section written as null where the recipe has one, or a mapping field, replaces it whole
     assert config_from_data({"recipe": "grpo", "engine": {"lora": {"rank": 4}}}).engine.lora.rank \
         == 4
+
+
+@pytest.mark.parametrize("recipe", ["sft", "rw", "dpo"])
+def test_the_supervised_recipes_all_read_a_null_eval_every_as_a_fifth_of_the_run(recipe):
+    from fsdpfn.app.recipes.supervised import _eval_every
+
+    cfg = default_config(recipe, ["eval_every=null", "steps=50"])
+    assert cfg.eval_every is None and _eval_every(cfg) == 10
+    assert _eval_every(default_config(recipe, ["eval_every=null", "steps=3"])) == 1
+    with pytest.raises(ConfigError, match="eval_every: must be"):
+        default_config(recipe, ["eval_every=-1"])

@@ -337,7 +337,7 @@ class SFTRecipe(Recipe):
                                 "checkpoint": CheckpointConfig(every=0)}
 
     batch_size: int = attrs.field(default=64, validator=integer(1))
-    eval_every: int = attrs.field(default=20, validator=integer(0))
+    eval_every: int | None = attrs.field(default=20, validator=integer(0, allow=(None,)))
     export: bool = attrs.field(default=True, validator=boolean)
     sft: SFTConfig = attrs.field(factory=SFTConfig)
 

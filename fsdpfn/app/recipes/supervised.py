@@ -191,7 +191,7 @@ def run_sft(cfg, ctx: RunContext):
     state = _loop(cfg, ctx, state, source=load_source(cfg, tok, ctx.run_dir, "train"),
                   per_step=cfg.batch_size, make_batch=_sft_batch,
                   step_fn=lambda s, b: ff.sft_step(s, b, cfg.sft),
-                  evaluate=evaluate, eval_every=cfg.eval_every)
+                  evaluate=evaluate, eval_every=_eval_every(cfg))
     if cfg.export and not ctx.stop.requested:
         _export(state, ctx, tok)
 
@@ -255,5 +255,5 @@ def run_dpo(cfg, ctx: RunContext):
 
 
 def _eval_every(cfg) -> int:
-    """rw's and dpo's ``eval_every``: null is a fifth of the run (0: off)."""
+    """A supervised recipe's ``eval_every``: null is a fifth of the run (0: off)."""
     return max(cfg.steps // 5, 1) if cfg.eval_every is None else cfg.eval_every
