@@ -48,8 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-from fsdpfn.app.run_dir import (check_flags, check_resume_keeps, check_run_dir_path,
-                                prepare_run_dir)
+from fsdpfn.app.run_dir import (check_flags, check_resume_keeps, check_resume_steps,
+                                check_run_dir_path, prepare_run_dir)
 from fsdpfn.app.servers import (check_server_gpus, describe_servers, server_records,
                                 start_servers)
 from fsdpfn.app.terminal import Relay, Signals, log_line, report_failure, say
@@ -173,6 +173,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     config_path = run_dir / "config.yaml"
     if resume:
         check_resume_keeps(cfg, config_path)
+        check_resume_steps(cfg, run_dir)
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None
     n_gpus = count_gpus()

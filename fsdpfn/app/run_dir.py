@@ -94,6 +94,22 @@ def check_resume_keeps(cfg, config_path: Path) -> None:
             differ(key, before[key], now[key])
 
 
+def check_resume_steps(cfg, run_dir: Path) -> None:
+    """--resume continues from run_dir's newest complete checkpoint: ``steps`` below its step
+    would train nothing and leave a config.yaml that disagrees with the run, a ConfigError."""
+    import re
+
+    from fsdpfn.checkpoint.files import latest_checkpoint
+    from fsdpfn.errors import ConfigError
+
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    match = re.fullmatch(r"step_(\d+)", latest.name) if latest is not None else None
+    if match and int(match.group(1)) > cfg.steps:
+        raise ConfigError(f"steps: must be >= the step --resume continues from "
+                          f"({int(match.group(1))}, {latest}), got {cfg.steps}; raise steps, "
+                          f"or start a new run_dir")
+
+
 def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool,
                     dry_run: bool = False) -> list[str]:
     """Refuse a run_dir holding a previous run (without --resume or --overwrite) and return the

@@ -242,3 +242,11 @@ def test_a_resumed_run_keeps_the_uninterrupted_runs_evaluations_and_draws(tmp_pa
                               "rank_00000.pt", weights_only=False) for name in "ab"}
     assert torch.equal(saved["a"]["torch"], saved["b"]["torch"])
     assert repr(saved["a"]["python"]) == repr(saved["b"]["python"])
+    # resuming the finished run below its step trains nothing: refused, the run left as it was
+    before = (tmp_path / "a" / "config.yaml").read_text()
+    refused = _fsdpfn("run", "sft", f"run_dir={tmp_path / 'a'}", "steps=3", *common, "--resume")
+    assert refused.returncode != 0
+    (line,) = _error_lines(refused.stderr)
+    assert "steps: must be >= the step --resume continues from (4, " in line and \
+        line.endswith("got 3; raise steps, or start a new run_dir"), line
+    assert (tmp_path / "a" / "config.yaml").read_text() == before
