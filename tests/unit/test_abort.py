@@ -59,6 +59,19 @@ def _wait(condition, seconds=30.0):
         time.sleep(0.001)
 
 
+def _abort_at_forward(engine, forward: int, rid: str):
+    """A forward hook on the engine's model that aborts ``rid`` during its ``forward``-th call
+    (HF generate: the call that gives each row its ``forward``-th token); ``.remove()`` it."""
+    forwards = []
+
+    def count(*_):
+        forwards.append(1)
+        if len(forwards) == forward:
+            assert engine.abort(rid) == 1
+
+    return engine.model.register_forward_hook(count)
+
+
 def _start(engine, prompts, sp, rid, out, key):
     thread = threading.Thread(target=lambda: out.__setitem__(key, engine.generate(
         prompts, sp, rid=rid)), daemon=True)
@@ -154,14 +167,7 @@ def test_hf_generate_stops_an_aborted_row_at_its_step_in_sglangs_shape(model_dir
     during the model's 5th forward (the one that gives its 5th token), has 5 tokens; both
     answer SGLang's finish_reason {"type": "abort"} under their rids."""
     engine = _engine(model_dir, decode="hf")
-    forwards = []
-
-    def count(*_):
-        forwards.append(1)
-        if len(forwards) == 5:
-            assert engine.abort("x") == 1
-
-    handle = engine.model.register_forward_hook(count)
+    handle = _abort_at_forward(engine, 5, "x")
     payload = {"input_ids": [[1, 2, 3], [4, 5]], "rid": ["x", "y"], "return_logprob": True,
                "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
     out: dict = {}
@@ -244,14 +250,7 @@ def test_openai_requests_carry_sglangs_rid_and_abort_by_it(model_dir, reference)
     from fsdpfn.rollout import UpdateError, openai_api
 
     engine = _engine(model_dir, decode="hf")
-    forwards = []
-
-    def count(*_):
-        forwards.append(1)
-        if len(forwards) == 4:
-            assert engine.abort("v") == 1
-
-    handle = engine.model.register_forward_hook(count)
+    handle = _abort_at_forward(engine, 4, "v")
     try:
         answer = openai_api.completions(engine, {"prompt": [1, 2, 3], "max_tokens": 40,
                                                  "ignore_eos": True, "rid": "v"})
