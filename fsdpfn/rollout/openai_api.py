@@ -374,8 +374,7 @@ def _generate(engine, prompts: list, sp: SamplingParams, top: int, prompt_key: s
     ``prompt[i]`` (completions) or ``messages`` (chat), the sampling fields OpenAI's way.
     ``rid``: the request's SGLang rid, what /abort_request matches."""
     try:
-        return engine.generate(prompts, sp, top_logprobs=top,
-                               **({} if rid is None else {"rid": rid}))
+        return engine.generate(prompts, sp, top_logprobs=top, rid=rid)
     except UpdateError as exc:
         message = str(exc)
         if message.startswith("input_ids["):  # the engine's name for a prompt

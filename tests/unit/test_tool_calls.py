@@ -153,7 +153,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(engines, monkeypatch):
             '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
     o = _answer(engine, text, eos=True)
 
-    def generate(prompts, sp, top_logprobs=0):
+    def generate(prompts, sp, top_logprobs=0, rid=None):  # RolloutEngine.generate's
         return {"weight_version": 0, "outputs": [{**o, "prompt_index": 0,
                                                   "weight_versions": [0] * len(o["output_ids"])}]}
 
