@@ -283,6 +283,21 @@ def check_model(hf_config, *, verify_model: str, is_critic: bool, device,
                                   fused_kernels=fused_kernels)
     except ConfigError:
         raise
+    except KeyError as exc:
+        if exc.args and str(exc.args[0]).startswith("fsdpfn_"):  # our registered attention
+            import transformers
+
+            raise ConfigError(
+                f"model_type: {model_type!r} is not supported with transformers "
+                f"{transformers.__version__}: its modeling code picks its attention from a "
+                f"table of its own (no entry {exc.args[0]!r}), not through transformers' "
+                f"AttentionInterface, which the engine's packed attention plugs into (a later "
+                f"transformers may route it there); verified families: {', '.join(VERIFIED)}"
+            ) from None
+        raise ConfigError(f"model_type: {model_type!r} could not be checked against its own "
+                          f"forward (KeyError: {exc}); verified families: "
+                          f"{', '.join(VERIFIED)} (EngineConfig.verify_model='never' skips "
+                          f"the check at your own risk)") from None
     except Exception as exc:  # noqa: BLE001 - any failure of an unknown architecture refuses it
         raise ConfigError(f"model_type: {model_type!r} could not be checked against its own "
                           f"forward ({type(exc).__name__}: {exc}); verified families: "

@@ -82,11 +82,15 @@ def load_hf_config(config: EngineConfig):
             raise ConfigError(f"model_path: must be a local HF model directory with config.json, "
                               f"got {config.model_path!r}")
         hf_config = _read_hf_config(path)
+        _check_fields(vars(hf_config), type(hf_config),
+                      lambda key: f"model_path: {key} in {str(path / 'config.json')!r}")
     else:
         spec = dict(config.model_config)
         model_type = spec.pop("model_type")
         for key in ("architectures", "transformers_version", "_name_or_path"):
             spec.pop(key, None)
+        _check_fields(spec, _config_class(model_type), lambda key: f"model_config.{key}:")
+        _check_rope_theta(spec)
         try:
             hf_config = AutoConfig.for_model(model_type, **spec)
         except (ValueError, KeyError) as exc:
@@ -103,6 +107,64 @@ def load_hf_config(config: EngineConfig):
     if config.disable_dropout:
         _zero_dropout_fields(hf_config)
     return hf_config
+
+
+def _config_class(model_type):
+    """transformers' config class of ``model_type`` (None for a type it does not know, which
+    AutoConfig.for_model then refuses by name)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except (KeyError, TypeError):
+        return None
+
+
+def _check_fields(fields: dict, config_class, where) -> None:
+    """A text where the config class has a number or a bool (``hidden_size: "big"``), or a
+    tensor size that is not an int >= 1, is a ConfigError naming the field (``where(key)``
+    begins the message). transformers before its strict config fields took such a value, and
+    the model's build failed later in torch with an error naming no field."""
+    try:
+        defaults = vars(config_class()) if config_class is not None else {}
+    except Exception:  # noqa: BLE001 - a class without usable defaults: sizes checked alone
+        defaults = {}
+    for key, value in fields.items():
+        default = defaults.get(key)
+        if isinstance(value, str) and isinstance(default, (bool, int, float)):
+            kind = "true or false" if isinstance(default, bool) else "a number"
+            raise ConfigError(f"{where(key)} must be {kind}, as {config_class.__name__}'s "
+                              f"default {default!r} is, got {value!r}")
+        sizes = value if isinstance(value, (list, tuple)) and value else [value]
+        if key in _SIZES and value is not None and not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+            raise ConfigError(f"{where(key)} must be an int >= 1 (or a list of them, one "
+                              f"per layer), got {repr(value)[:80]}")
+
+
+# the sizes of a decoder's tensors (None where a family leaves one to another field; a list
+# of one per layer in some, as Gemma-3n's intermediate_size)
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _check_rope_theta(spec: dict) -> None:
+    """``rope_theta`` beside ``rope_parameters`` (a model's ``to_dict()`` with one field
+    changed): transformers reads rope_parameters and drops a top-level rope_theta without a
+    word, so a changed base would not be the model's. A text there failed in the rotary's
+    arithmetic."""
+    theta = spec.get("rope_theta")
+    if theta is None:
+        return
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"model_config.rope_theta: must be a number, got {theta!r}")
+    params = spec.get("rope_parameters")
+    inner = params.get("rope_theta") if isinstance(params, dict) else None
+    if inner is not None and inner != theta:
+        raise ConfigError(f"model_config.rope_theta: {theta!r} disagrees with "
+                          f"model_config.rope_parameters['rope_theta'] = {inner!r}, which "
+                          f"transformers reads instead; set the base in rope_parameters (or "
+                          f"give rope_theta alone)")
 
 
 # config fields that drop activations in training, by their names in transformers' configs:

@@ -121,10 +121,59 @@ def test_forward_logps_with_entropy_is_a_bool():
 
 def test_a_model_config_field_transformers_refuses_is_a_config_error():
     """transformers' strict config fields raise huggingface_hub's own error type, which passed
-    through shard_model untyped."""
+    through shard_model untyped; transformers before them (5.0) took the text, and the build
+    failed in torch with a TypeError naming no field. Both are a ConfigError naming it."""
     mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
-    config = ff.EngineConfig(model_config={**tiny_qwen2_config().to_dict(), "hidden_size": "big"},
-                             dtype="float32")
-    with pytest.raises(ConfigError, match=r"^model_config: transformers refuses this qwen2 "
-                                          r"config: .*hidden_size"):
-        ff.shard_model(config, mesh)
+    for field, value, rule in (("hidden_size", "big", "a number"),
+                               ("tie_word_embeddings", "yes", "true or false")):
+        config = ff.EngineConfig(model_config={**tiny_qwen2_config().to_dict(), field: value},
+                                 dtype="float32")
+        with pytest.raises(ConfigError, match=rf"^model_config\.{field}: must be {rule}, as "
+                                              rf"Qwen2Config's default .* is, got '{value}'"):
+            ff.shard_model(config, mesh)
+    for field, value in (("vocab_size", -3), ("num_hidden_layers", 0), ("head_dim", 2.5)):
+        config = ff.EngineConfig(model_config={**tiny_qwen2_config().to_dict(), field: value},
+                                 dtype="float32")
+        with pytest.raises(ConfigError, match=rf"^model_config\.{field}: must be an int >= 1 "
+                                              rf"\(or a list of them, one per layer\), "
+                                              rf"got {value}$"):
+            ff.shard_model(config, mesh)
+    layers = {**tiny_qwen2_config().to_dict(), "intermediate_size": [128, 0]}
+    with pytest.raises(ConfigError, match=r"^model_config\.intermediate_size: .* got \[128, 0\]"):
+        ff.shard_model(ff.EngineConfig(model_config=layers, dtype="float32"), mesh)
+
+
+def test_a_rope_theta_that_transformers_would_drop_or_cannot_use_is_refused():
+    """A model's to_dict() with rope_theta changed: transformers reads rope_parameters and
+    dropped the new base without a word, so the model trained was not the one configured. A
+    text (YAML 1.1 reads 1e6 as one) failed in the rotary's arithmetic with a TypeError."""
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    spec = tiny_qwen2_config().to_dict()
+    assert spec["rope_parameters"]["rope_theta"] == 10000.0
+    with pytest.raises(ConfigError, match=r"^model_config\.rope_theta: 1000000\.0 disagrees "
+                                          r"with model_config\.rope_parameters\['rope_theta'\] "
+                                          r"= 10000\.0"):
+        ff.shard_model(ff.EngineConfig(model_config={**spec, "rope_theta": 1e6},
+                                       dtype="float32"), mesh)
+    alone = {k: v for k, v in spec.items() if k != "rope_parameters"}
+    with pytest.raises(ConfigError, match=r"^model_config\.rope_theta: must be a number, got "
+                                          r"'1e6'"):
+        ff.shard_model(ff.EngineConfig(model_config={**alone, "rope_theta": "1e6"},
+                                       dtype="float32"), mesh)
+    # the base given alone, or the same base twice, is the model's
+    for given in ({**alone, "rope_theta": 1e6}, {**spec, "rope_theta": 10000.0}):
+        state = ff.shard_model(ff.EngineConfig(model_config=given, dtype="float32",
+                                               optimizer=None), mesh)
+        assert state.hf_config.rope_parameters["rope_theta"] == given["rope_theta"]
+
+
+def test_a_model_directorys_config_with_a_size_below_one_is_a_config_error(tmp_path):
+    """The same check on a model_path's config.json: its field, the file, the rule."""
+    import json
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(), device_type="cpu")
+    spec = {**tiny_qwen2_config().to_dict(), "num_attention_heads": 0}
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=r"^model_path: num_attention_heads in '.*config\.json' "
+                                          r"must be an int >= 1 .*got 0$"):
+        ff.shard_model(ff.EngineConfig(model_path=str(tmp_path), dtype="float32"), mesh)
