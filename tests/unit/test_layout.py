@@ -129,3 +129,13 @@ def test_no_module_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_every_directory_of_modules_is_a_package():
+    """pyproject's ``packages.find`` ships regular packages only: a directory of modules
+    without an __init__.py imports from a checkout (an editable install) and is missing from
+    the wheel. A wheel built at 631525c held every tracked file of fsdpfn/ (152)."""
+    missing = sorted(str(d.relative_to(ROOT.parent)) for d in {p.parent for p in
+                                                                ROOT.rglob("*.py")}
+                     if not (d / "__init__.py").is_file())
+    assert not missing, missing
