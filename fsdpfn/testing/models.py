@@ -227,8 +227,11 @@ def sharded_logits(state, input_ids: torch.Tensor) -> torch.Tensor:
 # for each family, the earliest transformers release checked to compute it exactly on the packed
 # path (5.0, 5.17 and 5.25 were checked; releases between two checked ones were not): on 5.0
 # Falcon and Nemotron pick attention classes of their own and StableLM fails on a pack, on 5.17
-# Falcon still picks its own, and the guard refuses each by name
-EXACT_SINCE = {"stablelm": "5.17", "nemotron": "5.17", "falcon": "5.25"}
+# Falcon still picks its own, and the guard refuses each by name. GPT-J, CodeGen and CTRL: the
+# first release whose modeling routes their attention through AttentionInterface (read from
+# each release's source); on 5.0 each is refused by name, on 5.25 each is exact
+EXACT_SINCE = {"stablelm": "5.17", "nemotron": "5.17", "falcon": "5.25", "gptj": "5.24",
+               "codegen": "5.24", "ctrl": "5.14"}
 
 
 def exact_here(model_type: str) -> bool:

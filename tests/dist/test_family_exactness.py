@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 import fsdpfn as ff
 from fsdpfn import keys as K
-from fsdpfn.testing.models import save_family_model
+from fsdpfn.testing.models import exact_here, save_family_model
 
 pytestmark = pytest.mark.dist
 
@@ -110,19 +110,6 @@ PROBED = {
 }
 
 
-# the first transformers whose modeling code of the family routes attention through its
-# AttentionInterface (where the engine's packed attention plugs in); before it, the family's own
-# attention table ignores the packed attention and the guard refuses the model by name
-ROUTED_SINCE = {"gptj": (5, 24), "codegen": (5, 24), "falcon": (5, 25), "ctrl": (5, 14)}
-
-
-def routed(model_type: str) -> bool:
-    import transformers
-
-    release = tuple(int(p) for p in transformers.__version__.split(".")[:2])
-    return release >= ROUTED_SINCE[model_type]
-
-
 def logp_of(path):
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
     state = ff.shard_model(ff.EngineConfig(model_path=path, dtype="float32"), mesh)
@@ -141,7 +128,7 @@ def test_real_shaped_rotary_and_kv_head_settings_pass_the_probe_and_are_exact(sp
     if "num_kv_heads" in spec:  # Falcon's own name of it
         del spec["num_key_value_heads"]
     path = save_family_model(tmp_path / name, spec)
-    if not routed(spec["model_type"]):  # refused by name, never computed wrongly
+    if not exact_here(spec["model_type"]):  # refused by name, never computed wrongly
         kind, message = spmd1.run(build, args=(str(path), False), timeout=200)[0]
         assert kind == "ConfigError" and message.startswith(
             f"model_type: {spec['model_type']!r} is not"), message
@@ -171,7 +158,7 @@ def test_a_family_without_checkpointing_is_refused_by_a_typed_error(spmd1, tmp_p
     """CTRL's modeling code has no activation checkpointing: transformers' ValueError reached
     the caller as it was; it is a ConfigError naming the family and the field."""
     path = save_family_model(tmp_path / "ctrl", {**TINY, "model_type": "ctrl"})
-    if not routed("ctrl"):  # refused by name with or without checkpointing
+    if not exact_here("ctrl"):  # refused by name with or without checkpointing
         for checkpointing in (False, True):
             kind, message = spmd1.run(build, args=(str(path), checkpointing), timeout=200)[0]
             assert kind == "ConfigError" and "'ctrl'" in message, message
