@@ -201,9 +201,17 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
             _worker_cmd(cfg, config_path, placement, resume=resume, url=url), placement.nproc,
             _master_port(cfg, url), cfg.launch.threads_per_rank))
         return 0
+    fresh, had_data = not run_dir.exists(), (run_dir / "data").exists()
     for note in prepare_run_dir(run_dir, resume=resume, overwrite=overwrite):
         say(note)
-    _prepare_data(cfg, run_dir, resume=resume)
+    try:
+        _prepare_data(cfg, run_dir, resume=resume)
+    except BaseException:  # a refused run leaves no run_dir, nor a data/ half written
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif overwrite or not had_data:  # --overwrite cleared an earlier run's data/ before
+            shutil.rmtree(run_dir / "data", ignore_errors=True)
+        raise
     for note in notes:  # after every refusal: a refused run prints its one line alone
         say(note)
     config_path.write_text(serde.to_yaml(cfg))

@@ -228,7 +228,7 @@ def _fails(ws: Path, tmp_path: Path, capsys, recipe: str, *overrides: str) -> st
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("fsdpfn: error: "), err
-    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))  # nothing left
     return err
 
 
@@ -249,6 +249,25 @@ def test_bad_inputs_fail_before_training_naming_key_and_value(ws, tmp_path, caps
         ws, tmp_path, capsys, "sft", f"model.path={bare}")
     assert "data.max_response_tokens: must be >= 1, got 0" in _fails(
         ws, tmp_path, capsys, "grpo", "data.max_response_tokens=0")
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_run_into_a_directory_of_the_users_leaves_it_as_it_was(ws, tmp_path, capsys):
+    """The run_dir exists and holds the user's own file: a run refused while it prepares the
+    data keeps that file and leaves no data/ behind (a fresh run_dir is not left at all, as
+    _fails holds)."""
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("kept")
+    sys.path.insert(0, str(ws))
+    try:
+        rc = main(["run", str(ws / "sft.yaml"), f"run_dir={run_dir}", "data.max_prompt_tokens=1"])
+    finally:
+        sys.path.remove(str(ws))
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("fsdpfn: error: data.train_files: no sample fits the "
+                                      "limits (max_prompt_tokens=1"), err
+    assert sorted(p.name for p in run_dir.rglob("*")) == ["notes.txt"]
 
 
 @pytest.mark.timeout(60)

@@ -255,7 +255,10 @@ def render() -> str:
            "`fsdpfn run FILE.yaml` runs one recipe. The file names it (`recipe: grpo`) and sets "
            "any of the keys below; every key not written keeps its default. A misspelt key is "
            "refused with the closest valid one, a bad value with the dotted key, the rule and "
-           "the value. `fsdpfn config NAME` prints a recipe's full default config as YAML, "
+           "the value, in one line (exit status 2); a run refused before its ranks start (the "
+           "config's and the data's checks) leaves no run_dir it would have made, nor a "
+           "half-written `run_dir/data`. `fsdpfn config NAME` prints a "
+           "recipe's full default config as YAML, "
            "`fsdpfn config FILE.yaml` a file resolved, and every run writes what it ran to "
            "`run_dir/config.yaml`. Overrides go on the command line as dotted keys: "
            "`fsdpfn run FILE.yaml steps=40 engine.fsdp.offload_params=true`.", "",
