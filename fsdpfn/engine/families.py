@@ -223,6 +223,22 @@ def _probe_rows(device):
 
 
 @torch.no_grad()
+def attention_table_error(model_type: str, exc: KeyError) -> ConfigError | None:
+    """The ConfigError for a KeyError raised where a family's modeling code looks the engine's
+    attention up in a table of its own (transformers' Falcon and GPT-J before 5.25 and 5.24),
+    instead of through transformers' AttentionInterface; None for any other KeyError."""
+    if not (exc.args and str(exc.args[0]).startswith("fsdpfn_")):  # our registered names
+        return None
+    import transformers
+
+    return ConfigError(
+        f"model_type: {model_type!r} is not supported with transformers "
+        f"{transformers.__version__}: its modeling code picks its attention from a table of "
+        f"its own (no entry {exc.args[0]!r}), not through transformers' AttentionInterface, "
+        f"which the engine's packed attention plugs into (a later transformers may route it "
+        f"there); verified families: {', '.join(VERIFIED)}")
+
+
 def verify_architecture(hf_config, *, is_critic: bool = False, device="cpu",
                         fused_kernels: bool = False) -> float:
     """The largest gap (log-probs, or values for a critic) between the engine's packed forward
@@ -284,16 +300,9 @@ def check_model(hf_config, *, verify_model: str, is_critic: bool, device,
     except ConfigError:
         raise
     except KeyError as exc:
-        if exc.args and str(exc.args[0]).startswith("fsdpfn_"):  # our registered attention
-            import transformers
-
-            raise ConfigError(
-                f"model_type: {model_type!r} is not supported with transformers "
-                f"{transformers.__version__}: its modeling code picks its attention from a "
-                f"table of its own (no entry {exc.args[0]!r}), not through transformers' "
-                f"AttentionInterface, which the engine's packed attention plugs into (a later "
-                f"transformers may route it there); verified families: {', '.join(VERIFIED)}"
-            ) from None
+        own_table = attention_table_error(model_type, exc)
+        if own_table is not None:
+            raise own_table from None
         raise ConfigError(f"model_type: {model_type!r} could not be checked against its own "
                           f"forward (KeyError: {exc}); verified families: "
                           f"{', '.join(VERIFIED)} (EngineConfig.verify_model='never' skips "

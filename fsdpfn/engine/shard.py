@@ -395,7 +395,13 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     cp.register()
     hf_config._attn_implementation = cp.attn_name(mesh.cp)
     dtype = torch_dtype(config.optimizer_dtype)
-    lm = build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
+    try:  # the same config on every rank: each raises the same error, before any collective
+        lm = build_skeleton(hf_config, is_critic=config.is_critic, dtype=dtype, device="meta")
+    except KeyError as exc:  # verify_model='never' on a family with an attention table of its own
+        own_table = families.attention_table_error(hf_config.model_type, exc)
+        if own_table is None:
+            raise
+        raise own_table from None
     families.check_structure(lm, model_type=hf_config.model_type, is_critic=config.is_critic,
                              lora=config.lora is not None)
     phases.mark("skeleton")
