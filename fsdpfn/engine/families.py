@@ -222,7 +222,6 @@ def _probe_rows(device):
     return ids, mask, (packed, positions, cu, T), targets
 
 
-@torch.no_grad()
 def attention_table_error(model_type: str, exc: KeyError) -> ConfigError | None:
     """The ConfigError for a KeyError raised where a family's modeling code looks the engine's
     attention up in a table of its own (transformers' Falcon and GPT-J before 5.25 and 5.24),
@@ -239,6 +238,7 @@ def attention_table_error(model_type: str, exc: KeyError) -> ConfigError | None:
         f"there); verified families: {', '.join(VERIFIED)}")
 
 
+@torch.no_grad()
 def verify_architecture(hf_config, *, is_critic: bool = False, device="cpu",
                         fused_kernels: bool = False) -> float:
     """The largest gap (log-probs, or values for a critic) between the engine's packed forward

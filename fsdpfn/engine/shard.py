@@ -125,10 +125,15 @@ def _check_fields(fields: dict, config_class, where) -> None:
     tensor size that is not an int >= 1, is a ConfigError naming the field (``where(key)``
     begins the message). transformers before its strict config fields took such a value, and
     the model's build failed later in torch with an error naming no field."""
+    quiet = logging.getLogger("transformers")  # a default config's own notes are not the user's
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         defaults = vars(config_class()) if config_class is not None else {}
     except Exception:  # noqa: BLE001 - a class without usable defaults: sizes checked alone
         defaults = {}
+    finally:
+        quiet.setLevel(level)
     for key, value in fields.items():
         default = defaults.get(key)
         if isinstance(value, str) and isinstance(default, (bool, int, float)):
