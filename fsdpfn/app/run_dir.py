@@ -94,20 +94,28 @@ def check_resume_keeps(cfg, config_path: Path) -> None:
             differ(key, before[key], now[key])
 
 
+def read_progress(path: Path | None, per_step: int) -> tuple[int, int]:
+    """(recipe step, data cursor) a checkpoint was saved at, from its manifest's ``extra``."""
+    if path is None:
+        return 0, 0
+    manifest = json.loads((path / "fsdpfn.json").read_text())
+    extra = manifest.get("extra") or {}
+    step = int(extra.get("step", manifest.get("step", 0)))
+    return step, int(extra.get("data_cursor", step * per_step))
+
+
 def check_resume_steps(cfg, run_dir: Path) -> None:
     """--resume continues from run_dir's newest complete checkpoint: ``steps`` below its step
-    would train nothing and leave a config.yaml that disagrees with the run, a ConfigError."""
-    import re
-
+    (read as the resume reads it, read_progress) would train nothing and leave a config.yaml
+    that disagrees with the run, a ConfigError."""
     from fsdpfn.checkpoint.files import latest_checkpoint
     from fsdpfn.errors import ConfigError
 
     latest = latest_checkpoint(run_dir / "checkpoints")
-    match = re.fullmatch(r"step_(\d+)", latest.name) if latest is not None else None
-    if match and int(match.group(1)) > cfg.steps:
-        raise ConfigError(f"steps: must be >= the step --resume continues from "
-                          f"({int(match.group(1))}, {latest}), got {cfg.steps}; raise steps, "
-                          f"or start a new run_dir")
+    step, _ = read_progress(latest, 1)
+    if step > cfg.steps:
+        raise ConfigError(f"steps: must be >= the step --resume continues from ({step}, "
+                          f"{latest}), got {cfg.steps}; raise steps, or start a new run_dir")
 
 
 def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool,

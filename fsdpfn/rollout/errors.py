@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UpdateError", "check_flags"]
+__all__ = ["UpdateError", "check_flags", "check_rid"]
 
 # the bool fields of the update requests (SGLang's and fsdpfn's)
 UPDATE_FLAGS = ("flush_cache", "merged_adapters", "verify_checksums", "commit")
@@ -23,3 +23,12 @@ def check_flags(payload: dict, keys=UPDATE_FLAGS) -> None:
         value = payload.get(key)
         if value is not None and not isinstance(value, bool):
             raise UpdateError(f"{key}: must be a bool (true or false), got {str(value)[:80]!r}")
+
+
+def check_rid(rid, each: str) -> None:
+    """SGLang's ``rid``, what /abort_request names: None, a string, or a list of strings (one
+    per ``each``: output, choice), else a 400 naming it."""
+    if not (rid is None or isinstance(rid, str)
+            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+        raise UpdateError(f"rid: must be a string (or a list of them, one per {each}), got "
+                          f"{repr(rid)[:80]}")

@@ -54,7 +54,7 @@ import time
 import uuid
 
 from fsdpfn.rollout import sglang_api
-from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.errors import UpdateError, check_rid
 from fsdpfn.rollout.sampling import SamplingParams
 from fsdpfn.rollout.tool_calls import parse_tool_calls, tool_format
 
@@ -193,11 +193,7 @@ def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
         if key in body and not any(_same(body[key], o) for o in off):
             raise UpdateError(f"{key}: not supported by this server, got "
                               f"{str(body[key])[:80]!r}")
-    rid = body.get("rid")  # SGLang's: what /abort_request names (a string, or one a choice)
-    if not (rid is None or isinstance(rid, str)
-            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
-        raise UpdateError(f"rid: must be a string (or a list of them, one per choice), got "
-                          f"{rid!r}"[:200])
+    check_rid(body.get("rid"), "choice")  # SGLang's: what /abort_request names
     unknown = sorted(set(body) - own - set(SAMPLING) - IGNORED - set(OFF))
     if unknown:
         raise UpdateError(f"{unknown[0]}: not a request field this server knows (fields: "

@@ -33,7 +33,7 @@ import time
 import uuid
 
 from fsdpfn.rollout import packing
-from fsdpfn.rollout.errors import UpdateError, check_flags
+from fsdpfn.rollout.errors import UpdateError, check_flags, check_rid
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
 __all__ = ["generate", "encode_prompts"]
@@ -92,11 +92,7 @@ def _refuse(engine, payload: dict) -> None:
             raise UpdateError(f"{key}: not supported by this server (must be "
                               f"{off[-1]!r} or absent), got {str(payload[key])[:80]!r}")
     check_flags(payload, ("return_text_in_logprobs",))
-    rid = payload.get("rid")
-    if not (rid is None or isinstance(rid, str)
-            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
-        raise UpdateError(f"rid: must be a string (or a list of them, one per output), got "
-                          f"{str(rid)[:80]!r}")
+    check_rid(payload.get("rid"), "output")
     lora = payload.get("lora_path")
     if lora not in (None, "", []):
         slot = engine.receiver.adapter

@@ -24,7 +24,6 @@ values, train, push), tokens/s, response lengths and the clipped fraction, and r
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 import urllib.request
@@ -46,6 +45,7 @@ from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunConte
                                         mean_sequence_prob, step_stats, with_checkpoint)
 from fsdpfn.app.recipes.rollout_stage import build_rollout, sampling, score
 from fsdpfn.app.recipes.task import sequences_batch
+from fsdpfn.app.run_dir import read_progress  # re-exported: its home is run_dir
 from fsdpfn.engine.timing import Phases, peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
@@ -183,16 +183,6 @@ def _no_answer(urls: list[str], waiting: list[str], timeout: float, external: bo
 
 
 # ---------------------------------------------------------------- the loop
-
-
-def read_progress(path: Path | None, per_step: int) -> tuple[int, int]:
-    """(recipe step, data cursor) a checkpoint was saved at, from its manifest's ``extra``."""
-    if path is None:
-        return 0, 0
-    manifest = json.loads((path / "fsdpfn.json").read_text())
-    extra = manifest.get("extra") or {}
-    step = int(extra.get("step", manifest.get("step", 0)))
-    return step, int(extra.get("data_cursor", step * per_step))
 
 
 def _save(cfg, ctx, saves: Checkpoints, actor, critic, step: int, cursor: int, *,
