@@ -36,7 +36,7 @@ def config_from_data(data: dict, overrides=()):
         raise ConfigError(f"config: must be a mapping with a 'recipe' key, got {data!r}")
     data = serde.apply_overrides(data, list(overrides))
     name = data.get("recipe")
-    if name not in RECIPE_CONFIGS:
+    if not isinstance(name, str) or name not in RECIPE_CONFIGS:
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
     cls = RECIPE_CONFIGS[name]
     return serde.structure(serde.with_defaults(data, serde.unstructure(cls()), cls), cls)
@@ -49,7 +49,7 @@ def load_recipe_config(path: str | Path, overrides=()):
 
 
 def default_config(name: str, overrides=()):
-    if name not in RECIPE_CONFIGS:
+    if not isinstance(name, str) or name not in RECIPE_CONFIGS:
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
     asked = [value.strip() for key, sep, value in (o.partition("=") for o in overrides)
              if sep and key.strip() == "recipe"]

@@ -145,6 +145,12 @@ def _check_rl_data(cfg) -> None:
                               f"{cfg.prompts_per_step} x {cfg.advantage.group_size} = {rows}; "
                               f"an empty minibatch trains on nothing), got "
                               f"{getattr(cfg, name).n_minibatches}")
+    if cfg.rollout.url is None and cfg.rollout.n_servers > rows:
+        key = "rollout.servers" if cfg.rollout.servers is not None else "rollout.gpus"
+        raise ConfigError(f"{key}: at most one server per answer a step asks for "
+                          f"(prompts_per_step x advantage.group_size = {cfg.prompts_per_step} x "
+                          f"{cfg.advantage.group_size} = {rows}; the others would have nothing "
+                          f"to generate), got {cfg.rollout.n_servers} servers")
     args = cfg.rollout.server_args
     if any(a.split("=", 1)[0] == "--decode-max-len" for a in args):
         from fsdpfn.app.recipes.engine import longest_row

@@ -315,17 +315,34 @@ def _ref_offload(cfg):
 
 
 def _lora(cfg):
+    """With LoRA the reference is the policy without its adapters, so a recipe's ref_engine
+    stays empty (sft and rw have none)."""
     from fsdpfn.config import LoRAConfig
 
-    return attrs.evolve(cfg, engine=attrs.evolve(cfg.engine, lora=LoRAConfig(rank=16)),
-                        ref_engine={})
+    changes = {"engine": attrs.evolve(cfg.engine, lora=LoRAConfig(rank=16))}
+    if "ref_engine" in attrs.fields_dict(type(cfg)):
+        changes["ref_engine"] = {}
+    return attrs.evolve(cfg, **changes)
+
+
+def _applied(fix, cfg):
+    """``fix(cfg)``, or None where the recipe refuses that option (rw's reward model trains in
+    full: no LoRA), so that a refusal offers only the options the recipe takes."""
+    try:
+        return fix(cfg)
+    except ConfigError:
+        return None
 
 
 def _smaller_state(cfg) -> tuple:
     """(option, cfg with it) of the options that shrink the state a run saves and keeps on the
-    host: the bf16 state, LoRA (what check_disk and check_host_memory offer)."""
-    return (("engine.optimizer_dtype=bfloat16", _policy(cfg, optimizer_dtype="bfloat16")),
-            ("engine.lora.rank=16", _lora(cfg)))
+    host and that the recipe takes: the bf16 state, LoRA (what check_disk and
+    check_host_memory offer)."""
+    options = (("engine.optimizer_dtype=bfloat16",
+                lambda c: _policy(c, optimizer_dtype="bfloat16")),
+               ("engine.lora.rank=16", _lora))
+    return tuple((name, fixed) for name, fix in options
+                 if (fixed := _applied(fix, cfg)) is not None)
 
 
 # what would make a run fit, in the order a user would try them
@@ -347,7 +364,7 @@ def _fits(cfg, shape, n_gpus, capacity, shared) -> bool:
 
 def _all_fixes(cfg):
     for name in list(FIXES)[:4]:
-        cfg = FIXES[name](cfg) or cfg
+        cfg = _applied(FIXES[name], cfg) or cfg
     return cfg
 
 
@@ -361,8 +378,8 @@ def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
             f"GiB ({parts})")
     if est["total"] <= HEADROOM * capacity:
         return line
-    fixes = [name for name, fix in FIXES.items() if _fits(fix(cfg), shape, n_gpus, capacity,
-                                                          shared)]
+    fixes = [name for name, fix in FIXES.items()
+             if _fits(_applied(fix, cfg), shape, n_gpus, capacity, shared)]
     if not fixes and _fits(_all_fixes(cfg), shape, n_gpus, capacity, shared):
         fixes = ["those of " + ", ".join(list(FIXES)[:4]) + " together"]
     more = next((k * n_gpus for k in (2, 4, 8)

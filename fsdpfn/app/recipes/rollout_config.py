@@ -259,7 +259,8 @@ class RolloutConfig:
     request)."""
 
     url: str | None = attrs.field(default=None, converter=_urls)
-    # how many built-in servers fsdpfn run starts (null: one per rollout.gpus entry, else 1)
+    # how many built-in servers fsdpfn run starts (null: one per rollout.gpus entry, else 1);
+    # at most one per answer a step asks for (prompts_per_step x advantage.group_size)
     servers: int | None = attrs.field(default=None, validator=integer(1, allow=(None,)))
     transport: str = attrs.field(default="auto",
                                  validator=one_of("auto", "broadcast", "ipc", "disk"))

@@ -1,0 +1,127 @@
+"""Any single override of any recipe key, with a hostile value, either passes `fsdpfn run
+--dry-run` or is refused in one line (`fsdpfn: error: ...`): never a traceback, a MemoryError or
+an exit code of another kind.
+
+Found by this sweep: a list for `recipe` (a TypeError), `rollout.servers` of 10**20 (the dry
+run's server lines filled the memory), and an sft or rw checkpoint too big for its disk (the
+LoRA fix it offers built a reference section those recipes do not have)."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import attrs
+import pytest
+
+from fsdpfn.app.recipes import RECIPE_CONFIGS
+
+HOSTILE = ["abc", "-1", "0", "1e30", "nan", "inf", "[1, 2]", "{a: 1}", "null", "true", "''",
+           "0.5", "-0.5", "99999999999999999999", "[]", "{}"]
+
+
+def _keys(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of a recipe config: sections and the fields under them."""
+    out = []
+    attrs.resolve_types(cls)
+    for a in attrs.fields(cls):
+        out.append(prefix + a.name)
+        sub = a.type if attrs.has(a.type) else next(
+            (t for t in getattr(a.type, "__args__", ()) if isinstance(t, type) and attrs.has(t)),
+            None)
+        if sub is not None:
+            out.extend(_keys(sub, f"{prefix}{a.name}."))
+    return out
+
+
+KEYS = {name: _keys(cls) for name, cls in RECIPE_CONFIGS.items()}
+
+
+def _dry_run(recipe: str, run_dir, *overrides: str) -> tuple[int, str]:
+    from fsdpfn.app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["run", f"examples/{recipe}.yaml", "--dry-run", f"run_dir={run_dir}",
+                   *overrides])
+    return rc, err.getvalue()
+
+
+@pytest.fixture(autouse=True)
+def _in_the_repository(monkeypatch, request):
+    monkeypatch.chdir(request.config.rootpath)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("recipe", sorted(KEYS))
+def test_any_override_passes_the_dry_run_or_is_one_line(recipe, tmp_path):
+    """Every key of the recipe (about 100 to 210) with each hostile value: 1,600 to 3,400 dry
+    runs, 7 to 21 s a recipe."""
+    bad = []
+    for key in KEYS[recipe]:
+        for value in HOSTILE:
+            try:
+                rc, err = _dry_run(recipe, tmp_path / "run", f"{key}={value}")
+            except BaseException as e:  # noqa: BLE001 - what the dry run let escape
+                bad.append((key, value, f"{type(e).__name__}: {e}"[:300]))
+                continue
+            last = err.strip().splitlines()[-1] if err.strip() else ""
+            if "Traceback" in err or rc not in (0, 2) or \
+                    (rc == 2 and not last.startswith("fsdpfn: error: ")):
+                bad.append((key, value, f"rc={rc} {err[-300:]}"))
+    assert not bad, bad[:20]
+
+
+def test_what_the_sweep_found_is_refused_by_name(tmp_path):
+    rc, err = _dry_run("sft", tmp_path / "r", "recipe=[1, 2]")
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "fsdpfn: error: recipe: must be one of ['dpo', 'grpo', 'ppo', 'rw', 'sft'], got [1, 2]")
+    rc, err = _dry_run("grpo", tmp_path / "r", "prompts_per_step=8", "advantage.group_size=4",
+                       "rollout.servers=99999999999999999999")
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "fsdpfn: error: rollout.servers: at most one server per answer a step asks for "
+        "(prompts_per_step x advantage.group_size = 8 x 4 = 32; the others would have nothing "
+        "to generate), got 99999999999999999999 servers")
+    assert _dry_run("grpo", tmp_path / "r", "prompts_per_step=8", "advantage.group_size=4",
+                    "rollout.servers=32")[0] == 0
+
+
+@pytest.mark.parametrize("recipe, hint", [
+    ("sft", "engine.lora.rank=16 or a run_dir on a disk with more room"),
+    ("grpo", "engine.lora.rank=16 or a run_dir on a disk with more room"),
+    ("rw", "a run_dir on a disk with more room"),  # its reward model takes no adapters
+])
+def test_a_checkpoint_too_big_for_its_disk_names_the_fixes_the_recipe_takes(recipe, hint,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    """The refusal offers LoRA where it would fit and the recipe takes it: sft has no
+    reference section for LoRA to empty (that raised a TypeError), and rw refuses adapters
+    (that refusal stood in for the disk's)."""
+    from fsdpfn.app.recipes import memory
+
+    size = memory.checkpoint_bytes  # a disk with room for a LoRA state only
+    monkeypatch.setattr(memory, "_free_bytes", lambda path: 1.0)
+    monkeypatch.setattr(memory, "checkpoint_bytes",
+                        lambda cfg, shape: 0.5 if cfg.engine.lora is not None else size(cfg, shape))
+    rc, err = _dry_run(recipe, tmp_path / "r")
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and line.startswith("fsdpfn: error: checkpoint: one checkpoint of this run "
+                                       "does not fit its disk"), err[-2000:]
+    assert line.endswith(f"it would fit with {hint}"), line
+
+
+def test_a_run_too_big_for_its_gpu_offers_only_what_the_recipe_takes():
+    """rw's reward model takes no LoRA: its GPU refusal names the other options (LoRA's own
+    refusal used to stand in for it)."""
+    from fsdpfn.app.recipes import default_config
+    from fsdpfn.app.recipes.memory import HEADROOM, ModelShape, check_memory, run_estimate
+    from fsdpfn.errors import ConfigError
+
+    q7 = ModelShape(hidden=3584, intermediate=18944, layers=28, vocab=152064, heads=28,
+                    kv_heads=4, head_dim=128, tied=False)
+    cfg = default_config("rw")
+    total = run_estimate(cfg, q7, n_gpus=1, shared=False)["total"]
+    with pytest.raises(ConfigError) as info:
+        check_memory(cfg, q7, n_gpus=1, capacity=total / HEADROOM - 1)
+    msg = str(info.value)
+    assert msg.startswith("engine: the run does not fit one GPU") and "lora" not in msg, msg
+    assert "engine.optimizer_dtype=bfloat16" in msg, msg
