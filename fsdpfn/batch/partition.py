@@ -158,10 +158,12 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
     """Split rows into micro-batches: lists of row indices, ascending within each list.
 
     seq_lens[B] are real tokens per row (row_lengths(batch)). Units of `group_size` consecutive
-    rows (groups, pairs) never split. The count is k = max(n_mbs, min_n_mbs, F), where F is the
-    number of first-fit-decreasing bins under `max_tokens_per_mb` (F = 0 without a budget);
-    pass min_n_mbs = the largest count over data-parallel ranks so all ranks run the same number
-    of forward/backward passes. The units are then spread over exactly k bins by
+    rows (groups, pairs) never split. The count is k = max(min(n_mbs, U), min_n_mbs, F), where U
+    is the number of units and F the number of first-fit-decreasing bins under
+    `max_tokens_per_mb` (F = 0 without a budget): n_mbs is a minimum that never asks for more
+    micro-batches than units (an empty one would run a pass over nothing). Pass min_n_mbs = the
+    largest count over data-parallel ranks so all ranks run the same number of forward/backward
+    passes. The units are then spread over exactly k bins by
     balanced_partition(algo=algo); with a budget, if that spreading breaks the budget, the FFD
     bins (plus empty ones) refined by local moves are used instead. (That bin count and fallback
     are first-fit decreasing whatever `algo` is: `algo` picks only the balancing.)
@@ -171,7 +173,7 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
 
     Guarantees: every row exactly once; every micro-batch <= max_tokens_per_mb tokens (with
     strict=False: or a unit longer than that, alone); exactly
-    k micro-batches; an empty micro-batch ([]) only when there are fewer than k units.
+    k micro-batches; an empty micro-batch ([]) only when min_n_mbs exceeds the units.
     Without a budget the largest micro-batch is <= (4/3 - 1/(3k)) * OPT and
     <= mean + (1 - 1/k) * largest unit (see balanced_partition); with a budget the same holds
     unless the fallback was needed. Deterministic; micro-batches
@@ -191,7 +193,7 @@ def plan_microbatches(seq_lens, *, max_tokens_per_mb: int | None = None, n_mbs: 
         config_int("max_tokens_per_mb", max_tokens_per_mb)
     _check_algo(algo)
     sizes, starts = unit_sizes(seq_lens, group_size)
-    k = max(n_mbs, min_n_mbs)
+    k = max(min(n_mbs, len(sizes)), min_n_mbs)
     if max_tokens_per_mb is None:
         return _to_rows(balanced_partition(sizes, k, algo=algo), starts, group_size)
     budget = max_tokens_per_mb * cp  # ceil(N / cp) <= max_tokens_per_mb  <=>  N <= budget

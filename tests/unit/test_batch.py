@@ -300,7 +300,8 @@ def test_plan_properties(d, with_budget):
     plan = plan_microbatches(lens, **kw)
     assert plan == plan_microbatches(torch.tensor(lens), **kw)  # deterministic, tensor input ok
     _check_plan(plan, lens, G)
-    k = max(d["n_mbs"], d["min_n_mbs"])
+    # n_mbs asks for no more micro-batches than units; min_n_mbs (the ranks' count) may
+    k = max(min(d["n_mbs"], len(units)), d["min_n_mbs"])
     assert len(plan) >= k
     assert all(plan[:min(len(units), len(plan))])  # empty ones only beyond the number of units
     loads = _loads(plan, lens)
@@ -348,6 +349,10 @@ def test_plan_known_cases():
     assert plan_microbatches([5, 5, 5, 5], max_tokens_per_mb=100, n_mbs=4) == [[0], [1], [2], [3]]
     # fewer units than micro-batches: empty lists at the end
     assert plan_microbatches([3, 4], n_mbs=2, min_n_mbs=4) == [[0], [1], [], []]
+    # a count beyond the rows is not a pass over nothing, however large
+    assert plan_microbatches([3, 4], n_mbs=7) == [[0], [1]]
+    assert plan_microbatches([3, 4], n_mbs=10**20, max_tokens_per_mb=100) == [[0], [1]]
+    assert plan_microbatches([3, 4, 5, 6], n_mbs=10**20, group_size=2) == [[0, 1], [2, 3]]
     # groups stay together
     assert plan_microbatches([1, 1, 9, 9], n_mbs=2, group_size=2) == [[0, 1], [2, 3]]
     # {8,7,6,5,4} into 2 (OPT 15): LPT gives 17/13, KK 16/14
