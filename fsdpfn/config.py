@@ -12,8 +12,8 @@ import os
 import attrs
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (boolean, fail, integer, is_number, number, one_of, str_tuple,
-                               to_float, to_opt_float, to_tuple)
+from fsdpfn.validators import (boolean, fail, integer, is_number, number, one_of, seed_int,
+                               str_tuple, to_float, to_opt_float, to_tuple)
 
 __all__ = [
     "ParallelStrategy", "OptimizerConfig", "FSDPConfig", "MicroBatchSpec", "LoRAConfig",
@@ -215,7 +215,7 @@ class EngineConfig:
     optimizer: OptimizerConfig | None = attrs.field(factory=OptimizerConfig)
     fsdp: FSDPConfig = attrs.field(factory=FSDPConfig)
     lora: LoRAConfig | None = attrs.field(default=None)
-    seed: int = attrs.field(default=1, validator=integer(0))
+    seed: int = attrs.field(default=1, validator=seed_int)
     # attention over packed sequences: "auto" (flash varlen on CUDA in bf16/fp16, else masked
     # SDPA), "varlen" (CUDA only), "sdpa" (the masked path everywhere)
     attn_impl: str = attrs.field(default="auto", validator=one_of("auto", "varlen", "sdpa"))
@@ -320,7 +320,7 @@ class PPOConfig:
     behav_cap: float | None = attrs.field(default=None, converter=to_opt_float,
                                           validator=number(gt=0, optional=True))
     temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
-    seed: int = attrs.field(default=0, validator=integer(0))
+    seed: int = attrs.field(default=0, validator=seed_int)
     # trainer-rollout mismatch (fsdpfn.ops.correction)
     behav_correction: str | None = attrs.field(default=None, validator=one_of(None, "tis", "mis"))
     behav_level: str = attrs.field(default="token",
@@ -408,7 +408,7 @@ class CriticConfig:
     agg: str = attrs.field(default="token-mean", validator=one_of(*AGG_MODES))
     n_minibatches: int = attrs.field(default=1, validator=integer(1))
     shuffle: bool = attrs.field(default=False, validator=boolean)
-    seed: int = attrs.field(default=0, validator=integer(0))
+    seed: int = attrs.field(default=0, validator=seed_int)
 
 
 @attrs.frozen

@@ -72,6 +72,22 @@ def integer(lo: int | None = None, *, allow: tuple = ()):
     return check
 
 
+SEED_END = 2**63  # every seed's range, [0, 2**63): torch's generators, the servers' seeds
+
+
+def seed_int(_, attribute, value) -> None:
+    """A seed: an int (not a bool) in [0, 2**63), the range of the rollout servers' sampling
+    seeds (torch's generators take it too); the seeds drawn from it wrap into it (derived_seed)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < SEED_END:
+        fail(attribute.name, "must be an int in [0, 2**63)", value)
+
+
+def derived_seed(seed: int, k: int) -> int:
+    """Seed number ``k`` drawn from ``seed`` (a step, a rank's part): seed * 1,000,003 + k,
+    wrapped into [0, 2**63) (the same number wherever it did not overflow)."""
+    return (int(seed) * 1_000_003 + int(k)) % SEED_END
+
+
 def number(*, gt=None, ge=None, lt=None, le=None, optional: bool = False):
     """A finite number within the bounds given; ``optional``: None passes."""
     bounds = ((gt, ">", lambda v, b: v > b), (ge, ">=", lambda v, b: v >= b),

@@ -6,6 +6,7 @@ import torch
 
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.step import StepContext
+from fsdpfn.validators import derived_seed
 
 AGG_NORMALIZER = {"token-mean": "tokens", "seq-mean-token-sum": "sequences",
                   "seq-mean-token-mean": "sequences"}
@@ -25,7 +26,7 @@ def present(batch, key: str) -> bool:
 def minibatch_seed(state, *, shuffle: bool, seed: int) -> int | None:
     """grad_step's shuffle_seed for one call: None (rows in order), or one drawn from (seed,
     state.step), so every call shuffles the global batch differently but reproducibly."""
-    return seed * 1_000_003 + state.step if shuffle else None
+    return derived_seed(seed, state.step) if shuffle else None
 
 
 def check_config(config, cls) -> None:

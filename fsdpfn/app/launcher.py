@@ -96,12 +96,28 @@ def _describe_trainer(cmd: list[str], nproc: int, port: int, threads: int) -> st
             + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
 
 
+def _check_threads(cfg) -> None:
+    """A rank's or a server's CPU threads, at most this host's cores: more only slow it down
+    (and torch's thread pool takes no count past a C long)."""
+    from fsdpfn.errors import ConfigError
+
+    cores = os.cpu_count() or 1
+    counts = [("launch.threads_per_rank", cfg.launch.threads_per_rank)]
+    if hasattr(cfg, "rollout"):
+        counts.append(("rollout.threads", cfg.rollout.threads))
+    for key, n in counts:
+        if n > cores:
+            raise ConfigError(f"{key}: at most this host's {cores} CPU cores (more threads only "
+                              f"slow it down), got {n}")
+
+
 def _check_inputs(cfg) -> None:
     """What can fail before any rank starts: the model directory and the loggers (the data,
     the reward and the memory: fsdpfn.app.recipes.preflight)."""
     from fsdpfn.app.recipes.model import check_model_dir
 
     check_model_dir(cfg.model)
+    _check_threads(cfg)
     if cfg.log.wandb is not None:
         try:
             import wandb  # noqa: F401

@@ -51,8 +51,9 @@ def as_order(order, shuffle_seed) -> list[int] | None:
     if order is not None and shuffle_seed is not None:
         raise ConfigError(f"order: give order or shuffle_seed, not both, got order={order!r} and "
                           f"shuffle_seed={shuffle_seed!r}")
-    if shuffle_seed is not None and not integer(shuffle_seed):
-        raise ConfigError(f"shuffle_seed: must be an integer or None, got {shuffle_seed!r}")
+    if shuffle_seed is not None and not (integer(shuffle_seed) and 0 <= shuffle_seed < 2**63):
+        raise ConfigError(f"shuffle_seed: must be an int in [0, 2**63) or None, got "
+                          f"{shuffle_seed!r}")
     if order is None:
         return None
     units = order.tolist() if isinstance(order, torch.Tensor) else order

@@ -45,7 +45,8 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                    help="version of the initial weights (an int >= 0)")
     p.add_argument("--max-pause-s", type=float, default=600.0,
                    help="a /pause_generation expires by itself after this many seconds")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=_threads, default=None,
+                   help="torch CPU threads, at most this host's cores")
     p.add_argument("--channel-port", type=int, default=0,
                    help="port of the update channel, the fast control path of weight pushes "
                         "(default 0: a free port, advertised in /get_model_info)")
@@ -94,6 +95,21 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                    help="exit when the process with this pid exits (the launcher that started "
                         "this server; default: run until stopped)")
     return p
+
+
+def _threads(text: str) -> int:
+    """--threads: an int in [1, this host's cores] (more only slow the server down)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= cores:
+        raise argparse.ArgumentTypeError(f"must be an int in [1, {cores}] (this host's CPU "
+                                         f"cores), got {text!r}")
+    return n
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -125,3 +125,63 @@ def test_a_run_too_big_for_its_gpu_offers_only_what_the_recipe_takes():
     msg = str(info.value)
     assert msg.startswith("engine: the run does not fit one GPU") and "lora" not in msg, msg
     assert "engine.optimizer_dtype=bfloat16" in msg, msg
+
+
+def test_values_a_run_would_fail_on_are_refused_before_it(tmp_path):
+    """Accepted by the dry run before, failing in a rank or a server after: a seed past 2**63
+    (the servers' range; past 2**64 torch's generators overflow) and more threads than cores
+    (torch's pool took 100,000 and crashed the process)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    cases = {
+        "seed=9223372036854775808": "seed: must be an int in [0, 2**63), got 9223372036854775808",
+        "model.seed=99999999999999999999":
+            "model.seed: must be an int in [0, 2**63), got 99999999999999999999",
+        "ppo.seed=-1": "ppo.seed: must be an int in [0, 2**63), got -1",
+        f"launch.threads_per_rank={cores + 1}":
+            f"launch.threads_per_rank: at most this host's {cores} CPU cores (more threads only "
+            f"slow it down), got {cores + 1}",
+        f"rollout.threads={cores + 1}":
+            f"rollout.threads: at most this host's {cores} CPU cores (more threads only slow it "
+            f"down), got {cores + 1}",
+    }
+    for override, message in cases.items():
+        rc, err = _dry_run("grpo", tmp_path / "r", override)
+        assert rc == 2 and err.strip().splitlines()[-1] == f"fsdpfn: error: {message}", err
+    assert _dry_run("grpo", tmp_path / "r", f"seed={2**63 - 1}",
+                    f"launch.threads_per_rank={cores}")[0] == 0
+
+
+def test_seeds_drawn_from_the_largest_seed_stay_in_range():
+    """The rollout's per-step seed and ppo's shuffle seed are seed * 1,000,003 + k, wrapped into
+    [0, 2**63): the same numbers as before wherever that did not overflow."""
+    import fsdpfn as ff
+    from fsdpfn.errors import ConfigError
+    from fsdpfn.rollout.client import generate
+    from fsdpfn.validators import derived_seed
+
+    assert derived_seed(7, 3) == 7 * 1_000_003 + 3
+    top = derived_seed(2**63 - 1, 10**6)
+    assert 0 <= top < 2**63 and top == ((2**63 - 1) * 1_000_003 + 10**6) % 2**63
+    for cls in (ff.EngineConfig, ff.PPOConfig, ff.CriticConfig):
+        kwargs = {"model_path": "m"} if cls is ff.EngineConfig else {}
+        assert cls(seed=2**63 - 1, **kwargs).seed == 2**63 - 1
+        with pytest.raises(ConfigError, match=r"^seed: must be an int in \[0, 2\*\*63\), got "):
+            cls(seed=2**63, **kwargs)
+    # what the servers take: a derived seed is never refused there
+    with pytest.raises(ConfigError, match=r"^seed: must be null or an int in \[0, 2\*\*63\)"):
+        generate("http://127.0.0.1:1", [[1]], seed=2**63)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "x", "99999999999999999999"])
+def test_the_servers_threads_flag_is_a_count_of_this_hosts_cores(value, capsys):
+    import os
+
+    from fsdpfn.rollout.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--port", "0", "--threads", value])
+    assert (f"argument --threads: must be an int in [1, {os.cpu_count() or 1}] (this host's CPU "
+            f"cores), got '{value}'") in capsys.readouterr().err
+    assert parse_args(["--model", "m", "--port", "0", "--threads", "1"]).threads == 1

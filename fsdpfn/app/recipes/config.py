@@ -21,8 +21,7 @@ from fsdpfn.config import (AdvantageConfig, CriticConfig, DPOConfig, OptimizerCo
                            ParallelStrategy, PPOConfig, RWConfig, SFTConfig)
 from fsdpfn.errors import ConfigError
 from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, is_port, number, one_of,
-                               satisfies,
-                               to_opt_float)
+                               satisfies, seed_int, to_opt_float)
 from fsdpfn.app.recipes.data import DataConfig
 from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
 from fsdpfn.app.recipes.model import ModelConfig
@@ -243,7 +242,7 @@ class Recipe:
     run_dir: str = attrs.field(
         default=attrs.Factory(lambda self: f"runs/{self.recipe}", takes_self=True),
         validator=_path)
-    seed: int = attrs.field(default=0, validator=integer(0))
+    seed: int = attrs.field(default=0, validator=seed_int)
     steps: int = attrs.field(default=_own("steps"), validator=integer(1))
     task: AdditionTask = attrs.field(default=_own("task"))
     model: ModelConfig = attrs.field(factory=ModelConfig)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from fsdpfn.validators import boolean, fail, integer, is_nonempty_str, satisfies
+from fsdpfn.validators import boolean, fail, integer, is_nonempty_str, satisfies, seed_int
 from fsdpfn.errors import ConfigError
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
@@ -61,7 +61,7 @@ class ModelConfig:
     num_layers: int = attrs.field(default=2, validator=integer(1))
     num_heads: int = attrs.field(default=8, validator=integer(1))
     num_kv_heads: int = attrs.field(default=4, validator=integer(1))
-    seed: int = attrs.field(default=0, validator=integer(0))
+    seed: int = attrs.field(default=0, validator=seed_int)
 
     def __attrs_post_init__(self):
         """Keys that apply to one kind of model only are refused on the other, never

@@ -29,6 +29,7 @@ import time
 
 from fsdpfn.app.recipes.runtime import RunContext, log
 from fsdpfn.rollout.balance import Balancer, generate_balanced
+from fsdpfn.validators import derived_seed
 
 __all__ = ["build_rollout", "SyncRollout", "StreamRollout", "max_new_tokens", "sampling",
            "score", "server_stats"]
@@ -137,7 +138,7 @@ class SyncRollout:
         t0 = time.perf_counter()
         answer = generate_balanced(
             self.balancer, [e["prompt_ids"] for e in examples], n=G,
-            seed=cfg.seed * 1_000_003 + step, timeout=cfg.rollout.timeout_s,
+            seed=derived_seed(cfg.seed, step), timeout=cfg.rollout.timeout_s,
             **sampling(cfg, self.tok))
         out = _scored_batch(cfg, self.ctx, self.tok, self.pool, step, examples,
                             answer["outputs"], time.perf_counter() - t0)
