@@ -185,3 +185,30 @@ def test_the_servers_threads_flag_is_a_count_of_this_hosts_cores(value, capsys):
     assert (f"argument --threads: must be an int in [1, {os.cpu_count() or 1}] (this host's CPU "
             f"cores), got '{value}'") in capsys.readouterr().err
     assert parse_args(["--model", "m", "--port", "0", "--threads", "1"]).threads == 1
+
+
+@pytest.mark.parametrize("recipe, overrides, key, shown", [
+    ("grpo", ["prompts_per_step=200000"], "prompts_per_step",
+     "prompts_per_step x advantage.group_size = 200000 x 8"),
+    ("grpo", ["advantage.group_size=3000000"], "prompts_per_step",
+     "prompts_per_step x advantage.group_size = 64 x 3000000"),
+    ("grpo", ["warmup.batch_size=3000000"], "warmup.batch_size", "3000000"),
+    ("grpo", ["eval.n_prompts=3000000"], "eval.n_prompts", "3000000"),
+    ("sft", ["batch_size=3000000"], "batch_size", "3000000"),
+    ("dpo", ["pairs_per_step=1500000"], "pairs_per_step", "1500000 pairs"),
+])
+def test_a_batch_the_host_cannot_hold_is_refused_by_name(recipe, overrides, key, shown, tmp_path,
+                                                         monkeypatch):
+    """A count with zeros too many drew rows for minutes (prompts_per_step=10**20 hung the
+    first step) instead of a refusal: each batch a step holds, at 64 bytes a token of the
+    longest row, must fit 90% of the host's available memory (here 1 GiB)."""
+    from fsdpfn.app.recipes import preflight
+
+    monkeypatch.setattr(preflight, "available_host_memory", lambda: 2**30)
+    rc, err = _dry_run(recipe, tmp_path / "r", *overrides)
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and line.startswith(f"fsdpfn: error: {key}: one batch must fit the host's "
+                                       f"memory: "), err[-2000:]
+    assert "more than 90% of this host's 1.0 GiB available" in line and \
+        line.endswith(f"got {shown}"), line
+    assert _dry_run(recipe, tmp_path / "r")[0] == 0  # the example's own counts fit

@@ -251,6 +251,53 @@ def check_host_memory(cfg, shape: ModelShape, *, available: float | None) -> str
                       f"{line}, more than {HEADROOM:.0%} of it; it would fit with {hint}")
 
 
+# ---------------------------------------------------------------- a step's rows on the host
+
+# bytes a token of a step's rows takes on the host, at least: its id (int64), masks, and the
+# float32 columns the step adds (log-probs, advantages, returns, weights); the rollout's
+# answers as Python lists take more while they are read
+BATCH_BYTES_PER_TOKEN = 64
+
+
+def _row_counts(cfg) -> list[tuple[str, str, int]]:
+    """(key, what was set, rows) of each batch the run holds on the host at once."""
+    def grpo():
+        p, g = cfg.prompts_per_step, cfg.advantage.group_size
+        return ("prompts_per_step", f"prompts_per_step x advantage.group_size = {p} x {g}",
+                p * g)
+
+    step = {"grpo": grpo,
+            "ppo": lambda: ("prompts_per_step", str(cfg.prompts_per_step),
+                            cfg.prompts_per_step),
+            "sft": lambda: ("batch_size", str(cfg.batch_size), cfg.batch_size),
+            "rw": lambda: ("pairs_per_step", f"{cfg.pairs_per_step} pairs",
+                           2 * cfg.pairs_per_step),
+            "dpo": lambda: ("pairs_per_step", f"{cfg.pairs_per_step} pairs",
+                            2 * cfg.pairs_per_step)}
+    out = [step[cfg.recipe]()]
+    if getattr(cfg, "warmup", None) is not None and cfg.warmup.steps != 0:
+        out.append(("warmup.batch_size", str(cfg.warmup.batch_size), cfg.warmup.batch_size))
+    if getattr(cfg, "eval", None) is not None and cfg.eval.every:
+        out.append(("eval.n_prompts", str(cfg.eval.n_prompts), cfg.eval.n_prompts))
+    return out
+
+
+def check_batch_rows(cfg, *, available: float | None) -> None:
+    """Each batch a step holds on the host (its rows at the longest row the data allows)
+    against the host's available memory: a count with a few zeros too many is refused by name
+    before it hangs a rank drawing rows or fills the host."""
+    if available is None:
+        return
+    row, how = longest_row(cfg)
+    for key, shown, rows in _row_counts(cfg):
+        need = rows * row * BATCH_BYTES_PER_TOKEN
+        if need > HEADROOM * available:
+            raise ConfigError(f"{key}: one batch must fit the host's memory: {rows:,} rows of "
+                              f"up to {row} tokens ({how}) take about {need / GiB:,.1f} GiB, "
+                              f"more than {HEADROOM:.0%} of this host's {available / GiB:.1f} "
+                              f"GiB available, got {shown}")
+
+
 # ---------------------------------------------------------------- disk
 
 

@@ -11,6 +11,8 @@
 - tp divides the model's heads, and a step has work for every data-parallel rank
   (fsdpfn.app.recipes.placement.check_parallel); engine.lora.target_modules name linear layers
   of the model's decoder layers, and a wrap_policy module classes of the model;
+- each batch a step holds on the host (its rows at the longest row) against the host's
+  available memory;
 - the run's size against the room it has (fsdpfn.app.recipes.memory): one checkpoint against
   the run_dir's free disk space; on a GPU host, an estimate of one trainer GPU's memory against
   the device's (read here, from nvidia-smi) and the state an option keeps in host memory
@@ -27,7 +29,8 @@ import attrs
 
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.engine import longest_row
-from fsdpfn.app.recipes.memory import ModelShape, check_disk, check_host_memory, check_memory
+from fsdpfn.app.recipes.memory import (ModelShape, check_batch_rows, check_disk,
+                                       check_host_memory, check_memory)
 from fsdpfn.app.recipes.placement import check_parallel
 from fsdpfn.engine.host import available_host_memory
 
@@ -48,6 +51,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     check_parallel(cfg, placement, hf)  # fsdpfn.app.recipes.placement
     check_lora_targets(cfg)
     check_wrap_policy(cfg, hf)
+    check_batch_rows(cfg, available=available_host_memory())
     shape = ModelShape.from_hf(hf)
     notes = [check_disk(cfg, shape)]
     if placement.device != "cuda":
