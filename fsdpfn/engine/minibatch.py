@@ -20,6 +20,7 @@ from fsdpfn import keys as K
 from fsdpfn.agree import agree_on_error
 from fsdpfn.batch import dp_shard_units, global_batch, row_lengths, select_rows
 from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.validators import SEED_END
 
 if TYPE_CHECKING:
     from fsdpfn.engine.state import EngineState
@@ -51,7 +52,7 @@ def as_order(order, shuffle_seed) -> list[int] | None:
     if order is not None and shuffle_seed is not None:
         raise ConfigError(f"order: give order or shuffle_seed, not both, got order={order!r} and "
                           f"shuffle_seed={shuffle_seed!r}")
-    if shuffle_seed is not None and not (integer(shuffle_seed) and 0 <= shuffle_seed < 2**63):
+    if shuffle_seed is not None and not (integer(shuffle_seed) and 0 <= shuffle_seed < SEED_END):
         raise ConfigError(f"shuffle_seed: must be an int in [0, 2**63) or None, got "
                           f"{shuffle_seed!r}")
     if order is None:

@@ -169,6 +169,14 @@ def test_seeds_drawn_from_the_largest_seed_stay_in_range():
         assert cls(seed=2**63 - 1, **kwargs).seed == 2**63 - 1
         with pytest.raises(ConfigError, match=r"^seed: must be an int in \[0, 2\*\*63\), got "):
             cls(seed=2**63, **kwargs)
+    # grad_step's own shuffle_seed (checked before any rank steps) takes the same range
+    from fsdpfn.engine.minibatch import as_order
+
+    assert as_order(None, 2**63 - 1) is None
+    for bad in (2**63, -1):
+        with pytest.raises(ConfigError, match=r"^shuffle_seed: must be an int in \[0, 2\*\*63\) "
+                                              r"or None, got "):
+            as_order(None, bad)
     # what the servers take: a derived seed is never refused there
     with pytest.raises(ConfigError, match=r"^seed: must be null or an int in \[0, 2\*\*63\)"):
         generate("http://127.0.0.1:1", [[1]], seed=2**63)
