@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.ops.aggregate import as_mask, masked_values
+from fsdpfn.ops.aggregate import as_mask, check_same_shape, check_tensor, masked_values
 from fsdpfn.ops.kl import kl
 
 __all__ = ["gae", "group_advantages", "whiten", "scale_rewards", "kl_in_reward",
@@ -33,9 +33,12 @@ def gae(token_rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0):
         raise ConfigError(f"gamma must be in [0, 1], got {gamma!r}")
     if not 0.0 <= lam <= 1.0:
         raise ConfigError(f"lam must be in [0, 1], got {lam!r}")
+    for name, t in (("token_rewards", token_rewards), ("values", values), ("mask", mask)):
+        check_tensor(name, t)
     if token_rewards.shape != mask.shape or values.shape != mask.shape:
         raise BatchError(f"token_rewards and values must have the shape of mask {tuple(mask.shape)}, "
                          f"got {tuple(token_rewards.shape)} and {tuple(values.shape)}")
+    check_same_shape("mask", mask, token_rewards=token_rewards, values=values)
     mask = as_mask(mask)
     r, v = masked_values(token_rewards, mask), masked_values(values, mask)
     next_v = r.new_zeros(r.shape[:-1])
@@ -70,6 +73,7 @@ def group_advantages(rewards, group_size: int, *, norm_std: bool = True, leave_o
     if leave_one_out and group_size < 2:
         raise ConfigError(f"group_size must be >= 2 with leave_one_out=True (no other rows to average), "
                           f"got {group_size}")
+    check_tensor("rewards", rewards)
     if rewards.dim() < 1 or rewards.shape[-1] % group_size != 0:
         B = rewards.shape[-1] if rewards.dim() else None
         raise BatchError(f"rewards must be [..., B] with B divisible by group_size; got shape "

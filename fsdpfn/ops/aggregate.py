@@ -24,13 +24,28 @@ def check_mode(mode: str, name: str = "mode") -> None:
         raise ConfigError(f"{name} must be one of {list(AGG_MODES)}, got {mode!r}")
 
 
-def check_same_shape(like_name: str, like: torch.Tensor, **tensors) -> None:
-    """Each tensor of ``tensors`` (None: absent) has the shape of ``like``, else a BatchError
-    naming it and both shapes."""
+def check_tensor(name: str, t) -> None:
+    """``t`` is a torch.Tensor, else a BatchError naming it and what came instead."""
+    if not isinstance(t, torch.Tensor):
+        raise BatchError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_same_shape(like_name: str, like: torch.Tensor, *, optional: tuple = (),
+                     **tensors) -> None:
+    """``like`` and each tensor of ``tensors`` are torch.Tensors, each with the shape and on the
+    device of ``like`` (a name in ``optional`` may be None: absent), else a BatchError naming
+    it and both shapes or devices."""
+    check_tensor(like_name, like)
     for name, t in tensors.items():
-        if t is not None and t.shape != like.shape:
+        if t is None and name in optional:
+            continue
+        check_tensor(name, t)
+        if t.shape != like.shape:
             raise BatchError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, "
                              f"got {tuple(t.shape)}")
+        if t.device != like.device:
+            raise BatchError(f"{name} must be on the device of {like_name} ({like.device}), "
+                             f"got {t.device}")
 
 
 def as_mask(mask: torch.Tensor, name: str = "mask") -> torch.Tensor:
@@ -49,8 +64,7 @@ def as_mask(mask: torch.Tensor, name: str = "mask") -> torch.Tensor:
 
 def masked_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """float32 x with exact zeros under a False mask (where, not multiply: nan/inf there don't leak)."""
-    if x.shape != mask.shape:
-        raise BatchError(f"mask must have the shape of x {tuple(x.shape)}, got {tuple(mask.shape)}")
+    check_same_shape("x", x, mask=mask)
     x = x.float()
     return torch.where(as_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -82,6 +96,7 @@ def aggregate_sum(x: torch.Tensor, mask: torch.Tensor, mode: str):
     number of rows).
     """
     check_mode(mode)
+    check_same_shape("x", x, mask=mask)
     if x.dim() < 1:
         raise BatchError("x must have a token dim [..., T], got a 0-dim tensor")
     m = as_mask(mask)

@@ -47,8 +47,9 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_values(x, mask).sum() / mask.sum().clamp(min=1).float()
 
 
-def _check_same_shape(mask: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
-    check_same_shape("mask", mask, **tensors)
+def _check_same_shape(mask: torch.Tensor, *, optional: tuple = (),
+                      **tensors: Optional[torch.Tensor]) -> None:
+    check_same_shape("mask", mask, optional=optional, **tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,7 +157,8 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_hi
     low=behav_low, high=behav_high)` (token/sequence/geometric, truncated 'tis' or masked 'mis').
     """
     _check_policy_args(clip_low, clip_high, dual_clip, behav_cap, ratio_level, kind, behav_correction)
-    _check_same_shape(mask, logp=logp, old_logp=old_logp, advantages=advantages, behav_logp=behav_logp)
+    _check_same_shape(mask, logp=logp, old_logp=old_logp, advantages=advantages,
+                      behav_logp=behav_logp, optional=("behav_logp",))
     mask = as_mask(mask)
     hi = clip_low if clip_high is None else clip_high
     adv = masked_values(advantages, mask)
@@ -308,9 +310,7 @@ def bradley_terry_loss_sum(chosen, rejected, *, margin=0.0):
     """(loss_sum, stat_sums): sum over pairs of -log sigmoid(chosen - rejected - margin);
     chosen[...], rejected[...] scores. stat_sums (detached): accuracy = sum of
     [chosen > rejected], margin = sum of (chosen - rejected)."""
-    if chosen.shape != rejected.shape:
-        raise BatchError(f"rejected must have the shape of chosen {tuple(chosen.shape)}, "
-                         f"got {tuple(rejected.shape)}")
+    check_same_shape("chosen", chosen, rejected=rejected)
     diff = chosen.float() - rejected.float()
     loss_sum = -F.logsigmoid(diff - margin).sum()
     return loss_sum, {"accuracy": (diff > 0).float().sum(), "margin": diff.detach().sum()}
@@ -334,10 +334,7 @@ def _check_dpo_args(beta, kind, pi_chosen, **others) -> None:
         raise ConfigError(f"kind must be one of {list(DPO_KINDS)}, got {kind!r}")
     if not beta > 0.0:
         raise ConfigError(f"beta must be > 0, got {beta!r}")
-    for name, t in others.items():
-        if t.shape != pi_chosen.shape:
-            raise BatchError(f"{name} must have the shape of pi_chosen {tuple(pi_chosen.shape)}, "
-                             f"got {tuple(t.shape)}")
+    check_same_shape("pi_chosen", pi_chosen, **others)
 
 
 def dpo_loss_sum(pi_chosen, pi_rejected, ref_chosen, ref_rejected, *, beta=0.1, kind="sigmoid"):
