@@ -33,11 +33,6 @@ def gae(token_rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0):
         raise ConfigError(f"gamma must be in [0, 1], got {gamma!r}")
     if not 0.0 <= lam <= 1.0:
         raise ConfigError(f"lam must be in [0, 1], got {lam!r}")
-    for name, t in (("token_rewards", token_rewards), ("values", values), ("mask", mask)):
-        check_tensor(name, t)
-    if token_rewards.shape != mask.shape or values.shape != mask.shape:
-        raise BatchError(f"token_rewards and values must have the shape of mask {tuple(mask.shape)}, "
-                         f"got {tuple(token_rewards.shape)} and {tuple(values.shape)}")
     check_same_shape("mask", mask, token_rewards=token_rewards, values=values)
     mask = as_mask(mask)
     r, v = masked_values(token_rewards, mask), masked_values(values, mask)
