@@ -14,6 +14,8 @@ import attrs
 from fsdpfn.errors import ConfigError
 from fsdpfn.validators import (boolean, fail, integer, is_number, number, one_of, seed_int,
                                str_tuple, to_float, to_opt_float, to_tuple)
+from fsdpfn.validators import fits_float32
+from fsdpfn.validators import temperature as temperature_rule
 
 __all__ = [
     "ParallelStrategy", "OptimizerConfig", "FSDPConfig", "MicroBatchSpec", "LoRAConfig",
@@ -319,7 +321,7 @@ class PPOConfig:
     use_behav_logp: bool = attrs.field(default=True, validator=boolean)
     behav_cap: float | None = attrs.field(default=None, converter=to_opt_float,
                                           validator=number(gt=0, optional=True))
-    temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
+    temperature: float = attrs.field(default=1.0, converter=to_float, validator=temperature_rule)
     seed: int = attrs.field(default=0, validator=seed_int)
     # trainer-rollout mismatch (fsdpfn.ops.correction)
     behav_correction: str | None = attrs.field(default=None, validator=one_of(None, "tis", "mis"))
@@ -437,10 +439,13 @@ class AdvantageConfig:
     group_size: int = attrs.field(default=1, validator=integer(1))
     gamma: float = attrs.field(default=1.0, converter=to_float, validator=number(ge=0, le=1))
     lam: float = attrs.field(default=1.0, converter=to_float, validator=number(ge=0, le=1))
-    kl_coef: float = attrs.field(default=0.0, converter=to_float, validator=number(ge=0))
+    kl_coef: float = attrs.field(default=0.0, converter=to_float,
+                                 validator=[number(ge=0), fits_float32])
     kl_kind: str = attrs.field(default="k1", validator=one_of(*KL_KINDS))
-    reward_scale: float = attrs.field(default=1.0, converter=to_float, validator=number())
-    reward_bias: float = attrs.field(default=0.0, converter=to_float, validator=number())
+    reward_scale: float = attrs.field(default=1.0, converter=to_float,
+                                      validator=[number(), fits_float32])
+    reward_bias: float = attrs.field(default=0.0, converter=to_float,
+                                     validator=[number(), fits_float32])
     reward_clip: float | None = attrs.field(default=None, converter=to_opt_float,
                                             validator=number(gt=0, optional=True))
     whiten: bool = attrs.field(default=False, validator=boolean)

@@ -21,7 +21,8 @@ from fsdpfn.errors import ConfigError
 
 __all__ = ["fail", "is_number", "is_nonempty_str", "is_port", "satisfies",
            "integer", "number", "one_of", "boolean", "str_tuple", "to_tuple", "to_float",
-           "to_opt_float", "int_to_float", "to_path"]
+           "to_opt_float", "int_to_float", "to_path", "TEMPERATURE_MIN", "check_temperature",
+           "temperature", "FLOAT32_MAX", "fits_float32"]
 
 
 def fail(name: str, rule: str, value: Any, *, shown: str | None = None) -> NoReturn:
@@ -102,6 +103,32 @@ def number(*, gt=None, ge=None, lt=None, le=None, optional: bool = False):
             if bound is not None and not holds(value, bound):
                 fail(attribute.name, f"must be {sign} {bound}", value)
     return check
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+# a setting the rewards, advantages or penalties are multiplied or shifted by in float32: larger
+# makes them inf (rewards times reward_scale=1e300 are inf, their advantages NaN)
+fits_float32 = satisfies(
+    "must be within float32's range (|x| <= 3.4e38), where the rewards are computed",
+    lambda v: abs(v) <= FLOAT32_MAX, optional=True)
+
+
+TEMPERATURE_MIN = 1e-6  # below it a server's draw is greedy (SGLang's rule); logits / T overflow
+TEMPERATURE_RULE = ("must be a finite number >= 1e-06 (a sampling temperature below it is greedy, "
+                    "whose log-probs are temperature 1's)")
+
+
+def check_temperature(value, name: str = "temperature", *, error=ConfigError) -> float:
+    """A temperature the log-probs are taken at, as a float: a finite number >= 1e-6. Below it
+    the servers sample greedily (and report temperature 1's log-probs), and logits / T leave
+    float32's range (T = 1e-300 is 0 in float32): the log-probs would be NaN or describe no
+    draw. ``error``: the exception class raised (the servers' UpdateError)."""
+    if not is_number(value) or not value >= TEMPERATURE_MIN:
+        raise error(f"{name}: {TEMPERATURE_RULE}, got {value!r}")
+    return float(value)
+
+
+temperature = satisfies(TEMPERATURE_RULE, lambda v: is_number(v) and v >= TEMPERATURE_MIN)
 
 
 def one_of(*choices, rule: str | None = None):

@@ -98,6 +98,21 @@ def _check(batch, config: AdvantageConfig, mesh) -> torch.Tensor | None:
     return check_groups(batch, config.group_size) if config.estimator in GROUPED else None
 
 
+def _check_in_range(out: dict, mask, config: AdvantageConfig) -> None:
+    """The inputs are finite (validate_batch): a non-finite advantage or return on a loss token
+    is float32 overflowing (rewards of 1e30 times reward_scale=1e10, or a KL penalty times
+    kl_coef), which would train on NaN."""
+    for key, x in out.items():
+        bad = ~torch.isfinite(x) & mask
+        if bad.any():
+            b, t = (int(i) for i in bad.nonzero()[0])
+            raise BatchError(
+                f"{key}: must be finite on loss tokens, got {float(x[b, t])} at row {b}, t={t}: "
+                f"the rewards ({K.REWARDS}, {K.TOKEN_REWARDS}) and the KL penalty, after "
+                f"reward_scale={config.reward_scale}, reward_bias={config.reward_bias} and "
+                f"kl_coef={config.kl_coef}, overflow float32; scale them down")
+
+
 def _penalty(batch, config: AdvantageConfig, mask):
     if config.kl_coef <= 0:
         return None
@@ -172,6 +187,12 @@ def compute_advantages(batch, config: AdvantageConfig, *, mesh: Mesh | None = No
         adv, returns = _token_level(batch, config, rewards, penalty, all_reduce)
     if config.whiten and config.estimator != "reinforce++":
         adv = whiten(adv, mask, all_reduce=all_reduce)
+    error = None
+    try:
+        _check_in_range({K.ADVANTAGES: adv, K.RETURNS: returns}, mask, config)
+    except BatchError as exc:
+        error = exc
+    agree_on_error(mesh if isinstance(mesh, Mesh) else None, error)
     out = batch.copy()
     out.set(K.ADVANTAGES, adv.float().contiguous())
     out.set(K.RETURNS, returns.float().contiguous())

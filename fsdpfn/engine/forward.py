@@ -17,6 +17,7 @@ from fsdpfn.engine import timing
 from fsdpfn.batch import Packed, apply_scatter, pack
 from fsdpfn.config import MicroBatchSpec
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import check_temperature
 from fsdpfn.engine.runner import (empty_packed, model_outputs, oom_error, plan, prepare,
                                   release_memory, resolve_mb_spec, rope_top)
 from fsdpfn.agree import same_on_every_rank
@@ -28,10 +29,7 @@ __all__ = ["forward_logp", "compute_values", "compute_scores"]
 def _check_temperature(temperature) -> float:
     if temperature is None:
         return 1.0
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not temperature > 0:
-        raise ConfigError(f"temperature: must be a number > 0 or None, got {temperature!r}")
-    return float(temperature)
+    return check_temperature(temperature)
 
 
 def _mb_packs(state, batch, spec: MicroBatchSpec) -> list[Packed]:

@@ -25,7 +25,8 @@ import attrs
 
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import boolean, is_nonempty_str, number, one_of, satisfies
+from fsdpfn.validators import boolean, is_nonempty_str, one_of, satisfies
+from fsdpfn.validators import temperature as temperature_rule
 
 __all__ = ["Objective", "NORMALIZERS", "as_objective", "check_actor_options"]
 
@@ -63,7 +64,7 @@ class Objective:
     group_size: int = attrs.field(default=1, validator=_group, kw_only=True)
     pairs: bool = attrs.field(default=False, validator=boolean, kw_only=True)
     with_entropy: bool = attrs.field(default=False, validator=boolean, kw_only=True)
-    temperature: float = attrs.field(default=1.0, validator=number(gt=0.0), kw_only=True)
+    temperature: float = attrs.field(default=1.0, validator=temperature_rule, kw_only=True)
     name: str = attrs.field(default="grad_step", validator=satisfies(
         "must be a non-empty string", is_nonempty_str), kw_only=True)
     critic: bool | None = attrs.field(default=None, validator=one_of(None, True, False),

@@ -11,21 +11,19 @@ All math is float32, whatever the input dtype; gradients come back in the input 
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 
 from fsdpfn.errors import BatchError, ConfigError
+from fsdpfn.validators import check_temperature
 
 __all__ = ["token_logprobs", "token_entropy", "chunked_logprobs", "vocab_parallel_logprobs",
            "vocab_shard_range", "liger_logprobs", "liger_available"]
 
 
 def _check_temperature(temperature: float) -> float:
-    if not 0.0 < float(temperature) < math.inf:
-        raise ConfigError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return float(temperature)
+    return check_temperature(temperature)
 
 
 def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -21,6 +21,7 @@ import operator
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.validators import TEMPERATURE_MIN
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,7 @@ def _token_id(t) -> bool:
         return False
 
 
-GREEDY_BELOW = 1e-6  # SGLang's rule: a temperature below it is greedy
+GREEDY_BELOW = TEMPERATURE_MIN  # 1e-6, SGLang's rule: a temperature below it is greedy
 
 
 class SamplingParams:

@@ -107,6 +107,36 @@ def test_a_group_split_by_shard_batch_is_refused_on_every_rank(spmd2):
         assert n_ok == 4
 
 
+def overflow_on_one_rank():
+    """Rank 0's rewards overflow float32 after reward_scale; rank 1's do not. Every rank must
+    raise (rank 1 waiting in the next collective would hang), then a sane call still runs."""
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")
+    batch = _global_batch(2, 2, 8, seed=3)
+    rank = torch.distributed.get_rank()
+    batch.set(K.REWARDS, torch.tensor([3e38, -3e38, 1.0, 2.0] if rank == 0 else [1.0, 2.0] * 2))
+    messages = []
+    for estimator in ESTIMATORS:
+        try:
+            ff.compute_advantages(batch, ff.AdvantageConfig(
+                estimator=estimator, group_size=2, reward_scale=10.0), mesh=mesh)
+            messages.append(None)
+        except ff.BatchError as exc:
+            messages.append(str(exc))
+    ok = ff.compute_advantages(batch, ff.AdvantageConfig(group_size=2, reward_scale=1e-30),
+                               mesh=mesh)
+    return messages, bool(torch.isfinite(ok[K.ADVANTAGES]).all())
+
+
+@pytest.mark.timeout(120)
+def test_advantages_that_overflow_on_one_rank_raise_on_every_rank(spmd2):
+    for rank, (messages, finite) in enumerate(spmd2.run(overflow_on_one_rank, timeout=90)):
+        for estimator, message in zip(ESTIMATORS, messages):
+            assert message is not None and "overflow float32" in message, (rank, message)
+            # reinforce++ whitens over every rank's tokens: rank 1's own are NaN as well
+            assert rank == 0 or estimator == "reinforce++" or "rank 0" in message, message
+        assert finite
+
+
 def ppo_step_stats(shard: bool):
     """One GRPO ppo_step (whitened advantages) from the same global batch with group_id."""
     mesh = ff.build_mesh(ff.ParallelStrategy(dp=-1), device_type="cpu")

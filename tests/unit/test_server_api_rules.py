@@ -317,6 +317,8 @@ def test_a_port_taken_before_the_server_binds_it_is_chosen_again(model_dir, monk
     ({"input_ids": [[1, 2, 3]], "temperature": "hot"}, "temperature: must be a finite number"),
     ({"input_ids": [[1, 2, 3]], "temperature": 1e400}, "temperature: must be a finite number"),
     ({"input_ids": [[1, 2, 3]], "temperature": 0}, "temperature: must be a finite number"),
+    ({"input_ids": [[1, 2, 3]], "temperature": 1e-7},
+     "temperature: must be a finite number >= 1e-06"),
     ({"input_ids": [[1, 2, 3]], "temperature": True}, "temperature: must be a finite number"),
     ({"input_ids": [[1, 2, 3]], "return_logits": "false"}, "return_logits: must be a bool"),
     ({"input_ids": [[1, 2, 3]] * 65_537}, "input_ids: at most 65536 rows a request"),

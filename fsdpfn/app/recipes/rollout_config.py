@@ -9,6 +9,7 @@ import attrs
 from fsdpfn.errors import ConfigError
 from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, is_port, number, one_of,
                                satisfies, to_float)
+from fsdpfn.validators import temperature as temperature_rule
 from fsdpfn.wire.http import is_http_url
 
 __all__ = ["RolloutConfig", "PushSection", "PUSH_OWNED", "SERVER_OWNED", "SAMPLING_OWNED"]
@@ -270,7 +271,7 @@ class RolloutConfig:
     # fsdpfn run starts on CUDA: refused with device cpu, with url and on a host without GPUs
     gpus: tuple[int, ...] | None = attrs.field(default=None, converter=as_gpus,
                                                validator=gpu_list)
-    temperature: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0))
+    temperature: float = attrs.field(default=1.0, converter=to_float, validator=temperature_rule)
     top_p: float = attrs.field(default=1.0, converter=to_float, validator=number(gt=0, le=1))
     timeout_s: float = attrs.field(default=120.0, converter=to_float, validator=number(gt=0))
     # how long the servers fsdpfn run starts may take to answer /health, and how long the
