@@ -22,7 +22,7 @@ from fsdpfn.errors import ConfigError
 __all__ = ["fail", "is_number", "is_nonempty_str", "is_port", "satisfies",
            "integer", "number", "one_of", "boolean", "str_tuple", "to_tuple", "to_float",
            "to_opt_float", "int_to_float", "to_path", "TEMPERATURE_MIN", "check_temperature",
-           "temperature", "FLOAT32_MAX", "fits_float32"]
+           "temperature", "FLOAT32_MAX", "fits_float32", "check_dir"]
 
 
 def fail(name: str, rule: str, value: Any, *, shown: str | None = None) -> NoReturn:
@@ -168,6 +168,19 @@ def int_to_float(value):
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+def check_dir(name: str, value, *, error=ConfigError) -> Path:
+    """A directory argument (``root``, ``out_dir``) as a Path: a non-empty str or os.PathLike
+    that is a directory or does not exist yet."""
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) \
+            or not os.fspath(value).strip():
+        raise error(f"{name}: must be a directory path (a non-empty str or os.PathLike), got "
+                    f"{value!r}")
+    if Path(value).exists() and not Path(value).is_dir():
+        raise error(f"{name}: must be a directory (or not exist yet), got {str(value)!r}, which "
+                    f"is a file")
+    return Path(value)
 
 
 def to_path(value):

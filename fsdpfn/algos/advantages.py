@@ -34,7 +34,7 @@ from fsdpfn import keys as K
 from fsdpfn.batch import check_groups, validate_batch
 from fsdpfn.config import AdvantageConfig
 from fsdpfn.errors import BatchError, ConfigError
-from fsdpfn.engine.mesh import Mesh
+from fsdpfn.engine.mesh import Mesh, check_mesh
 from fsdpfn.agree import agree_on_error, require_loss_tokens, same_on_every_rank
 from fsdpfn.ops import gae, group_advantages, kl, kl_in_reward, scale_rewards, whiten
 
@@ -88,9 +88,7 @@ def _check(batch, config: AdvantageConfig, mesh) -> torch.Tensor | None:
     """Validate; the group of each row (with group_id) or None. Raises ConfigError/BatchError."""
     if not isinstance(config, AdvantageConfig):
         raise ConfigError(f"config: must be an AdvantageConfig, got {type(config).__name__}")
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise ConfigError(f"mesh: must be an fsdpfn Mesh (build_mesh) or None, got "
-                          f"{type(mesh).__name__}")
+    check_mesh(mesh, optional=True)
     require, why = _require(batch, config)
     # over dp ranks the loss tokens are counted globally (require_loss_tokens): a rank's part
     # may have none

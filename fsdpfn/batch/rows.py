@@ -11,6 +11,8 @@ server's log-probs at their positions (0 elsewhere); ``group_id`` is the prompt'
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -50,6 +52,32 @@ def _answers(outputs) -> list:
     return list(outputs)
 
 
+def _seq(name: str, value, what: str) -> list:
+    """``value`` as a list: a list, tuple or 1-D tensor or numpy array (not a str, bytes or
+    mapping)."""
+    if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise BatchError(f"{name}: must be a list of {what}, got {type(value).__name__}")
+    return list(value)
+
+
+def _token_ids(name: str, value) -> list[int]:
+    ids = _seq(name, value, "token ids")
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise BatchError(f"{name}[{j}]: must be a token id (an int >= 0), got {t!r}")
+    return [int(t) for t in ids]
+
+
+def _finite(name: str, value, what: str) -> list[float]:
+    out = _seq(name, value, what)
+    for j, x in enumerate(out):  # a bool reward (a verifier's True) is 1.0
+        if not isinstance(x, numbers.Real) or not math.isfinite(x):
+            raise BatchError(f"{name}[{j}]: must be a finite number, got {x!r}")
+    return [float(x) for x in out]
+
+
 def rollout_batch(prompts: Sequence[Sequence[int]], outputs, group_size: int,
                   rewards: Sequence[float]) -> TensorDict:
     """The public batch of ``group_size`` answers to each of ``prompts``: ``outputs`` is
@@ -59,12 +87,13 @@ def rollout_batch(prompts: Sequence[Sequence[int]], outputs, group_size: int,
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise BatchError(f"group_size: must be an int >= 1, got {group_size!r}")
     answers = _answers(outputs)
-    prompts = [list(p) for p in prompts]
+    prompts = [_token_ids(f"prompts[{i}]", p)
+               for i, p in enumerate(_seq("prompts", prompts, "prompts (token id lists)"))]
     if len(answers) != len(prompts) * group_size:
         raise BatchError(f"outputs: must hold group_size x len(prompts) = {group_size} x "
                          f"{len(prompts)} = {len(prompts) * group_size} answers (prompt-major), "
                          f"got {len(answers)}")
-    rewards = [float(r) for r in rewards]
+    rewards = _finite("rewards", rewards, "numbers, one per answer")
     if len(rewards) != len(answers):
         raise BatchError(f"rewards: must hold one reward per answer ({len(answers)}), got "
                          f"{len(rewards)}")
@@ -75,7 +104,8 @@ def rollout_batch(prompts: Sequence[Sequence[int]], outputs, group_size: int,
             keys = sorted(out) if isinstance(out, Mapping) else type(out).__name__
             raise BatchError(f"outputs[{i}]: must hold output_ids and output_logprobs (ask the "
                              f"server for log-probs), got {keys}")
-        ids, lps = list(out["output_ids"]), list(out["output_logprobs"])
+        ids = _token_ids(f"outputs[{i}].output_ids", out["output_ids"])
+        lps = _finite(f"outputs[{i}].output_logprobs", out["output_logprobs"], "log-probs")
         if len(lps) != len(ids):
             raise BatchError(f"outputs[{i}].output_logprobs: must hold one log-prob per output "
                              f"id ({len(ids)}), got {len(lps)}")

@@ -163,6 +163,13 @@ def _check_consecutive(rows: torch.Tensor, G: int) -> None:
             f"shard_batch(batch, mesh, group_size={G}), or give the batch a {K.GROUP_ID} key")
 
 
+def _check_mesh(mesh) -> None:
+    """What the batch functions read of a Mesh: its dp size and a rank's coordinate."""
+    if isinstance(getattr(mesh, "dp", None), int) and callable(getattr(mesh, "rank", None)):
+        return
+    raise ConfigError(f"mesh: must be an fsdpfn Mesh (build_mesh), got {type(mesh).__name__}")
+
+
 def shard_batch(batch: TensorDictBase, mesh, *, group_size: int | None = None) -> TensorDictBase:
     """This data-parallel rank's rows of a global batch held by every rank.
 
@@ -175,13 +182,18 @@ def shard_batch(batch: TensorDictBase, mesh, *, group_size: int | None = None) -
     ``row_index`` (global row of each row) so gather_batch can restore the order and grouped
     estimators and pair losses can refuse groups or pairs that were split.
     """
-    has_ids = K.GROUP_ID in batch.keys()
-    if group_size is None:
-        B = batch.batch_size[0] if len(batch.batch_size) == 1 else 0
-        group_size = 2 if not has_ids and B % 2 == 0 and B >= 2 * mesh.dp else 1
+    _check_mesh(mesh)
     error = None
     try:
-        validate_batch(batch, group_size=group_size if group_size > 1 and not has_ids else None)
+        if group_size is not None:
+            config_int("group_size", group_size)
+        validate_batch(batch)
+        has_ids = K.GROUP_ID in batch.keys()
+        if group_size is None:
+            B = batch.batch_size[0]
+            group_size = 2 if not has_ids and B % 2 == 0 and B >= 2 * mesh.dp else 1
+        if group_size > 1 and not has_ids:
+            check_rows(batch.batch_size[0], group_size, False)
     except (BatchError, ConfigError) as exc:
         error = exc
     _same_global_batch(batch, error, group_size)
@@ -210,6 +222,19 @@ def _same_global_batch(batch, error: Exception | None, group_size: int) -> None:
 def gather_batch(batch: TensorDictBase, mesh) -> TensorDictBase:
     """Inverse of shard_batch: every rank gets the global batch, rows in their original order
     (by ``row_index`` when present, else concatenated in dp-rank order)."""
+    _check_mesh(mesh)
+    error = None
+    try:  # what the gather reads; keys and dtypes are compared across ranks after it
+        if not isinstance(batch, TensorDictBase) or len(batch.batch_size) != 1:
+            raise BatchError(f"batch: must be a tensordict.TensorDict of batch_size [B], got "
+                             f"{type(batch).__name__}")
+        ids = batch.get(K.INPUT_IDS, None)
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            raise BatchError(f"{K.INPUT_IDS}: gather_batch needs it as a [B, T] tensor, got "
+                             f"{type(ids).__name__}")
+    except BatchError as exc:
+        error = exc
+    verdict(error)  # a bad part on one rank: every rank raises, none waits in the gather
     pieces = _dp_pieces(batch, mesh)
     widths = {p.get(K.INPUT_IDS).shape[1] for p in pieces}
     if len(widths) > 1:

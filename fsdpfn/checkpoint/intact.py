@@ -142,6 +142,8 @@ def latest_intact_checkpoint(root, *, fallback: bool = True) -> Path | None:
     message names the call that falls back). Every candidate failing is a CheckpointError listing
     them. Collective when a process group is initialised (rank 0 reads the files)."""
     fn = "latest_intact_checkpoint"
+    if not isinstance(fallback, bool):
+        raise CheckpointError(f"{fn}: fallback: must be a bool, got {fallback!r}")
     root = as_path(root, fn)
     candidates = _candidates(root)
     skipped = []

@@ -14,7 +14,7 @@ from fsdpfn.config import ParallelStrategy
 from fsdpfn.errors import ConfigError
 from fsdpfn.wire.ports import free_port
 
-__all__ = ["Mesh", "build_mesh", "resolve_strategy"]
+__all__ = ["Mesh", "build_mesh", "resolve_strategy", "check_mesh"]
 
 AXES = ("dp", "cp", "tp")
 
@@ -59,6 +59,14 @@ class Mesh:
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
+
+
+def check_mesh(mesh, *, optional: bool = False) -> None:
+    """ConfigError unless ``mesh`` is a fsdpfn Mesh (build_mesh's); ``optional``: None passes."""
+    if isinstance(mesh, Mesh) or (optional and mesh is None):
+        return
+    raise ConfigError(f"mesh: must be an fsdpfn Mesh (build_mesh){' or None' if optional else ''}"
+                      f", got {type(mesh).__name__}")
 
 
 def resolve_strategy(strategy: ParallelStrategy, world_size: int) -> ParallelStrategy:

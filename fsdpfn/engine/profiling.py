@@ -31,6 +31,7 @@ from typing import Iterable
 import torch
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import check_dir
 from fsdpfn.agree import rank
 from fsdpfn.engine.timing import PROFILER
 
@@ -107,6 +108,9 @@ class ProfileSession:
 def _check_steps(steps) -> frozenset[int] | None:
     if steps is None:
         return None
+    if isinstance(steps, (str, bytes)):  # iterable, but of characters
+        raise ConfigError(f"steps: must be an iterable of step indices (ints >= 0) or None, "
+                          f"got {steps!r}")
     try:
         chosen = frozenset(steps)
     except TypeError:
@@ -125,6 +129,7 @@ def profile(out_dir: str | os.PathLike, *, steps: Iterable[int] | None = None,
     Chrome/Perfetto JSON files under ``out_dir``, one per step and rank; see the module
     docstring. Yields the session; its ``written`` lists the files written so far. Every rank
     enters the block (each writes its own files); not re-entrant."""
+    out = check_dir("out_dir", out_dir)
     steps = _check_steps(steps)
     for name, value in (("memory", memory), ("record_shapes", record_shapes),
                         ("with_stack", with_stack)):
@@ -133,7 +138,6 @@ def profile(out_dir: str | os.PathLike, *, steps: Iterable[int] | None = None,
     if PROFILER.get() is not None:
         raise ConfigError("profile: already inside an fsdpfn.profile block (one torch profiler "
                           "at a time), got a nested one")
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     session = ProfileSession(out, steps, memory=memory, record_shapes=record_shapes,
                              with_stack=with_stack)

@@ -33,7 +33,7 @@ from fsdpfn.agree import agree_on_error
 from fsdpfn.config import EngineConfig
 from fsdpfn.errors import ConfigError
 from fsdpfn.engine.load_weights import build_skeleton, load_weights, restore_buffers, torch_dtype
-from fsdpfn.engine.mesh import Mesh
+from fsdpfn.engine.mesh import Mesh, check_mesh
 from fsdpfn.ops.logprobs import vocab_shard_range
 from fsdpfn.engine.optim_build import build_optimizer, build_scheduler, lr_factor
 from fsdpfn.engine.packed import PackedModel
@@ -383,6 +383,7 @@ def shard_model(config: EngineConfig, mesh: Mesh) -> EngineState:
     """Build (or load) the HF model of ``config`` and shard it over ``mesh``; see module doc."""
     if not isinstance(config, EngineConfig):
         raise ConfigError(f"config: must be an EngineConfig, got {type(config).__name__}")
+    check_mesh(mesh)
     phases = timing.Phases(mesh.device)  # where the build's time goes: last_timings(state)
     error = None
     try:  # every rank validates before the first collective; all agree on the verdict

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 
 from fsdpfn.agree import world_size
+from fsdpfn.engine.state import EngineState
+from fsdpfn.errors import ConfigError
 
 __all__ = ["STAGES", "KEYS", "Clock", "enter", "region", "timed", "last_timings",
            "measure_peak_tflops", "peak_tflops", "matmul_params", "model_flops"]
@@ -398,7 +400,8 @@ def last_timings(state) -> dict[str, dict[str, float]]:
     "peak_memory_gb": ..., "tokens_per_s": ..., "mfu": ...}, "ppo_step": {...}}``. Keys as in
     the stats of a training step; ``shard_model``: the build's seconds per phase (see
     fsdpfn.engine.shard). Empty with ``timing=False``."""
-    model = getattr(state, "model", None)
-    if model is None:
-        return {}
+    if not isinstance(state, EngineState):
+        raise ConfigError(f"state: must be an EngineState (shard_model's), got "
+                          f"{type(state).__name__}")
+    model = state.model
     return {fn: dict(numbers) for fn, numbers in _LAST.get(model, {}).items()}

@@ -42,12 +42,14 @@ import bisect
 import operator
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import attrs
 
 from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.validators import SEED_END
 from fsdpfn.rollout.balance import Balancer, group_work, renumbered
 from fsdpfn.rollout.client import check_prompts, generate
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
@@ -146,17 +148,29 @@ class RolloutStream:
                  score: Callable[[list], list] | None = None, seed: int | None = None,
                  runner: Callable[[str, int, list], list] | None = None,
                  steps: int | None = None):
+        if sampling is not None and not isinstance(sampling, Mapping):
+            raise ConfigError(f"sampling: must be a mapping of sampling parameters (or None), got "
+                              f"{type(sampling).__name__}")
         sampling = dict(sampling or {})
         _check_args(group_size, groups_per_step, max_staleness, start, sampling)
         version = _int("version", version, 0)
         seed = None if seed is None else _int("seed", seed, 0)
+        if seed is not None and seed >= SEED_END:  # the servers' sampling seeds' range
+            raise ConfigError(f"seed: must be an int in [0, 2**63), got {seed!r}")
         steps = None if steps is None else _int("steps", steps, 0)
         if runner is not None and not callable(runner):
             raise ConfigError(f"runner: must be callable (url, first, items) -> outputs, got "
                               f"{runner!r}")
+        if not isinstance(urls, (str, list, tuple)) or (not isinstance(urls, str) and not urls):
+            raise ConfigError(f"urls: must name at least one rollout server ('http://host:port' "
+                              f"or a list of them), got {urls!r}")
+        if not callable(prompt_at):
+            raise ConfigError(f"prompt_at: must be callable (index -> a prompt), got "
+                              f"{type(prompt_at).__name__}")
+        if score is not None and not callable(score):
+            raise ConfigError(f"score: must be callable (groups -> one result each) or None, got "
+                              f"{type(score).__name__}")
         self.urls = [urls] if isinstance(urls, str) else list(urls)
-        if not self.urls:
-            raise ConfigError("urls: must name at least one rollout server, got []")
         self.balancer = Balancer(self.urls)  # outstanding work per server (balance.py)
         self.prompt_at, self.score, self.sampling, self.seed = prompt_at, score, sampling, seed
         self.runner, self.token_items = runner or self._generate, runner is None

@@ -30,6 +30,7 @@ from typing import Sequence
 
 from fsdpfn.engine import lora
 from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.validators import check_dir
 from fsdpfn.engine.state import EngineState
 from fsdpfn.agree import capture_error, is_rank_zero, share_from_rank_zero
 from fsdpfn.weights.disk import keep_recent
@@ -58,7 +59,7 @@ class AdapterTarget:
         except ValueError as exc:
             raise ConfigError(f"dtype: {exc}") from None
         self.urls = urls  # check_urls strips trailing slashes
-        self.root = Path(root)
+        self.root = check_dir("root", root)
         self.lora_name = lora_name
         self.keep_last = keep_last
         self.timeout_s = float(timeout_s)

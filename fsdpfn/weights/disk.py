@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.validators import check_dir
 from fsdpfn.agree import agree_on_error, capture_error, is_rank_zero
 from fsdpfn.engine.state import EngineState
 from fsdpfn.engine.shard import source_config
@@ -59,12 +60,7 @@ class DiskTarget:
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int = 2, dtype: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if not isinstance(root, (str, os.PathLike)) or str(root).strip() == "":
-            raise ConfigError(f"root: must be a directory path (a non-empty str or "
-                              f"os.PathLike), got {root!r}")
-        if Path(root).exists() and not Path(root).is_dir():
-            raise ConfigError(f"root: must be a directory (or not exist yet), got {str(root)!r}, "
-                              f"which is a file")
+        check_dir("root", root)
         if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             raise ConfigError(f"keep_last: must be an int >= 1, got {keep_last!r}")
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) \
