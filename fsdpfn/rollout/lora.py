@@ -72,7 +72,12 @@ def read_adapter(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights.is_file():
+    try:
+        found = config_file.is_file() and weights.is_file()
+    except OSError as exc:  # a name past the file system's length (ENAMETOOLONG)
+        raise _error(f"lora_path: must be a peft adapter directory, got {str(path)[:200]!r} "
+                     f"({exc.strerror})") from None
+    if not found:
         raise _error(f"lora_path: must be a peft adapter directory (adapter_config.json and "
                      f"adapter_model.safetensors), got {str(path)!r}")
     try:

@@ -194,6 +194,9 @@ def _refuse(body: dict, own: set[str], *, stream_ok: bool = False) -> None:
             raise UpdateError(f"{key}: not supported by this server, got "
                               f"{str(body[key])[:80]!r}")
     check_rid(body.get("rid"), "choice")  # SGLang's: what /abort_request names
+    if not isinstance(body.get("model", ""), (str, type(None))):  # echoed in the answer
+        raise UpdateError(f"model: must be a string (the model's name; any is served), got "
+                          f"{str(body['model'])[:80]!r}")
     unknown = sorted(set(body) - own - set(SAMPLING) - IGNORED - set(OFF))
     if unknown:
         raise UpdateError(f"{unknown[0]}: not a request field this server knows (fields: "

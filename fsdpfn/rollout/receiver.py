@@ -35,8 +35,9 @@ from fsdpfn.rollout.errors import UpdateError, check_flags
 from fsdpfn.rollout.staging import (Abandoned, Layout, checked_checksum, checksum_after,
                                     copy_shared, first_non_finite, http_swap_s,
                                     load_update_files, parse_version, post_flat, receive_sglang,
-                                    record_event, request_fields, swap_bound, torch_dtypes,
-                                    unpack_flat, validate, wait_events, wait_work_or_abandon)
+                                    record_event, request_fields, request_timeout, swap_bound,
+                                    torch_dtypes, unpack_flat, validate, wait_events,
+                                    wait_work_or_abandon)
 from fsdpfn.wire.protocol import make_group
 
 __all__ = ["Receiver", "Group"]
@@ -152,18 +153,34 @@ class Receiver:
         """/init_weights_update_group: SGLang's {master_address, master_port, rank_offset,
         world_size, group_name="weight_update_group", backend="nccl"}, plus fsdpfn's timeout_s
         (default 300). Joins as rank ``rank_offset``; blocks until every member joined."""
-        try:
-            name = str(payload.get("group_name") or "weight_update_group")
-            backend = str(payload.get("backend") or "nccl")
-            args = dict(master_address=str(payload["master_address"]),
-                        master_port=int(payload["master_port"]),
-                        rank=int(payload["rank_offset"]), world_size=int(payload["world_size"]),
-                        group_name=name, backend=backend,
-                        timeout_s=float(payload.get("timeout_s") or 300.0))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UpdateError(f"init_weights_update_group: payload must hold master_address, "
-                              f"master_port, rank_offset, world_size; got {sorted(payload)} "
-                              f"({type(exc).__name__}: {exc})") from None
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
+                   if payload.get(k) is None]
+        if missing:
+            raise UpdateError(f"{missing[0]}: required (init_weights_update_group takes "
+                              f"master_address, master_port, rank_offset, world_size), got "
+                              f"{sorted(payload)}")
+        name, backend = _group_name(payload), payload.get("backend") or "nccl"
+
+        def whole(key, low, high=None):
+            value = payload[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < low \
+                    or (high is not None and value > high):
+                raise UpdateError(f"{key}: must be an int in [{low}, {high or 'inf'}], got "
+                                  f"{str(value)[:80]!r}")
+            return value
+
+        address = payload["master_address"]
+        if not isinstance(address, str) or not address.strip():
+            raise UpdateError(f"master_address: must be a host name or address, got "
+                              f"{str(address)[:80]!r}")
+        if backend not in ("nccl", "gloo"):
+            raise UpdateError(f"backend: must be 'nccl' or 'gloo', got {str(backend)[:80]!r}")
+        args = dict(master_address=address, master_port=whole("master_port", 1, 65535),
+                    rank=whole("rank_offset", 0), world_size=whole("world_size", 2),
+                    group_name=name, backend=backend, timeout_s=request_timeout(payload))
+        if args["rank"] >= args["world_size"]:
+            raise UpdateError(f"rank_offset: must be below world_size ({args['world_size']}), "
+                              f"got {args['rank']}")
         if backend == "nccl" and self.engine.device.type != "cuda":
             raise UpdateError(f"backend: 'nccl' needs a server on cuda, this one serves on "
                               f"{self.engine.device}; pass backend='gloo'")
@@ -182,7 +199,7 @@ class Receiver:
     def destroy_group(self, payload: dict) -> dict:
         """/destroy_weights_update_group: {group_name="weight_update_group"}."""
         with self._alone(60.0):
-            self._drop_group(str(payload.get("group_name") or "weight_update_group"))
+            self._drop_group(_group_name(payload))
         return {"success": True, "message": "group dropped"}
 
     def attach_channel(self, group_name: str, sock) -> None:
@@ -209,10 +226,11 @@ class Receiver:
         refused before (its fields cannot size the bytes, or another update holds the turn)
         drops the group, so the bytes sent for it are never read as the next request's.
         ``merged_adapters`` (fsdpfn's): a LoRA trainer's merged weights (no adapter on top)."""
-        name = str(payload.get("group_name") or "weight_update_group")
+        name = _group_name(payload)
         group = self._group(name)
         try:
             check_flags(payload)
+            request_timeout(payload)  # refused before any byte is read, not after
             names, dtypes, shapes = request_fields(payload)
             self._version(payload.get("weight_version"), partial=True)  # refused before bytes
         except UpdateError as exc:
@@ -341,6 +359,7 @@ class Receiver:
         adds ``weights_checksum`` (what arrived must have it, else refused before the swap) and
         ``timeout_s`` (its call's: the swap waits for the model lock a little less)."""
         check_flags(payload)
+        request_timeout(payload)  # refused before the update is read, not after
         if self.engine.device.type != "cuda":
             raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
                               f"runs on {self.engine.device}")
@@ -398,6 +417,7 @@ class Receiver:
         (a label given beside it names that version)."""
         start = time.monotonic()
         check_flags(payload)
+        request_timeout(payload)  # refused before the update is read, not after
         with self._alone(0.0):
             tensors, version, label = load_update_files(
                 payload, self.engine.params, self.engine.aliases, self.engine.device,
@@ -429,6 +449,7 @@ class Receiver:
         staged: the served weights stay as they are."""
         start = time.monotonic()
         check_flags(payload, ("commit",))
+        request_timeout(payload)  # refused while the staged update is still kept
         with self._alone(0.0):
             staged, version = self.staged, payload.get("weight_version")
             if isinstance(version, str) and version.strip().isdecimal():
@@ -487,6 +508,16 @@ class Receiver:
             self.engine.swap(tensors, version)
             return rollout_lora.answer(self.engine, None, f"adapter {name!r} unloaded, version "
                                        f"{version}")
+
+
+def _group_name(payload: dict) -> str:
+    """A request's ``group_name`` (SGLang's default when absent or null), else a 400 naming it."""
+    name = payload.get("group_name")
+    if name is None:
+        return "weight_update_group"
+    if not isinstance(name, str) or not name:
+        raise UpdateError(f"group_name: must be a non-empty string, got {str(name)[:80]!r}")
+    return name
 
 
 def _shut(sock) -> None:

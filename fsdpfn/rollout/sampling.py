@@ -103,8 +103,13 @@ class SamplingParams:
         def is_int(v, low):
             return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def is_num(v):  # a JSON int past float's range (10**400) is no number to sample with
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return False
+            try:
+                return math.isfinite(float(v))
+            except OverflowError:
+                return False
 
         # each rule runs only after the ones above it hold (min_new_tokens compares with a
         # max_new_tokens already known to be an int)
@@ -135,6 +140,9 @@ class SamplingParams:
             if not ok():
                 raise UpdateError(f"sampling_params.{self._names.get(key, key)}: must be "
                                   f"{rule}, got {getattr(self, key)!r}")
+        for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty"):  # a JSON int (10**30) as the float torch takes
+            setattr(self, key, float(getattr(self, key)))
         if 0 < self.temperature < GREEDY_BELOW:  # logits / T would overflow to inf
             self.temperature = 0.0
 

@@ -94,6 +94,10 @@ def _refuse(engine, payload: dict) -> None:
     check_flags(payload, ("return_text_in_logprobs",))
     check_rid(payload.get("rid"), "output")
     lora = payload.get("lora_path")
+    if not isinstance(lora, (str, type(None))) and not (
+            isinstance(lora, list) and all(isinstance(w, str) for w in lora)):
+        raise UpdateError(f"lora_path: must be an adapter's name or path, or a list of them, "
+                          f"got {str(lora)[:80]!r}")
     if lora not in (None, "", []):
         slot = engine.receiver.adapter
         names = {getattr(slot, "name", None), getattr(slot, "path", None)} - {None}
@@ -108,8 +112,10 @@ def encode_prompts(engine, input_ids, text) -> tuple[list[list[int]], bool]:
     if input_ids is not None and text is not None:
         raise UpdateError("input_ids, text: give one of them, got both")
     if input_ids is not None:
-        single = isinstance(input_ids, list) and bool(input_ids) and all(
-            isinstance(t, int) for t in input_ids)
+        if not isinstance(input_ids, list):
+            raise UpdateError(f"input_ids: must be a list of token ids or a list of such lists, "
+                              f"got {str(input_ids)[:80]!r}")
+        single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
         return ([input_ids] if single else input_ids), single
     if text is None:
         raise UpdateError("input_ids: required (or text), got neither")

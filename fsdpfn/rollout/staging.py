@@ -340,10 +340,20 @@ def http_swap_s(payload: dict, start: float) -> float:
     """What is left of a request's swap bound: its sender's ``timeout_s`` (fsdpfn's senders
     send the timeout of their HTTP call; 300 s without one), less the time spent since
     ``start`` (time.monotonic())."""
+    return max(0.01, swap_bound(request_timeout(payload)) - (time.monotonic() - start))
+
+
+def request_timeout(payload: dict) -> float:
+    """An update request's ``timeout_s`` (300 s when absent or null), else a 400 naming it: a
+    string, a NaN or an infinite bound was read as 300 s or as no bound at all."""
     timeout = payload.get("timeout_s")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        timeout = 300.0
-    return max(0.01, swap_bound(timeout) - (time.monotonic() - start))
+    if timeout is None:
+        return 300.0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout < math.inf:
+        raise UpdateError(f"timeout_s: must be a finite number of seconds > 0 (or null: 300), "
+                          f"got {str(timeout)[:80]!r}")
+    return float(timeout)
 
 
 def request_fields(payload: dict) -> tuple[list[str], list[str], list[list[int]]]:
@@ -408,7 +418,12 @@ def load_update_files(payload: dict, params: dict, aliases: dict, device: torch.
         raise UpdateError(f"model_path: required, a directory of safetensors files, got "
                           f"{payload.get('model_path')!r}")
     path = Path(payload["model_path"])
-    if not path.is_dir():
+    try:
+        found = path.is_dir()
+    except OSError as exc:  # a name past the file system's length (ENAMETOOLONG)
+        raise UpdateError(f"model_path: must be a directory of safetensors files, got "
+                          f"{str(path)[:200]!r} ({exc.strerror})") from None
+    if not found:
         raise UpdateError(f"model_path: must be a directory of safetensors files, got "
                           f"{str(path)!r}", 404)
     manifest = read_json(path / MANIFEST)

@@ -281,7 +281,7 @@ def test_a_request_of_more_rows_than_the_cap_is_refused_before_any_row_is_built(
                                           "shapes": [[1]], "group_name": "nobody"},
      "no weights-update group 'nobody'"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1"},
-     "payload must hold master_address, master_port"),
+     "master_port: required (init_weights_update_group takes master_address, master_port"),
 ])
 def test_sglangs_group_endpoints_answer_a_refusal_400_as_sglang_does(server, path, body, named):
     """SGLang answers every refusal of these endpoints 400 {success: false, message}; its
