@@ -36,11 +36,10 @@ from typing import Any, Sequence
 import torch
 
 from fsdpfn.rollout import generation
-from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.errors import UpdateError, check_temperature
 from fsdpfn.rollout.receiver import Receiver
 from fsdpfn.rollout.sampling import SamplingParams, find_stop
 from fsdpfn.rollout.text import eos_ids, load_tokenizer
-from fsdpfn.validators import check_temperature
 from fsdpfn.wire.model_fingerprint import config_fields, config_fingerprint
 from fsdpfn.wire.protocol import combine_checksums, dtype_from_name, dtype_name, tensor_checksums
 
@@ -373,7 +372,7 @@ class RolloutEngine:
         """Teacher-forced scoring: token_logprobs[b][t] = log softmax(logits/T) of ids[t] given
         ids[:t] (0 at t=0); logits [b][t][V] when asked (ragged rows, no padding)."""
         rows = self._check_ids(input_ids, "input_ids")
-        temperature = check_temperature(temperature, error=UpdateError)
+        temperature = check_temperature(temperature)
         if not isinstance(return_logits, bool):
             raise UpdateError(f"return_logits: must be a bool, got {return_logits!r}")
         if len(rows) > MAX_REQUEST_ROWS:

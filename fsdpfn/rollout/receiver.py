@@ -31,11 +31,12 @@ import attrs
 import torch
 
 from fsdpfn.rollout import lora as rollout_lora
-from fsdpfn.rollout.errors import UpdateError, check_flags
+from fsdpfn.rollout.errors import (UpdateError, check_flags, group_args, group_name,
+                                   request_timeout)
 from fsdpfn.rollout.staging import (Abandoned, Layout, checked_checksum, checksum_after,
                                     copy_shared, first_non_finite, http_swap_s,
                                     load_update_files, parse_version, post_flat, receive_sglang,
-                                    record_event, request_fields, request_timeout, swap_bound,
+                                    record_event, request_fields, swap_bound,
                                     torch_dtypes, unpack_flat, validate, wait_events,
                                     wait_work_or_abandon)
 from fsdpfn.wire.protocol import make_group
@@ -153,34 +154,8 @@ class Receiver:
         """/init_weights_update_group: SGLang's {master_address, master_port, rank_offset,
         world_size, group_name="weight_update_group", backend="nccl"}, plus fsdpfn's timeout_s
         (default 300). Joins as rank ``rank_offset``; blocks until every member joined."""
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
-                   if payload.get(k) is None]
-        if missing:
-            raise UpdateError(f"{missing[0]}: required (init_weights_update_group takes "
-                              f"master_address, master_port, rank_offset, world_size), got "
-                              f"{sorted(payload)}")
-        name, backend = _group_name(payload), payload.get("backend") or "nccl"
-
-        def whole(key, low, high=None):
-            value = payload[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < low \
-                    or (high is not None and value > high):
-                raise UpdateError(f"{key}: must be an int in [{low}, {high or 'inf'}], got "
-                                  f"{str(value)[:80]!r}")
-            return value
-
-        address = payload["master_address"]
-        if not isinstance(address, str) or not address.strip():
-            raise UpdateError(f"master_address: must be a host name or address, got "
-                              f"{str(address)[:80]!r}")
-        if backend not in ("nccl", "gloo"):
-            raise UpdateError(f"backend: must be 'nccl' or 'gloo', got {str(backend)[:80]!r}")
-        args = dict(master_address=address, master_port=whole("master_port", 1, 65535),
-                    rank=whole("rank_offset", 0), world_size=whole("world_size", 2),
-                    group_name=name, backend=backend, timeout_s=request_timeout(payload))
-        if args["rank"] >= args["world_size"]:
-            raise UpdateError(f"rank_offset: must be below world_size ({args['world_size']}), "
-                              f"got {args['rank']}")
+        args = group_args(payload)
+        name, backend = args["group_name"], args["backend"]
         if backend == "nccl" and self.engine.device.type != "cuda":
             raise UpdateError(f"backend: 'nccl' needs a server on cuda, this one serves on "
                               f"{self.engine.device}; pass backend='gloo'")
@@ -199,7 +174,7 @@ class Receiver:
     def destroy_group(self, payload: dict) -> dict:
         """/destroy_weights_update_group: {group_name="weight_update_group"}."""
         with self._alone(60.0):
-            self._drop_group(_group_name(payload))
+            self._drop_group(group_name(payload))
         return {"success": True, "message": "group dropped"}
 
     def attach_channel(self, group_name: str, sock) -> None:
@@ -226,7 +201,7 @@ class Receiver:
         refused before (its fields cannot size the bytes, or another update holds the turn)
         drops the group, so the bytes sent for it are never read as the next request's.
         ``merged_adapters`` (fsdpfn's): a LoRA trainer's merged weights (no adapter on top)."""
-        name = _group_name(payload)
+        name = group_name(payload)
         group = self._group(name)
         try:
             check_flags(payload)
@@ -508,16 +483,6 @@ class Receiver:
             self.engine.swap(tensors, version)
             return rollout_lora.answer(self.engine, None, f"adapter {name!r} unloaded, version "
                                        f"{version}")
-
-
-def _group_name(payload: dict) -> str:
-    """A request's ``group_name`` (SGLang's default when absent or null), else a 400 naming it."""
-    name = payload.get("group_name")
-    if name is None:
-        return "weight_update_group"
-    if not isinstance(name, str) or not name:
-        raise UpdateError(f"group_name: must be a non-empty string, got {str(name)[:80]!r}")
-    return name
 
 
 def _shut(sock) -> None:

@@ -20,8 +20,7 @@ import math
 import operator
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from fsdpfn.rollout.errors import UpdateError
-from fsdpfn.validators import TEMPERATURE_MIN
+from fsdpfn.rollout.errors import GREEDY_BELOW, UpdateError
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +45,6 @@ def _token_id(t) -> bool:
         return False
 
 
-GREEDY_BELOW = TEMPERATURE_MIN  # 1e-6, SGLang's rule: a temperature below it is greedy
 
 
 class SamplingParams:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.errors import UpdateError, request_timeout
 from fsdpfn.wire.protocol import (MANIFEST, bucket_layout, broadcast, combine_checksums,
                                   combine_on_device, dtype_from_name, dtype_name, flat_checksums,
                                   padded_size, sha256_of, tensor_checksums, wait_work,
@@ -341,19 +341,6 @@ def http_swap_s(payload: dict, start: float) -> float:
     send the timeout of their HTTP call; 300 s without one), less the time spent since
     ``start`` (time.monotonic())."""
     return max(0.01, swap_bound(request_timeout(payload)) - (time.monotonic() - start))
-
-
-def request_timeout(payload: dict) -> float:
-    """An update request's ``timeout_s`` (300 s when absent or null), else a 400 naming it: a
-    string, a NaN or an infinite bound was read as 300 s or as no bound at all."""
-    timeout = payload.get("timeout_s")
-    if timeout is None:
-        return 300.0
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not 0 < timeout < math.inf:
-        raise UpdateError(f"timeout_s: must be a finite number of seconds > 0 (or null: 300), "
-                          f"got {str(timeout)[:80]!r}")
-    return float(timeout)
 
 
 def request_fields(payload: dict) -> tuple[list[str], list[str], list[list[int]]]:

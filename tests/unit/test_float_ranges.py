@@ -100,3 +100,11 @@ def test_advantages_that_overflow_float32_are_a_batch_error_naming_where(estimat
         for row in (0, 1):
             got = ok[K.ADVANTAGES][row][mask[row]].double()
             assert torch.allclose(got, torch.full_like(got, want[row]), rtol=1e-5), got
+
+
+def test_the_server_and_the_trainer_hold_one_temperature_floor():
+    """The server imports nothing of the trainer, so it spells the floor itself."""
+    from fsdpfn.rollout.errors import GREEDY_BELOW
+    from fsdpfn.validators import TEMPERATURE_MIN
+
+    assert GREEDY_BELOW == TEMPERATURE_MIN == 1e-6

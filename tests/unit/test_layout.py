@@ -2,7 +2,8 @@
 
 Every module of fsdpfn belongs to one package; a package imports only the packages below it:
 
-    contract   config, errors, keys, lazy, serde, validators, ops/  (imports: errors)
+    contract   config, errors, keys, lazy, serde, validators, ops/  (imports: errors; ops/ also
+               validators, a leaf of rules)
     agree      every rank agreeing on one verdict              (imports: errors)
     wire/      what both ends of the push speak                (imports: errors)
     batch/     the batch format                                (contract, agree)
@@ -32,7 +33,7 @@ CONTRACT = {"config", "errors", "keys", "lazy", "serde", "validators", "ops"}
 BELOW = {
     "errors": set(), "keys": set(), "lazy": set(), "validators": {"errors"},
     "config": {"errors", "validators"},
-    "serde": {"errors"}, "ops": {"errors"},
+    "serde": {"errors"}, "ops": {"errors", "validators"},
     "agree": {"errors"}, "wire": {"errors"},
     "batch": CONTRACT | {"agree"},
     "engine": CONTRACT | {"agree", "batch", "wire"},
