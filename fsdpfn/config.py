@@ -12,10 +12,9 @@ import os
 import attrs
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (boolean, fail, integer, is_number, number, one_of, seed_int,
-                               str_tuple, to_float, to_opt_float, to_tuple)
-from fsdpfn.validators import fits_float32
-from fsdpfn.validators import temperature as temperature_rule
+from fsdpfn.validators import (boolean, fail, fits_float32, integer, is_number, number, one_of,
+                               seed_int, str_tuple, temperature_rule, to_float, to_opt_float,
+                               to_tuple)
 
 __all__ = [
     "ParallelStrategy", "OptimizerConfig", "FSDPConfig", "MicroBatchSpec", "LoRAConfig",

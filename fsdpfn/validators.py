@@ -22,7 +22,7 @@ from fsdpfn.errors import ConfigError
 __all__ = ["fail", "is_number", "is_nonempty_str", "is_port", "satisfies",
            "integer", "number", "one_of", "boolean", "str_tuple", "to_tuple", "to_float",
            "to_opt_float", "int_to_float", "to_path", "TEMPERATURE_MIN", "check_temperature",
-           "temperature", "FLOAT32_MAX", "fits_float32", "check_dir"]
+           "temperature_rule", "FLOAT32_MAX", "fits_float32", "check_dir"]
 
 
 def fail(name: str, rule: str, value: Any, *, shown: str | None = None) -> NoReturn:
@@ -118,17 +118,17 @@ TEMPERATURE_RULE = ("must be a finite number >= 1e-06 (a sampling temperature be
                     "whose log-probs are temperature 1's)")
 
 
-def check_temperature(value, name: str = "temperature", *, error=ConfigError) -> float:
+def check_temperature(value) -> float:
     """A temperature the log-probs are taken at, as a float: a finite number >= 1e-6. Below it
     the servers sample greedily (and report temperature 1's log-probs), and logits / T leave
     float32's range (T = 1e-300 is 0 in float32): the log-probs would be NaN or describe no
-    draw. ``error``: the exception class raised (the servers' UpdateError)."""
+    draw."""
     if not is_number(value) or not value >= TEMPERATURE_MIN:
-        raise error(f"{name}: {TEMPERATURE_RULE}, got {value!r}")
+        fail("temperature", TEMPERATURE_RULE, value)
     return float(value)
 
 
-temperature = satisfies(TEMPERATURE_RULE, lambda v: is_number(v) and v >= TEMPERATURE_MIN)
+temperature_rule = satisfies(TEMPERATURE_RULE, lambda v: is_number(v) and v >= TEMPERATURE_MIN)
 
 
 def one_of(*choices, rule: str | None = None):
@@ -170,16 +170,15 @@ def int_to_float(value):
     return value
 
 
-def check_dir(name: str, value, *, error=ConfigError) -> Path:
+def check_dir(name: str, value) -> Path:
     """A directory argument (``root``, ``out_dir``) as a Path: a non-empty str or os.PathLike
     that is a directory or does not exist yet."""
     if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) \
             or not os.fspath(value).strip():
-        raise error(f"{name}: must be a directory path (a non-empty str or os.PathLike), got "
-                    f"{value!r}")
+        fail(name, "must be a directory path (a non-empty str or os.PathLike)", value)
     if Path(value).exists() and not Path(value).is_dir():
-        raise error(f"{name}: must be a directory (or not exist yet), got {str(value)!r}, which "
-                    f"is a file")
+        fail(name, "must be a directory (or not exist yet)", value,
+             shown=f"{str(value)!r}, which is a file")
     return Path(value)
 
 

@@ -25,8 +25,7 @@ import attrs
 
 from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import boolean, is_nonempty_str, one_of, satisfies
-from fsdpfn.validators import temperature as temperature_rule
+from fsdpfn.validators import boolean, is_nonempty_str, one_of, satisfies, temperature_rule
 
 __all__ = ["Objective", "NORMALIZERS", "as_objective", "check_actor_options"]
 

@@ -22,10 +22,6 @@ __all__ = ["token_logprobs", "token_entropy", "chunked_logprobs", "vocab_paralle
            "vocab_shard_range", "liger_logprobs", "liger_available"]
 
 
-def _check_temperature(temperature: float) -> float:
-    return check_temperature(temperature)
-
-
 def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     z = logits.float()
     return z if temperature == 1.0 else z / temperature
@@ -36,7 +32,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
     logits[..., V] (any float dtype), targets[...] int64 -> logp[...] float32.
     """
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if logits.shape[:-1] != targets.shape:
         raise BatchError(f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
@@ -63,7 +59,7 @@ def _check_targets(targets: torch.Tensor, vocab: int, source: str) -> None:
 
 def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature): logits[..., V] -> entropy[...] float32."""
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     z = _scaled_logits(logits, temperature)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
@@ -250,7 +246,7 @@ def _chunked(hidden, weight, targets, chunk_size, temperature, with_entropy, gro
              bias=None, softcap=None):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if weight.dim() != 2:
         raise BatchError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -360,7 +356,7 @@ def liger_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     where chunked_logprobs keeps float32 logits: the two differ by that rounding (bf16: ~1e-2)."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise BatchError(f"hidden [N, H] and weight [V, H] must agree on H, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")

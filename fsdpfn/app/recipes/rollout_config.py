@@ -8,8 +8,7 @@ import attrs
 
 from fsdpfn.errors import ConfigError
 from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, is_port, number, one_of,
-                               satisfies, to_float)
-from fsdpfn.validators import temperature as temperature_rule
+                               satisfies, temperature_rule, to_float)
 from fsdpfn.wire.http import is_http_url
 
 __all__ = ["RolloutConfig", "PushSection", "PUSH_OWNED", "SERVER_OWNED", "SAMPLING_OWNED"]
