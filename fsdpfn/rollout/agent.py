@@ -27,6 +27,7 @@ import httpx
 import openai
 
 from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.rollout.errors import SEED_END
 from fsdpfn.rollout.episode import Turn
 from fsdpfn.rollout.sampling import prompt_seed
 
@@ -83,7 +84,7 @@ class _Seeds:
 
     def __init__(self, seed: int | None):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not 0 <= seed < 2**63):
+                                 or not 0 <= seed < SEED_END):
             raise ConfigError(f"seed: must be an int in [0, 2**63) or None, got {seed!r}")
         self.seed, self.calls, self.lock = seed, 0, threading.Lock()
 

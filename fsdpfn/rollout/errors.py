@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 
 __all__ = ["UpdateError", "check_flags", "check_rid", "request_timeout", "group_name",
-           "group_args", "check_temperature", "GREEDY_BELOW"]
+           "group_args", "check_temperature", "GREEDY_BELOW", "SEED_END"]
 
 GREEDY_BELOW = 1e-6  # SGLang's rule: a temperature below it is greedy (fsdpfn.validators
 # holds the trainer's side of it, TEMPERATURE_MIN; tests/unit/test_float_ranges.py: equal)
+SEED_END = 2**63  # sampling seeds are ints in [0, SEED_END) (the trainer's validators.SEED_END)
 
 # the bool fields of the update requests (SGLang's and fsdpfn's)
 UPDATE_FLAGS = ("flush_cache", "merged_adapters", "verify_checksums", "commit")

@@ -20,7 +20,7 @@ import math
 import operator
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from fsdpfn.rollout.errors import GREEDY_BELOW, UpdateError
+from fsdpfn.rollout.errors import GREEDY_BELOW, SEED_END, UpdateError
 
 if TYPE_CHECKING:
     import torch
@@ -121,7 +121,7 @@ class SamplingParams:
                   and self.min_new_tokens <= self.max_new_tokens, "an int in [0, max_new_tokens]"),
                  ("n", lambda: is_int(self.n, 1), "an int >= 1"),
                  ("seed", lambda: self.seed is None or is_int(self.seed, 0)
-                  and self.seed < 2 ** 63, "null or an int in [0, 2**63)"),
+                  and self.seed < SEED_END, "null or an int in [0, 2**63)"),
                  ("frequency_penalty", lambda: is_num(self.frequency_penalty)
                   and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
                  ("presence_penalty", lambda: is_num(self.presence_penalty)

@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from fsdpfn.errors import ConfigError, WeightSyncError
+from fsdpfn.rollout.errors import SEED_END
 from fsdpfn.rollout.balance import Balancer, group_work, renumbered
 from fsdpfn.rollout.client import check_prompts, generate
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
@@ -154,7 +155,7 @@ class RolloutStream:
         _check_args(group_size, groups_per_step, max_staleness, start, sampling)
         version = _int("version", version, 0)
         seed = None if seed is None else _int("seed", seed, 0)
-        if seed is not None and seed >= 2**63:  # the servers' sampling seeds' range
+        if seed is not None and seed >= SEED_END:  # the servers' sampling seeds' range
             raise ConfigError(f"seed: must be an int in [0, 2**63), got {seed!r}")
         steps = None if steps is None else _int("steps", steps, 0)
         if runner is not None and not callable(runner):

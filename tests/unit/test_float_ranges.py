@@ -102,9 +102,10 @@ def test_advantages_that_overflow_float32_are_a_batch_error_naming_where(estimat
             assert torch.allclose(got, torch.full_like(got, want[row]), rtol=1e-5), got
 
 
-def test_the_server_and_the_trainer_hold_one_temperature_floor():
-    """The server imports nothing of the trainer, so it spells the floor itself."""
-    from fsdpfn.rollout.errors import GREEDY_BELOW
-    from fsdpfn.validators import TEMPERATURE_MIN
+def test_the_server_and_the_trainer_hold_one_temperature_floor_and_one_seed_range():
+    """The server imports nothing of the trainer, so it spells both bounds itself."""
+    from fsdpfn.rollout.errors import GREEDY_BELOW, SEED_END as SERVER_SEED_END
+    from fsdpfn.validators import SEED_END, TEMPERATURE_MIN
 
     assert GREEDY_BELOW == TEMPERATURE_MIN == 1e-6
+    assert SERVER_SEED_END == SEED_END == 2**63
