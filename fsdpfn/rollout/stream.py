@@ -58,6 +58,9 @@ __all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
 
 # every sampling parameter of the server but n and seed (the stream sets those), and the timeout
 SAMPLING_KEYS = (*(k for k in SamplingParams.FIELDS if k not in ("n", "seed")), "timeout")
+# groups admitted per round (one plan over the servers): a step of more groups is sent in rounds,
+# so close() and the first requests never wait for a whole step's prompt_at calls
+ADMIT_GROUPS = 1024
 
 
 @attrs.frozen
@@ -300,6 +303,10 @@ class RolloutStream:
                 self.cond.notify_all()
 
     def _admit(self) -> None:
+        """Admit groups as the bound allows, in rounds of at most ADMIT_GROUPS. The user's
+        ``prompt_at`` runs outside the lock: a slow dataset never holds back next_batch,
+        advance, close or the answers' bookkeeping, and the first requests of a large step go
+        out before its last prompts are read."""
         while True:
             with self.cond:
                 while not self.closed and self.error is None and self.ended_at is None \
@@ -313,18 +320,27 @@ class RolloutStream:
                 if self.closed or self.error is not None or self.ended_at is not None:
                     return
                 first = self.next_index
-                count = min(self._admissible(), self.B - (first - self.start) % self.B)
-                prompts = self._prompts(first, count)
-                if self.ended_at is not None:
+                count = min(self._admissible(), self.B - (first - self.start) % self.B,
+                            ADMIT_GROUPS)
+                admitted = self.advances
+            prompts, ended, error = self._prompts(first, count)  # this thread alone admits
+            with self.cond:
+                if self.closed:
+                    return
+                if error is not None:
+                    self._fail(error)
+                if ended is not None:
+                    self.ended_at = ended
                     self.cond.notify_all()  # a trainer waiting past the end hears it now
                 self.next_index = first + len(prompts)
-                admitted = self.advances
             for url, start, stop, work in self._plan(prompts):
                 self.pool.submit(self._request, url, first + start, prompts[start:stop],
                                  admitted, work)
 
-    def _prompts(self, first: int, count: int) -> list:
-        """Up to ``count`` prompts from ``first``; marks the end of the data (lock held)."""
+    def _prompts(self, first: int, count: int) -> tuple[list, int | None, BaseException | None]:
+        """Up to ``count`` prompts from ``first`` (the lock not held: ``prompt_at`` is the
+        user's code), the first index with no prompt if the data ended there, and the
+        ConfigError of a prompt_at that failed or returned no prompt."""
         out = []
         for i in range(first, first + count):
             try:
@@ -332,24 +348,21 @@ class RolloutStream:
             except IndexError:
                 ids = None
             except Exception as exc:  # noqa: BLE001 - handed to the trainer by next_batch
-                self._fail(ConfigError(
+                return out, None, ConfigError(
                     f"prompt_at: must return prompt {i} (or raise IndexError past the end), "
-                    f"raised {type(exc).__name__}: {exc}"))
-                break
+                    f"raised {type(exc).__name__}: {exc}")
             if ids is None:
-                self.ended_at = i
-                break
+                return out, i, None
             if self.token_items:  # the default runner sends token ids: checked here, by index
                 try:
                     ids = check_prompts([ids])[0]
                 except ConfigError:
-                    self._fail(ConfigError(
+                    return out, None, ConfigError(
                         f"prompt_at: must return prompt {i} as a non-empty list of token ids "
                         f"(ints >= 0; a workflow runner takes other items), got "
-                        f"{str(ids)[:80]!r}"))
-                    break
+                        f"{str(ids)[:80]!r}")
             out.append(ids)
-        return out
+        return out, None, None
 
     def _fail(self, error: BaseException) -> None:
         """Hand ``error`` to the trainer's next next_batch (lock held)."""

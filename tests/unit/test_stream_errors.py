@@ -207,3 +207,73 @@ def test_nothing_past_the_last_of_steps_is_generated(max_staleness):
 def test_a_bad_steps_is_refused_by_name(steps):
     with pytest.raises(ConfigError, match=r"steps: must be an integer >= 0, got "):
         _stream(steps=steps)
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_prompt_at_never_holds_the_trainer_back():
+    """prompt_at is the user's code (a dataset read, a tokenizer) and runs outside the stream's
+    lock: while it is stuck, next_batch still times out on time, advance is refused by its own
+    rule, and close() returns at once."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def prompt_at(i):
+        if i == 1:
+            release.wait(20)  # stuck until the test lets it go (or 20 s: the old lock's wait)
+        return [3, 4]
+
+    stream = _stream(prompt_at=prompt_at)
+    try:
+        time.sleep(0.2)  # the admission thread is inside prompt_at(1)
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match=r"groups 0..1 not generated within 0.3 s"):
+            stream.next_batch(timeout=0.3)
+        with pytest.raises(ConfigError, match=r"advance: must be called once after each step"):
+            stream.advance(1)
+        stream.close()
+        assert time.perf_counter() - t0 < 3, "the trainer's side waited for prompt_at"
+    finally:
+        release.set()
+        stream.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_step_over_endless_data_is_admitted_in_rounds():
+    """groups_per_step far beyond any server's batch over data that never ends: groups are
+    admitted in rounds of ADMIT_GROUPS (one plan each), the first requests go out before the
+    step's last prompt is read, and close() stops admission at the end of a round."""
+    import threading
+    import time
+
+    from fsdpfn.rollout import stream as stream_mod
+
+    sizes, lock, first_sent = [], threading.Lock(), threading.Event()
+    reads = [0]
+
+    def prompt_at(i):
+        reads[0] += 1
+        return [3, 4]
+
+    def runner(url, first, prompts):
+        with lock:
+            sizes.append(len(prompts))
+        first_sent.set()
+        return _runner(url, first, prompts)
+
+    stream = RolloutStream([URL], prompt_at, group_size=1, groups_per_step=10 ** 9,
+                           runner=runner)
+    try:
+        assert first_sent.wait(10), "no request went out before the step's prompts were read"
+        t0 = time.perf_counter()
+        stream.close()
+        assert time.perf_counter() - t0 < 1
+        time.sleep(0.3)
+        after = reads[0]
+        time.sleep(0.3)
+        assert reads[0] <= after + stream_mod.ADMIT_GROUPS, "admission went on after close()"
+        with lock:
+            assert sizes and max(sizes) <= stream_mod.ADMIT_GROUPS, sizes
+    finally:
+        stream.close()
