@@ -126,7 +126,22 @@ REFUSALS = [
     ("ppo", ["critic_engine.bogus=1"], "critic_engine: unknown key(s) ['bogus'] (allowed:"),
     ("grpo", ["ref_engine.optimizer_dtyp=bfloat16"],
      "ref_engine: unknown key(s) ['optimizer_dtyp']; did you mean 'optimizer_dtype'?"),
-    ("sft", ["ref_engine.dtype=float32"], "unknown key(s) ['ref_engine']"),
+    ("sft", ["ref_engine.dtype=float32"],
+     "ref_engine: not a key here, a key of the grpo, ppo and dpo recipes, not of sft (fsdpfn "
+     "config sft prints its keys)"),
+    ("grpo", ["critic_engine.dtype=float32"],
+     "critic_engine: not a key here, a key of the ppo recipe, not of grpo"),
+    # a step's size copied from another recipe's YAML: this recipe's own key, named
+    ("dpo", ["batch_size=8"],
+     "batch_size: not a key here, the dpo recipe sizes its steps by pairs_per_step (pairs a "
+     "step)"),
+    ("sft", ["prompts_per_step=8"],
+     "prompts_per_step: not a key here, the sft recipe sizes its steps by batch_size (samples a "
+     "step)"),
+    ("grpo", ["pairs_per_step=8"],
+     "pairs_per_step: not a key here, the grpo recipe sizes its steps by prompts_per_step "
+     "(problems a step)"),
+    ("sft", ["batch_sise=8"], "unknown key(s) ['batch_sise']; did you mean 'batch_size'?"),
     ("ppo", ["critic_engine.lora.rank=4"], "critic_engine.lora: must be null"),
     ("dpo", ["engine.lora.rank=4", "ref_engine.dtype=float32"],
      "ref_engine: with engine.lora the reference is the policy"),

@@ -395,6 +395,33 @@ class DPORecipe(Recipe):
 
 RECIPE_CONFIGS = {"grpo": GRPORecipe, "ppo": PPORecipe, "sft": SFTRecipe, "rw": RWRecipe,
                   "dpo": DPORecipe}
-for _cls in RECIPE_CONFIGS.values():  # fsdpfn.serde names the new home of a moved key
-    _cls.__fsdpfn_moved__ = {k: f"moved to {v} (one home per setting; fsdpfn config "
-                                f"{_cls().recipe} prints every key)" for k, v in MOVED.items()}
+# what each recipe counts a step in: a YAML copied from another recipe names the other's key
+STEP_SIZE = {"grpo": ("prompts_per_step", "problems"), "ppo": ("prompts_per_step", "problems"),
+             "sft": ("batch_size", "samples"), "rw": ("pairs_per_step", "pairs"),
+             "dpo": ("pairs_per_step", "pairs")}
+
+
+def _elsewhere(recipe: str) -> dict[str, str]:
+    """{key of other recipes only: why it is not one of ``recipe``'s}, for fsdpfn.serde's
+    message: the step size by this recipe's own key, any other key with the recipes it is in."""
+    own = {a.name for a in attrs.fields(RECIPE_CONFIGS[recipe])}
+    key, unit = STEP_SIZE[recipe]
+    out = {}
+    for other, cls in RECIPE_CONFIGS.items():
+        for name in (a.name for a in attrs.fields(cls)):
+            if name not in own:
+                out.setdefault(name, []).append(other)
+    def listed(names: list[str]) -> str:
+        return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+
+    return {name: (f"the {recipe} recipe sizes its steps by {key} ({unit} a step)"
+                   if name in {k for k, _ in STEP_SIZE.values()} else
+                   f"a key of the {listed(others)} recipe{'s' * (len(others) > 1)}, not of "
+                   f"{recipe} (fsdpfn config {recipe} prints its keys)")
+            for name, others in out.items()}
+
+
+for _name, _cls in RECIPE_CONFIGS.items():  # fsdpfn.serde names the home of a key not here
+    _cls.__fsdpfn_moved__ = {**_elsewhere(_name),
+                             **{k: f"moved to {v} (one home per setting; fsdpfn config {_name} "
+                                   f"prints every key)" for k, v in MOVED.items()}}
