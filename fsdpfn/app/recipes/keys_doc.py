@@ -254,7 +254,10 @@ def render() -> str:
            "classes (or NOTES in fsdpfn/app/recipes/keys_notes.py), not this page. -->", "",
            "`fsdpfn run FILE.yaml` runs one recipe. The file names it (`recipe: grpo`) and sets "
            "any of the keys below; every key not written keeps its default. A misspelt key is "
-           "refused with the closest valid one, a bad value with the dotted key, the rule and "
+           "refused with the closest valid one, a key of another recipe with the recipes "
+           "that have it (a step's size with this recipe's own key: `batch_size` in sft, "
+           "`prompts_per_step` in grpo and ppo, `pairs_per_step` in rw and dpo), a bad value "
+           "with the dotted key, the rule and "
            "the value, in one line (exit status 2); a run refused before its ranks start (the "
            "config's and the data's checks) leaves no run_dir it would have made, nor a "
            "half-written `run_dir/data`. `fsdpfn config NAME` prints a "
