@@ -273,3 +273,20 @@ def test_a_pretty_printed_object_is_named_as_such(tmp_path):
     assert message.startswith(f"data.train_files: {str(f)!r} line 1: not valid JSON")
     assert message.endswith("it holds one JSON object over several lines: write one object a "
                             "line (JSON lines) or an array of objects")
+
+
+def test_no_sample_within_the_limits_names_the_shortest_part_dropped(tmp_path, tok):
+    """When every row is dropped, the error names, per reason, how many tokens the shortest
+    dropped part has: the limit a run would need (counted as the data is prepared)."""
+    rows = [{"prompt": "What is " + "1+" * n + "2?", "answer": "x"} for n in (20, 9, 30)]
+    f = _jsonl(tmp_path / "train.jsonl", rows)
+    shortest = min(len(tok.prompt_ids(r["prompt"])) for r in rows)
+    with pytest.raises(ConfigError) as info:
+        prepare_files(DataConfig(train_files=(f,), max_prompt_tokens=shortest - 1), tok, "grpo",
+                      tmp_path / "out")
+    assert str(info.value).endswith(
+        f"dropped {{'prompt over max_prompt_tokens': 3}}; the shortest prompt dropped has "
+        f"{shortest} tokens (data.max_prompt_tokens)"), str(info.value)
+    report = prepare_files(DataConfig(train_files=(f,), max_prompt_tokens=shortest), tok, "grpo",
+                           tmp_path / "out")
+    assert report["train"]["kept"] == 1

@@ -240,7 +240,8 @@ def _pair_rows(cfg: DataConfig, tok, prompt, response: str):
 
 
 def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
-    """(example, None) or (None, reason it was dropped)."""
+    """(example, None, None) or (None, reason it was dropped, the tokens of the part over its
+    limit: None for a reason without one)."""
     if cfg.system_prompt and "prompt" in cols and isinstance(row[cols["prompt"]], str) \
             and not cfg.chat_template:
         raise ConfigError(f"data.system_prompt: goes into chat prompts, and string prompts "
@@ -259,8 +260,8 @@ def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
             ex["prompt"] = row[cols["prompt"]]
         ex["prompt_ids"] = _prompt_ids(cfg, tok, ex["prompt"])
         if len(ex["prompt_ids"]) > cfg.max_prompt_tokens:
-            return None, "prompt over max_prompt_tokens"
-        return ex, None
+            return None, "prompt over max_prompt_tokens", len(ex["prompt_ids"])
+        return ex, None, None
     if recipe == "sft":
         if "messages" in cols:
             ids, loss = _chat_loss_mask(cfg, tok, list(row[cols["messages"]]))
@@ -268,25 +269,25 @@ def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
             ids, loss, _ = _pair_rows(cfg, tok, row[cols["prompt"]], row[cols["response"]])
         # the response: every token trained on (all assistant turns); the prompt: the rest
         if len(ids) - sum(loss) > cfg.max_prompt_tokens:
-            return None, "prompt over max_prompt_tokens"
+            return None, "prompt over max_prompt_tokens", len(ids) - sum(loss)
         if sum(loss) > cfg.max_response_tokens:
-            return None, "response over max_response_tokens"
+            return None, "response over max_response_tokens", sum(loss)
         if not any(loss[1:]):
-            return None, "no response tokens"
+            return None, "no response tokens", None
         ex.update(ids=ids, loss=loss)
-        return ex, None
+        return ex, None, None
     for side in ("chosen", "rejected"):
         ids, loss, head = _pair_rows(cfg, tok, row[cols["prompt"]], row[cols[side]])
         if head > cfg.max_prompt_tokens:
-            return None, "prompt over max_prompt_tokens"
+            return None, "prompt over max_prompt_tokens", head
         if sum(loss) > cfg.max_response_tokens:
-            return None, f"{side} response over max_response_tokens"
+            return None, f"{side} response over max_response_tokens", sum(loss)
         ex[side] = (ids, loss)
     if ex["chosen"][0][:head] != ex["rejected"][0][:head]:
         raise ConfigError("data.chat_template: the chat template renders the same prompt "
                           "differently before two responses, so a pair cannot share it; use "
                           "string prompts with chat_template: false")
-    return ex, None
+    return ex, None, None
 
 
 def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path, *,
@@ -317,13 +318,15 @@ def prepare_files(cfg: DataConfig, tok, recipe: str, out_dir: Path, *,
 
 def _write_split(cfg: DataConfig, tok, recipe: str, data, cols: dict, path: Path, key: str):
     """Tokenize and filter one split's checked rows into ``path``; its report."""
-    kept, dropped = 0, {}
+    kept, dropped, fewest = 0, {}, {}
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         for i in range(len(data.rows)):
-            ex, reason = _prepare_row(cfg, tok, recipe, cols, data.full(i))
+            ex, reason, tokens = _prepare_row(cfg, tok, recipe, cols, data.full(i))
             if ex is None:
                 dropped[reason] = dropped.get(reason, 0) + 1
+                if tokens is not None:  # the shortest part over its limit, per reason
+                    fewest[reason] = min(fewest.get(reason, tokens), tokens)
                 continue
             ex["index"] = i
             fh.write(json.dumps(ex, default=str) + "\n")
@@ -332,7 +335,11 @@ def _write_split(cfg: DataConfig, tok, recipe: str, data, cols: dict, path: Path
         tmp.unlink()
         raise ConfigError(f"data.{key}: no sample fits the limits (max_prompt_tokens="
                           f"{cfg.max_prompt_tokens}, max_response_tokens="
-                          f"{cfg.max_response_tokens}); dropped {dropped}")
+                          f"{cfg.max_response_tokens}); dropped {dropped}"
+                          + "".join(f"; the shortest {part} dropped has {n} tokens (data.{limit})"
+                                    for (part, _, limit), n in
+                                    sorted((r.partition(" over "), n) for r, n in
+                                           fewest.items())))
     tmp.rename(path)
     return {"rows": len(data.rows), "kept": kept, "dropped": dropped}
 
