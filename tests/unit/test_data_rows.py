@@ -290,3 +290,31 @@ def test_no_sample_within_the_limits_names_the_shortest_part_dropped(tmp_path, t
     report = prepare_files(DataConfig(train_files=(f,), max_prompt_tokens=shortest), tok, "grpo",
                            tmp_path / "out")
     assert report["train"]["kept"] == 1
+
+
+def test_a_source_read_an_epoch_apart_by_two_threads_shuffles_each_epoch_once(tmp_path,
+                                                                              monkeypatch):
+    """A RolloutStream reads prompts of the next epoch while the step reads its rows of this one:
+    the takes alternate between epochs, and each epoch's permutation is drawn once (it used to
+    be drawn again at every switch, O(rows) each), the same permutation as a fresh source's."""
+    import random
+
+    from fsdpfn.app.recipes import data as data_mod
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(20)))
+    fresh = [[x["i"] for x in data_mod.FileSource(path, seed=3, shuffle=True).take(e * 20, 20)]
+             for e in range(3)]
+    draws = []
+
+    class Counted(random.Random):
+        def shuffle(self, x):
+            draws.append(len(x))
+            return super().shuffle(x)
+
+    monkeypatch.setattr(data_mod.random, "Random", Counted)
+    src = data_mod.FileSource(path, seed=3, shuffle=True)
+    for e in (0, 1, 0, 1, 2, 1):
+        assert [x["i"] for x in src.take(e * 20 + 5, 10)] == fresh[e][5:15]
+    assert len(draws) == 3, draws
+    assert sorted(fresh[0]) == list(range(20)) and fresh[0] != fresh[1]

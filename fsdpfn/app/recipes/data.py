@@ -360,12 +360,17 @@ class FileSource:
         return len(self.examples)
 
     def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
+        """Epoch ``epoch``'s permutation. Two threads take from a source at once (a
+        RolloutStream reads prompts ahead while the step reads its own rows, an epoch apart at
+        a boundary): the last few epochs are kept, and the dict is replaced, never mutated."""
+        order = self._orders.get(epoch)
+        if order is None:
             order = list(range(len(self.examples)))
             if self.shuffle:
                 random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}  # one epoch at a time is enough
-        return self._orders[epoch]
+            self._orders = {**{e: o for e, o in self._orders.items() if abs(e - epoch) <= 2},
+                            epoch: order}
+        return order
 
     def take(self, cursor: int, n: int) -> list[dict]:
         n_all = len(self.examples)
