@@ -411,6 +411,7 @@ def _elsewhere(recipe: str) -> dict[str, str]:
         for name in (a.name for a in attrs.fields(cls)):
             if name not in own:
                 out.setdefault(name, []).append(other)
+
     def listed(names: list[str]) -> str:
         return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 

@@ -333,13 +333,12 @@ def _write_split(cfg: DataConfig, tok, recipe: str, data, cols: dict, path: Path
             kept += 1
     if kept == 0:
         tmp.unlink()
+        parts = ((*r.split(" over "), n) for r, n in sorted(fewest.items()))
         raise ConfigError(f"data.{key}: no sample fits the limits (max_prompt_tokens="
                           f"{cfg.max_prompt_tokens}, max_response_tokens="
                           f"{cfg.max_response_tokens}); dropped {dropped}"
                           + "".join(f"; the shortest {part} dropped has {n} tokens (data.{limit})"
-                                    for (part, _, limit), n in
-                                    sorted((r.partition(" over "), n) for r, n in
-                                           fewest.items())))
+                                    for part, limit, n in parts))
     tmp.rename(path)
     return {"rows": len(data.rows), "kept": kept, "dropped": dropped}
 
