@@ -142,6 +142,12 @@ REFUSALS = [
      "pairs_per_step: not a key here, the grpo recipe sizes its steps by prompts_per_step "
      "(problems a step)"),
     ("sft", ["batch_sise=8"], "unknown key(s) ['batch_sise']; did you mean 'batch_size'?"),
+    # a grpo YAML made ppo: both of its advantage keys named in the one line
+    ("ppo", ["advantage.estimator=grpo", "advantage.group_size=4"],
+     "advantage.estimator: must be 'gae' for recipe 'ppo' (it trains a critic), got 'grpo'; "
+     "advantage.group_size must then be 1 too (one answer per prompt), got 4"),
+    ("ppo", ["advantage.group_size=4"],
+     "advantage.group_size: must be 1 for recipe 'ppo' (one answer per prompt), got 4"),
     ("ppo", ["critic_engine.lora.rank=4"], "critic_engine.lora: must be null"),
     ("dpo", ["engine.lora.rank=4", "ref_engine.dtype=float32"],
      "ref_engine: with engine.lora the reference is the policy"),

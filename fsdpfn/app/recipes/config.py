@@ -319,9 +319,12 @@ class PPORecipe(Recipe):
     eval: EvalConfig = attrs.field(factory=EvalConfig)
 
     def __attrs_post_init__(self):
-        if self.advantage.estimator != "gae":
+        if self.advantage.estimator != "gae":  # a grpo YAML made ppo: both keys, in one line
+            also = ("" if self.advantage.group_size == 1 else
+                    f"; advantage.group_size must then be 1 too (one answer per prompt), got "
+                    f"{self.advantage.group_size}")
             raise ConfigError(f"advantage.estimator: must be 'gae' for recipe 'ppo' (it trains "
-                              f"a critic), got {self.advantage.estimator!r}")
+                              f"a critic), got {self.advantage.estimator!r}{also}")
         if self.advantage.group_size != 1:
             raise ConfigError(f"advantage.group_size: must be 1 for recipe 'ppo' (one answer "
                               f"per prompt), got {self.advantage.group_size}")
