@@ -107,7 +107,13 @@ def _check_tensor(key, x, dtype, shape, B) -> None:
     if not isinstance(x, torch.Tensor):
         raise BatchError(f"{key}: must be a tensor, got {type(x).__name__}")
     if x.dtype != dtype:
-        raise BatchError(f"{key}: must have dtype {dtype}, got {x.dtype}")
+        hint = ""  # a tokenizer's int64 attention mask, int32 ids: the conversion named
+        if dtype == torch.bool and x.dtype != torch.bool:
+            hint = f" (a 0/1 mask converts with {key}.bool())"
+        elif dtype == torch.int64 and not (x.is_floating_point() or x.is_complex()
+                                           or x.dtype == torch.bool):
+            hint = f" (convert with {key}.long())"
+        raise BatchError(f"{key}: must have dtype {dtype}, got {x.dtype}{hint}")
     if shape is None:  # input_ids fixes T
         if x.ndim != 2 or x.shape[1] < 1:
             raise BatchError(f"{key}: must have shape [B, T] with B={B}, T >= 1, got "

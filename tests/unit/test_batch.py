@@ -599,3 +599,26 @@ def test_default_budget_splits_a_large_rl_batch():
     assert max(_loads([rows for rows in plan if 0 not in rows], long)) <= 16384
     with pytest.raises(BatchError, match="max_tokens_per_mb: row 0 has 20000 tokens"):
         plan_microbatches(long, **budget_kwargs(MicroBatchSpec(max_tokens_per_mb=16384)))
+
+
+def test_a_tokenizers_dtypes_are_refused_with_the_conversion_named():
+    """HF tokenizers give an int64 0/1 attention_mask (and some pipelines int32 ids): the
+    refusal names the key, the rule, the dtype received and the one call that converts it."""
+    batch = make_batch([2, 3], 4)
+    mask = batch[K.ATTENTION_MASK]
+    cases = [(K.ATTENTION_MASK, mask.long(),
+              "attention_mask: must have dtype torch.bool, got torch.int64 (a 0/1 mask "
+              "converts with attention_mask.bool())"),
+             (K.LOSS_MASK, batch[K.LOSS_MASK].float(),
+              "loss_mask: must have dtype torch.bool, got torch.float32 (a 0/1 mask converts "
+              "with loss_mask.bool())"),
+             (K.INPUT_IDS, batch[K.INPUT_IDS].int(),
+              "input_ids: must have dtype torch.int64, got torch.int32 (convert with "
+              "input_ids.long())"),
+             (K.INPUT_IDS, batch[K.INPUT_IDS].float(),
+              "input_ids: must have dtype torch.int64, got torch.float32")]
+    for key, value, message in cases:
+        with pytest.raises(BatchError) as info:
+            validate_batch(batch.clone().set(key, value))
+        assert str(info.value) == message, str(info.value)
+    assert batch[K.ATTENTION_MASK] is mask  # the batch passed in is left as it was
