@@ -144,6 +144,15 @@ def _resolve(config: str, overrides):
 
     if config in RECIPE_CONFIGS and not Path(config).exists():
         return default_config(config, overrides)
+    if not Path(config).exists():  # a name (a recipe misspelt) or a path: say which is which
+        import difflib
+
+        from fsdpfn.errors import ConfigError
+
+        close = difflib.get_close_matches(config, list(RECIPE_CONFIGS), n=1, cutoff=0.6)
+        raise ConfigError(f"config: must be a recipe name ({', '.join(RECIPE_CONFIGS)}) or an "
+                          f"existing YAML or JSON file, got {config!r} (no such file"
+                          f"{f'; did you mean {close[0]!r}?' if close else ''})")
     return load_recipe_config(config, overrides)
 
 

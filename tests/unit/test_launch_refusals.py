@@ -274,6 +274,22 @@ def test_a_yaml_value_of_no_plain_type_is_one_line(tmp_path, capsys, text, line)
     assert rc == 2 and err.startswith(f"fsdpfn: error: {line}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("command, given, hint", [
+    ("config", "gpro", "; did you mean 'grpo'?"), ("run", "dop", "; did you mean 'dpo'?"),
+    ("run", "runs/missing/config.yaml", ""), ("config", "nope", "")])
+def test_a_config_that_is_neither_a_recipe_nor_a_file_is_one_line(tmp_path, capsys, command,
+                                                                    given, hint):
+    """``fsdpfn run NAME`` takes a recipe name or a file: a misspelt name read 'file does not
+    exist'; now both readings are named, with the closest recipe."""
+    rc = cli.main([command, given, f"run_dir={tmp_path / 'r'}", "--dry-run"] if command == "run"
+                  else [command, given])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (
+        f"fsdpfn: error: config: must be a recipe name (grpo, ppo, sft, rw, dpo) or an existing "
+        f"YAML or JSON file, got {given!r} (no such file{hint})\n"), err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_date_written_in_yaml_is_the_text_written(tmp_path):
     """No config field holds a date: a run_dir or model directory named 2024-01-01 is a path
     (YAML 1.1's implicit timestamps made it a datetime.date, and a traceback)."""
