@@ -20,14 +20,47 @@ def _version(text: str) -> int:
     return value
 
 
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high] (no upper bound: None)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            rule = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an int {rule}, got {text!r}")
+        return value
+    return parse
+
+
+def _seconds(positive: bool):
+    """An argparse type: a finite number of seconds, > 0 (``positive``) or >= 0."""
+    def parse(text: str) -> float:
+        import math
+
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds "
+                                             f"{'> 0' if positive else '>= 0'}, got {text!r}")
+        return value
+    return parse
+
+
+PORT = _int_in(0, 65535)
+
+
 def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
     """The server's command line (fsdpfn run checks a recipe's rollout.server_args with it)."""
     p = argparse.ArgumentParser(prog="python -m fsdpfn.rollout", allow_abbrev=allow_abbrev,
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="HF model directory (safetensors)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=PORT, required=True, help="0: a free port (printed)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--fd", type=int, default=None,
+    p.add_argument("--fd", type=_int_in(0), default=None,
                    help="serve on this inherited listening socket (bound to --host:--port by the "
                         "process that started the server, so no other process can take the port "
                         "while the model loads) instead of binding the port itself")
@@ -36,18 +69,18 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                    help="auto: the directory's weights; dummy: placeholder weights of its "
                         "config.json (SGLang's name), for a trainer that pushes its own before "
                         "asking for anything")
-    p.add_argument("--wait-for-model", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--wait-for-model", type=_seconds(False), default=0.0, metavar="SECONDS",
                    help="wait up to this many seconds for --model's config.json to appear (a "
                         "trainer that writes the starting model as it starts, as fsdpfn run's "
                         "rank 0 writes the embedded model; default 0: it must be there)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if any)")
     p.add_argument("--weight-version", type=_version, default=0,
                    help="version of the initial weights (an int >= 0)")
-    p.add_argument("--max-pause-s", type=float, default=600.0,
+    p.add_argument("--max-pause-s", type=_seconds(True), default=600.0,
                    help="a /pause_generation expires by itself after this many seconds")
     p.add_argument("--threads", type=_threads, default=None,
                    help="torch CPU threads, at most this host's cores")
-    p.add_argument("--channel-port", type=int, default=0,
+    p.add_argument("--channel-port", type=PORT, default=0,
                    help="port of the update channel, the fast control path of weight pushes "
                         "(default 0: a free port, advertised in /get_model_info)")
     p.add_argument("--no-channel", action="store_true",
@@ -56,10 +89,10 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                    help="generation: 'loop' is the decode loop (slot KV cache, continuous "
                         "batching, CUDA graphs), 'hf' is HF generate; auto: loop on CUDA, hf on "
                         "CPU")
-    p.add_argument("--decode-rows", type=int, default=None,
+    p.add_argument("--decode-rows", type=_int_in(1), default=None,
                    help="rows decoded at once (KV cache slots; default: half the free GPU "
                         "memory, at most 1024)")
-    p.add_argument("--decode-max-len", type=int, default=2048,
+    p.add_argument("--decode-max-len", type=_int_in(2), default=2048,
                    help="prompt plus new tokens of a row, at most (KV cache positions per slot)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode loop without CUDA graphs (eager steps)")
@@ -91,7 +124,7 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                         "and passes over the activations per decode step (BENCHMARKS.md, "
                         "'Decode step per kernel'; default on; a no-op on CPU)")
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--parent-pid", type=int, default=None,
+    p.add_argument("--parent-pid", type=_int_in(1), default=None,
                    help="exit when the process with this pid exits (the launcher that started "
                         "this server; default: run until stopped)")
     return p
@@ -122,6 +155,20 @@ def main(argv=None) -> None:
         from fsdpfn.wire.lifeline import watch_launcher
 
         watch_launcher("the rollout server", args.parent_pid)
+    import socket
+
+    # listening before the model loads: a port in use is one line at once, port 0's choice is
+    # known for the line it prints, and /health polls wait in the backlog meanwhile (as with
+    # --fd, where the launcher bound the port and handed it over)
+    listening = socket.socket(fileno=args.fd) if args.fd is not None else \
+        _listen(args.host, args.port)
+    try:
+        _serve(args, listening)
+    finally:  # a refused model directory, or the server's end
+        listening.close()
+
+
+def _serve(args, listening) -> None:
     import torch
     import uvicorn
 
@@ -150,18 +197,29 @@ def main(argv=None) -> None:
 
         UpdateChannel(engine.receiver, args.host, args.channel_port)
     dummy = ", placeholder weights until the first push" if args.load_format == "dummy" else ""
+    host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}{dummy}) on "
-          f"http://{args.host}:{args.port} (update channel: {engine.receiver.channel_port}) pid "
-          f"{os.getpid()}", flush=True)
-    if args.fd is None:
-        uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
-        return
-    import socket
-
-    listening = socket.socket(fileno=args.fd)  # bound and listening already: its backlog holds
-    # the /health polls that came while the model loaded
+          f"http://{host}:{listening.getsockname()[1]} (update channel: "
+          f"{engine.receiver.channel_port}) pid {os.getpid()}", flush=True)
     uvicorn.Server(uvicorn.Config(build_app(engine), log_level=args.log_level)).run(
         sockets=[listening])
+
+
+def _listen(host: str, port: int):
+    """A socket bound to host:port and listening, or one line naming them and why not."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"fsdpfn.rollout: --host {host} --port {port}: cannot listen there "
+                         f"({exc.strerror or exc})") from None
+    return sock
 
 
 def _check_model_dir(model: str) -> None:

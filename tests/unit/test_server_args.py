@@ -52,7 +52,7 @@ def test_the_flags_reach_the_server_last_and_win_over_the_launchers_sizing():
     ("[--decode-attention, paged]", "must be flags python -m fsdpfn.rollout accepts, got "
                                     "['--decode-attention', 'paged'] (argument "
                                     "--decode-attention: invalid choice: 'paged'"),
-    ("[--decode-rows, x]", "argument --decode-rows: invalid int value: 'x'"),
+    ("[--decode-rows, x]", "argument --decode-rows: must be an int >= 1, got 'x'"),
     ("[--decode-rows]", "argument --decode-rows: expected one argument"),
     ("5", "must be a list of flags of python -m fsdpfn.rollout (non-empty strings), got 5"),
     ("'--decode \"hf'", "must be a list of flags, or one string a shell can split (quotes "
@@ -165,3 +165,72 @@ def test_a_negative_initial_weight_version_is_refused_by_the_server_command(caps
         parser().parse_args(["--model", "m", "--port", "1", "--weight-version", "-1"])
     assert info.value.code == 2
     assert "argument --weight-version: must be an int >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value,rule", [
+    ("--port", "99999", "must be an int in [0, 65535]"),
+    ("--port", "-1", "must be an int in [0, 65535]"),
+    ("--channel-port", "70000", "must be an int in [0, 65535]"),
+    ("--decode-rows", "0", "must be an int >= 1"),
+    ("--decode-max-len", "1", "must be an int >= 2"),
+    ("--max-pause-s", "nan", "must be a finite number of seconds > 0"),
+    ("--max-pause-s", "0", "must be a finite number of seconds > 0"),
+    ("--wait-for-model", "-3", "must be a finite number of seconds >= 0"),
+    ("--parent-pid", "0", "must be an int >= 1"),
+])
+def test_the_servers_numbers_are_checked_by_its_command_line(capsys, flag, value, rule):
+    """A port past 65535 was an OverflowError from bind(); negative decode rows, a NaN pause and
+    the rest started a server that failed later (or never): each is now argparse's one line,
+    and rollout.server_args meets the same rule before launch."""
+    args = ["--model", "m", "--port", "0"] + ([flag, value] if flag != "--port" else [])
+    with pytest.raises(SystemExit):
+        parse_args(args if flag != "--port" else ["--model", "m", flag, value])
+    assert f"argument {flag}: {rule}, got '{value}'" in capsys.readouterr().err
+    if flag in ("--decode-rows", "--decode-max-len", "--max-pause-s"):  # the rest: the
+        # launcher's own flags, refused in server_args by name before their values are read
+        with pytest.raises(ConfigError, match=rf"argument {flag}: {rule}, got '{value}'"):
+            default_config("grpo", [f"rollout.server_args=[{flag}, '{value}']"])
+
+
+@pytest.mark.timeout(120)
+def test_a_port_in_use_is_one_line_and_port_0_prints_the_port_it_took(tmp_path):
+    """The server listens before it loads the model: a port in use ends it at once with one line
+    naming host, port and why; with --port 0 the line it prints carries the port it took (it
+    printed ':0'), and that address answers."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from fsdpfn.testing import write_tiny_hf_dir
+
+    model = write_tiny_hf_dir(tmp_path / "m", texts=["What is 1+1? 2"] * 4)
+    cmd = [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model), "--device", "cpu",
+           "--no-channel", "--port"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(cmd + [str(port)], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        f"fsdpfn.rollout: --host 127.0.0.1 --port {port}: cannot listen there (Address already "
+        f"in use)"), done.stderr[-500:]
+    proc = subprocess.Popen(cmd + ["0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        line = next(x for x in proc.stdout if x.startswith("fsdpfn.rollout: serving"))
+        url = re.search(r" on (http://127\.0\.0\.1:(\d+)) ", line)
+        assert url and int(url.group(2)) > 0, line
+        for _ in range(100):
+            try:
+                assert urllib.request.urlopen(url.group(1) + "/health", timeout=2).status == 200
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(f"{url.group(1)} never answered /health")
+    finally:
+        proc.terminate()
+        proc.wait(30)
