@@ -115,7 +115,7 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
         try:
             return _launch(model, port=port or free_port(), **kwargs)
         except RuntimeError as exc:
-            if not tries or "address already in use" not in str(exc):
+            if not tries or "address already in use" not in str(exc).lower():
                 raise
 
 
