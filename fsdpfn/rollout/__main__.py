@@ -11,15 +11,6 @@ import argparse
 import os
 
 
-def _version(text: str) -> int:
-    """--weight-version: an int >= 0 (a version counts weight changes; -1 marks tokens no
-    weights sampled in fsdpfn.rollout.episode)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {value}")
-    return value
-
-
 def _int_in(low: int, high: int | None = None):
     """An argparse type: an int in [low, high] (no upper bound: None)."""
     def parse(text: str) -> int:
@@ -51,6 +42,8 @@ def _seconds(positive: bool):
 
 
 PORT = _int_in(0, 65535)
+# --weight-version counts weight changes (-1 marks tokens no weights sampled, in episode.py)
+VERSION = _int_in(0)
 
 
 def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
@@ -74,7 +67,7 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                         "trainer that writes the starting model as it starts, as fsdpfn run's "
                         "rank 0 writes the embedded model; default 0: it must be there)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if any)")
-    p.add_argument("--weight-version", type=_version, default=0,
+    p.add_argument("--weight-version", type=VERSION, default=0,
                    help="version of the initial weights (an int >= 0)")
     p.add_argument("--max-pause-s", type=_seconds(True), default=600.0,
                    help="a /pause_generation expires by itself after this many seconds")

@@ -164,7 +164,7 @@ def test_a_negative_initial_weight_version_is_refused_by_the_server_command(caps
     with pytest.raises(SystemExit) as info:
         parser().parse_args(["--model", "m", "--port", "1", "--weight-version", "-1"])
     assert info.value.code == 2
-    assert "argument --weight-version: must be an int >= 0, got -1" in capsys.readouterr().err
+    assert "argument --weight-version: must be an int >= 0, got '-1'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value,rule", [
