@@ -169,10 +169,36 @@ def test_workflows_that_cannot_be_called_are_refused_before_launch():
     for spec, words in (("no_such_module_here:fn", "cannot import"),
                         (f"{WF}:missing", "has no attribute"),
                         (f"{WF}:wrong_signature", "fn(client, row)"),
+                        (f"{WF}:yields_reward", "not yield it"),
+                        (f"{WF}:async_yields_reward", "not yield it"),
+                        (f"{WF}:yielding_agent", "not yield it"),
                         ("not a spec", "rollout.workflow")):
         with pytest.raises(ff.ConfigError, match="rollout.workflow") as info:
             load_workflow(spec)
         assert words in str(info.value), (spec, str(info.value))
+
+
+@pytest.mark.timeout(180)
+def test_an_object_with_an_async_call_is_awaited_with_the_async_client(server, tok):
+    row = {"prompt_ids": tok.encode("what is two plus two")}
+    workflow = load_workflow(f"{WF}:async_agent")
+    assert workflow.is_async
+    results = run_episodes(server.url, workflow, [row], 2, timeout_s=60)
+    for result in results:
+        assert result.error is None and result.reward == 1.0, result.error
+        (turn,) = result.turns
+        assert 1 <= len(turn.output_ids) <= 3 and len(turn.logprobs) == len(turn.output_ids)
+
+
+@pytest.mark.timeout(180)
+def test_a_plain_workflow_returning_a_coroutine_is_told_to_be_async(server, tok):
+    import warnings
+    row = {"prompt_ids": tok.encode("what is two plus two"), "question": "two plus two"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the coroutine is closed, not leaked
+        (result,) = run_episodes(server.url, load_workflow(f"{WF}:returns_a_coroutine"), [row],
+                                 1, timeout_s=30, on_error=-1.0)
+    assert result.reward == -1.0 and "async def" in result.error, result.error
 
 
 # ---------------------------------------------------------------- the examples

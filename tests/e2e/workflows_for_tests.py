@@ -66,6 +66,43 @@ def wrong_signature(row):
     return 1.0
 
 
+class AsyncAgent:
+    """A workflow object whose ``__call__`` is async (an agent holding its own settings)."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+
+    async def __call__(self, client, row):
+        reply = await client.completions.create(model="policy", prompt=row["prompt_ids"],
+                                                max_tokens=self.max_tokens, temperature=1.0)
+        return float(len(reply.choices[0].token_ids) > 0)
+
+
+async_agent = AsyncAgent(max_tokens=3)
+
+
+def yields_reward(client, row):
+    client.completions.create(model="policy", prompt=row["prompt_ids"], max_tokens=3)
+    yield 1.0
+
+
+async def async_yields_reward(client, row):
+    yield 1.0
+
+
+class YieldingAgent:
+    def __call__(self, client, row):
+        yield 1.0
+
+
+yielding_agent = YieldingAgent()
+
+
+def returns_a_coroutine(client, row):
+    """A plain function handing back an async helper's coroutine unawaited."""
+    return chat_twice(client, row)
+
+
 def never_calls(client, row):
     """Builds no request through its client (as a workflow with a client of its own would)."""
     return 1.0

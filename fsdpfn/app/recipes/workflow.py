@@ -73,7 +73,15 @@ def load_workflow(spec: str, *, key: str = "rollout.workflow") -> Workflow:
                           f"signature {inspect.signature(fn)} ({exc})") from None
     except ValueError:  # no signature to read (a builtin): let the first call tell
         pass
-    return Workflow(fn, inspect.iscoroutinefunction(fn), spec)
+    call = getattr(fn, "__call__", None)  # an object whose __call__ is the workflow
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn) or (
+            not inspect.isfunction(fn) and (inspect.isgeneratorfunction(call)
+                                            or inspect.isasyncgenfunction(call))):
+        raise ConfigError(f"{key}: must return the episode's reward, not yield it (calling a "
+                          f"generator function returns a generator, not a reward), got {spec!r}")
+    is_async = inspect.iscoroutinefunction(fn) or (
+        not inspect.isfunction(fn) and inspect.iscoroutinefunction(call))
+    return Workflow(fn, is_async, spec)
 
 
 def to_reward(value, n_turns: int) -> float:
@@ -91,6 +99,12 @@ def to_reward(value, n_turns: int) -> float:
         return float(value)
     if isinstance(value, numbers.Real) and math.isfinite(value):
         return float(value)
+    if inspect.isawaitable(value):
+        if inspect.iscoroutine(value):
+            value.close()  # never awaited: no "was never awaited" warning on top of this line
+        raise ValueError(f"returned an awaitable ({type(value).__name__}) from a plain call: "
+                         f"declare the workflow `async def` (or its class's __call__) so that "
+                         f"it is awaited and handed the async client")
     raise ValueError(f"must return a finite number, a bool or one per turn, got "
                      f"{repr(value)[:200]} ({type(value).__name__})")
 
