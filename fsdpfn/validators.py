@@ -27,8 +27,15 @@ __all__ = ["fail", "is_number", "is_nonempty_str", "is_port", "satisfies",
 
 def fail(name: str, rule: str, value: Any, *, shown: str | None = None) -> NoReturn:
     """Raise the ConfigError every validator raises: ``{name}: {rule}, got {value!r}``
-    (``shown``: the text printed in place of the value's repr)."""
-    raise ConfigError(f"{name}: {rule}, got {repr(value) if shown is None else shown}")
+    (``shown``: the text printed in place of the value's repr). A one-key mapping to None is
+    how YAML reads a string ending in ':' (``workflow=agents.py:``), and the message says so."""
+    hint = ""
+    if isinstance(value, dict) and len(value) == 1:
+        (k, v), = value.items()
+        if v is None and isinstance(k, str):
+            hint = (f" (YAML reads {k + ':'!r} as a mapping: a value ending in ':' lacks what "
+                    f"follows the colon, or needs quotes)")
+    raise ConfigError(f"{name}: {rule}, got {repr(value) if shown is None else shown}{hint}")
 
 
 def is_number(value) -> bool:

@@ -85,6 +85,17 @@ def test_what_the_sweep_found_is_refused_by_name(tmp_path):
                     "rollout.servers=32")[0] == 0
 
 
+def test_a_value_ending_in_a_colon_is_named_as_what_yaml_made_of_it(tmp_path):
+    for key in ("rollout.workflow", "reward.fn", "model.path"):
+        rc, err = _dry_run("grpo", tmp_path / "r", f"{key}=agents.py:")
+        line = err.strip().splitlines()[-1]
+        assert rc == 2 and line.startswith(f"fsdpfn: error: {key}: ") and line.endswith(
+            "got {'agents.py': None} (YAML reads 'agents.py:' as a mapping: a value ending in "
+            "':' lacks what follows the colon, or needs quotes)"), line
+    rc, err = _dry_run("grpo", tmp_path / "r", "rollout.workflow={a: 1}")  # a real mapping
+    assert rc == 2 and "YAML reads" not in err
+
+
 @pytest.mark.parametrize("recipe, hint", [
     ("sft", "engine.lora.rank=16 or a run_dir on a disk with more room"),
     ("grpo", "engine.lora.rank=16 or a run_dir on a disk with more room"),
