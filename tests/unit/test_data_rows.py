@@ -144,6 +144,14 @@ def test_a_malformed_json_line_names_its_line_and_the_json_error(tmp_path):
     assert message.endswith(" at column 16)"), message
 
 
+def test_a_line_cut_short_reads_once_where_its_string_starts(tmp_path):
+    f = tmp_path / "train.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + '{"prompt": "What is\n')  # an export cut off
+    message = _refused(tmp_path, train_files=(str(f),))
+    assert message.startswith(f"data.train_files: {str(f)!r} line 2: not valid JSON (")
+    assert message.endswith(" at column 12)") and " at at " not in message, message
+
+
 def test_a_row_that_is_not_an_object_is_refused(tmp_path):
     f = tmp_path / "train.jsonl"
     f.write_text(json.dumps(GOOD) + "\n" + '["What is 1+2?", "3"]\n')

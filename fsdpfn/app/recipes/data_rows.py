@@ -119,6 +119,13 @@ def _utf8_text(path: str, key: str) -> str:
                           f"UTF-8") from None
 
 
+def _json_reason(exc: json.JSONDecodeError) -> str:
+    """The parser's reason and column: 'Unterminated string starting at column 12' (its
+    messages that end in 'at' are not made to read 'at at column')."""
+    msg = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+    return f"{msg} at column {exc.colno}"
+
+
 def _json_rows(path: str, key: str) -> tuple[list, list[int] | None]:
     """(rows, their line numbers) of a JSON-lines file; (rows, None) of a JSON array."""
     text = _utf8_text(path, key)
@@ -127,7 +134,7 @@ def _json_rows(path: str, key: str) -> tuple[list, list[int] | None]:
             return json.loads(text), None  # valid JSON that starts with '[' is an array
         except json.JSONDecodeError as exc:
             raise ConfigError(f"data.{key}: {path!r} line {exc.lineno}: not valid JSON "
-                              f"({exc.msg} at column {exc.colno})") from None
+                              f"({_json_reason(exc)})") from None
     rows, lines = [], []
     for n, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
         if not line.strip():
@@ -143,8 +150,8 @@ def _json_rows(path: str, key: str) -> tuple[list, list[int] | None]:
                         "line (JSON lines) or an array of objects")
                 except json.JSONDecodeError:
                     pass
-            raise ConfigError(f"data.{key}: {path!r} line {n}: not valid JSON ({exc.msg} at "
-                              f"column {exc.colno}){whole}") from None
+            raise ConfigError(f"data.{key}: {path!r} line {n}: not valid JSON "
+                              f"({_json_reason(exc)}){whole}") from None
         lines.append(n)
     return rows, lines
 
