@@ -186,7 +186,7 @@ def test_the_second_file_is_named_with_its_own_line(tmp_path):
 
 
 def test_a_json_array_and_parquet_name_the_row_index(tmp_path):
-    pa = pytest.importorskip("pyarrow", reason="pyarrow (a dependency of datasets) is missing")
+    pa = pytest.importorskip("pyarrow", reason="pyarrow (fsdpfn reads Parquet with it) is missing")
     import pyarrow.parquet as pq
 
     arr = tmp_path / "train.json"
