@@ -144,6 +144,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from fsdpfn.rollout.process import missing_server_packages
+
+    lacking = missing_server_packages()
+    if lacking is not None:  # one line, before the port or the model is touched
+        parser().exit(2, f"python -m fsdpfn.rollout: error: the rollout server {lacking}\n")
     if args.parent_pid is not None:
         from fsdpfn.wire.lifeline import watch_launcher
 

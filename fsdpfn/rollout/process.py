@@ -21,7 +21,24 @@ from pathlib import Path
 
 from fsdpfn.wire.ports import free_port
 
-__all__ = ["RolloutProcess", "launch_server", "free_port", "wait_for_model_dir"]
+__all__ = ["RolloutProcess", "launch_server", "free_port", "wait_for_model_dir",
+           "missing_server_packages", "SERVER_PACKAGES"]
+
+# what the rollout server imports beyond fsdpfn's own dependencies (the 'server' extra)
+SERVER_PACKAGES = ("fastapi", "uvicorn")
+
+
+def missing_server_packages() -> str | None:
+    """None when this Python can run the rollout server, else what it needs, how to install it
+    and what is missing ("needs fastapi and uvicorn (pip install ...); this Python (...) lacks
+    uvicorn"), found without importing them."""
+    import importlib.util
+
+    missing = [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"needs {' and '.join(SERVER_PACKAGES)} (pip install 'fsdpfn[server]'); this Python "
+            f"({sys.executable}) lacks {' and '.join(missing)}")
 
 
 class RolloutProcess:
@@ -106,6 +123,10 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
     group) in the caller does not reach it; close() still kills it. A port of its own choosing
     (``port`` None) that another process takes between the choice and the bind is chosen again
     (three tries)."""
+    lacking = missing_server_packages()
+    if lacking is not None:  # before a process starts only to die on its imports
+        raise ModuleNotFoundError(f"launch_server: the rollout server {lacking}",
+                                  name=SERVER_PACKAGES[0])
     kwargs = dict(device=device, dtype=dtype, threads=threads, weight_version=weight_version,
                   health_timeout=health_timeout, log_dir=log_dir, extra_args=extra_args,
                   env=env, new_session=new_session)

@@ -169,10 +169,18 @@ def check_reward(cfg) -> None:
 
 
 def check_rollout(cfg) -> None:
-    """A workflow imports and takes (client, row), with an advantage estimator that groups its
+    """The built-in server's packages are installed where the run starts one; a workflow
+    imports and takes (client, row), with an advantage estimator that groups its
     episodes per data row; generation ahead of training needs a server that tags each token
     with its weights version and takes updates mid-request (fsdpfn's own)."""
     r, adv = cfg.rollout, cfg.advantage
+    if not r.url:  # the run starts fsdpfn's own servers: this Python must be able to
+        from fsdpfn.rollout.process import missing_server_packages
+
+        lacking = missing_server_packages()
+        if lacking is not None:
+            raise ConfigError(f"rollout.url: null starts fsdpfn's rollout server, which "
+                              f"{lacking}; or set rollout.url to a running server, got None")
     if r.workflow:
         from fsdpfn.app.recipes.workflow import load_workflow
 
