@@ -41,6 +41,30 @@ def _seconds(positive: bool):
     return parse
 
 
+def _device(text: str) -> str:
+    """--device: cpu, cuda or cuda:N, by its form (whether this host has that GPU is checked once
+    torch is imported: fsdpfn run checks rollout.server_args with this parser, without torch)."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _device_problem(device: str, torch) -> str | None:
+    """Why this host cannot serve on ``device`` (a valid --device), or None."""
+    if device == "cpu":
+        return None
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return f"needs a GPU and this host has none (torch.cuda.is_available() is False), " \
+               f"got {device!r}"
+    index = int(device.partition(":")[2] or 0)
+    if index >= n:
+        return f"this host has {n} GPU(s) (cuda:0 to cuda:{n - 1}), got {device!r}"
+    return None
+
+
 PORT = _int_in(0, 65535)
 # --weight-version counts weight changes (-1 marks tokens no weights sampled, in episode.py)
 VERSION = _int_in(0)
@@ -66,7 +90,8 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                    help="wait up to this many seconds for --model's config.json to appear (a "
                         "trainer that writes the starting model as it starts, as fsdpfn run's "
                         "rank 0 writes the embedded model; default 0: it must be there)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if any)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu | cuda | cuda:N (default: cuda if any)")
     p.add_argument("--weight-version", type=VERSION, default=0,
                    help="version of the initial weights (an int >= 0)")
     p.add_argument("--max-pause-s", type=_seconds(True), default=600.0,
@@ -173,6 +198,9 @@ def _serve(args, listening) -> None:
     from fsdpfn.rollout.engine import RolloutEngine
     from fsdpfn.rollout.server import build_app
 
+    problem = None if args.device is None else _device_problem(args.device, torch)
+    if problem is not None:  # one line, before the model is waited for or loaded
+        parser().exit(2, f"python -m fsdpfn.rollout: error: argument --device: {problem}\n")
     if args.wait_for_model > 0:  # after the imports, which take as long as the trainer's
         _wait_for_model(args.model, args.wait_for_model)
     _check_model_dir(args.model)

@@ -192,6 +192,43 @@ def test_the_servers_numbers_are_checked_by_its_command_line(capsys, flag, value
             default_config("grpo", [f"rollout.server_args=[{flag}, '{value}']"])
 
 
+@pytest.mark.parametrize("value", ["tpu", "cuda:x", "gpu", "cuda:", "CPU"])
+def test_a_device_not_of_the_form_cpu_cuda_cuda_n_is_one_line(capsys, value):
+    """--device tpu was torch's RuntimeError traceback once the server had imported it."""
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model", "m", "--port", "0", "--device", value])
+    assert info.value.code == 2
+    assert f"argument --device: must be cpu, cuda or cuda:N, got '{value}'" in \
+        capsys.readouterr().err
+    assert parse_args(["--model", "m", "--port", "0", "--device", "cuda:1"]).device == "cuda:1"
+
+
+def test_a_gpu_the_host_lacks_is_one_line_before_the_model_loads(capsys, tmp_path):
+    """--device cuda on a host without one was torch's 'not compiled with CUDA' AssertionError
+    traceback; a cuda:N past the host's GPUs failed in the model's move."""
+    import types
+
+    from fsdpfn.rollout.__main__ import _device_problem, main
+
+    def host(n):
+        return types.SimpleNamespace(cuda=types.SimpleNamespace(
+            is_available=lambda: n > 0, device_count=lambda: n))
+
+    assert _device_problem("cpu", host(0)) is None
+    assert _device_problem("cuda", host(1)) is None and _device_problem("cuda:1", host(2)) is None
+    assert _device_problem("cuda", host(0)) == ("needs a GPU and this host has none "
+                                                "(torch.cuda.is_available() is False), got 'cuda'")
+    assert _device_problem("cuda:2", host(2)) == ("this host has 2 GPU(s) (cuda:0 to cuda:1), "
+                                                  "got 'cuda:2'")
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(SystemExit) as info:  # the model is never looked at
+        main(["--model", str(tmp_path / "absent"), "--port", "0", "--device", f"cuda:{n}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and err[0].startswith(
+        "python -m fsdpfn.rollout: error: argument --device: ") and f"cuda:{n}" in err[0], err
+
+
 @pytest.mark.timeout(120)
 def test_a_port_in_use_is_one_line_and_port_0_prints_the_port_it_took(tmp_path):
     """The server listens before it loads the model: a port in use ends it at once with one line
