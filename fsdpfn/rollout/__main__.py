@@ -81,7 +81,9 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                    help="serve on this inherited listening socket (bound to --host:--port by the "
                         "process that started the server, so no other process can take the port "
                         "while the model loads) instead of binding the port itself")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="auto", type=lambda text: text.removeprefix("torch."),
+                   choices=("auto", "bfloat16", "float16", "float32", "float64"),
+                   help="the served weights' dtype (auto: config.json's, else float32)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="auto: the directory's weights; dummy: placeholder weights of its "
                         "config.json (SGLang's name), for a trainer that pushes its own before "
@@ -141,7 +143,9 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                         "default kernels), when liger_kernel is installed: fewer kernel launches "
                         "and passes over the activations per decode step (BENCHMARKS.md, "
                         "'Decode step per kernel'; default on; a no-op on CPU)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", type=str.lower,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="the HTTP server's (uvicorn's) log level")
     p.add_argument("--parent-pid", type=_int_in(1), default=None,
                    help="exit when the process with this pid exits (the launcher that started "
                         "this server; default: run until stopped)")

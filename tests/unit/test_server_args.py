@@ -203,6 +203,19 @@ def test_a_device_not_of_the_form_cpu_cuda_cuda_n_is_one_line(capsys, value):
     assert parse_args(["--model", "m", "--port", "0", "--device", "cuda:1"]).device == "cuda:1"
 
 
+@pytest.mark.parametrize("flag,value", [("--dtype", "bogus"), ("--dtype", "bf16"),
+                                        ("--log-level", "loud")])
+def test_a_dtype_or_log_level_the_server_lacks_is_one_line(capsys, flag, value):
+    """--dtype bogus was a ValueError traceback after the imports, --log-level loud uvicorn's
+    KeyError after the model had loaded."""
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model", "m", "--port", "0", flag, value])
+    assert info.value.code == 2
+    assert f"argument {flag}: invalid choice: '{value}' (choose from " in capsys.readouterr().err
+    ok = parse_args(["--model", "m", "--port", "0", "--dtype", "bfloat16", "--log-level", "INFO"])
+    assert (ok.dtype, ok.log_level) == ("bfloat16", "info")
+
+
 def test_a_gpu_the_host_lacks_is_one_line_before_the_model_loads(capsys, tmp_path):
     """--device cuda on a host without one was torch's 'not compiled with CUDA' AssertionError
     traceback; a cuda:N past the host's GPUs failed in the model's move."""
