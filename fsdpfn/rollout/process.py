@@ -127,6 +127,7 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
     if lacking is not None:  # before a process starts only to die on its imports
         raise ModuleNotFoundError(f"launch_server: the rollout server {lacking}",
                                   name=SERVER_PACKAGES[0])
+    _check_flags(_flags(model, port or 0, device, dtype, weight_version, threads, extra_args))
     kwargs = dict(device=device, dtype=dtype, threads=threads, weight_version=weight_version,
                   health_timeout=health_timeout, log_dir=log_dir, extra_args=extra_args,
                   env=env, new_session=new_session)
@@ -140,18 +141,43 @@ def launch_server(model: str | os.PathLike, *, port: int | None = None, device: 
                 raise
 
 
+def _flags(model, port: int, device: str, dtype: str, weight_version: int, threads: int | None,
+           extra_args: tuple[str, ...]) -> list[str]:
+    """The server's command line after ``python -m fsdpfn.rollout``; --parent-pid: it exits when
+    this process does, even by SIGKILL."""
+    flags = ["--model", str(model), "--port", str(port), "--host", "127.0.0.1",
+             "--device", str(device), "--dtype", str(dtype), "--weight-version",
+             str(weight_version), "--parent-pid", str(os.getpid()), *map(str, extra_args)]
+    return flags + (["--threads", str(threads)] if threads else [])
+
+
+def _check_flags(flags: list[str]) -> None:
+    """The server's own command line rules, applied here: a bad argument is one ConfigError
+    line before a process starts (the server would print its usage and exit)."""
+    import argparse
+
+    from fsdpfn.errors import ConfigError
+    from fsdpfn.rollout.__main__ import parser
+
+    def refuse(message: str):
+        raise ConfigError(f"launch_server: the server's command line refuses {message}")
+
+    check = parser(allow_abbrev=False)
+    check.error = refuse
+    try:
+        check.parse_args(flags)
+    except argparse.ArgumentError as exc:
+        refuse(str(exc))
+
+
 def _launch(model, *, port: int, device: str, dtype: str, threads: int | None,
             weight_version: int, health_timeout: float, log_dir, extra_args: tuple[str, ...],
             env: dict | None, new_session: bool) -> RolloutProcess:
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="fsdpfn-rollout-"))
     log_dir.mkdir(parents=True, exist_ok=True)  # a directory named for the logs is made
     log_path = log_dir / f"rollout-{port}.log"
-    cmd = [sys.executable, "-m", "fsdpfn.rollout", "--model", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--device", device, "--dtype", dtype,
-           "--weight-version", str(weight_version), "--parent-pid", str(os.getpid()),
-           *extra_args]  # it exits when this process does, even by SIGKILL
-    if threads:
-        cmd += ["--threads", str(threads)]
+    cmd = [sys.executable, "-m", "fsdpfn.rollout",
+           *_flags(model, port, device, dtype, weight_version, threads, extra_args)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.environ.get("OMP_NUM_THREADS", 1)),
            **(env or {})}
     with open(log_path, "w") as log:

@@ -285,3 +285,29 @@ def test_a_port_in_use_is_one_line_and_port_0_prints_the_port_it_took(tmp_path):
         proc.terminate()
         proc.wait(30)
 
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype="fp16"), "argument --dtype: invalid choice: 'fp16'"),
+    (dict(device="tpu"), "argument --device: must be cpu, cuda or cuda:N, got 'tpu'"),
+    (dict(weight_version=-1), "argument --weight-version: must be an int >= 0, got '-1'"),
+    (dict(port=70000), "argument --port: must be an int in [0, 65535], got '70000'"),
+    (dict(extra_args=("--decode-rows", "0")), "argument --decode-rows: must be an int >= 1"),
+    (dict(extra_args=("--bogus",)), "unrecognized arguments: --bogus"),
+])
+def test_launch_server_refuses_what_the_servers_command_line_would(kwargs, message, tmp_path,
+                                                                   monkeypatch):
+    """Before, the server started, printed its usage and exited, and launch_server raised a
+    RuntimeError holding the twenty lines of usage; now it is one ConfigError line and no
+    process starts."""
+    import subprocess
+
+    from fsdpfn.rollout import launch_server
+
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    with pytest.raises(ConfigError) as info:
+        launch_server(tmp_path, log_dir=tmp_path / "logs", **kwargs)
+    assert str(info.value).startswith("launch_server: the server's command line refuses ")
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert started == [] and not (tmp_path / "logs").exists()
