@@ -247,6 +247,12 @@ def test_bad_inputs_fail_before_training_naming_key_and_value(ws, tmp_path, caps
         f.unlink()
     assert "model.path: must hold a tokenizer" in _fails(
         ws, tmp_path, capsys, "sft", f"model.path={bare}")
+    plain = tmp_path / "plain"  # a base model's tokenizer: no chat template
+    write_tiny_hf_dir(plain, texts=["a b c"])
+    (plain / "chat_template.jinja").unlink()
+    err = _fails(ws, tmp_path, capsys, "sft", f"model.path={plain}", "data.chat_template=true")
+    assert "data: chat messages (and data.chat_template: true) need the tokenizer's chat " \
+           f"template, and the tokenizer in {str(plain)!r} has none" in err, err
     assert "data.max_response_tokens: must be >= 1, got 0" in _fails(
         ws, tmp_path, capsys, "grpo", "data.max_response_tokens=0")
 

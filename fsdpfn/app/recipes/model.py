@@ -252,8 +252,11 @@ class HFTokenizer:
 
     def chat_ids(self, messages, *, generation_prompt: bool) -> list[int]:
         if not self.has_chat_template:
-            raise ConfigError(f"data: chat messages need a chat template, and the tokenizer in "
-                              f"{str(self.path)!r} has none (chat_template)")
+            raise ConfigError(f"data: chat messages (and data.chat_template: true) need the "
+                              f"tokenizer's chat template, and the tokenizer in "
+                              f"{str(self.path)!r} has none (no chat_template.jinja, no "
+                              f"chat_template in tokenizer_config.json); add one there, use an "
+                              f"instruct model's tokenizer, or give the rows as plain strings")
         out = self.tok.apply_chat_template(list(messages), tokenize=True,
                                            add_generation_prompt=generation_prompt)
         if isinstance(out, dict) or hasattr(out, "keys"):
