@@ -142,8 +142,8 @@ def _resolve(config: str, overrides):
     """A recipe name's defaults, or a config file, with the overrides applied and validated."""
     from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config, load_recipe_config
 
-    if config in RECIPE_CONFIGS and not Path(config).exists():
-        return default_config(config, overrides)
+    if config in RECIPE_CONFIGS and not Path(config).is_file():  # a directory named like a
+        return default_config(config, overrides)                  # recipe (a run_dir) is none
     if not Path(config).exists():  # a name (a recipe misspelt) or a path: say which is which
         import difflib
 

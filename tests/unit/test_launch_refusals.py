@@ -290,6 +290,17 @@ def test_a_config_that_is_neither_a_recipe_nor_a_file_is_one_line(tmp_path, caps
     assert not (tmp_path / "r").exists()
 
 
+def test_a_recipe_name_beside_a_directory_of_that_name_is_the_recipe(tmp_path, capsys,
+                                                                      monkeypatch):
+    """A run_dir named after its recipe (``run_dir=grpo``) in the working directory made the
+    next ``fsdpfn run grpo`` read 'config: file is a directory'; a directory is no config file,
+    so the name is the recipe's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "grpo").mkdir()
+    assert cli.main(["config", "grpo"]) == 0
+    assert capsys.readouterr().out.startswith("recipe: grpo"), "the recipe's defaults"
+
+
 def test_a_date_written_in_yaml_is_the_text_written(tmp_path):
     """No config field holds a date: a run_dir or model directory named 2024-01-01 is a path
     (YAML 1.1's implicit timestamps made it a datetime.date, and a traceback)."""
