@@ -176,6 +176,10 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.stoi[c] for c in text]
 
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """<bos> then the characters (HFTokenizer.prompt_ids: the tokenizer's own BOS if any)."""
+        return [self.bos_id, *self.encode(prompt)]
+
     def decode(self, ids, *, stop_at_eos: bool = True) -> str:
         """The text of ``ids`` without <pad>/<bos>, up to the first <eos> (or showing it)."""
         out = []

@@ -24,7 +24,6 @@ values, train, push), tokens/s, response lengths and the clipped fraction, and r
 
 from __future__ import annotations
 
-import shutil
 import time
 import urllib.request
 from pathlib import Path
@@ -79,11 +78,13 @@ def warmup_steps(cfg) -> int:
 
 
 def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
-    """SFT warm-up from run_dir/model0 to run_dir/sft; False when stopped by a signal."""
+    """SFT warm-up from the run's starting model (model.path, or run_dir/model0: the embedded
+    model or random_init's) to run_dir/sft, with the tokenizer beside it; False when stopped by
+    a signal."""
     run_dir = ctx.run_dir
     w = cfg.warmup
     steps = warmup_steps(cfg)
-    state = _state(cfg, ctx, mesh, run_dir / "model0", optimizer=w.optimizer)
+    state = _state(cfg, ctx, mesh, initial_model_dir(cfg.model, run_dir), optimizer=w.optimizer)
     train = AdditionSource(cfg.task, tok, seed=cfg.seed * 1_000_003 + 17)
     held_out = sequences_batch([(e["ids"], e["loss"]) for e in train.head(256)])
     bar = Progress("warm-up (sft)", steps, every=max(steps // 10, 1), enabled=cfg.log.progress)
@@ -119,8 +120,8 @@ def warmup(cfg, ctx: RunContext, mesh, tok, metrics: Metrics) -> bool:
     else:
         bar.close()
     ff.export_hf(state, run_dir / WARMUP_MODEL, dtype="float32", merged=True)
-    if is_main():
-        shutil.copy(run_dir / "model0" / "char_vocab.json", run_dir / WARMUP_MODEL)
+    if is_main():  # char_vocab.json of the embedded tokenizer, or the model's own tokenizer
+        tok.save(run_dir / WARMUP_MODEL)
     dist.barrier()
     return True
 

@@ -21,6 +21,7 @@ import attrs
 from typing import TYPE_CHECKING
 
 from fsdpfn import keys as K
+from fsdpfn.errors import ConfigError
 from fsdpfn.validators import boolean, integer
 from fsdpfn.app.recipes.model import CharTokenizer, ModelConfig
 
@@ -56,10 +57,19 @@ class AdditionTask:
         return str(value)[::-1] if self.reverse else str(value)
 
     def prompt_ids(self, tok: "CharTokenizer", a: int, b: int) -> list[int]:
-        return [tok.bos_id, *tok.encode(self.prompt(a, b))]
+        """The prompt's ids: <bos> + characters with the embedded tokenizer; with a model's own
+        (fsdpfn.app.recipes.model.HFTokenizer), its encoding with the BOS it adds, if any."""
+        return tok.prompt_ids(self.prompt(a, b))
 
     def answer_ids(self, tok: "CharTokenizer", value: int) -> list[int]:
-        """``value`` as written by the task, then <eos>."""
+        """``value`` as written by the task, then <eos> (the tokenizer's end-of-sequence token:
+        the answer ends there, and the reward reads up to it)."""
+        if tok.eos_id is None:
+            raise ConfigError(f"model.path: the embedded addition task (no data.train_files) "
+                              f"ends each answer with the tokenizer's end-of-sequence token, "
+                              f"and the tokenizer in {str(getattr(tok, 'path', ''))!r} has "
+                              f"none (eos_token); give data.train_files, or a tokenizer with "
+                              f"one")
         return [*tok.encode(self.write(value)), tok.eos_id]
 
     def sample(self, n: int, *, seed: int) -> list[tuple[int, int]]:
