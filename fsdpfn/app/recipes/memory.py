@@ -5,6 +5,7 @@ that would make it fit.
     check_memory(cfg, shape, n_gpus=..., capacity=..., shared=...)  # one trainer GPU
     check_host_memory(cfg, shape, available=...)                    # state kept on the host
     check_disk(cfg, shape)                                          # one checkpoint
+    check_cpu_memory(cfg, shape, placement, available=...)  # a CPU run (cpu_memory.py)
 
 - one trainer GPU: weights + gradients + optimizer state + activations of every model the
   recipe builds, plus the rollout server's weights and decode cache when it shares the GPU;

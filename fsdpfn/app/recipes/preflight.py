@@ -28,6 +28,7 @@ from pathlib import Path
 import attrs
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.app.recipes.cpu_memory import check_cpu_memory
 from fsdpfn.app.recipes.engine import longest_row
 from fsdpfn.app.recipes.memory import (ModelShape, check_batch_rows, check_disk,
                                        check_host_memory, check_memory)
@@ -55,7 +56,8 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     shape = ModelShape.from_hf(hf)
     notes = [check_disk(cfg, shape)]
     if placement.device != "cuda":
-        return notes
+        host = check_cpu_memory(cfg, shape, placement, available=available_host_memory())
+        return notes + ([host] if host else [])
     notes.append(check_memory(cfg, shape, n_gpus=placement.nproc,
                               capacity=_device_bytes(placement), shared=_shares_gpu(placement)))
     host = check_host_memory(cfg, shape, available=available_host_memory())
