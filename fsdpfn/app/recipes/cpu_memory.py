@@ -33,10 +33,11 @@ CPU_FIXES = ("engine.optimizer_dtype=bfloat16", "engine.gradient_checkpointing=t
 
 
 def _at_dtype(cfg, dtype: str):
-    """``cfg`` with every engine section's ``auto`` dtype as the run resolves it."""
-    changes = {name: attrs.evolve(getattr(cfg, name), dtype=dtype) for name in ("engine",)
-               if getattr(cfg, name).dtype == "auto"}
-    return attrs.evolve(cfg, **changes) if changes else cfg
+    """``cfg`` with the policy's ``auto`` dtype as the run resolves it (the reference and the
+    critic inherit it unless their sections set their own)."""
+    if cfg.engine.dtype != "auto":
+        return cfg
+    return attrs.evolve(cfg, engine=attrs.evolve(cfg.engine, dtype=dtype))
 
 
 def cpu_estimate(cfg, shape: ModelShape, *, nproc: int, dtype: str,
