@@ -50,6 +50,22 @@ def flag(prompt, completion, *, answer, sample):
         return numpy.bool_(True)
     return completion == "yes"
 
+async def judged(prompt, completion, *, answer, sample, bonus=0.0):
+    """An async reward (an LLM judge's async client, say)."""
+    import asyncio
+    await asyncio.sleep(0)
+    if completion == "raise":
+        raise RuntimeError(f"judge failed on {prompt}")
+    if completion == "hang":
+        await asyncio.sleep(60)
+    return per_sample(prompt, completion, answer=answer, sample=sample, bonus=bonus)
+
+async def judged_batch(prompts, completions, *, answers, samples, bonus=0.0):
+    return batched(prompts, completions, answers=answers, samples=samples, bonus=bonus)
+
+def yields(prompt, completion, *, answer, sample):
+    yield 1.0
+
 NOT_CALLABLE = 3
 
 PREPARED = []
@@ -215,6 +231,38 @@ def test_invalid_returns_are_errors_and_a_bool_counts_as_0_or_1(user_pkg, worker
     assert "got '1.0' (str)" in result.errors[2].message
     with RewardPool("userrewards.scores:flag", workers=workers) as p:
         assert p.score(["p", "q", "r"], ["yes", "no", "np"]).rewards == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_async_reward_is_awaited(user_pkg, workers):
+    """An async def reward's coroutine was scored as 'must return a finite number, got
+    <coroutine ...>' on every sample; it is now run to its result, its exceptions and hangs
+    reported as a plain reward's are."""
+    completions = ["a", "bb", "raise", "nan"]
+    with RewardPool("userrewards.scores:judged", workers=workers, timeout_s=1.0,
+                    kwargs={"bonus": 0.5}) as p:
+        result = _score(p, completions)
+        prompts, answers, samples = _rows(completions)
+        assert result.rewards[:2] == [_reference(prompts[i], completions[i], answers[i],
+                                                 samples[i], 0.5) for i in range(2)]
+        assert [(e.index, e.kind) for e in result.errors] == [(2, "exception"), (3, "invalid")]
+        assert "RuntimeError: judge failed on prompt 2" in result.errors[0].message
+        if workers:
+            t0 = time.monotonic()
+            assert _score(p, ["hang"]).counts["timeout"] == 1
+            assert time.monotonic() - t0 < 5.0
+    with RewardPool("userrewards.scores:judged_batch", batched=True, workers=workers) as p:
+        assert _score(p, ["a", "bb"]).rewards == [201.0, 202.0]
+
+
+def test_a_generator_reward_is_refused_before_launch(user_pkg):
+    from fsdpfn.app.recipes import default_config
+    from fsdpfn.app.recipes.preflight import check_reward
+
+    cfg = default_config("grpo", ["reward.fn=userrewards.scores:yields"])
+    with pytest.raises(ConfigError, match=r"^reward\.fn: must return the reward, not yield it"):
+        check_reward(cfg)
+    check_reward(default_config("grpo", ["reward.fn=userrewards.scores:judged"]))
 
 
 def test_long_prompt_and_completion_are_truncated_in_reports(user_pkg):

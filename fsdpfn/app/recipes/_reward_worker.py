@@ -164,10 +164,22 @@ def call(fn, request: tuple, kwargs: dict) -> list[tuple]:
         else:
             value = fn(list(prompts), list(completions), answers=list(answers),
                        samples=list(samples), **kwargs)
+        if hasattr(value, "__await__"):  # an async def reward (an LLM judge's client...)
+            value = _awaited(value)
     except Exception as exc:
         n = 1 if mode == "one" else len(prompts)
         return [("exception", describe(exc))] * n
     return [_one_checked(value)] if mode == "one" else _checked(value, len(prompts))
+
+
+def _awaited(awaitable):
+    """The result of an async reward's call, run to completion on an event loop of its own."""
+    import asyncio
+
+    async def wait():
+        return await awaitable
+
+    return asyncio.run(wait())
 
 
 # ---------------------------------------------------------------- the worker loop

@@ -157,6 +157,10 @@ def check_reward(cfg) -> None:
 
     spec = reward_spec(cfg)
     fn = load_reward(spec)
+    call = getattr(fn, "__call__", None)  # an object whose __call__ is the reward
+    if any(inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)):
+        raise ConfigError(f"reward.fn: must return the reward, not yield it (calling a generator "
+                          f"function returns a generator, not a number), got {spec!r}")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: the call will tell
