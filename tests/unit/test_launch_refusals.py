@@ -290,6 +290,23 @@ def test_a_config_that_is_neither_a_recipe_nor_a_file_is_one_line(tmp_path, caps
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("text, keys", [("", "it is empty"), ("# nothing yet\n", "it is empty"),
+                                        ("steps: 3\nppo: {clip_low: 0.1}\n",
+                                         "its keys: ['ppo', 'steps']")])
+def test_a_config_without_a_recipe_key_says_so(tmp_path, capsys, text, keys):
+    """An empty file (or one holding only a section's keys) read 'recipe: must be one of [...],
+    got None'."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert cli.main(["config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"fsdpfn: error: recipe: a config names its recipe first (recipe: one of grpo, ppo, sft, "
+        f"rw, dpo), and this one has no recipe key ({keys}); 'fsdpfn config grpo' prints a "
+        f"whole one to start from\n")
+    assert cli.main(["config", str(path), "recipe=ppo"]) == 0  # named by an override: fine
+    assert capsys.readouterr().out.startswith("recipe: ppo")
+
+
 def test_a_recipe_name_beside_a_directory_of_that_name_is_the_recipe(tmp_path, capsys,
                                                                       monkeypatch):
     """A run_dir named after its recipe (``run_dir=grpo``) in the working directory made the

@@ -36,6 +36,11 @@ def config_from_data(data: dict, overrides=()):
         raise ConfigError(f"config: must be a mapping with a 'recipe' key, got {data!r}")
     data = serde.apply_overrides(data, list(overrides))
     name = data.get("recipe")
+    if "recipe" not in data:  # an empty file, or one written from a section's keys
+        raise ConfigError(f"recipe: a config names its recipe first (recipe: one of "
+                          f"{', '.join(RECIPE_CONFIGS)}), and this one has no recipe key "
+                          f"({'it is empty' if not data else f'its keys: {sorted(data)}'}); "
+                          f"'fsdpfn config grpo' prints a whole one to start from")
     if not isinstance(name, str) or name not in RECIPE_CONFIGS:
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
     cls = RECIPE_CONFIGS[name]
