@@ -42,12 +42,17 @@ def missing_server_packages() -> str | None:
 
 
 class RolloutProcess:
-    """A running ``python -m fsdpfn.rollout``; ``close()`` kills it (idempotent)."""
+    """A running ``python -m fsdpfn.rollout``; ``close()`` kills it (idempotent). ``own_dir``:
+    the log directory launch_server made itself (no ``log_dir`` given), which ``close()``
+    removes when it stops a running server; a server that exited on its own keeps its log at
+    ``log_path``."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path,
+                 own_dir: Path | None = None):
         self.proc = proc
         self.url = url
         self.log_path = log_path
+        self.own_dir = own_dir
 
     @property
     def pid(self) -> int:
@@ -94,7 +99,8 @@ class RolloutProcess:
                            f"{timeout:.0f} s:\n{self.log()}")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        running = self.proc.poll() is None
+        if running:
             try:
                 os.kill(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -103,6 +109,11 @@ class RolloutProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        if running and self.own_dir is not None:  # stopped by its owner: nothing to read later
+            import shutil
+
+            shutil.rmtree(self.own_dir, ignore_errors=True)
+            self.own_dir = None
 
     def __enter__(self) -> "RolloutProcess":
         return self
@@ -173,7 +184,8 @@ def _check_flags(flags: list[str]) -> None:
 def _launch(model, *, port: int, device: str, dtype: str, threads: int | None,
             weight_version: int, health_timeout: float, log_dir, extra_args: tuple[str, ...],
             env: dict | None, new_session: bool) -> RolloutProcess:
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="fsdpfn-rollout-"))
+    own_dir = None if log_dir else Path(tempfile.mkdtemp(prefix="fsdpfn-rollout-"))
+    log_dir = Path(log_dir or own_dir)
     log_dir.mkdir(parents=True, exist_ok=True)  # a directory named for the logs is made
     log_path = log_dir / f"rollout-{port}.log"
     cmd = [sys.executable, "-m", "fsdpfn.rollout",
@@ -183,10 +195,11 @@ def _launch(model, *, port: int, device: str, dtype: str, threads: int | None,
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=new_session)
-    server = RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    server = RolloutProcess(proc, f"http://127.0.0.1:{port}", log_path, own_dir)
     try:
         server.wait_healthy(health_timeout)
     except BaseException:
+        server.own_dir = None  # a start that failed keeps its log for the error's reader
         server.close()
         raise
     return server

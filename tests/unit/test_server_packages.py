@@ -4,7 +4,9 @@ before a process starts or a port is bound. Before, `fsdpfn demo` trained its wa
 stopped on the server's `ModuleNotFoundError: No module named 'uvicorn'` traceback.
 
 And every `pip install 'fsdpfn[...]'` that fsdpfn's messages suggest names an extra that
-pyproject.toml defines (the workflow's openai hint named one that did not exist)."""
+pyproject.toml defines (the workflow's openai hint named one that did not exist). Last, what a
+server started by launch_server leaves behind: its own log directory only where it is worth
+reading."""
 
 from __future__ import annotations
 
@@ -97,3 +99,37 @@ def test_every_extra_a_message_suggests_exists():
     assert {"server", "agents", "math", "wandb", "recipes", "gpu"} <= set(named), named
     missing = {name: where for name, where in named.items() if name not in extras}
     assert not missing, f"extras suggested but not in pyproject.toml: {missing}"
+
+
+@pytest.mark.timeout(120)
+def test_the_log_directory_launch_server_made_goes_with_a_server_stopped_by_its_owner(tmp_path,
+                                                                                      monkeypatch):
+    """Without log_dir, launch_server logs into a temporary directory of its own; each call left
+    one behind (a hundred and more in /tmp after a day of test runs). close() now removes it
+    when it stops a running server; a server that died on its own keeps its log, as does a
+    directory the caller named."""
+    import os
+    import signal
+    import tempfile
+
+    from fsdpfn.rollout import launch_server
+    from fsdpfn.testing import write_tiny_hf_dir
+
+    model = write_tiny_hf_dir(tmp_path / "tiny", texts=["a b c"] * 10)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes its dirs
+
+    def made():
+        return sorted(p.name for p in tmp_path.glob("fsdpfn-rollout-*"))
+
+    with launch_server(model, dtype="float32", extra_args=("--no-channel",)) as server:
+        assert made() and server.log_path.is_file()
+    assert made() == []
+    crashed = launch_server(model, dtype="float32", extra_args=("--no-channel",))
+    os.kill(crashed.pid, signal.SIGKILL)
+    crashed.proc.wait(timeout=10)
+    crashed.close()
+    assert crashed.log_path.is_file() and len(made()) == 1  # read it: the server died by itself
+    mine = tmp_path / "mine"
+    with launch_server(model, dtype="float32", log_dir=mine, extra_args=("--no-channel",)):
+        pass
+    assert len(list(mine.glob("rollout-*.log"))) == 1
