@@ -171,6 +171,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
+def parse_strict(argv: list[str], error=None) -> argparse.Namespace:
+    """``argv`` through the server's parser with every flag written out in full (no
+    abbreviations); ``error`` is called with argparse's message instead of exiting, a bad
+    value's ArgumentError included. What launch_server and rollout.server_args check with."""
+    check = parser(allow_abbrev=False)
+    if error is None:
+        return check.parse_args(argv)
+    check.error = error
+    try:
+        return check.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        error(str(exc))
+        raise
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from fsdpfn.rollout.process import missing_server_packages

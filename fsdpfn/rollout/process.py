@@ -165,20 +165,13 @@ def _flags(model, port: int, device: str, dtype: str, weight_version: int, threa
 def _check_flags(flags: list[str]) -> None:
     """The server's own command line rules, applied here: a bad argument is one ConfigError
     line before a process starts (the server would print its usage and exit)."""
-    import argparse
-
     from fsdpfn.errors import ConfigError
-    from fsdpfn.rollout.__main__ import parser
+    from fsdpfn.rollout.__main__ import parse_strict
 
     def refuse(message: str):
         raise ConfigError(f"launch_server: the server's command line refuses {message}")
 
-    check = parser(allow_abbrev=False)
-    check.error = refuse
-    try:
-        check.parse_args(flags)
-    except argparse.ArgumentError as exc:
-        refuse(str(exc))
+    parse_strict(flags, refuse)
 
 
 def _launch(model, *, port: int, device: str, dtype: str, threads: int | None,

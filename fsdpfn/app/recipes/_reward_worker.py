@@ -114,6 +114,15 @@ def resolve(spec, *, light: bool = False):
 # ---------------------------------------------------------------- calling and checking
 
 
+def yields(fn) -> bool:
+    """Whether calling ``fn`` (a function, or an object through its ``__call__``) makes a
+    generator rather than a result: a reward or workflow that yields what it should return."""
+    import inspect  # here: a worker's start imports only what it must
+
+    return any(inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f)
+               for f in (fn, getattr(fn, "__call__", None)))
+
+
 def _is_numpy_bool(value) -> bool:
     # np.isclose(...) returns one; it is not a numbers.Real, and numpy is not imported here
     return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")

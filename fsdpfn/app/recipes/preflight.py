@@ -153,12 +153,12 @@ def check_reward(cfg) -> None:
     """The reward imports (reward.fn, or the task's built-in one) and its signature accepts the
     call the recipe makes: fn(prompt, completion, *, answer, sample, **reward.kwargs), or the
     batched form with reward.batched."""
+    from fsdpfn.app.recipes import _reward_worker as W
     from fsdpfn.app.recipes.reward import load_reward, reward_spec
 
     spec = reward_spec(cfg)
     fn = load_reward(spec)
-    call = getattr(fn, "__call__", None)  # an object whose __call__ is the reward
-    if any(inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)):
+    if W.yields(fn):
         raise ConfigError(f"reward.fn: must return the reward, not yield it (calling a generator "
                           f"function returns a generator, not a number), got {spec!r}")
     try:

@@ -139,20 +139,15 @@ SERVER_OWNED = {
 def server_namespace(args, error=None):
     """The server's parsed command line with these flags (fsdpfn run's own as placeholders),
     flags written out in full; ``error`` is called with argparse's message instead of exiting."""
-    from fsdpfn.rollout.__main__ import parser
+    from fsdpfn.rollout.__main__ import parse_strict
 
-    check = parser(allow_abbrev=False)
-    if error is not None:
-        check.error = error
-    return check.parse_args(["--model", "m", "--port", "0", *args])
+    return parse_strict(["--model", "m", "--port", "0", *args], error)
 
 
 def _check_server_args(instance, attribute, value) -> None:
     """Each flag must be one python -m fsdpfn.rollout accepts, with a valid value, and not one
     fsdpfn run sets itself; with rollout.url (external servers) there is no server to pass
     them to."""
-    import argparse
-
     name = attribute.name
     if isinstance(value, str):
         fail(name, "must be a list of flags, or one string a shell can split (quotes closed)",
@@ -170,10 +165,7 @@ def _check_server_args(instance, attribute, value) -> None:
         fail(name, "must be flags python -m fsdpfn.rollout accepts", value,
              shown=f"{shown} ({message})")
 
-    try:
-        server_namespace(value, refuse)
-    except argparse.ArgumentError as exc:
-        refuse(str(exc))
+    server_namespace(value, refuse)
     if instance is not None and value and instance.url is not None:
         fail(name, "must be empty when rollout.url names external servers (the flags go to the "
              "servers fsdpfn run starts)", value, shown=shown)

@@ -73,12 +73,10 @@ def load_workflow(spec: str, *, key: str = "rollout.workflow") -> Workflow:
                           f"signature {inspect.signature(fn)} ({exc})") from None
     except ValueError:  # no signature to read (a builtin): let the first call tell
         pass
-    call = getattr(fn, "__call__", None)  # an object whose __call__ is the workflow
-    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn) or (
-            not inspect.isfunction(fn) and (inspect.isgeneratorfunction(call)
-                                            or inspect.isasyncgenfunction(call))):
+    if W.yields(fn):
         raise ConfigError(f"{key}: must return the episode's reward, not yield it (calling a "
                           f"generator function returns a generator, not a reward), got {spec!r}")
+    call = getattr(fn, "__call__", None)  # an object whose __call__ is the workflow
     is_async = inspect.iscoroutinefunction(fn) or (
         not inspect.isfunction(fn) and inspect.iscoroutinefunction(call))
     return Workflow(fn, is_async, spec)
