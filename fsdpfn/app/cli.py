@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  fsdpfn demo steps=5 warmup.steps=50         a shorter demo\n"
                "  fsdpfn run examples/sft.yaml steps=20       run a recipe config\n"
                "  fsdpfn run runs/demo/config.yaml --resume   continue a run\n"
+               "  fsdpfn run job.yaml --prepare               for torchrun on several hosts\n"
                "  fsdpfn config ppo                           print a default config\n"
                "\n'fsdpfn COMMAND --help' describes each command.")
     from fsdpfn import __version__
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="recipe config (YAML or JSON) with a 'recipe:' key, or a "
                                     "recipe name (grpo, ppo, sft, rw, dpo) for its defaults")
     launch_options(run)
+    run.add_argument("--prepare", action="store_true",
+                     help="check and write run_dir (config.yaml, data/), print the torchrun "
+                          "command that starts the trainer ranks on each host; start nothing")
     run.set_defaults(func=_cmd_run)
 
     demo = sub.add_parser(
@@ -128,7 +132,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
 
 def _cmd_config(args) -> int:
     from fsdpfn import serde
-    from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config
+    from fsdpfn.app.recipes import RECIPE_CONFIGS
 
     if not args.recipe:
         for name, cls in RECIPE_CONFIGS.items():
@@ -158,7 +162,8 @@ def _resolve(config: str, overrides):
 
 def _cmd_run(args) -> int:
     cfg = _resolve(args.config, args.overrides)
-    return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+    return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run,
+                  prepare=args.prepare)
 
 
 def _cmd_demo(args) -> int:

@@ -14,6 +14,10 @@ ranks (a server of its own that exits stops them); at the end it records each se
 weights version (summary.json's ``rollout_servers``), plots run_dir/metrics.jsonl to
 run_dir/metrics.png and prints a summary.
 
+``fsdpfn run FILE --prepare`` stops before any process starts: the checks that do not depend on
+the hosts, run_dir's config.yaml and prepared data, and the torchrun command that starts the
+trainer ranks on each host (fsdpfn.app.recipes.worker; docs/getting-started.md).
+
 Ctrl-C (SIGINT) is forwarded to the ranks, which finish the current step, save a checkpoint and
 exit; the rollout servers are then shut down. A second Ctrl-C kills the ranks at once (the last
 published checkpoint stays intact: checkpoints are atomic). Exit status: 0 done, 130 stopped by
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,6 +99,36 @@ def _describe_trainer(cmd: list[str], nproc: int, port: int, threads: int) -> st
     env["RANK"] = env["LOCAL_RANK"] = "<rank>"
     return (f"{nproc} rank(s) (<rank> = 0..{nproc - 1}): "
             + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
+
+
+def _check_prepare(cfg, *, dry_run: bool, own_server: bool) -> None:
+    """--prepare leaves the ranks to torchrun: it starts no rollout server either."""
+    from fsdpfn.errors import ConfigError
+
+    if dry_run:
+        raise ConfigError("--prepare: must not be given with --dry-run (--dry-run writes "
+                          "nothing, --prepare writes run_dir for ranks started by hand), got both")
+    if own_server:
+        raise ConfigError(f"rollout.url: must name running rollout servers with --prepare (ranks "
+                          f"started by hand start none; python -m fsdpfn.rollout starts one, "
+                          f"docs/rollout.md), got null for recipe {cfg.recipe}")
+
+
+def _torchrun_line(cfg, config_path: Path, *, resume: bool, url: str | None) -> str:
+    """--prepare's command for each host; NODES, NODE_RANK, HEAD (and GPUS, without
+    launch.nproc) are the user's."""
+    threads, nproc = cfg.launch.threads_per_rank, cfg.launch.nproc or "GPUS"
+    cmd = ["cd", shlex.quote(os.getcwd()), "&&"]  # the config's relative paths are this cwd's
+    cmd += [f"OMP_NUM_THREADS={threads}"] if threads != 1 else []
+    cmd += ["torchrun", "--nnodes", "NODES", "--nproc-per-node", str(nproc), "--node-rank",
+            "NODE_RANK", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"HEAD:{cfg.launch.master_port or 29500}", "-m", "fsdpfn.app.recipes.worker",
+            "--config", shlex.quote(str(config_path.resolve()))]
+    if resume:
+        cmd.append("--resume")
+    if url:
+        cmd += ["--rollout-url", shlex.quote(url)]
+    return "  " + " ".join(cmd)
 
 
 def _check_threads(cfg) -> None:
@@ -174,8 +209,11 @@ def _rows_per_step(cfg) -> tuple[str, int] | None:
     return None
 
 
-def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool = False) -> int:
-    """Run ``cfg`` (a recipe config) as ``fsdpfn run`` does; returns the exit status."""
+def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool = False,
+           prepare: bool = False) -> int:
+    """Run ``cfg`` (a recipe config) as ``fsdpfn run`` does; returns the exit status.
+    ``prepare``: every check and run_dir's files (config.yaml, data/), then the command that
+    starts the trainer ranks under torchrun on each host; no process is started."""
     from fsdpfn import serde
     from fsdpfn.app.recipes import NEEDS_ROLLOUT
     from fsdpfn.app.recipes.model import initial_model_dir
@@ -192,9 +230,13 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         check_resume_steps(cfg, run_dir)
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None
-    n_gpus = count_gpus()
-    placement = place(cfg, n_gpus, needs_rollout=needs_rollout)
-    check_server_gpus(cfg, placement, n_gpus)
+    placement = None  # --prepare: the hosts are torchrun's, and their checks the ranks'
+    if prepare:
+        _check_prepare(cfg, dry_run=dry_run, own_server=own_server)
+    else:
+        n_gpus = count_gpus()
+        placement = place(cfg, n_gpus, needs_rollout=needs_rollout)
+        check_server_gpus(cfg, placement, n_gpus)
     model_dir = initial_model_dir(cfg.model, run_dir)
     url = cfg.rollout.url if needs_rollout else None
     _check_inputs(cfg)
@@ -231,6 +273,11 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     for note in notes:  # after every refusal: a refused run prints its one line alone
         say(note)
     config_path.write_text(serde.to_yaml(cfg))
+    if prepare:
+        say(f"prepared {run_dir}; start the trainer ranks on each host (run_dir on a file "
+            f"system every host reads and writes) with:")
+        print(_torchrun_line(cfg, config_path, resume=resume, url=url))
+        return 0
     write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
     try:
         rc, interrupted, seconds, servers, failed = _run(cfg, run_dir, config_path, placement,

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 __all__ = ["OWNED", "FIXED_ON_RESUME", "check_run_dir_path", "check_flags",
-           "check_resume_keeps", "prepare_run_dir"]
+           "check_resume_keeps", "prepare_run_dir", "check_started_by_hand"]
 
 OWNED = ("config.yaml", "trainer.log", "model0", "model0.tmp", "sft", "checkpoints",
           "critic_checkpoints",
@@ -54,6 +54,25 @@ def check_flags(*, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise ConfigError("--overwrite: must not be given with --resume (--resume continues the "
                           "run in run_dir, --overwrite deletes it and starts over), got both")
+
+
+def check_started_by_hand(cfg, run_dir: Path, *, resume: bool) -> None:
+    """A trainer rank's check of run_dir as it starts, for ranks that torchrun starts on the
+    hosts (``fsdpfn run FILE --prepare``): the data files prepared there (tokenized and
+    filtered once, before any rank), and a previous run's checkpoints continued only with
+    --resume. Under ``fsdpfn run`` both hold before the ranks start."""
+    from fsdpfn.errors import ConfigError
+
+    if cfg.data.from_files and not (run_dir / "data" / "train.jsonl").is_file():
+        raise ConfigError(f"data.train_files: must be prepared into {run_dir / 'data'} before "
+                          f"the ranks start (tokenized and filtered once, for every host), got "
+                          f"nothing there; run `fsdpfn run FILE --prepare` first (it prints the "
+                          f"torchrun command)")
+    ckpts = run_dir / "checkpoints"
+    if not resume and ckpts.is_dir() and any(ckpts.iterdir()):
+        raise ConfigError(f"run_dir: {str(run_dir)!r} holds a previous run's checkpoints; pass "
+                          f"--resume to continue it, or run `fsdpfn run FILE --prepare "
+                          f"--overwrite` to start over")
 
 
 # the sections a run bakes into run_dir before its first step (model0, the tokenizer, the

@@ -40,7 +40,9 @@ __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_po
 
 
 def preflight(cfg, placement, *, data: bool = True) -> list[str]:
-    """Run every check; returns notes for the terminal (the memory estimate on GPU hosts)."""
+    """Run every check; returns notes for the terminal (the memory estimate on GPU hosts).
+    ``placement`` None (``fsdpfn run --prepare``: torchrun places the ranks, on other hosts):
+    the checks of the hosts (parallel layout, memory) are left to the ranks."""
     needs_rollout = cfg.recipe in ("grpo", "ppo")
     if data:
         check_data(cfg)
@@ -49,12 +51,15 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
         check_rollout(cfg)
     hf = model_config(cfg)
     check_positions(cfg, hf)
-    check_parallel(cfg, placement, hf)  # fsdpfn.app.recipes.placement
+    if placement is not None:
+        check_parallel(cfg, placement, hf)  # fsdpfn.app.recipes.placement
     check_lora_targets(cfg)
     check_wrap_policy(cfg, hf)
     check_batch_rows(cfg, available=available_host_memory())
     shape = ModelShape.from_hf(hf)
     notes = [check_disk(cfg, shape)]
+    if placement is None:
+        return notes
     if placement.device != "cuda":
         host = check_cpu_memory(cfg, shape, placement, available=available_host_memory())
         return notes + ([host] if host else [])

@@ -200,6 +200,9 @@ def _save(cfg, ctx, saves: Checkpoints, actor, critic, step: int, cursor: int, *
 
 def run(cfg, ctx: RunContext) -> int:
     """Train; returns the last RL step done (a stop saves a checkpoint of it)."""
+    if not ctx.rollout_urls:  # ranks started by hand: said before the warm-up's steps
+        raise ff.ConfigError("rollout.url: the RL recipes need a rollout server; run them with "
+                             "`fsdpfn run` (which starts one) or set rollout.url")
     mesh = ff.build_mesh(cfg.parallel, device_type=ctx.device)
     tok = load_tokenizer(cfg.model)
     latest = ff.latest_intact_checkpoint(ctx.run_dir / "checkpoints") if ctx.resume else None
@@ -272,9 +275,6 @@ def _connect(cfg, ctx: RunContext, actor) -> RolloutTarget:
     """One target over every server: each push reaches all of them through one update group
     (their versions and checksums checked against what was sent)."""
     urls = ctx.rollout_urls
-    if not urls:
-        raise ff.ConfigError("rollout.url: the RL recipes need a rollout server; run them with "
-                             "`fsdpfn run` (which starts one) or set rollout.url")
     if cfg.rollout.url is None:  # external servers (rollout.url) were awaited before the warm-up
         broadcast_from_main(lambda: wait_for_servers(urls, cfg.rollout.health_timeout_s))
     url = ", ".join(urls)

@@ -1,8 +1,11 @@
 """One trainer rank of ``fsdpfn run`` (started by the launcher, fsdpfn.app.ranks, with
-torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, ...). By hand, under torchrun:
+torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, ...). On several hosts, under torchrun,
+after ``fsdpfn run FILE --prepare`` has checked the config and written run_dir (config.yaml, the
+prepared data; it prints this command):
 
-    python -m torch.distributed.run --nproc-per-node 2 -m fsdpfn.app.recipes.worker \
-        --config runs/demo/config.yaml [--resume] [--rollout-url http://127.0.0.1:PORT]
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --rdzv-backend c10d \
+        --rdzv-endpoint $HEAD:29500 -m fsdpfn.app.recipes.worker \
+        --config runs/job/config.yaml [--resume] [--rollout-url http://HOST:PORT]
 
 With FSDPFN_LAUNCHER_PID set (``fsdpfn run`` sets it), the rank exits when that process does.
 """
@@ -39,6 +42,7 @@ def main(argv=None) -> int:
     from fsdpfn.app.recipes.model import prepare_initial_model
     from fsdpfn.app.recipes.placement import resolve_dtype
     from fsdpfn.app.recipes.runtime import RunContext
+    from fsdpfn.app.run_dir import check_started_by_hand
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     cfg = load_recipe_config(args.config)
@@ -60,6 +64,7 @@ def main(argv=None) -> int:
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(str(os.getpid()))
     try:
+        check_started_by_hand(cfg, ctx.run_dir, resume=args.resume)
         prepare_initial_model(cfg.model, ctx.run_dir, rank=int(rank))
         seed_globals(cfg.seed, int(rank))
         run_recipe(cfg, ctx)
