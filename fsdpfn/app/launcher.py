@@ -114,7 +114,7 @@ def _check_prepare(cfg, *, dry_run: bool, own_server: bool) -> None:
                           f"docs/rollout.md), got null for recipe {cfg.recipe}")
 
 
-def _torchrun_line(cfg, config_path: Path, *, resume: bool, url: str | None) -> str:
+def _torchrun_line(cfg, config_path: Path, *, resume: bool) -> str:
     """--prepare's command for each host; NODES, NODE_RANK, HEAD (and GPUS, without
     launch.nproc) are the user's."""
     threads, nproc = cfg.launch.threads_per_rank, cfg.launch.nproc or "GPUS"
@@ -125,9 +125,7 @@ def _torchrun_line(cfg, config_path: Path, *, resume: bool, url: str | None) -> 
             f"HEAD:{cfg.launch.master_port or 29500}", "-m", "fsdpfn.app.recipes.worker",
             "--config", shlex.quote(str(config_path.resolve()))]
     if resume:
-        cmd.append("--resume")
-    if url:
-        cmd += ["--rollout-url", shlex.quote(url)]
+        cmd.append("--resume")  # the servers: the config's rollout.url, which the ranks read
     return "  " + " ".join(cmd)
 
 
@@ -276,7 +274,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     if prepare:
         say(f"prepared {run_dir}; start the trainer ranks on each host (run_dir on a file "
             f"system every host reads and writes) with:")
-        print(_torchrun_line(cfg, config_path, resume=resume, url=url))
+        print(_torchrun_line(cfg, config_path, resume=resume))
         return 0
     write_run_state(run_dir, "running", recipe=cfg.recipe, resume=resume)
     try:

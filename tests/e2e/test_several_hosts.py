@@ -126,6 +126,36 @@ def test_prepare_refusals(job, tmp_path):
     assert not run_dir.exists()
 
 
+def test_grpo_on_two_hosts_pushes_to_a_running_server(job, tmp_path):
+    from fsdpfn.rollout import launch_server
+
+    model = job.parent / "m"
+    with open(tmp_path / "rl.jsonl", "w") as fh:
+        for a in range(10, 40):
+            fh.write(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n")
+    server = launch_server(model, log_dir=tmp_path / "logs", health_timeout=120)
+    try:
+        config = tmp_path / "grpo.yaml"
+        config.write_text(f"recipe: grpo\nrun_dir: {tmp_path / 'run'}\nsteps: 2\n"
+                          f"prompts_per_step: 4\nwarmup: {{steps: 0}}\nlog: {{plot: false}}\n"
+                          f"model: {{path: {model}}}\nrollout: {{url: '{server.url}'}}\n"
+                          f"data: {{train_files: [{tmp_path / 'rl.jsonl'}], "
+                          f"max_prompt_tokens: 32, max_response_tokens: 8}}\n")
+        proc = fsdpfn("run", config, "--prepare")
+        assert proc.returncode == 0, proc.stderr
+        codes, out = hosts(tmp_path / "run" / "config.yaml")
+        assert codes == [0, 0], out[-3000:]
+        import urllib.request
+
+        with urllib.request.urlopen(server.url + "/weight_version", timeout=10) as r:
+            served = json.loads(r.read())
+    finally:
+        server.close()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "grpo"] == [1, 2]
+    assert "pushed weights version 0" in out and served["weight_version"] == 2, served
+
+
 def test_an_rl_rank_without_a_server_is_refused_before_its_warm_up(tmp_path):
     config = tmp_path / "grpo.yaml"
     config.write_text(f"recipe: grpo\nrun_dir: {tmp_path / 'run'}\nsteps: 1\n")
