@@ -191,3 +191,48 @@ def test_offload_params_trains_on_cuda_with_clipping_and_checkpoints(tmp_path):
 @pytest.mark.parametrize("offload", [False, True])
 def test_per_layer_checkpoints_round_trip_on_cuda(tmp_path, offload):
     _round_trip(tmp_path, per_layer_optim_step=True, offload_params=offload)
+
+
+# ---------------------------------------------------------------- a GPU that another process holds
+
+# an embedded model of about 0.1 B parameters: a few GiB of fp32 state, far below any GPU's total
+BIG_EMBEDDED = ["model.hidden_size=1024", "model.intermediate_size=4096", "model.num_layers=8",
+                "launch.nproc=1"]
+
+
+def _dry_run(tmp_path, *extra):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "fsdpfn", "run", "sft",
+                           f"run_dir={tmp_path / 'run'}", *BIG_EMBEDDED, *extra, "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_gpu_that_another_process_holds_is_named_before_the_run(tmp_path):
+    """Another process holds all but 0.5 GiB of GPU 0: the dry run that fit the idle GPU is
+    refused, naming what is free and what the other process holds (nvidia-smi's figures)."""
+    import subprocess
+    import sys
+
+    proc = _dry_run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "memory estimate per GPU" in proc.stderr and " free (" not in proc.stderr
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch\n"
+         "free, total = torch.cuda.mem_get_info(0)\n"
+         "x = torch.empty(free - 2 ** 29, dtype=torch.uint8, device='cuda:0')\n"
+         "print('held', flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = _dry_run(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "fsdpfn: error: engine: the run does not fit one GPU, memory estimate per GPU: " \
+        in proc.stderr and " GiB free (" in proc.stderr, proc.stderr
+    assert "in use by other processes (nvidia-smi): GPU 0: " in proc.stderr, proc.stderr
+    assert proc.stderr.rstrip().endswith("(or free the GPUs that other processes hold)")
+    assert not (tmp_path / "run").exists()

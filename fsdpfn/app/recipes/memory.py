@@ -417,13 +417,14 @@ def _all_fixes(cfg):
 
 
 def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
-                 shared: bool = False) -> str:
+                 shared: bool = False, busy: str = "") -> str:
     """The estimate against ``capacity`` bytes per GPU: a note when it fits, else a ConfigError
-    naming the options (each alone, else the first four together, or more GPUs) that would."""
+    naming the options (each alone, else the first four together, or more GPUs) that would.
+    ``busy``: what other processes hold on the run's GPUs (capacity is then what is free)."""
     est = run_estimate(cfg, shape, n_gpus=n_gpus, shared=shared)
     parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est.items() if k != "total" and v)
     line = (f"memory estimate per GPU: {est['total'] / GiB:.1f} GiB of {capacity / GiB:.1f} "
-            f"GiB ({parts})")
+            f"GiB{' free' if busy else ''} ({parts}{'; ' + busy if busy else ''})")
     if est["total"] <= HEADROOM * capacity:
         return line
     fixes = [name for name, fix in FIXES.items()
@@ -436,5 +437,7 @@ def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
         fixes.append(f"{more} trainer GPUs (launch.nproc)")
     hint = ("; it would fit with " + " or ".join(fixes)) if fixes else \
         "; no option makes it fit: use a smaller model or more GPUs"
+    if busy:
+        hint += " (or free the GPUs that other processes hold)"
     raise ConfigError(f"engine: the run does not fit one GPU, {line}, more than "
                       f"{HEADROOM:.0%} of the device{hint}")

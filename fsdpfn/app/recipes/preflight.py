@@ -63,8 +63,9 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     if placement.device != "cuda":
         host = check_cpu_memory(cfg, shape, placement, available=available_host_memory())
         return notes + ([host] if host else [])
-    notes.append(check_memory(cfg, shape, n_gpus=placement.nproc,
-                              capacity=_device_bytes(placement), shared=_shares_gpu(placement)))
+    capacity, busy = _device_capacity(placement)
+    notes.append(check_memory(cfg, shape, n_gpus=placement.nproc, capacity=capacity,
+                              shared=_shares_gpu(placement), busy=busy))
     host = check_host_memory(cfg, shape, available=available_host_memory())
     return notes + ([host] if host else [])
 
@@ -256,6 +257,18 @@ def check_positions(cfg, hf: dict | None) -> None:
 
 
 # ---------------------------------------------------------------- the devices
+
+
+def _device_capacity(placement) -> tuple[float, str]:
+    """(bytes free on the fullest trainer GPU, what other processes hold on the run's GPUs),
+    from nvidia-smi; where it does not tell (no nvidia-smi, MIG), the smallest GPU's total."""
+    from fsdpfn.app.recipes.gpu_memory import gpu_memory, trainer_capacity
+
+    gpus = gpu_memory()
+    trainer = placement.trainer_gpus or (0,)
+    if gpus and all(i < len(gpus) for i in trainer):
+        return trainer_capacity(gpus, trainer, placement.server_gpus)
+    return _device_bytes(placement), ""
 
 
 def _device_bytes(placement) -> float:
