@@ -86,10 +86,10 @@ def trainer_capacity(gpus: list[Gpu], trainer: tuple[int, ...],
                      others: tuple[int, ...] = ()) -> tuple[float, str]:
     """(bytes free on the fullest of the ``trainer`` GPUs (indices into ``gpus``), what to say
     of the GPUs of the run, ``others`` included (its servers'), that other processes use)."""
-    used = [i for i in trainer if i < len(gpus)]
-    capacity = min(gpus[i].total - gpus[i].used for i in used)
+    known = [i for i in trainer if i < len(gpus)]
+    capacity = min(gpus[i].total - gpus[i].used for i in known)
     busy = [f"GPU {i}: {gpus[i].used / GiB:.1f} of {gpus[i].total / GiB:.1f} GiB"
-            for i in sorted(set(used) | {i for i in others if i < len(gpus)})
+            for i in sorted(set(known) | {i for i in others if i < len(gpus)})
             if gpus[i].used >= BUSY_BYTES]
     said = ("in use by other processes (nvidia-smi): " + ", ".join(busy)) if busy else ""
     return capacity, said
