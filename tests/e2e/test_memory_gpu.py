@@ -18,6 +18,9 @@ Skipped without CUDA.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -201,9 +204,6 @@ BIG_EMBEDDED = ["model.hidden_size=1024", "model.intermediate_size=4096", "model
 
 
 def _dry_run(tmp_path, *extra):
-    import subprocess
-    import sys
-
     return subprocess.run([sys.executable, "-m", "fsdpfn", "run", "sft",
                            f"run_dir={tmp_path / 'run'}", *BIG_EMBEDDED, *extra, "--dry-run"],
                           capture_output=True, text=True, timeout=120)
@@ -212,9 +212,6 @@ def _dry_run(tmp_path, *extra):
 def test_a_gpu_that_another_process_holds_is_named_before_the_run(tmp_path):
     """Another process holds all but 0.5 GiB of GPU 0: the dry run that fit the idle GPU is
     refused, naming what is free and what the other process holds (nvidia-smi's figures)."""
-    import subprocess
-    import sys
-
     proc = _dry_run(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "memory estimate per GPU" in proc.stderr and " free (" not in proc.stderr

@@ -2,7 +2,7 @@
 the launcher, which would then hold device memory for the whole run): each visible GPU's total
 and what other processes already use on it. A run's memory estimate is held against what is
 free on its trainer GPUs, so a GPU that another job (or a leftover server) holds is named before
-the run starts instead of ending it in an out-of-memory error minutes later.
+the run starts instead of ending it in an out-of-memory error minutes later (one query, fsdpfn.app.recipes.preflight).
 
 Visible GPUs follow ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs, as CUDA reads it: the list ends
 at the first entry that names no GPU); MIG instances, which nvidia-smi's per-GPU figures do not
@@ -15,7 +15,8 @@ import os
 import subprocess
 from typing import NamedTuple
 
-__all__ = ["Gpu", "parse_gpus", "cuda_order", "gpu_memory", "trainer_capacity", "BUSY_BYTES"]
+__all__ = ["Gpu", "parse_gpus", "cuda_order", "host_gpus", "visible", "trainer_capacity",
+           "BUSY_BYTES"]
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -70,16 +71,21 @@ def cuda_order(gpus: list[Gpu], visible: str | None) -> list[Gpu] | None:
     return seen
 
 
-def gpu_memory() -> list[Gpu] | None:
-    """This process's visible GPUs with their memory, or None where nvidia-smi does not tell."""
+def host_gpus() -> list[Gpu] | None:
+    """Every GPU of the host with its memory (nvidia-smi's one query), or None where
+    nvidia-smi does not answer."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,memory.used",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True,
                              timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    gpus = parse_gpus(out)
-    return cuda_order(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if gpus else None
+    return parse_gpus(out) or None
+
+
+def visible(gpus: list[Gpu]) -> list[Gpu] | None:
+    """``gpus`` as this process sees them (its CUDA_VISIBLE_DEVICES), None under MIG."""
+    return cuda_order(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def trainer_capacity(gpus: list[Gpu], trainer: tuple[int, ...],

@@ -261,31 +261,21 @@ def check_positions(cfg, hf: dict | None) -> None:
 
 def _device_capacity(placement) -> tuple[float, str]:
     """(bytes free on the fullest trainer GPU, what other processes hold on the run's GPUs),
-    from nvidia-smi; where it does not tell (no nvidia-smi, MIG), the smallest GPU's total."""
-    from fsdpfn.app.recipes.gpu_memory import gpu_memory, trainer_capacity
+    from one nvidia-smi query (asking torch would start CUDA in the launcher, which would then
+    hold device memory for the whole run). Where it cannot tell which GPUs are the run's (MIG),
+    the host's smallest GPU's total; without nvidia-smi, torch's figure for the trainer GPU."""
+    from fsdpfn.app.recipes.gpu_memory import host_gpus, trainer_capacity, visible
 
-    gpus = gpu_memory()
+    gpus = host_gpus()
+    seen = visible(gpus) if gpus else None
     trainer = placement.trainer_gpus or (0,)
-    if gpus and all(i < len(gpus) for i in trainer):
-        return trainer_capacity(gpus, trainer, placement.server_gpus)
-    return _device_bytes(placement), ""
+    if seen and all(i < len(seen) for i in trainer):
+        return trainer_capacity(seen, trainer, placement.server_gpus)
+    if gpus:
+        return min(g.total for g in gpus), ""
+    import torch
 
-
-def _device_bytes(placement) -> float:
-    """The host's smallest GPU memory, from nvidia-smi: asking torch would start CUDA in the
-    launcher, which then holds device memory for the whole run."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
-        return min(float(v) * 2 ** 20 for v in out.split())  # MiB; the host's smallest GPU
-    except (OSError, subprocess.SubprocessError, ValueError):
-        import torch
-
-        gpu = placement.trainer_gpus[0] if placement.trainer_gpus else 0
-        return float(torch.cuda.get_device_properties(gpu).total_memory)
+    return float(torch.cuda.get_device_properties(trainer[0]).total_memory), ""
 
 
 def _shares_gpu(placement) -> bool:
