@@ -2,7 +2,7 @@
 the launcher, which would then hold device memory for the whole run): each visible GPU's total
 and what other processes already use on it. A run's memory estimate is held against what is
 free on its trainer GPUs, so a GPU that another job (or a leftover server) holds is named before
-the run starts instead of ending it in an out-of-memory error minutes later (one query, fsdpfn.app.recipes.preflight).
+the run starts instead of ending it in an out-of-memory error minutes later.
 
 Visible GPUs follow ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs, as CUDA reads it: the list ends
 at the first entry that names no GPU); MIG instances, which nvidia-smi's per-GPU figures do not
