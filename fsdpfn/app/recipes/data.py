@@ -1,8 +1,8 @@
-"""The recipes' data: the user's JSONL / Parquet files (read and checked row by row in
+"""The recipes' data: the user's JSONL / Parquet / CSV files (read and checked row by row in
 fsdpfn.app.recipes.data_rows), or the embedded addition task, behind one interface.
 
     data:
-      train_files: [data/train.jsonl]          # .jsonl / .json / .parquet, local files
+      train_files: [data/train.jsonl]          # .jsonl / .json / .parquet / .csv / .tsv
       eval_files: [data/test.jsonl]
       prompt_key: prompt                        # a string, or chat messages [{role, content}]
       answer_key: answer                        # handed to the reward (optional column)

@@ -2,9 +2,9 @@
 is tokenized or launched.
 
 A bad file or a bad row refuses the whole split with one ConfigError line naming the config key,
-the file, where in it (``line N`` of a JSON-lines file, counted from 1 as editors do; ``row N``
-of a Parquet file or a JSON array, counted from 0 as pandas does), the column with the key that
-names it, the rule and the value:
+the file, where in it (``line N`` of a JSON-lines or CSV file, counted from 1 as editors do, a
+CSV row's first line; ``row N`` of a Parquet file or a JSON array, counted from 0 as pandas
+does), the column with the key that names it, the rule and the value:
 
     data.train_files: 'train.jsonl' line 7: column 'question' (data.prompt_key) must be a
     non-empty string or chat messages [{role, content}], got null (and 2 more bad rows)
@@ -17,13 +17,18 @@ design, in fsdpfn.app.recipes.data.)
 
 JSON files are parsed here with the standard library: one object per line (.jsonl, .json), or
 a single array of objects (a .json file that starts with ``[``). Parquet files are read with
-pyarrow.
+pyarrow. CSV (.csv) and tab-separated (.tsv) files are read with the standard library's csv
+module: the first line names the columns, every value is the text as written ("007" stays
+"007"; an empty cell is the empty string), and a row with more or fewer cells than the header
+is refused. A cell holds text only, so chat messages need JSON lines or Parquet.
 """
 
 from __future__ import annotations
 
 import bisect
 import codecs
+import csv
+import io
 import json
 from pathlib import Path
 
@@ -31,7 +36,8 @@ from fsdpfn.errors import ConfigError
 
 __all__ = ["UserRows", "read_rows", "check_rows", "SUFFIX_FORMAT"]
 
-SUFFIX_FORMAT = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SUFFIX_FORMAT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
+                 ".tsv": "csv"}
 PROMPT_RULE = "a non-empty string or chat messages [{role, content}]"
 MESSAGES_RULE = "chat messages: a non-empty list of {role: string, content: string}"
 _FIELDS = {"prompt": "prompt_key", "messages": "messages_key", "answer": "answer_key",
@@ -65,6 +71,9 @@ class UserRows:
         path, lines = self._origins[f]
         return self._where_in(path, lines, i - self._starts[f])
 
+    def path(self, i: int) -> str:
+        return self._origins[bisect.bisect_right(self._starts, i) - 1][0]
+
     def _where_in(self, path: str, lines: list[int] | None, j: int) -> str:
         return f"data.{self.key}: {path!r} " + (f"line {lines[j]}" if lines else f"row {j}")
 
@@ -95,11 +104,12 @@ def read_rows(files: tuple[str, ...], key: str) -> UserRows:
         if not Path(f).is_file():
             raise ConfigError(f"data.{key}: file does not exist, got {f!r}")
         if Path(f).suffix not in SUFFIX_FORMAT:
-            raise ConfigError(f"data.{key}: must be .jsonl, .json or .parquet files, got {f!r}")
+            raise ConfigError(f"data.{key}: must be .jsonl, .json, .parquet, .csv or .tsv "
+                              f"files, got {f!r}")
+    read = {"json": _json_rows, "parquet": _parquet_rows, "csv": _csv_rows}
     data = UserRows(key)
     for f in files:
-        rows, lines = (_parquet_rows(f, key) if SUFFIX_FORMAT[Path(f).suffix] == "parquet"
-                       else _json_rows(f, key))
+        rows, lines = read[SUFFIX_FORMAT[Path(f).suffix]](f, key)
         if not rows:
             raise ConfigError(f"data.{key}: {f!r} is empty: it has no rows")
         data.add(f, rows, lines)
@@ -167,6 +177,42 @@ def _parquet_rows(path: str, key: str) -> tuple[list, None]:
     except Exception as exc:  # noqa: BLE001 - a damaged file is the user's input error
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise ConfigError(f"data.{key}: {path!r} cannot be read as Parquet ({reason})") from None
+
+
+def _csv_rows(path: str, key: str) -> tuple[list, list[int]]:
+    """(rows, the line each row starts on) of a CSV (.csv) or tab-separated (.tsv) file whose
+    first line names the columns; every value is a string, as written."""
+    text = _utf8_text(path, key)
+    delimiter = "\t" if Path(path).suffix == ".tsv" else ","
+    csv.field_size_limit(2**31 - 1)  # a long document in one cell is a normal row
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    where = f"data.{key}: {path!r} line"
+    start = 1  # the line the row being read starts on
+    try:
+        header = next(reader, None)
+        if header is None:
+            return [], []
+        seen: set[str] = set()
+        for name in header:
+            if not name.strip() or name in seen:
+                raise ConfigError(f"{where} 1: the header must name each column once, with a "
+                                  f"non-blank name, got {header!r}")
+            seen.add(name)
+        rows, lines = [], []
+        start = reader.line_num + 1
+        for cells in reader:
+            if cells:  # a blank line is no row
+                if len(cells) != len(header):
+                    shown = repr(cells) if len(repr(cells)) <= 200 else repr(cells)[:197] + "..."
+                    raise ConfigError(f"{where} {start}: must have {len(header)} cells as the "
+                                      f"header names {header!r}, got {len(cells)}: {shown}")
+                rows.append(dict(zip(header, cells)))
+                lines.append(start)
+            start = reader.line_num + 1
+    except csv.Error as exc:
+        raise ConfigError(f"{where} {start}: not valid CSV ({exc}; a cell with the separator, "
+                          f"a quote or a line break is quoted, its quotes doubled)") from None
+    return rows, lines
 
 
 # ---------------------------------------------------------------- checking the values read
@@ -244,6 +290,9 @@ def check_rows(data: UserRows, cols: dict, recipe: str) -> None:
         problem = _row_problem(row, cols, rules)
         if problem is not None:
             bad += 1
+            if first is None and MESSAGES_RULE in problem and (
+                    SUFFIX_FORMAT[Path(data.path(i)).suffix] == "csv"):
+                problem += " (a CSV cell holds text only: write chat messages as JSON lines)"
             first = first or f"{data.where(i)}: {problem}"
     if first is not None:
         more = f" (and {bad - 1} more bad row{'s' if bad > 2 else ''})" if bad > 1 else ""

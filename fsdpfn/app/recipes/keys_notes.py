@@ -63,8 +63,8 @@ NOTES = {
     ("ModelConfig", "num_heads"): "embedded model only: attention heads",
     ("ModelConfig", "num_kv_heads"): "embedded model only: key/value heads",
     ("ModelConfig", "seed"): "seed of the random init (embedded model or random_init)",
-    ("DataConfig", "train_files"): "local .jsonl / .json / .parquet files; empty: the embedded "
-                                   "task",
+    ("DataConfig", "train_files"): "local .jsonl / .json / .parquet / .csv / .tsv files "
+                                   "(CSV: text values, a header line); empty: the embedded task",
     ("DataConfig", "eval_files"): "held-out files (same columns)",
     ("DataConfig", "prompt_key"): "column of the prompt (a string, or chat messages)",
     ("DataConfig", "answer_key"): "column handed to the reward as answer (grpo, ppo: required "
