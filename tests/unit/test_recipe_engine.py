@@ -118,6 +118,16 @@ REFUSALS = [
     ("dpo", ["dtype=float32"], "dtype: not a key here, moved to engine.dtype"),
     ("grpo", ["engine.model_path=/m"], "engine.model_path: not a key here, set by model.path"),
     ("grpo", ["engine.optimizer.lr=1"], "engine.optimizer: not a key here, set by optimizer (top"),
+    # an optimizer setting written where a learning rate is often looked for: its home, not
+    # the look-alike 'lora'
+    ("grpo", ["engine.lr=1e-5"], "engine.lr: not a key here, set by optimizer.lr (ppo's critic: "
+                                 "critic_optimizer.lr; the warm-up: warmup.optimizer.lr)"),
+    ("ppo", ["ref_engine.weight_decay=0.1"], "ref_engine.weight_decay: not a key here, set by "
+                                              "optimizer.weight_decay"),
+    ("ppo", ["lr=1e-5"], "lr: not a key here, set by optimizer.lr (the critic: "
+                         "critic_optimizer.lr; the warm-up: warmup.optimizer.lr)"),
+    ("sft", ["max_grad_norm=1"], "max_grad_norm: not a key here, set by optimizer.max_grad_norm"),
+    ("grpo", ["warmup.lr=1e-3"], "warmup.lr: not a key here, set by warmup.optimizer.lr"),
     ("rw", ["engine.is_critic=true"], "engine.is_critic: not a key here, set by the recipe"),
     ("grpo", ["engine.gradient_checkpoint=true"],
      "engine: unknown key(s) ['gradient_checkpoint']; did you mean 'gradient_checkpointing'?"),

@@ -23,7 +23,7 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.validators import (boolean, fail, integer, is_nonempty_str, is_port, number, one_of,
                                satisfies, seed_int, to_opt_float)
 from fsdpfn.app.recipes.data import DataConfig
-from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines
+from fsdpfn.app.recipes.engine import MOVED, EngineSection, check_recipe_engines, optimizer_homes
 from fsdpfn.app.recipes.model import ModelConfig
 from fsdpfn.app.recipes.rollout_config import RolloutConfig, gpu_list, as_gpus, server_namespace
 from fsdpfn.app.recipes.reward import RewardConfig
@@ -426,6 +426,13 @@ def _elsewhere(recipe: str) -> dict[str, str]:
 
 
 for _name, _cls in RECIPE_CONFIGS.items():  # fsdpfn.serde names the home of a key not here
-    _cls.__fsdpfn_moved__ = {**_elsewhere(_name),
+    _also = tuple((label, section) for key, label, section in (
+        ("critic_optimizer", "the critic", "critic_optimizer"),
+        ("warmup", "the warm-up", "warmup.optimizer")) if key in attrs.fields_dict(_cls))
+    _cls.__fsdpfn_moved__ = {**{k: v for k, v in optimizer_homes(also=_also).items()
+                                if k not in attrs.fields_dict(_cls)},
+                             **_elsewhere(_name),
                              **{k: f"moved to {v} (one home per setting; fsdpfn config {_name} "
                                    f"prints every key)" for k, v in MOVED.items()}}
+WarmupConfig.__fsdpfn_moved__ = {k: v for k, v in optimizer_homes("warmup.optimizer").items()
+                                 if k not in attrs.fields_dict(WarmupConfig)}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import attrs
 
-from fsdpfn.config import EngineConfig
+from fsdpfn.config import EngineConfig, OptimizerConfig
 from fsdpfn.validators import one_of
 from fsdpfn.errors import ConfigError
 
@@ -71,6 +71,23 @@ EngineSection.__doc__ = ("A recipe's engine: EngineConfig's fields less OWNED (s
 EngineSection.__module__ = __name__
 # read by fsdpfn.serde when a key is unknown: a pointer instead of a bare refusal
 EngineSection.__fsdpfn_moved__ = {k: f"set by {v}" for k, v in OWNED.items()}
+
+
+def optimizer_homes(where: str = "optimizer", also: tuple = ()) -> dict:
+    """{an OptimizerConfig field: where a recipe sets it}: ``engine.lr`` or a top-level ``lr``
+    is named with ``optimizer.lr`` rather than refused with a look-alike key ('lora').
+    ``also``: (label, section) pairs of other optimizers the same file may mean."""
+    def home(name: str) -> str:
+        more = "; ".join(f"{label}: {section}.{name}" for label, section in also)
+        return f"set by {where}.{name}" + (f" ({more})" if more else "")
+
+    return {a.name: home(a.name) for a in attrs.fields(OptimizerConfig)}
+
+
+EngineSection.__fsdpfn_moved__.update(
+    {k: v for k, v in optimizer_homes(also=(("ppo's critic", "critic_optimizer"),
+                                           ("the warm-up", "warmup.optimizer"))).items()
+     if k not in attrs.fields_dict(EngineSection)})
 
 
 def _merge(base: dict, over: dict) -> dict:
