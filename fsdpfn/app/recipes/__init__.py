@@ -18,6 +18,7 @@ from pathlib import Path
 from fsdpfn import serde
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.config import RECIPE_CONFIGS, GRPORecipe
+from fsdpfn.app.recipes.model_defaults import with_model_defaults, without_model_keys
 
 __all__ = ["RECIPE_CONFIGS", "NEEDS_ROLLOUT", "config_from_data", "load_recipe_config",
            "default_config", "demo_config", "run_recipe"]
@@ -44,7 +45,8 @@ def config_from_data(data: dict, overrides=()):
     if not isinstance(name, str) or name not in RECIPE_CONFIGS:
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
     cls = RECIPE_CONFIGS[name]
-    return serde.structure(serde.with_defaults(data, serde.unstructure(cls()), cls), cls)
+    defaults = with_model_defaults(name, serde.unstructure(cls()), data)  # a pretrained model's
+    return serde.structure(serde.with_defaults(data, defaults, cls), cls)  # rates, where named
 
 
 def load_recipe_config(path: str | Path, overrides=()):
@@ -61,12 +63,14 @@ def default_config(name: str, overrides=()):
     if asked and asked[-1] != name:  # the defaults below are this recipe's keys, not the other's
         raise ConfigError(f"recipe: is the recipe named on the command line ({name!r}); run "
                           f"'fsdpfn run {asked[-1]}' for another, got {asked[-1]!r}")
-    return config_from_data(serde.unstructure(RECIPE_CONFIGS[name]()), overrides)
+    return config_from_data(without_model_keys(name, serde.unstructure(RECIPE_CONFIGS[name]())),
+                            overrides)
 
 
 def demo_config(overrides=()) -> GRPORecipe:
     """The embedded demo: GRPO on 2-digit addition, 2 trainer ranks, 1 rollout server."""
-    return config_from_data(serde.unstructure(GRPORecipe(run_dir="runs/demo")), overrides)
+    return config_from_data(without_model_keys("grpo", serde.unstructure(
+        GRPORecipe(run_dir="runs/demo"))), overrides)
 
 
 def run_recipe(cfg, ctx):

@@ -28,6 +28,7 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes import NEEDS_ROLLOUT, RECIPE_CONFIGS
 from fsdpfn.app.recipes.engine import MOVED, OWNED, EngineSection
 from fsdpfn.app.recipes.keys_notes import NOTES, REFUSED_IN, RULES, SECTION_TITLES
+from fsdpfn.app.recipes.model_defaults import model_defaults
 
 __all__ = ["render", "undescribed", "PAGE"]
 
@@ -291,6 +292,18 @@ def render() -> str:
                     "| key | class default | in this recipe |", "|---|---|---|"]
             out += [f"| `{k}` | `{_value(serde.unstructure(b))}` | "
                     f"`{_value(serde.unstructure(v))}` |" for k, b, v in own]
+        out += ["", "With a pretrained model of your own (`model.path` without "
+                    "`model.random_init`), keys the file or an override leaves unset default "
+                    "to fine-tuning rates instead (with `engine.lora`: ten times those of "
+                    "the policy's optimizers):", "",
+                "| key | with `model.path` | with `model.path` and `engine.lora` |",
+                "|---|---|---|"]
+        full = model_defaults(name, {"model": {"path": "DIR"}})
+        lora = model_defaults(name, {"model": {"path": "DIR"}, "engine": {"lora": {}}})
+        no_lora = name in REFUSED_IN.get("LoRAConfig", ())
+        out += [f"| `{k}.lr` | `{_value(v)}` | "
+                f"{'(refused in this recipe)' if no_lora else f'`{_value(lora[k])}`'} |"
+                for k, v in full.items()]
         if RULES.get(name):
             out += ["", f"Rules `{name}` adds to the sections' own (each refused before "
                         f"launch, in one line):", ""]
