@@ -1,6 +1,7 @@
 """A pretrained model of the user's (model.path without model.random_init) gets fine-tuning
-learning rates wherever the file or an override leaves them unset; the embedded task and a
-random init keep the recipes' own (fsdpfn.app.recipes.model_defaults).
+learning rates, and the supervised recipes periodic checkpoints, wherever the file or an
+override leaves them unset; the embedded task and a random init keep the recipes' own
+(fsdpfn.app.recipes.model_defaults).
 
 The expected rates are written out here, not read from the module under test.
 """
@@ -39,6 +40,15 @@ def test_a_pretrained_model_gets_fine_tuning_rates(name):
     plain, tuned = default_config(name), default_config(name, ["model.path=/models/m"])
     assert tuned.optimizer.betas == plain.optimizer.betas
     assert tuned.optimizer.warmup_steps == plain.optimizer.warmup_steps
+
+
+@pytest.mark.parametrize("name, every", [("sft", 100), ("rw", 100), ("dpo", 100),
+                                         ("grpo", 10), ("ppo", 10)])
+def test_a_pretrained_model_saves_periodically(name, every):
+    assert default_config(name, ["model.path=/models/m"]).checkpoint.every == every
+    assert default_config(name, ["model.path=/models/m", "checkpoint.every=7"]
+                          ).checkpoint.every == 7
+    assert default_config(name).checkpoint.every == (10 if name in ("grpo", "ppo") else 0)
 
 
 @pytest.mark.parametrize("name", sorted(LORA))

@@ -294,14 +294,14 @@ def render() -> str:
                     f"`{_value(serde.unstructure(v))}` |" for k, b, v in own]
         out += ["", "With a pretrained model of your own (`model.path` without "
                     "`model.random_init`), keys the file or an override leaves unset default "
-                    "to fine-tuning rates instead (with `engine.lora`: ten times those of "
-                    "the policy's optimizers):", "",
+                    "to these instead (with `engine.lora`, the policy's learning rates are ten "
+                    "times those of the full model):", "",
                 "| key | with `model.path` | with `model.path` and `engine.lora` |",
                 "|---|---|---|"]
         full = model_defaults(name, {"model": {"path": "DIR"}})
         lora = model_defaults(name, {"model": {"path": "DIR"}, "engine": {"lora": {}}})
         no_lora = name in REFUSED_IN.get("LoRAConfig", ())
-        out += [f"| `{k}.lr` | `{_value(v)}` | "
+        out += [f"| `{k}` | `{_value(v)}` | "
                 f"{'(refused in this recipe)' if no_lora else f'`{_value(lora[k])}`'} |"
                 for k, v in full.items()]
         if RULES.get(name):
