@@ -33,6 +33,7 @@ from torch import nn
 from fsdpfn.engine import lora
 from fsdpfn.agree import agree_on_error, is_rank_zero, world_size
 from fsdpfn.errors import ConfigError
+from fsdpfn.engine.weight_files import no_safetensors
 
 log = logging.getLogger("fsdpfn")
 
@@ -132,8 +133,7 @@ class DiskWeights:
     def __init__(self, path: str | Path):
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
-            raise ConfigError(f"model_path: must hold *.safetensors weights, got none in "
-                              f"{str(path)!r}")
+            raise no_safetensors("model_path", path, "must hold *.safetensors weights")
         self._handles = [_open_safetensors(f) for f in files]
         self._where = {k: h for h in self._handles for k in h.keys()}
 

@@ -173,6 +173,27 @@ def test_liger_logprobs_impl_refused_where_it_cannot_run():
 
 
 @pytest.mark.timeout(120)
+def test_a_model_dir_of_pytorch_weights_is_refused_naming_the_conversion(tmp_path):
+    """shard_model on a directory with pytorch_model-*.bin shards and no safetensors: a
+    ConfigError naming model_path, the files and the one-time conversion (never an unpickle)."""
+    import torch
+    from fsdpfn.testing import save_tiny_model
+
+    mesh = ff.build_mesh(ff.ParallelStrategy(dp=1))
+    model = save_tiny_model(tmp_path / "m", tiny_qwen2_config())
+    (model / "model.safetensors").unlink()
+    for i in range(1, 5):
+        torch.save({}, model / f"pytorch_model-0000{i}-of-00004.bin")
+    with pytest.raises(ff.ConfigError) as info:
+        ff.shard_model(ff.EngineConfig(model_path=str(model), dtype="float32"), mesh)
+    assert str(info.value).startswith(
+        f"model_path: must hold *.safetensors weights, got {str(model)!r} (it holds PyTorch "
+        f"weights, pytorch_model-00001-of-00004.bin, pytorch_model-00002-of-00004.bin, "
+        f"pytorch_model-00003-of-00004.bin and 1 more, which fsdpfn does not read: convert "
+        f"them once with transformers, AutoModelForCausalLM.from_pretrained(DIR)")
+
+
+@pytest.mark.timeout(120)
 def test_a_model_dir_that_does_not_read_is_refused_naming_the_file(tmp_path):
     """A truncated safetensors file or a config.json that is not JSON: a ConfigError naming
     model_path, the file and the reader's reason, not safetensors' or transformers' own error."""

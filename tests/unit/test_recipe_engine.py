@@ -573,3 +573,30 @@ def test_the_supervised_recipes_all_read_a_null_eval_every_as_a_fifth_of_the_run
     assert _eval_every(default_config(recipe, ["eval_every=null", "steps=3"])) == 1
     with pytest.raises(ConfigError, match="eval_every: must be"):
         default_config(recipe, ["eval_every=-1"])
+
+
+def test_a_model_dir_of_pytorch_weights_names_the_conversion(tmp_path):
+    """A directory with pytorch_model.bin and no safetensors: refused before launch, naming the
+    file and how to convert it once (fsdpfn never unpickles); without either, the plain rule."""
+    import torch
+    from fsdpfn.app.recipes.model import ModelConfig, check_model_dir
+    from fsdpfn.testing import save_tiny_model, tiny_qwen2_config
+
+    model = save_tiny_model(tmp_path / "m", tiny_qwen2_config())
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(ConfigError) as info:
+        check_model_dir(ModelConfig(path=str(model)))
+    assert str(info.value) == (f"model.path: must hold *.safetensors weights (or set "
+                               f"model.random_init=true), got {str(model)!r} (no .safetensors "
+                               f"file)")
+    torch.save({"w": torch.zeros(1)}, model / "pytorch_model.bin")
+    with pytest.raises(ConfigError) as info:
+        check_model_dir(ModelConfig(path=str(model)))
+    message = str(info.value)
+    assert message.startswith(f"model.path: must hold *.safetensors weights (or set "
+                              f"model.random_init=true), got {str(model)!r} (it holds PyTorch "
+                              f"weights, pytorch_model.bin, which fsdpfn does not read: "
+                              f"convert them once with transformers, ")
+    assert "save_pretrained(NEW_DIR)" in message and "\n" not in message
+    check_model_dir(ModelConfig(path=str(model), random_init=True))  # no weights read

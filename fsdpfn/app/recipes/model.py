@@ -24,6 +24,7 @@ import attrs
 
 from fsdpfn.validators import boolean, fail, integer, is_nonempty_str, satisfies, seed_int
 from fsdpfn.errors import ConfigError
+from fsdpfn.engine.weight_files import no_safetensors
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
            "read_config_json", "check_weight_headers",
@@ -120,8 +121,8 @@ def check_model_dir(cfg: ModelConfig) -> None:
                           f"(no config.json)")
     read_config_json(path)
     if not cfg.random_init and not has_weights(path):
-        raise ConfigError(f"model.path: must hold *.safetensors weights (or set "
-                          f"model.random_init=true), got {cfg.path!r} (no .safetensors file)")
+        raise no_safetensors("model.path", cfg.path, "must hold *.safetensors weights (or set "
+                             "model.random_init=true)")
     if not cfg.random_init:
         check_weight_headers(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model",
