@@ -27,7 +27,7 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.engine.weight_files import no_safetensors
 
 __all__ = ["ModelConfig", "CharTokenizer", "HFTokenizer", "load_tokenizer", "check_model_dir",
-           "read_config_json", "check_weight_headers",
+           "read_config_json", "standard_names", "text_model_config", "check_weight_headers",
            "initial_model_dir", "write_initial_model", "prepare_initial_model", "has_weights",
            "TOKENIZER_FILES"]
 
@@ -129,6 +129,51 @@ def check_model_dir(cfg: ModelConfig) -> None:
                                                     "vocab.json", "char_vocab.json")):
         raise ConfigError(f"model.path: must hold a tokenizer (tokenizer.json, tokenizer.model "
                           f"or vocab.json), got {cfg.path!r} (no tokenizer files)")
+
+
+# what the preflight reads of every config.json, under transformers' standard names
+STANDARD_NAMES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def standard_names(data: dict, path: str | Path) -> dict:
+    """``data`` (a config.json) with the standard names the preflight reads. A family that
+    spells them its own way (GPT-2's n_embd, n_layer, n_head, n_positions; MPT's d_model) is
+    read through its config class's ``attribute_map``, transformers being imported for such a
+    family only; a missing ``intermediate_size`` is the family's own (n_inner, ffn_dim,
+    ffn_hidden_size, dff) or 4 x hidden_size, the feed-forward width those families default
+    to. A name that none of this
+    gives is a ConfigError naming it, the file and the model_type."""
+    if all(k in data for k in STANDARD_NAMES) and "intermediate_size" in data:
+        return data
+    out = dict(data)
+    kind = data.get("model_type")
+    try:
+        from transformers import CONFIG_MAPPING
+        aliases = getattr(CONFIG_MAPPING[kind], "attribute_map", None) or {}
+    except (ImportError, KeyError):  # no transformers here, or a model_type it does not know
+        aliases = {}
+    for name, own in aliases.items():
+        if out.get(name) is None and data.get(own) is not None:
+            out[name] = data[own]
+    missing = [k for k in STANDARD_NAMES if not isinstance(out.get(k), int)]
+    if missing:
+        raise ConfigError(f"model.path: config.json must give the model's {missing[0]} (an "
+                          f"integer, under that name or its family's own), got none in "
+                          f"{str(Path(path) / 'config.json')!r} (model_type {kind!r})")
+    if not isinstance(out.get("intermediate_size"), int):
+        out["intermediate_size"] = next(
+            (data[k] for k in ("n_inner", "ffn_dim", "ffn_hidden_size", "dff")
+             if isinstance(data.get(k), int)), 4 * out["hidden_size"])
+    return out
+
+
+def text_model_config(path: str | Path) -> dict:
+    """The directory's config.json as the preflight and the recipes read it: the text model's
+    (``text_config`` of a multimodal config), under the standard names (standard_names)."""
+    data = read_config_json(path)
+    if "hidden_size" not in data and isinstance(data.get("text_config"), dict):
+        data = data["text_config"]
+    return standard_names(data, path)
 
 
 def read_config_json(path: str | Path) -> dict:

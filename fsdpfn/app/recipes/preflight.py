@@ -234,12 +234,11 @@ def _check_external_server(url: str) -> None:
 def model_config(cfg) -> dict:
     """The model's config.json as a dict (the text model's, for multimodal configs), or the
     embedded model's shape; a config.json that does not read is refused by name."""
-    from fsdpfn.app.recipes.model import read_config_json
+    from fsdpfn.app.recipes.model import text_model_config
 
     if cfg.model.embedded:
         return cfg.model.config_dict(64)
-    data = read_config_json(cfg.model.path)
-    return data.get("text_config", data) if "hidden_size" not in data else data
+    return text_model_config(cfg.model.path)
 
 
 def check_positions(cfg, hf: dict | None) -> None:

@@ -165,9 +165,9 @@ def _episode_stats(results, batch_stats, seconds) -> dict:
 
 def _max_positions(cfg, ctx: RunContext) -> int:
     """The model's max_position_embeddings (the longest row it can be trained on)."""
-    from fsdpfn.app.recipes.model import initial_model_dir
+    from fsdpfn.app.recipes.model import initial_model_dir, text_model_config
 
-    config = json.loads((initial_model_dir(cfg.model, ctx.run_dir) / "config.json").read_text())
+    config = text_model_config(initial_model_dir(cfg.model, ctx.run_dir))
     return int(config.get("max_position_embeddings") or 2048)
 
 
