@@ -106,3 +106,31 @@ def test_sft_on_a_gpt2_directory_runs_and_its_position_limit_is_checked(gpt2_dir
     proc = _run(f"model.path={short}", f"run_dir={tmp_path / 'r2'}", "--dry-run", timeout=100)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "must be <= max_position_embeddings = 4 (model.path's config.json)" in proc.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_a_family_the_engine_refuses_is_refused_by_the_dry_run_as_by_the_ranks(gpt2_dir,
+                                                                               tmp_path):
+    """A Mixtral directory: the ranks refuse it on its config (mixture-of-experts) as they
+    build; ``--dry-run`` now says the same line before anything starts, where it passed."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    path = tmp_path / "mixtral"
+    AutoModelForCausalLM.from_config(MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, num_local_experts=4)).save_pretrained(path)
+    for f in gpt2_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, path / f.name)
+    reason = ("model.path: model_type: 'mixtral' is not supported: a mixture-of-experts model")
+    dry = _run(f"model.path={path}", f"run_dir={tmp_path / 'dry'}", "--dry-run", timeout=100)
+    assert dry.returncode == 2, dry.stderr[-3000:]
+    assert dry.stderr.strip().splitlines()[-1].startswith("fsdpfn: error: " + reason)
+    assert not (tmp_path / "dry").exists()
+    real = _run(f"model.path={path}", f"run_dir={tmp_path / 'real'}", "steps=1",
+                "launch.nproc=1")
+    assert real.returncode != 0 and reason in real.stderr.strip().splitlines()[-1], \
+        real.stderr[-3000:]

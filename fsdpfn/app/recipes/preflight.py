@@ -17,7 +17,11 @@
   the run_dir's free disk space; on a GPU host, an estimate of one trainer GPU's memory against
   the device's (read here, from nvidia-smi) and the state an option keeps in host memory
   against the host's available memory. A run that cannot fit is refused, naming the engine
-  options that would make it fit.
+  options that would make it fit;
+- with ``data`` (``--dry-run``), also what a real run's ranks check first, in seconds: the
+  data files tokenized (the launcher's own data step) and a user's model family against the
+  engine's refusals (mixture-of-experts, encoder-decoder, multimodal, ALiBi, ...), which needs
+  torch and transformers in the launcher, so a real launch leaves it to its ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from fsdpfn.app.recipes.placement import check_parallel
 from fsdpfn.engine.host import available_host_memory
 
 __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
-           "check_lora_targets", "check_wrap_policy", "model_config"]
+           "check_lora_targets", "check_wrap_policy", "check_family", "model_config"]
 
 
 def preflight(cfg, placement, *, data: bool = True) -> list[str]:
@@ -46,6 +50,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     needs_rollout = cfg.recipe in ("grpo", "ppo")
     if data:
         check_data(cfg)
+        check_family(cfg)
     if needs_rollout:
         check_reward(cfg)
         check_rollout(cfg)
@@ -229,6 +234,31 @@ def _check_external_server(url: str) -> None:
                           f"token's weights version and updates that land mid-request (SGLang "
                           f"pauses or retracts requests around an update); use max_staleness: 0 "
                           f"with it, or fsdpfn's server")
+
+
+def check_family(cfg) -> None:
+    """A user's model whose family the engine refuses on its config alone (families.refusal),
+    for each role it would train: the policy, and a critic for rw and ppo; the same line the
+    ranks would stop on. The guard's forward comparison, and a config.json transformers cannot
+    read (an unknown model_type, inconsistent fields), are left to the ranks' build, which
+    refuses those by name."""
+    if cfg.model.embedded:
+        return
+    from transformers import AutoConfig
+
+    from fsdpfn.engine.families import check_refusals
+
+    try:
+        hf = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - what transformers cannot read, the ranks refuse by name
+        return
+    roles = {"sft": (False,), "dpo": (False,), "grpo": (False,), "rw": (True,),
+             "ppo": (False, True)}[cfg.recipe]
+    for is_critic in roles:
+        try:
+            check_refusals(hf, is_critic=is_critic)
+        except ConfigError as exc:
+            raise ConfigError(f"model.path: {exc}") from None
 
 
 def model_config(cfg) -> dict:
