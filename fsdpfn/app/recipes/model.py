@@ -141,8 +141,8 @@ def standard_names(data: dict, path: str | Path) -> dict:
     read through its config class's ``attribute_map``, transformers being imported for such a
     family only; a missing ``intermediate_size`` is the family's own (n_inner, ffn_dim,
     ffn_hidden_size, dff) or 4 x hidden_size, the feed-forward width those families default
-    to. A name that none of this
-    gives is a ConfigError naming it, the file and the model_type."""
+    to. A name that none of this gives is a ConfigError naming it, the file and the
+    model_type."""
     if all(k in data for k in STANDARD_NAMES) and "intermediate_size" in data:
         return data
     out = dict(data)
