@@ -66,13 +66,16 @@ class UserRows:
             self.columns.update(dict.fromkeys(row))
         self.rows.extend(rows)
 
+    def _file(self, i: int) -> int:
+        return bisect.bisect_right(self._starts, i) - 1
+
     def where(self, i: int) -> str:
-        f = bisect.bisect_right(self._starts, i) - 1
+        f = self._file(i)
         path, lines = self._origins[f]
         return self._where_in(path, lines, i - self._starts[f])
 
     def path(self, i: int) -> str:
-        return self._origins[bisect.bisect_right(self._starts, i) - 1][0]
+        return self._origins[self._file(i)][0]
 
     def _where_in(self, path: str, lines: list[int] | None, j: int) -> str:
         return f"data.{self.key}: {path!r} " + (f"line {lines[j]}" if lines else f"row {j}")

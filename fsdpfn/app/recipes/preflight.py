@@ -33,7 +33,7 @@ import attrs
 
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.cpu_memory import check_cpu_memory
-from fsdpfn.app.recipes.engine import longest_row
+from fsdpfn.app.recipes.engine import engines, longest_row
 from fsdpfn.app.recipes.memory import (ModelShape, check_batch_rows, check_disk,
                                        check_host_memory, check_memory)
 from fsdpfn.app.recipes.placement import check_parallel
@@ -252,9 +252,8 @@ def check_family(cfg) -> None:
         hf = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     except Exception:  # noqa: BLE001 - what transformers cannot read, the ranks refuse by name
         return
-    roles = {"sft": (False,), "dpo": (False,), "grpo": (False,), "rw": (True,),
-             "ppo": (False, True)}[cfg.recipe]
-    for is_critic in roles:
+    roles = {name == "critic_engine" or cfg.recipe == "rw" for name in engines(cfg)}
+    for is_critic in sorted(roles):
         try:
             check_refusals(hf, is_critic=is_critic)
         except ConfigError as exc:
