@@ -138,16 +138,22 @@ def _cmd_config(args) -> int:
         for name, cls in RECIPE_CONFIGS.items():
             print(f"{name:5s} {(cls.__doc__ or '').strip().splitlines()[0]}")
         return 0
-    print(serde.to_yaml(_resolve(args.recipe, args.overrides)), end="")
+    from fsdpfn.app.terminal import say
+
+    notes: list[str] = []
+    print(serde.to_yaml(_resolve(args.recipe, args.overrides, notes)), end="")
+    for note in notes:  # on stderr: the YAML on stdout stays a config file as it is
+        say(note)
     return 0
 
 
-def _resolve(config: str, overrides):
-    """A recipe name's defaults, or a config file, with the overrides applied and validated."""
+def _resolve(config: str, overrides, notes: list | None = None):
+    """A recipe name's defaults, or a config file, with the overrides applied and validated;
+    ``notes`` gets the launcher's lines on the values chosen for the model (config_from_data)."""
     from fsdpfn.app.recipes import RECIPE_CONFIGS, default_config, load_recipe_config
 
     if config in RECIPE_CONFIGS and not Path(config).is_file():  # a directory named like a
-        return default_config(config, overrides)                  # recipe (a run_dir) is none
+        return default_config(config, overrides, notes=notes)     # recipe (a run_dir) is none
     if not Path(config).exists():  # a name (a recipe misspelt) or a path: say which is which
         import difflib
 
@@ -157,20 +163,23 @@ def _resolve(config: str, overrides):
         raise ConfigError(f"config: must be a recipe name ({', '.join(RECIPE_CONFIGS)}) or an "
                           f"existing YAML or JSON file, got {config!r} (no such file"
                           f"{f'; did you mean {close[0]!r}?' if close else ''})")
-    return load_recipe_config(config, overrides)
+    return load_recipe_config(config, overrides, notes=notes)
 
 
 def _cmd_run(args) -> int:
-    cfg = _resolve(args.config, args.overrides)
+    notes: list[str] = []
+    cfg = _resolve(args.config, args.overrides, notes)
     return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run,
-                  prepare=args.prepare)
+                  prepare=args.prepare, notes=notes)
 
 
 def _cmd_demo(args) -> int:
     from fsdpfn.app.recipes import demo_config
 
-    cfg = demo_config(args.overrides)
-    return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+    notes: list[str] = []
+    cfg = demo_config(args.overrides, notes=notes)
+    return launch(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run,
+                  notes=notes)
 
 
 if __name__ == "__main__":

@@ -208,10 +208,11 @@ def _rows_per_step(cfg) -> tuple[str, int] | None:
 
 
 def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool = False,
-           prepare: bool = False) -> int:
+           prepare: bool = False, notes=()) -> int:
     """Run ``cfg`` (a recipe config) as ``fsdpfn run`` does; returns the exit status.
     ``prepare``: every check and run_dir's files (config.yaml, data/), then the command that
-    starts the trainer ranks under torchrun on each host; no process is started."""
+    starts the trainer ranks under torchrun on each host; no process is started. ``notes``:
+    lines of the config's making (the values chosen for the model), said with the preflight's."""
     from fsdpfn import serde
     from fsdpfn.app.recipes import NEEDS_ROLLOUT
     from fsdpfn.app.recipes.model import initial_model_dir
@@ -238,7 +239,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     model_dir = initial_model_dir(cfg.model, run_dir)
     url = cfg.rollout.url if needs_rollout else None
     _check_inputs(cfg)
-    notes = preflight(cfg, placement, data=dry_run)  # a real run reads the data below
+    notes = [*notes, *preflight(cfg, placement, data=dry_run)]  # a real run reads the data below
     if dry_run:
         import tempfile
 

@@ -385,6 +385,13 @@ def test_a_dry_run_tokenizes_the_data_and_says_what_a_run_would_keep(ws, tmp_pat
     assert "data (eval): 6 of 6 samples" in err
     assert "each step takes every sample" not in err  # the workspace's batch fits its data
     assert not run_dir.exists()  # nothing written
+    # the workspace's model is the user's: the rate its file leaves unset is the fine-tuning
+    # default, and the run says so (its checkpoint.every is written, so it is not named)
+    line = [x for x in err.splitlines() if "names a pretrained model" in x]
+    assert line == ["[fsdpfn] model.path names a pretrained model: optimizer.lr=2e-05 (the "
+                    "fine-tuning defaults, where the config sets none; docs/recipes.md)"], err
+    rc, err = _dry_run(ws, capsys, "sft", f"run_dir={run_dir}", "optimizer.lr=1e-4")
+    assert rc == 0 and "pretrained model" not in err, err
     # a step larger than the data is said, with how often each sample comes back a step
     rc, err = _dry_run(ws, capsys, "sft", f"run_dir={run_dir}", "batch_size=120")
     assert rc == 0 and ("data (train): 40 samples for batch_size=120 a step: each step takes "

@@ -93,3 +93,38 @@ def test_fsdpfn_config_prints_the_rates_the_run_would_use():
                           "model.path=/models/m"], capture_output=True, text=True, check=True)
     cfg = yaml.safe_load(out.stdout)
     assert cfg["optimizer"]["lr"] == 1e-6 and cfg["warmup"]["optimizer"]["lr"] == 1e-5
+
+
+def _notes(name: str, *overrides: str) -> list[str]:
+    notes: list[str] = []
+    default_config(name, list(overrides), notes=notes)
+    return notes
+
+
+def test_the_values_chosen_for_the_model_are_named_in_one_line():
+    assert _notes("sft", "model.path=/models/m") == [
+        "model.path names a pretrained model: optimizer.lr=2e-05, checkpoint.every=100 (the "
+        "fine-tuning defaults, where the config sets none; docs/recipes.md)"]
+    # only the keys left unset are named; none at all: no line
+    assert _notes("ppo", "model.path=/models/m", "optimizer.lr=3e-6",
+                  "critic_optimizer.lr=2e-6") == [
+        "model.path names a pretrained model: warmup.optimizer.lr=1e-05 (the fine-tuning "
+        "defaults, where the config sets none; docs/recipes.md)"]
+    assert _notes("grpo", "model.path=/models/m", "engine.lora.rank=8") == [
+        "model.path names a pretrained model: optimizer.lr=1e-05, warmup.optimizer.lr=0.0001 "
+        "(the fine-tuning defaults with LoRA, where the config sets none; docs/recipes.md)"]
+    assert _notes("rw", "model.path=/models/m", "optimizer.lr=1e-5", "checkpoint.every=0") == []
+    assert _notes("dpo") == [] and _notes("dpo", "model.path=/m", "model.random_init=true") == []
+    notes: list[str] = []
+    demo_config(notes=notes)
+    assert notes == []
+
+
+@pytest.mark.timeout(120)
+def test_fsdpfn_config_names_them_on_stderr_and_keeps_stdout_a_config():
+    out = subprocess.run([sys.executable, "-m", "fsdpfn", "config", "rw", "model.path=/models/m",
+                          "checkpoint.every=5"], capture_output=True, text=True, check=True)
+    assert yaml.safe_load(out.stdout)["optimizer"]["lr"] == 1e-5
+    assert out.stderr == ("[fsdpfn] model.path names a pretrained model: optimizer.lr=1e-05 (the "
+                          "fine-tuning defaults, where the config sets none; "
+                          "docs/recipes.md)\n"), out.stderr

@@ -18,7 +18,8 @@ from pathlib import Path
 from fsdpfn import serde
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.config import RECIPE_CONFIGS, GRPORecipe
-from fsdpfn.app.recipes.model_defaults import with_model_defaults, without_model_keys
+from fsdpfn.app.recipes.model_defaults import (model_defaults_note, with_model_defaults,
+                                               without_model_keys)
 
 __all__ = ["RECIPE_CONFIGS", "NEEDS_ROLLOUT", "config_from_data", "load_recipe_config",
            "default_config", "demo_config", "run_recipe"]
@@ -30,9 +31,11 @@ _RUNNERS = {"grpo": "fsdpfn.app.recipes.rl:run", "ppo": "fsdpfn.app.recipes.rl:r
             "dpo": "fsdpfn.app.recipes.supervised:run_dpo"}
 
 
-def config_from_data(data: dict, overrides=()):
+def config_from_data(data: dict, overrides=(), *, notes: list | None = None):
     """Structure plain data (a parsed YAML) as its recipe's config class, after overrides: every
-    key not written keeps the recipe's default, inside a section written in part too."""
+    key not written keeps the recipe's default, inside a section written in part too.
+    ``notes``: a list that gets the launcher's line on the values taken from a pretrained
+    model's defaults (model_defaults_note), if any."""
     if not isinstance(data, dict):
         raise ConfigError(f"config: must be a mapping with a 'recipe' key, got {data!r}")
     data = serde.apply_overrides(data, list(overrides))
@@ -46,16 +49,21 @@ def config_from_data(data: dict, overrides=()):
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
     cls = RECIPE_CONFIGS[name]
     defaults = with_model_defaults(name, serde.unstructure(cls()), data)  # a pretrained model's
-    return serde.structure(serde.with_defaults(data, defaults, cls), cls)  # rates, where named
+    cfg = serde.structure(serde.with_defaults(data, defaults, cls), cls)  # rates, where named
+    note = model_defaults_note(name, data)
+    if notes is not None and note is not None:
+        notes.append(note)
+    return cfg
 
 
-def load_recipe_config(path: str | Path, overrides=()):
+def load_recipe_config(path: str | Path, overrides=(), *, notes: list | None = None):
     """Read a recipe YAML (or JSON) file, apply ``key.sub=value`` overrides, validate. Syntax
-    errors (with their line and column) and repeated keys are ConfigErrors too."""
-    return config_from_data(serde.read_config_file(path) or {}, overrides)
+    errors (with their line and column) and repeated keys are ConfigErrors too. ``notes``: as
+    config_from_data's."""
+    return config_from_data(serde.read_config_file(path) or {}, overrides, notes=notes)
 
 
-def default_config(name: str, overrides=()):
+def default_config(name: str, overrides=(), *, notes: list | None = None):
     if not isinstance(name, str) or name not in RECIPE_CONFIGS:
         raise ConfigError(f"recipe: must be one of {sorted(RECIPE_CONFIGS)}, got {name!r}")
     asked = [value.strip() for key, sep, value in (o.partition("=") for o in overrides)
@@ -64,13 +72,13 @@ def default_config(name: str, overrides=()):
         raise ConfigError(f"recipe: is the recipe named on the command line ({name!r}); run "
                           f"'fsdpfn run {asked[-1]}' for another, got {asked[-1]!r}")
     return config_from_data(without_model_keys(name, serde.unstructure(RECIPE_CONFIGS[name]())),
-                            overrides)
+                            overrides, notes=notes)
 
 
-def demo_config(overrides=()) -> GRPORecipe:
+def demo_config(overrides=(), *, notes: list | None = None) -> GRPORecipe:
     """The embedded demo: GRPO on 2-digit addition, 2 trainer ranks, 1 rollout server."""
     return config_from_data(without_model_keys("grpo", serde.unstructure(
-        GRPORecipe(run_dir="runs/demo"))), overrides)
+        GRPORecipe(run_dir="runs/demo"))), overrides, notes=notes)
 
 
 def run_recipe(cfg, ctx):

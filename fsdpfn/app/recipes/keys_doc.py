@@ -295,7 +295,9 @@ def render() -> str:
         out += ["", "With a pretrained model of your own (`model.path` without "
                     "`model.random_init`), keys the file or an override leaves unset default "
                     "to these instead (with `engine.lora`, the policy's learning rates are ten "
-                    "times those of the full model):", "",
+                    "times those of the full model; `fsdpfn run` and `fsdpfn config` name "
+                    "the ones a config takes in one line, `model.path names a pretrained "
+                    "model: ...`):", "",
                 "| key | with `model.path` | with `model.path` and `engine.lora` |",
                 "|---|---|---|"]
         full = model_defaults(name, {"model": {"path": "DIR"}})

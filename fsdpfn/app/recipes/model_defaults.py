@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 
 __all__ = ["PRETRAINED", "LORA_LR_FACTOR", "pretrained", "model_defaults",
-           "with_model_defaults", "without_model_keys"]
+           "with_model_defaults", "without_model_keys", "model_defaults_note"]
 
 _SUPERVISED_SAVES = {"checkpoint.every": 100}
 PRETRAINED = {"sft": {"optimizer.lr": 2e-5, **_SUPERVISED_SAVES},
@@ -83,3 +83,21 @@ def without_model_keys(name: str, data: dict) -> dict:
         if parent is not None:
             parent.pop(leaf, None)
     return out
+
+
+def model_defaults_note(name: str, data: dict) -> str | None:
+    """The launcher's line naming the values raw config ``data`` (overrides applied) of recipe
+    ``name`` takes from the pretrained model's defaults, the keys it leaves unset; None when
+    it takes none (no model of the user's, or every such key written)."""
+    chosen = {}
+    for dotted, value in model_defaults(name, data).items():
+        parent, leaf = _parent(data, dotted)
+        if parent is None or leaf not in parent:
+            chosen[dotted] = value
+    if not chosen:
+        return None
+    lora = " with LoRA" if any(k in _POLICY_RATES for k in chosen) and \
+        isinstance(data.get("engine"), dict) and data["engine"].get("lora") is not None else ""
+    values = ", ".join(f"{key}={value:g}" for key, value in chosen.items())
+    return (f"model.path names a pretrained model: {values} (the fine-tuning defaults{lora}, "
+            f"where the config sets none; docs/recipes.md)")
