@@ -26,7 +26,7 @@ import torch
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["VERIFIED", "TP_VERIFIED", "VERIFY_TOL", "refusal", "check_refusals",
+__all__ = ["VERIFIED", "TP_VERIFIED", "CRITIC_VERIFIED", "VERIFY_TOL", "refusal", "check_refusals",
            "verify_architecture", "check_model", "check_structure", "probe_config"]
 
 log = logging.getLogger("fsdpfn")
@@ -37,6 +37,9 @@ VERIFIED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_tex
 # of those, the families the tensor-parallel plan splits (Phi-3's fused projections and OLMo-2's
 # whole-projection q/k norms are refused under tp by fsdpfn.engine.tp.check_tp_plan)
 TP_VERIFIED = tuple(f for f in VERIFIED if f not in ("phi3", "olmo2"))
+# of those, the families with a token-classification class (a critic: rw's reward model, ppo's
+# value model), tested against its own head (tests/unit/test_families_critic.py)
+CRITIC_VERIFIED = tuple(f for f in VERIFIED if f not in ("gemma3_text", "olmo2"))
 
 # log-prob gap (nats) above which the guard refuses: float32 paths of a tiny model agree to
 # about 1e-6; an ignored window, softcap, scale or bias moves log-probs by 1e-2 or more
@@ -108,6 +111,10 @@ def _has_class(hf_config, is_critic: bool) -> bool:
 def check_refusals(hf_config, *, is_critic: bool = False) -> None:
     """ConfigError naming the model_type and the reason, for a model the engine refuses."""
     why = refusal(hf_config, is_critic=is_critic)
+    if why is not None and is_critic and refusal(hf_config) is None:  # a causal LM, not a critic
+        raise ConfigError(f"model_type: {hf_config.model_type!r} is not supported as a critic "
+                          f"(rw's reward model, ppo's value model): {why} (families verified "
+                          f"as critics: {', '.join(CRITIC_VERIFIED)})")
     if why is not None:
         raise ConfigError(f"model_type: {hf_config.model_type!r} is not supported: {why} "
                           f"(verified families: {', '.join(VERIFIED)})")
@@ -121,7 +128,9 @@ def check_structure(lm, *, model_type: str, is_critic: bool, lora: bool) -> None
         heads = [n for n, _ in lm.named_children() if n != lm.base_model_prefix]
         raise ConfigError(f"is_critic: model_type {model_type!r} names its token-classification "
                           f"head {heads}, not 'score', which the engine's value head reads; "
-                          f"this family is not supported as a critic")
+                          f"this family is not supported as a critic (rw's reward model, "
+                          f"ppo's value model; families verified as critics: "
+                          f"{', '.join(CRITIC_VERIFIED)})")
     if lora and not hasattr(getattr(lm, "model", None), "layers"):
         raise ConfigError(f"lora: model_type {model_type!r} keeps its decoder layers elsewhere "
                           f"than model.layers, where LoRA's targets are found; this family is "
