@@ -84,8 +84,8 @@ def gpt2_dir(tmp_path_factory):
     return path
 
 
-def _run(*args, timeout=200):
-    return subprocess.run([sys.executable, "-m", "fsdpfn", "run", "sft", *args],
+def _run(*args, timeout=200, recipe="sft"):
+    return subprocess.run([sys.executable, "-m", "fsdpfn", "run", recipe, *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -110,10 +110,11 @@ def test_sft_on_a_gpt2_directory_runs_and_its_position_limit_is_checked(gpt2_dir
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-def test_a_family_the_engine_refuses_is_refused_by_the_dry_run_as_by_the_ranks(gpt2_dir,
-                                                                               tmp_path):
+def test_a_family_the_engine_refuses_is_refused_before_anything_starts(gpt2_dir, tmp_path):
     """A Mixtral directory: the ranks refuse it on its config (mixture-of-experts) as they
-    build; ``--dry-run`` now says the same line before anything starts, where it passed."""
+    build; ``--dry-run`` and a real run now say the same line before anything starts (no
+    run_dir, no server, no rank), where the dry run passed and the real run failed in its
+    ranks."""
     import torch
     from transformers import AutoModelForCausalLM, MixtralConfig
 
@@ -132,5 +133,31 @@ def test_a_family_the_engine_refuses_is_refused_by_the_dry_run_as_by_the_ranks(g
     assert not (tmp_path / "dry").exists()
     real = _run(f"model.path={path}", f"run_dir={tmp_path / 'real'}", "steps=1",
                 "launch.nproc=1")
-    assert real.returncode != 0 and reason in real.stderr.strip().splitlines()[-1], \
-        real.stderr[-3000:]
+    assert real.returncode == 2, real.stderr[-3000:]
+    assert real.stderr.strip().splitlines()[-1].startswith("fsdpfn: error: " + reason)
+    assert not (tmp_path / "real").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_family_without_the_critics_head_is_refused_as_rws_and_ppos_critic(gpt2_dir,
+                                                                              tmp_path):
+    """GPT-2's token-classification model names its head 'classifier', not the 'score' the
+    engine's value head reads: GPT-2 trains as a policy (above) but is refused, by name and
+    before anything starts, as rw's reward model and ppo's value model. Before, rw started
+    its rank and failed there, leaving a run_dir of 0 steps."""
+    reason = ("fsdpfn: error: model.path: model_type 'gpt2' names its token-classification "
+              "head ['dropout', 'classifier'], not 'score', which the engine's value head "
+              "reads; this family is not supported as a critic (rw's reward model, ppo's "
+              "value model; families verified as critics: llama, qwen2, qwen3, mistral, "
+              "gemma, gemma2, phi3)")
+    for recipe, extra in (("rw", []), ("ppo", ["--dry-run"])):
+        run_dir = tmp_path / recipe
+        proc = _run(f"model.path={gpt2_dir}", f"run_dir={run_dir}", "steps=1",
+                    "launch.nproc=1", *extra, recipe=recipe, timeout=100)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == reason, proc.stderr[-3000:]
+        assert not run_dir.exists()
+    # grpo trains no critic: the same directory passes the dry run
+    proc = _run(f"model.path={gpt2_dir}", f"run_dir={tmp_path / 'grpo'}", "steps=1",
+                "launch.nproc=1", "--dry-run", recipe="grpo", timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]

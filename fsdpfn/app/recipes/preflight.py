@@ -50,7 +50,7 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     needs_rollout = cfg.recipe in ("grpo", "ppo")
     if data:
         check_data(cfg)
-        check_family(cfg)
+    check_family(cfg)
     if needs_rollout:
         check_reward(cfg)
         check_rollout(cfg)
@@ -237,11 +237,14 @@ def _check_external_server(url: str) -> None:
 
 
 def check_family(cfg) -> None:
-    """A user's model whose family the engine refuses on its config alone (families.refusal),
-    for each role it would train: the policy, and a critic for rw and ppo; the same line the
-    ranks would stop on. The guard's forward comparison, and a config.json transformers cannot
-    read (an unknown model_type, inconsistent fields), are left to the ranks' build, which
-    refuses those by name."""
+    """A user's model whose family the engine refuses on its config alone (families.refusal)
+    or on its modules' names (families.check_structure: a critic's value head ``score``, the
+    decoder layers LoRA wraps), for each role it would train: the policy, and a critic for rw
+    and ppo; the same line the ranks would stop on, before run_dir, the servers and the ranks.
+    The structure is read from a meta skeleton of a small probe of the architecture. The
+    guard's forward comparison, and a config.json transformers cannot read (an unknown
+    model_type, inconsistent fields), are left to the ranks' build, which refuses those by
+    name. The launcher of a user's model imports transformers anyway (its tokenizer)."""
     if cfg.model.embedded:
         return
     from transformers import AutoConfig
@@ -252,12 +255,33 @@ def check_family(cfg) -> None:
         hf = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     except Exception:  # noqa: BLE001 - what transformers cannot read, the ranks refuse by name
         return
-    roles = {name == "critic_engine" or cfg.recipe == "rw" for name in engines(cfg)}
-    for is_critic in sorted(roles):
-        try:
+    roles = sorted({(name == "critic_engine" or cfg.recipe == "rw", section.lora is not None)
+                    for name, section in engines(cfg).items()})
+    try:
+        for is_critic in sorted({critic for critic, _ in roles}):
             check_refusals(hf, is_critic=is_critic)
-        except ConfigError as exc:
-            raise ConfigError(f"model.path: {exc}") from None
+        for is_critic, lora in roles:
+            if is_critic or lora:
+                _check_structure(hf, is_critic=is_critic, lora=lora)
+    except ConfigError as exc:
+        raise ConfigError(f"model.path: {exc}") from None
+
+
+def _check_structure(hf, *, is_critic: bool, lora: bool) -> None:
+    import torch
+
+    from fsdpfn.engine.families import check_structure, probe_config
+    from fsdpfn.engine.load_weights import build_skeleton
+
+    try:
+        lm = build_skeleton(probe_config(hf), is_critic=is_critic, dtype=torch.float32,
+                            device="meta")
+    except Exception:  # noqa: BLE001 - a family that does not build, the ranks refuse by name
+        return
+    try:
+        check_structure(lm, model_type=hf.model_type, is_critic=is_critic, lora=lora)
+    except ConfigError as exc:  # the engine's field (is_critic, lora) is the rank's to name
+        raise ConfigError(str(exc).partition(": ")[2]) from None
 
 
 def model_config(cfg) -> dict:
