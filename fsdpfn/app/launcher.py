@@ -144,12 +144,13 @@ def _check_threads(cfg) -> None:
                               f"slow it down), got {n}")
 
 
-def _check_inputs(cfg) -> None:
+def _check_inputs(cfg, *, weights: bool = True) -> None:
     """What can fail before any rank starts: the model directory and the loggers (the data,
-    the reward and the memory: fsdpfn.app.recipes.preflight)."""
+    the reward and the memory: fsdpfn.app.recipes.preflight). ``weights`` False: a hub
+    model's dry run, whose weights are not fetched."""
     from fsdpfn.app.recipes.model import check_model_dir
 
-    check_model_dir(cfg.model)
+    check_model_dir(cfg.model, weights=weights)
     _check_threads(cfg)
     if cfg.log.wandb is not None:
         try:
@@ -215,6 +216,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     lines of the config's making (the values chosen for the model), said with the preflight's."""
     from fsdpfn import serde
     from fsdpfn.app.recipes import NEEDS_ROLLOUT
+    from fsdpfn.app.recipes.hub import resolve_hub_model
     from fsdpfn.app.recipes.model import initial_model_dir
     from fsdpfn.app.recipes.placement import count_gpus, place
     from fsdpfn.app.recipes.preflight import preflight
@@ -223,6 +225,8 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     check_flags(resume=resume, overwrite=overwrite)
     run_dir = Path(cfg.run_dir)
     check_run_dir_path(run_dir)  # before count_gpus, which imports torch
+    cfg, hub = resolve_hub_model(cfg, weights=not dry_run)  # a hub id: its local snapshot
+    notes = [*notes, hub] if hub else notes
     config_path = run_dir / "config.yaml"
     if resume:
         check_resume_keeps(cfg, config_path)
@@ -238,7 +242,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
         check_server_gpus(cfg, placement, n_gpus)
     model_dir = initial_model_dir(cfg.model, run_dir)
     url = cfg.rollout.url if needs_rollout else None
-    _check_inputs(cfg)
+    _check_inputs(cfg, weights=not (dry_run and hub))
     notes = [*notes, *preflight(cfg, placement, data=dry_run)]  # a real run reads the data below
     if dry_run:
         import tempfile

@@ -49,7 +49,9 @@ _DEFAULT_HIDDEN = 128
 
 @attrs.frozen
 class ModelConfig:
-    """``path``: a local HF causal-LM directory (config.json, safetensors, tokenizer); None: the
+    """``path``: a local HF causal-LM directory (config.json, safetensors, tokenizer), or a
+    Hugging Face hub model id (``org/name``), which the launcher resolves to its snapshot in
+    the Hugging Face cache, downloading what is missing (fsdpfn.app.recipes.hub); None: the
     embedded tiny Qwen2 (the fields below) with the character tokenizer. ``random_init``: build
     ``path``'s architecture from its config.json with fresh weights, HF's init drawn on the
     trainer's devices under the run's ``seed``; the directory then needs no weights. ``seed`` and
@@ -109,21 +111,23 @@ class ModelConfig:
                            eos_token_id=2)
 
 
-def check_model_dir(cfg: ModelConfig) -> None:
-    """Fail before any rank starts: the directory, its config, weights and tokenizer."""
+def check_model_dir(cfg: ModelConfig, *, weights: bool = True) -> None:
+    """Fail before any rank starts: the directory, its config, weights and tokenizer.
+    ``weights`` False: the weights are not there yet (a hub model's dry run)."""
     if cfg.embedded:
         return
     path = Path(cfg.path)
     if not path.is_dir():
-        raise ConfigError(f"model.path: must be an existing directory, got {cfg.path!r}")
+        raise ConfigError(f"model.path: must be an existing directory (or a Hugging Face hub "
+                          f"model id, org/name), got {cfg.path!r}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: must hold a transformers config.json, got {cfg.path!r} "
                           f"(no config.json)")
     read_config_json(path)
-    if not cfg.random_init and not has_weights(path):
+    if weights and not cfg.random_init and not has_weights(path):
         raise no_safetensors("model.path", cfg.path, "must hold *.safetensors weights (or set "
                              "model.random_init=true)")
-    if not cfg.random_init:
+    if weights and not cfg.random_init:
         check_weight_headers(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model",
                                                     "vocab.json", "char_vocab.json")):
@@ -321,7 +325,7 @@ def load_tokenizer(cfg: ModelConfig):
     """The embedded character tokenizer, or ``model.path``'s."""
     if cfg.embedded:
         return CharTokenizer()
-    check_model_dir(cfg)
+    check_model_dir(cfg, weights=False)  # the weights are the engine's to check
     return HFTokenizer(cfg.path)
 
 

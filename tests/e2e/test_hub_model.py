@@ -1,0 +1,113 @@
+"""``model.path`` may name a model on the Hugging Face hub (``org/name``), as from_pretrained
+takes either: the launcher resolves it to its snapshot in the Hugging Face cache (downloading
+what is missing), and the run, its config.yaml and ``--resume`` use that directory
+(fsdpfn.app.recipes.hub).
+
+Nothing is downloaded here: every test runs with HF_HUB_OFFLINE=1 against a cache laid out as
+huggingface_hub lays it out (models--org--name/refs/main, snapshots/<commit>/), which
+huggingface_hub itself reads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdpfn.app.recipes.hub import looks_like_hub_id
+from fsdpfn.testing import write_tiny_hf_dir
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+TEXTS = ["What is 1+1? 2", "What is 2+3? 5", "0123456789+=?"] * 20
+
+
+def _cache_model(cache: Path, repo: str, source: Path, *, weights: bool = True) -> Path:
+    """``source``'s files as the snapshot of ``repo`` in the hub cache ``cache``."""
+    org, name = repo.split("/")
+    root = cache / f"models--{org}--{name}"
+    snapshot = root / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT)
+    for f in source.iterdir():
+        if weights or f.suffix != ".safetensors":
+            shutil.copy(f, snapshot / f.name)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    model = write_tiny_hf_dir(root / "src", texts=TEXTS, vocab_size=200)
+    cache = root / "cache"
+    return {"cache": cache, "snapshot": _cache_model(cache, "acme/tiny", model),
+            "meta_only": _cache_model(cache, "acme/noweights", model, weights=False)}
+
+
+def _run(hub, *args: str, timeout: int = 200) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_CACHE": str(hub["cache"]), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fsdpfn", "run", "sft", "launch.nproc=1",
+                           "log.plot=false", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_hub_id_trains_from_its_cached_snapshot_and_the_run_names_the_directory(hub,
+                                                                                  tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(hub, "model.path=acme/tiny", f"run_dir={run_dir}", "steps=2", "batch_size=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[fsdpfn] model.path: acme/tiny is the Hugging Face hub model in {hub['snapshot']}" \
+        in proc.stderr.splitlines(), proc.stderr[-3000:]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["path"] == str(hub["snapshot"])  # --resume reads the same files
+    assert saved["optimizer"]["lr"] == 2e-5  # a hub model is a pretrained model of the user's
+    assert (run_dir / "checkpoints" / "step_000002").is_dir()
+
+
+@pytest.mark.timeout(200)
+def test_a_dry_run_reads_all_but_the_weights_and_a_real_run_needs_them(hub, tmp_path):
+    proc = _run(hub, "model.path=acme/noweights", f"run_dir={tmp_path / 'dry'}", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"[fsdpfn] model.path: acme/noweights is the Hugging Face hub model in "
+            f"{hub['meta_only']} (a dry run fetches all but its weights)") in \
+        proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert f"path: {hub['meta_only']}" in proc.stdout  # the config the run would use
+    proc = _run(hub, "model.path=acme/noweights", f"run_dir={tmp_path / 'real'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"fsdpfn: error: model.path: must hold *.safetensors weights (or set "
+        f"model.random_init=true), got '{hub['meta_only']}'"), proc.stderr[-3000:]
+    assert not (tmp_path / "real").exists()
+
+
+@pytest.mark.timeout(120)
+def test_an_id_the_cache_lacks_offline_is_refused_in_one_line(hub, tmp_path):
+    proc = _run(hub, "model.path=acme/missing", f"run_dir={tmp_path / 'r'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "fsdpfn: error: model.path: must be an existing directory or a Hugging Face hub model "
+        "id; no such directory, and HF_HUB_OFFLINE is set with no copy of that model in the "
+        "Hugging Face cache (download it once, 'hf download acme/missing', or name its "
+        "directory), got 'acme/missing'"], proc.stderr[-3000:]
+    assert not (tmp_path / "r").exists()
+    # a path is never looked up on the hub
+    proc = _run(hub, f"model.path={tmp_path / 'nodir'}", f"run_dir={tmp_path / 'r'}")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"fsdpfn: error: model.path: must be an existing directory (or a Hugging Face hub "
+        f"model id, org/name), got '{tmp_path / 'nodir'}'")
+
+
+@pytest.mark.parametrize("path, hub_id", [
+    ("Qwen/Qwen2.5-0.5B", True), ("gpt2", True), ("meta-llama/Llama-3.2-1B", True),
+    ("/models/qwen", False), ("./qwen", False), ("../qwen", False), ("~/qwen", False),
+    ("a/b/c", False), ("models\\qwen", False), ("org/name.yaml", False), ("", False),
+])
+def test_what_reads_as_a_hub_id(path, hub_id):
+    assert looks_like_hub_id(path) is hub_id
