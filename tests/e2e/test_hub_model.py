@@ -1,7 +1,8 @@
 """``model.path`` may name a model on the Hugging Face hub (``org/name``), as from_pretrained
 takes either: the launcher resolves it to its snapshot in the Hugging Face cache (downloading
 what is missing), and the run, its config.yaml and ``--resume`` use that directory
-(fsdpfn.app.recipes.hub).
+(fsdpfn.app.recipes.hub). Data files may be a hub dataset's (``hf://datasets/ORG/NAME/PATH``),
+resolved the same way.
 
 Nothing is downloaded here: every test runs with HF_HUB_OFFLINE=1 against a cache laid out as
 huggingface_hub lays it out (models--org--name/refs/main, snapshots/<commit>/), which
@@ -9,6 +10,7 @@ huggingface_hub itself reads."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -25,17 +27,17 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TEXTS = ["What is 1+1? 2", "What is 2+3? 5", "0123456789+=?"] * 20
 
 
-def _cache_model(cache: Path, repo: str, source: Path, *, weights: bool = True) -> Path:
-    """``source``'s files as the snapshot of ``repo`` in the hub cache ``cache``."""
+def _cache_model(cache: Path, repo: str, source: Path, *, weights: bool = True,
+                 kind: str = "models") -> Path:
+    """``source``'s files as the snapshot of ``repo`` (a model, or a dataset with ``kind``
+    'datasets') in the hub cache ``cache``."""
     org, name = repo.split("/")
-    root = cache / f"models--{org}--{name}"
-    snapshot = root / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    (root / "refs").mkdir()
+    root = cache / f"{kind}--{org}--{name}"
+    (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text(COMMIT)
-    for f in source.iterdir():
-        if weights or f.suffix != ".safetensors":
-            shutil.copy(f, snapshot / f.name)
+    snapshot = root / "snapshots" / COMMIT
+    shutil.copytree(source, snapshot, ignore=None if weights else
+                    shutil.ignore_patterns("*.safetensors"))
     return snapshot
 
 
@@ -44,8 +46,14 @@ def hub(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
     model = write_tiny_hf_dir(root / "src", texts=TEXTS, vocab_size=200)
     cache = root / "cache"
+    data = root / "data"
+    (data / "main").mkdir(parents=True)
+    (data / "main" / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": f"What is {a}+{a}?", "response": str(2 * a)}) + "\n"
+        for a in range(12)))
     return {"cache": cache, "snapshot": _cache_model(cache, "acme/tiny", model),
-            "meta_only": _cache_model(cache, "acme/noweights", model, weights=False)}
+            "meta_only": _cache_model(cache, "acme/noweights", model, weights=False),
+            "data": _cache_model(cache, "acme/adds", data, kind="datasets")}
 
 
 def _run(hub, *args: str, timeout: int = 200) -> subprocess.CompletedProcess:
@@ -102,6 +110,34 @@ def test_an_id_the_cache_lacks_offline_is_refused_in_one_line(hub, tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"fsdpfn: error: model.path: must be an existing directory (or a Hugging Face hub "
         f"model id, org/name), got '{tmp_path / 'nodir'}'")
+
+
+@pytest.mark.timeout(200)
+def test_data_files_of_a_hub_dataset_are_read_from_the_cache(hub, tmp_path):
+    url = "hf://datasets/acme/adds/main/train.jsonl"
+    local = hub["data"] / "main" / "train.jsonl"
+    proc = _run(hub, "model.path=acme/tiny", f"run_dir={tmp_path / 'dry'}", "--dry-run",
+                f"data.train_files=[{url}]", "data.max_prompt_tokens=64",
+                "data.max_response_tokens=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert f"[fsdpfn] data.train_files: {url} is the hub file {local}" in lines, lines
+    assert "[fsdpfn] data (train): 12 of 12 samples" in lines, lines
+    assert f"- {local}" in proc.stdout  # the config the run uses names the local copy
+    for entry, why in (
+            ("hf://datasets/acme/adds/main/test.jsonl",
+             "HF_HUB_OFFLINE is set and the Hugging Face cache has no copy of it (download it "
+             "once: 'hf download acme/adds main/test.jsonl --repo-type dataset')"),
+            ("hf://datasets/acme/adds/main/*.jsonl",
+             "name each hub file; patterns are not expanded"),
+            ("hf://datasets/adds/train.jsonl",
+             "a hub file is written hf://datasets/ORG/NAME/PATH (or ORG/NAME@REVISION/PATH)")):
+        proc = _run(hub, "model.path=acme/tiny", f"run_dir={tmp_path / 'r'}",
+                    f"data.eval_files=[{entry}]", f"data.train_files=[{url}]")
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines()[-1] == \
+            f"fsdpfn: error: data.eval_files: {why}, got {entry!r}", proc.stderr[-2000:]
+        assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("path, hub_id", [

@@ -11,6 +11,10 @@ GGUF or ONNX copies are not). ``--dry-run`` fetches all but the weights.
 
 A name that is an existing directory is always the directory; a path (``/``, ``./``, ``~``, a
 backslash, more than one ``/``) is never looked up on the hub.
+
+Data files may be files of a hub dataset, as ``datasets`` and huggingface_hub spell them:
+``hf://datasets/ORG/NAME/PATH`` (``ORG/NAME@REVISION``: a branch, tag or commit), each fetched
+into the same cache and named by its local path from then on (``resolve_hub_files``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import attrs
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["looks_like_hub_id", "resolve_hub_model", "HUB_PATTERNS", "WEIGHT_PATTERNS"]
+__all__ = ["looks_like_hub_id", "resolve_hub_model", "resolve_hub_files", "HUB_PATTERNS",
+           "WEIGHT_PATTERNS"]
 
 WEIGHT_PATTERNS = ("*.safetensors",)
 HUB_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", *WEIGHT_PATTERNS)
@@ -81,3 +86,60 @@ def resolve_hub_model(cfg, *, weights: bool = True):
     note = (f"model.path: {path} is the Hugging Face hub model in {local}"
             + (" (a dry run fetches all but its weights)" if later else ""))
     return attrs.evolve(cfg, model=attrs.evolve(cfg.model, path=local)), note
+
+
+_HF_FILE = re.compile(r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/]+))?/(?P<path>.+)$")
+
+
+def resolve_hub_files(cfg):
+    """(``cfg`` with every ``hf://datasets/...`` entry of data.train_files and data.eval_files
+    its local copy in the Hugging Face cache, the launcher's notes); ConfigError naming the
+    key and the entry for one that is malformed, a pattern, or not fetched."""
+    data = getattr(cfg, "data", None)
+    if data is None or not any(f.startswith("hf://") for f in (*data.train_files,
+                                                                   *data.eval_files)):
+        return cfg, []
+    notes, changes = [], {}
+    for key in ("train_files", "eval_files"):
+        files = getattr(data, key)
+        local = tuple(_hub_file(f"data.{key}", f) if f.startswith("hf://") else f
+                      for f in files)
+        if local != files:
+            changes[key] = local
+            notes += [f"data.{key}: {f} is the hub file {p}" for f, p in zip(files, local)
+                      if f != p]
+    return attrs.evolve(cfg, data=attrs.evolve(data, **changes)), notes
+
+
+def _hub_file(key: str, url: str) -> str:
+    m = _HF_FILE.match(url)
+    if m is None:
+        raise ConfigError(f"{key}: a hub file is written hf://datasets/ORG/NAME/PATH (or "
+                          f"ORG/NAME@REVISION/PATH), got {url!r}")
+    repo, rev, path = m["repo"], m["rev"], m["path"]
+    if any(c in path for c in "*?["):
+        raise ConfigError(f"{key}: name each hub file; patterns are not expanded, got {url!r}")
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        return hf_hub_download(repo, path, repo_type="dataset", revision=rev)
+    except GatedRepoError:
+        why = f"dataset {repo} is gated: accept its terms on its page and set HF_TOKEN"
+    except RepositoryNotFoundError:
+        why = f"no dataset {repo} on the hub (a private one needs HF_TOKEN)"
+    except RevisionNotFoundError:
+        why = f"dataset {repo} has no revision {rev!r}"
+    except LocalEntryNotFoundError:
+        offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else \
+            "the hub could not be reached"
+        why = (f"{offline} and the Hugging Face cache has no copy of it (download it once: "
+               f"'hf download {repo} {path} --repo-type dataset')")
+    except EntryNotFoundError:
+        why = f"dataset {repo} has no file {path!r}"
+    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
+        first = (str(exc).splitlines() or [""])[0][:200]
+        why = f"fetching it failed ({type(exc).__name__}: {first})"
+    raise ConfigError(f"{key}: {why}, got {url!r}")
