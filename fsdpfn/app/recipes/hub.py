@@ -57,6 +57,7 @@ def resolve_hub_model(cfg, *, weights: bool = True):
         return cfg, None
     from huggingface_hub import constants
 
+    weights = weights and not cfg.model.random_init  # random_init: the config and tokenizer
     patterns = [p for p in HUB_PATTERNS if weights or p not in WEIGHT_PATTERNS]
     try:
         local = snapshot_download(path, allow_patterns=patterns)
@@ -82,7 +83,7 @@ def resolve_hub_model(cfg, *, weights: bool = True):
                           f"{path!r}") from None
     from fsdpfn.app.recipes.model import has_weights
 
-    later = not weights and not has_weights(Path(local))
+    later = not weights and not cfg.model.random_init and not has_weights(Path(local))
     note = (f"model.path: {path} is the Hugging Face hub model in {local}"
             + (" (a dry run fetches all but its weights)" if later else ""))
     return attrs.evolve(cfg, model=attrs.evolve(cfg.model, path=local)), note
