@@ -216,7 +216,7 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     lines of the config's making (the values chosen for the model), said with the preflight's."""
     from fsdpfn import serde
     from fsdpfn.app.recipes import NEEDS_ROLLOUT
-    from fsdpfn.app.recipes.hub import resolve_hub_files, resolve_hub_model
+    from fsdpfn.app.recipes.sources import resolve_sources
     from fsdpfn.app.recipes.model import initial_model_dir
     from fsdpfn.app.recipes.placement import count_gpus, place
     from fsdpfn.app.recipes.preflight import preflight
@@ -225,9 +225,10 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     check_flags(resume=resume, overwrite=overwrite)
     run_dir = Path(cfg.run_dir)
     check_run_dir_path(run_dir)  # before count_gpus, which imports torch
-    cfg, hub = resolve_hub_model(cfg, weights=not dry_run)  # a hub id: its local snapshot
-    cfg, hub_files = resolve_hub_files(cfg)  # hf://datasets/... files: their local copies
-    notes = [*notes, *([hub] if hub else []), *hub_files]
+    model_path = cfg.model.path
+    cfg, found = resolve_sources(cfg, dry_run=dry_run)  # hub ids, hub files, patterns: local
+    notes = [*notes, *found]
+    hub = cfg.model.path != model_path
     config_path = run_dir / "config.yaml"
     if resume:
         check_resume_keeps(cfg, config_path)

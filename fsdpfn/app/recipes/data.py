@@ -3,7 +3,7 @@ fsdpfn.app.recipes.data_rows), or the embedded addition task, behind one interfa
 
     data:
       train_files: [data/train.jsonl]          # .jsonl / .json / .parquet / .csv / .tsv
-      eval_files: [data/test.jsonl]            # or a hub dataset's: hf://datasets/ORG/NAME/PATH
+      eval_files: [data/test-*.parquet]        # also a directory, or hf://datasets/ORG/NAME/PATH
       prompt_key: prompt                        # a string, or chat messages [{role, content}]
       answer_key: answer                        # handed to the reward (optional column)
       max_prompt_tokens: 512

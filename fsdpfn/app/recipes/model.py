@@ -51,7 +51,7 @@ _DEFAULT_HIDDEN = 128
 class ModelConfig:
     """``path``: a local HF causal-LM directory (config.json, safetensors, tokenizer), or a
     Hugging Face hub model id (``org/name``), which the launcher resolves to its snapshot in
-    the Hugging Face cache, downloading what is missing (fsdpfn.app.recipes.hub); None: the
+    the Hugging Face cache, downloading what is missing (fsdpfn.app.recipes.sources); None: the
     embedded tiny Qwen2 (the fields below) with the character tokenizer. ``random_init``: build
     ``path``'s architecture from its config.json with fresh weights, HF's init drawn on the
     trainer's devices under the run's ``seed``; the directory then needs no weights. ``seed`` and

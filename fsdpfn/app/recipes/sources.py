@@ -1,20 +1,24 @@
-"""``model.path`` naming a model on the Hugging Face hub (``Qwen/Qwen2.5-0.5B``) rather than a
-directory, as ``from_pretrained`` takes either.
+"""Where a run's model and data files come from, resolved once by the launcher to local paths
+that config.yaml then names (so ``--resume`` reads the same files and needs no network).
 
-The launcher resolves such a name once, before any check reads the model: to its snapshot in
-the Hugging Face cache (``HF_HUB_CACHE``, ``HF_HOME``), downloading what is missing through
-huggingface_hub (``HF_TOKEN`` for gated models; ``HF_HUB_OFFLINE=1`` reads the cache only). The
-run then goes on with that directory: config.yaml in run_dir names it, so ``--resume`` reads
-the same files and needs no network. Only what the engine reads is fetched: the JSON files, the
-tokenizer's, the chat template and the safetensors weights (a repository's PyTorch ``.bin``,
-GGUF or ONNX copies are not). ``--dry-run`` fetches all but the weights.
+``model.path`` may name a model on the Hugging Face hub (``Qwen/Qwen2.5-0.5B``) rather than a
+directory, as ``from_pretrained`` takes either (``resolve_hub_model``): its snapshot in the
+Hugging Face cache (``HF_HUB_CACHE``, ``HF_HOME``), downloading what is missing through
+huggingface_hub (``HF_TOKEN`` for gated models; ``HF_HUB_OFFLINE=1`` reads the cache only).
+Only what the engine reads is fetched: the JSON files, the tokenizer's, the chat template and
+the safetensors weights (a repository's PyTorch ``.bin``, GGUF or ONNX copies are not).
+``--dry-run`` fetches all but the weights. A name that is an existing directory is always the
+directory; a path (``/``, ``./``, ``~``, a backslash, more than one ``/``) is never looked up
+on the hub.
 
-A name that is an existing directory is always the directory; a path (``/``, ``./``, ``~``, a
-backslash, more than one ``/``) is never looked up on the hub.
-
-Data files may be files of a hub dataset, as ``datasets`` and huggingface_hub spell them:
-``hf://datasets/ORG/NAME/PATH`` (``ORG/NAME@REVISION``: a branch, tag or commit), each fetched
-into the same cache and named by its local path from then on (``resolve_hub_files``).
+Data files (``resolve_data_files``) may be:
+- files of a hub dataset, as ``datasets`` and huggingface_hub spell them,
+  ``hf://datasets/ORG/NAME/PATH`` (``ORG/NAME@REVISION``: a branch, tag or commit), each
+  fetched into the same cache;
+- a glob pattern (``data/train-*.parquet``, ``**`` for subdirectories), its matching files in
+  sorted order;
+- a directory, the data files directly inside it (by suffix: .jsonl, .json, .parquet, .csv,
+  .tsv) in sorted order.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import attrs
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["looks_like_hub_id", "resolve_hub_model", "resolve_hub_files", "HUB_PATTERNS",
-           "WEIGHT_PATTERNS"]
+__all__ = ["looks_like_hub_id", "resolve_hub_model", "resolve_data_files", "resolve_sources",
+           "HUB_PATTERNS", "WEIGHT_PATTERNS"]
 
 WEIGHT_PATTERNS = ("*.safetensors",)
 HUB_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", *WEIGHT_PATTERNS)
@@ -92,24 +96,70 @@ def resolve_hub_model(cfg, *, weights: bool = True):
 _HF_FILE = re.compile(r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/]+))?/(?P<path>.+)$")
 
 
-def resolve_hub_files(cfg):
-    """(``cfg`` with every ``hf://datasets/...`` entry of data.train_files and data.eval_files
-    its local copy in the Hugging Face cache, the launcher's notes); ConfigError naming the
-    key and the entry for one that is malformed, a pattern, or not fetched."""
+def resolve_sources(cfg, *, dry_run: bool = False):
+    """(``cfg`` with its model and data files local paths, the launcher's notes):
+    resolve_hub_model, then resolve_data_files."""
+    cfg, model = resolve_hub_model(cfg, weights=not dry_run)
+    cfg, files = resolve_data_files(cfg)
+    return cfg, [*([model] if model else []), *files]
+
+
+def resolve_data_files(cfg):
+    """(``cfg`` with every hub file, pattern and directory of data.train_files and
+    data.eval_files replaced by the local files it names, the launcher's notes); ConfigError
+    naming the key and the entry for one that names no file or is not fetched."""
     data = getattr(cfg, "data", None)
-    if data is None or not any(f.startswith("hf://") for f in (*data.train_files,
-                                                                   *data.eval_files)):
+    if data is None or not (data.train_files or data.eval_files):
         return cfg, []
     notes, changes = [], {}
     for key in ("train_files", "eval_files"):
         files = getattr(data, key)
-        local = tuple(_hub_file(f"data.{key}", f) if f.startswith("hf://") else f
-                      for f in files)
-        if local != files:
-            changes[key] = local
-            notes += [f"data.{key}: {f} is the hub file {p}" for f, p in zip(files, local)
-                      if f != p]
+        local: list[str] = []
+        for entry in files:
+            found = _entry_files(f"data.{key}", entry)
+            if found != [entry]:
+                notes.append(_describe(f"data.{key}", entry, found))
+            local += found
+        if tuple(local) != files:
+            changes[key] = tuple(local)
+    if not changes:
+        return cfg, []
     return attrs.evolve(cfg, data=attrs.evolve(data, **changes)), notes
+
+
+def _describe(key: str, entry: str, found: list[str]) -> str:
+    if entry.startswith("hf://"):
+        return f"{key}: {entry} is the hub file {found[0]}"
+    names = [Path(f).name for f in found]
+    shown = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])}, ..., {names[-1]}"
+    return f"{key}: {entry} is {len(found)} file{'s' if len(found) > 1 else ''} ({shown})"
+
+
+def _entry_files(key: str, entry: str) -> list[str]:
+    """The local files one data entry names: itself (a file, or a missing path, refused later
+    by the reader), a hub file's cached copy, a pattern's matches, a directory's data files."""
+    if entry.startswith("hf://"):
+        return [_hub_file(key, entry)]
+    path = Path(entry).expanduser()
+    if path.is_file():
+        return [entry]
+    if path.is_dir():
+        from fsdpfn.app.recipes.data_rows import SUFFIX_FORMAT
+
+        found = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix in SUFFIX_FORMAT)
+        if not found:
+            raise ConfigError(f"{key}: a directory names the data files directly inside it "
+                              f"(.jsonl, .json, .parquet, .csv, .tsv), and this one holds none, "
+                              f"got {entry!r}")
+        return found
+    if any(c in entry for c in "*?["):
+        import glob
+
+        found = sorted(f for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
+        if not found:
+            raise ConfigError(f"{key}: no file matches the pattern, got {entry!r}")
+        return found
+    return [entry]
 
 
 def _hub_file(key: str, url: str) -> str:

@@ -1,8 +1,8 @@
 """``model.path`` may name a model on the Hugging Face hub (``org/name``), as from_pretrained
 takes either: the launcher resolves it to its snapshot in the Hugging Face cache (downloading
 what is missing), and the run, its config.yaml and ``--resume`` use that directory
-(fsdpfn.app.recipes.hub). Data files may be a hub dataset's (``hf://datasets/ORG/NAME/PATH``),
-resolved the same way.
+(fsdpfn.app.recipes.sources). Data files may be a hub dataset's (``hf://datasets/ORG/NAME/PATH``),
+resolved the same way, a glob pattern or a directory.
 
 Nothing is downloaded here: every test runs with HF_HUB_OFFLINE=1 against a cache laid out as
 huggingface_hub lays it out (models--org--name/refs/main, snapshots/<commit>/), which
@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdpfn.app.recipes.hub import looks_like_hub_id
+from fsdpfn.app.recipes import default_config
+from fsdpfn.app.recipes.sources import looks_like_hub_id, resolve_data_files
+from fsdpfn.errors import ConfigError
 from fsdpfn.testing import write_tiny_hf_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -147,3 +149,36 @@ def test_data_files_of_a_hub_dataset_are_read_from_the_cache(hub, tmp_path):
 ])
 def test_what_reads_as_a_hub_id(path, hub_id):
     assert looks_like_hub_id(path) is hub_id
+
+
+def _sft(*overrides: str):
+    return default_config("sft", ["model.path=/models/m", *overrides])
+
+
+def test_patterns_and_directories_name_their_data_files_in_sorted_order(tmp_path):
+    for name in ("b.jsonl", "a.jsonl", "c.parquet", "notes.txt", "sub/d.jsonl", "sub/e.csv"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "dir.jsonl").mkdir()  # a directory a pattern matches is no file
+    one = str(tmp_path / "a.jsonl")
+    cfg = _sft(f"data.train_files=[{tmp_path}/*.jsonl, {one}]",
+               f"data.eval_files=[{tmp_path / 'sub'}]")
+    got, notes = resolve_data_files(cfg)
+    want = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl", "a.jsonl")]
+    assert list(got.data.train_files) == want  # each entry expanded where it stands
+    assert list(got.data.eval_files) == [str(tmp_path / "sub" / n) for n in ("d.jsonl", "e.csv")]
+    assert notes == [f"data.train_files: {tmp_path}/*.jsonl is 2 files (a.jsonl, b.jsonl)",
+                     f"data.eval_files: {tmp_path / 'sub'} is 2 files (d.jsonl, e.csv)"]
+    assert cfg.data.train_files[0].endswith("*.jsonl")  # the input config is unchanged
+    got, _ = resolve_data_files(_sft(f"data.train_files=[{tmp_path}/**/*.j*]"))
+    assert [Path(f).name for f in got.data.train_files] == ["a.jsonl", "b.jsonl", "d.jsonl"]
+    # plain files, and a missing one (the reader's to refuse), are left as written
+    plain = _sft(f"data.train_files=[{one}, {tmp_path / 'missing.jsonl'}]")
+    assert resolve_data_files(plain) == (plain, [])
+    for entry, why in ((f"{tmp_path}/*.xyz", "no file matches the pattern"),
+                       (str(tmp_path / "dir.jsonl"), "a directory names the data files "
+                        "directly inside it (.jsonl, .json, .parquet, .csv, .tsv), and this one "
+                        "holds none")):
+        with pytest.raises(ConfigError) as err:
+            resolve_data_files(_sft(f"data.train_files=[{entry}]"))
+        assert str(err.value) == f"data.train_files: {why}, got {entry!r}"
