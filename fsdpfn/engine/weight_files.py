@@ -1,13 +1,18 @@
 """The weight files of an HF model directory, torch-free: the refusal of a directory without
-safetensors weights, shared by the engine's loader and the recipe's preflight."""
+safetensors weights, shared by the engine's loader and the recipe's preflight, and the
+parameter counts in their headers, which the recipe's memory estimate reads."""
 
 from __future__ import annotations
 
+import json
+import math
+import re
+import struct
 from pathlib import Path
 
 from fsdpfn.errors import ConfigError
 
-__all__ = ["no_safetensors"]
+__all__ = ["no_safetensors", "counted_params"]
 
 
 def no_safetensors(key: str, path: str | Path, rule: str) -> ConfigError:
@@ -24,3 +29,39 @@ def no_safetensors(key: str, path: str | Path, rule: str) -> ConfigError:
         f"does not read: convert them once with transformers, AutoModelForCausalLM."
         f"from_pretrained(DIR).save_pretrained(NEW_DIR) and AutoTokenizer.from_pretrained(DIR)"
         f".save_pretrained(NEW_DIR), and use NEW_DIR)")
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def counted_params(path, layers: int) -> tuple[int, int] | None:
+    """(a decoder layer's parameters, their mean over the layers; every other parameter) from
+    the headers of ``path``'s *.safetensors files (no tensor is read): exact for any family,
+    where the formulas count a llama-shaped layer (a GPT-2 or Falcon MLP has two matrices, not
+    three). None when the files do not read as ``layers`` numbered layers of floating-point
+    tensors (quantized weights, another layout, no files)."""
+    per_layer: dict[int, int] = {}
+    rest = 0
+    files = sorted(Path(path).glob("*.safetensors"))
+    for file in files:
+        try:
+            with open(file, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if not isinstance(info, dict) or info.get("dtype") not in _FLOAT_DTYPES:
+                return None
+            numel = math.prod(info.get("shape") or [1])
+            m = _LAYER.search(name)
+            if m is None:
+                rest += numel
+            else:
+                per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + numel
+    if not files or sorted(per_layer) != list(range(layers)):
+        return None
+    return sum(per_layer.values()) // layers, rest

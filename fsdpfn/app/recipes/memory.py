@@ -15,7 +15,8 @@ that would make it fit.
   space where run_dir will be.
 
 The estimate (``estimate_memory``) is a pure function of the model's shape (``ModelShape``, read
-from its config.json) and the engine options, written out below; it leaves out what is small
+from its config.json, with the parameter counts of its safetensors headers where they read as
+its layers: exact for any family's layer) and the engine options, written out below; it leaves out what is small
 next to these terms (biases, norms' fp32 copies, the CUDA context), and the refusal keeps
 ``HEADROOM`` of the device for them. fsdpfn.app.recipes.preflight reads the device's and the
 host's memory and calls these checks.
@@ -54,6 +55,11 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     tied: bool = False
+    # the parameters counted in the weight files (fsdpfn.engine.weight_files.counted_params):
+    # a decoder layer's (their mean) and the rest's; None: the formulas below, which read a
+    # llama-shaped layer
+    counted_layer: int | None = None
+    counted_root: int | None = None
 
     @classmethod
     def from_hf(cls, c: dict) -> "ModelShape":
@@ -66,14 +72,28 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """q, k, v, o projections, gate/up/down, two norms."""
+        """q, k, v, o projections, gate/up/down, two norms (or the weight files' count)."""
+        if self.counted_layer is not None:
+            return self.counted_layer
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
 
     @property
     def root_params(self) -> int:
-        """Embedding, lm_head (unless tied) and the final norm."""
+        """Embedding, lm_head (unless tied) and the final norm (or the weight files' count)."""
+        if self.counted_root is not None:
+            return self.counted_root
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def counted(self, path) -> "ModelShape":
+        """This shape with the parameter counts of ``path``'s safetensors files, where they
+        read as this shape's layers (counted_params); else this shape as it is."""
+        from fsdpfn.engine.weight_files import counted_params
+
+        counts = counted_params(path, self.layers)
+        if counts is None:
+            return self
+        return attrs.evolve(self, counted_layer=counts[0], counted_root=counts[1])
 
     @property
     def params(self) -> int:

@@ -62,6 +62,8 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     check_wrap_policy(cfg, hf)
     check_batch_rows(cfg, available=available_host_memory())
     shape = ModelShape.from_hf(hf)
+    if not cfg.model.embedded and not cfg.model.random_init:  # the files' own counts
+        shape = shape.counted(cfg.model.path)
     notes = [check_disk(cfg, shape)]
     if placement is None:
         return notes
