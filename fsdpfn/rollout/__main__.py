@@ -222,7 +222,7 @@ def _serve(args, listening) -> None:
         parser().exit(2, f"python -m fsdpfn.rollout: error: argument --device: {problem}\n")
     if args.wait_for_model > 0:  # after the imports, which take as long as the trainer's
         _wait_for_model(args.model, args.wait_for_model)
-    _check_model_dir(args.model)
+    args.model = _model_dir(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -267,18 +267,32 @@ def _listen(host: str, port: int):
     return sock
 
 
-def _check_model_dir(model: str) -> None:
-    """One line for a --model that is no model directory (transformers would read a missing
-    path as a Hub id, and the server's start would end in a download's traceback)."""
+def _model_dir(model: str) -> str:
+    """The model directory --model names: itself, or a Hugging Face hub id's snapshot in the
+    Hugging Face cache (fetched where the cache lacks it: fsdpfn.wire.hub). One line for one
+    that is neither (transformers would read a missing path as a hub id, and the start would
+    end in a download's traceback)."""
     from pathlib import Path
 
+    from fsdpfn.wire.hub import HubError, looks_like_hub_id, model_snapshot
+
     path = Path(model).expanduser()
+    if not path.is_dir() and looks_like_hub_id(model):
+        try:
+            path = Path(model_snapshot(model))
+        except HubError as exc:
+            raise SystemExit(f"fsdpfn.rollout: --model {model}: must be a model directory "
+                             f"(save_pretrained's layout) or a Hugging Face hub model id; "
+                             f"{exc}") from None
+        print(f"fsdpfn.rollout: --model {model} is the Hugging Face hub model in {path}",
+              flush=True)
     if not path.is_dir():
         raise SystemExit(f"fsdpfn.rollout: --model {model}: must be a model directory "
                          f"(save_pretrained's layout), and there is no directory there")
     if not (path / "config.json").is_file():
         raise SystemExit(f"fsdpfn.rollout: --model {model}: must be a model directory "
                          f"(save_pretrained's layout), and it has no config.json")
+    return str(path) if path != Path(model).expanduser() else model
 
 
 def _wait_for_model(model: str, timeout_s: float) -> None:

@@ -182,3 +182,36 @@ def test_patterns_and_directories_name_their_data_files_in_sorted_order(tmp_path
         with pytest.raises(ConfigError) as err:
             resolve_data_files(_sft(f"data.train_files=[{entry}]"))
         assert str(err.value) == f"data.train_files: {why}, got {entry!r}"
+
+
+@pytest.mark.timeout(200)
+def test_the_rollout_server_serves_a_hub_id_from_the_cache(hub):
+    """``python -m fsdpfn.rollout --model ORG/NAME``, as SGLang's --model-path takes one: the
+    snapshot in the cache; an id the cache lacks offline ends with one line."""
+    from fsdpfn.rollout.process import free_port
+
+    env = {**os.environ, "HF_HUB_CACHE": str(hub["cache"]), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "fsdpfn.rollout", "--device", "cpu", "--no-channel"]
+    proc = subprocess.Popen([*cmd, "--model", "acme/tiny", "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "serving" in line or proc.poll() is not None:
+                break
+        assert f"fsdpfn.rollout: --model acme/tiny is the Hugging Face hub model in " \
+            f"{hub['snapshot']}" in lines, lines
+        assert lines[-1].startswith(f"fsdpfn.rollout: serving {hub['snapshot']} "), lines
+    finally:
+        proc.kill()
+        proc.wait()
+    done = subprocess.run([*cmd, "--model", "acme/missing", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fsdpfn.rollout: --model acme/missing: must be a model directory (save_pretrained's "
+        "layout) or a Hugging Face hub model id; no such directory, and HF_HUB_OFFLINE is set "
+        "with no copy of that model in the Hugging Face cache (download it once, 'hf download "
+        "acme/missing', or name its directory)")

@@ -29,21 +29,9 @@ from pathlib import Path
 import attrs
 
 from fsdpfn.errors import ConfigError
+from fsdpfn.wire.hub import HubError, dataset_file, looks_like_hub_id, model_snapshot
 
-__all__ = ["looks_like_hub_id", "resolve_hub_model", "resolve_data_files", "resolve_sources",
-           "HUB_PATTERNS", "WEIGHT_PATTERNS"]
-
-WEIGHT_PATTERNS = ("*.safetensors",)
-HUB_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", *WEIGHT_PATTERNS)
-# huggingface_hub's own rule for a repository id, one or two segments
-_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[\w.-]{1,96}$")
-
-
-def looks_like_hub_id(path: str) -> bool:
-    """Whether ``path`` (not an existing directory) reads as a hub repository id."""
-    return bool(_HUB_ID.match(path)) and not path.startswith((".", "~")) and \
-        ".." not in path and not path.endswith((".yaml", ".yml", ".json"))
-
+__all__ = ["looks_like_hub_id", "resolve_hub_model", "resolve_data_files", "resolve_sources"]
 
 def resolve_hub_model(cfg, *, weights: bool = True):
     """(``cfg`` with ``model.path`` a local snapshot directory, the launcher's note) where
@@ -53,38 +41,12 @@ def resolve_hub_model(cfg, *, weights: bool = True):
     path = cfg.model.path
     if path is None or Path(path).expanduser().is_dir() or not looks_like_hub_id(path):
         return cfg, None
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                            RepositoryNotFoundError, RevisionNotFoundError)
-    except ImportError:  # pragma: no cover - transformers depends on it
-        return cfg, None
-    from huggingface_hub import constants
-
     weights = weights and not cfg.model.random_init  # random_init: the config and tokenizer
-    patterns = [p for p in HUB_PATTERNS if weights or p not in WEIGHT_PATTERNS]
     try:
-        local = snapshot_download(path, allow_patterns=patterns)
-    except GatedRepoError:
-        raise ConfigError(f"model.path: {path!r} is a gated model on the Hugging Face hub: "
-                          f"accept its terms on its page and set HF_TOKEN (or run "
-                          f"'hf auth login'), got {path!r}") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError):
+        local = model_snapshot(path, weights=weights)
+    except HubError as exc:
         raise ConfigError(f"model.path: must be an existing directory or a Hugging Face hub "
-                          f"model id; no such directory, nor a model of that id on the hub "
-                          f"(a private one needs HF_TOKEN), got {path!r}") from None
-    except LocalEntryNotFoundError:
-        offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else \
-            "the hub could not be reached"
-        raise ConfigError(f"model.path: must be an existing directory or a Hugging Face hub "
-                          f"model id; no such directory, and {offline} with no copy of that "
-                          f"model in the Hugging Face cache (download it once, 'hf download "
-                          f"{path}', or name its directory), got {path!r}") from None
-    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
-        first = (str(exc).splitlines() or [""])[0][:200]
-        raise ConfigError(f"model.path: must be an existing directory or a Hugging Face hub "
-                          f"model id; fetching it failed ({type(exc).__name__}: {first}), got "
-                          f"{path!r}") from None
+                          f"model id; {exc}, got {path!r}") from None
     from fsdpfn.app.recipes.model import has_weights
 
     later = not weights and not cfg.model.random_init and not has_weights(Path(local))
@@ -170,27 +132,7 @@ def _hub_file(key: str, url: str) -> str:
     repo, rev, path = m["repo"], m["rev"], m["path"]
     if any(c in path for c in "*?["):
         raise ConfigError(f"{key}: name each hub file; patterns are not expanded, got {url!r}")
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-
     try:
-        return hf_hub_download(repo, path, repo_type="dataset", revision=rev)
-    except GatedRepoError:
-        why = f"dataset {repo} is gated: accept its terms on its page and set HF_TOKEN"
-    except RepositoryNotFoundError:
-        why = f"no dataset {repo} on the hub (a private one needs HF_TOKEN)"
-    except RevisionNotFoundError:
-        why = f"dataset {repo} has no revision {rev!r}"
-    except LocalEntryNotFoundError:
-        offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else \
-            "the hub could not be reached"
-        why = (f"{offline} and the Hugging Face cache has no copy of it (download it once: "
-               f"'hf download {repo} {path} --repo-type dataset')")
-    except EntryNotFoundError:
-        why = f"dataset {repo} has no file {path!r}"
-    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
-        first = (str(exc).splitlines() or [""])[0][:200]
-        why = f"fetching it failed ({type(exc).__name__}: {first})"
-    raise ConfigError(f"{key}: {why}, got {url!r}")
+        return dataset_file(repo, path, rev)
+    except HubError as exc:
+        raise ConfigError(f"{key}: {exc}, got {url!r}") from None

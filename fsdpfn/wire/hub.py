@@ -1,0 +1,94 @@
+"""Models and dataset files on the Hugging Face hub, fetched into its local cache through
+huggingface_hub, for the launcher (``model.path``, ``hf://datasets/...`` data files:
+fsdpfn.app.recipes.sources) and the rollout server (``--model``), which both take a hub id
+where they take a directory.
+
+The cache is huggingface_hub's (``HF_HUB_CACHE``, ``HF_HOME``); ``HF_TOKEN`` reaches gated and
+private repositories, ``HF_HUB_OFFLINE=1`` reads the cache alone. Of a model, only what fsdpfn
+reads is fetched: the JSON files, the tokenizer's, the chat template and the safetensors
+weights (a repository's PyTorch ``.bin``, GGUF or ONNX copies are not). A failure is a
+``HubError`` whose text is one phrase the caller puts in its own line.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["HubError", "HUB_PATTERNS", "WEIGHT_PATTERNS", "looks_like_hub_id",
+           "model_snapshot", "dataset_file"]
+
+WEIGHT_PATTERNS = ("*.safetensors",)
+HUB_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", *WEIGHT_PATTERNS)
+# huggingface_hub's own rule for a repository id, one or two segments
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[\w.-]{1,96}$")
+
+
+class HubError(Exception):
+    """Why a hub model or file could not be had, as one phrase."""
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """Whether ``path`` (not an existing directory) reads as a hub repository id: a path
+    (``/``, ``./``, ``~``, ``..``, a backslash, more than one ``/``) or a config file name
+    never does."""
+    return bool(_HUB_ID.match(path)) and not path.startswith((".", "~")) and \
+        ".." not in path and not path.endswith((".yaml", ".yml", ".json"))
+
+
+def _offline() -> str:
+    from huggingface_hub import constants
+
+    return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
+def model_snapshot(repo: str, *, weights: bool = True) -> str:
+    """The local directory of hub model ``repo``'s snapshot, fetching the files it lacks (all
+    but the weights when ``weights`` is False). HubError: why there is none."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    patterns = [p for p in HUB_PATTERNS if weights or p not in WEIGHT_PATTERNS]
+    try:
+        return snapshot_download(repo, allow_patterns=patterns)
+    except GatedRepoError:
+        why = (f"{repo} is a gated model on the hub: accept its terms on its page and set "
+               f"HF_TOKEN (or run 'hf auth login')")
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        why = "no such directory, nor a model of that id on the hub (a private one needs HF_TOKEN)"
+    except LocalEntryNotFoundError:
+        why = (f"no such directory, and {_offline()} with no copy of that model in the Hugging "
+               f"Face cache (download it once, 'hf download {repo}', or name its directory)")
+    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
+        why = f"fetching it failed ({_first_line(exc)})"
+    raise HubError(why)
+
+
+def dataset_file(repo: str, path: str, revision: str | None = None) -> str:
+    """The local copy of file ``path`` of hub dataset ``repo`` (at ``revision``), fetched when
+    the cache lacks it. HubError: why there is none."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        return hf_hub_download(repo, path, repo_type="dataset", revision=revision)
+    except GatedRepoError:
+        why = f"dataset {repo} is gated: accept its terms on its page and set HF_TOKEN"
+    except RepositoryNotFoundError:
+        why = f"no dataset {repo} on the hub (a private one needs HF_TOKEN)"
+    except RevisionNotFoundError:
+        why = f"dataset {repo} has no revision {revision!r}"
+    except LocalEntryNotFoundError:
+        why = (f"{_offline()} and the Hugging Face cache has no copy of it (download it once: "
+               f"'hf download {repo} {path} --repo-type dataset')")
+    except EntryNotFoundError:
+        why = f"dataset {repo} has no file {path!r}"
+    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
+        why = f"fetching it failed ({_first_line(exc)})"
+    raise HubError(why)
