@@ -26,6 +26,7 @@ from fsdpfn import keys as K
 from fsdpfn.engine.families import CRITIC_VERIFIED, VERIFIED
 from fsdpfn.errors import ConfigError
 from fsdpfn.testing.models import REFERENCE_STEP, hf_config_of, tiny_family_configs
+from fsdpfn.testing.strategies import batch_from_lengths
 
 LENGTHS = (64, 41, 53, 47)  # every row longer than the window (12); rows 0/1 and 2/3 are pairs
 # float32 against the float64 head, relative to the largest value (about 1 to 3 here); a
@@ -45,16 +46,14 @@ NO_CRITIC = sorted({spec["model_type"] for spec in tiny_family_configs().values(
                    - {spec["model_type"] for spec in FAMILIES.values()})
 
 
-def _batch(vocab: int = 131, seed: int = 0) -> TensorDict:
+def _batch(seed: int = 0) -> TensorDict:
+    """Rows of LENGTHS tokens (vocabulary 131), the loss from the fourth token on, and
+    returns on the loss tokens."""
+    batch = batch_from_lengths(list(LENGTHS), max(LENGTHS), seed=seed, vocab_size=131,
+                               prompt_lens=[3] * len(LENGTHS)).exclude(K.REWARDS)
     g = torch.Generator().manual_seed(seed)
-    T = max(LENGTHS)
-    attn = torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]
-    ids = torch.where(attn, torch.randint(0, vocab, (len(LENGTHS), T), generator=g), 0)
-    loss = attn.clone()
-    loss[:, :3] = False
-    returns = torch.where(loss, torch.randn(attn.shape, generator=g), 0.0)
-    return TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: attn, K.LOSS_MASK: loss,
-                       K.RETURNS: returns.float()}, batch_size=[len(LENGTHS)])
+    returns = torch.randn(batch[K.LOSS_MASK].shape, generator=g)
+    return batch.set(K.RETURNS, torch.where(batch[K.LOSS_MASK], returns, 0.0).float())
 
 
 def _save_critic(path: Path, spec: dict, *, seed: int = 3, noise: float = 0.05) -> str:
