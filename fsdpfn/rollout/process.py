@@ -166,7 +166,7 @@ def _check_flags(flags: list[str]) -> None:
     """The server's own command line rules, applied here: a bad argument is one ConfigError
     line before a process starts (the server would print its usage and exit)."""
     from fsdpfn.errors import ConfigError
-    from fsdpfn.rollout.__main__ import parse_strict
+    from fsdpfn.rollout.args import parse_strict
 
     def refuse(message: str):
         raise ConfigError(f"launch_server: the server's command line refuses {message}")

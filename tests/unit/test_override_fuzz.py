@@ -202,7 +202,7 @@ def test_seeds_drawn_from_the_largest_seed_stay_in_range():
 def test_the_servers_threads_flag_is_a_count_of_this_hosts_cores(value, capsys):
     import os
 
-    from fsdpfn.rollout.__main__ import parse_args
+    from fsdpfn.rollout.args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--port", "0", "--threads", value])

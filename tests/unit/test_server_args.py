@@ -13,7 +13,7 @@ from fsdpfn.app.servers import server_cmd
 from fsdpfn.app.recipes import default_config
 from fsdpfn.app.recipes import placement as P
 from fsdpfn.errors import ConfigError
-from fsdpfn.rollout.__main__ import parse_args
+from fsdpfn.rollout.args import parse_args
 
 
 def _server(*overrides):
@@ -157,7 +157,7 @@ def test_a_decode_cache_shorter_than_the_longest_row_is_refused():
 def test_a_negative_initial_weight_version_is_refused_by_the_server_command(capsys):
     """-1 marks tokens no weights sampled (fsdpfn.rollout.episode): a server started at it
     labelled its tokens as not sampled; the update requests refuse negative versions too."""
-    from fsdpfn.rollout.__main__ import parser
+    from fsdpfn.rollout.args import parser
 
     assert parser().parse_args(["--model", "m", "--port", "1", "--weight-version", "3"]) \
         .weight_version == 3
@@ -221,7 +221,8 @@ def test_a_gpu_the_host_lacks_is_one_line_before_the_model_loads(capsys, tmp_pat
     traceback; a cuda:N past the host's GPUs failed in the model's move."""
     import types
 
-    from fsdpfn.rollout.__main__ import _device_problem, main
+    from fsdpfn.rollout.__main__ import main
+    from fsdpfn.rollout.args import _device_problem
 
     def host(n):
         return types.SimpleNamespace(cuda=types.SimpleNamespace(

@@ -139,7 +139,7 @@ SERVER_OWNED = {
 def server_namespace(args, error=None):
     """The server's parsed command line with these flags (fsdpfn run's own as placeholders),
     flags written out in full; ``error`` is called with argparse's message instead of exiting."""
-    from fsdpfn.rollout.__main__ import parse_strict
+    from fsdpfn.rollout.args import parse_strict
 
     return parse_strict(["--model", "m", "--port", "0", *args], error)
 
