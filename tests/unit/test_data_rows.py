@@ -77,16 +77,21 @@ def test_a_custom_column_name_is_named_with_its_key_and_other_bad_rows_are_count
     assert message.endswith("got null (and 2 more bad rows)")
 
 
+# a response: a string, or a conversational completion's turns (TRL's formats)
+COMPLETION = ("a non-blank string, or chat messages with an assistant turn (a conversational "
+              "completion: the turns after the prompt)")
+
+
 @pytest.mark.parametrize("recipe, row, column, key, rule, got", [
     ("grpo", _with(answer=None), "answer", "answer_key", "present (not null) in every row",
      "null"),
-    ("sft", _with(response=3), "response", "response_key", "a non-blank string", "number 3"),
-    ("sft", _with(response=" \n"), "response", "response_key", "a non-blank string",
+    ("sft", _with(response=3), "response", "response_key", COMPLETION, "number 3"),
+    ("sft", _with(response=" \n"), "response", "response_key", COMPLETION,
      "an empty string ' \\n'"),
-    ("dpo", _with(chosen=None), "chosen", "chosen_key", "a non-blank string", "null"),
-    ("dpo", _with(rejected=""), "rejected", "rejected_key", "a non-blank string",
+    ("dpo", _with(chosen=None), "chosen", "chosen_key", COMPLETION, "null"),
+    ("dpo", _with(rejected=""), "rejected", "rejected_key", COMPLETION,
      "an empty string ''"),
-    ("rw", _with(rejected=_MISSING), "rejected", "rejected_key", "a non-blank string",
+    ("rw", _with(rejected=_MISSING), "rejected", "rejected_key", COMPLETION,
      "no such key in the row"),
 ])
 def test_every_column_a_recipe_reads_is_checked(tmp_path, recipe, row, column, key, rule, got):

@@ -12,7 +12,11 @@ fsdpfn.app.recipes.data_rows), or the embedded addition task, behind one interfa
 Columns by recipe: grpo/ppo read ``prompt_key`` (or ``messages_key``: the conversation up to its
 last assistant turn is the prompt) and ``answer_key`` when present; sft reads ``messages_key``
 (loss on the assistant turns only) or ``prompt_key`` + ``response_key`` (loss on the response);
-rw/dpo read ``prompt_key`` + ``chosen_key`` + ``rejected_key``. String prompts are tokenized as
+rw/dpo read ``prompt_key`` + ``chosen_key`` + ``rejected_key``. TRL's conversational formats are
+read as they come: a response, chosen or rejected value may be chat messages (the turns after
+the prompt; the loss on their assistant turns, a prompt's own assistant turns being context),
+and rw/dpo rows without a prompt column may hold each side as a whole conversation (the
+prompt being the turns the two share). String prompts are tokenized as
 they are, or rendered as one user turn with the chat template when ``chat_template: true``; chat
 messages always go through the tokenizer's chat template. ``system_prompt`` goes into chat
 prompts (before a conversation without a system turn), so with string prompts it needs
@@ -53,7 +57,7 @@ import attrs
 
 from fsdpfn.validators import boolean, fail, integer, is_nonempty_str, satisfies
 from fsdpfn.errors import ConfigError
-from fsdpfn.app.recipes.data_rows import check_rows, read_rows
+from fsdpfn.app.recipes.data_rows import check_rows, read_rows, split_implicit
 
 __all__ = ["DataConfig", "FileSource", "AdditionSource", "prepare_files", "load_source",
            "DATA_DIR"]
@@ -137,6 +141,9 @@ def columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str, *,
             files = list(getattr(cfg, key))
             alt = (f"; sft reads data.messages_key ({cfg.messages_key!r}) or data.prompt_key + "
                    f"data.response_key" if recipe == "sft" else f"; {why}" if why else "")
+            if field == "response_key" and "completion" in columns:
+                alt += (" (prompt-completion rows, as TRL writes them: data.response_key: "
+                        "completion)")
             raise ConfigError(f"data.{field}: column {col!r} is not in {key} {files} (columns: "
                               f"{columns}){alt}")
         return col
@@ -153,6 +160,9 @@ def columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str, *,
         if cfg.prompt_key not in columns and cfg.messages_key in columns:
             return {"messages": cfg.messages_key}
         return {"prompt": need("prompt_key"), "response": need("response_key")}
+    if cfg.prompt_key not in columns and cfg.chosen_key in columns and \
+            cfg.rejected_key in columns:  # TRL's implicit prompt: whole conversations
+        return {"chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
     return {"prompt": need("prompt_key"), "chosen": need("chosen_key"),
             "rejected": need("rejected_key")}
 
@@ -170,17 +180,21 @@ def _prompt_ids(cfg: DataConfig, tok, prompt) -> list[int]:
     return tok.chat_ids(_with_system(cfg, messages), generation_prompt=True)
 
 
-def _chat_loss_mask(cfg: DataConfig, tok, messages: list) -> tuple[list[int], list[bool]]:
-    """The whole conversation's ids, loss on the assistant turns only: each turn's tokens are
-    the difference between the template rendered up to it (with the generation prompt, so its
-    header is framing) and rendered through it; of those, the tokens after the turn's last
+def _chat_loss_mask(cfg: DataConfig, tok, messages: list, *,
+                    from_turn: int = 0) -> tuple[list[int], list[bool]]:
+    """The whole conversation's ids, loss on the assistant turns only (those at index
+    ``from_turn`` of ``messages`` or later: a conversational completion's): each turn's tokens
+    are the difference between the template rendered up to it (with the generation prompt, so
+    its header is framing) and rendered through it; of those, the tokens after the turn's last
     special token (its end-of-turn marker, e.g. the newline after <|im_end|>) are framing too."""
-    messages = _with_system(cfg, messages)
+    shown = _with_system(cfg, messages)
+    from_turn += len(shown) - len(messages)  # a system turn put in front
+    messages = shown
     ids = tok.chat_ids(messages, generation_prompt=False)
     loss = [False] * len(ids)
     special = tok.special_ids
     for i, m in enumerate(messages):
-        if m.get("role") != "assistant":
+        if m.get("role") != "assistant" or i < from_turn:
             continue
         through = tok.chat_ids(messages[:i + 1], generation_prompt=False)
         if ids[:len(through)] != through:
@@ -209,11 +223,14 @@ def _first_turn_start(tok, message: dict, through: list[int]) -> int:
     return n
 
 
-def _chat_pair(prompt, response: str) -> list[dict]:
-    """A string or chat prompt and its response as one conversation (chat_template or chat
-    prompts), for the template to render; the loss goes on the response's turn."""
+def _chat_pair(prompt, response) -> tuple[list[dict], int]:
+    """A string or chat prompt and its response (a string, or a conversational completion's
+    turns) as one conversation for the template to render, and the index of the response's
+    first turn: the loss goes on the response's assistant turns."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    return messages + [{"role": "assistant", "content": response}]
+    turns = list(response) if isinstance(response, list) else \
+        [{"role": "assistant", "content": response}]
+    return messages + turns, len(messages)
 
 
 def _response_ids(tok, text) -> list[int]:
@@ -222,17 +239,20 @@ def _response_ids(tok, text) -> list[int]:
     return ids + ([tok.stop_ids[0]] if tok.stop_ids else [])
 
 
-def _templated(cfg: DataConfig, prompt) -> bool:
-    """Whether a prompt goes through the chat template (chat messages, or chat_template)."""
-    return not isinstance(prompt, str) or cfg.chat_template
+def _templated(cfg: DataConfig, prompt, response=None) -> bool:
+    """Whether a prompt goes through the chat template (chat messages, a conversational
+    completion, or chat_template)."""
+    return not isinstance(prompt, str) or isinstance(response, list) or cfg.chat_template
 
 
-def _pair_rows(cfg: DataConfig, tok, prompt, response: str):
+def _pair_rows(cfg: DataConfig, tok, prompt, response):
     """(ids, loss, prompt tokens) of a prompt and response: through the chat template as a
-    conversation (its end-of-turn token closing the response, as chat rows end their turns),
-    else the prompt as tokenized then the response and the tokenizer's stop token."""
-    if _templated(cfg, prompt):
-        ids, loss = _chat_loss_mask(cfg, tok, _chat_pair(prompt, response))
+    conversation (its end-of-turn token closing the response, as chat rows end their turns;
+    a conversational completion's assistant turns trained on), else the prompt as tokenized
+    then the response and the tokenizer's stop token."""
+    if _templated(cfg, prompt, response):
+        messages, first = _chat_pair(prompt, response)
+        ids, loss = _chat_loss_mask(cfg, tok, messages, from_turn=first)
         return ids, loss, loss.index(True) if True in loss else len(ids)
     head = _prompt_ids(cfg, tok, prompt)
     body = _response_ids(tok, response)
@@ -276,8 +296,13 @@ def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
             return None, "no response tokens", None
         ex.update(ids=ids, loss=loss)
         return ex, None, None
+    if "prompt" in cols:
+        prompt, sides = row[cols["prompt"]], {s: row[cols[s]] for s in ("chosen", "rejected")}
+    else:  # the prompt is the conversations' shared first turns (checked by data_rows)
+        prompt, *rests = split_implicit(row[cols["chosen"]], row[cols["rejected"]])
+        sides = dict(zip(("chosen", "rejected"), rests))
     for side in ("chosen", "rejected"):
-        ids, loss, head = _pair_rows(cfg, tok, row[cols["prompt"]], row[cols[side]])
+        ids, loss, head = _pair_rows(cfg, tok, prompt, sides[side])
         if head > cfg.max_prompt_tokens:
             return None, "prompt over max_prompt_tokens", head
         if sum(loss) > cfg.max_response_tokens:

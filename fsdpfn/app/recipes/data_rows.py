@@ -255,10 +255,42 @@ def _sft_messages_problem(value) -> str | None:
     return problem
 
 
+COMPLETION_RULE = ("a non-blank string, or chat messages with an assistant turn (a "
+                   "conversational completion: the turns after the prompt)")
+
+
+def _completion_problem(value) -> str | None:
+    """A response: trained on, so an empty or blank one would teach answering nothing; as chat
+    messages (TRL's conversational formats), the loss goes on its assistant turns."""
+    if isinstance(value, str):
+        return None if value.strip() else COMPLETION_RULE
+    if isinstance(value, list) and _messages_problem(value) is None and \
+            any(m["role"] == "assistant" for m in value):
+        return None
+    return COMPLETION_RULE
+
+
+IMPLICIT_RULE = ("chat messages, the whole conversation (without a prompt column, each side "
+                 "is its prompt's turns then its response's, and the two share the prompt)")
+
+
+def split_implicit(chosen, rejected) -> tuple[list, list, list] | None:
+    """(prompt turns, chosen's response turns, rejected's) of a preference pair without a
+    prompt column (TRL's implicit prompt): the two conversations' longest common run of first
+    turns is the prompt; None where they share no turn or a side's rest has no assistant turn."""
+    if _messages_problem(chosen) is not None or _messages_problem(rejected) is not None:
+        return None
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    rests = chosen[n:], rejected[n:]
+    if n == 0 or not all(any(m["role"] == "assistant" for m in r) for r in rests):
+        return None
+    return chosen[:n], *rests
+
+
 def _rules(recipe: str) -> dict:
-    def text(value):
-        """A response: trained on, so an empty or blank one would teach answering nothing."""
-        return None if isinstance(value, str) and value.strip() else "a non-blank string"
+    text = _completion_problem
 
     def present(value):
         return None if value is not None else "present (not null) in every row"
@@ -277,6 +309,12 @@ def _row_problem(row: dict, cols: dict, rules: dict) -> str | None:
         if problem is not None:
             return (f"column {col!r} (data.{_FIELDS[role]}) must be {problem}, got "
                     f"{_describe(value, missing=missing)}")
+    if "chosen" in cols and "prompt" not in cols and \
+            split_implicit(row.get(cols["chosen"]), row.get(cols["rejected"])) is None:
+        return (f"columns {cols['chosen']!r} (data.chosen_key) and {cols['rejected']!r} "
+                f"(data.rejected_key) must be {IMPLICIT_RULE}, with an assistant turn after "
+                f"it on each side (or the rows need the prompt column data.prompt_key names), "
+                f"got {_describe(row.get(cols['chosen']))}")
     if "chosen" in cols and row.get(cols["chosen"]) == row.get(cols["rejected"]):
         return (f"columns {cols['chosen']!r} (data.chosen_key) and {cols['rejected']!r} "
                 f"(data.rejected_key) must differ (a pair of equal responses prefers nothing), "
