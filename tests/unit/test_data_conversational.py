@@ -142,3 +142,22 @@ def test_prompt_completion_rows_without_the_key_name_it(tmp_path, tok):
         _prepared(tmp_path, tok, "sft", [{"prompt": "hi", "completion": "hello"}])
     assert str(err.value).endswith("(prompt-completion rows, as TRL writes them: "
                                    "data.response_key: completion)"), str(err.value)
+
+
+def test_plain_text_rows_train_on_every_token_after_the_first(tmp_path, tok, tok_dir):
+    """TRL's standard language-modeling format, {"text": ...} (continued pretraining): the
+    text as the tokenizer itself encodes it (its BOS, if it adds one) and a stop token, every
+    token trained on but the first."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    text = "What is 7+2? 9"
+    row = _prepared(tmp_path, tok, "sft", [{"text": text}])[0]
+    want = hf(text)["input_ids"] + [hf.convert_tokens_to_ids("<|endoftext|>")]
+    assert row["ids"] == want
+    assert row["loss"] == [False] + [True] * (len(want) - 1)
+    renamed = _prepared(tmp_path, tok, "sft", [{"body": text}], text_key="body")[0]
+    assert renamed["ids"] == want
+    with pytest.raises(ConfigError) as err:
+        _prepared(tmp_path, tok, "sft", [{"text": "  "}])
+    assert "column 'text' (data.text_key) must be a non-blank string" in str(err.value)

@@ -158,11 +158,11 @@ def test_push_keys_the_recipe_owns_or_bad_values_are_refused_by_name(override, l
     ("ppo", ["data.eval_size=3"],
      "data.eval_size: applies to sft, rw and dpo (ppo evaluates eval.n_prompts prompts), got 3"),
     ("sft", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "data.answer_key=solution"],
-     "data.answer_key: sft does not read this column (it reads messages_key, or prompt_key + "
-     "response_key), got 'solution'"),
+     "data.answer_key: sft does not read this column (it reads messages_key, prompt_key + "
+     "response_key, or text_key), got 'solution'"),
     ("sft", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "data.chosen_key=good"],
-     "data.chosen_key: sft does not read this column (it reads messages_key, or prompt_key + "
-     "response_key), got 'good'"),
+     "data.chosen_key: sft does not read this column (it reads messages_key, prompt_key + "
+     "response_key, or text_key), got 'good'"),
     ("dpo", ["model.path=/tmp", "data.train_files=[/etc/hostname]", "data.response_key=out"],
      "data.response_key: dpo does not read this column (it reads prompt_key + chosen_key + "
      "rejected_key), got 'out'"),

@@ -170,18 +170,18 @@ def _check_rl_data(cfg) -> None:
 # the data: keys that only data files read (data.eval_size holds the embedded task's held-out
 # rows too)
 FILES_ONLY = ("eval_files", "prompt_key", "answer_key", "messages_key", "response_key",
-              "chosen_key", "rejected_key", "chat_template", "system_prompt", "max_prompt_tokens",
-              "max_response_tokens", "shuffle")
+              "text_key", "chosen_key", "rejected_key", "chat_template", "system_prompt",
+              "max_prompt_tokens", "max_response_tokens", "shuffle")
 
 # the column keys a recipe does not read: set to another column, they are refused, never ignored
-UNREAD_KEYS = {"grpo": ("response_key", "chosen_key", "rejected_key"),
-               "ppo": ("response_key", "chosen_key", "rejected_key"),
+UNREAD_KEYS = {"grpo": ("response_key", "text_key", "chosen_key", "rejected_key"),
+               "ppo": ("response_key", "text_key", "chosen_key", "rejected_key"),
                "sft": ("answer_key", "chosen_key", "rejected_key"),
-               "rw": ("answer_key", "messages_key", "response_key"),
-               "dpo": ("answer_key", "messages_key", "response_key")}
+               "rw": ("answer_key", "messages_key", "response_key", "text_key"),
+               "dpo": ("answer_key", "messages_key", "response_key", "text_key")}
 READS = {"grpo": "prompt_key or messages_key, and answer_key",
          "ppo": "prompt_key or messages_key, and answer_key",
-         "sft": "messages_key, or prompt_key + response_key",
+         "sft": "messages_key, prompt_key + response_key, or text_key",
          "rw": "prompt_key + chosen_key + rejected_key",
          "dpo": "prompt_key + chosen_key + rejected_key"}
 

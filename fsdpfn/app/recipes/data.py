@@ -16,7 +16,8 @@ rw/dpo read ``prompt_key`` + ``chosen_key`` + ``rejected_key``. TRL's conversati
 read as they come: a response, chosen or rejected value may be chat messages (the turns after
 the prompt; the loss on their assistant turns, a prompt's own assistant turns being context),
 and rw/dpo rows without a prompt column may hold each side as a whole conversation (the
-prompt being the turns the two share). String prompts are tokenized as
+prompt being the turns the two share). sft rows of plain text (``text_key``, without a prompt
+or messages column) train on every token (continued pretraining). String prompts are tokenized as
 they are, or rendered as one user turn with the chat template when ``chat_template: true``; chat
 messages always go through the tokenizer's chat template. ``system_prompt`` goes into chat
 prompts (before a conversation without a system turn), so with string prompts it needs
@@ -96,6 +97,7 @@ class DataConfig:
     answer_key: str = attrs.field(default="answer", validator=_key)
     messages_key: str = attrs.field(default="messages", validator=_key)
     response_key: str = attrs.field(default="response", validator=_key)
+    text_key: str = attrs.field(default="text", validator=_key)
     chosen_key: str = attrs.field(default="chosen", validator=_key)
     rejected_key: str = attrs.field(default="rejected", validator=_key)
     chat_template: bool = attrs.field(default=False, validator=boolean)
@@ -139,8 +141,9 @@ def columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str, *,
         col = getattr(cfg, field)
         if col not in columns:
             files = list(getattr(cfg, key))
-            alt = (f"; sft reads data.messages_key ({cfg.messages_key!r}) or data.prompt_key + "
-                   f"data.response_key" if recipe == "sft" else f"; {why}" if why else "")
+            alt = (f"; sft reads data.messages_key ({cfg.messages_key!r}), data.prompt_key + "
+                   f"data.response_key, or data.text_key ({cfg.text_key!r})"
+                   if recipe == "sft" else f"; {why}" if why else "")
             if field == "response_key" and "completion" in columns:
                 alt += (" (prompt-completion rows, as TRL writes them: data.response_key: "
                         "completion)")
@@ -159,6 +162,8 @@ def columns_for(cfg: DataConfig, recipe: str, columns: list[str], key: str, *,
     if recipe == "sft":
         if cfg.prompt_key not in columns and cfg.messages_key in columns:
             return {"messages": cfg.messages_key}
+        if cfg.prompt_key not in columns and cfg.text_key in columns:  # plain text: all trained
+            return {"text": cfg.text_key}
         return {"prompt": need("prompt_key"), "response": need("response_key")}
     if cfg.prompt_key not in columns and cfg.chosen_key in columns and \
             cfg.rejected_key in columns:  # TRL's implicit prompt: whole conversations
@@ -285,6 +290,11 @@ def _prepare_row(cfg: DataConfig, tok, recipe: str, cols: dict, row: dict):
     if recipe == "sft":
         if "messages" in cols:
             ids, loss = _chat_loss_mask(cfg, tok, list(row[cols["messages"]]))
+        elif "text" in cols:  # the tokenizer's BOS (if any), the text and a stop token
+            head, body = tok.prompt_ids(""), _response_ids(tok, row[cols["text"]])
+            ids = head + body  # every token trained on but the first, which nothing predicts
+            loss = [False] * len(head) + [True] * len(body)
+            loss[0] = False
         else:
             ids, loss, _ = _pair_rows(cfg, tok, row[cols["prompt"]], row[cols["response"]])
         # the response: every token trained on (all assistant turns); the prompt: the rest

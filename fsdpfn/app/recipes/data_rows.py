@@ -41,7 +41,8 @@ SUFFIX_FORMAT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 PROMPT_RULE = "a non-empty string or chat messages [{role, content}]"
 MESSAGES_RULE = "chat messages: a non-empty list of {role: string, content: string}"
 _FIELDS = {"prompt": "prompt_key", "messages": "messages_key", "answer": "answer_key",
-           "response": "response_key", "chosen": "chosen_key", "rejected": "rejected_key"}
+           "response": "response_key", "chosen": "chosen_key", "rejected": "rejected_key",
+           "text": "text_key"}
 _JSON_TYPES = {str: "string", bool: "boolean", int: "number", float: "number", list: "array",
                dict: "object"}
 
@@ -297,8 +298,12 @@ def _rules(recipe: str) -> dict:
 
     messages = {"grpo": _rl_messages_problem, "ppo": _rl_messages_problem,
                 "sft": _sft_messages_problem}.get(recipe, _messages_problem)
+    def plain(value):
+        """A text trained on whole: an empty or blank one would teach nothing."""
+        return None if isinstance(value, str) and value.strip() else "a non-blank string"
+
     return {"prompt": _prompt_problem, "messages": messages, "answer": present,
-            "response": text, "chosen": text, "rejected": text}
+            "response": text, "chosen": text, "rejected": text, "text": plain}
 
 
 def _row_problem(row: dict, cols: dict, rules: dict) -> str | None:

@@ -71,6 +71,8 @@ NOTES = {
                                   "by the built-in math reward and when set, else optional)",
     ("DataConfig", "messages_key"): "column of chat messages (sft: loss on assistant turns)",
     ("DataConfig", "response_key"): "sft: column of the response",
+    ("DataConfig", "text_key"): "sft: column of plain text trained on whole (continued "
+                                "pretraining; rows without a prompt or messages column)",
     ("DataConfig", "chosen_key"): "rw, dpo: column of the preferred response",
     ("DataConfig", "rejected_key"): "rw, dpo: column of the other response",
     ("DataConfig", "chat_template"): "render string prompts as one user turn with the "
