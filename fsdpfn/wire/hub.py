@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["HubError", "HUB_PATTERNS", "WEIGHT_PATTERNS", "looks_like_hub_id",
-           "model_snapshot", "dataset_file"]
+           "model_snapshot", "dataset_file", "dataset_files"]
 
 WEIGHT_PATTERNS = ("*.safetensors",)
 HUB_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", *WEIGHT_PATTERNS)
@@ -92,3 +92,37 @@ def dataset_file(repo: str, path: str, revision: str | None = None) -> str:
     except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
         why = f"fetching it failed ({_first_line(exc)})"
     raise HubError(why)
+
+
+def dataset_files(repo: str, pattern: str, revision: str | None = None) -> list[str]:
+    """The local copies of the files of hub dataset ``repo`` (at ``revision``) that
+    ``pattern`` matches (huggingface_hub's allow_patterns: fnmatch on the path in the
+    repository, ``*`` crossing folders), in sorted order, fetching those the cache lacks.
+    HubError: why there are none."""
+    import fnmatch
+    from pathlib import Path
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    try:
+        root = Path(snapshot_download(repo, repo_type="dataset", revision=revision,
+                                      allow_patterns=[pattern]))
+    except GatedRepoError:
+        raise HubError(f"dataset {repo} is gated: accept its terms on its page and set "
+                       f"HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"no dataset {repo} on the hub (a private one needs HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise HubError(f"dataset {repo} has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:
+        raise HubError(f"{_offline()} and the Hugging Face cache has no copy of dataset {repo} "
+                       f"(download it once: 'hf download {repo} --repo-type dataset')") from None
+    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
+        raise HubError(f"fetching it failed ({_first_line(exc)})") from None
+    found = sorted(str(f) for f in root.rglob("*")
+                   if f.is_file() and fnmatch.fnmatch(f.relative_to(root).as_posix(), pattern))
+    if not found:
+        raise HubError(f"no file of dataset {repo} matches {pattern!r}")
+    return found

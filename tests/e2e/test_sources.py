@@ -50,9 +50,10 @@ def hub(tmp_path_factory):
     cache = root / "cache"
     data = root / "data"
     (data / "main").mkdir(parents=True)
-    (data / "main" / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"What is {a}+{a}?", "response": str(2 * a)}) + "\n"
-        for a in range(12)))
+    for name, n in (("train.jsonl", 12), ("more.jsonl", 3)):
+        (data / "main" / name).write_text("".join(
+            json.dumps({"prompt": f"What is {a}+{a}?", "response": str(2 * a)}) + "\n"
+            for a in range(n)))
     return {"cache": cache, "snapshot": _cache_model(cache, "acme/tiny", model),
             "meta_only": _cache_model(cache, "acme/noweights", model, weights=False),
             "data": _cache_model(cache, "acme/adds", data, kind="datasets")}
@@ -126,14 +127,24 @@ def test_data_files_of_a_hub_dataset_are_read_from_the_cache(hub, tmp_path):
     assert f"[fsdpfn] data.train_files: {url} is the hub file {local}" in lines, lines
     assert "[fsdpfn] data (train): 12 of 12 samples" in lines, lines
     assert f"- {local}" in proc.stdout  # the config the run uses names the local copy
+    # a pattern: the matching files of the dataset, in sorted order
+    pattern = "hf://datasets/acme/adds/main/*.jsonl"
+    proc = _run(hub, "model.path=acme/tiny", f"run_dir={tmp_path / 'dry'}", "--dry-run",
+                f"data.train_files=[{pattern}]", "data.max_prompt_tokens=64",
+                "data.max_response_tokens=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert f"[fsdpfn] data.train_files: {pattern} is 2 files (more.jsonl, train.jsonl)" in lines
+    assert "[fsdpfn] data (train): 15 of 15 samples" in lines, lines
     for entry, why in (
             ("hf://datasets/acme/adds/main/test.jsonl",
              "HF_HUB_OFFLINE is set and the Hugging Face cache has no copy of it (download it "
              "once: 'hf download acme/adds main/test.jsonl --repo-type dataset')"),
-            ("hf://datasets/acme/adds/main/*.jsonl",
-             "name each hub file; patterns are not expanded"),
+            ("hf://datasets/acme/adds/main/*.xyz",
+             "no file of dataset acme/adds matches 'main/*.xyz'"),
             ("hf://datasets/adds/train.jsonl",
-             "a hub file is written hf://datasets/ORG/NAME/PATH (or ORG/NAME@REVISION/PATH)")):
+             "a hub file is written hf://datasets/ORG/NAME/PATH (or ORG/NAME@REVISION/PATH; "
+             "PATH may be a pattern)")):
         proc = _run(hub, "model.path=acme/tiny", f"run_dir={tmp_path / 'r'}",
                     f"data.eval_files=[{entry}]", f"data.train_files=[{url}]")
         assert proc.returncode == 2

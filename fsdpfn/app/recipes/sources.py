@@ -13,8 +13,9 @@ on the hub.
 
 Data files (``resolve_data_files``) may be:
 - files of a hub dataset, as ``datasets`` and huggingface_hub spell them,
-  ``hf://datasets/ORG/NAME/PATH`` (``ORG/NAME@REVISION``: a branch, tag or commit), each
-  fetched into the same cache;
+  ``hf://datasets/ORG/NAME/PATH`` (``ORG/NAME@REVISION``: a branch, tag or commit; PATH may
+  be a pattern, ``data/train-*.parquet``, as huggingface_hub matches it), each fetched into
+  the same cache;
 - a glob pattern (``data/train-*.parquet``, ``**`` for subdirectories), its matching files in
   sorted order;
 - a directory, the data files directly inside it (by suffix: .jsonl, .json, .parquet, .csv,
@@ -29,7 +30,8 @@ from pathlib import Path
 import attrs
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.wire.hub import HubError, dataset_file, looks_like_hub_id, model_snapshot
+from fsdpfn.wire.hub import (HubError, dataset_file, dataset_files, looks_like_hub_id,
+                             model_snapshot)
 
 __all__ = ["looks_like_hub_id", "resolve_hub_model", "resolve_data_files", "resolve_sources"]
 
@@ -90,7 +92,7 @@ def resolve_data_files(cfg):
 
 
 def _describe(key: str, entry: str, found: list[str]) -> str:
-    if entry.startswith("hf://"):
+    if entry.startswith("hf://") and not _pattern(entry):
         return f"{key}: {entry} is the hub file {found[0]}"
     names = [Path(f).name for f in found]
     shown = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])}, ..., {names[-1]}"
@@ -101,7 +103,7 @@ def _entry_files(key: str, entry: str) -> list[str]:
     """The local files one data entry names: itself (a file, or a missing path, refused later
     by the reader), a hub file's cached copy, a pattern's matches, a directory's data files."""
     if entry.startswith("hf://"):
-        return [_hub_file(key, entry)]
+        return _hub_files(key, entry)
     path = Path(entry).expanduser()
     if path.is_file():
         return [entry]
@@ -114,7 +116,7 @@ def _entry_files(key: str, entry: str) -> list[str]:
                               f"(.jsonl, .json, .parquet, .csv, .tsv), and this one holds none, "
                               f"got {entry!r}")
         return found
-    if any(c in entry for c in "*?["):
+    if _pattern(entry):
         import glob
 
         found = sorted(f for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
@@ -124,15 +126,19 @@ def _entry_files(key: str, entry: str) -> list[str]:
     return [entry]
 
 
-def _hub_file(key: str, url: str) -> str:
+def _pattern(entry: str) -> bool:
+    return any(c in entry for c in "*?[")
+
+
+def _hub_files(key: str, url: str) -> list[str]:
+    """The local copies of a hub file, or of the files a hub pattern matches."""
     m = _HF_FILE.match(url)
     if m is None:
         raise ConfigError(f"{key}: a hub file is written hf://datasets/ORG/NAME/PATH (or "
-                          f"ORG/NAME@REVISION/PATH), got {url!r}")
+                          f"ORG/NAME@REVISION/PATH; PATH may be a pattern), got {url!r}")
     repo, rev, path = m["repo"], m["rev"], m["path"]
-    if any(c in path for c in "*?["):
-        raise ConfigError(f"{key}: name each hub file; patterns are not expanded, got {url!r}")
     try:
-        return dataset_file(repo, path, rev)
+        return dataset_files(repo, path, rev) if _pattern(path) else \
+            [dataset_file(repo, path, rev)]
     except HubError as exc:
         raise ConfigError(f"{key}: {exc}, got {url!r}") from None
