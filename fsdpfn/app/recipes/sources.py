@@ -35,6 +35,9 @@ from fsdpfn.wire.hub import (HubError, dataset_file, dataset_files, looks_like_h
 
 __all__ = ["looks_like_hub_id", "resolve_hub_model", "resolve_data_files", "resolve_sources"]
 
+_HF_FILE = re.compile(r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/]+))?/(?P<path>.+)$")
+
+
 def resolve_hub_model(cfg, *, weights: bool = True):
     """(``cfg`` with ``model.path`` a local snapshot directory, the launcher's note) where
     ``model.path`` names a hub model; (``cfg``, None) otherwise. ``weights`` False: everything
@@ -56,8 +59,6 @@ def resolve_hub_model(cfg, *, weights: bool = True):
             + (" (a dry run fetches all but its weights)" if later else ""))
     return attrs.evolve(cfg, model=attrs.evolve(cfg.model, path=local)), note
 
-
-_HF_FILE = re.compile(r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^/]+))?/(?P<path>.+)$")
 
 
 def resolve_sources(cfg, *, dry_run: bool = False):
