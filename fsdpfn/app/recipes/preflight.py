@@ -246,7 +246,8 @@ def check_family(cfg) -> None:
     The structure is read from a meta skeleton of a small probe of the architecture. The
     guard's forward comparison, and a config.json transformers cannot read (an unknown
     model_type, inconsistent fields), are left to the ranks' build, which refuses those by
-    name. The launcher of a user's model imports transformers anyway (its tokenizer)."""
+    name. This costs a user's model's launch the import of transformers (a run from data
+    files loads its tokenizer through it anyway); the embedded model's launch imports neither."""
     if cfg.model.embedded:
         return
     from transformers import AutoConfig
