@@ -72,26 +72,12 @@ def dataset_file(repo: str, path: str, revision: str | None = None) -> str:
     """The local copy of file ``path`` of hub dataset ``repo`` (at ``revision``), fetched when
     the cache lacks it. HubError: why there is none."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
 
     try:
         return hf_hub_download(repo, path, repo_type="dataset", revision=revision)
-    except GatedRepoError:
-        why = f"dataset {repo} is gated: accept its terms on its page and set HF_TOKEN"
-    except RepositoryNotFoundError:
-        why = f"no dataset {repo} on the hub (a private one needs HF_TOKEN)"
-    except RevisionNotFoundError:
-        why = f"dataset {repo} has no revision {revision!r}"
-    except LocalEntryNotFoundError:
-        why = (f"{_offline()} and the Hugging Face cache has no copy of it (download it once: "
-               f"'hf download {repo} {path} --repo-type dataset')")
-    except EntryNotFoundError:
-        why = f"dataset {repo} has no file {path!r}"
-    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
-        why = f"fetching it failed ({_first_line(exc)})"
-    raise HubError(why)
+    except Exception as exc:  # noqa: BLE001 - every hub failure, in one phrase
+        raise HubError(_dataset_why(exc, repo, revision, path, copy_of="it",
+                                    download=f"{repo} {path}")) from None
 
 
 def dataset_files(repo: str, pattern: str, revision: str | None = None) -> list[str]:
@@ -103,26 +89,36 @@ def dataset_files(repo: str, pattern: str, revision: str | None = None) -> list[
     from pathlib import Path
 
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         root = Path(snapshot_download(repo, repo_type="dataset", revision=revision,
                                       allow_patterns=[pattern]))
-    except GatedRepoError:
-        raise HubError(f"dataset {repo} is gated: accept its terms on its page and set "
-                       f"HF_TOKEN") from None
-    except RepositoryNotFoundError:
-        raise HubError(f"no dataset {repo} on the hub (a private one needs HF_TOKEN)") from None
-    except RevisionNotFoundError:
-        raise HubError(f"dataset {repo} has no revision {revision!r}") from None
-    except LocalEntryNotFoundError:
-        raise HubError(f"{_offline()} and the Hugging Face cache has no copy of dataset {repo} "
-                       f"(download it once: 'hf download {repo} --repo-type dataset')") from None
-    except Exception as exc:  # noqa: BLE001 - any other hub failure, in one line
-        raise HubError(f"fetching it failed ({_first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - every hub failure, in one phrase
+        raise HubError(_dataset_why(exc, repo, revision, pattern, copy_of=f"dataset {repo}",
+                                    download=repo)) from None
     found = sorted(str(f) for f in root.rglob("*")
                    if f.is_file() and fnmatch.fnmatch(f.relative_to(root).as_posix(), pattern))
     if not found:
         raise HubError(f"no file of dataset {repo} matches {pattern!r}")
     return found
+
+
+def _dataset_why(exc: Exception, repo: str, revision: str | None, path: str, *, copy_of: str,
+                 download: str) -> str:
+    """Why hub dataset ``repo``'s ``path`` could not be had, from huggingface_hub's error."""
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    if isinstance(exc, GatedRepoError):  # before its base, RepositoryNotFoundError
+        return f"dataset {repo} is gated: accept its terms on its page and set HF_TOKEN"
+    if isinstance(exc, RepositoryNotFoundError):
+        return f"no dataset {repo} on the hub (a private one needs HF_TOKEN)"
+    if isinstance(exc, RevisionNotFoundError):
+        return f"dataset {repo} has no revision {revision!r}"
+    if isinstance(exc, LocalEntryNotFoundError):  # before its base, EntryNotFoundError
+        return (f"{_offline()} and the Hugging Face cache has no copy of {copy_of} (download "
+                f"it once: 'hf download {download} --repo-type dataset')")
+    if isinstance(exc, EntryNotFoundError):
+        return f"dataset {repo} has no file {path!r}"
+    return f"fetching it failed ({_first_line(exc)})"

@@ -290,20 +290,20 @@ def split_implicit(chosen, rejected) -> tuple[list, list, list] | None:
     return chosen[:n], *rests
 
 
-def _rules(recipe: str) -> dict:
-    text = _completion_problem
+def _text_problem(value) -> str | None:
+    """A text trained on whole: an empty or blank one would teach nothing."""
+    return None if isinstance(value, str) and value.strip() else "a non-blank string"
 
+
+def _rules(recipe: str) -> dict:
     def present(value):
         return None if value is not None else "present (not null) in every row"
 
     messages = {"grpo": _rl_messages_problem, "ppo": _rl_messages_problem,
                 "sft": _sft_messages_problem}.get(recipe, _messages_problem)
-    def plain(value):
-        """A text trained on whole: an empty or blank one would teach nothing."""
-        return None if isinstance(value, str) and value.strip() else "a non-blank string"
-
     return {"prompt": _prompt_problem, "messages": messages, "answer": present,
-            "response": text, "chosen": text, "rejected": text, "text": plain}
+            "response": _completion_problem, "chosen": _completion_problem,
+            "rejected": _completion_problem, "text": _text_problem}
 
 
 def _row_problem(row: dict, cols: dict, rules: dict) -> str | None:

@@ -17,9 +17,9 @@ that would make it fit.
 The estimate (``estimate_memory``) is a pure function of the model's shape (``ModelShape``, read
 from its config.json, with the parameter counts of its safetensors headers where they read as
 its layers: exact for any family's layer) and the engine options, written out below; it leaves
-out what is small next to these terms (biases, norms' fp32 copies, the CUDA context), and the refusal keeps
-``HEADROOM`` of the device for them. fsdpfn.app.recipes.preflight reads the device's and the
-host's memory and calls these checks.
+out what is small next to these terms (the formulas' biases, norms' fp32 copies, the CUDA
+context), and the refusal keeps ``HEADROOM`` of the device for them.
+fsdpfn.app.recipes.preflight reads the device's and the host's memory and calls these checks.
 """
 
 from __future__ import annotations

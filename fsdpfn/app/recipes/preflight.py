@@ -18,10 +18,11 @@
   the device's (read here, from nvidia-smi) and the state an option keeps in host memory
   against the host's available memory. A run that cannot fit is refused, naming the engine
   options that would make it fit;
-- with ``data`` (``--dry-run``), also what a real run's ranks check first, in seconds: the
-  data files tokenized (the launcher's own data step) and a user's model family against the
-  engine's refusals (mixture-of-experts, encoder-decoder, multimodal, ALiBi, ...), which needs
-  torch and transformers in the launcher, so a real launch leaves it to its ranks.
+- a user's model family against the engine's refusals (mixture-of-experts, encoder-decoder,
+  multimodal, ALiBi, a critic without a ``score`` head, ...), for each role the recipe trains:
+  the line the ranks would stop on, before anything starts (check_family);
+- with ``data`` (``--dry-run``), also the data files tokenized, as the launcher's own data
+  step does in a real run.
 """
 
 from __future__ import annotations
