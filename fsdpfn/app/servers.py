@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["check_server_gpus", "describe_servers", "server_cmd", "server_records",
-           "start_servers"]
+__all__ = ["check_server_gpus", "decode_cache_args", "describe_servers", "server_cmd",
+           "server_records", "start_servers"]
 
 
 def check_server_gpus(cfg, placement, n_gpus: int) -> None:
@@ -48,7 +48,7 @@ def server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
               if cfg.model.embedded or cfg.model.random_init else []),
             "--port", str(port), "--host", "127.0.0.1", "--device", placement.server_device,
             "--dtype", placement.dtype, "--threads", str(cfg.rollout.threads),
-            "--parent-pid", str(os.getpid()), *_decode_cache(cfg),
+            "--parent-pid", str(os.getpid()), *decode_cache_args(cfg),
             # random_init: the server starts on placeholders, the first push brings the weights
             *(["--load-format", "dummy"] if cfg.model.random_init and not cfg.model.embedded
               else []),
@@ -56,7 +56,7 @@ def server_cmd(cfg, model_dir: Path, port: int, placement) -> list[str]:
             *cfg.rollout.server_args]
 
 
-def _decode_cache(cfg) -> list[str]:
+def decode_cache_args(cfg) -> list[str]:
     """Each server's decode cache sized to the run: a slot for each of its share of one step's
     answers (prompts_per_step x group_size over the servers, which the balancer fills evenly; in
     multiples of 8, at most 1,024; rows beyond the slots queue), and, for data files,

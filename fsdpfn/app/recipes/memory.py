@@ -204,15 +204,6 @@ def _tokens(cfg, section, n_gpus: int) -> int:
     return -(-max(row, min(budget * cp, per_dp_rank)) // cp)
 
 
-def _server_bytes(cfg, shape: ModelShape) -> float:
-    """The rollout server on a shared GPU: bf16 weights and its decode cache (slots x
-    positions x layers x k and v), sized as the launcher sizes it."""
-    rows = min(1024, max(8, -(-cfg.prompts_per_step * cfg.advantage.group_size // 8) * 8))
-    positions = longest_row(cfg)[0] if cfg.data.from_files else 2048
-    kv = rows * positions * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
-    return 2 * shape.params + kv
-
-
 def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[str, float]:
     """Per-GPU bytes of the whole run: every model's states, the largest gathered layers and
     activations among them (models run one after another), and the server when it shares."""
@@ -225,7 +216,9 @@ def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[s
         peak = max(peak, est["gathered"] + est["activations"])
     out = {**states, "gathered + activations": peak}
     if shared:
-        out["rollout server"] = _server_bytes(cfg, shape)
+        from fsdpfn.app.recipes.server_memory import server_bytes
+
+        out["rollout server"] = sum(server_bytes(cfg, shape).values())
     out["total"] = sum(out.values())
     return out
 

@@ -16,7 +16,8 @@
 - the run's size against the room it has (fsdpfn.app.recipes.memory): one checkpoint against
   the run_dir's free disk space; on a GPU host, an estimate of one trainer GPU's memory against
   the device's (read here, from nvidia-smi) and the state an option keeps in host memory
-  against the host's available memory. A run that cannot fit is refused, naming the engine
+  against the host's available memory, and each rollout server on a GPU of its own against
+  that GPU's (fsdpfn.app.recipes.server_memory). A run that cannot fit is refused, naming the
   options that would make it fit;
 - a user's model family against the engine's refusals (mixture-of-experts, encoder-decoder,
   multimodal, ALiBi, a critic without a ``score`` head, ...), for each role the recipe trains:
@@ -38,6 +39,7 @@ from fsdpfn.app.recipes.engine import engines, longest_row
 from fsdpfn.app.recipes.memory import (ModelShape, check_batch_rows, check_disk,
                                        check_host_memory, check_memory)
 from fsdpfn.app.recipes.placement import check_parallel
+from fsdpfn.app.recipes.server_memory import check_server_memory
 from fsdpfn.engine.host import available_host_memory
 
 __all__ = ["preflight", "check_data", "check_reward", "check_rollout", "check_positions",
@@ -71,9 +73,14 @@ def preflight(cfg, placement, *, data: bool = True) -> list[str]:
     if placement.device != "cuda":
         host = check_cpu_memory(cfg, shape, placement, available=available_host_memory())
         return notes + ([host] if host else [])
-    capacity, busy = _device_capacity(placement)
+    capacity_of = _gpu_memory()
+    capacity, busy = capacity_of(placement.trainer_gpus or (0,), placement.server_gpus)
     notes.append(check_memory(cfg, shape, n_gpus=placement.nproc, capacity=capacity,
                               shared=_shares_gpu(placement), busy=busy))
+    if placement.server_gpus and not _shares_gpu(placement):  # servers on GPUs of their own
+        free, said = capacity_of(placement.server_gpus)
+        notes.append(check_server_memory(cfg, shape, gpus=placement.server_gpus, capacity=free,
+                                         dtype=placement.dtype, busy=said))
     host = check_host_memory(cfg, shape, available=available_host_memory())
     return notes + ([host] if host else [])
 
@@ -315,23 +322,27 @@ def check_positions(cfg, hf: dict | None) -> None:
 # ---------------------------------------------------------------- the devices
 
 
-def _device_capacity(placement) -> tuple[float, str]:
-    """(bytes free on the fullest trainer GPU, what other processes hold on the run's GPUs),
-    from one nvidia-smi query (asking torch would start CUDA in the launcher, which would then
-    hold device memory for the whole run). Where it cannot tell which GPUs are the run's (MIG),
-    the host's smallest GPU's total; without nvidia-smi, torch's figure for the trainer GPU."""
+def _gpu_memory():
+    """A function of (GPU indices, other GPUs of the run) -> (bytes free on the fullest of
+    them, what other processes hold on all of them), from one nvidia-smi query (asking torch
+    would start CUDA in the launcher, which would then hold device memory for the whole run).
+    Where it cannot tell which GPUs they are (MIG), the host's smallest GPU's total; without
+    nvidia-smi, torch's figure for the first of them."""
     from fsdpfn.app.recipes.gpu_memory import host_gpus, trainer_capacity, visible
 
     gpus = host_gpus()
     seen = visible(gpus) if gpus else None
-    trainer = placement.trainer_gpus or (0,)
-    if seen and all(i < len(seen) for i in trainer):
-        return trainer_capacity(seen, trainer, placement.server_gpus)
-    if gpus:
-        return min(g.total for g in gpus), ""
-    import torch
 
-    return float(torch.cuda.get_device_properties(trainer[0]).total_memory), ""
+    def capacity(which: tuple[int, ...], others: tuple[int, ...] = ()) -> tuple[float, str]:
+        if seen and all(i < len(seen) for i in which):
+            return trainer_capacity(seen, which, others)
+        if gpus:
+            return min(g.total for g in gpus), ""
+        import torch
+
+        return float(torch.cuda.get_device_properties(which[0]).total_memory), ""
+
+    return capacity
 
 
 def _shares_gpu(placement) -> bool:
