@@ -16,7 +16,9 @@ that would make it fit.
 
 The estimate (``estimate_memory``) is a pure function of the model's shape (``ModelShape``, read
 from its config.json, with the parameter counts of its safetensors headers where they read as
-its layers: exact for any family's layer) and the engine options, written out below; it leaves
+its layers: exact for any family's layer; its activations by family, the softcapped attention's
+scores included: tests/unit/test_memory_activations.py) and the engine options, written out
+below; it leaves
 out what is small next to these terms (the formulas' biases, norms' fp32 copies, the CUDA
 context), and the refusal keeps ``HEADROOM`` of the device for them.
 fsdpfn.app.recipes.preflight reads the device's and the host's memory and calls these checks.
@@ -38,6 +40,10 @@ __all__ = ["ModelShape", "estimate_memory", "run_estimate", "check_memory", "hos
 GiB = 1024 ** 3
 HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
 BYTES = {"float32": 4, "bfloat16": 2}
+# families whose decoder layers norm each sublayer's input and output (4 norms), and whose
+# attention norms q and k per head (tests/unit/test_memory_activations.py checks each)
+SANDWICH_NORMS = ("gemma2", "gemma3_text", "gemma3")
+QK_NORMS = ("qwen3", "olmo2", "gemma3_text", "gemma3")
 
 
 # ---------------------------------------------------------------- the memory estimate
@@ -60,15 +66,25 @@ class ModelShape:
     # llama-shaped layer
     counted_layer: int | None = None
     counted_root: int | None = None
+    # what a layer's autograd keeps beyond a llama layer's: norms over the hidden size (Gemma-2
+    # and -3 norm each sublayer's input and output: 4), per-head q and k norms, and attention
+    # logit softcapping, which leaves flash attention for an exact attention that keeps the
+    # scores (fsdpfn.engine.attention: quadratic in each sequence's length)
+    norms: int = 2
+    qk_norm: bool = False
+    softcap: bool = False
 
     @classmethod
     def from_hf(cls, c: dict) -> "ModelShape":
         heads = c["num_attention_heads"]
+        family = c.get("model_type")
         return cls(hidden=c["hidden_size"], intermediate=c["intermediate_size"],
                    layers=c["num_hidden_layers"], vocab=c["vocab_size"], heads=heads,
                    kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   tied=bool(c.get("tie_word_embeddings", False)))
+                   tied=bool(c.get("tie_word_embeddings", False)),
+                   norms=4 if family in SANDWICH_NORMS else 2, qk_norm=family in QK_NORMS,
+                   softcap=bool(c.get("attn_logit_softcapping")))
 
     @property
     def layer_params(self) -> int:
@@ -110,10 +126,29 @@ class ModelShape:
         return self.layers * sum(lora.rank * sum(dims[n]) for n in names)
 
     def act_bytes_per_token_layer(self, compute_bytes: int) -> int:
-        """What autograd keeps per token in one layer: the two norms' inputs and outputs (4h),
-        q, k, v and the attention output, gate, up, act(gate) and their product (4i)."""
+        """What autograd keeps per token in one layer: the norms' inputs and outputs (2h each),
+        q, k, v and the attention output, gate, up, act(gate) and their product (4i), and the
+        q and k norms' inputs and outputs where the family has them."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return compute_bytes * (4 * self.hidden + 2 * q + 2 * kv + 4 * self.intermediate)
+        qk = 2 * q + 2 * kv if self.qk_norm else 0
+        return compute_bytes * (2 * self.norms * self.hidden + 2 * q + 2 * kv + qk
+                                + 4 * self.intermediate)
+
+    def attn_bytes_per_square_token(self) -> int:
+        """Bytes a layer keeps per (query, key) pair of a sequence, in any compute dtype: with
+        softcapped logits, each head's capped scores (compute dtype), its float32 softmax and
+        the probabilities in the compute dtype (8 bytes in bf16 and in float32, where the
+        last two are one tensor), and the causal mask (1 byte); 0 on flash attention."""
+        return 8 * self.heads + 1 if self.softcap else 0
+
+    def act_bytes_layer(self, tokens: int, row: int, compute_bytes: int) -> int:
+        """One layer's saved tensors for a micro-batch of ``tokens`` tokens in rows of at most
+        ``row`` tokens. The quadratic term is at its bound: the rows' squared lengths sum to at
+        most row x tokens, reached when every row is that long; under cp, where ``tokens`` is
+        a rank's share and the rank attends whole rows with 1/cp of the heads, the same
+        product bounds it."""
+        return tokens * self.act_bytes_per_token_layer(compute_bytes) + \
+            row * tokens * self.attn_bytes_per_square_token()
 
 
 @attrs.frozen
@@ -162,27 +197,28 @@ def _states(shape: ModelShape, section, n: int, *, train: bool) -> dict[str, flo
 
 
 def estimate_memory(shape: ModelShape, section, *, n_gpus: int, tokens: int,
-                    train: bool = True) -> dict[str, float]:
+                    train: bool = True, row: int | None = None) -> dict[str, float]:
     """Bytes on one GPU for one model: its sharded states (_states), the layers FSDP gathers
     (two layers and the root in the compute dtype, one layer's float32 gradient before its
     reduce-scatter) and the activations of a micro-batch of ``tokens`` tokens: every layer's
     saved tensors, or with gradient_checkpointing each layer's input plus one layer's saved
     tensors, and the log-prob head's float32 logits (three copies of a chunk of
     logprobs_chunk_size tokens x vocab). ``train=False``: a forward without autograd (one
-    layer's tensors at a time)."""
+    layer's tensors at a time). ``row``: the longest row of the micro-batch (None: one row of
+    ``tokens``), for the attention that keeps its scores (ModelShape.act_bytes_layer)."""
     c = _sizes(shape, section).compute
     out = _states(shape, section, n_gpus, train=train)
     gathered = c * (2 * shape.layer_params + shape.root_params)
     out["gathered"] = gathered + (4 * shape.layer_params if train else 0)
-    per_layer = shape.act_bytes_per_token_layer(c)
+    per_layer = shape.act_bytes_layer(tokens, tokens if row is None else row, c)
     if not train:
         layers = per_layer
     elif section.gradient_checkpointing:
-        layers = shape.layers * c * shape.hidden + per_layer
+        layers = shape.layers * c * shape.hidden * tokens + per_layer
     else:
         layers = shape.layers * per_layer
     chunk = min(tokens, section.logprobs_chunk_size)
-    out["activations"] = tokens * layers + 3 * 4 * chunk * shape.vocab
+    out["activations"] = layers + 3 * 4 * chunk * shape.vocab
     out["total"] = sum(out.values())
     return out
 
@@ -210,7 +246,7 @@ def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[s
     states, peak = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}, 0.0
     for name, section in engines(cfg).items():
         est = estimate_memory(shape, section, n_gpus=n_gpus, tokens=_tokens(cfg, section, n_gpus),
-                              train=name != "ref_engine")
+                              train=name != "ref_engine", row=longest_row(cfg)[0])
         for k in states:
             states[k] += est[k]
         peak = max(peak, est["gathered"] + est["activations"])
