@@ -100,3 +100,40 @@ def test_softcapped_scores_cost_the_same_bytes_in_bfloat16():
     assert shape.attn_bytes_per_square_token() == 8 * 4 + 1
     for dtype, b in grown.items():
         assert b == pytest.approx(shape.attn_bytes_per_square_token(), abs=0.5), (dtype, b)
+
+
+def test_a_run_whose_scores_do_not_fit_is_offered_the_largest_budget_that_fits():
+    """Gemma-2-2B's shape on 4,096-token rows: the automatic budget's micro-batches keep 16,384
+    x 4,096 scores a head in every layer; the refusal names the largest budget (halved from
+    the automatic 16,384) that fits alone, and that budget does fit."""
+    from fsdpfn.app.recipes import default_config
+    from fsdpfn.app.recipes.memory import HEADROOM, check_memory, run_estimate
+    from fsdpfn.errors import ConfigError
+
+    g2 = ModelShape.from_hf(dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216,
+                                 num_hidden_layers=26, vocab_size=256000, num_attention_heads=8,
+                                 num_key_value_heads=4, head_dim=256, tie_word_embeddings=True,
+                                 attn_logit_softcapping=50.0))
+    assert (g2.norms, g2.qk_norm, g2.softcap) == (4, False, True)
+    data = ["model.path=/m", "data.train_files=[t.jsonl]", "data.max_prompt_tokens=1024",
+            "data.max_response_tokens=3072", "batch_size=64"]
+    cfg = default_config("sft", data)
+
+    def total(budget):
+        c = default_config("sft", data + [f"engine.mb_spec.max_tokens_per_mb={budget}"])
+        return run_estimate(c, g2, n_gpus=1, shared=False)["total"]
+
+    assert total(16384) > total(8192) > total(4096)
+    capacity = (total(8192) + 1) / HEADROOM          # 8,192 fits, 16,384 does not
+    with pytest.raises(ConfigError) as info:
+        check_memory(cfg, g2, n_gpus=1, capacity=capacity)
+    msg = str(info.value)
+    assert "engine.mb_spec.max_tokens_per_mb=8192" in msg, msg
+    assert "engine.gradient_checkpointing=true" in msg, msg   # one layer's scores: it fits too
+    fits = default_config("sft", data + ["engine.mb_spec.max_tokens_per_mb=8192"])
+    assert check_memory(fits, g2, n_gpus=1, capacity=capacity)
+    # the budget never goes below the longest row: at 4,096 only a smaller model fits
+    capacity = (total(4096) - 1) / HEADROOM
+    with pytest.raises(ConfigError) as info:
+        check_memory(cfg, g2, n_gpus=1, capacity=capacity)
+    assert "max_tokens_per_mb=" not in str(info.value)

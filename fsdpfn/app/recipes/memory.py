@@ -33,6 +33,7 @@ import attrs
 from fsdpfn.config import DEFAULT_MAX_TOKENS_PER_MB
 from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.engine import engines, longest_row
+from fsdpfn.app.recipes.model_shape import ModelShape
 
 __all__ = ["ModelShape", "estimate_memory", "run_estimate", "check_memory", "host_bytes",
            "check_host_memory", "checkpoint_bytes", "check_disk", "HEADROOM", "GiB"]
@@ -40,115 +41,7 @@ __all__ = ["ModelShape", "estimate_memory", "run_estimate", "check_memory", "hos
 GiB = 1024 ** 3
 HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
 BYTES = {"float32": 4, "bfloat16": 2}
-# families whose decoder layers norm each sublayer's input and output (4 norms), and whose
-# attention norms q and k per head (tests/unit/test_memory_activations.py checks each)
-SANDWICH_NORMS = ("gemma2", "gemma3_text", "gemma3")
-QK_NORMS = ("qwen3", "olmo2", "gemma3_text", "gemma3")
-
-
 # ---------------------------------------------------------------- the memory estimate
-
-
-@attrs.frozen
-class ModelShape:
-    """What the estimate needs of a decoder-only model's config."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool = False
-    # the parameters counted in the weight files (fsdpfn.engine.weight_files.counted_params):
-    # a decoder layer's (their mean) and the rest's; None: the formulas below, which read a
-    # llama-shaped layer
-    counted_layer: int | None = None
-    counted_root: int | None = None
-    # what a layer's autograd keeps beyond a llama layer's: norms over the hidden size (Gemma-2
-    # and -3 norm each sublayer's input and output: 4), per-head q and k norms, and attention
-    # logit softcapping, which leaves flash attention for an exact attention that keeps the
-    # scores (fsdpfn.engine.attention: quadratic in each sequence's length)
-    norms: int = 2
-    qk_norm: bool = False
-    softcap: bool = False
-
-    @classmethod
-    def from_hf(cls, c: dict) -> "ModelShape":
-        heads = c["num_attention_heads"]
-        family = c.get("model_type")
-        return cls(hidden=c["hidden_size"], intermediate=c["intermediate_size"],
-                   layers=c["num_hidden_layers"], vocab=c["vocab_size"], heads=heads,
-                   kv_heads=c.get("num_key_value_heads") or heads,
-                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   tied=bool(c.get("tie_word_embeddings", False)),
-                   norms=4 if family in SANDWICH_NORMS else 2, qk_norm=family in QK_NORMS,
-                   softcap=bool(c.get("attn_logit_softcapping")))
-
-    @property
-    def layer_params(self) -> int:
-        """q, k, v, o projections, gate/up/down, two norms (or the weight files' count)."""
-        if self.counted_layer is not None:
-            return self.counted_layer
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h
-
-    @property
-    def root_params(self) -> int:
-        """Embedding, lm_head (unless tied) and the final norm (or the weight files' count)."""
-        if self.counted_root is not None:
-            return self.counted_root
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    def counted(self, path) -> "ModelShape":
-        """This shape with the parameter counts of ``path``'s safetensors files, where they
-        read as this shape's layers (counted_params); else this shape as it is."""
-        from fsdpfn.engine.weight_files import counted_params
-
-        counts = counted_params(path, self.layers)
-        if counts is None:
-            return self
-        return attrs.evolve(self, counted_layer=counts[0], counted_root=counts[1])
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.root_params
-
-    def lora_params(self, lora) -> int:
-        """Adapter parameters: rank x (in + out) for each targeted linear of every layer."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, \
-            self.kv_heads * self.head_dim, self.intermediate
-        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        names = dims if "all-linear" in lora.target_modules else \
-            [n for n in lora.target_modules if n in dims]
-        return self.layers * sum(lora.rank * sum(dims[n]) for n in names)
-
-    def act_bytes_per_token_layer(self, compute_bytes: int) -> int:
-        """What autograd keeps per token in one layer: the norms' inputs and outputs (2h each),
-        q, k, v and the attention output, gate, up, act(gate) and their product (4i), and the
-        q and k norms' inputs and outputs where the family has them."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qk = 2 * q + 2 * kv if self.qk_norm else 0
-        return compute_bytes * (2 * self.norms * self.hidden + 2 * q + 2 * kv + qk
-                                + 4 * self.intermediate)
-
-    def attn_bytes_per_square_token(self) -> int:
-        """Bytes a layer keeps per (query, key) pair of a sequence, in any compute dtype: with
-        softcapped logits, each head's capped scores (compute dtype), its float32 softmax and
-        the probabilities in the compute dtype (8 bytes in bf16 and in float32, where the
-        last two are one tensor), and the causal mask (1 byte); 0 on flash attention."""
-        return 8 * self.heads + 1 if self.softcap else 0
-
-    def act_bytes_layer(self, tokens: int, row: int, compute_bytes: int) -> int:
-        """One layer's saved tensors for a micro-batch of ``tokens`` tokens in rows of at most
-        ``row`` tokens. The quadratic term is at its bound: the rows' squared lengths sum to at
-        most row x tokens, reached when every row is that long; under cp, where ``tokens`` is
-        a rank's share and the rank attends whole rows with 1/cp of the heads, the same
-        product bounds it."""
-        return tokens * self.act_bytes_per_token_layer(compute_bytes) + \
-            row * tokens * self.attn_bytes_per_square_token()
 
 
 @attrs.frozen
@@ -465,6 +358,21 @@ def _all_fixes(cfg):
     return cfg
 
 
+def _smaller_budget(cfg, shape, n_gpus, capacity, shared) -> int | None:
+    """The largest micro-batch budget that makes the run fit alone: the policy's budget (or
+    the automatic one) halved until it fits, in multiples of 1,024 tokens, never below the
+    longest row (which goes alone in its micro-batch whatever the budget); None when none
+    does. Fewer tokens a micro-batch cost a little speed, nothing of the result."""
+    budget = cfg.engine.mb_spec.max_tokens_per_mb or DEFAULT_MAX_TOKENS_PER_MB
+    row = longest_row(cfg)[0]
+    while budget // 2 >= max(row, 1024):
+        budget = budget // 2 // 1024 * 1024
+        spec = attrs.evolve(cfg.engine.mb_spec, max_tokens_per_mb=max(budget, row))
+        if _fits(_policy(cfg, mb_spec=spec), shape, n_gpus, capacity, shared):
+            return max(budget, row)
+    return None
+
+
 def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
                  shared: bool = False, busy: str = "") -> str:
     """The estimate against ``capacity`` bytes per GPU: a note when it fits, else a ConfigError
@@ -478,6 +386,9 @@ def check_memory(cfg, shape: ModelShape, *, n_gpus: int, capacity: float,
         return line
     fixes = [name for name, fix in FIXES.items()
              if _fits(_applied(fix, cfg), shape, n_gpus, capacity, shared)]
+    budget = _smaller_budget(cfg, shape, n_gpus, capacity, shared)
+    if budget is not None:
+        fixes.append(f"engine.mb_spec.max_tokens_per_mb={budget}")
     if not fixes and _fits(_all_fixes(cfg), shape, n_gpus, capacity, shared):
         fixes = ["those of " + ", ".join(list(FIXES)[:4]) + " together"]
     more = next((k * n_gpus for k in (2, 4, 8)
