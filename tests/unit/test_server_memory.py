@@ -15,8 +15,8 @@ import pytest
 
 from fsdpfn.app.recipes import default_config
 from fsdpfn.app.recipes import gpu_memory, placement as P, preflight
-from fsdpfn.app.recipes.memory import HEADROOM, ModelShape
-from fsdpfn.app.recipes.server_memory import check_server_memory, server_bytes
+from fsdpfn.app.recipes.memory import HEADROOM, ModelShape, server_bytes
+from fsdpfn.app.recipes.server_memory import check_server_memory
 from fsdpfn.app.servers import server_cmd
 from fsdpfn.errors import ConfigError
 from fsdpfn.rollout.args import parse_args

@@ -35,8 +35,9 @@ from fsdpfn.errors import ConfigError
 from fsdpfn.app.recipes.engine import engines, longest_row
 from fsdpfn.app.recipes.model_shape import ModelShape
 
-__all__ = ["ModelShape", "estimate_memory", "run_estimate", "check_memory", "host_bytes",
-           "check_host_memory", "checkpoint_bytes", "check_disk", "HEADROOM", "GiB"]
+__all__ = ["ModelShape", "estimate_memory", "run_estimate", "server_cache", "server_bytes",
+           "check_memory", "host_bytes", "check_host_memory", "checkpoint_bytes", "check_disk",
+           "HEADROOM", "GiB"]
 
 GiB = 1024 ** 3
 HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
@@ -133,6 +134,28 @@ def _tokens(cfg, section, n_gpus: int) -> int:
     return -(-max(row, min(budget * cp, per_dp_rank)) // cp)
 
 
+def server_cache(cfg) -> tuple[int, int]:
+    """(slots, positions) of each server's decode cache, as its command line sets them: the
+    launcher's flags (fsdpfn.app.servers.decode_cache_args: a slot for each of the server's
+    share of a step's answers, positions for the longest row the data allows), then
+    rollout.server_args, whose flags win."""
+    from fsdpfn.app.recipes.rollout_config import server_namespace
+    from fsdpfn.app.servers import decode_cache_args
+
+    ns = server_namespace([*decode_cache_args(cfg), *cfg.rollout.server_args])
+    return ns.decode_rows, ns.decode_max_len
+
+
+def server_bytes(cfg, shape: ModelShape, dtype: str = "bfloat16") -> dict[str, float]:
+    """One server's bytes on its GPU: the weights in ``dtype`` (the trainer's compute dtype,
+    which the launcher passes as --dtype) and the decode cache (k and v of every layer for
+    each slot's positions, in that dtype)."""
+    size = BYTES.get(dtype, 2)
+    slots, positions = server_cache(cfg)
+    per_slot = positions * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
+    return {"weights": float(size * shape.params), "decode cache": float(slots * per_slot)}
+
+
 def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[str, float]:
     """Per-GPU bytes of the whole run: every model's states, the largest gathered layers and
     activations among them (models run one after another), and the server when it shares."""
@@ -145,8 +168,6 @@ def run_estimate(cfg, shape: ModelShape, *, n_gpus: int, shared: bool) -> dict[s
         peak = max(peak, est["gathered"] + est["activations"])
     out = {**states, "gathered + activations": peak}
     if shared:
-        from fsdpfn.app.recipes.server_memory import server_bytes
-
         out["rollout server"] = sum(server_bytes(cfg, shape).values())
     out["total"] = sum(out.values())
     return out

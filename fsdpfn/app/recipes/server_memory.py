@@ -1,13 +1,12 @@
 """The built-in rollout server's memory on its GPU: the model's weights in the served dtype and
 the decode cache its command line sizes (slots x positions x layers x k and v).
 
-    server_cache(cfg)                                   # (slots, positions) of each server
-    server_bytes(cfg, shape, dtype)                     # {"weights": ..., "decode cache": ...}
     check_server_memory(cfg, shape, gpus=..., capacity=..., dtype=...)  # servers on own GPUs
 
-Where the server shares a GPU with the trainer, fsdpfn.app.recipes.memory adds server_bytes to
-that GPU's estimate. Where each server has a GPU of its own, nothing of the trainer's estimate
-covers it: a model whose weights or cache do not fit one server GPU is refused here, before
+The bytes are fsdpfn.app.recipes.memory's server_bytes (the cache's slots and positions read
+from the server's command line: server_cache); where the server shares a GPU with the trainer,
+that GPU's estimate adds them. Where each server has a GPU of its own, nothing of the trainer's
+estimate covers it: a model whose weights or cache do not fit one server GPU is refused here, before
 the trainer ranks start, instead of the server failing on an out-of-memory error after them.
 What the server holds beside these (CUDA graphs' pools, a step's logits, the prefill's
 activations) is small next to them, and the HEADROOM kept free covers it.
@@ -16,31 +15,9 @@ activations) is small next to them, and the HEADROOM kept free covers it.
 from __future__ import annotations
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.app.recipes.memory import BYTES, GiB, HEADROOM, ModelShape
+from fsdpfn.app.recipes.memory import GiB, HEADROOM, ModelShape, server_bytes, server_cache
 
-__all__ = ["server_cache", "server_bytes", "check_server_memory"]
-
-
-def server_cache(cfg) -> tuple[int, int]:
-    """(slots, positions) of each server's decode cache, as its command line sets them: the
-    launcher's flags (fsdpfn.app.servers.decode_cache_args: a slot for each of the server's
-    share of a step's answers, positions for the longest row the data allows), then
-    rollout.server_args, whose flags win."""
-    from fsdpfn.app.recipes.rollout_config import server_namespace
-    from fsdpfn.app.servers import decode_cache_args
-
-    ns = server_namespace([*decode_cache_args(cfg), *cfg.rollout.server_args])
-    return ns.decode_rows, ns.decode_max_len
-
-
-def server_bytes(cfg, shape: ModelShape, dtype: str = "bfloat16") -> dict[str, float]:
-    """One server's bytes on its GPU: the weights in ``dtype`` (the trainer's compute dtype,
-    which the launcher passes as --dtype) and the decode cache (k and v of every layer for
-    each slot's positions, in that dtype)."""
-    size = BYTES.get(dtype, 2)
-    slots, positions = server_cache(cfg)
-    per_slot = positions * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
-    return {"weights": float(size * shape.params), "decode cache": float(slots * per_slot)}
+__all__ = ["check_server_memory"]
 
 
 def check_server_memory(cfg, shape: ModelShape, *, gpus: tuple[int, ...], capacity: float,
