@@ -14,13 +14,13 @@ that would make it fit.
 - the disk: one checkpoint (every trained model's weights and Adam state) against the free
   space where run_dir will be.
 
-The estimate (``estimate_memory``) is a pure function of the model's shape (``ModelShape``, read
-from its config.json, with the parameter counts of its safetensors headers where they read as
-its layers: exact for any family's layer; its activations by family, the softcapped attention's
-scores included: tests/unit/test_memory_activations.py) and the engine options, written out
-below; it leaves
-out what is small next to these terms (the formulas' biases, norms' fp32 copies, the CUDA
-context), and the refusal keeps ``HEADROOM`` of the device for them.
+The estimate (``estimate_memory``) is a pure function of the model's shape and the engine
+options, written out below. The shape (fsdpfn.app.recipes.model_shape.ModelShape) is read from
+the model's config.json, with the parameter counts of its safetensors headers where they read
+as its layers (exact for any family's layer), and what a layer keeps for the backward follows
+its family, softcapped attention's scores included (tests/unit/test_memory_activations.py).
+The estimate leaves out what is small next to these terms (the formulas' biases, norms' fp32
+copies, the CUDA context), and the refusal keeps ``HEADROOM`` of the device for them.
 fsdpfn.app.recipes.preflight reads the device's and the host's memory and calls these checks.
 """
 
@@ -42,6 +42,8 @@ __all__ = ["ModelShape", "estimate_memory", "run_estimate", "server_cache", "ser
 GiB = 1024 ** 3
 HEADROOM = 0.9          # the share of a GPU's memory the estimate may fill
 BYTES = {"float32": 4, "bfloat16": 2}
+
+
 # ---------------------------------------------------------------- the memory estimate
 
 

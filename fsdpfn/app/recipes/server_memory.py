@@ -5,9 +5,10 @@ the decode cache its command line sizes (slots x positions x layers x k and v).
 
 The bytes are fsdpfn.app.recipes.memory's server_bytes (the cache's slots and positions read
 from the server's command line: server_cache); where the server shares a GPU with the trainer,
-that GPU's estimate adds them. Where each server has a GPU of its own, nothing of the trainer's
-estimate covers it: a model whose weights or cache do not fit one server GPU is refused here, before
-the trainer ranks start, instead of the server failing on an out-of-memory error after them.
+that GPU's estimate adds them. Where each server has a GPU of its own, nothing of the
+trainer's estimate covers it: a model whose weights or cache do not fit one server GPU is
+refused here, before the trainer ranks start, instead of the server failing on an
+out-of-memory error after them.
 What the server holds beside these (CUDA graphs' pools, a step's logits, the prefill's
 activations) is small next to them, and the HEADROOM kept free covers it.
 """
