@@ -8,9 +8,9 @@ in the row) where softcapped logits leave flash attention. tests/unit/test_memor
 holds it against the CPU's path in float32; this script measures the GPU's: bf16, torch's flash
 varlen attention, Liger's norm and SwiGLU kernels where installed (as shard_model swaps them
 in). For each family, a model of one width (hidden 2048, 16 heads of 128, 4 kv heads,
-intermediate 5632) at two depths runs the engine's packed forward on one row under
-``torch.autograd.graph.saved_tensors_hooks``; the bytes kept (each storage once, weights left
-out) at the deeper minus the shallower, over the layers between, are one layer's. The estimate
+intermediate 5632) at two depths runs the engine's packed forward on one row, and
+fsdpfn.testing.layer_kept_bytes gives the bytes one layer keeps for the backward (each storage
+once, weights left out: the deeper minus the shallower, over the layers between). The estimate
 before this term followed the family (a llama layer for every family) is shown beside it. The
 peak column is the device's peak during forward and backward of the deeper model, above what
 was allocated before the forward.
@@ -30,9 +30,7 @@ import transformers  # noqa: E402
 
 from _table import print_markdown_table  # noqa: E402
 from fsdpfn.app.recipes.memory import ModelShape  # noqa: E402
-from fsdpfn.engine import attention  # noqa: E402
-from fsdpfn.engine.packed import PackedModel  # noqa: E402
-from fsdpfn.wire.kernels import apply_fused_kernels  # noqa: E402
+from fsdpfn.testing.activations import layer_kept_bytes  # noqa: E402
 
 WIDTH = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
              num_key_value_heads=4, head_dim=128, max_position_embeddings=65536, pad_token_id=0,
@@ -48,46 +46,9 @@ FAMILIES = {
 MiB = 2 ** 20
 
 
-def _config(name: str, layers: int):
-    cfg = transformers.AutoConfig.for_model(name.split(" ")[0], **WIDTH, **FAMILIES[name],
-                                            num_hidden_layers=layers)
-    attention.register()
-    cfg._attn_implementation = attention.ATTN_NAME
-    return cfg
-
-
-def kept(name: str, layers: int, row: int) -> tuple[int, int, int]:
-    """(bytes kept for the backward, the peak above the start, Liger modules swapped)."""
-    torch.manual_seed(0)
-    cfg = _config(name, layers)
-    with torch.device("cuda"):
-        lm = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    swapped = apply_fused_kernels(lm, cfg, "cuda", keep_weights=True)
-    model = PackedModel(lm, is_critic=False)
-    model.compute_dtype = torch.bfloat16
-    ids = torch.randint(3, 32000, (row,), device="cuda")
-    positions = torch.arange(row, device="cuda")
-    cu = torch.tensor([0, row], dtype=torch.int32, device="cuda")
-    weights = {p.untyped_storage().data_ptr() for p in lm.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if t.device.type == "cuda" and storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = model(ids, positions, cu, row, targets=ids.roll(-1), chunk_size=1024)
-    logp.sum().backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
-    del model, lm, logp
-    torch.cuda.empty_cache()
-    return sum(seen.values()), peak, swapped
+def _config(name: str, layers: int = 2):
+    return transformers.AutoConfig.for_model(name.split(" ")[0], **WIDTH, **FAMILIES[name],
+                                             num_hidden_layers=layers)
 
 
 def main() -> None:
@@ -100,13 +61,13 @@ def main() -> None:
           f"transformers {transformers.__version__}")
     rows = []
     for name in FAMILIES:
-        shape = ModelShape.from_hf(_config(name, lo).to_dict())
+        shape = ModelShape.from_hf(_config(name).to_dict())
         before = attrs.evolve(shape, norms=2, qk_norm=False, softcap=False)
         for row in args.rows:
-            (a, _, swapped), (b, peak, _) = kept(name, lo, row), kept(name, hi, row)
-            layer = (b - a) / (hi - lo)
+            layer, peak = layer_kept_bytes(_config(name), [row], dtype=torch.bfloat16,
+                                           device="cuda", layers=(lo, hi))
             est = shape.act_bytes_layer(row, row, 2)
-            rows.append({"family": name, "row": f"{row:,}", "Liger modules": swapped,
+            rows.append({"family": name, "row": f"{row:,}",
                          "kept, one layer MiB": f"{layer / MiB:,.1f}",
                          "estimate MiB": f"{est / MiB:,.1f}",
                          "estimate / kept": f"{est / layer:.2f}",

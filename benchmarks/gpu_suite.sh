@@ -52,7 +52,8 @@ pytest_gpu=(python3 -m pytest -q -p no:cacheprovider -o tmp_path_retention_polic
 check() {
   item tests_gpu 480 "${pytest_gpu[@]}" tests/e2e/test_decode_gpu.py \
     tests/e2e/test_checksum_gpu.py tests/e2e/test_oom_gpu.py tests/e2e/test_memory_gpu.py \
-    tests/e2e/test_ipc_gpu.py tests/e2e/test_liger_gpu.py tests/e2e/test_families_gpu.py
+    tests/e2e/test_ipc_gpu.py tests/e2e/test_liger_gpu.py tests/e2e/test_families_gpu.py \
+    tests/e2e/test_activations_gpu.py
   pair_item tests_pair 130 "${pytest_gpu[@]}" -x tests/e2e/test_cp_gpu.py \
     tests/e2e/test_weights_gpu.py
   item demo1 150 env LAYOUTS=one DEMO_TIMEOUT=140 bash benchmarks/gpu_demo.sh "$out/demo"

@@ -1,11 +1,11 @@
 """The memory estimate's activation term against what autograd keeps, family by family.
 
-For every verified family, a small model of that family runs the engine's packed forward
-(fsdpfn.engine.packed.PackedModel with fsdpfn's packed attention, the path a CPU rank and, but
-for flash attention's and Liger's own savings, a GPU rank take) under
-``torch.autograd.graph.saved_tensors_hooks``; the bytes of every tensor kept for the backward
-(each storage once, the weights left out) at 4 layers minus those at 2, halved, are one layer's.
-That is held against ``ModelShape.act_bytes_layer`` for the same rows.
+For every verified family, a small model of that family runs the engine's packed forward (the
+path a CPU rank takes, and a GPU rank but for flash attention's and Liger's own savings: those
+are tests/e2e/test_activations_gpu.py's) under ``torch.autograd.graph.saved_tensors_hooks``:
+fsdpfn.testing.layer_kept_bytes gives the bytes one layer keeps for the backward (each storage
+once, the weights left out; 4 layers minus 2, halved). That is held against
+``ModelShape.act_bytes_layer`` for the same rows.
 
 Before, the term was a llama layer's for every family, linear in the tokens. Gemma-2's
 softcapped attention keeps each head's scores, quadratic in the row's length: the estimate
@@ -24,8 +24,7 @@ import torch
 import transformers
 
 from fsdpfn.app.recipes.memory import ModelShape
-from fsdpfn.engine import attention
-from fsdpfn.engine.packed import PackedModel
+from fsdpfn.testing.activations import layer_kept_bytes
 
 BASE = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, pad_token_id=0,
@@ -43,46 +42,17 @@ FAMILIES = {
 }
 
 
-def _config(name: str, layers: int):
+def _config(name: str, layers: int = 2):
     family = name.split("-")[0]
-    cfg = transformers.AutoConfig.for_model(family, **BASE, **FAMILIES[name],
-                                            num_hidden_layers=layers)
-    attention.register()
-    cfg._attn_implementation = attention.ATTN_NAME
-    return cfg
-
-
-def _kept_bytes(name: str, layers: int, lengths: list[int], dtype) -> int:
-    """Bytes autograd keeps for the backward of one forward of rows of ``lengths``."""
-    torch.manual_seed(0)
-    lm = transformers.AutoModelForCausalLM.from_config(_config(name, layers)).to(dtype)
-    model = PackedModel(lm, is_critic=False)
-    model.compute_dtype = dtype
-    n = sum(lengths)
-    ids = torch.randint(3, 256, (n,))
-    positions = torch.cat([torch.arange(length) for length in lengths])
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    weights = {p.untyped_storage().data_ptr() for p in lm.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = model(ids, positions, cu, max(lengths), targets=ids.roll(-1), chunk_size=64)
-    assert logp.requires_grad
-    return sum(kept.values())
+    return transformers.AutoConfig.for_model(family, **BASE, **FAMILIES[name],
+                                             num_hidden_layers=layers)
 
 
 @pytest.mark.parametrize("lengths", [[256], [128, 128, 128, 128], [1024]])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_activation_term_follows_what_autograd_keeps(name, lengths):
-    dtype = torch.float32
-    layer = (_kept_bytes(name, 4, lengths, dtype) - _kept_bytes(name, 2, lengths, dtype)) / 2
-    shape = ModelShape.from_hf(_config(name, 2).to_dict())
+    layer, _ = layer_kept_bytes(_config(name), lengths)
+    shape = ModelShape.from_hf(_config(name).to_dict())
     est = shape.act_bytes_layer(sum(lengths), max(lengths), 4)
     assert 0.75 <= est / layer <= 1.1, (name, lengths, est, layer, est / layer)
 
@@ -92,11 +62,11 @@ def test_softcapped_scores_cost_the_same_bytes_in_bfloat16():
     8 bytes a head a pair that float32 keeps as two tensors, plus the mask."""
     grown = {}
     for dtype in (torch.float32, torch.bfloat16):
-        short, long = ([_kept_bytes("gemma2", 4, [n], dtype) - _kept_bytes("gemma2", 2, [n], dtype)
-                        for n in (256, 512)])
+        short, long = (layer_kept_bytes(_config("gemma2"), [n], dtype=dtype)[0]
+                       for n in (256, 512))
         # per layer: a n + b n^2 at n = 256 and 512; b is the bytes of a (query, key) pair
-        grown[dtype] = (long / 2 / 512 - short / 2 / 256) / 256
-    shape = ModelShape.from_hf(_config("gemma2", 2).to_dict())
+        grown[dtype] = (long / 512 - short / 256) / 256
+    shape = ModelShape.from_hf(_config("gemma2").to_dict())
     assert shape.attn_bytes_per_square_token() == 8 * 4 + 1
     for dtype, b in grown.items():
         assert b == pytest.approx(shape.attn_bytes_per_square_token(), abs=0.5), (dtype, b)
