@@ -97,6 +97,8 @@ def test_the_preflight_holds_a_server_gpu_against_what_is_free_on_it(monkeypatch
     """nvidia-smi's lines as text (the format tests/unit/test_gpu_memory.py reads): GPU 1, the
     server's, is nearly full with another process; the trainer's GPU 0 is free. A server
     sharing the trainer's GPU is counted in the trainer's estimate instead (one note)."""
+    pytest.importorskip("fastapi", reason="grpo's preflight first checks that the server extra "
+                        "(fastapi, uvicorn) is installed, as the README's test command installs")
     smi = "0, GPU-aaaa1111-0000, 81559, 4\n1, GPU-bbbb2222-0000, 81559, 81000\n"
     monkeypatch.setattr(gpu_memory, "host_gpus", lambda: gpu_memory.parse_gpus(smi))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
