@@ -4,7 +4,8 @@
     python benchmarks/workflow.py --device cuda --shape 1.5b --prompts 64 --new 256
 
 One server (``python -m fsdpfn.rollout``) on a random model: the grpo demo's tiny Qwen2 on the
-CPU (``--shape demo``), a 4-layer one of hidden 512 and 32,000 tokens (``--shape small``), or the Qwen2-1.5B shape in bf16 (``--shape 1.5b``). The same prompts
+CPU (``--shape demo``), a 4-layer one of hidden 512 and 32,000 tokens (``--shape small``), or
+the Qwen2-1.5B shape in bf16 (``--shape 1.5b``). The same prompts
 (random tokens) are generated, ``--n`` samples each, ``--new`` new tokens at temperature 1 with no
 stop token, three ways, each after a warm-up of its own:
 
@@ -137,9 +138,9 @@ def main() -> None:
                        **timed(server, fn)}
                 table.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"device {args.device} (--decode {args.decode}), shape {shape}, {args.prompts} prompts x {args.n} samples, "
-          f"prompts of {args.prompt} tokens, {args.new} new tokens, server threads "
-          f"{args.threads}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
+    print(f"device {args.device} (--decode {args.decode}), shape {shape}, {args.prompts} prompts "
+          f"x {args.n} samples, prompts of {args.prompt} tokens, {args.new} new tokens, "
+          f"server threads {args.threads}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
     print_markdown_table(table, ("how", "episodes", "new tokens"))
 
 
