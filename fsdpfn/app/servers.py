@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fsdpfn.rollout.args import DECODE_MAX_LEN
+
 __all__ = ["check_server_gpus", "decode_cache_args", "describe_servers", "server_cmd",
            "server_records", "start_servers"]
 
@@ -60,15 +62,21 @@ def decode_cache_args(cfg) -> list[str]:
     """Each server's decode cache sized to the run: a slot for each of its share of one step's
     answers (prompts_per_step x group_size over the servers, which the balancer fills evenly; in
     multiples of 8, at most 1,024; rows beyond the slots queue), and, for data files,
-    positions for the longest prompt plus answer the data allows. Left to its default (half of
-    the free memory at start), a server that shares its GPU with the trainer takes memory the
-    trainer needs later, sized for far more rows than a step asks for (BENCHMARKS.md, "The main
-    job": the server cache sizing)."""
+    positions for the longest prompt plus answer the data allows, or a workflow's
+    rollout.max_episode_tokens where that is longer (a later turn's prompt holds the turns before
+    it; a call past the positions is refused). Left to its default (half of the free memory at
+    start), a server that shares its GPU with the trainer takes memory the trainer needs later,
+    sized for far more rows than a step asks for (BENCHMARKS.md, "The main job": the server
+    cache sizing)."""
     rows = -(-cfg.prompts_per_step * cfg.advantage.group_size // cfg.rollout.n_servers)
     args = ["--decode-rows", str(min(1024, max(8, -(-rows // 8) * 8)))]
-    if cfg.data.from_files:
-        args += ["--decode-max-len",
-                 str(cfg.data.max_prompt_tokens + cfg.data.max_response_tokens)]
+    positions = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens \
+        if cfg.data.from_files else None
+    episode = cfg.rollout.max_episode_tokens if cfg.rollout.workflow else None
+    if episode is not None and episode > (positions or DECODE_MAX_LEN):
+        positions = episode
+    if positions is not None:
+        args += ["--decode-max-len", str(positions)]
     return args
 
 

@@ -64,6 +64,8 @@ def _device_problem(device: str, torch) -> str | None:
 PORT = _int_in(0, 65535)
 # --weight-version counts weight changes (-1 marks tokens no weights sampled, in episode.py)
 VERSION = _int_in(0)
+# the decode loop's positions a slot when --decode-max-len is not given
+DECODE_MAX_LEN = 2048
 
 
 def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
@@ -108,7 +110,7 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--decode-rows", type=_int_in(1), default=None,
                    help="rows decoded at once (KV cache slots; default: half the free GPU "
                         "memory, at most 1024)")
-    p.add_argument("--decode-max-len", type=_int_in(2), default=2048,
+    p.add_argument("--decode-max-len", type=_int_in(2), default=DECODE_MAX_LEN,
                    help="prompt plus new tokens of a row, at most (KV cache positions per slot)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode loop without CUDA graphs (eager steps)")

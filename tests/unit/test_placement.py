@@ -106,6 +106,18 @@ def test_the_servers_decode_cache_is_sized_to_one_steps_answers():
     assert flags("grpo", "model.path=/m", "data.train_files=[/d.jsonl]",
                  "data.max_prompt_tokens=700", "data.max_response_tokens=3000",
                  "prompts_per_step=16") == ["--decode-rows", "128", "--decode-max-len", "3700"]
+    # a workflow's turns carry the turns before them: its declared episode length sizes the
+    # positions where it is longer than the data's row (or the server's default of 2048)
+    wf = ("rollout.workflow=examples/workflows.py:check_and_retry", "prompts_per_step=16")
+    data = ("model.path=/m", "data.train_files=[/d.jsonl]", "data.max_prompt_tokens=700",
+            "data.max_response_tokens=300")
+    assert flags("grpo", *wf, *data, "rollout.max_episode_tokens=6000")[-2:] == [
+        "--decode-max-len", "6000"]
+    assert flags("grpo", *wf, *data, "rollout.max_episode_tokens=800")[-2:] == [
+        "--decode-max-len", "1000"]
+    assert flags("grpo", *wf, "rollout.max_episode_tokens=4096") == [
+        "--decode-rows", "128", "--decode-max-len", "4096"]
+    assert flags("grpo", *wf, "rollout.max_episode_tokens=2048") == ["--decode-rows", "128"]
     # several servers: each holds its share of the step (the balancer fills them evenly)
     cfg = default_config("grpo", ["prompts_per_step=16", "rollout.servers=3"])
     cmd = server_cmd(cfg, "m", 0, P.place(cfg, 0, needs_rollout=True))

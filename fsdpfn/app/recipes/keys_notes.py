@@ -120,7 +120,9 @@ NOTES = {
                                     "auto (see the class text)",
     ("RolloutConfig", "workflow_timeout_s"): "bound on one workflow call",
     ("RolloutConfig", "max_episode_tokens"): "longer episode rows are dropped and counted "
-                                             "(null: the model's max_position_embeddings)",
+                                             "(null: the model's max_position_embeddings); "
+                                             "set, it is the servers' --decode-max-len where "
+                                             "longer than the data's row",
     ("RewardConfig", "fn"): "package.module:function or path/to/file.py:function (null: the "
                             "task's built-in reward)",
     ("LaunchConfig", "threads_per_rank"): "CPU threads per trainer rank (OMP_NUM_THREADS)",
