@@ -165,6 +165,36 @@ def test_failing_workflows_score_on_error_are_described_and_keep_their_turns(ser
     assert episodes_batch([raised], 1, max_tokens=3)[1]["episode_rows_dropped"] == 1
 
 
+@pytest.mark.timeout(180)
+def test_a_later_turn_past_the_decode_loops_positions_names_the_key_that_sizes_them(model_dir,
+                                                                                      tok):
+    """A second turn's prompt holds the first turn: past the loop's --decode-max-len the
+    call is refused, and the episode's error names rollout.max_episode_tokens (which the
+    launcher passes as the servers' --decode-max-len); within it, both turns run."""
+    row = {"prompt_ids": tok.encode("what is two plus two"),
+           "feedback_ids": tok.encode("wrong, try again")}
+    prompt, feedback = len(row["prompt_ids"]), len(row["feedback_ids"])
+    assert feedback + 3 >= 5  # the first call (5 new tokens) fits where the second cannot
+    # too short for the second call however short the first answer (it may end early), and
+    # long enough for any first answer
+    for positions, fails in ((prompt + feedback + 3, True), (prompt + 5 + feedback + 4, False)):
+        proc = launch_server(model_dir, health_timeout=120, extra_args=(
+            "--decode", "loop", "--decode-rows", "8", "--decode-max-len", str(positions)))
+        try:
+            (result,) = run_episodes(proc.url, load_workflow(f"{WF}:retry"), [row], 1,
+                                     on_error=-1.0)
+        finally:
+            proc.close()
+        if fails:
+            assert result.reward == -1.0 and len(result.turns) == 1
+            assert f"decode max length {positions} (--decode-max-len)" in result.error
+            assert result.error.endswith("set rollout.max_episode_tokens to the longest "
+                                         "episode (the servers fsdpfn run starts take it as "
+                                         "their --decode-max-len)"), result.error
+        else:
+            assert result.error is None and len(result.turns) == 2, result.error
+
+
 def test_workflows_that_cannot_be_called_are_refused_before_launch():
     for spec, words in (("no_such_module_here:fn", "cannot import"),
                         (f"{WF}:missing", "has no attribute"),

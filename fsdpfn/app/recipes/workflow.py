@@ -149,10 +149,19 @@ def _finish(job, client, value, error, on_error, t0) -> EpisodeResult:
                          own if isinstance(own, int) and not isinstance(own, bool) else None)
 
 
+# the decode loop's refusal of a call past its positions (fsdpfn.rollout.generation): a later
+# turn's prompt holds the turns before it, and the key that sizes the positions is the run's
+PAST_POSITIONS = "(--decode-max-len)"
+POSITIONS_HINT = ("; a later turn's prompt holds the turns before it: set "
+                  "rollout.max_episode_tokens to the longest episode (the servers fsdpfn run "
+                  "starts take it as their --decode-max-len)")
+
+
 def _describe(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, (asyncio.TimeoutError, concurrent.futures.TimeoutError)):
         return f"timeout: no result within {timeout_s} s"
-    return f"raised {W.describe(exc)}"
+    text = f"raised {W.describe(exc)}"
+    return text + POSITIONS_HINT if PAST_POSITIONS in text else text
 
 
 async def _run_async(url, workflow, jobs, seeds, timeout_s, on_error) -> list[EpisodeResult]:
