@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _table import print_markdown_table  # noqa: E402 - benchmarks/ is this script's folder
 from fsdpfn.rollout import generate, launch_server  # noqa: E402
+from rollout import QWEN2_1_5B  # noqa: E402 - benchmarks/rollout.py's shape
 
 SHAPES = {"demo": dict(vocab_size=32, hidden_size=128, intermediate_size=512,
                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
@@ -43,9 +44,7 @@ SHAPES = {"demo": dict(vocab_size=32, hidden_size=128, intermediate_size=512,
           "small": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                         max_position_embeddings=2048, tie_word_embeddings=True),
-          "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       max_position_embeddings=4096, tie_word_embeddings=True)}
+          "1.5b": QWEN2_1_5B}
 
 
 def build_model(path: str, shape: str, dtype: torch.dtype) -> None:

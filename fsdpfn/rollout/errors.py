@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import math
 
+# how the decode loop's refusal of a row past its positions names them; a client that describes
+# the refusal (fsdpfn.app.recipes.workflow) finds it by this text, which crosses HTTP
+PAST_POSITIONS = "(--decode-max-len)"
+
 __all__ = ["UpdateError", "check_flags", "check_rid", "request_timeout", "group_name",
            "group_args", "check_temperature", "GREEDY_BELOW", "SEED_END"]
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from fsdpfn.rollout.errors import UpdateError
+from fsdpfn.rollout.errors import PAST_POSITIONS, UpdateError
 from fsdpfn.rollout.sampling import Penalties, SamplingParams
 
 __all__ = ["build_decoder", "check_decode", "hf_generate"]
@@ -82,7 +82,7 @@ def check_decode(decoder, prompts: list[list[int]], sp: SamplingParams,
     if longest + sp.max_new_tokens > limit:
         raise UpdateError(f"sampling_params.max_new_tokens: prompt length plus "
                           f"max_new_tokens must be <= the server's decode max length "
-                          f"{limit} (--decode-max-len), got {longest} + "
+                          f"{limit} {PAST_POSITIONS}, got {longest} + "
                           f"{sp.max_new_tokens}")
     if len(sp.stop_token_ids) > MAX_STOPS:
         raise UpdateError(f"sampling_params.stop_token_ids: must hold at most {MAX_STOPS} "

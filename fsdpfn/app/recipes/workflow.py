@@ -41,6 +41,7 @@ from fsdpfn import keys as K
 from fsdpfn.errors import ConfigError
 from fsdpfn.ops import group_advantages
 from fsdpfn.app.recipes import _reward_worker as W
+from fsdpfn.rollout.errors import PAST_POSITIONS
 from fsdpfn.rollout.episode import episode_rows
 
 __all__ = ["Workflow", "load_workflow", "EpisodeResult", "run_episodes", "episodes_batch",
@@ -149,9 +150,8 @@ def _finish(job, client, value, error, on_error, t0) -> EpisodeResult:
                          own if isinstance(own, int) and not isinstance(own, bool) else None)
 
 
-# the decode loop's refusal of a call past its positions (fsdpfn.rollout.generation): a later
+# what a decode loop's refusal of a call past its positions (PAST_POSITIONS) adds: a later
 # turn's prompt holds the turns before it, and the key that sizes the positions is the run's
-PAST_POSITIONS = "(--decode-max-len)"
 POSITIONS_HINT = ("; a later turn's prompt holds the turns before it: set "
                   "rollout.max_episode_tokens to the longest episode (the servers fsdpfn run "
                   "starts take it as their --decode-max-len)")
