@@ -125,7 +125,7 @@ def main():
     integrity.local_checksums(state_dict)  # warm-up
     for _ in range(args.rounds):
         measure("device checksum pass alone", lambda: integrity.local_checksums(state_dict))
-    del state_dict
+    state_dict = None
     size = 0
     for r in range(args.rounds):
         for checked in ((False, True) if r % 2 == 0 else (True, False)):

@@ -129,7 +129,7 @@ def measure(layout: str, length: int, model: dict, sequences: int = 2, state_nam
             raise
         row.update({"forward_logp s": "OOM", "ppo_step s": "OOM"})
     finally:
-        del state
+        state = None
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()

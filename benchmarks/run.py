@@ -239,7 +239,7 @@ def bench_forward(cfg: dict):
     sec = timed(naive, iters=5)
     record("forward", "naive HF full logits", ms=round(sec * 1e3, 1),
            peak_extra_gib=round(peak_gib(base), 2))
-    del model
+    model = None  # freed (the closure above holds the name, not the model)
     variants = [("default", {}), ("fused_kernels=False", {"fused": False}),
                 ("chunk 4096", {"chunk": 4096}),
                 ("reshard_after_forward=False", {"reshard": False})]
@@ -255,7 +255,7 @@ def bench_forward(cfg: dict):
         record("forward", f"forward_logp {name}", ms=round(sec * 1e3, 1),
                ms_gpu_batch=round(sec_gpu * 1e3, 1), peak_extra_gib=round(peak_gib(base), 2),
                max_abs_diff_vs_default=diff)
-        del state
+        state = None
 
 
 def ppo_cfg():
@@ -278,7 +278,7 @@ def bench_ppo(cfg: dict, rate: float, *, budget=16384, naive=True, n_seqs=64, ac
     def step():
         holder["state"], _ = ff.ppo_step(holder["state"], local, ppo_cfg())
 
-    base = reset_peak()
+    reset_peak()
     sec = timed(step, warmup=1, iters=3)
     tok = sum(local_lens)
     mfu = train_flops(cfg, local_lens) / sec / (rate * 1e12)
@@ -289,7 +289,7 @@ def bench_ppo(cfg: dict, rate: float, *, budget=16384, naive=True, n_seqs=64, ac
            real_tokens_per_gpu=tok, s=round(sec, 3),
            tokens_per_s_per_gpu=round(tok / sec), mfu=round(mfu, 3),
            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
-    del holder, state
+    holder = state = None
 
 
 def bench_naive_step(cfg, batch, lens, rate, rows_per_mb=4):
@@ -319,14 +319,14 @@ def bench_naive_step(cfg, batch, lens, rate, rows_per_mb=4):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    base = reset_peak()
+    reset_peak()
     sec = timed(step, warmup=1, iters=2)
     tok = sum(lens)
     record("ppo", "naive padded HF step (bf16 weights+Adam, 4 rows/mb, sdpa, fp32 logits)",
            real_tokens_per_gpu=tok, s=round(sec, 3), tokens_per_s_per_gpu=round(tok / sec),
            mfu=round(train_flops(cfg, lens) / sec / (rate * 1e12), 3),
            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
-    del model, opt
+    model = opt = None
 
 
 def bench_tp(cfg: dict):
@@ -346,7 +346,7 @@ def bench_tp(cfg: dict):
             sec = timed(lambda: ff.forward_logp(state, local))
             record("tp", f"forward_logp {name} {dtype}", ms=round(sec * 1e3, 1),
                    peak_extra_gib=round(peak_gib(base), 2))
-            del state
+            state = None
         diff = (out["dp2", dtype] - out["tp2", dtype]).abs()
         record("tp", f"|logp dp2 - logp tp2| {dtype}", max=float(diff.max()),
                mean=float(diff.mean()), mean_abs_logp=float(out["dp2", dtype].abs().mean()))
