@@ -78,12 +78,25 @@ def critic_dirs(tmp_path_factory):
 
 
 def _hf_head(model_dir: str, batch, dtype=torch.float64):
-    """The model's own eager head output [B, T] (row by row, no padding) and the model."""
+    """The model's own eager head output [B, T] (0 on padding) and the model.
+
+    Row by row, unpadded: a padded row's queries past its end see no key inside a sliding
+    window, and their NaNs reach the real tokens of the next layer in float64. A model whose
+    rotary frequencies follow the highest position (dynamic NTK, longrope) runs on the
+    right-padded batch instead, as forward_logp's reference does: every row rotates with the
+    batch's highest position, which row by row would hold only where transformers keeps the
+    longest length a module has seen (5.25 does, 5.0 does not)."""
     from transformers import AutoModelForTokenClassification
 
     model = AutoModelForTokenClassification.from_pretrained(model_dir, dtype=dtype,
                                                             attn_implementation="eager")
     model.eval()
+    attn = batch[K.ATTENTION_MASK]
+    if any("dynamic" in str(kind) or "longrope" in str(kind)
+           for kind in (getattr(m, "rope_type", None) for m in model.modules()) if kind):
+        heads = model(input_ids=batch[K.INPUT_IDS], attention_mask=attn.long(),
+                      use_cache=False).logits[..., 0]
+        return torch.where(attn, heads, torch.zeros((), dtype=heads.dtype)), model
     heads = torch.zeros(batch.batch_size[0], batch[K.INPUT_IDS].shape[1], dtype=dtype)
     for b, n in enumerate(LENGTHS):
         out = model(input_ids=batch[K.INPUT_IDS][b:b + 1, :n]).logits[0, :, 0]
