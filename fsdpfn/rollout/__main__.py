@@ -40,6 +40,7 @@ def _serve(args, listening) -> None:
     import torch
     import uvicorn
 
+    from fsdpfn.engine.host import freeze_long_lived
     from fsdpfn.rollout.engine import RolloutEngine
     from fsdpfn.rollout.server import build_app
 
@@ -72,7 +73,9 @@ def _serve(args, listening) -> None:
     print(f"fsdpfn.rollout: serving {args.model} ({engine.dtype}, {device}{dummy}) on "
           f"http://{host}:{listening.getsockname()[1]} (update channel: "
           f"{engine.receiver.channel_port}) pid {os.getpid()}", flush=True)
-    uvicorn.Server(uvicorn.Config(build_app(engine), log_level=args.log_level)).run(
+    app = build_app(engine)
+    freeze_long_lived()  # the model, the engine, the app: alive until the server ends
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(
         sockets=[listening])
 
 

@@ -45,6 +45,7 @@ from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunConte
 from fsdpfn.app.recipes.rollout_stage import build_rollout, sampling, score
 from fsdpfn.app.recipes.task import sequences_batch
 from fsdpfn.app.run_dir import read_progress  # re-exported: its home is run_dir
+from fsdpfn.engine.host import freeze_long_lived
 from fsdpfn.engine.timing import Phases, peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
@@ -305,6 +306,7 @@ def _train(cfg, ctx: RunContext, mesh, tok, metrics, actor, ref, critic, target,
                    enabled=cfg.log.progress)
     step, stop = start, False
     saves = Checkpoints(cfg.checkpoint)
+    freeze_long_lived()  # the engines, the server's target, the data: alive until the end
     t_run = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
         evaluate = held_out is not None and bool(cfg.eval.every) and (  # as supervised._loop

@@ -30,6 +30,7 @@ from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.app.recipes.runtime import Checkpoints, Metrics, Progress, RunContext, is_main, \
     log, mean_sequence_prob, step_stats, with_checkpoint
 from fsdpfn.app.recipes.task import sequences_batch
+from fsdpfn.engine.host import freeze_long_lived
 
 __all__ = ["run_sft", "run_rw", "run_dpo", "nll_loss", "pairwise_loss"]
 
@@ -97,6 +98,7 @@ def _loop(cfg, ctx: RunContext, state, *, source, per_step: int, make_batch, ste
                       wandb=cfg.log.wandb)
     bar = Progress(phase, cfg.steps, start=start, every=cfg.log.every, enabled=cfg.log.progress)
     saves = Checkpoints(cfg.checkpoint)
+    freeze_long_lived()  # the engine and the data: alive until the end
     began = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
