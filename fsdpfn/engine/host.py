@@ -1,11 +1,9 @@
 """What the host offers the engine: its available memory (torch-free, so the recipe's preflight
-reads it before anything is built), and a process's garbage collector told what lives for good."""
+reads it before anything is built)."""
 
 from __future__ import annotations
 
-import gc
-
-__all__ = ["available_host_memory", "freeze_long_lived"]
+__all__ = ["available_host_memory"]
 
 
 def available_host_memory() -> int | None:
@@ -20,17 +18,3 @@ def available_host_memory() -> int | None:
     except OSError:
         pass
     return None
-
-
-def freeze_long_lived() -> None:
-    """Collect once, then move every object alive now out of the garbage collector's reach
-    (``gc.freeze``): a long-running process of ours (a trainer rank at its loop's start, the
-    rollout server once its model is loaded) holds some 400,000 objects of torch, transformers
-    and its own setup that live until it ends, and every full collection walked them all (0.2
-    to 0.3 s on a CPU core, during which the process, its other threads and the ranks waiting
-    on it in a collective stand still). Later objects are collected as before. What was alive
-    here and becomes cyclic garbage later is never collected, so call it where what is alive
-    stays: after the setup, not inside a step. BENCHMARKS.md (Garbage collection) has the
-    measurements."""
-    gc.collect()
-    gc.freeze()

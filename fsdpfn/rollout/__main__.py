@@ -40,7 +40,7 @@ def _serve(args, listening) -> None:
     import torch
     import uvicorn
 
-    from fsdpfn.engine.host import freeze_long_lived
+    from fsdpfn.wire.lifeline import freeze_long_lived
     from fsdpfn.rollout.engine import RolloutEngine
     from fsdpfn.rollout.server import build_app
 

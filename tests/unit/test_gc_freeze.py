@@ -1,4 +1,4 @@
-"""fsdpfn.engine.host.freeze_long_lived: what is alive when a long-running process of ours has set
+"""fsdpfn.wire.lifeline.freeze_long_lived: what is alive when a long-running process of ours has set
 up leaves the collector's reach, what was already garbage is freed first, and what comes later
 is collected as before."""
 
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from fsdpfn.engine.host import freeze_long_lived
+from fsdpfn.wire.lifeline import freeze_long_lived
 
 
 class _Node:

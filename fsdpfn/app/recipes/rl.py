@@ -45,10 +45,10 @@ from fsdpfn.app.recipes.runtime import (Checkpoints, Metrics, Progress, RunConte
 from fsdpfn.app.recipes.rollout_stage import build_rollout, sampling, score
 from fsdpfn.app.recipes.task import sequences_batch
 from fsdpfn.app.run_dir import read_progress  # re-exported: its home is run_dir
-from fsdpfn.engine.host import freeze_long_lived
 from fsdpfn.engine.timing import Phases, peak_tflops
 from fsdpfn.rollout.balance import generate_balanced
 from fsdpfn.weights import RolloutTarget, push_weights
+from fsdpfn.wire.lifeline import freeze_long_lived
 
 __all__ = ["run", "warmup", "greedy_reward", "wait_for_servers", "read_progress"]
 

@@ -30,7 +30,7 @@ from fsdpfn.app.recipes.model import initial_model_dir, load_tokenizer
 from fsdpfn.app.recipes.runtime import Checkpoints, Metrics, Progress, RunContext, is_main, \
     log, mean_sequence_prob, step_stats, with_checkpoint
 from fsdpfn.app.recipes.task import sequences_batch
-from fsdpfn.engine.host import freeze_long_lived
+from fsdpfn.wire.lifeline import freeze_long_lived
 
 __all__ = ["run_sft", "run_rw", "run_dpo", "nll_loss", "pairwise_loss"]
 
