@@ -40,9 +40,9 @@ def _serve(args, listening) -> None:
     import torch
     import uvicorn
 
-    from fsdpfn.wire.lifeline import freeze_long_lived
     from fsdpfn.rollout.engine import RolloutEngine
     from fsdpfn.rollout.server import build_app
+    from fsdpfn.wire.lifeline import freeze_long_lived
 
     problem = None if args.device is None else _device_problem(args.device, torch)
     if problem is not None:  # one line, before the model is waited for or loaded

@@ -19,8 +19,12 @@ class _Node:
 
 @pytest.fixture
 def unfrozen():
+    """No automatic collection inside the test (it would free the garbage the freeze's own
+    collection must free), and nothing frozen before or after it."""
     gc.unfreeze()
+    gc.disable()
     yield
+    gc.enable()
     gc.unfreeze()  # the permanent generation back to the collector for the tests after this
 
 
