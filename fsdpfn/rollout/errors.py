@@ -10,7 +10,7 @@ import math
 PAST_POSITIONS = "(--decode-max-len)"
 
 __all__ = ["UpdateError", "check_flags", "check_rid", "request_timeout", "group_name",
-           "group_args", "check_temperature", "GREEDY_BELOW", "SEED_END"]
+           "group_args", "check_temperature", "GREEDY_BELOW", "SEED_END", "PAST_POSITIONS"]
 
 GREEDY_BELOW = 1e-6  # SGLang's rule: a temperature below it is greedy (fsdpfn.validators
 # holds the trainer's side of it, TEMPERATURE_MIN; tests/unit/test_float_ranges.py: equal)

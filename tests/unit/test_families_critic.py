@@ -24,6 +24,7 @@ from tensordict import TensorDict
 import fsdpfn as ff
 from fsdpfn import keys as K
 from fsdpfn.engine.families import CRITIC_VERIFIED, VERIFIED
+from fsdpfn.engine.packed import length_dependent_rotaries
 from fsdpfn.errors import ConfigError
 from fsdpfn.testing.models import REFERENCE_STEP, hf_config_of, tiny_family_configs
 from fsdpfn.testing.strategies import batch_from_lengths
@@ -92,8 +93,7 @@ def _hf_head(model_dir: str, batch, dtype=torch.float64):
                                                             attn_implementation="eager")
     model.eval()
     attn = batch[K.ATTENTION_MASK]
-    if any("dynamic" in str(kind) or "longrope" in str(kind)
-           for kind in (getattr(m, "rope_type", None) for m in model.modules()) if kind):
+    if length_dependent_rotaries(model):
         heads = model(input_ids=batch[K.INPUT_IDS], attention_mask=attn.long(),
                       use_cache=False).logits[..., 0]
         return torch.where(attn, heads, torch.zeros((), dtype=heads.dtype)), model
