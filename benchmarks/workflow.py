@@ -17,13 +17,19 @@ stop token, three ways, each after a warm-up of its own:
   an episode on one event loop.
 
 Each row gives the wall time, the generated tokens/s, the server's decode steps and their seconds
-(from /get_model_info), and the wall outside them: what the requests, the clients and the
-threads cost beside the model.
+(from /get_model_info), the wall outside them (what the requests, the clients and the threads
+cost beside the model), and this process's garbage collection: the full collections and the
+seconds of every collection during the row.
+
+Once the server is up, this process collects and freezes what is alive
+(``fsdpfn.wire.lifeline.freeze_long_lived``), as the trainer ranks of ``fsdpfn run`` do at their
+loop's start; ``--no-freeze`` leaves it out (a loop of a user's own that does not freeze).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -69,18 +75,42 @@ async def one_call_async(client, row):
     return float(len(out.choices[0].token_ids))
 
 
+class GcClock:
+    """Every collection of this process, timed through ``gc.callbacks``."""
+
+    def __init__(self):
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._t0
+        self.full += info["generation"] == 2
+
+    def reset(self) -> None:
+        self.seconds, self.full = 0.0, 0
+
+
+GC = GcClock()
+
+
 def timed(server, fn) -> dict:
     before = server.get("/get_model_info").get("decode_stats") or {}
+    GC.reset()
     t0 = time.perf_counter()
     tokens = fn()
     wall = time.perf_counter() - t0
+    collections = (GC.full, GC.seconds)
     after = server.get("/get_model_info").get("decode_stats") or {}
     steps = after.get("steps", 0) - before.get("steps", 0)
     seconds = after.get("seconds", 0) - before.get("seconds", 0)
     prefill = after.get("prefill_seconds", 0) - before.get("prefill_seconds", 0)
     return {"wall (s)": f"{wall:.2f}", "generated tokens/s": f"{tokens / wall:,.0f}",
             "decode steps": steps, "steps (s)": f"{seconds:.2f}", "prefill (s)": f"{prefill:.2f}",
-            "outside (s)": f"{wall - seconds - prefill:.2f}"}
+            "outside (s)": f"{wall - seconds - prefill:.2f}",
+            "full collections": collections[0], "collections (s)": f"{collections[1]:.2f}"}
 
 
 def main() -> None:
@@ -97,6 +127,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="the server's CPU threads")
     p.add_argument("--decode", default="auto", choices=("auto", "loop", "hf"),
                    help="the server's --decode (auto: the loop on CUDA, HF generate on the CPU)")
+    p.add_argument("--no-freeze", action="store_true",
+                   help="do not freeze what this process holds once the server is up")
     args = p.parse_args()
     shape = args.shape or ("demo" if args.device == "cpu" else "1.5b")
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -116,6 +148,10 @@ def main() -> None:
         with launch_server(tmp, device=args.device, dtype=str(dtype).split(".")[1],
                            threads=args.threads, health_timeout=900,
                            extra_args=extra) as server:
+            if not args.no_freeze:
+                from fsdpfn.wire.lifeline import freeze_long_lived
+
+                freeze_long_lived()
             def batched():
                 out = generate(server.url, prompts, n=args.n, max_new_tokens=args.new,
                                temperature=1.0)
@@ -139,7 +175,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     print(f"device {args.device} (--decode {args.decode}), shape {shape}, {args.prompts} prompts "
           f"x {args.n} samples, prompts of {args.prompt} tokens, {args.new} new tokens, "
-          f"server threads {args.threads}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
+          f"server threads {args.threads}, frozen after setup: {not args.no_freeze}, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPU cores")
     print_markdown_table(table, ("how", "episodes", "new tokens"))
 
 
