@@ -17,7 +17,8 @@ stop token, three ways, each after a warm-up of its own:
   an episode on one event loop.
 
 Each row gives the wall time, the generated tokens/s, the server's decode steps and their seconds
-(from /get_model_info), the wall outside them (what the requests, the clients and the threads
+(from /get_model_info), its prefill's seconds and prompts (the decode loop prefills equal prompts
+admitted together once), the wall outside them (what the requests, the clients and the threads
 cost beside the model), and this process's garbage collection: the full collections and the
 seconds of every collection during the row.
 
@@ -107,8 +108,10 @@ def timed(server, fn) -> dict:
     steps = after.get("steps", 0) - before.get("steps", 0)
     seconds = after.get("seconds", 0) - before.get("seconds", 0)
     prefill = after.get("prefill_seconds", 0) - before.get("prefill_seconds", 0)
+    prompts = after.get("prefill_prompts", 0) - before.get("prefill_prompts", 0)
     return {"wall (s)": f"{wall:.2f}", "generated tokens/s": f"{tokens / wall:,.0f}",
             "decode steps": steps, "steps (s)": f"{seconds:.2f}", "prefill (s)": f"{prefill:.2f}",
+            "prompts prefilled": prompts,
             "outside (s)": f"{wall - seconds - prefill:.2f}",
             "full collections": collections[0], "collections (s)": f"{collections[1]:.2f}"}
 

@@ -12,20 +12,20 @@ What is ours: the KV cache and attention (fsdpfn/rollout/slot_model.py), the tok
 (fsdpfn/rollout/device_sampling.py), and the scheduling below (its rows, slots, per-slot device
 state and graph capture in fsdpfn/rollout/decode_rows.py).
 
-Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]).
-A request's n samples of one prompt are prefilled once (one forward of the prompt) and the
-prompt's KV is copied into their n slots (prefix sharing). With the Triton attention the rows
-of a group read that KV from the group's first slot, so it leaves HBM about once per step for
-the n rows instead of once each (SlotModel.set_shared: the slots holding one prefill's copy
-form a group, rebuilt when rows come or go; a row whose KV is recomputed after a weight swap
+Layout. ``slots`` rows, each a KV cache of ``max_len`` positions per layer ([S, kv_heads, L, D]). A
+request's n samples of one prompt are prefilled once (one forward of the prompt) and the prompt's
+KV is copied into their n slots (prefix sharing); so are the rows of equal prompts (the same ids)
+of requests admitted together, such as a workflow's episodes of one data row. With the Triton
+attention the rows of a group read that KV from the group's first slot, so it leaves HBM about once
+per step for the n rows instead of once each (SlotModel.set_shared: the slots holding one prefill's
+copy form a group, rebuilt when rows come or go; a row whose KV is recomputed after a weight swap
 leaves its group, its copy no longer the same bits). Decode runs one token for slots [0, R) per
-step; R and the attended length are rounded up to buckets, so each (R, length, truncation,
-sharing on or off) is one shape. The step (forward on [R, 1], sampling, bookkeeping: stop
-tokens, lengths, token and log-prob buffers) touches only device tensors, so on CUDA it is
-captured once per shape in a CUDA graph and replayed with one host call; the host reads the
-small per-slot state every ``sync_every`` steps (or sooner, when a row is due to end), returns
-finished rows and lets queued rows take free slots (continuous batching: requests of any client
-share the steps).
+step; R and the attended length are rounded up to buckets, so each (R, length, truncation, sharing
+on or off) is one shape. The step (forward on [R, 1], sampling, bookkeeping: stop tokens, lengths,
+token and log-prob buffers) touches only device tensors, so on CUDA it is captured once per shape
+in a CUDA graph and replayed with one host call; the host reads the small per-slot state every
+``sync_every`` steps (or sooner, when a row is due to end), returns finished rows and lets queued
+rows take free slots (continuous batching: requests of any client share the steps).
 
 Versions. The loop holds the engine's model lock for a chunk of steps and releases it between
 chunks, so a weight swap lands between two steps. Each token is tagged with the weights version
@@ -61,7 +61,8 @@ import torch
 
 from fsdpfn.rollout import draw_kernel
 from fsdpfn.rollout.decode_rows import (MAX_STOPS, Request, Slot, State, bucket, capture,
-                                        distinct_prompts, right_padded, share_groups)
+                                        distinct_prompts, prompt_key, right_padded,
+                                        share_groups)
 from fsdpfn.rollout.device_sampling import row_seed, sample
 from fsdpfn.rollout.slot_model import SUPPORTED, SlotModel, unsupported_reason
 
@@ -109,6 +110,7 @@ class Decoder:
         # the slots that hold one prompt's KV (prefilled once, copied to its samples' slots)
         # read it from the group's first slot (SlotModel.set_shared): rebuilt when rows come or go
         self.prefills = 0
+        self.prefill_prompts = 0  # distinct prompts prefilled (for benchmarks, tests)
         self.shared_steps = 0  # decode steps run with shared prompts (for benchmarks, tests)
         self.prefill_seconds = 0.0  # admitting rows: their prompts' prefill and first draw
         self.groups_stale = False
@@ -315,7 +317,7 @@ class Decoder:
 
     def _admit(self, version: int) -> None:
         """Queued rows take free slots (lowest first); each prompt is prefilled once for all of
-        its rows admitted now."""
+        its rows admitted now, whichever requests they belong to (equal ids, one prefill)."""
         free = [s for s in range(self.slots) if self.table[s] is None]
         taken: list[tuple[Request, int, int]] = []  # (request, row, slot)
         with self.cond:
@@ -327,9 +329,9 @@ class Decoder:
                     request.next_row += 1
                 if request.next_row == len(request.rows):
                     self.pending.pop(0)
-        groups: dict[tuple[int, int], list] = {}  # the rows of each prompt, in order
+        groups: dict[tuple[int, ...], list] = {}  # the rows of each prompt, in order
         for request, row, s in taken:
-            groups.setdefault((id(request), request.rows[row][0]), []).append((request, row, s))
+            groups.setdefault(prompt_key(request, row), []).append((request, row, s))
         chunk, width, n_prompts = [], 0, 0
         for items in groups.values():  # prefill chunks of at most prefill_tokens padded tokens
             request, row, _ = items[0]
@@ -373,6 +375,7 @@ class Decoder:
         st.stops[slots], st.max_new[slots], st.stopped[slots] = stops, max_new, stopped
         st.active[slots] = ~stopped & (max_new > 1)
         self.prefills += 1
+        self.prefill_prompts += len(prompts)
         for (request, row, s), n, i in zip(items, lengths[src].tolist(), src.tolist()):
             self.table[s] = Slot(request, row, n, version)
             self.table[s].share = ((self.prefills, i), n)  # one KV copy per distinct prompt

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 __all__ = ["Request", "Slot", "State", "capture", "share_groups", "distinct_prompts",
-           "right_padded", "bucket", "MAX_STOPS"]
+           "prompt_key", "right_padded", "bucket", "MAX_STOPS"]
 
 log = logging.getLogger("fsdpfn.rollout")
 
@@ -23,6 +23,9 @@ MAX_STOPS = 32  # stop token ids per request
 class Request:
     def __init__(self, prompts: list[list[int]], sp, aborted: set[int] | None = None):
         self.prompts, self.sp = prompts, sp
+        # what admission tells prompts apart by: their ids, so that equal prompts of requests
+        # admitted together (a workflow's episodes of one data row) are prefilled once
+        self.keys = [tuple(p) for p in prompts]
         self.rows = [(i, j) for i in range(len(prompts)) for j in range(sp.n)]  # prompt-major
         self.next_row = 0
         # rows the engine's abort marked (shared with it; read by the scheduler), and the
@@ -116,18 +119,25 @@ def share_groups(table: list, live: list[int]) -> list[tuple[int, list[int]]]:
     return list(groups.values())
 
 
+def prompt_key(request: Request, row: int) -> tuple[int, ...]:
+    """The ids of a row's prompt: rows with equal keys, of one request or several, share one
+    prefill and one KV copy."""
+    return request.keys[request.rows[row][0]]
+
+
 def distinct_prompts(items: list[tuple[Request, int, int]]
-                      ) -> tuple[list[list[int]], list[int]]:
-    """The distinct prompts of (request, row, slot) ``items`` in order of first use, and for
-    each item the index of its prompt among them."""
-    keys: dict[tuple[int, int], int] = {}
-    prompts = []
+                     ) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts (by their ids) of (request, row, slot) ``items`` in order of first
+    use, and for each item the index of its prompt among them."""
+    keys: dict[tuple[int, ...], int] = {}
+    prompts, src = [], []
     for request, row, _ in items:
-        p = request.rows[row][0]
-        if (id(request), p) not in keys:
-            keys[(id(request), p)] = len(prompts)
-            prompts.append(request.prompts[p])
-    return prompts, [keys[(id(r), r.rows[w][0])] for r, w, _ in items]
+        key = prompt_key(request, row)
+        if key not in keys:
+            keys[key] = len(prompts)
+            prompts.append(request.prompts[request.rows[row][0]])
+        src.append(keys[key])
+    return prompts, src
 
 
 def right_padded(rows: list[list[int]]) -> torch.Tensor:

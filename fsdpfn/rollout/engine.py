@@ -178,7 +178,8 @@ class RolloutEngine:
                     "steps": self._decoder.steps, "seconds": self._decoder.step_seconds,
                     "graphs": len(self._decoder.graphs),
                     "shared_steps": self._decoder.shared_steps,
-                    "prefill_seconds": self._decoder.prefill_seconds},
+                    "prefill_seconds": self._decoder.prefill_seconds,
+                    "prefill_prompts": self._decoder.prefill_prompts},
                 "tokenizer_path": self.model_path if self.tokenizer is not None else None,
                 "preferred_sampling_params": None, "eos_token_ids": self.eos_ids,
                 "params": {n: {"dtype": dtype_name(p.dtype), "shape": list(p.shape)}

@@ -172,6 +172,46 @@ def test_concurrent_requests_share_decode_steps(model_dir):
 
 
 @pytest.mark.timeout(120)
+def test_equal_prompts_of_requests_admitted_together_are_prefilled_once(model_dir):
+    """A workflow's episodes of one data row send the same prompt as requests of their own.
+    Queued together, they are admitted together: each distinct prompt is prefilled once and its
+    slots form one sharing group, across requests; prompts of equal length but other ids stay
+    apart. Every row's log-probs still equal the float64 forward, greedy rows HF generate."""
+    engine, hf = _engine(model_dir, rows=16), _engine(model_dir, decode="hf")
+    decoder = engine._decoder  # noqa: SLF001
+    same, other = [5, 6, 7], [5, 6, 8]  # equal length, one id apart
+    asks = [([same, PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=6, n=2)),
+            ([same], SamplingParams(temperature=0.8, max_new_tokens=6, n=3, seed=3)),
+            ([list(same), other], SamplingParams(temperature=1.0, max_new_tokens=6, n=1))]
+    results, groups = [None] * len(asks), []
+    real = decoder.net.set_shared
+
+    def spy(pairs):
+        groups.append([sorted(slots) for _, slots in pairs])
+        return real(pairs)
+    decoder.net.set_shared = spy
+
+    def client(i):
+        results[i] = engine.generate(*asks[i])
+    with engine._model_lock:  # noqa: SLF001 - hold the scheduler until all are queued
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(decoder.pending) < len(asks) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    for t in threads:
+        t.join(60)
+    assert engine.info()["decode_stats"]["prefill_prompts"] == 3  # same, PROMPTS[1], other
+    # slots in admission order: request 0 (same x2, PROMPTS[1] x2), 1 (same x3), 2 (same, other)
+    assert groups[0] == [[0, 1, 4, 5, 6, 7], [2, 3], [8]]
+    for (prompts, sp), result in zip(asks, results):
+        _assert_logps(engine, prompts, result, sp.temperature)
+    want = hf.generate(*asks[0])["outputs"]
+    assert [o["output_ids"] for o in results[0]["outputs"]] == [w["output_ids"] for w in want]
+
+
+@pytest.mark.timeout(120)
 def test_weight_swap_lands_between_steps_and_each_token_names_its_version(model_dir, tmp_path):
     """An update from disk while a request decodes: it takes the model lock between two chunks;
     the tokens before carry version 0, those after version 1, and each log-prob is that of the
