@@ -329,7 +329,7 @@ class Decoder:
                     request.next_row += 1
                 if request.next_row == len(request.rows):
                     self.pending.pop(0)
-        groups: dict[tuple[int, ...], list] = {}  # the rows of each prompt, in order
+        groups: dict = {}  # the rows of each prompt (by its ids), in order
         for request, row, s in taken:
             groups.setdefault(prompt_key(request, row), []).append((request, row, s))
         chunk, width, n_prompts = [], 0, 0

@@ -5,6 +5,7 @@ capture of a step, and the small helpers of admission (distinct prompts, padding
 
 from __future__ import annotations
 
+import array
 import logging
 import threading
 import time
@@ -24,8 +25,9 @@ class Request:
     def __init__(self, prompts: list[list[int]], sp, aborted: set[int] | None = None):
         self.prompts, self.sp = prompts, sp
         # what admission tells prompts apart by: their ids, so that equal prompts of requests
-        # admitted together (a workflow's episodes of one data row) are prefilled once
-        self.keys = [tuple(p) for p in prompts]
+        # admitted together (a workflow's episodes of one data row) are prefilled once. As
+        # bytes (the engine checked each id is in [0, vocab)): hashed once, compared by memcmp
+        self.keys = [array.array("q", p).tobytes() for p in prompts]
         self.rows = [(i, j) for i in range(len(prompts)) for j in range(sp.n)]  # prompt-major
         self.next_row = 0
         # rows the engine's abort marked (shared with it; read by the scheduler), and the
@@ -119,7 +121,7 @@ def share_groups(table: list, live: list[int]) -> list[tuple[int, list[int]]]:
     return list(groups.values())
 
 
-def prompt_key(request: Request, row: int) -> tuple[int, ...]:
+def prompt_key(request: Request, row: int) -> bytes:
     """The ids of a row's prompt: rows with equal keys, of one request or several, share one
     prefill and one KV copy."""
     return request.keys[request.rows[row][0]]
@@ -129,7 +131,7 @@ def distinct_prompts(items: list[tuple[Request, int, int]]
                      ) -> tuple[list[list[int]], list[int]]:
     """The distinct prompts (by their ids) of (request, row, slot) ``items`` in order of first
     use, and for each item the index of its prompt among them."""
-    keys: dict[tuple[int, ...], int] = {}
+    keys: dict[bytes, int] = {}
     prompts, src = [], []
     for request, row, _ in items:
         key = prompt_key(request, row)
