@@ -148,10 +148,10 @@ def _prompt_as_body(kwargs: dict) -> dict:
     iterable prompt (ids, texts, lists of ids) goes into the body through ``extra_body``, which
     the client sends as given; an ``extra_body`` ``prompt`` of the caller's own still wins."""
     prompt = kwargs.get("prompt")
-    if prompt is None or isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-        return kwargs
-    prompt = [list(x) if hasattr(x, "__iter__") and not isinstance(x, (str, bytes, list)) else x
-              for x in prompt]
+    if not hasattr(prompt, "__iter__") or isinstance(prompt, (str, bytes, dict)):
+        return kwargs  # what openai sends as given or turns into something else: its own way
+    prompt = [list(x) if hasattr(x, "__iter__") and not isinstance(x, (str, bytes, dict, list))
+              else x for x in prompt]
     return {**kwargs, "prompt": "", "extra_body": {"prompt": prompt,
                                                    **(kwargs.get("extra_body") or {})}}
 

@@ -46,6 +46,9 @@ CASES = {
     "ids with extra_body": dict(prompt=[1, 2], extra_body={"stop_token_ids": [2], "top_k": 4}),
     "extra_body's own prompt wins": dict(prompt=[1, 2], extra_body={"prompt": [9, 9, 9]}),
     "empty ids": dict(prompt=[]),
+    "a mapping (sent as openai sends it)": dict(prompt={"a": 1}),
+    "mappings in a list": dict(prompt=[{"a": 1}, [1, 2]]),
+    "bytes": dict(prompt=b"ab"),
 }
 
 
