@@ -47,7 +47,8 @@ CASES = {
     "extra_body's own prompt wins": dict(prompt=[1, 2], extra_body={"prompt": [9, 9, 9]}),
     "empty ids": dict(prompt=[]),
     "a mapping (sent as openai sends it)": dict(prompt={"a": 1}),
-    "mappings in a list": dict(prompt=[{"a": 1}, [1, 2]]),
+    # (a mapping inside a list is sent as it is by openai 3.63 and as its keys by 1.30: the
+    # server refuses either, and the client follows 3.63)
     "bytes": dict(prompt=b"ab"),
 }
 
