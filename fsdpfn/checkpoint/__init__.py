@@ -26,10 +26,8 @@ sizes in the manifest, writes COMPLETE, fsyncs and renames the directory to ``<p
 checkpoint at ``<path>`` is first renamed aside to ``<path>.old-<token>`` and deleted after the new
 one is in place. A crash at any point leaves either the previous checkpoint or the new one complete,
 and no directory that carries COMPLETE without all of its data; ``load_checkpoint`` of a ``<path>``
-whose publication was interrupted between the two renames reads the complete sibling, and
-``latest_checkpoint`` and ``latest_intact_checkpoint`` name such a ``<path>`` (a save that died
-after writing COMPLETE, before its rename), so a resume continues from it. The next save into the
-same directory finishes such a publication (the complete ``*.tmp-*`` of a dead save, else
+whose publication was interrupted between the two renames reads the complete sibling. The next save
+into the same directory finishes such a publication (the complete ``*.tmp-*`` of a dead save, else
 the ``*.old-*`` copy, takes the missing ``<path>``) and removes the other leftovers (``*.old-*``,
 ``*.tmp-*`` of processes that died). ``keep_last`` never deletes a checkpoint saved after the one
 being published. One run per directory: rotation and ``latest_checkpoint`` count every fsdpfn

@@ -267,34 +267,15 @@ def file_sizes(root: Path) -> dict[str, int]:
     return dict(sorted(sizes.items()))
 
 
-def complete_checkpoints(root: Path) -> dict[Path, Path]:
-    """The complete fsdpfn checkpoints directly under ``root``, each path mapped to the
-    directory that holds it: itself, or, where a save died after writing its marker and before
-    renaming its directory into place (the path missing), that save's complete ``*.tmp-*``
-    (its creating process dead), which load_checkpoint of the path reads."""
-    found: dict[Path, Path] = {}
-    if not root.is_dir():
-        return found
-    for entry in root.iterdir():
-        if not entry.is_dir() or not is_complete(entry) or not is_fsdpfn_checkpoint(entry):
-            continue
-        match = SIDE_NAME.match(entry.name)
-        if match is None:
-            found[entry] = entry
-            continue
-        target = root / match["name"]
-        if match["kind"] == "tmp" and not target.exists() and _owner_dead(entry) and (
-                target not in found or saved_at_of(entry) > saved_at_of(found[target])):
-            found[target] = entry
-    return found
-
-
 def latest_checkpoint(root) -> Path | None:
-    """The most recently saved complete fsdpfn checkpoint directly under ``root`` (None if none),
-    a publication cut short after its marker included (complete_checkpoints).
+    """The most recently saved complete fsdpfn checkpoint directly under ``root`` (None if none).
 
     Use it to resume: ``ckpt = latest_checkpoint(run_dir); if ckpt: state, extra =
     load_checkpoint(state, ckpt)``.
     """
-    found = complete_checkpoints(as_path(root, "latest_checkpoint"))
-    return max(found, key=lambda p: saved_at_of(found[p])) if found else None
+    root = as_path(root, "latest_checkpoint")
+    if not root.is_dir():
+        return None
+    found = [e for e in root.iterdir() if e.is_dir() and not SIDE_NAME.match(e.name)
+             and is_complete(e) and is_fsdpfn_checkpoint(e)]
+    return max(found, key=saved_at_of) if found else None

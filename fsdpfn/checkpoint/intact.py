@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from fsdpfn.checkpoint import integrity
 from fsdpfn.checkpoint.dcp import from_rank_zero
-from fsdpfn.checkpoint.files import (MANIFEST, MARKER, as_path, complete_checkpoints, field_of,
-                                     is_complete, read_manifest, saved_at_of)
+from fsdpfn.checkpoint.files import (MANIFEST, MARKER, SIDE_NAME, as_path, field_of, is_complete,
+                                     is_fsdpfn_checkpoint, read_manifest, saved_at_of)
 from fsdpfn.agree import rank
 from fsdpfn.errors import CheckpointError
 
@@ -44,8 +44,6 @@ def check_checkpoint(path) -> None:
     (and the tensor or item). A checkpoint saved with checksums=False is checked as far as it
     can be (marker, manifest, sizes)."""
     root = as_path(path, _FN)
-    if not root.exists():  # a publication cut short after its marker: its complete directory
-        root = complete_checkpoints(root.parent).get(root, root)
     if not root.is_dir() or not is_complete(root):
         raise CheckpointError(f"{_FN}: path {str(root)!r}: must be a complete fsdpfn checkpoint "
                               f"(a directory carrying {MARKER}), got "
@@ -115,10 +113,12 @@ def _check_item(file: Path, data: bytes, index, metadata, record: dict) -> None:
 
 
 def _candidates(root: Path) -> list[Path]:
-    """The complete fsdpfn checkpoints directly under ``root`` (complete_checkpoints), newest
-    first."""
-    found = complete_checkpoints(root)
-    return sorted(found, key=lambda p: saved_at_of(found[p]), reverse=True)
+    """The complete fsdpfn checkpoints directly under ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    found = [e for e in root.iterdir() if e.is_dir() and not SIDE_NAME.match(e.name)
+             and is_complete(e) and is_fsdpfn_checkpoint(e)]
+    return sorted(found, key=saved_at_of, reverse=True)
 
 
 def _verdict(path: Path) -> str | None:

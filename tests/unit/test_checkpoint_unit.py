@@ -170,32 +170,6 @@ def test_cleanup_leaves_a_running_save_its_own_publication(tmp_path):
     assert not target.exists() and running.exists()  # the save renames it itself
 
 
-def test_a_publication_cut_after_its_marker_is_the_latest_checkpoint(tmp_path):
-    """A save killed after writing its marker and before renaming its directory into place
-    (the first save of a run: nothing set aside) left the newest complete checkpoint under a
-    ``*.tmp-*`` name. latest_checkpoint names its target, which load_checkpoint reads, so
-    --resume continues from it instead of an older one. A save still running (its owner alive)
-    or cut before its marker is not a checkpoint yet."""
-    older = _fake_checkpoint(tmp_path / "step_1", saved_at=10.0)
-    target = tmp_path / "step_2"
-    cut = _owned(_fake_checkpoint(C.side_path(target, "tmp", uuid.uuid4().hex), saved_at=20.0,
-                                  payload="new"), _dead_pid())
-    assert C.latest_checkpoint(tmp_path) == target and not target.exists()
-    assert C._resolve(target) == cut  # load_checkpoint reads it
-    with pytest.raises(CheckpointError) as checked:  # the sibling is what gets checked
-        C.check_checkpoint(target)
-    assert cut.name in str(checked.value)
-    # a newer save still writing (owner alive) and one cut before its marker do not count
-    _owned(_fake_checkpoint(C.side_path(tmp_path / "step_3", "tmp", uuid.uuid4().hex),
-                            saved_at=30.0), os.getpid())
-    _owned(_fake_checkpoint(C.side_path(tmp_path / "step_4", "tmp", uuid.uuid4().hex),
-                            saved_at=40.0, complete=False), _dead_pid())
-    assert C.latest_checkpoint(tmp_path) == target
-    # once the target exists (the next save finished the publication) it is the target itself
-    C.clean_up_leftovers(tmp_path)
-    assert C.latest_checkpoint(tmp_path) == target and target.is_dir() and older.is_dir()
-
-
 def test_rotation_never_deletes_a_checkpoint_saved_after_the_one_it_publishes(tmp_path):
     """Two saves that publish out of order (the older last) keep keep_last + 1: the newer
     state is never the one lost (it once was, with keep_last=1)."""
