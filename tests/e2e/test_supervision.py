@@ -172,8 +172,12 @@ def _grpo_rows(run_dir: Path) -> list[dict]:
 
 
 def _published(run_dir: Path) -> list[Path]:
+    """Complete checkpoints renamed into place (step_N). A save killed after its marker and
+    before its rename leaves a complete step_N.tmp-<token>, which the resume does not read (it
+    continues from the one before; the next save finishes that publication)."""
     root = run_dir / "checkpoints"
-    return [p for p in root.iterdir() if (p / "COMPLETE").is_file()] if root.is_dir() else []
+    return [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name)
+            and (p / "COMPLETE").is_file()] if root.is_dir() else []
 
 
 DEMO = ["warmup.steps=5", "warmup.target_reward=null", "prompts_per_step=4", "eval.every=0",
@@ -217,8 +221,7 @@ def test_sigkill_of_the_launcher_leaves_no_process_and_resume_continues(tmp_path
     state = read_run_state(run_dir)
     assert state["status"] == "running" and state["pid"] == launcher.pid
     assert last_run(run_dir)["status"] == "killed"
-    done = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir()
-                  if (p / "COMPLETE").is_file())
+    done = sorted(int(p.name.split("_")[1]) for p in _published(run_dir))
     assert done, "no checkpoint before the kill"
 
     # the next launch names the killed run, and --resume continues from the last checkpoint
