@@ -38,7 +38,7 @@ def _bodies(sent: list) -> list[dict]:
 CASES = {
     "ids": dict(prompt=[3, 1, 4, 1, 5, 9, 2, 6]),
     "ids as a tuple": dict(prompt=(3, 1, 4)),
-    "ids from a generator": dict(prompt=(t for t in [7, 8, 9])),
+    "ids from a generator": lambda: dict(prompt=(t for t in [7, 8, 9])),  # fresh each call
     "lists of ids": dict(prompt=[[1, 2, 3], [4, 5]]),
     "lists of ids as tuples": dict(prompt=[(1, 2, 3), (4, 5)]),
     "texts": dict(prompt=["a b", "c"]),
@@ -53,27 +53,26 @@ CASES = {
 }
 
 
-def _plain_sync(sent):
+def _recording(sent: list) -> httpx.MockTransport:
     def handler(request):
         sent.append(request)
         return _answer(request)
+    return httpx.MockTransport(handler)
+
+
+def _plain_sync(sent):
     return openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+                         http_client=httpx.Client(transport=_recording(sent)))
 
 
 def _ours(cls, sent, seed=None):
-    def handler(request):
-        sent.append(request)
-        return _answer(request)
     client = cls("http://127.0.0.1:9", seed=seed)
-    client._client._transport.inner = httpx.MockTransport(handler)  # under the seeding transport
+    client._client._transport.inner = _recording(sent)  # under the seeding transport
     return client
 
 
-def _call(kwargs):
-    kwargs = dict(kwargs)
-    if "generator" in str(kwargs.get("prompt")):
-        kwargs["prompt"] = (t for t in [7, 8, 9])  # a fresh one for every client
+def _call(case):
+    kwargs = case() if callable(case) else case
     return dict(model="policy", max_tokens=2, temperature=1.0, **kwargs)
 
 
