@@ -31,8 +31,8 @@ server watch the launcher's pid and exit within about a second of it going away.
 run_dir/run_state.json says how the last run ended: "running" (with the launcher's pid) from
 the start, then "done", "failed" or "interrupted"; a record still "running" whose launcher is
 gone is reported as "killed" by the next ``fsdpfn run``/``fsdpfn demo`` into that run_dir
-(``--resume`` continues from the latest checkpoint), and a run_dir whose launcher still runs is
-refused.
+(``--resume`` continues from the latest checkpoint, after publishing one whose save was killed
+between its marker and its rename), and a run_dir whose launcher still runs is refused.
 
 Only the standard library (and the app's modules that import only it: run_dir, servers,
 terminal) is imported here at module level: the CLI's config path stays free of torch
@@ -54,7 +54,8 @@ import time
 from pathlib import Path
 
 from fsdpfn.app.run_dir import (check_flags, check_resume_keeps, check_resume_steps,
-                                check_run_dir_path, prepare_run_dir)
+                                check_run_dir_path, finish_interrupted_saves,
+                                prepare_run_dir)
 from fsdpfn.app.servers import (check_server_gpus, describe_servers, server_records,
                                 start_servers)
 from fsdpfn.app.terminal import Relay, Signals, log_line, report_failure, say
@@ -232,6 +233,8 @@ def launch(cfg, *, resume: bool = False, overwrite: bool = False, dry_run: bool 
     config_path = run_dir / "config.yaml"
     if resume:
         check_resume_keeps(cfg, config_path)
+        if not dry_run:  # a dry run changes nothing: it reads the published ones only
+            finish_interrupted_saves(run_dir)
         check_resume_steps(cfg, run_dir)
     needs_rollout = cfg.recipe in NEEDS_ROLLOUT
     own_server = needs_rollout and cfg.rollout.url is None

@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 
 __all__ = ["OWNED", "FIXED_ON_RESUME", "check_run_dir_path", "check_flags",
-           "check_resume_keeps", "prepare_run_dir", "check_started_by_hand"]
+           "check_resume_keeps", "prepare_run_dir", "check_started_by_hand",
+           "finish_interrupted_saves"]
 
 OWNED = ("config.yaml", "trainer.log", "model0", "model0.tmp", "sft", "checkpoints",
           "critic_checkpoints",
@@ -121,6 +122,21 @@ def read_progress(path: Path | None, per_step: int) -> tuple[int, int]:
     extra = manifest.get("extra") or {}
     step = int(extra.get("step", manifest.get("step", 0)))
     return step, int(extra.get("data_cursor", step * per_step))
+
+
+def finish_interrupted_saves(run_dir: Path) -> None:
+    """--resume: a save killed between its marker and its rename left a complete
+    ``step_N.tmp-<token>``; it is published here (checkpoint.files.clean_up_leftovers, which
+    also removes what dead saves left), so that the run continues from step N rather than from
+    the checkpoint before. Only a save whose process is gone from this host is finished, and
+    only in a run_dir no live launcher holds (refused, as prepare_run_dir refuses it). A policy
+    checkpoint is marked only after its critic's is published, so the pair stays whole."""
+    from fsdpfn.checkpoint.files import clean_up_leftovers
+
+    last_run_note(run_dir)
+    for name in ("critic_checkpoints", "checkpoints"):
+        if (run_dir / name).is_dir():
+            clean_up_leftovers(run_dir / name)
 
 
 def check_resume_steps(cfg, run_dir: Path) -> None:

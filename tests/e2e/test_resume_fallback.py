@@ -6,6 +6,10 @@ an unpublished ``step_000009.tmp-<token>`` (what a double Ctrl-C mid-save leaves
 them. The resumed run skips step_000004 with a warning naming it and the shard, resumes from
 step_000002 (the data cursor with it), runs steps 3..6, and its summary and last lines name the
 published step_000006, never the .tmp directory.
+
+A save killed between writing its marker and renaming its directory leaves a complete
+``step_000004.tmp-<token>`` owned by a dead process: --resume publishes it and continues from
+step 4, not from step 2; a --dry-run --resume leaves it as it is.
 """
 
 from __future__ import annotations
@@ -88,3 +92,32 @@ def test_resume_skips_a_corrupted_newest_checkpoint_and_names_only_published_one
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoint"] == str(ckpts / "step_000006")
     assert ".tmp-" not in err.strip().splitlines()[-1] and "step_000006" in err, err[-1000:]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.timeout(400)
+def test_resume_publishes_a_save_killed_between_its_marker_and_its_rename(tmp_path):
+    import socket
+
+    config, run_dir = _config(tmp_path), tmp_path / "run"
+    _run(config, run_dir)
+    ckpts = run_dir / "checkpoints"
+    cut = ckpts / f"step_000004.tmp-{uuid.uuid4().hex}"
+    os.rename(ckpts / "step_000004", cut)  # as publish_dir leaves it, killed before its rename
+    (cut / "OWNER").write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid()}))
+    before = sorted(p.name for p in ckpts.iterdir())
+    _run(config, run_dir, "steps=6", "--resume", "--dry-run")
+    assert sorted(p.name for p in ckpts.iterdir()) == before  # a dry run changes nothing
+    err = _run(config, run_dir, "steps=6", "--resume").stderr
+    assert "interrupted while publishing it is finished" in err, err[-3000:]
+    assert f"resumed from {ckpts / 'step_000004'} at step 4" in err, err[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["data_cursor"] for r in rows] == [8, 16, 24, 32, 40, 48]
+    assert not any(".tmp-" in p.name for p in ckpts.iterdir())
+    assert not (ckpts / "step_000004" / "OWNER").exists()

@@ -172,11 +172,11 @@ def _grpo_rows(run_dir: Path) -> list[dict]:
 
 
 def _published(run_dir: Path) -> list[Path]:
-    """Complete checkpoints renamed into place (step_N). A save killed after its marker and
-    before its rename leaves a complete step_N.tmp-<token>, which the resume does not read (it
-    continues from the one before; the next save finishes that publication)."""
+    """Complete checkpoints: renamed into place (step_N), or marked and not yet renamed
+    (step_N.tmp-<token>: a save killed between the two, which --resume publishes first and
+    continues from)."""
     root = run_dir / "checkpoints"
-    return [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name)
+    return [p for p in root.iterdir() if re.fullmatch(r"step_\d+(\.tmp-[0-9a-f]{32})?", p.name)
             and (p / "COMPLETE").is_file()] if root.is_dir() else []
 
 
@@ -221,7 +221,7 @@ def test_sigkill_of_the_launcher_leaves_no_process_and_resume_continues(tmp_path
     state = read_run_state(run_dir)
     assert state["status"] == "running" and state["pid"] == launcher.pid
     assert last_run(run_dir)["status"] == "killed"
-    done = sorted(int(p.name.split("_")[1]) for p in _published(run_dir))
+    done = sorted(int(p.name.split("_")[1].split(".")[0]) for p in _published(run_dir))
     assert done, "no checkpoint before the kill"
 
     # the next launch names the killed run, and --resume continues from the last checkpoint

@@ -66,7 +66,9 @@ class CheckpointConfig:
     on while a background thread writes and publishes them; at most one save is in flight (the
     next save, the end of the run and a clean stop wait for it, and the end-of-run save is
     written directly). The checkpoint holds exactly the state of its step, as a synchronous save
-    would, and a crash mid-write leaves the previous checkpoint as the one ``--resume`` reads.
+    would, and a crash mid-write leaves the previous checkpoint as the one ``--resume`` reads
+    (a crash after the files are complete and before the rename that publishes them: --resume
+    publishes that checkpoint first and continues from it).
     Cost: host memory for one copy of each rank's shards (fp32 weights and Adam moments, about
     12 bytes per parameter divided by the dp x tp x cp ranks, times the ranks on the host)
     while the save runs; a save whose copy exceeds half the host's available memory is written
