@@ -62,16 +62,26 @@ def satisfies(rule: str, ok: Callable[[Any], bool], *, optional: bool = False,
     def check(_, attribute, value):
         if optional and value is None:
             return
-        if not ok(value):
+        if not _holds(ok, value):
             fail(section + attribute.name, rule, value,
                  shown=None if show is None else str(show(value)))
     return check
 
 
+def _holds(ok: Callable[[Any], bool], value) -> bool:
+    """``ok(value)`` as a bool; a value the test cannot even be applied to (an array, whose
+    ``in`` and truth are elementwise or ambiguous) does not satisfy it."""
+    try:
+        return bool(ok(value))
+    except Exception:  # noqa: BLE001 - e.g. numpy's "truth value of an array is ambiguous"
+        return False
+
+
 def integer(lo: int | None = None, *, allow: tuple = ()):
     """An int (not a bool) >= ``lo``; the values in ``allow`` (None, -1, ...) pass as they are."""
     def check(_, attribute, value):
-        if value in allow and (value is None or isinstance(value, int)):
+        if (value is None or isinstance(value, int) and not isinstance(value, bool)) \
+                and value in allow:
             return
         if not isinstance(value, int) or isinstance(value, bool):
             fail(attribute.name, "must be an integer", value)

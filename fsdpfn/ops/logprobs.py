@@ -27,12 +27,26 @@ def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return z if temperature == 1.0 else z / temperature
 
 
+def _check_logits(logits) -> None:
+    """BatchError unless ``logits`` is a tensor [..., V] with V >= 1: a 0-dim tensor has no
+    vocabulary dimension to normalise over."""
+    if not isinstance(logits, torch.Tensor):
+        raise BatchError(f"logits: must be a torch.Tensor [..., V], got {type(logits).__name__}")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise BatchError(f"logits: must have a vocabulary dimension of size >= 1 (shape "
+                         f"[..., V]), got shape {tuple(logits.shape)}")
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature) gathered at targets.
 
     logits[..., V] (any float dtype), targets[...] int64 -> logp[...] float32.
     """
     temperature = check_temperature(temperature)
+    _check_logits(logits)
+    if not isinstance(targets, torch.Tensor):
+        raise BatchError(f"targets: must be a torch.Tensor of token ids, got "
+                         f"{type(targets).__name__}")
     if logits.shape[:-1] != targets.shape:
         raise BatchError(f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
@@ -60,6 +74,7 @@ def _check_targets(targets: torch.Tensor, vocab: int, source: str) -> None:
 def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature): logits[..., V] -> entropy[...] float32."""
     temperature = check_temperature(temperature)
+    _check_logits(logits)
     z = _scaled_logits(logits, temperature)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()

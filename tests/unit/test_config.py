@@ -345,3 +345,30 @@ def test_an_empty_wrap_policy_is_refused_rather_than_read_as_the_default():
                                           r"\(or be None: the model's _no_split_modules\), "
                                           r"got \(\)$"):
         ff.FSDPConfig(wrap_policy=[])
+
+
+PUBLIC_CONFIGS = ["ParallelStrategy", "EngineConfig", "OptimizerConfig", "FSDPConfig",
+                  "MicroBatchSpec", "LoRAConfig", "PPOConfig", "CriticConfig", "AdvantageConfig",
+                  "SFTConfig", "RWConfig", "DPOConfig"]
+
+
+@pytest.mark.parametrize("name", PUBLIC_CONFIGS)
+def test_an_array_for_any_field_is_a_config_error_naming_it(name):
+    """An array's ``in`` and truth are elementwise or ambiguous: a field checked against a list
+    of choices (``agg``, ``dtype``) or a special value (``dp=-1``) once raised numpy's or
+    torch's own ValueError/RuntimeError naming no field."""
+    import numpy as np
+    import torch
+
+    cls = getattr(ff, name)
+    for field in attrs.fields(cls):
+        for value in (np.array([1, 2]), np.array(["a", "b"]), torch.tensor([1, 2])):
+            kw = {field.name: value}
+            if cls is ff.EngineConfig and field.name != "model_path":
+                kw["model_path"] = "/nonexistent-model"
+            try:
+                cls(**kw)
+            except ff.ConfigError as exc:
+                assert str(exc).startswith(f"{field.name}:") or field.name in str(exc), exc
+            else:
+                raise AssertionError(f"{name}.{field.name}={value!r} was accepted")
