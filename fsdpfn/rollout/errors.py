@@ -17,7 +17,8 @@ GREEDY_BELOW = 1e-6  # SGLang's rule: a temperature below it is greedy (fsdpfn.v
 SEED_END = 2**63  # sampling seeds are ints in [0, SEED_END) (the trainer's validators.SEED_END)
 
 # the bool fields of the update requests (SGLang's and fsdpfn's)
-UPDATE_FLAGS = ("flush_cache", "merged_adapters", "verify_checksums", "commit")
+UPDATE_FLAGS = ("flush_cache", "merged_adapters", "verify_checksums", "commit",
+                "abort_all_requests")
 
 
 class UpdateError(Exception):

@@ -12,10 +12,10 @@ Two ways in, each the protocol of its owner:
   the tensors it names, with ``load_format="flattened_bucket"`` ONE broadcast of the tensors
   packed back to back (else one broadcast per tensor), loaded at once, as SGLang loads them.
   ``weight_version`` may be any string: it is reported back as given (/get_weight_version),
-  beside fsdpfn's own integer version (staging.parse_version).
+  beside fsdpfn's own integer version (staging.parse_version); ``abort_all_requests`` ends
+  every generation first, as SGLang's does (also on the IPC and disk updates).
 - fsdpfn's update channel (fsdpfn.rollout.channel serves its connections): whole updates
   (Receiver.update), each checked as it lands and swapped in only when the trainer commits.
-
 Besides: CUDA IPC handles (/update_weights_from_ipc), files (/update_weights_from_disk), and
 peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
 """
@@ -144,6 +144,11 @@ class Receiver:
                     self.adapter = None
         self.last_error = None
 
+    def _abort_if_asked(self, payload: dict) -> None:
+        """SGLang's ``abort_all_requests``: every generation ends now (finish_reason "abort")."""
+        if payload.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+
     def _version(self, value, *, partial: bool = False) -> tuple[int, str | None]:
         return parse_version(value, self.engine.version, self.engine.version_label(),
                              partial=partial)
@@ -212,6 +217,7 @@ class Receiver:
             self._drop_group(name)
             self.last_error = f"{exc}; group {name!r} dropped, re-initialise it"
             raise UpdateError(self.last_error, exc.status) from None
+        self._abort_if_asked(payload)
         with self._alone(group.timeout_s, drop_on_busy=name):
             return self._apply_request(payload, name, group, names, dtypes, shapes)
 
@@ -339,6 +345,7 @@ class Receiver:
             raise UpdateError(f"update_weights_from_ipc: needs a server on a GPU, and this one "
                               f"runs on {self.engine.device}")
         start = time.monotonic()
+        self._abort_if_asked(payload)
         with self._alone(0.0):
             layout = Layout(self.engine.params, self.engine.aliases, payload.get("buckets"))
             if layout.problems:
@@ -393,6 +400,7 @@ class Receiver:
         start = time.monotonic()
         check_flags(payload)
         request_timeout(payload)  # refused before the update is read, not after
+        self._abort_if_asked(payload)
         with self._alone(0.0):
             tensors, version, label = load_update_files(
                 payload, self.engine.params, self.engine.aliases, self.engine.device,

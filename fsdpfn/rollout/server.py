@@ -30,7 +30,7 @@ Beside the HTTP port, ``python -m fsdpfn.rollout`` listens for update channels
 receiver's (``engine.receiver``).
 
 Failures answer 4xx (the request breaks a rule) or 5xx (the transfer failed) with
-{"success": false, "message": ...} (/generate adds SGLang's "object": "error" and "code"; /v1
+{"success": false, "message": ...} and SGLang's "object": "error", "type", "param", "code" (/v1
 answers OpenAI's {"error": {message, type, param, code}}); the served weights and version are then unchanged and
 generation is not left paused. Blocking handlers are plain ``def`` (run in FastAPI's thread pool),
 so /health and generation stay responsive while an update is being received.
@@ -81,28 +81,25 @@ def build_app(engine: RolloutEngine):
             message += f" ({errors[0]['msg']})"
         if request.url.path.startswith("/v1/"):
             return JSONResponse(status_code=400, content=openai_api.error_body(message, "body"))
-        body = {"success": False, "message": message}
-        if request.url.path == "/generate":
-            return sglang_error(400, body)
-        return JSONResponse(status_code=400, content=body)
+        return sglang_error(400, {"success": False, "message": message})
 
     def sglang_error(status: int, body: dict) -> JSONResponse:
-        """SGLang's error shape for /generate: {"object": "error", "message", "code"}."""
+        """SGLang's error shape, {"object": "error", "message", "code"}, with the update
+        endpoints' {"success": false} (what their clients test)."""
         return JSONResponse(status_code=status, content={
             "object": "error", "type": "BadRequestError" if status < 500 else
             "InternalServerError", "param": None, "code": status, **body})
 
     def answer(fn: Callable[[], Any], refused: int | None = None):
         """``fn()``; an UpdateError answers its status (``refused``: that status instead),
-        anything else 500."""
+        anything else 500, in sglang_error's shape."""
         try:
             return fn()
         except UpdateError as exc:
-            return JSONResponse(status_code=refused or exc.status,
-                                content={"success": False, "message": str(exc)})
+            return sglang_error(refused or exc.status, {"success": False, "message": str(exc)})
         except Exception as exc:  # noqa: BLE001 - report, keep serving
-            return JSONResponse(status_code=500, content={
-                "success": False, "message": f"{type(exc).__name__}: {exc}"})
+            return sglang_error(500, {"success": False,
+                                      "message": f"{type(exc).__name__}: {exc}"})
 
     @app.get("/health")
     async def health():
@@ -142,17 +139,10 @@ def build_app(engine: RolloutEngine):
         engine.abort(rid)
         return Response(status_code=503)
 
-    def sglang_answer(fn: Callable[[], Any]):
-        """``answer(fn)``, its errors in SGLang's shape (sglang_error)."""
-        out = answer(fn)
-        if isinstance(out, JSONResponse) and out.status_code >= 400:
-            return sglang_error(out.status_code, json.loads(out.body))
-        return out
-
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(payload: Any = Body(...)):
         # a plain JSONResponse: FastAPI's encoder walks each of the (many) numbers in Python
-        return await anyio.to_thread.run_sync(lambda: sglang_answer(lambda: JSONResponse(
+        return await anyio.to_thread.run_sync(lambda: answer(lambda: JSONResponse(
             sglang_api.generate(engine, payload))), limiter=generation_threads)
 
     def openai_answer(fn: Callable[[], Any]):
@@ -226,8 +216,8 @@ def build_app(engine: RolloutEngine):
         if isinstance(out, JSONResponse):  # SGLang's UpdateWeightFromDiskReqOutput fields;
             # SGLang answers a refused update 400 (a missing directory included)
             status = 400 if out.status_code < 500 else out.status_code
-            return JSONResponse(status_code=status,
-                                content={**json.loads(out.body), "num_paused_requests": 0})
+            return JSONResponse(status_code=status, content={
+                **json.loads(out.body), "code": status, "num_paused_requests": 0})
         return out
 
     def lora_answer(fn: Callable[[], Any]):

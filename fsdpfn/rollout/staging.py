@@ -245,7 +245,8 @@ def parse_version(value, current: int, current_label: str, *,
     """(fsdpfn's integer version, the label to report) of an update's ``weight_version``.
 
     fsdpfn counts weight changes with an int; SGLang takes any string as a label. An int, or a
-    string of one, is the version itself (no label of its own). Any other string is a label:
+    string of one, is the version itself (a string spelling it otherwise, "05", is kept as its
+    label, as SGLang keeps the string it is given). Any other string is a label:
     the version moves on by one. Only a ``partial`` update (SGLang's request of some tensors)
     keeps the served version: when it names the label served now (a trainer sending the buckets
     of one version in several requests, each naming it), or names none (SGLang's rule: a
@@ -257,11 +258,11 @@ def parse_version(value, current: int, current_label: str, *,
             return current, (None if current_label == str(current) else current_label)
         return current + 1, None
     if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
-        value = int(value)
-        if value < 0:
+        number = int(value)
+        if number < 0:
             raise UpdateError(f"weight_version: must be >= 0 (a version counts weight "
-                              f"changes), got {value}")
-        return value, None
+                              f"changes), got {number}")
+        return number, (None if value == str(number) else value)
     if isinstance(value, str) and value:
         return (current if partial and value == current_label else current + 1), value
     if isinstance(value, bool) or not isinstance(value, int):

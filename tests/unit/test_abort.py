@@ -243,6 +243,30 @@ def test_the_server_serves_abort_request_and_flush_cache_as_sglang(model_dir, re
             _assert_exact(reference, [4, 5], o)
         with pytest.raises(ConfigError, match=r"^rid: must be a string or None, got 7$"):
             generate(srv.url, [[1]], rid=7)
+        # an update's abort_all_requests (SGLang's field) ends what runs first, where it is;
+        # without it the request would go on over the update to its 500 tokens
+        late: dict = {}
+        thread = threading.Thread(target=lambda: late.update(answer=requests.post(
+            srv.url + "/generate", timeout=120, json={
+                "input_ids": [1, 2, 3], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}).json()),
+            daemon=True)
+        thread.start()
+        _wait(lambda: requests.post(srv.url + "/flush_cache", timeout=30).status_code == 400)
+        refused = requests.post(srv.url + "/update_weights_from_disk", json={
+            "model_path": str(model_dir), "abort_all_requests": "yes"}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["message"].startswith(
+            "abort_all_requests: must be a bool")
+        assert requests.post(srv.url + "/flush_cache", timeout=30).status_code == 400
+        updated = requests.post(srv.url + "/update_weights_from_disk", json={
+            "model_path": str(model_dir), "abort_all_requests": True}, timeout=60)
+        assert updated.status_code == 200 and updated.json()["success"] is True
+        thread.join(60)
+        meta = late["answer"]["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 500
+        _assert_exact(reference, [1, 2, 3], {
+            "output_ids": late["answer"]["output_ids"],
+            "output_logprobs": [t[0] for t in meta["output_token_logprobs"]]})
 
 
 @pytest.mark.timeout(60)

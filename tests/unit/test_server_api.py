@@ -232,7 +232,7 @@ def test_unsupported_keys_are_refused_by_name(server, payload, named):
 @pytest.mark.timeout(60)
 def test_a_body_that_is_not_json_gets_each_endpoints_error_shape(server):
     """/generate answered a body that does not parse in the update endpoints' shape, without
-    SGLang's "object" and "code"."""
+    SGLang's "object" and "code"; every endpoint outside /v1 answers both shapes at once."""
     import json
     import urllib.error
     import urllib.request
@@ -247,8 +247,7 @@ def test_a_body_that_is_not_json_gets_each_endpoints_error_shape(server):
         body = json.loads(info.value.read())
         assert info.value.code == 400 and body["success"] is False
         assert body["message"].startswith("body: must be a JSON document")
-        assert (body.get("object"), body.get("code")) == (
-            ("error", 400) if path == "/generate" else (None, None)), (path, body)
+        assert (body.get("object"), body.get("code")) == ("error", 400), (path, body)
 
 
 @pytest.mark.timeout(120)
@@ -256,7 +255,8 @@ def test_a_body_that_is_not_json_gets_each_endpoints_error_shape(server):
     ({"flush_cache": "maybe"}, "flush_cache"),
     ({"commit": "false"}, "commit"),  # read as truth, it committed what was meant to be staged
     ({"verify_checksums": 0}, "verify_checksums"),
-    ({"merged_adapters": "yes"}, "merged_adapters")])
+    ({"merged_adapters": "yes"}, "merged_adapters"),
+    ({"abort_all_requests": 1}, "abort_all_requests")])
 def test_an_update_flag_that_is_not_a_bool_is_refused_and_the_weights_stay(server, model_dir,
                                                                            payload, named):
     before = server.get("/get_model_info")
@@ -299,6 +299,12 @@ def test_info_versions_pause_and_disk_update_speak_sglang(server, model_dir):
                                                    "weight_version": "4"})
     assert ok["success"] is True and ok["weight_version"] == 4
     assert server.get("/get_weight_version") == {"weight_version": "4"}
+    # a string spelling a version otherwise is that version, its string kept as SGLang keeps it
+    ok = server.post("/update_weights_from_disk", {"model_path": str(model_dir),
+                                                   "weight_version": "007"})
+    assert ok["success"] is True and ok["weight_version"] == 7
+    assert server.get("/get_weight_version") == {"weight_version": "007"}
+    assert server.get("/get_model_info")["version"] == 7
     # the server takes the version it is given, a lower one too
     ok = server.post("/update_weights_from_disk", {"model_path": str(model_dir),
                                                    "weight_version": 2})
