@@ -148,7 +148,7 @@ def server_records(urls: list[str], servers: list, placement) -> list[dict]:
                                 if placement.server_gpus else placement.server_device)
             record["log"] = str(servers[i].log_path)
         try:
-            record["weight_version"] = call(url, "/health", timeout=5.0).get("weight_version")
+            record["weight_version"] = call(url, "/get_model_info", timeout=5.0).get("version")
         except Exception:  # noqa: BLE001 - a server that is gone is named without a version
             record["weight_version"] = None
         records.append(record)

@@ -72,6 +72,12 @@ class RolloutProcess:
         with opener.open(self.url + path, timeout=timeout) as resp:
             return json.loads(resp.read())
 
+    def status(self, path: str, timeout: float = 10.0) -> int:
+        """The HTTP status of a GET (SGLang's /health answers an empty body)."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(self.url + path, timeout=timeout) as resp:
+            return resp.status
+
     def post(self, path: str, payload: dict, timeout: float = 60.0) -> dict:
         """POST JSON; an HTTP error answer is returned as its JSON body plus "status"."""
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -90,7 +96,7 @@ class RolloutProcess:
                 raise RuntimeError(f"rollout server exited with {self.proc.returncode} before "
                                    f"answering /health:\n{self.log()}")
             try:
-                if self.get("/health", timeout=2.0).get("status") == "ok":
+                if self.status("/health", timeout=2.0) == 200:
                     return
             except (OSError, ValueError):
                 pass

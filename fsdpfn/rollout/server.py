@@ -2,11 +2,11 @@
 
 | endpoint | payload | answer |
 | --- | --- | --- |
-| GET /health | | {status, weight_version, server_id, groups} |
+| GET /health | | SGLang's: 200, empty (the process serves; /get_model_info says what) |
 | GET /health_generate | | SGLang's: 200, empty, once a one-token generation succeeds; 503 if it fails or takes over 20 s (a pause holds it) |
 | GET /weight_version | | {weight_version} (fsdpfn's integer version) |
 | GET /get_weight_version | | {weight_version} (a string, as SGLang's: the label the last update gave, else the integer version) |
-| GET /get_model_info | | SGLang's {model_path, tokenizer_path (null without a tokenizer), is_generation, preferred_sampling_params, weight_version (the label)}, then ours: {version (the int), dtype, device, eos_token_ids, params: {name: {dtype, shape}}, groups, paused, last_error, update_channel (the port of the update channel, or null), model_type, config_fields, config_fingerprint (fsdpfn.wire.model_fingerprint)} |
+| GET /get_model_info | | SGLang's {model_path, tokenizer_path (null without a tokenizer), is_generation, preferred_sampling_params, weight_version (the label)}, then ours: {version (the int), server_id (new at each start), dtype, device, eos_token_ids, params: {name: {dtype, shape}}, groups, paused, last_error, update_channel (the port of the update channel, or null), model_type, config_fields, config_fingerprint (fsdpfn.wire.model_fingerprint)} |
 | POST, PUT /generate | SGLang's GenerateReqInput (fsdpfn/rollout/sglang_api.py) | SGLang's {text, output_ids, meta_info} (a list for several outputs); fsdpfn's {weight_version, outputs} with "return_format": "fsdpfn" |
 | GET /v1/models, POST /v1/completions, POST /v1/chat/completions | OpenAI's (fsdpfn/rollout/openai_api.py; chat takes tools, both take stream) | OpenAI's, with log-probs (with stream: server-sent chunks) |
 | POST /forward | {input_ids: [[int]], temperature=1, return_logits=false} | {weight_version, token_logprobs, logits?} |
@@ -102,9 +102,8 @@ def build_app(engine: RolloutEngine):
                                       "message": f"{type(exc).__name__}: {exc}"})
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "weight_version": engine.version, "server_id": engine.server_id,
-                "groups": sorted(engine.receiver.groups)}
+    async def health():  # SGLang's: 200, an empty body
+        return Response(status_code=200)
 
     @app.get("/weight_version")
     async def weight_version():

@@ -19,8 +19,8 @@ A RolloutTarget pushes by one of four transports, each one path, each a Sender
 - disk (``transport="disk"``, ``disk_root`` shared with the servers; fsdpfn.weights.disk_push).
 
 Per push: trainer rank 0 checks the servers (with an update channel open to every server and a
-layout seen before, this costs nothing; else /health and, after a restart or a layout change,
-/get_model_info: the push dtype, and with ``precheck`` names, shapes and the model's config),
+layout seen before, this costs nothing; else one /get_model_info per server: the push dtype, and
+with ``precheck`` names, shapes and the model's config),
 builds the group when needed; its verdict reaches every rank before any gather. Then every rank
 gathers the buckets
 (``bucket_bytes`` in the middle, ``edge_bucket_bytes`` at both ends) while rank 0 sends. Every

@@ -1,6 +1,6 @@
 """What trainer rank 0 knows of a RolloutTarget's servers, and its talk with them outside the
 bytes of a push: which protocol they take (fsdpfn's update channel, or SGLang's), what they serve
-(cached per server process and trainer layout), the update group and the update channels bound
+(asked before a push that has no open channel to every server), the update group and the update channels bound
 to it, pausing and resuming generation.
 
 fsdpfn.rollout servers that offer an update channel are pushed to over it; every other server
@@ -34,7 +34,7 @@ class Servers:
         self.config = config
         self.group = UpdateGroup(self.urls, config)
         self.sglang: bool | None = None  # whether they are SGLang's servers (None: not asked)
-        # url -> (server_id, trainer layout hash, /get_model_info answer)
+        # url -> (server_id, trainer layout hash, /get_model_info answer) of the last prepare
         self.infos: dict[str, tuple[Any, int, dict]] = {}
         # url -> its update channel (bound to the live group)
         self.channels: dict[str, Channel] = {}
@@ -48,22 +48,19 @@ class Servers:
         """(push dtype name, backend, whether the push goes in SGLang's protocol); checks
         names/shapes and the model's config (``precheck``); (re)builds the group if needed.
 
-        The servers' model info (and the precheck against it) is cached per server_id and
-        trainer layout. With an update channel to every server (fsdpfn.rollout), a push whose
-        layout was seen before costs no request at all: each channel is open, which shows the
-        server is up and still holds the group (it closes the channel when it drops the group,
-        and the OS closes it when the server exits). Otherwise one small /health request per
-        server, and the full /get_model_info only after a server restart, a new group or
-        another model."""
+        With an update channel to every server (fsdpfn.rollout), a push whose layout was seen
+        before costs no request at all: each channel is open, which shows the server is up and
+        still holds the group (it closes the channel when it drops the group, and the OS closes
+        it when the server exits). Otherwise one /get_model_info per server: what it serves,
+        its server_id and groups (fsdpfn.rollout's), and the precheck against it."""
         layout = hash(layout)
         if self._ready(layout):
             return self._prepared
         self._prepared, self.last_apply_s = None, None
         for url in [u for u, ch in self.channels.items() if ch.stale()]:
             self.channels.pop(url).close()
-        health = {url: call(url, "/health", timeout=self.config.timeout_s) for url in self.urls}
-        _check_distinct(health)
-        infos = self._model_infos(health, layout)
+        infos = self._model_infos(layout)
+        _check_distinct(infos)
         self.sglang = _speak_sglang(infos)
         if self.sglang:
             return self._prepare_sglang(state)
@@ -75,7 +72,7 @@ class Servers:
         backend = self.config.backend or ("nccl" if on_cuda else "gloo")
         if self.config.transport == "broadcast":
             stale = self.group.live is None or self.group.live[2] != backend or any(
-                self.config.group_name not in h.get("groups", ()) for h in health.values())
+                self.config.group_name not in i.get("groups", ()) for i in infos.values())
             if stale:
                 self._build_group(backend, state.mesh.device)
             self.open_channels(infos)
@@ -96,14 +93,11 @@ class Servers:
                         and self.infos.get(url, (None, None))[1] == layout
                         for url in self.urls))
 
-    def _model_infos(self, health: dict[str, dict], layout: int) -> dict[str, dict]:
-        """Each server's /get_model_info, asked again after a restart or a layout change."""
-        for url, h in health.items():
-            cached = self.infos.get(url)
-            if cached is None or cached[0] != h.get("server_id") or cached[1] != layout \
-                    or h.get("server_id") is None:
-                info = call(url, "/get_model_info", timeout=self.config.timeout_s)
-                self.infos[url] = (info.get("server_id"), layout, info)
+    def _model_infos(self, layout: int) -> dict[str, dict]:
+        """Each server's /get_model_info, kept with the trainer layout it was asked for."""
+        for url in self.urls:
+            info = call(url, "/get_model_info", timeout=self.config.timeout_s)
+            self.infos[url] = (info.get("server_id"), layout, info)
         return {url: self.infos[url][2] for url in self.urls}
 
     def _push_dtype(self, infos: dict[str, dict]) -> str:
@@ -127,7 +121,7 @@ class Servers:
     def _prepare_sglang(self, state: EngineState) -> tuple[str, str, bool]:
         """SGLang reports no parameters and no dtype: the push dtype is ``dtype`` or the
         trainer's compute dtype, and nothing is prechecked (the probe checks afterwards). Its
-        /health shows no groups: the group is kept until a failure retires it."""
+        model info shows no groups: the group is kept until a failure retires it."""
         cfg = self.config
         if cfg.transport == "ipc":
             raise WeightSyncError("transport: 'ipc' needs fsdpfn.rollout servers "
@@ -205,14 +199,14 @@ class Servers:
             self.retire()
 
 
-def _check_distinct(health: dict[str, dict]) -> None:
+def _check_distinct(infos: dict[str, dict]) -> None:
     """Two URLs of one server (``http://127.0.0.1:P`` and ``http://localhost:P``) are refused
     before anything is sent: the server would be asked to join the update group twice, and the
     group would wait for a member that never comes. fsdpfn.rollout servers name themselves in
-    /health (``server_id``, new at each start); a server that does not is not checked."""
+    /get_model_info (``server_id``, new at each start); a server that does not is not checked."""
     seen: dict = {}
-    for url, h in health.items():
-        server_id = h.get("server_id") if isinstance(h, dict) else None
+    for url, info in infos.items():
+        server_id = info.get("server_id") if isinstance(info, dict) else None
         if server_id is None:
             continue
         if server_id in seen:

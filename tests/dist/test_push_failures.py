@@ -8,7 +8,7 @@ server processes and a trainer rank:
   timeout for bytes that never came, and the next push to it failed for minutes);
 - a disk push every server refused leaves no copy of the weights on disk.
 
-The references are the servers' own answers (/health, /get_model_info) and the files on disk.
+The references are the servers' own answers (/get_model_info) and the files on disk.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_a_commit_held_up_by_the_model_lock_fails_and_the_server_keeps_its_weigh
         thread.join(200)
         assert version == 2 and error is not None and "previous weights kept" in error, error
         time.sleep(0.5)  # a swap that waited for the lock would have landed by now
-        assert server.get("/health")["weight_version"] == 1
+        assert server.get("/get_model_info")["version"] == 1
         assert "previous weights kept" in server.get("/get_model_info")["last_error"]
 
 
@@ -118,7 +118,7 @@ def test_a_refusal_by_one_server_frees_the_others_for_the_next_push(
         # the good server had accepted and waited for bytes: the trainer's closed channel ends
         # that wait, so the next push is not held for the 60 s timeout
         assert version == 1 and seconds < 20, seconds
-        assert good.get("/health")["weight_version"] == 1
+        assert good.get("/get_model_info")["version"] == 1
 
 
 def refused_disk_pushes(path, bad, root):
@@ -145,7 +145,7 @@ def test_a_disk_push_every_server_refused_leaves_no_copy_on_disk(
     with launch_server(other_dir, log_dir=logs, health_timeout=120) as bad:
         seen = spmd1.run(refused_disk_pushes, args=(model_dir, bad.url, str(root)),
                          timeout=200)[0]
-        assert bad.get("/health")["weight_version"] == 0
+        assert bad.get("/get_model_info")["version"] == 0
     assert seen == [[".tmp-v0-deadbeef"], [".tmp-v0-deadbeef"]], seen
     from fsdpfn.weights.disk import rotate
     rotate(root, 1, root / "v9")

@@ -182,7 +182,7 @@ def push_over_channel(path, url, plain_url):
 
     state = _trained(path, 1, 1, seed=3)
     target = RolloutTarget(url, config=PushConfig(timeout_s=30))
-    push_weights(state, target)  # sets up: /health, /get_model_info, the group, the channel
+    push_weights(state, target)  # sets up: /get_model_info, the group, the channel
     counted = []
     real_call = http.call
     # every module of the push that makes requests (each holds its own reference to call)
@@ -227,7 +227,7 @@ def test_channel_pushes_make_no_http_request_and_recover(spmd2, servers, model_d
      after, ours) = results[0]
     assert fast == [version, version] and again == version == via_sglang
     assert over_channel and requests == []  # no HTTP request at all on the fast path
-    assert "/health" in recovered and "/init_weights_update_group" in recovered
+    assert "/get_model_info" in recovered and "/init_weights_update_group" in recovered
     assert plain_channels == 0  # --no-channel: the push in SGLang's protocol
     for v, logits in after:
         assert v == version
@@ -292,8 +292,8 @@ def push_mismatched(url, root):
             url, config=PushConfig(timeout_s=30)))),
     }
     after = _on_rank0(lambda: _probe(url))
-    health = _on_rank0(lambda: call(url, "/health", timeout=10))
-    return errors, before, after, health
+    info = _on_rank0(lambda: call(url, "/get_model_info", timeout=10))
+    return errors, before, after, info
 
 
 @pytest.mark.timeout(240)
@@ -316,8 +316,8 @@ def test_mismatched_push_fails_on_every_rank_and_server_keeps_serving(spmd2, ser
         assert "shape must equal the served [128, 64], got [96, 64]" in errors["shapes-disk"]
         assert "name must be a parameter of the served model" in errors["names-precheck"]
         assert "HTTP" not in errors["names-precheck"]  # refused before sending anything
-    errors, before, after, health = results[0]
-    assert after[0] == before[0] and health["weight_version"] == before[0]
+    errors, before, after, info = results[0]
+    assert after[0] == before[0] and info["version"] == before[0]
     assert torch.equal(after[1], before[1])  # the previous weights, bit for bit
 
 

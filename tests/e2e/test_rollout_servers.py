@@ -155,7 +155,7 @@ def test_two_external_servers_share_the_steps_and_serve_the_last_push_exactly(tm
             [(u, versions[-1]) for u in urls]
         # after the last push: both serve it, and exactly the trainer's final weights
         for s in servers:
-            assert s.get("/health")["weight_version"] == versions[-1]
+            assert s.get("/get_model_info")["version"] == versions[-1]
         probe = [[3, 5, 7, 9, 11, 13, 2, 4], [1, 6, 8, 10, 12]]
         want = trainer_logp(run_dir, probe)
         for s in servers:

@@ -197,7 +197,7 @@ def test_one_server_under_two_urls_is_refused_before_the_push(tiny_model, tmp_pa
     with launch_server(tiny_model, dtype="float32", log_dir=tmp_path) as server:
         port = server.url.rsplit(":", 1)[1]
         alias = f"http://localhost:{port}"
-        server_id = call(server.url, "/health", timeout=10)["server_id"]
+        server_id = call(server.url, "/get_model_info", timeout=10)["server_id"]
         config = ff.PushConfig(timeout_s=20, init_timeout_s=20)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as info:  # found at the push: the servers' answer
@@ -205,8 +205,8 @@ def test_one_server_under_two_urls_is_refused_before_the_push(tiny_model, tmp_pa
         assert time.monotonic() - t0 < 10  # refused at once, not after init_timeout_s
         assert (f"urls: '{server.url}' and '{alias}' are one server (server_id {server_id}); "
                 f"name each server once") in str(info.value)
-        health = call(server.url, "/health", timeout=10)
-        assert health["weight_version"] == 0 and health["groups"] == []  # nothing was sent
+        info = call(server.url, "/get_model_info", timeout=10)
+        assert info["version"] == 0 and info["groups"] == []  # nothing was sent
         # the server serves on, and one URL of it takes the push
         disk = ff.PushConfig(transport="disk", disk_root=tmp_path / "push", timeout_s=60)
         assert ff.push_weights(state, ff.RolloutTarget([alias], config=disk)).version == 0

@@ -320,6 +320,7 @@ def test_info_versions_pause_and_disk_update_speak_sglang(server, model_dir):
 @pytest.mark.timeout(120)
 def test_health_generate_pause_modes_and_meta_info_speak_sglang(server):
     assert _get_raw(server, "/health_generate") == (200, b"")  # one token generated
+    assert _get_raw(server, "/health") == (200, b"")  # SGLang's: the state is /get_model_info's
     bad = server.post("/pause_generation", {"mode": "sleep"})
     assert bad["status"] == 400 and bad["success"] is False
     assert bad["message"] == "mode: must be one of ['abort', 'retract', 'in_place'], got 'sleep'"

@@ -136,5 +136,5 @@ def test_an_sglang_shaped_trainer_pushes_and_the_server_serves_its_weights(serve
         _greedy_matches(url, reference, prompt, label)
     assert _post(url, "/destroy_weights_update_group",
                  {"group_name": "weight_update_group"})["success"] is True
-    assert "weight_update_group" not in server.get("/health")["groups"]
+    assert "weight_update_group" not in server.get("/get_model_info")["groups"]
     dist.destroy_process_group(trainer.pg)  # torch's registry holds it, as SGLang's trainers
