@@ -16,6 +16,7 @@ Two ways in, each the protocol of its owner:
   every generation first, as SGLang's does (also on the IPC and disk updates).
 - fsdpfn's update channel (fsdpfn.rollout.channel serves its connections): whole updates
   (Receiver.update), each checked as it lands and swapped in only when the trainer commits.
+
 Besides: CUDA IPC handles (/update_weights_from_ipc), files (/update_weights_from_disk), and
 peft adapters merged in (/load_lora_adapter, fsdpfn.rollout.lora).
 """
@@ -183,8 +184,7 @@ class Receiver:
         return {"success": True, "message": "group dropped"}
 
     def attach_channel(self, group_name: str, sock) -> None:
-        """Bind an update channel connection to a group: it is closed when the group is
-        dropped."""
+        """Bind an update channel connection to a group: closed when the group is dropped."""
         with self._channels_lock:
             self._group(group_name)
             self._channels.setdefault(group_name, []).append(sock)
