@@ -32,9 +32,9 @@ the ``*.old-*`` copy, takes the missing ``<path>``) and removes the other leftov
 ``*.tmp-*`` of processes that died), as ``fsdpfn run --resume`` does before it reads the latest
 checkpoint (``checkpoint.files.clean_up_leftovers``). ``keep_last`` never deletes a checkpoint
 saved after the one being published. One run per directory: rotation and ``latest_checkpoint``
-count every fsdpfn checkpoint beside ``path``. Saves to the same path must not overlap (``wait()`` an asynchronous save
-before starting the next one to that path). Every rank must see the same file system (one host, or a
-shared file system).
+count every fsdpfn checkpoint beside ``path``. Saves to the same path must not overlap
+(``wait()`` an asynchronous save before starting the next one to that path). Every rank must see
+the same file system (one host, or a shared file system).
 
 Decisions (documented contract):
 
