@@ -369,6 +369,6 @@ def test_an_array_for_any_field_is_a_config_error_naming_it(name):
             try:
                 cls(**kw)
             except ff.ConfigError as exc:
-                assert str(exc).startswith(f"{field.name}:") or field.name in str(exc), exc
+                assert str(exc).startswith(f"{field.name}: "), exc
             else:
                 raise AssertionError(f"{name}.{field.name}={value!r} was accepted")
