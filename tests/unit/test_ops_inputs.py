@@ -62,8 +62,9 @@ def test_a_tensor_on_another_device_is_named(op, name):
     assert m and name in (m[1], m[2]) and m[3] != m[4], message
 
 
-@pytest.mark.parametrize("call", [lambda x: ops.token_logprobs(x, torch.zeros((), dtype=torch.long)),
-                                  ops.token_entropy], ids=["token_logprobs", "token_entropy"])
+@pytest.mark.parametrize("call", [
+    lambda x: ops.token_logprobs(x, torch.zeros((), dtype=torch.long)), ops.token_entropy],
+    ids=["token_logprobs", "token_entropy"])
 @pytest.mark.parametrize("logits", [torch.tensor(1.0), torch.zeros(3, 0), [[0.0, 1.0]]],
                          ids=["0-dim", "V=0", "list"])
 def test_logits_without_a_vocabulary_dimension_are_a_batch_error(call, logits):
