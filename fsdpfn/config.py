@@ -12,9 +12,9 @@ import os
 import attrs
 
 from fsdpfn.errors import ConfigError
-from fsdpfn.validators import (boolean, fail, fits_float32, integer, is_number, number, one_of,
-                               seed_int, str_tuple, temperature_rule, to_float, to_opt_float,
-                               to_tuple)
+from fsdpfn.validators import (FLOAT32_MAX, boolean, fail, fits_float32, integer, is_number,
+                               number, one_of, seed_int, str_tuple, temperature_rule, to_float,
+                               to_opt_float, to_tuple)
 
 __all__ = [
     "ParallelStrategy", "OptimizerConfig", "FSDPConfig", "MicroBatchSpec", "LoRAConfig",
@@ -75,6 +75,15 @@ class OptimizerConfig:
             fail(attribute.name, "must be two numbers in [0, 1)", value)
 
     def __attrs_post_init__(self):
+        # AdamW's first step moves a parameter by lr / (1 - beta1) and decays it by
+        # 1 - lr * weight_decay, both as float32 scalars: past float32's range torch refuses
+        # the step halfway through the parameters, which would leave a partial update
+        if self.lr / (1 - self.betas[0]) > FLOAT32_MAX:
+            fail("lr", f"must keep AdamW's first step size lr / (1 - betas[0]) within float32's "
+                       f"range (3.4e38; betas[0] = {self.betas[0]})", self.lr)
+        if self.lr * self.weight_decay > FLOAT32_MAX:
+            fail("lr", f"must keep lr * weight_decay within float32's range (3.4e38; "
+                       f"weight_decay = {self.weight_decay})", self.lr)
         if self.schedule != "constant" and self.total_steps is None:
             raise ConfigError(f"total_steps: must be set for schedule {self.schedule!r}, got None")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:

@@ -214,8 +214,10 @@ def _call_loss_fn(loss_fn, outputs, minibatch, ctx: StepContext, backward: bool)
         raise ConfigError(f"loss_fn: must return a pair (loss_sum, stats), got "
                           f"{_short(returned)}")
     loss_sum, stats = returned
-    if not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0:
-        raise ConfigError(f"loss_fn: must return a 0-dim tensor loss sum, got {_short(loss_sum)}")
+    if (not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0
+            or not loss_sum.is_floating_point()):
+        raise ConfigError(f"loss_fn: must return a 0-dim floating-point tensor loss sum, got "
+                          f"{_short(loss_sum)}")
     if not isinstance(stats, Mapping):
         raise ConfigError(f"loss_fn: must return its stats as a dict of name -> 0-dim value, got "
                           f"{_short(stats)}")

@@ -90,13 +90,14 @@ class PushConfig:
     (None: 127.0.0.1 for local servers, else the address of the interface that routes to the
     first server; 0 or None: a free port). group_name: the update group's name (None: a fresh
     ``fsdpfn-<hex>`` per RolloutTarget). on_bucket(index, n_buckets): called on rank 0 once each
-    bucket is on the wire (progress reports). bucket_bytes / edge_bucket_bytes: the size of the
-    middle buckets and of the first and last ones (None: no ramp). pause_generation applies to
-    SGLang's protocol, IPC and disk (over the update channel the server swaps between two decode
-    steps without a pause). pause_mode: SGLang's /pause_generation mode ("abort",
-    "retract", "in_place"). probe_tol: after a push to SGLang, the largest gap allowed between
-    the server's greedy log-probs on a fixed prompt and the trainer's forward_logp (None: 1e-3
-    for a float32 push, 0.1 for 16-bit dtypes).
+    bucket is on the wire (progress reports), over the update channel and SGLang's protocol; a
+    disk or IPC push, handed over whole, never calls it. bucket_bytes / edge_bucket_bytes: the
+    size of the middle buckets and of the first and last ones (None: no ramp).
+    pause_generation applies to SGLang's protocol, IPC and disk (over the update channel the
+    server swaps between two decode steps without a pause). pause_mode: SGLang's
+    /pause_generation mode ("abort", "retract", "in_place"). probe_tol: after a push to SGLang,
+    the largest gap allowed between the server's greedy log-probs on a fixed prompt and the
+    trainer's forward_logp (None: 1e-3 for a float32 push, 0.1 for 16-bit dtypes).
     """
 
     transport: Transport = attrs.field(default="broadcast", validator=_transport)

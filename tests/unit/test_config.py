@@ -372,3 +372,22 @@ def test_an_array_for_any_field_is_a_config_error_naming_it(name):
                 assert str(exc).startswith(f"{field.name}: "), exc
             else:
                 raise AssertionError(f"{name}.{field.name}={value!r} was accepted")
+
+
+@pytest.mark.parametrize("fields, rule", [
+    ({"lr": 1e38}, r"AdamW's first step size lr / \(1 - betas\[0\]\) within float32's "
+                   r"range \(3.4e38; betas\[0\] = 0.9\), got 1e\+38"),
+    ({"lr": 4e37}, r"lr / \(1 - betas\[0\]\)"),
+    ({"lr": 1e30, "betas": (1 - 1e-9, 0.999)}, r"betas\[0\] = 0.999999999"),
+    ({"lr": 1e37, "weight_decay": 100.0}, r"lr \* weight_decay within float32's range"),
+])
+def test_an_lr_whose_first_adamw_step_overflows_float32_is_refused(fields, rule):
+    """lr=1e38 was accepted; AdamW's first step then raised torch's RuntimeError halfway through
+    the parameters, leaving a partial update behind an error that named no field."""
+    with pytest.raises(ff.ConfigError, match=r"^lr: must keep .*" + rule):
+        ff.OptimizerConfig(**fields)
+
+
+def test_the_largest_lr_the_first_step_holds_is_accepted():
+    assert ff.OptimizerConfig(lr=3e37).lr == 3e37
+    assert ff.OptimizerConfig(lr=3e38, betas=(0.0, 0.999)).lr == 3e38

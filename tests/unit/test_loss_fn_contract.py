@@ -65,6 +65,20 @@ def test_a_stat_of_many_values_is_refused_by_name():
             _nll(o, mb, c), {"per_row": o[K.LOGP].sum(-1).detach()}))
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64])
+def test_a_loss_that_is_not_a_real_float_is_refused_before_any_backward(dtype):
+    """A complex loss sum reached torch's backward, whose RuntimeError named no field."""
+    batch = random_batch(4, 12, seed=1, min_len=6)
+    state = _state()
+    with pytest.raises(ConfigError, match=r"^loss_fn: must return a 0-dim floating-point tensor "
+                                          r"loss sum, got tensor\("):
+        ff.grad_step(state, batch, lambda o, mb, c: (_nll(o, mb, c).to(dtype), {}))
+    stepped, _ = ff.grad_step(state, batch, lambda o, mb, c: (_nll(o, mb, c), {}))
+    fresh, _ = ff.grad_step(_state(), batch, lambda o, mb, c: (_nll(o, mb, c), {}))
+    mine, theirs = full_model_state(stepped), full_model_state(fresh)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
 def test_the_users_own_stats_come_back_beside_the_engines():
     batch = random_batch(4, 12, seed=1, min_len=6)
     _, out = ff.grad_step(_state(), batch, lambda o, mb, c: (
