@@ -19,6 +19,14 @@ would approach the longer of them. This measures, for one layer of the shape, as
 A ``two streams`` time well under ``attention + matmuls`` says overlap pays and by how much a
 step would shrink (x layers); near it, the GPU cannot run the two side by side and the idea is
 dropped. Nothing here changes what the server computes.
+
+``--green N [N ...]`` adds, for each N, the same two halves with the GPU's SMs split between
+the two kinds of work: every attention on a CUDA green context of N SMs, every matmul on a
+green context of the SMs left, each half's layers chained across the two streams by events
+(half A's attention beside half B's matmuls, then the other way). Plain two streams let the
+GEMMs' programs take every SM, so the attention can only fill gaps; a split keeps both running
+at once. Also printed: the attention alone on its N SMs and the matmuls alone on the rest.
+Green contexts need a CUDA 12.4 driver or later (made here through the driver API).
 """
 
 from __future__ import annotations
@@ -79,6 +87,8 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1280)
     p.add_argument("--layers", type=int, default=8, help="repetitions in one graph")
     p.add_argument("--cpu", action="store_true", help="a smoke run: tiny shapes on CPU")
+    p.add_argument("--green", type=int, nargs="*", default=[], metavar="N",
+                   help="also split the SMs: attention on a green context of N SMs")
     args = p.parse_args()
     shape = dict(QWEN2_1_5B)
     if args.cpu:
@@ -124,6 +134,29 @@ def main() -> None:
         for s in streams:
             here.wait_stream(s)
 
+    def run_split(green_stream, mm_stream):
+        """Half A and half B, each layer's attention on ``green_stream`` and its matmuls on
+        ``mm_stream``, chained by events."""
+        here = torch.cuda.current_stream()
+        for s in (green_stream, mm_stream):
+            s.wait_stream(here)
+        done = [None, None]  # per half: the event of its last matmuls
+        for _ in range(args.layers):
+            for i, (hq, hc, hx, hu) in enumerate(halves):
+                with torch.cuda.stream(green_stream):
+                    if done[i] is not None:
+                        green_stream.wait_event(done[i])
+                    attention(hq, hc, hu, args.max_len, D, device)
+                    att = torch.cuda.Event()
+                    att.record(green_stream)
+                with torch.cuda.stream(mm_stream):
+                    mm_stream.wait_event(att)
+                    matmuls(weights, hx)
+                    done[i] = torch.cuda.Event()
+                    done[i].record(mm_stream)
+        for s in (green_stream, mm_stream):
+            here.wait_stream(s)
+
     if args.cpu:
         for fn in (run_attention, run_matmuls, run_sequential):
             fn()
@@ -135,15 +168,104 @@ def main() -> None:
         ms = {name: timed(fn, 1) / 1e3 / args.layers for name, fn in (
             ("attention", run_attention), ("matmuls", run_matmuls),
             ("sequential halves", run_sequential), ("two streams", run_streams))}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if args.green:  # the split's schedule with every SM open to both streams
+        with torch.no_grad():
+            ms["split, no green context"] = timed(
+                lambda: run_split(torch.cuda.Stream(), torch.cuda.Stream()), 1) / 1e3 / args.layers
+    for n in args.green:
+        try:
+            (att_stream, mm_stream), counts = _sm_partition(n, device)
+        except Exception as e:  # noqa: BLE001 - a driver without green contexts
+            print(f"# green contexts of {n} SMs: not available ({type(e).__name__}: {e})")
+            break
+        print(f"# SMs split {counts[0]} (attention) + {counts[1]} (matmuls) of {sms}")
+
+        def on(stream, fn):
+            def run():
+                here = torch.cuda.current_stream()
+                stream.wait_stream(here)
+                with torch.cuda.stream(stream):
+                    fn()
+                here.wait_stream(stream)
+            return run
+
+        with torch.no_grad():
+            for name, fn in ((f"attention on {counts[0]} SMs", on(att_stream, run_attention)),
+                             (f"matmuls on {counts[1]} SMs", on(mm_stream, run_matmuls)),
+                             (f"split {counts[0]} + {counts[1]} SMs",
+                              lambda: run_split(att_stream, mm_stream))):
+                ms[name] = _timed_graph_or_eager(fn) / args.layers
     layers = shape["num_hidden_layers"]
     both = ms["attention"] + ms["matmuls"]
     rows = [{"schedule": name, "ms per layer": round(t, 4),
              f"x {layers} layers, ms": round(t * layers, 3),
              "vs attention + matmuls": f"{t / both:.2f}x"} for name, t in ms.items()]
     print_markdown_table(rows, ("schedule", "ms per layer"))
-    print(f"# overlap would save {max(0.0, both - ms['two streams']) * layers:.3f} ms a step "
-          f"(attention + matmuls {both * layers:.3f} ms, two streams "
-          f"{ms['two streams'] * layers:.3f} ms)")
+    best = min((name for name in ms if name.startswith(("two streams", "split"))),
+               key=ms.get)
+    print(f"# overlap would save {max(0.0, both - ms[best]) * layers:.3f} ms a step "
+          f"(attention + matmuls {both * layers:.3f} ms, {best} {ms[best] * layers:.3f} ms)")
+
+
+def _sm_partition(n: int, device):
+    """Two streams on disjoint SMs: one of a green context of ``n`` SMs, one of a green context
+    of the SMs left (CUDA driver API, 12.4 or later), and the two SM counts."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(result, what):
+        if result != 0:
+            raise RuntimeError(f"{what} returned CUresult {result}")
+
+    torch.cuda.init()
+    dev = ctypes.c_int()
+    check(cuda.cuDeviceGet(ctypes.byref(dev), device.index or 0), "cuDeviceGet")
+    size = 1024  # larger than a CUdevResource on every CUDA 12 and 13 header
+    whole, group, rest = (ctypes.create_string_buffer(size) for _ in range(3))
+    check(cuda.cuDeviceGetDevResource(dev, whole, 1), "cuDeviceGetDevResource")  # SM resource
+    groups = ctypes.c_uint(1)
+    check(cuda.cuDevSmResourceSplitByCount(group, ctypes.byref(groups), whole, rest, 0, n),
+          "cuDevSmResourceSplitByCount")
+    streams, counts = [], []
+    for resource in (group, rest):
+        counts.append(ctypes.c_uint.from_buffer(resource, 96).value)  # CUdevSmResource.smCount
+        desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check(cuda.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1),
+              "cuDevResourceGenerateDesc")
+        check(cuda.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, 1), "cuGreenCtxCreate")
+        check(cuda.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, 1, 0),
+              "cuGreenCtxStreamCreate")  # non-blocking
+        streams.append(torch.cuda.ExternalStream(stream.value, device=device))
+    return streams, counts
+
+
+def _timed_graph_or_eager(fn) -> float:
+    """Milliseconds of fn from a CUDA graph of one call; eager where the graph fails."""
+    try:
+        return timed(fn, 1) / 1e3
+    except Exception as e:  # noqa: BLE001 - a stream a graph does not capture
+        print(f"# eager timing ({type(e).__name__}: {str(e)[:100]})")
+        torch.cuda.synchronize()
+        return _timed_eager(fn)
+
+
+def _timed_eager(fn) -> float:
+    """Milliseconds of fn launched eagerly (a green context's stream is not captured in a CUDA
+    graph): CUDA events around five calls, best of five."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 5)
+    return best
 
 
 if __name__ == "__main__":
