@@ -81,9 +81,9 @@ class OptimizerConfig:
         if self.lr / (1 - self.betas[0]) > FLOAT32_MAX:
             fail("lr", f"must keep AdamW's first step size lr / (1 - betas[0]) within float32's "
                        f"range (3.4e38; betas[0] = {self.betas[0]})", self.lr)
-        if self.lr * self.weight_decay > FLOAT32_MAX:
-            fail("lr", f"must keep lr * weight_decay within float32's range (3.4e38; "
-                       f"weight_decay = {self.weight_decay})", self.lr)
+        if self.lr * self.weight_decay > FLOAT32_MAX:  # lr passed the rule above: a decay > 10
+            fail("weight_decay", f"must keep lr * weight_decay within float32's range (3.4e38; "
+                                 f"lr = {self.lr})", self.weight_decay)
         if self.schedule != "constant" and self.total_steps is None:
             raise ConfigError(f"total_steps: must be set for schedule {self.schedule!r}, got None")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
