@@ -28,6 +28,12 @@ def check_run_dir_path(run_dir: Path) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir: must be a directory (or a path to create), got "
                           f"{str(run_dir)!r}, which is a file")
+    parent = run_dir.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():  # the run would fail creating it (NotADirectoryError)
+        raise ConfigError(f"run_dir: must be a directory (or a path to create), got "
+                          f"{str(run_dir)!r}, under {str(parent)!r}, which is a file")
 
 
 def last_run_note(run_dir: Path) -> str | None:

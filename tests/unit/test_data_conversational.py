@@ -161,3 +161,36 @@ def test_plain_text_rows_train_on_every_token_after_the_first(tmp_path, tok, tok
     with pytest.raises(ConfigError) as err:
         _prepared(tmp_path, tok, "sft", [{"text": "  "}])
     assert "column 'text' (data.text_key) must be a non-blank string" in str(err.value)
+
+
+def test_a_row_the_chat_template_or_tokenizer_refuses_is_named_not_a_traceback(tmp_path,
+                                                                               tok_dir):
+    """A template that raises on a row (raise_exception: no system role, roles that must
+    alternate), and a lone surrogate the tokenizer cannot encode, leaked jinja2's or tokenizers'
+    exception from the data preparation, naming neither the file nor the line."""
+    import shutil
+
+    from fsdpfn.app.recipes.model import HFTokenizer
+
+    strict = tmp_path / "strict"
+    shutil.copytree(tok_dir, strict)
+    (strict / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rows = [{"prompt": [user("What is 1+2?")], "answer": "3"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, user("What is 7+2?")],
+             "answer": "9"}]
+    with pytest.raises(ConfigError, match=r"^data\.train_files: '.*\.jsonl' line 2: the "
+                                          r"tokenizer of '.*strict' or its chat template cannot "
+                                          r"tokenize this row \(TemplateError: System role not "
+                                          r"supported\)$"):
+        _prepared(tmp_path, HFTokenizer(strict), "grpo", rows)
+    f = tmp_path / "surrogate.jsonl"
+    f.write_text('{"prompt": "What is 1+2?", "answer": "3"}\n'
+                 '{"prompt": "What is 7+2? \\ud800", "answer": "9"}\n')
+    with pytest.raises(ConfigError, match=r"^data\.train_files: '.*surrogate\.jsonl' line 2: "
+                                          r"the tokenizer of .* cannot tokenize this row"):
+        prepare_files(DataConfig(train_files=(str(f),)), HFTokenizer(tok_dir), "grpo",
+                      tmp_path / "out_surrogate")

@@ -180,3 +180,9 @@ def test_rewards_a_workflow_may_return():
             to_reward(bad, 1)
     with pytest.raises(ValueError, match="returned 1 rewards for 2 turns"):
         to_reward([1.0], 2)
+    # finite in Python, inf in the float32 batch (which refused it, ending the run)
+    with pytest.raises(ValueError, match=r"within float32's range .* got 1e\+39 \(float\)"):
+        to_reward(1e39, 1)
+    with pytest.raises(ValueError, match=r"per-turn rewards summing to 4e\+38, past float32"):
+        to_reward([2e38, 2e38], 2)
+    assert to_reward(3e38, 1) == 3e38

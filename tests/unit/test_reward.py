@@ -33,7 +33,8 @@ def per_sample(prompt, completion, *, answer, sample, bonus=0.0):
         return INVALID[completion]
     return len(completion) + (answer == completion) + sample.get("weight", 0) + bonus
 
-INVALID = {"nan": math.nan, "inf": math.inf, "str": "1.0", "none": None, "list": [1.0]}
+INVALID = {"nan": math.nan, "inf": math.inf, "str": "1.0", "none": None, "list": [1.0],
+           "huge": 1e39}
 
 def batched(prompts, completions, *, answers, samples, bonus=0.0):
     if "raise" in completions:
@@ -222,13 +223,16 @@ def test_dead_worker_is_reported_and_replaced(pool):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_invalid_returns_are_errors_and_a_bool_counts_as_0_or_1(user_pkg, workers):
-    bad = ["nan", "inf", "str", "none", "list"]
+    bad = ["nan", "inf", "str", "none", "list", "huge"]
     with RewardPool("userrewards.scores:per_sample", workers=workers) as p:
         result = _score(p, bad + ["fine"])
-    assert [e.index for e in result.errors] == list(range(5))
-    assert {e.kind for e in result.errors} == {"invalid"} and result.rewards[:5] == [0.0] * 5
+    assert [e.index for e in result.errors] == list(range(6))
+    assert {e.kind for e in result.errors} == {"invalid"} and result.rewards[:6] == [0.0] * 6
     assert "got nan (float)" in result.errors[0].message
     assert "got '1.0' (str)" in result.errors[2].message
+    # finite in Python, inf in the float32 batch: it ended the run with a BatchError
+    assert "within float32's range" in result.errors[5].message
+    assert "got 1e+39 (float)" in result.errors[5].message
     with RewardPool("userrewards.scores:flag", workers=workers) as p:
         assert p.score(["p", "q", "r"], ["yes", "no", "np"]).rewards == [1.0, 0.0, 1.0]
 

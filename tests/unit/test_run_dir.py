@@ -54,3 +54,16 @@ def test_resume_refuses_a_change_to_what_run_dir_was_built_with(tmp_path, change
     assert sorted(p.name for p in run_dir.rglob("*")) == before
     check_resume_keeps(default_config("sft", [f"run_dir={run_dir}", "steps=7",
                                               "optimizer.lr=3e-4"]), run_dir / "config.yaml")
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_run_dir_under_a_file_is_refused_by_the_dry_run_too(tmp_path, dry_run):
+    """A run_dir below a regular file passed the dry run; the run then raised
+    NotADirectoryError's traceback creating it."""
+    (tmp_path / "job.yaml").write_text("recipe: grpo\n")
+    run_dir = tmp_path / "job.yaml" / "runs" / "a"
+    with pytest.raises(ConfigError, match=r"^run_dir: must be a directory \(or a path to "
+                                          r"create\), got '.*runs/a', under '.*job\.yaml', "
+                                          r"which is a file$"):
+        prepare_run_dir(run_dir, resume=False, overwrite=False, dry_run=dry_run)
+    assert not (tmp_path / "runs").exists() and (tmp_path / "job.yaml").is_file()

@@ -123,19 +123,24 @@ def yields(fn) -> bool:
                for f in (fn, getattr(fn, "__call__", None)))
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # a reward past it would be inf in the batch
+
+
 def _is_numpy_bool(value) -> bool:
     # np.isclose(...) returns one; it is not a numbers.Real, and numpy is not imported here
     return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
 
 
 def to_reward(value) -> float:
-    """bool -> 0.0/1.0, a finite real number -> float; anything else raises ValueError."""
+    """bool -> 0.0/1.0, a finite real number within float32's range -> float; anything else
+    raises ValueError."""
     if isinstance(value, bool) or _is_numpy_bool(value):
         return float(value)
-    if isinstance(value, numbers.Real) and math.isfinite(value):
+    if isinstance(value, numbers.Real) and math.isfinite(value) and abs(value) <= FLOAT32_MAX:
         return float(value)
     text = repr(value)
-    raise ValueError(f"must return a finite number or a bool, got {text[:200]}"
+    raise ValueError(f"must return a finite number within float32's range (|x| <= 3.4e38: the "
+                     f"batch holds rewards in float32) or a bool, got {text[:200]}"
                      f" ({type(value).__name__})")
 
 

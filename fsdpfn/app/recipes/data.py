@@ -357,7 +357,18 @@ def _write_split(cfg: DataConfig, tok, recipe: str, data, cols: dict, path: Path
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         for i in range(len(data.rows)):
-            ex, reason, tokens = _prepare_row(cfg, tok, recipe, cols, data.full(i))
+            try:
+                ex, reason, tokens = _prepare_row(cfg, tok, recipe, cols, data.full(i))
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the tokenizer's or the chat template's
+                # a template that refuses the row (raise_exception: roles that must alternate,
+                # no system role), a template that does not parse, text the tokenizer cannot
+                # encode (a lone surrogate): the row named, not a traceback
+                raise ConfigError(f"{data.where(i)}: the tokenizer of "
+                                  f"{str(getattr(tok, 'path', 'model.path'))!r} or its chat "
+                                  f"template cannot tokenize this row ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]})") from exc
             if ex is None:
                 dropped[reason] = dropped.get(reason, 0) + 1
                 if tokens is not None:  # the shortest part over its limit, per reason

@@ -23,8 +23,9 @@ A reward may carry a one-time set-up as an attribute, ``score.prepare = fn`` (no
 worker runs it once when it loads the reward, before any call and outside the timeouts (the
 built-in ``math`` imports math-verify so).
 
-A bool (numpy's too) counts as 0/1, a finite real number as itself; anything else (NaN, inf,
-a string, None, a list of the wrong length) is an ``invalid`` error for that sample.
+A bool (numpy's too) counts as 0/1, a finite real number within float32's range (|x| <=
+3.4e38, as the batch holds it) as itself; anything else (NaN, inf, 1e39, a string, None, a list
+of the wrong length) is an ``invalid`` error for that sample.
 
 The spec is resolved in the launcher, before any rank starts: a module that does not import, a
 missing attribute or a non-callable raises ConfigError naming ``reward.fn`` and the value.

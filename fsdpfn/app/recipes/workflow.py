@@ -43,6 +43,7 @@ from fsdpfn.ops import group_advantages
 from fsdpfn.app.recipes import _reward_worker as W
 from fsdpfn.rollout.errors import PAST_POSITIONS
 from fsdpfn.rollout.episode import episode_rows
+from fsdpfn.validators import FLOAT32_MAX
 
 __all__ = ["Workflow", "load_workflow", "EpisodeResult", "run_episodes", "episodes_batch",
            "check_episodes", "to_reward"]
@@ -91,12 +92,16 @@ def to_reward(value, n_turns: int) -> float:
         if len(value) != n_turns:
             raise ValueError(f"returned {len(value)} rewards for {n_turns} turns (one per turn, "
                              f"or one number)")
-        return float(sum(to_reward(v, 1) for v in value))
+        total = float(sum(to_reward(v, 1) for v in value))
+        if abs(total) > FLOAT32_MAX:
+            raise ValueError(f"returned per-turn rewards summing to {total!r}, past float32's "
+                             f"range (|x| <= 3.4e38: the batch holds rewards in float32)")
+        return total
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array
         value = value.item()
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, numbers.Real) and math.isfinite(value):
+    if isinstance(value, numbers.Real) and math.isfinite(value) and abs(value) <= FLOAT32_MAX:
         return float(value)
     if inspect.isawaitable(value):
         if inspect.iscoroutine(value):
@@ -104,7 +109,8 @@ def to_reward(value, n_turns: int) -> float:
         raise ValueError(f"returned an awaitable ({type(value).__name__}) from a plain call: "
                          f"declare the workflow `async def` (or its class's __call__) so that "
                          f"it is awaited and handed the async client")
-    raise ValueError(f"must return a finite number, a bool or one per turn, got "
+    raise ValueError(f"must return a finite number within float32's range (|x| <= 3.4e38: the "
+                     f"batch holds rewards in float32), a bool or one per turn, got "
                      f"{repr(value)[:200]} ({type(value).__name__})")
 
 
