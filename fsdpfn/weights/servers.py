@@ -1,7 +1,7 @@
 """What trainer rank 0 knows of a RolloutTarget's servers, and its talk with them outside the
 bytes of a push: which protocol they take (fsdpfn's update channel, or SGLang's), what they serve
-(asked before a push that has no open channel to every server), the update group and the update channels bound
-to it, pausing and resuming generation.
+(asked before a push that has no open channel to every server), the update group and the update
+channels bound to it, pausing and resuming generation.
 
 fsdpfn.rollout servers that offer an update channel are pushed to over it; every other server
 (SGLang, or an fsdpfn.rollout server started without a channel) in SGLang's protocol.
@@ -10,7 +10,7 @@ fsdpfn.rollout servers that offer an update channel are pushed to over it; every
 from __future__ import annotations
 
 import urllib.parse
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -34,8 +34,8 @@ class Servers:
         self.config = config
         self.group = UpdateGroup(self.urls, config)
         self.sglang: bool | None = None  # whether they are SGLang's servers (None: not asked)
-        # url -> (server_id, trainer layout hash, /get_model_info answer) of the last prepare
-        self.infos: dict[str, tuple[Any, int, dict]] = {}
+        # url -> (trainer layout hash, /get_model_info answer) of the last prepare
+        self.infos: dict[str, tuple[int, dict]] = {}
         # url -> its update channel (bound to the live group)
         self.channels: dict[str, Channel] = {}
         self._unreachable: set[tuple] = set()  # (url, server_id, port) whose channel failed
@@ -90,15 +90,15 @@ class Servers:
         return (self._prepared is not None and self.group.live is not None
                 and self.config.transport == "broadcast" and bool(self.channels)
                 and all(url in self.channels and not self.channels[url].stale()
-                        and self.infos.get(url, (None, None))[1] == layout
+                        and self.infos.get(url, (None, None))[0] == layout
                         for url in self.urls))
 
     def _model_infos(self, layout: int) -> dict[str, dict]:
         """Each server's /get_model_info, kept with the trainer layout it was asked for."""
         for url in self.urls:
             info = call(url, "/get_model_info", timeout=self.config.timeout_s)
-            self.infos[url] = (info.get("server_id"), layout, info)
-        return {url: self.infos[url][2] for url in self.urls}
+            self.infos[url] = (layout, info)
+        return {url: self.infos[url][1] for url in self.urls}
 
     def _push_dtype(self, infos: dict[str, dict]) -> str:
         served = {url: info.get("dtype") for url, info in infos.items()}

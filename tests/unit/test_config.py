@@ -375,17 +375,17 @@ def test_an_array_for_any_field_is_a_config_error_naming_it(name):
 
 
 @pytest.mark.parametrize("fields, rule", [
-    ({"lr": 1e38}, r"AdamW's first step size lr / \(1 - betas\[0\]\) within float32's "
-                   r"range \(3.4e38; betas\[0\] = 0.9\), got 1e\+38"),
-    ({"lr": 4e37}, r"lr / \(1 - betas\[0\]\)"),
-    ({"lr": 1e30, "betas": (1 - 1e-9, 0.999)}, r"betas\[0\] = 0.999999999"),
+    ({"lr": 1e38}, r"^lr: must keep AdamW's first step size lr / \(1 - betas\[0\]\) within "
+                   r"float32's range \(3.4e38; betas\[0\] = 0.9\), got 1e\+38$"),
+    ({"lr": 4e37}, r"^lr: must keep AdamW's first step size .*, got 4e\+37$"),
+    ({"lr": 1e30, "betas": (1 - 1e-9, 0.999)}, r"^lr: must keep .*betas\[0\] = 0.999999999\), "
+                                               r"got 1e\+30$"),
     ({"lr": 1e37, "weight_decay": 100.0}, r"^weight_decay: must keep lr \* weight_decay within "
-                                          r"float32's range \(3.4e38; lr = 1e\+37\), got 100.0"),
+                                          r"float32's range \(3.4e38; lr = 1e\+37\), got 100.0$"),
 ])
 def test_an_lr_whose_first_adamw_step_overflows_float32_is_refused(fields, rule):
     """lr=1e38 was accepted; AdamW's first step then raised torch's RuntimeError halfway through
     the parameters, leaving a partial update behind an error that named no field."""
-    rule = rule if rule.startswith("^") else r"^lr: must keep .*" + rule
     with pytest.raises(ff.ConfigError, match=rule):
         ff.OptimizerConfig(**fields)
 
