@@ -29,8 +29,17 @@ __all__ = ["main", "build_parser", "launch"]
 # ---------------------------------------------------------------- argument parsing
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line, like every other refusal of the command
+    (``fsdpfn: error: ...``), with where the usage is instead of the usage itself."""
+
+    def error(self, message: str, prog: str | None = None):
+        self.exit(2, f"fsdpfn: error: {message} ('{prog or self.prog} --help' shows the "
+                     f"usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fsdpfn", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="fsdpfn: functional RL and fine-tuning on PyTorch FSDP2.",
         epilog="examples:\n"
@@ -119,9 +128,14 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     well as ``run cfg.yaml steps=5 --resume``): argparse's positional list stops at the first
     flag, so what it leaves over that looks like an override joins the others."""
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if a.startswith("-") or "=" not in a]
-    if stray or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    prog = f"{parser.prog} {args.command}" if getattr(args, "command", None) else parser.prog
+    flags = [a for a in extra if a.startswith("-")]
+    if flags or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}", prog)
+    for override in [*(getattr(args, "overrides", None) or []), *extra]:
+        if "=" not in override:  # argparse takes any word as a positional: say what it must be
+            parser.error(f"override {override!r}: must be KEY=VALUE (a dotted key, a YAML "
+                         f"value: steps=10 optimizer.lr=1e-6)", prog)
     if extra:
         args.overrides = [*(args.overrides or []), *extra]
     return args

@@ -438,8 +438,11 @@ def _summarize(cfg, run_dir: Path, seconds: float, rc: int, interrupted: bool,
         say("rollout servers: " + "; ".join(
             f"{s['url']} ({s.get('device', 'external')}) at weights version "
             f"{s['weight_version']}" for s in servers))
-    say(f"metrics {metrics}" + (f", plot {summary['plot']}" if "plot" in summary else "")
-        + (f", checkpoint {summary['checkpoint']}" if "checkpoint" in summary else ""))
+    written = [f"metrics {metrics}"] if metrics.is_file() else []  # none if it failed first
+    written += [f"plot {summary['plot']}"] if "plot" in summary else []
+    written += [f"checkpoint {summary['checkpoint']}"] if "checkpoint" in summary else []
+    if written:
+        say(", ".join(written))
     if (interrupted or rc != 0) and _resumable(run_dir, summary):
         say(f"continue with: fsdpfn run {run_dir / 'config.yaml'} --resume")
     return summary

@@ -122,13 +122,17 @@ CLI_ERRORS = [
      "parallel.dp: dp x cp x tp = 3 x 1 x 1 = 3 must equal the 2 trainer ranks "
      "(launch.nproc), got dp=3"),
     (None, ["steps=[1"], "override 'steps=[1': YAML syntax error at line 1, column 3"),
+    (None, ["steps", "--dry-run"], "override 'steps': must be KEY=VALUE (a dotted key, a YAML "
+                                   "value: steps=10 optimizer.lr=1e-6) ('fsdpfn run --help'"),
+    (None, ["--dry-rn"], "unrecognized arguments: --dry-rn ('fsdpfn run --help' shows"),
 ]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("text,overrides,expected", CLI_ERRORS,
                          ids=["yaml-syntax", "duplicate-key", "section-scalar", "section-null",
-                              "run-dir-file", "tp-vs-nproc", "dp-vs-nproc", "override-syntax"])
+                              "run-dir-file", "tp-vs-nproc", "dp-vs-nproc", "override-syntax",
+                                  "override-without-equals", "flag-misspelt"])
 def test_cli_errors_are_one_line_exit_2_before_any_rank(text, overrides, expected, tmp_path):
     """Each bad input: exit status 2, one line naming the key, the rule and the value, no
     traceback, and nothing started (no run_dir written)."""

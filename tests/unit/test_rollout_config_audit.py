@@ -166,6 +166,15 @@ def test_resume_is_not_suggested_when_nothing_was_saved(tmp_path, capsys):
     for rc, interrupted in ((1, False), (130, True)):
         err = _summary_lines(tmp_path, capsys, rc, interrupted)
         assert "0 steps" in err and "--resume" not in err
+        assert "metrics" not in err  # a run failing before its first row names no such file
+
+
+def test_the_summary_names_the_metrics_file_once_written(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(
+        {"phase": "grpo", "step": 1, "reward_mean": 0.25}) + "\n")
+    err = _summary_lines(tmp_path, capsys, 1)
+    assert "failed (exit 1) in 0:03: grpo, 1 steps; reward_mean 0.250 -> 0.250" in err
+    assert f"[fsdpfn] metrics {tmp_path / 'metrics.jsonl'}\n" in err
 
 
 def test_resume_is_suggested_once_there_is_something_to_continue(tmp_path, capsys):
