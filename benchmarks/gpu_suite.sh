@@ -91,6 +91,7 @@ decode() {
   item decode_gemm 90 python3 benchmarks/decode_gemm.py
   item decode_gemm_triton 150 python3 benchmarks/decode_gemm_triton.py
   item decode_overlap 60 python3 benchmarks/decode_overlap.py
+  item decode_fp8 60 python3 benchmarks/decode_fp8.py --rows 512 1024
   # the network step alone (CUDA graphs), without and with the fused add and norm
   item decode_step 170 python3 benchmarks/decode_step.py --rows 512 --options \
     "fused, triton, rope-kv" "fused, triton, rope-kv, add-norm"
