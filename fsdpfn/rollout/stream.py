@@ -51,7 +51,7 @@ import attrs
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout.errors import SEED_END
 from fsdpfn.rollout.balance import Balancer, group_work, renumbered
-from fsdpfn.rollout.client import check_prompts, generate
+from fsdpfn.rollout.client import check_prompts, check_request, generate
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
 __all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
@@ -122,15 +122,22 @@ def _int(name: str, value, low: int) -> int:
     return out
 
 
-def _check_args(group_size, groups_per_step, max_staleness, start, sampling) -> None:
-    for name, value, low in (("group_size", group_size, 1), ("groups_per_step", groups_per_step, 1),
-                             ("max_staleness", max_staleness, 0), ("start", start, 0)):
-        if not isinstance(value, int):  # plain ints: they size the stream's pools
-            raise ConfigError(f"{name}: must be an integer >= {low}, got {value!r}")
-        _int(name, value, low)
+def _check_args(group_size, groups_per_step, max_staleness, start, sampling) -> tuple:
+    """The four counts as plain ints (they size the stream's pools); the sampling parameters
+    checked by the server's own rules, values included, before any request is built."""
+    counts = tuple(_int(name, value, low) for name, value, low in (
+        ("group_size", group_size, 1), ("groups_per_step", groups_per_step, 1),
+        ("max_staleness", max_staleness, 0), ("start", start, 0)))
     unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
     if unknown:
         raise ConfigError(f"sampling: unknown key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
+    rest = dict(sampling)
+    try:  # what each request will send: the group's samples, the generate call's defaults
+        check_request(n=counts[0], max_new_tokens=rest.pop("max_new_tokens", 128),
+                      timeout=rest.pop("timeout", 300.0), **rest)
+    except ConfigError as exc:
+        raise ConfigError(f"sampling.{exc}") from None
+    return counts
 
 
 class RolloutStream:
@@ -155,7 +162,8 @@ class RolloutStream:
             raise ConfigError(f"sampling: must be a mapping of sampling parameters (or None), got "
                               f"{type(sampling).__name__}")
         sampling = dict(sampling or {})
-        _check_args(group_size, groups_per_step, max_staleness, start, sampling)
+        group_size, groups_per_step, max_staleness, start = _check_args(
+            group_size, groups_per_step, max_staleness, start, sampling)
         version = _int("version", version, 0)
         seed = None if seed is None else _int("seed", seed, 0)
         if seed is not None and seed >= SEED_END:  # the servers' sampling seeds' range

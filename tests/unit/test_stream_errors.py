@@ -91,11 +91,37 @@ def test_a_prompt_that_is_not_token_ids_is_an_error_of_next_batch_not_a_hang(pro
     ({"seed": "abc"}, r"seed: must be an integer >= 0, got 'abc'"),
     ({"seed": 1.5}, r"seed: must be an integer >= 0, got 1.5"),
     ({"runner": 3}, r"runner: must be callable"),
+    ({"group_size": 2.0}, r"group_size: must be an integer >= 1, got 2.0"),
+    ({"max_staleness": -1}, r"max_staleness: must be an integer >= 0, got -1"),
+    # sampling values by the server's own rules, when the stream is built, not at next_batch
+    ({"sampling": {"max_new_tokens": -3}}, r"^sampling.max_new_tokens: must be an int >= 1, "
+                                           r"got -3$"),
+    ({"sampling": {"temperature": "hot"}}, r"^sampling.temperature: must be a finite number "
+                                           r">= 0, got 'hot'$"),
+    ({"sampling": {"top_p": 2}}, r"^sampling.top_p: must be in \(0, 1\], got 2$"),
+    ({"sampling": {"timeout": 0}}, r"^sampling.timeout: must be a finite number of seconds > 0, "
+                                   r"got 0$"),
 ])
 def test_bad_constructor_values_are_refused_by_name(kwargs, message):
+    kwargs = {"group_size": 1, "groups_per_step": 1, "runner": _runner, **kwargs}
     with pytest.raises(ConfigError, match=message):
-        RolloutStream([URL], lambda i: [1], group_size=1, groups_per_step=1,
-                      **{"runner": _runner, **kwargs})
+        RolloutStream([URL], lambda i: [1], **kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_numpy_and_torch_integers_are_counts_like_ints():
+    np, torch = pytest.importorskip("numpy"), pytest.importorskip("torch")
+    stream = RolloutStream([URL], lambda i: [3, 4], group_size=np.int64(2),
+                           groups_per_step=torch.tensor(2), max_staleness=np.int32(1),
+                           start=np.int64(3), runner=lambda url, first, prompts: [
+                               _runner(url, first, prompts)[0] * 2 for _ in prompts])
+    try:
+        batch = stream.next_batch(timeout=20)
+        assert [g.index for g in batch.groups] == [3, 4]
+        assert all(len(g.outputs) == 2 for g in batch.groups)
+        assert type(stream.G) is int and type(stream.N) is int
+    finally:
+        stream.close()
 
 
 @pytest.mark.timeout(30)
