@@ -11,8 +11,8 @@
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
 #           kernel category, the attention kernel at random lengths and at the loop's equal
 #           ones, each projection's matmul per backend and against Triton tilings, the network
-#           step with and without the fused add and norm), and the /generate answer's cost
-#           outside the steps, plain against packed
+#           step with and without the fused add and norm, the projections in FP8), and the
+#           /generate answer's cost outside the steps, plain against packed
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
