@@ -64,9 +64,13 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout: float, conn,
 
     torch.set_num_threads(1)
     _share_one_gloo_device()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+    except BaseException:  # noqa: BLE001 - e.g. the port taken (EADDRINUSE): the parent reads it
+        conn.send(("err", traceback.format_exc()))
+        return
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -132,7 +136,18 @@ class SpmdPool:
         self._conns: list = []
         self._stacks: list[str] = []  # each rank's stack file, in a folder of the pool's own
 
-    def _start(self) -> None:
+    def _start(self, attempts: int = 3) -> None:
+        """Start the ranks. The port is free when chosen but can be taken before rank 0 binds
+        it (by a process of another test choosing at the same moment): then the ranks, closed
+        by the failure, start again on a fresh port."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except SpmdError as exc:
+                if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
+                    raise
+
+    def _start_once(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         folder = tempfile.mkdtemp(prefix="spmd_stacks_")

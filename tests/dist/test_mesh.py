@@ -126,3 +126,26 @@ def test_a_rank_past_its_timeout_is_reported_with_its_stack():
     assert "ranks [1] did not finish within 5 s" in message, message
     assert "rank 1, still running; its threads" in message, message
     assert "_waiting_here_on_purpose" in message and "_rank1_waits_forever" in message, message
+
+
+def _world_size():
+    return dist.get_world_size()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_start_again_on_a_fresh_port_when_theirs_was_taken(monkeypatch):
+    """A port free when chosen can be bound by another test's process before rank 0 binds it
+    (EADDRINUSE): the pool starts its ranks again on a fresh port instead of failing."""
+    import socket
+
+    from fsdpfn.testing import spmd
+    from fsdpfn.wire.ports import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        first = [taken.getsockname()[1]]  # the first choice: in use when rank 0 binds it
+        monkeypatch.setattr(spmd, "free_port", lambda: first.pop() if first else free_port())
+        with SpmdPool(2, start_timeout=60) as pool:
+            assert pool.run(_world_size, timeout=60) == [2, 2]
+        assert not first  # the taken port was tried first
