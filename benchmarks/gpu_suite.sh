@@ -11,8 +11,8 @@
 #   decode  the server's decode loop at 512 and 1,024 rows and where a step's time goes (by
 #           kernel category, the attention kernel at random lengths and at the loop's equal
 #           ones, each projection's matmul per backend and against Triton tilings, the network
-#           step with and without the fused add and norm, the projections in FP8), and the
-#           /generate answer's cost outside the steps, plain against packed
+#           step with and without the fused add and norm, the projections and the KV cache
+#           in FP8), and the /generate answer's cost outside the steps, plain against packed
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
@@ -92,6 +92,7 @@ decode() {
   item decode_gemm_triton 150 python3 benchmarks/decode_gemm_triton.py
   item decode_overlap 60 python3 benchmarks/decode_overlap.py
   item decode_fp8 60 python3 benchmarks/decode_fp8.py --rows 512 1024
+  item decode_kv_fp8 60 python3 benchmarks/decode_kv_fp8.py
   # the network step alone (CUDA graphs), without and with the fused add and norm
   item decode_step 170 python3 benchmarks/decode_step.py --rows 512 --options \
     "fused, triton, rope-kv" "fused, triton, rope-kv, add-norm"

@@ -90,7 +90,7 @@ def _kernels():
             else:
                 at_k = base + cols * sk_l
             kt = tl.load(k + at_k[None, :] + d[:, None], mask=live[None, :],
-                         other=0.0)  # [D, BLOCK_N]
+                         other=0.0).to(qv.dtype)  # [D, BLOCK_N]; a float8 cache widened
             s = tl.dot(qv, kt, input_precision=PRECISION) * scale
             s = tl.where(live[None, :], s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -98,7 +98,7 @@ def _kernels():
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             vv = tl.load(v + at_k[:, None] + d[None, :], mask=live[:, None],
-                         other=0.0)  # [BLOCK_N, D]
+                         other=0.0).to(qv.dtype)  # [BLOCK_N, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
             m_i = m_new
         some = l_i > 0
