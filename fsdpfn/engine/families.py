@@ -173,13 +173,29 @@ def probe_config(hf_config):
         spec["max_window_layers"] = min(int(spec["max_window_layers"] or 0), n_layers - 1)
     if spec.get("sliding_window"):
         spec["sliding_window"] = min(int(spec["sliding_window"]), _PROBE_WINDOW)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(spec.get(key), int) and spec[key] >= 131:
-            spec[key] = None
+    for key, value in list(spec.items()):  # per-layer tables cut to the layers kept
+        if isinstance(value, dict) and value and all(_layer_index(k) is not None for k in value):
+            spec[key] = {k: v for k, v in value.items() if _layer_index(k) < n_layers}
+    for i, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):
+        # ids within the probe's vocabulary (some configs refuse None for them): 130, 129, 128
+        value = spec.get(key)
+        if isinstance(value, int) and value >= 131:
+            spec[key] = 130 - i
+        elif isinstance(value, list):
+            spec[key] = [t if not isinstance(t, int) or t < 131 else 130 - i for t in value]
     for key in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
         spec.pop(key, None)
     model_type = spec.pop("model_type")
     return AutoConfig.for_model(model_type, **spec)
+
+
+def _layer_index(key) -> int | None:
+    """A per-layer table's key as a layer index (gemma4's per_layer_config: '05'), else None."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key
+    return int(key) if isinstance(key, str) and key.isdigit() else None
 
 
 def _probe_models(small, *, is_critic: bool, device, fused_kernels: bool):

@@ -53,17 +53,23 @@ def _serve(args, listening) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = RolloutEngine(args.model, dtype=args.dtype, device=device,
-                           load_format=args.load_format,
-                           weight_version=args.weight_version, max_pause_s=args.max_pause_s,
-                           decode=args.decode, decode_rows=args.decode_rows,
-                           decode_max_len=args.decode_max_len,
-                           cuda_graphs=not args.no_cuda_graphs,
-                           fused_kernels=args.fused_kernels,
-                           decode_attention=args.decode_attention,
-                           decode_compile=args.decode_compile,
-                           decode_rope_kv=args.decode_rope_kv,
-                           decode_share_prefix=args.decode_share_prefix)
+    from fsdpfn.errors import ConfigError
+    from fsdpfn.rollout.errors import UpdateError
+
+    try:
+        engine = RolloutEngine(args.model, dtype=args.dtype, device=device,
+                               load_format=args.load_format,
+                               weight_version=args.weight_version, max_pause_s=args.max_pause_s,
+                               decode=args.decode, decode_rows=args.decode_rows,
+                               decode_max_len=args.decode_max_len,
+                               cuda_graphs=not args.no_cuda_graphs,
+                               fused_kernels=args.fused_kernels,
+                               decode_attention=args.decode_attention,
+                               decode_compile=args.decode_compile,
+                               decode_rope_kv=args.decode_rope_kv,
+                               decode_share_prefix=args.decode_share_prefix)
+    except (ConfigError, UpdateError) as exc:  # a model or option the server refuses: one line
+        parser().exit(2, f"python -m fsdpfn.rollout: error: {exc}\n")
     if not args.no_channel:
         from fsdpfn.rollout.channel import UpdateChannel
 

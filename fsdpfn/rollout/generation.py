@@ -47,7 +47,9 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
     reason = decode.unsupported_reason(model)
     if reason is not None:
         if mode == "loop":
-            raise UpdateError(f"decode: 'loop' cannot serve this model: {reason}")
+            raise UpdateError(f"decode: 'loop' cannot serve this model "
+                              f"({getattr(model.config, 'model_type', '?')}): {reason}; "
+                              f"'auto' or 'hf' serves it with HF generate")
         decode.log.warning("decode loop off (%s): generation uses HF generate", reason)
         return None
     max_len = min(int(max_len), int(getattr(model.config, "max_position_embeddings", max_len)))

@@ -136,22 +136,48 @@ def test_a_family_with_an_integer_buffer_outside_its_checkpoint_is_probed():
 
 
 def test_guard_lets_a_correct_unlisted_architecture_run_and_says_so(caplog):
-    from transformers import AutoModelForCausalLM
-
     spec = _register_scaled_family("fsdpfn_test_plain", logit_scale=1.0)
     with caplog.at_level(logging.INFO, logger="fsdpfn"):
         state = _build(spec)
     assert any("'fsdpfn_test_plain'" in r.getMessage() and "checked" in r.getMessage()
                for r in caplog.records)
     # and it is right: forward_logp equals the model's own forward with the state's weights
+    assert_equals_its_own_forward(state, _own_model(state, spec))
+
+
+def _own_model(state, spec: dict):
+    """The HF model of ``spec`` with the state's weights, on HF's eager attention."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
 
     sd = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True))
     config = hf_config_of(spec)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict({k[len("lm."):]: v for k, v in sd.items()})
-    assert_equals_its_own_forward(state, model)
+    return model
+
+
+@pytest.mark.parametrize("spec", [
+    # every CWM checkpoint's token ids (past the probe's vocabulary; CwmConfig refuses None)
+    dict(model_type="cwm", bos_token_id=128000, eos_token_id=[128001, 128008], head_dim=16,
+         sliding_window=8, num_hidden_layers=3,
+         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # more layers than the probe keeps, with per_layer_config entries of layers past them
+    dict(model_type="gemma4_text", num_hidden_layers=12, head_dim=16, global_head_dim=32,
+         sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=131),
+], ids=["cwm-checkpoint-token-ids", "gemma4-12-layers"])
+def test_guard_probes_real_sized_configs_of_accepted_families(spec):
+    """The guard's small config keeps what transformers validates: token ids within its
+    vocabulary and per-layer tables cut to the layers it keeps (both families were refused
+    as 'could not be checked' though the engine computes them exactly)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if spec["model_type"] not in CONFIG_MAPPING:
+        pytest.skip(f"{spec['model_type']} is not in this transformers")
+    spec = _common({**spec, "vocab_size": 131})
+    state = _build(spec)  # verify_model="unverified": both go through the guard
+    assert_equals_its_own_forward(state, _own_model(state, spec))
 
 
 def test_guard_runs_on_verified_families_when_asked_always(caplog):

@@ -312,3 +312,22 @@ def test_launch_server_refuses_what_the_servers_command_line_would(kwargs, messa
     assert str(info.value).startswith("launch_server: the server's command line refuses ")
     assert message in str(info.value) and "\n" not in str(info.value)
     assert started == [] and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_model_the_decode_loop_refuses_is_one_line_naming_its_family(tmp_path, capsys):
+    """--decode loop on a model with sliding windows ended the server with a traceback; the
+    refusal is now the one line of every startup error, naming the model_type and what serves
+    it instead."""
+    from fsdpfn.rollout.__main__ import main
+    from fsdpfn.testing.models import save_family_model, tiny_family_configs
+
+    model = save_family_model(tmp_path / "mistral", tiny_family_configs()["mistral"])
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(model), "--port", "0", "--device", "cpu", "--decode", "loop",
+              "--no-channel"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the weights' loading bar, if any
+    assert info.value.code == 2 and "Traceback" not in err, err
+    assert last.startswith("python -m fsdpfn.rollout: error: decode: 'loop' cannot serve this "
+                           "model (mistral): ") and "'auto' or 'hf' serves it" in last, err
