@@ -70,6 +70,20 @@ def timed(fn, iters: int, flush=None) -> float:
     return best
 
 
+def slot_cache(R: int, heads: int, kv: int, D: int, max_len: int, shared_len: int,
+               samples: int, g):
+    """Random bf16 queries q [R, heads, D] and a slot cache k, v [R, kv, max_len, D] whose rows
+    come in groups of ``samples`` holding the same first ``shared_len`` positions (the decode
+    loop copies a prompt's KV to its samples' slots), and the groups' share_tables."""
+    q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = torch.randn(2, R, kv, max_len, D, generator=g, device="cuda").to(torch.bfloat16)
+    groups = [(shared_len, list(range(s, min(R, s + samples)))) for s in range(0, R, samples)]
+    for length, ids in groups:
+        k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
+            v[ids[0], :, :length]
+    return q, k, v, attention_kernel.share_tables(groups, R, "cuda")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[512, 1024])
@@ -94,15 +108,7 @@ def main() -> None:
     table = []
     for R in args.rows:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
-        k, v = torch.randn(2, R, kv, args.max_len, D, generator=g,
-                           device="cuda").to(torch.bfloat16)
-        groups = [(args.min_pos, list(range(s, min(R, s + args.samples))))
-                  for s in range(0, R, args.samples)]
-        for length, ids in groups:  # each prompt's KV copied to its samples' slots
-            k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
-                v[ids[0], :, :length]
-        shared = attention_kernel.share_tables(groups, R, "cuda")
+        q, k, v, shared = slot_cache(R, heads, kv, D, args.max_len, args.min_pos, args.samples, g)
         pos = torch.randint(args.min_pos, args.max_len, (R,), generator=g, device="cuda")
         if args.equal is not None:  # the loop's rows, started together
             pos = torch.full((R,), args.min_pos + args.equal - 1, device="cuda")

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _table import print_markdown_table  # noqa: E402
-from decode_attention import timed  # noqa: E402 - a CUDA graph of n calls, best of 5 replays
+from decode_attention import slot_cache, timed  # noqa: E402 - timed: a CUDA graph of n calls
 
 from fsdpfn.rollout import attention_kernel  # noqa: E402
 
@@ -59,15 +59,7 @@ def main() -> None:
     table = []
     for R in args.rows:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(R, heads, D, generator=g, device="cuda").to(torch.bfloat16)
-        k, v = torch.randn(2, R, kv, args.max_len, D, generator=g,
-                           device="cuda").to(torch.bfloat16)
-        groups = [(args.min_pos, list(range(s, min(R, s + args.samples))))
-                  for s in range(0, R, args.samples)]
-        for length, ids in groups:
-            k[ids[1:], :, :length], v[ids[1:], :, :length] = k[ids[0], :, :length], \
-                v[ids[0], :, :length]
-        shared = attention_kernel.share_tables(groups, R, "cuda")
+        q, k, v, shared = slot_cache(R, heads, kv, D, args.max_len, args.min_pos, args.samples, g)
         used = torch.randint(args.min_pos + 1, args.max_len + 1, (R,), generator=g,
                              device="cuda", dtype=torch.int32)
         k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
