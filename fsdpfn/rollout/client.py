@@ -60,6 +60,9 @@ def _plain(value):
         return float(value) if isinstance(value, numbers.Real) else value
 
 
+MAX_NEW_TOKENS = 128  # generate's default, which a RolloutStream's requests share
+
+
 def check_request(*, n, max_new_tokens, seed=None, timeout=300.0, **sampling) -> dict:
     """The request's sampling parameters as sent to the server (``seed`` as SGLang's
     ``sampling_seed``), each checked by the server's own rule (fsdpfn.rollout.SamplingParams)
@@ -89,7 +92,7 @@ def check_request(*, n, max_new_tokens, seed=None, timeout=300.0, **sampling) ->
 
 
 def generate(url: str, prompts: Sequence[Sequence[int]], *, n: int = 1,
-             max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+             max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int | None = None, stop_token_ids: Sequence[int] = (),
              seed: int | None = None, timeout: float = 300.0, rid: str | None = None,
              **sampling) -> dict:

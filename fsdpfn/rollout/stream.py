@@ -51,7 +51,7 @@ import attrs
 from fsdpfn.errors import ConfigError, WeightSyncError
 from fsdpfn.rollout.errors import SEED_END
 from fsdpfn.rollout.balance import Balancer, group_work, renumbered
-from fsdpfn.rollout.client import check_prompts, check_request, generate
+from fsdpfn.rollout.client import MAX_NEW_TOKENS, check_prompts, check_request, generate
 from fsdpfn.rollout.sampling import SamplingParams, prompt_seed
 
 __all__ = ["RolloutStream", "Group", "StreamBatch", "token_versions"]
@@ -131,10 +131,8 @@ def _check_args(group_size, groups_per_step, max_staleness, start, sampling) -> 
     unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
     if unknown:
         raise ConfigError(f"sampling: unknown key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
-    rest = dict(sampling)
-    try:  # what each request will send: the group's samples, the generate call's defaults
-        check_request(n=counts[0], max_new_tokens=rest.pop("max_new_tokens", 128),
-                      timeout=rest.pop("timeout", 300.0), **rest)
+    try:  # what each request will send: the group's samples, generate's defaults
+        check_request(**{"max_new_tokens": MAX_NEW_TOKENS, **sampling, "n": counts[0]})
     except ConfigError as exc:
         raise ConfigError(f"sampling.{exc}") from None
     return counts
@@ -381,7 +379,7 @@ class RolloutStream:
         """The admitted groups cut by load over the servers: (url, start, stop, work) runs."""
         if not prompts:
             return []
-        limit = self.sampling.get("max_new_tokens", 128) if self.token_items else None
+        limit = self.sampling.get("max_new_tokens", MAX_NEW_TOKENS) if self.token_items else None
         return self.balancer.plan([group_work(p, self.G, limit) for p in prompts])
 
     # ------------------------------------------------------------ requests
