@@ -72,7 +72,8 @@ def main() -> None:
                            decode_attention=args.decode_attention,
                            decode_compile=args.decode_compile,
                            decode_rope_kv=args.decode_rope_kv or "auto",
-                           decode_share_prefix=args.decode_share_prefix)
+                           decode_share_prefix=args.decode_share_prefix,
+                           kv_cache_dtype=args.kv_cache_dtype)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape["vocab_size"], (rows // 8, prompt_len), generator=g).tolist()
     sp = SamplingParams(n=8, max_new_tokens=args.new, temperature=1.0)

@@ -65,12 +65,13 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return nbytes / best / 1e9
 
 
-def floor_ms(rows: int, new: int, bandwidth: float, prompt: int = PROMPT) -> float:
+def floor_ms(rows: int, new: int, bandwidth: float, prompt: int = PROMPT,
+             kv_bytes: int = 2) -> float:
     c = QWEN2_1_5B
     weights = 2 * (c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * (
         c["hidden_size"] * (c["hidden_size"] + 2 * 256) + c["hidden_size"] ** 2
         + 3 * c["hidden_size"] * c["intermediate_size"]))  # bf16; q 1536, k/v 256 wide
-    kv_per_token = 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * 128
+    kv_per_token = 2 * kv_bytes * c["num_hidden_layers"] * c["num_key_value_heads"] * 128
     kv = rows * (prompt + new / 2) * kv_per_token
     return (weights + kv) / (bandwidth * 1e9) * 1e3
 
@@ -110,6 +111,8 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="the rotary/KV-write kernel (default: the server's)")
     p.add_argument("--decode-share-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="a prompt's KV read once for its samples (the server's default)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="the decode cache's element type (the server's flag)")
 
 
 def main() -> None:
@@ -127,6 +130,7 @@ def main() -> None:
     add_decode_options(p)
     args = p.parse_args()
     bandwidth = copy_bandwidth()
+    kv = 1 if args.kv_cache_dtype == "fp8_e4m3" else 2  # bytes a cached value
     print(f"device copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
     shapes = [s for s in SHAPES if not args.rows or s[0] in args.rows]
     table = []
@@ -140,6 +144,7 @@ def main() -> None:
         extra += ("--decode-compile",) if args.decode_compile else ()
         extra += ("--decode-rope-kv", args.decode_rope_kv) if args.decode_rope_kv else ()
         extra += () if args.decode_share_prefix else ("--no-decode-share-prefix",)
+        extra += ("--kv-cache-dtype", args.kv_cache_dtype)
         with launch_server(tmp, device="cuda", dtype="bfloat16", threads=4,
                            health_timeout=900, extra_args=extra) as server:
             for rows, new in shapes:
@@ -168,7 +173,8 @@ def main() -> None:
                            "prefill (s)": f"{prefill:.2f}",
                            "outside (s)": f"{wall - step_s - prefill:.2f}",
                            "prompt": args.prompt,
-                           "floor (ms)": f"{floor_ms(rows, new, bandwidth, args.prompt):.2f}",
+                           "kv cache": args.kv_cache_dtype,
+                           "floor (ms)": f"{floor_ms(rows, new, bandwidth, args.prompt, kv):.2f}",
                            "graphs": after.get("graphs", "")}
                     table.append(row)
                     print(json.dumps(row), flush=True)

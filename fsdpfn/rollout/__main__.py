@@ -67,7 +67,8 @@ def _serve(args, listening) -> None:
                                decode_attention=args.decode_attention,
                                decode_compile=args.decode_compile,
                                decode_rope_kv=args.decode_rope_kv,
-                               decode_share_prefix=args.decode_share_prefix)
+                               decode_share_prefix=args.decode_share_prefix,
+                               kv_cache_dtype=args.kv_cache_dtype)
     except (ConfigError, UpdateError) as exc:  # a model or option the server refuses: one line
         parser().exit(2, f"python -m fsdpfn.rollout: error: {exc}\n")
     if not args.no_channel:

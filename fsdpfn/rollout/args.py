@@ -136,6 +136,13 @@ def parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
                         "KV from the first sample's cache, so it leaves HBM about once per step "
                         "for all of them instead of once each (default on; the same bits read in "
                         "the same order; --no-decode-share-prefix reads each row's own copy)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="the decode loop's KV cache: in the model's dtype (auto), or float8 "
+                        "e4m3 with scale 1 (values saturate at +-448; SGLang's fp8_e4m3): half "
+                        "the bytes a position, so twice the rows in the same memory and less "
+                        "for the attention to read, at float8's rounding of k and v; the "
+                        "returned log-probs are those of the distribution sampled from. Needs "
+                        "the Triton attention on a GPU of compute capability 8.9 or later")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="Liger-Kernel's fused RMSNorm and SwiGLU MLP on CUDA (the trainer's "
                         "default kernels), when liger_kernel is installed: fewer kernel launches "

@@ -83,9 +83,10 @@ class Decoder:
     def __init__(self, model, *, lock: threading.Lock, version: Callable[[], int],
                  slots: int, max_len: int, cuda_graphs: bool = True, sync_every: int = 16,
                  prefill_tokens: int = 16384, attention: str = "auto", compile: bool = False,
-                 rope_kv: str = "auto", share_prefix: bool = True):
+                 rope_kv: str = "auto", share_prefix: bool = True,
+                 kv_cache_dtype: str = "auto"):
         self.net = SlotModel(model, slots, max_len, attention, compile, rope_kv=rope_kv,
-                             share_prefix=share_prefix)
+                             share_prefix=share_prefix, kv_cache_dtype=kv_cache_dtype)
         self.state = State(slots, max_len, self.net.device)
         # untruncated rows draw with draw_kernel.py (CUDA); the key of the unseeded rows'
         # uniforms, advanced by every step (in the graphs too)

@@ -87,7 +87,8 @@ class RolloutEngine:
                  decode_rows: int | None = None, decode_max_len: int = 2048,
                  cuda_graphs: bool = True, fused_kernels: bool = True,
                  decode_attention: str = "auto", decode_compile: bool = False,
-                 decode_rope_kv: str = "auto", decode_share_prefix: bool = True):
+                 decode_rope_kv: str = "auto", decode_share_prefix: bool = True,
+                 kv_cache_dtype: str = "auto"):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -133,10 +134,12 @@ class RolloutEngine:
         self._tickets: set[_Ticket] = set()  # the generation requests not yet answered
         self._labels: dict[int, str] = {}  # version -> the label an update gave it (recent)
         self.server_id = uuid.uuid4().hex  # changes when the server restarts
+        self.kv_cache_dtype = kv_cache_dtype  # "auto" (the model's dtype) or "fp8_e4m3"
         self._decoder = generation.build_decoder(
             self.model, decode, decode_rows, decode_max_len, cuda_graphs, device=self.device,
             lock=self._model_lock, version=lambda: self.version, attention=decode_attention,
-            compile=decode_compile, rope_kv=decode_rope_kv, share_prefix=decode_share_prefix)
+            compile=decode_compile, rope_kv=decode_rope_kv, share_prefix=decode_share_prefix,
+            kv_cache_dtype=kv_cache_dtype)
         self.tokenizer = _load_text(self.model_path)  # None: text fields are refused
         self.eos_ids = eos_ids(self.model_path, self.tokenizer)
         self.receiver = Receiver(self)  # the update state (groups, channels, turns, failures)
@@ -173,7 +176,9 @@ class RolloutEngine:
                 "decode": "hf" if self._decoder is None else (
                     f"loop ({self._decoder.slots} rows x {self._decoder.max_len}, CUDA graphs "
                     f"{'on' if self._decoder.use_graphs else 'off'}, "
-                    f"{self._decoder.net.attention} attention)"),
+                    f"{self._decoder.net.attention} attention, "
+                    f"{dtype_name(self._decoder.net.kv_dtype)} KV cache)"),
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "decode_stats": None if self._decoder is None else {
                     "steps": self._decoder.steps, "seconds": self._decoder.step_seconds,
                     "graphs": len(self._decoder.graphs),

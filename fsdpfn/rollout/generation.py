@@ -24,13 +24,13 @@ __all__ = ["build_decoder", "check_decode", "hf_generate"]
 def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs: bool, *,
                   device: torch.device, lock: threading.Lock, version: Callable[[], int],
                   attention: str = "auto", compile: bool = False, rope_kv: str = "auto",
-                  share_prefix: bool = True):
+                  share_prefix: bool = True, kv_cache_dtype: str = "auto"):
     """The decode loop (fsdpfn/rollout/decode.py) for ``mode`` "loop", or "auto" on CUDA;
     None: HF ``generate`` (``mode`` "hf", or "auto" on CPU or for a model the loop does
     not serve, logged). ``lock`` and ``version``: the engine's model lock and served version."""
     from fsdpfn.rollout import decode
-    from fsdpfn.rollout.slot_model import (ATTENTION, ROPE_KV, SlotModel, attention_refusal,
-                                           config_head_dim)
+    from fsdpfn.rollout.slot_model import (ATTENTION, KV_CACHE_DTYPES, ROPE_KV, SlotModel,
+                                           attention_refusal, config_head_dim)
 
     if mode not in ("auto", "hf", "loop"):
         raise UpdateError(f"decode: must be 'auto', 'hf' or 'loop', got {mode!r}")
@@ -38,11 +38,17 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
         raise UpdateError(f"decode_attention: must be one of {ATTENTION}, got {attention!r}")
     if rope_kv not in ROPE_KV:
         raise UpdateError(f"decode_rope_kv: must be one of {ROPE_KV}, got {rope_kv!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UpdateError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got "
+                          f"{kv_cache_dtype!r}")
     reason = attention_refusal(attention, device, next(model.parameters()).dtype,
                                config_head_dim(model.config))
     if reason:
         raise UpdateError(f"decode_attention: {reason}")
     if mode == "hf" or (mode == "auto" and device.type != "cuda"):
+        if kv_cache_dtype != "auto":  # HF generate keeps its own cache in the model's dtype
+            raise UpdateError(f"kv_cache_dtype: {kv_cache_dtype!r} is the decode loop's cache, "
+                              f"and decode {mode!r} serves with HF generate on {device.type}")
         return None
     reason = decode.unsupported_reason(model)
     if reason is not None:
@@ -50,24 +56,32 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
             raise UpdateError(f"decode: 'loop' cannot serve this model "
                               f"({getattr(model.config, 'model_type', '?')}): {reason}; "
                               f"'auto' or 'hf' serves it with HF generate")
+        if kv_cache_dtype != "auto":
+            raise UpdateError(f"kv_cache_dtype: {kv_cache_dtype!r} is the decode loop's cache, "
+                              f"and it cannot serve this model: {reason}")
         decode.log.warning("decode loop off (%s): generation uses HF generate", reason)
         return None
     max_len = min(int(max_len), int(getattr(model.config, "max_position_embeddings", max_len)))
-    per_slot = SlotModel.kv_bytes_per_slot(model, max_len)
+    per_slot = SlotModel.kv_bytes_per_slot(model, max_len, kv_cache_dtype)
     if rows is None:  # half of the free memory for the KV cache, at most 1024 rows
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 64 * per_slot
         rows = max(8, min(1024, int(0.5 * free // per_slot) // 8 * 8))
     try:
         decoder = decode.Decoder(model, lock=lock, version=version, slots=int(rows),
                                  max_len=max_len, cuda_graphs=cuda_graphs, attention=attention,
-                                 compile=compile, rope_kv=rope_kv, share_prefix=share_prefix)
-    except ValueError as exc:  # the kernel asked for by name cannot run here
+                                 compile=compile, rope_kv=rope_kv, share_prefix=share_prefix,
+                                 kv_cache_dtype=kv_cache_dtype)
+    except ValueError as exc:  # the kernel or cache asked for by name cannot run here
         if str(exc).startswith("rope_kv: "):
             raise UpdateError(f"decode_{exc}") from None
+        if str(exc).startswith("kv_cache_dtype: "):
+            raise UpdateError(str(exc)) from None
         raise
-    decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of KV cache), CUDA "
+    decode.log.warning("decode loop on: %d rows x %d positions (%.1f GB of %s KV cache), CUDA "
                        "graphs %s, %s attention, %s rotary and KV writes%s%s", rows, max_len,
-                       rows * per_slot / 1e9, "on" if decoder.use_graphs else "off",
+                       rows * per_slot / 1e9,
+                       str(decoder.net.kv_dtype).removeprefix("torch."),
+                       "on" if decoder.use_graphs else "off",
                        decoder.net.attention, decoder.net.rope_kv,
                        ", shared prompts read once" if decoder.net.share_prefix else "",
                        ", compiled step" if compile else "")

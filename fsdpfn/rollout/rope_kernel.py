@@ -73,6 +73,7 @@ def _kernel():
         y = tl.where(rotated, (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype), x)
         tl.store(q_out + (r * NQ + h) * D + d, y, mask=h < NQ)
         at = r * s_slot + p * s_pos + d
+        y = y.to(k_cache.dtype.element_ty)  # a float8 cache: rounded (else the identity)
         tl.store(k_cache + at + (h - NQ) * s_head, y, mask=rotated & (h >= NQ))
         tl.store(v_cache + at + (h - NQ - NK) * s_head, y, mask=live & (h >= NQ + NK))
 

@@ -41,11 +41,15 @@ import torch.nn.functional as F
 
 from fsdpfn.rollout import attention_kernel, rope_kernel
 
-__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION", "ROPE_KV"]
+__all__ = ["SlotModel", "unsupported_reason", "SUPPORTED", "ATTENTION", "ROPE_KV",
+           "KV_CACHE_DTYPES", "kv_cache_refusal"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION = ("auto", "flash", "triton", "sdpa", "flex", "matmul")
 ROPE_KV = ("auto", "torch", "triton")
+# the cache's element type: the model's dtype ("auto"), or float8 e4m3 (SGLang's "fp8_e4m3",
+# scale 1: values saturate at +-448), half the bytes a position for the attention to read
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def config_head_dim(config) -> int:
@@ -76,6 +80,23 @@ def attention_refusal(attention: str, device: torch.device, dtype: torch.dtype,
         return flash_refusal(device, dtype, head_dim)
     if attention == "triton":
         return attention_kernel.refusal(device, head_dim)
+    return None
+
+
+def kv_cache_refusal(kv_cache_dtype: str, attention: str, device: torch.device) -> str | None:
+    """Why the cache cannot be held in ``kv_cache_dtype`` with the resolved ``attention`` here
+    (None: it can). float8 is read by the Triton attention alone (which widens each loaded block
+    to the model's dtype), on a GPU with float8 (compute capability 8.9 or later)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return f"must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+    if kv_cache_dtype == "auto":
+        return None
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if attention != "triton" or cap is None or cap < (8, 9):
+        return (f"{kv_cache_dtype!r} needs the Triton decode attention (decode_attention "
+                f"'triton', or 'auto' where it runs) on a GPU of compute capability 8.9 or "
+                f"later, got {attention!r} attention on "
+                f"{device.type if cap is None else f'{device.type} {cap[0]}.{cap[1]}'}")
     return None
 
 
@@ -178,6 +199,12 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a float8 tensor's bytes (uint8, the same storage): indexed writes go through
+    them, the same bits, on builds whose index_put has no float8 kernel."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _rotate(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -225,7 +252,7 @@ class SlotModel:
 
     def __init__(self, model, slots: int, max_len: int, attention: str = "auto",
                  compile: bool = False, rope_kv: str = "auto", share_prefix: bool = True,
-                 add_norm: bool = True):
+                 add_norm: bool = True, kv_cache_dtype: str = "auto"):
         if attention not in ATTENTION:
             raise ValueError(f"attention: must be one of {ATTENTION}, got {attention!r}")
         if rope_kv not in ROPE_KV:
@@ -250,6 +277,12 @@ class SlotModel:
         if reason:
             raise ValueError(f"attention: {reason}")
         self.fp32_scores = attention == "matmul" and _scores_fp32(self.device, self.dtype)
+        reason = kv_cache_refusal(kv_cache_dtype, self.attention, self.device)
+        if reason is None and compile and kv_cache_dtype != "auto":
+            reason = f"{kv_cache_dtype!r} runs without decode_compile (the eager step's kernels)"
+        if reason:
+            raise ValueError(f"kv_cache_dtype: {reason}")
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
         # rope_kv="triton": each layer's rotary, q layout and KV writes in one kernel
         # (fsdpfn.rollout.rope_kernel), on the fused q/k/v buffers, without q/k norms;
         # "auto": that kernel where it runs, else the torch path (the same bits either way)
@@ -285,8 +318,10 @@ class SlotModel:
                         for _ in self.layers]
             self.refresh_weights()
         shape = (slots, self.kv_heads, max_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                  for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                  for _ in self.layers]
         self.rows = torch.arange(slots, device=self.device)
         self.heads = torch.arange(self.kv_heads, device=self.device)
         self.cols = torch.arange(max_len, device=self.device)
@@ -315,10 +350,10 @@ class SlotModel:
         return int(bool(tables[0].any()))
 
     @staticmethod
-    def kv_bytes_per_slot(model, max_len: int) -> int:
+    def kv_bytes_per_slot(model, max_len: int, kv_cache_dtype: str = "auto") -> int:
         cfg = model.config
         head_dim = config_head_dim(cfg)
-        itemsize = next(model.parameters()).element_size()
+        itemsize = next(model.parameters()).element_size() if kv_cache_dtype == "auto" else 1
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * max_len * itemsize
 
     @torch.no_grad()
@@ -378,8 +413,8 @@ class SlotModel:
             q, k, v = self._qkv(attn, layer.input_layernorm(x), (P, W))  # (P, W, heads, D)
             q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)
             v = v.transpose(1, 2)
-            self.k[i][slots, :, :W] = k[src]
-            self.v[i][slots, :, :W] = v[src]
+            _bits(self.k[i])[slots, :, :W] = _bits(k[src].to(self.kv_dtype))  # float8: rounded
+            _bits(self.v[i])[slots, :, :W] = _bits(v[src].to(self.kv_dtype))
             out = F.scaled_dot_product_attention(
                 q, k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1),
                 is_causal=True, scale=self.scaling)  # right padding: causal is enough
@@ -412,8 +447,8 @@ class SlotModel:
             attn = layer.self_attn
             q, k, v = self._decode_qkv(i, attn, h, cos, sin_signed, pos)
             if k is not None:  # else written by the rope_kv kernel
-                self.k[i].index_put_(where, k)
-                self.v[i].index_put_(where, v)
+                _bits(self.k[i]).index_put_(where, _bits(k.to(self.kv_dtype)))
+                _bits(self.v[i]).index_put_(where, _bits(v.to(self.kv_dtype)))
             k_rows, v_rows = self.k[i][:R, :, :Lb], self.v[i][:R, :, :Lb]
             if self.attention == "flash":
                 out = _flash_decode(q, self.k[i], self.v[i], cu_q, cu_k, used, Lb,

@@ -437,6 +437,96 @@ def test_loop_with_shared_prompts_matches_forward_logp_in_bf16(model_dir):
     assert s_mean < max(BF16_MEAN, 1.5 * p_mean) and s_max < max(BF16_MAX, 1.5 * p_max), gaps
 
 
+def float64_logps(model_dir, rows, prompt_lens, temperature: float, float8: bool,
+                  device="cuda") -> list[torch.Tensor]:
+    """Each row's log-probs of its tokens after its prompt at ``temperature``, from HF's own
+    model in float64, its attention replaced by a plain float64 one (causal, GQA) that, with
+    ``float8``, reads k and v as a float8 cache holds them for every query past the prompt:
+    rounded to bf16 (the server's dtype), then to float8 e4m3. The decode loop's steps attend
+    the cache; its prefill, which gives the first new token, attends the prompt's own k and v."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+
+    now = {}
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+        T, group = query.shape[2], query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        later = torch.ones(T, T, dtype=torch.bool, device=query.device).triu(1)
+
+        def attend(k, v):
+            scores = (query @ k.transpose(-1, -2)) * scaling
+            return scores.masked_fill(later, float("-inf")).softmax(-1) @ v
+
+        out = attend(k, v)
+        if float8:
+            def cached(t):
+                return t.to(torch.bfloat16).to(torch.float8_e4m3fn).to(torch.float64)
+            past_prompt = (torch.arange(T, device=query.device) >= now["prompt"])
+            out = torch.where(past_prompt[None, None, :, None], attend(cached(k), cached(v)), out)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("fsdpfn_test_float64", attention)
+    AttentionMaskInterface.register("fsdpfn_test_float64", lambda *args, **kwargs: None)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float64, attn_implementation="fsdpfn_test_float64").to(
+        device).eval()
+    out = []
+    with torch.no_grad():
+        for row, P in zip(rows, prompt_lens):
+            now["prompt"] = P
+            ids = torch.tensor([row], device=device)
+            logits = model(input_ids=ids).logits[0, P - 1:-1] / temperature
+            out.append(logits.log_softmax(-1).gather(-1, ids[0, P:, None])[:, 0].cpu())
+    del model
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_loop_with_a_float8_cache_returns_the_float8_models_logprobs(model_dir):
+    """--kv-cache-dtype fp8_e4m3: the server's default loop on a float8 cache returns the
+    log-probs of the distribution it sampled from, the model whose decode steps read k and v in
+    float8. A float64 recomputation of that model (float64_logps with float8) explains them:
+    their gap to it is at most half their gap to the unrounded float64 model (a loop that read
+    bf16, or rounded elsewhere, fails this), and within 4x the bf16 cache's gap to the
+    unrounded model (the reference rounds float64 k and v, the server its bf16 ones: about 2%
+    of the values land on the other side of a float8 rounding edge). CUDA graphs are used.
+    With another attention or the compiled step, the engine is refused by name."""
+    from fsdpfn.rollout import RolloutEngine, SamplingParams, UpdateError
+
+    _skip_without_float8()
+    for option, match in (({"decode_attention": "flash"}, "got 'flash' attention on cuda"),
+                          ({"decode_compile": True}, "'fp8_e4m3' runs without decode_compile")):
+        with pytest.raises(UpdateError, match=f"kv_cache_dtype: .*{match}"):
+            RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
+                          decode_rows=8, decode_max_len=128, kv_cache_dtype="fp8_e4m3", **option)
+    prompts = _prompts(6, 40, seed=3)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=64, n=2, seed=5)
+    served = {}
+    for cache in ("auto", "fp8_e4m3"):
+        engine = RolloutEngine(str(model_dir), dtype="bfloat16", device="cuda", decode="loop",
+                               decode_rows=64, decode_max_len=512, kv_cache_dtype=cache)
+        assert engine.info()["kv_cache_dtype"] == cache
+        outputs = engine.generate(prompts, sp)["outputs"]
+        assert engine.info()["decode_stats"]["graphs"] > 0, "no CUDA graph was captured"
+        del engine
+        served[cache] = ([prompts[o["prompt_index"]] + o["output_ids"] for o in outputs],
+                         torch.tensor([lp for o in outputs for lp in o["output_logprobs"]]))
+    rows = served["auto"][0] + served["fp8_e4m3"][0]
+    n = len(served["auto"][0])
+    gaps = {}
+    for float8 in (False, True):
+        refs = float64_logps(model_dir, rows, [40] * len(rows), 0.8, float8)
+        for cache, part in (("auto", refs[:n]), ("fp8_e4m3", refs[n:])):
+            diff = (served[cache][1] - torch.cat(part)).abs()
+            gaps[cache, float8] = (float(diff.max()), float(diff.mean()))
+    print(f"\nlog-prob gaps (max, mean) of the served caches to the float64 models "
+          f"(cache, float8 reference): {gaps}")
+    (b_max, b_mean), (f_max, f_mean) = gaps["auto", False], gaps["fp8_e4m3", True]
+    assert f_mean < 0.5 * gaps["fp8_e4m3", False][1], f"not the float8 model's: {gaps}"
+    assert f_mean < max(BF16_MEAN, 4 * b_mean) and f_max < max(BF16_MAX, 4 * b_max), gaps
+
+
 def _family_model(family: str, hidden: int, heads: int, intermediate: int, device="cuda"):
     """A 3-layer bf16 model of ``family``: qwen2 (q/k/v biases) or llama (llama3 rope scaling,
     no biases), 2 kv heads, seed 0."""
@@ -467,8 +557,8 @@ def _assert_steps_equal(plain, fused, R: int, L: int, device="cuda") -> None:
             pos = torch.randint(0, L - 1, (R,), generator=g, device=device)
             a, b = plain.decode(tok, pos, L, raw=True), fused.decode(tok, pos, L, raw=True)
             assert torch.equal(a, b), (step, (a.float() - b.float()).abs().max())
-    for x, y in zip(plain.k + plain.v, fused.k + fused.v):
-        assert torch.equal(x, y)
+    for x, y in zip(plain.k + plain.v, fused.k + fused.v):  # as bytes: float8 has no equal
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -490,12 +580,14 @@ def test_fused_add_norm_equals_the_add_then_liger_norm_bit_for_bit(family):
     _assert_steps_equal(plain, fused, R, L)
 
 
+@pytest.mark.parametrize("cache", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
+def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family, cache):
     """SlotModel(rope_kv="triton"), bf16 on CUDA: one kernel for the rotary, q's layout and the
     KV writes gives the same logits and the same caches, bit for bit, as the torch path (HF's
     rotary formula, index_put_), over decode steps at scattered positions; qwen2 has q/k/v
-    biases, llama (with llama3 rope scaling) none."""
+    biases, llama (with llama3 rope scaling) none. With a float8 cache, both round k and v to
+    float8 e4m3 alike (to nearest even, saturating)."""
     from fsdpfn.rollout import rope_kernel
     from fsdpfn.rollout.slot_model import SlotModel
 
@@ -503,7 +595,52 @@ def test_rope_kv_kernel_equals_the_torch_epilogue_bit_for_bit(family):
         pytest.skip(rope_kernel.refusal(torch.device("cuda"), torch.bfloat16, 128))
     model = _family_model(family, hidden=512, heads=4, intermediate=1024)
     R, L = 48, 1024
-    plain, fused = SlotModel(model, R, L, "triton", rope_kv="torch"), SlotModel(model, R, L,
-                                                                                 "triton")
+    _skip_without_float8(cache)
+    plain = SlotModel(model, R, L, "triton", rope_kv="torch", kv_cache_dtype=cache)
+    fused = SlotModel(model, R, L, "triton", kv_cache_dtype=cache)
     assert fused.rope_kv == "triton"  # "auto", the default, takes the kernel where it runs
+    assert fused.k[0].dtype == (torch.float8_e4m3fn if cache != "auto" else torch.bfloat16)
     _assert_steps_equal(plain, fused, R, L)
+
+
+def _skip_without_float8(cache: str = "fp8_e4m3") -> None:
+    from fsdpfn.rollout.slot_model import kv_cache_refusal
+
+    reason = kv_cache_refusal(cache, "triton", torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_triton_decode_attention_over_a_float8_cache_on_cuda(splits):
+    """attention_kernel.decode over a float8_e4m3 cache (--kv-cache-dtype fp8_e4m3), bf16
+    queries, the 1.5B shape's heads: equal to a float64 softmax(q k^T / sqrt(D)) v over the
+    float8 values within bf16 rounding (each loaded block is widened exactly to bf16), with
+    positions past each row's length poisoned with NaN; and reading shared prompts from the
+    group's first row gives the same bits as each row reading its own copy."""
+    from fsdpfn.rollout import attention_kernel
+
+    _skip_without_float8()
+    R, S, kv, heads, L, D = 64, 72, 2, 12, 1280, 128
+    g, q, k, v = _attention_case(2, R, S, kv, heads, L, D)
+    k8, v8 = (3 * k).to(torch.float8_e4m3fn), (3 * v).to(torch.float8_e4m3fn)  # k, v ~ N(0, 9)
+    used = torch.randint(1, L + 1, (R,), generator=g, device="cuda")
+    used[:3] = torch.tensor([1, L, 64], device="cuda")
+    past = torch.arange(L, device="cuda")[None, None, :] >= used[:, None, None]
+    want = _float64_attention(q, k8[:R].float(), v8[:R].float(), past)
+    k8c, v8c = k8.clone(), v8.clone()  # unpoisoned, for the shared prompts below
+    k8.view(torch.uint8)[:R].masked_fill_(past[..., None], 0x7F)  # float8 e4m3fn's NaN
+    v8.view(torch.uint8)[:R].masked_fill_(past[..., None], 0x7F)
+    got = attention_kernel.decode(q, k8, v8, used, L, D ** -0.5, splits=splits).view(R, heads, D)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    groups = [(256, list(range(0, 8))), (200, list(range(10, 23)))]
+    used = torch.randint(300, L + 1, (R,), generator=g, device="cuda")
+    kb, vb = k8c.view(torch.uint8), v8c.view(torch.uint8)
+    for length, ids in groups:
+        kb[ids[1:], :, :length], vb[ids[1:], :, :length] = kb[ids[0], :, :length], \
+            vb[ids[0], :, :length]
+    own = attention_kernel.decode(q, k8c, v8c, used, L, D ** -0.5, splits=splits)
+    tables = attention_kernel.share_tables(groups, S, "cuda")
+    assert not own.isnan().any() and torch.equal(own, attention_kernel.decode(
+        q, k8c, v8c, used, L, D ** -0.5, splits=splits, shared=tables))

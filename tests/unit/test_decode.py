@@ -727,6 +727,45 @@ def test_rope_kv_kernel_is_refused_where_it_cannot_run():
     assert SlotModel(model, 2, 16, "sdpa").rope_kv == "torch"  # "auto", the default, falls back
 
 
+@pytest.mark.timeout(120)
+def test_a_float8_kv_cache_is_refused_where_the_triton_attention_cannot_read_it(model_dir):
+    """kv_cache_dtype="fp8_e4m3" (--kv-cache-dtype) is read by the Triton attention alone, on a
+    GPU with float8: on the CPU, with any attention, HF generate or an unknown value, the engine
+    is refused with an UpdateError naming the field, the rule and the value; "auto" serves the
+    cache in the model's dtype and says so."""
+    for option, match in (
+            (dict(decode="loop"), r"kv_cache_dtype: 'fp8_e4m3' needs the Triton decode attention "
+                                  r"\(decode_attention 'triton', or 'auto' where it runs\) on a "
+                                  r"GPU of compute capability 8.9 or later, got 'sdpa' attention "
+                                  r"on cpu"),
+            (dict(decode="loop", decode_attention="matmul"), "got 'matmul' attention on cpu"),
+            (dict(decode="hf"), "kv_cache_dtype: 'fp8_e4m3' is the decode loop's cache, and "
+                                "decode 'hf' serves with HF generate on cpu"),
+            (dict(decode="auto"), "decode 'auto' serves with HF generate on cpu"),
+            (dict(decode="loop", kv_cache_dtype="fp8"),
+             r"kv_cache_dtype: must be one of \('auto', 'fp8_e4m3'\), got 'fp8'")):
+        with pytest.raises(UpdateError, match=match):
+            RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode_rows=8,
+                          decode_max_len=96, **{"kv_cache_dtype": "fp8_e4m3", **option})
+    info = RolloutEngine(str(model_dir), dtype="float32", device="cpu", decode="loop",
+                         decode_rows=8, decode_max_len=96).info()
+    assert info["kv_cache_dtype"] == "auto" and "float32 KV cache" in info["decode"], info
+
+
+def test_kv_bytes_per_slot_is_one_byte_a_value_in_float8():
+    """The decode cache's size per slot (what the default rows and the launcher's estimate are
+    computed from): 2 x layers x kv heads x head size x positions x the element's bytes."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fsdpfn.rollout.slot_model import SlotModel
+
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2), dtype=torch.bfloat16)
+    assert SlotModel.kv_bytes_per_slot(model, 100) == 2 * 3 * 2 * 8 * 100 * 2
+    assert SlotModel.kv_bytes_per_slot(model, 100, "fp8_e4m3") == 2 * 3 * 2 * 8 * 100
+
+
 @pytest.mark.parametrize("attention", ["matmul", "sdpa"])
 def test_float64_decode_steps_equal_the_float64_forward(attention):
     """A float64 model served by SlotModel (a reference build of the decode path) keeps float64

@@ -56,6 +56,16 @@ def test_the_estimate_reads_the_cache_the_servers_command_line_sizes(overrides, 
     assert server_bytes(cfg, Q7, "float32")["weights"] == 4 * Q7.params
 
 
+def test_a_float8_kv_cache_is_estimated_at_one_byte_a_value():
+    """rollout.server_args=[--kv-cache-dtype, fp8_e4m3]: the server's cache holds one byte a
+    value, so the estimate's decode cache is half the bf16 one; the weights do not change."""
+    plain = server_bytes(default_config("grpo", FILES), Q7)
+    fp8 = server_bytes(default_config(
+        "grpo", FILES + ["rollout.server_args=[--kv-cache-dtype, fp8_e4m3]"]), Q7)
+    assert fp8["decode cache"] == 128 * 1536 * 28 * 2 * 4 * 128 == plain["decode cache"] / 2
+    assert fp8["weights"] == plain["weights"]
+
+
 def test_a_server_that_fits_is_a_note_and_one_that_does_not_is_refused_with_rows_that_fit():
     cfg = default_config("grpo", FILES + ["prompts_per_step=64"])   # 512 slots of 1,536
     est = server_bytes(cfg, Q7)

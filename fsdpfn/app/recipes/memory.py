@@ -151,10 +151,14 @@ def server_cache(cfg) -> tuple[int, int]:
 def server_bytes(cfg, shape: ModelShape, dtype: str = "bfloat16") -> dict[str, float]:
     """One server's bytes on its GPU: the weights in ``dtype`` (the trainer's compute dtype,
     which the launcher passes as --dtype) and the decode cache (k and v of every layer for
-    each slot's positions, in that dtype)."""
+    each slot's positions, in that dtype, or one byte each with --kv-cache-dtype fp8_e4m3)."""
+    from fsdpfn.app.recipes.rollout_config import server_namespace
+
     size = BYTES.get(dtype, 2)
     slots, positions = server_cache(cfg)
-    per_slot = positions * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
+    fp8 = server_namespace(list(cfg.rollout.server_args)).kv_cache_dtype == "fp8_e4m3"
+    per_slot = positions * shape.layers * 2 * shape.kv_heads * shape.head_dim * (1 if fp8
+                                                                                  else size)
     return {"weights": float(size * shape.params), "decode cache": float(slots * per_slot)}
 
 
