@@ -690,6 +690,94 @@ def test_rope_kv_kernel_equals_hfs_rotary_and_writes_only_each_rows_position():
     _interpreted(_ROPE_CHECKS)
 
 
+_FLOAT8_CHECKS = r"""
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+from fsdpfn.rollout import attention_kernel, slot_model
+from fsdpfn.testing.models import tiny_qwen2_config
+
+# the kernel over a float8 cache: equal to a float64 attention over the float8 values
+g = torch.Generator().manual_seed(0)
+S, L, D, R, kv, heads = 7, 40, 16, 5, 2, 6
+used = torch.tensor([1, 40, 17, 33, 2])
+q = torch.randn(R, heads, D, generator=g)
+k, v = (3 * torch.randn(2, S, kv, L, D, generator=g)).to(torch.float8_e4m3fn)
+want = torch.empty(R, heads, D, dtype=torch.float64)
+for r in range(R):
+    for h in range(heads):
+        kr = k[r, h * kv // heads, :used[r]].double()
+        vr = v[r, h * kv // heads, :used[r]].double()
+        want[r, h] = torch.softmax(q[r, h].double() @ kr.T * 0.3, -1) @ vr
+for splits in (None, 1, 3):
+    got = attention_kernel.decode(q, k, v, used, L, 0.3, block_n=16, splits=splits)
+    torch.testing.assert_close(got.view(R, heads, D).double(), want, atol=1e-5, rtol=1e-5)
+
+# the decode loop's network on a float8 cache (prefill writes, the torch path's KV writes through
+# the cache's bytes, the kernel's reads): each decode step's logits equal a float64 model whose
+# queries past the prompt read k and v rounded to float32, then float8; the prompt's own
+# positions (the prefill) attend them unrounded
+torch.manual_seed(0)
+config = tiny_qwen2_config(initializer_range=0.2)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+R, L, W = 3, 24, 6
+net = slot_model.SlotModel(model, R, L, "sdpa")
+net.attention, net.kv_dtype = "triton", torch.float8_e4m3fn  # the CUDA path, interpreted
+net.k = [torch.zeros(t.shape, dtype=torch.float8_e4m3fn) for t in net.k]
+net.v = [torch.zeros(t.shape, dtype=torch.float8_e4m3fn) for t in net.v]
+lengths = torch.tensor([6, 4, 5])
+ids = torch.randint(0, config.vocab_size, (R, W))
+steps = torch.randint(0, config.vocab_size, (4, R))
+got = []
+with torch.no_grad():
+    net.prefill(ids, lengths, torch.arange(R), torch.arange(R))
+    for i, tok in enumerate(steps):
+        got.append(net.decode(tok, lengths + i, L).double())
+now = {}
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+    T, group = query.shape[2], query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    later = torch.ones(T, T, dtype=torch.bool).triu(1)
+    def attend(k, v):
+        s = (query @ k.transpose(-1, -2)) * scaling
+        return s.masked_fill(later, float("-inf")).softmax(-1) @ v
+    def cached(t):
+        return t.float().to(torch.float8_e4m3fn).double()
+    past = (torch.arange(T) >= now["prompt"])[None, None, :, None] & now["float8"]
+    out = torch.where(past, attend(cached(k), cached(v)), attend(k, v))
+    return out.transpose(1, 2).contiguous(), None
+AttentionInterface.register("float8_check", attention)
+AttentionMaskInterface.register("float8_check", lambda *args, **kwargs: None)
+ref = AutoModelForCausalLM.from_config(config, dtype=torch.float64,
+                                       attn_implementation="float8_check")
+ref.load_state_dict({n: t.double() for n, t in model.state_dict().items()})
+gaps = {}
+for float8 in (True, False):  # the float8 model, and the unrounded one (the check tells them apart)
+    now["float8"], gaps[float8] = float8, 0.0
+    for r in range(R):
+        n = int(lengths[r])
+        row = torch.cat([ids[r, :n], steps[:, r]])[None]
+        now["prompt"] = n
+        with torch.no_grad():
+            logits = ref(input_ids=row).logits[0]
+        for i in range(len(steps)):
+            gaps[float8] = max(gaps[float8], float((got[i][r] - logits[n + i]).abs().max()))
+assert gaps[True] < 1e-4 and gaps[False] > 1e-2, gaps
+print("checked")
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_float8_cache_gives_the_float8_models_logits_under_the_interpreter():
+    """--kv-cache-dtype fp8_e4m3 on the CPU, under Triton's interpreter (the server refuses it
+    there; the GPU runs the same path in test_decode_gpu.py): the attention kernel over a float8
+    cache equals a float64 attention over the float8 values, and the decode loop's network on a
+    float8 cache (prefill writes, indexed writes through the cache's bytes, the kernel's reads)
+    gives each decode step's logits as a float64 model whose queries past the prompt read k and
+    v rounded to float8, within 1e-4; the unrounded model is more than 1e-2 away."""
+    _interpreted(_FLOAT8_CHECKS)
+
+
 def test_share_tables_point_each_group_at_its_first_row_and_refuse_a_row_twice():
     """share_tables: every row of a group of two or more reads the group's shared length from
     the group's first row (its leader); a group of one row, or a row in no group, reads its own
