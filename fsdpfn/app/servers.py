@@ -26,16 +26,28 @@ __all__ = ["check_server_gpus", "decode_cache_args", "describe_servers", "server
 def check_server_gpus(cfg, placement, n_gpus: int) -> None:
     """rollout.gpus places the servers fsdpfn run starts on CUDA; where they run on the CPU
     (a host without GPUs, or rollout.device auto following a trainer on the CPU) it is refused
-    rather than ignored. rollout.device cpu and rollout.url with gpus are config rules
+    rather than ignored. So is rollout.server_args' --kv-cache-dtype fp8_e4m3 there (the
+    float8 cache is read on a GPU; the server would refuse it as it starts). rollout.device cpu
+    and rollout.url with gpus are config rules
     (fsdpfn.app.recipes.rollout_config.RolloutConfig)."""
-    gpus = getattr(getattr(cfg, "rollout", None), "gpus", None)
-    if gpus is None or placement.server_device != "cpu":
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is None or placement.server_device != "cpu":
         return
+    from fsdpfn.app.recipes.rollout_config import server_namespace
     from fsdpfn.errors import ConfigError
 
     why = ("this host has no GPU" if n_gpus == 0 else
            f"rollout.device {cfg.rollout.device!r} follows launch.device "
            f"{cfg.launch.device!r}")
+    cache = server_namespace(list(rollout.server_args)).kv_cache_dtype
+    if cache != "auto":
+        raise ConfigError(f"rollout.server_args: --kv-cache-dtype {cache} is the decode loop's "
+                          f"float8 cache, read on a GPU of compute capability 8.9 or later, and "
+                          f"the servers would run on the CPU ({why}); leave the flag out there, "
+                          f"got {list(rollout.server_args)}")
+    gpus = rollout.gpus
+    if gpus is None:
+        return
     raise ConfigError(f"rollout.gpus: GPU indices need the rollout servers on CUDA, and they "
                       f"would run on the CPU ({why}; rollout.servers=N starts N there), got "
                       f"{list(gpus)}")

@@ -70,6 +70,31 @@ def test_gpus_for_servers_that_run_on_the_cpu_are_refused_at_launch(n_gpus, over
                                f"starts N there), got {gpus}")
 
 
+@pytest.mark.parametrize("n_gpus,overrides,why", [
+    (0, [], "this host has no GPU"),
+    (4, ["launch.device=cpu"], "rollout.device 'auto' follows launch.device 'cpu'"),
+])
+def test_a_float8_cache_for_servers_that_run_on_the_cpu_is_refused_at_launch(n_gpus, overrides,
+                                                                              why):
+    """--kv-cache-dtype fp8_e4m3 in rollout.server_args where the servers run on the CPU: one
+    line at launch naming the key, the rule and the value, instead of each server refusing it
+    as it starts; on CUDA servers it passes."""
+    args = ["rollout.server_args=[--kv-cache-dtype, fp8_e4m3]"]
+    cfg = default_config("grpo", overrides + args)
+    placement = P.place(cfg, n_gpus, needs_rollout=True)
+    with pytest.raises(ConfigError) as info:
+        check_server_gpus(cfg, placement, n_gpus)
+    assert str(info.value) == (
+        f"rollout.server_args: --kv-cache-dtype fp8_e4m3 is the decode loop's float8 cache, "
+        f"read on a GPU of compute capability 8.9 or later, and the servers would run on the "
+        f"CPU ({why}); leave the flag out there, got ['--kv-cache-dtype', 'fp8_e4m3']")
+    check_server_gpus(default_config("grpo", overrides), placement, n_gpus)  # no flag: no refusal
+    cuda = default_config("grpo", args)
+    on_cuda = P.place(cuda, 4, needs_rollout=True)
+    assert on_cuda.server_device == "cuda"
+    check_server_gpus(cuda, on_cuda, 4)  # nothing to refuse
+
+
 def test_gpus_on_cuda_servers_still_place_them():
     cfg = default_config("grpo", ["rollout.gpus=[2, 3]"])
     placement = P.place(cfg, 4, needs_rollout=True)
