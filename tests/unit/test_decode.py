@@ -692,9 +692,9 @@ def test_rope_kv_kernel_equals_hfs_rotary_and_writes_only_each_rows_position():
 
 _FLOAT8_CHECKS = r"""
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import AutoModelForCausalLM
 from fsdpfn.rollout import attention_kernel, slot_model
+from fsdpfn.testing.float8 import cache_reference_logits, float8_of
 from fsdpfn.testing.models import tiny_qwen2_config
 
 # the kernel over a float8 cache: equal to a float64 attention over the float8 values
@@ -714,9 +714,8 @@ for splits in (None, 1, 3):
     torch.testing.assert_close(got.view(R, heads, D).double(), want, atol=1e-5, rtol=1e-5)
 
 # the decode loop's network on a float8 cache (prefill writes, the torch path's KV writes through
-# the cache's bytes, the kernel's reads): each decode step's logits equal a float64 model whose
-# queries past the prompt read k and v rounded to float32, then float8; the prompt's own
-# positions (the prefill) attend them unrounded
+# the cache's bytes, the kernel's reads): each decode step's logits equal the float64 model
+# whose queries past the prompt read k and v rounded to float32, then float8
 torch.manual_seed(0)
 config = tiny_qwen2_config(initializer_range=0.2)
 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -728,41 +727,16 @@ net.v = [torch.zeros(t.shape, dtype=torch.float8_e4m3fn) for t in net.v]
 lengths = torch.tensor([6, 4, 5])
 ids = torch.randint(0, config.vocab_size, (R, W))
 steps = torch.randint(0, config.vocab_size, (4, R))
-got = []
 with torch.no_grad():
     net.prefill(ids, lengths, torch.arange(R), torch.arange(R))
-    for i, tok in enumerate(steps):
-        got.append(net.decode(tok, lengths + i, L).double())
-now = {}
-def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
-    T, group = query.shape[2], query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    later = torch.ones(T, T, dtype=torch.bool).triu(1)
-    def attend(k, v):
-        s = (query @ k.transpose(-1, -2)) * scaling
-        return s.masked_fill(later, float("-inf")).softmax(-1) @ v
-    def cached(t):
-        return t.float().to(torch.float8_e4m3fn).double()
-    past = (torch.arange(T) >= now["prompt"])[None, None, :, None] & now["float8"]
-    out = torch.where(past, attend(cached(k), cached(v)), attend(k, v))
-    return out.transpose(1, 2).contiguous(), None
-AttentionInterface.register("float8_check", attention)
-AttentionMaskInterface.register("float8_check", lambda *args, **kwargs: None)
-ref = AutoModelForCausalLM.from_config(config, dtype=torch.float64,
-                                       attn_implementation="float8_check")
-ref.load_state_dict({n: t.double() for n, t in model.state_dict().items()})
+    got = [net.decode(tok, lengths + i, L).double() for i, tok in enumerate(steps)]
+rows = [torch.cat([ids[r, :int(lengths[r])], steps[:, r]]).tolist() for r in range(R)]
 gaps = {}
-for float8 in (True, False):  # the float8 model, and the unrounded one (the check tells them apart)
-    now["float8"], gaps[float8] = float8, 0.0
-    for r in range(R):
-        n = int(lengths[r])
-        row = torch.cat([ids[r, :n], steps[:, r]])[None]
-        now["prompt"] = n
-        with torch.no_grad():
-            logits = ref(input_ids=row).logits[0]
-        for i in range(len(steps)):
-            gaps[float8] = max(gaps[float8], float((got[i][r] - logits[n + i]).abs().max()))
-assert gaps[True] < 1e-4 and gaps[False] > 1e-2, gaps
+for name, cached in (("float8", float8_of(torch.float32)), ("unrounded", None)):
+    refs = cache_reference_logits(model, rows, lengths.tolist(), cached)
+    gaps[name] = max(float((got[i][r] - refs[r][int(lengths[r]) + i]).abs().max())
+                     for r in range(R) for i in range(len(steps)))
+assert gaps["float8"] < 1e-4 and gaps["unrounded"] > 1e-2, gaps
 print("checked")
 """
 
