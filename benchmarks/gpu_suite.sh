@@ -12,7 +12,8 @@
 #           kernel category, the attention kernel at random lengths and at the loop's equal
 #           ones, each projection's matmul per backend and against Triton tilings, the network
 #           step with and without the fused add and norm, the projections and the KV cache
-#           in FP8), and the /generate answer's cost outside the steps, plain against packed
+#           in FP8, the server on a float8 KV cache), and the /generate answer's cost outside the
+#           steps, plain against packed
 #   train   the training step's MFU against a naive step on a lognormal RL batch of two shapes
 #           (with and without compile), the stage split, the defaults on a long batch
 #   push    weight push (update channel and SGLang's protocol need two GPUs), checksum speed
@@ -93,6 +94,9 @@ decode() {
   item decode_overlap 60 python3 benchmarks/decode_overlap.py
   item decode_fp8 60 python3 benchmarks/decode_fp8.py --rows 512 1024
   item decode_kv_fp8 60 python3 benchmarks/decode_kv_fp8.py
+  # the server with its float8 KV cache (--kv-cache-dtype fp8_e4m3) at 512 and 1,024 rows
+  item rollout_kv_fp8 300 python3 benchmarks/rollout.py --no-concurrent --rows 512 1024 \
+    --kv-cache-dtype fp8_e4m3
   # the network step alone (CUDA graphs), without and with the fused add and norm
   item decode_step 170 python3 benchmarks/decode_step.py --rows 512 --options \
     "fused, triton, rope-kv" "fused, triton, rope-kv, add-norm"
