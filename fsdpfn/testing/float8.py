@@ -1,6 +1,7 @@
 """A float64 reference for the decode loop's float8 KV cache (``--kv-cache-dtype fp8_e4m3``).
 
-    logits = cache_reference_logits(model, rows, prompt_lens, cached=to_float8)
+    logits = cache_reference_logits(model, rows, prompt_lens, cached=float8_of(torch.float32))
+    gaps = cache_logit_gaps(net, model, lengths, steps=4)  # a SlotModel on a float8 cache
 
 The model's own modules in float64, its attention a plain float64 one (causal, GQA, the
 model's scaling). With ``cached``, every query past its row's prompt attends k and v through
@@ -16,7 +17,7 @@ import copy
 
 import torch
 
-__all__ = ["cache_reference_logits", "float8_of"]
+__all__ = ["cache_logit_gaps", "cache_reference_logits", "float8_of"]
 
 NAME = "fsdpfn_cache_reference"
 
@@ -65,3 +66,30 @@ def cache_reference_logits(model, rows, prompt_lens, cached=None) -> list[torch.
             now["prompt"] = int(n)
             out.append(ref(input_ids=torch.tensor([list(row)], device=device)).logits[0])
     return out
+
+
+def cache_logit_gaps(net, model, lengths: torch.Tensor, steps: int, seed: int = 0) -> dict:
+    """Prefill random prompts of ``lengths`` (one a slot, on ``net``'s device) into ``net``, a
+    SlotModel of ``model`` over a float8 cache, run ``steps`` decode steps on random tokens, and
+    return the largest logit gap of those steps to the float64 model reading k and v as the
+    cache holds them ("float8": rounded to ``model``'s dtype, then float8) and to the
+    unrounded one ("unrounded")."""
+    device = net.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    vocab, R = model.config.vocab_size, len(lengths)
+    lengths = lengths.to(device)
+    ids = torch.randint(0, vocab, (R, int(lengths.max())), generator=g, device=device)
+    tokens = torch.randint(0, vocab, (steps, R), generator=g, device=device)
+    slots = torch.arange(R, device=device)
+    with torch.no_grad():
+        net.prefill(ids, lengths, slots, slots)
+        got = [net.decode(tok, lengths + i, net.max_len).double() for i, tok in enumerate(tokens)]
+    n = lengths.tolist()
+    rows = [torch.cat([ids[r, :n[r]], tokens[:, r]]).tolist() for r in range(R)]
+    gaps = {}
+    for name, cached in (("float8", float8_of(next(model.parameters()).dtype)),
+                         ("unrounded", None)):
+        refs = cache_reference_logits(model, rows, n, cached)
+        gaps[name] = max(float((got[i][r] - refs[r][n[r] + i]).abs().max())
+                         for r in range(R) for i in range(steps))
+    return gaps

@@ -491,26 +491,14 @@ def test_slot_model_on_a_float8_cache_gives_the_float8_models_logits_on_cuda(fam
     float32, then float8, within 1e-3 (float32's rounding: k lands on the same float8 value),
     and are more than 1e-2 from the unrounded model (the check tells the caches apart)."""
     from fsdpfn.rollout.slot_model import SlotModel
-    from fsdpfn.testing.float8 import cache_reference_logits, float8_of
+    from fsdpfn.testing.float8 import cache_logit_gaps
 
     _skip_without_float8()
     model = _family_model(family, hidden=512, heads=4, intermediate=1024).float()
-    R, L, W = 8, 256, 64
-    net = SlotModel(model, R, L, "triton", kv_cache_dtype="fp8_e4m3")
+    net = SlotModel(model, 8, 256, "triton", kv_cache_dtype="fp8_e4m3")
     assert net.k[0].dtype == torch.float8_e4m3fn and net.rope_kv == "torch"  # float32
-    g = torch.Generator(device="cuda").manual_seed(4)
-    lengths = torch.randint(1, W + 1, (R,), generator=g, device="cuda")
-    ids = torch.randint(0, 4096, (R, W), generator=g, device="cuda")
-    steps = torch.randint(0, 4096, (6, R), generator=g, device="cuda")
-    with torch.no_grad():
-        net.prefill(ids, lengths, torch.arange(R, device="cuda"), torch.arange(R, device="cuda"))
-        got = [net.decode(tok, lengths + i, L).double() for i, tok in enumerate(steps)]
-    rows = [torch.cat([ids[r, :int(lengths[r])], steps[:, r]]).tolist() for r in range(R)]
-    gaps = {}
-    for name, cached in (("float8", float8_of(torch.float32)), ("unrounded", None)):
-        refs = cache_reference_logits(model, rows, lengths.tolist(), cached)
-        gaps[name] = max(float((got[i][r] - refs[r][int(lengths[r]) + i]).abs().max())
-                         for r in range(R) for i in range(len(steps)))
+    lengths = torch.randint(1, 65, (8,), generator=torch.Generator().manual_seed(4))
+    gaps = cache_logit_gaps(net, model, lengths, steps=6, seed=4)
     print(f"\n{family}: largest logit gap to the float64 models: {gaps}")
     assert gaps["float8"] < 1e-3 and gaps["unrounded"] > 1e-2, gaps
 
