@@ -45,21 +45,22 @@ def build_decoder(model, mode: str, rows: int | None, max_len: int, cuda_graphs:
                                config_head_dim(model.config))
     if reason:
         raise UpdateError(f"decode_attention: {reason}")
-    if mode == "hf" or (mode == "auto" and device.type != "cuda"):
-        if kv_cache_dtype != "auto":  # HF generate keeps its own cache in the model's dtype
-            raise UpdateError(f"kv_cache_dtype: {kv_cache_dtype!r} is the decode loop's cache, "
-                              f"and decode {mode!r} serves with HF generate on {device.type}")
-        return None
-    reason = decode.unsupported_reason(model)
+    # why HF generate serves instead of the loop (None: the loop serves)
+    hf = (f"decode {mode!r} serves with HF generate on {device.type}"
+          if mode == "hf" or (mode == "auto" and device.type != "cuda") else None)
+    reason = None if hf else decode.unsupported_reason(model)
     if reason is not None:
         if mode == "loop":
             raise UpdateError(f"decode: 'loop' cannot serve this model "
                               f"({getattr(model.config, 'model_type', '?')}): {reason}; "
                               f"'auto' or 'hf' serves it with HF generate")
-        if kv_cache_dtype != "auto":
+        hf = f"the loop cannot serve this model: {reason}"
+    if hf is not None:
+        if kv_cache_dtype != "auto":  # HF generate keeps its own cache in the model's dtype
             raise UpdateError(f"kv_cache_dtype: {kv_cache_dtype!r} is the decode loop's cache, "
-                              f"and it cannot serve this model: {reason}")
-        decode.log.warning("decode loop off (%s): generation uses HF generate", reason)
+                              f"and {hf}")
+        if reason is not None:
+            decode.log.warning("decode loop off (%s): generation uses HF generate", reason)
         return None
     max_len = min(int(max_len), int(getattr(model.config, "max_position_embeddings", max_len)))
     per_slot = SlotModel.kv_bytes_per_slot(model, max_len, kv_cache_dtype)
